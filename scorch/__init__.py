@@ -1,0 +1,21 @@
+"""scorch: sparse deep learning as easy as dense.
+
+``import scorch as torch``: every torch name works (names scorch does not define are torch's own objects),
+and every op that meets a sparse operand (a ``scorch.SparseTensor`` or a torch sparse layout) runs sparse.
+"""
+import torch as _torch
+
+from . import _forward
+
+_forward.install()
+
+from . import formats  # noqa: E402
+from .formats import Format  # noqa: E402
+from .sparse_tensor import SparseTensor  # noqa: E402
+from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,  # noqa: E402
+                      sparse_coo_tensor, sparse_csc_tensor, sparse_csr_tensor, to_torch)
+from . import nn, sparse  # noqa: E402
+
+__version__ = "0.1.0"
+
+__getattr__, __dir__ = _forward.forward(globals(), _torch)

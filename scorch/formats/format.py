@@ -1,0 +1,245 @@
+"""``Format``: an invertible map from a tensor's dimensions to an ordered list of typed storage levels.
+
+Text form (UST-style)::
+
+    (i, j) -> (i / 2 : dense, j / 3 : compressed, i % 2 : dense, j % 3 : dense)
+
+Left of the arrow, the dimension names; right, one ``expr : type[(props)]`` per level, outermost first.
+``expr`` is ``i``, ``i / b`` (or ``i // b``), ``i % b``, ``i + j`` or ``i - j``; ``type`` is one of the
+level types (dense, compressed, singleton, fixed) and ``props`` any of ``nonunique``, ``nonordered``.
+Formats are immutable, hashable and compare by value; ``str(fmt)`` parses back to an equal format.
+"""
+from __future__ import annotations
+
+import re
+
+from .expr import Add, CoordExpr, Div, Mod, Sub, Var, dim_name, solve_inverse
+from .levels import LEVEL_TYPES, Compressed, Dense, Level, Singleton
+
+_TOKEN = re.compile(r"\s*(?:(?P<arrow>->)|(?P<op>//|[(),:/%+\-])|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<int>\d+)|(?P<bad>\S))")
+_PROPS = {"unique": ("unique", True), "nonunique": ("unique", False),
+          "ordered": ("ordered", True), "nonordered": ("ordered", False)}
+
+
+class Format:
+    """An immutable storage format. Build it from text, ``Format("(i, j) -> (i : dense, j : compressed)")``,
+    or from parts, ``Format.from_levels(ndim, [(Var(0), Dense()), (Var(1), Compressed())])``."""
+
+    __slots__ = ("ndim", "levels", "_inverse", "_hash")
+
+    def __init__(self, text: str | "Format"):
+        if isinstance(text, Format):
+            ndim, levels = text.ndim, text.levels
+        elif isinstance(text, str):
+            ndim, levels = _Parser(text).parse()
+        else:
+            raise TypeError(f"Format() takes the format text, got {type(text).__name__}")
+        self._init(ndim, levels)
+
+    @classmethod
+    def from_levels(cls, ndim: int, levels) -> "Format":
+        fmt = object.__new__(cls)
+        fmt._init(int(ndim), tuple((e, l) for e, l in levels))
+        return fmt
+
+    def _init(self, ndim, levels):
+        names = [dim_name(d) for d in range(ndim)]
+        for k, (e, lvl) in enumerate(levels):
+            if not isinstance(e, CoordExpr) or not isinstance(lvl, Level):
+                raise TypeError(f"level {k} must be a (CoordExpr, Level) pair, got {(e, lvl)!r}")
+            if any(d >= ndim or d < 0 for d in e.dims()):
+                raise ValueError(f"level {k} uses a dimension outside 0..{ndim - 1}")
+        _check_structure(levels, names)
+        inverse = solve_inverse([e for e, _ in levels], ndim, names)
+        object.__setattr__(self, "ndim", ndim)
+        object.__setattr__(self, "levels", tuple(levels))
+        object.__setattr__(self, "_inverse", inverse)
+        object.__setattr__(self, "_hash", hash((ndim, self.levels)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Format is immutable")
+
+    def __eq__(self, other):
+        return isinstance(other, Format) and self.ndim == other.ndim and self.levels == other.levels
+
+    def __hash__(self):
+        return self._hash
+
+    def __reduce__(self):
+        return (Format, (str(self),))
+
+    def __str__(self):
+        names = ", ".join(dim_name(d) for d in range(self.ndim))
+        return f"({names}) -> ({', '.join(self.level_text(k) for k in range(len(self.levels)))})"
+
+    def __repr__(self):
+        name = self.name
+        return f"Format({name!r})" if name else f"Format({str(self)!r})"
+
+    @property
+    def name(self) -> str | None:
+        """The named format this equals (``'csr'``, ``'bsr(2, 3)'``...), or None."""
+        from .named import name_of
+        return name_of(self)
+
+    def level_text(self, k: int) -> str:
+        """Level ``k`` as written in the format text, e.g. ``j / 3 : compressed``."""
+        e, lvl = self.levels[k]
+        return f"{e.render([dim_name(d) for d in range(self.ndim)])} : {lvl}"
+
+    @property
+    def exprs(self) -> tuple[CoordExpr, ...]:
+        return tuple(e for e, _ in self.levels)
+
+    @property
+    def level_types(self) -> tuple[Level, ...]:
+        return tuple(lvl for _, lvl in self.levels)
+
+    @property
+    def inverse(self):
+        """How each dimension is recovered from level coordinates (``expr.Recovery``), in solving order."""
+        return self._inverse
+
+    @property
+    def is_dense(self) -> bool:
+        return all(isinstance(lvl, Dense) for lvl in self.level_types)
+
+    @property
+    def keeps_duplicates(self) -> bool:
+        """Whether equal coordinates stay separate entries (uncoalesced COO) rather than being summed."""
+        sparse = [lvl for lvl in self.level_types if not isinstance(lvl, Dense)]
+        return bool(sparse) and sparse[-1].keeps_duplicates
+
+    def level_bounds(self, shape) -> tuple[tuple[int, int], ...]:
+        """``(lo, hi)`` of every level's coordinate for a tensor of ``shape``."""
+        self.check_shape(shape)
+        return tuple(e.bounds(shape) for e in self.exprs)
+
+    def check_shape(self, shape) -> None:
+        if len(shape) != self.ndim:
+            raise ValueError(f"format {self} is for {self.ndim}-d tensors, got shape {tuple(shape)}")
+
+
+def _check_structure(levels, names):
+    if not levels:
+        raise ValueError("a format needs at least one level")
+    seen = set()
+    for k, (e, lvl) in enumerate(levels):
+        if e in seen:
+            raise ValueError(f"level {k} ({e.render(names)}) repeats an earlier level's coordinate")
+        seen.add(e)
+        if isinstance(e, (Add, Sub)) and e.a == e.b:
+            raise ValueError(f"level {k} ({e.render(names)}) must combine two different dimensions")
+        if isinstance(lvl, Singleton) and k == 0:
+            raise ValueError(f"level 0 ({e.render(names)} : singleton) has no parent; a singleton level must"
+                             " follow another level")
+
+
+class _Parser:
+    def __init__(self, text):
+        self.text = text
+        self.toks = []
+        for m in _TOKEN.finditer(text):
+            kind = m.lastgroup
+            if kind == "bad":
+                self.fail(f"unexpected character {m.group(kind)!r}", m.start(kind))
+            self.toks.append((kind, m.group(kind), m.start(kind)))
+        if not text.strip():
+            self.fail("empty format text", 0)
+        self.i = 0
+
+    def fail(self, msg, col):
+        raise ValueError(f"bad format: {msg} at column {col}\n  {self.text}\n  {' ' * col}^")
+
+    def peek(self):
+        return self.toks[self.i] if self.i < len(self.toks) else ("end", "", len(self.text))
+
+    def take(self, kind, value=None, what=None):
+        tok = self.peek()
+        if tok[0] != kind or (value is not None and tok[1] != value):
+            found = "the end" if tok[0] == "end" else repr(tok[1])
+            self.fail(f"expected {what or repr(value) or kind}, found {found}", tok[2])
+        self.i += 1
+        return tok
+
+    def parse(self):
+        names, cols = [], {}
+        self.take("op", "(")
+        while True:
+            _, name, col = self.take("name", what="a dimension name")
+            if name in cols:
+                self.fail(f"dimension {name!r} is declared twice", col)
+            cols[name] = col
+            names.append(name)
+            if self.peek()[1] == ")":
+                break
+            self.take("op", ",", what="',' or ')'")
+        self.take("op", ")")
+        self.take("arrow", "->", what="'->'")
+        self.take("op", "(")
+        levels = []
+        while True:
+            levels.append(self.level(names))
+            if self.peek()[1] == ")":
+                break
+            self.take("op", ",", what="',' or ')'")
+        self.take("op", ")")
+        if self.peek()[0] != "end":
+            self.fail("unexpected text after the format", self.peek()[2])
+        for d, name in enumerate(names):
+            if not any(d in e.dims() for e, _ in levels):
+                self.fail(f"dimension {name!r} is not stored by any level", cols[name])
+        col0 = self.toks[0][2]
+        try:
+            _check_structure(levels, names)
+            solve_inverse([e for e, _ in levels], len(names), names)
+        except ValueError as err:
+            self.fail(str(err), col0)
+        return len(names), tuple(levels)
+
+    def dim(self, names):
+        _, name, col = self.take("name", what="a dimension name")
+        if name not in names:
+            self.fail(f"unknown dimension {name!r} (declared: {', '.join(names)})", col)
+        return names.index(name)
+
+    def level(self, names):
+        a = self.dim(names)
+        op = self.peek()
+        if op[1] in ("/", "//", "%"):
+            self.i += 1
+            _, num, col = self.take("int", what="a block size (a positive integer)")
+            if int(num) <= 0:
+                self.fail("the block size must be a positive integer", col)
+            expr = (Mod if op[1] == "%" else Div)(a, int(num))
+        elif op[1] in ("+", "-"):
+            self.i += 1
+            b = self.dim(names)
+            if a == b:
+                self.fail(f"{names[a]} {op[1]} {names[b]} must combine two different dimensions", op[2])
+            expr = Add(a, b) if op[1] == "+" else Sub(a, b)
+        else:
+            expr = Var(a)
+        self.take("op", ":", what="':' and a level type")
+        _, tname, tcol = self.take("name", what="a level type")
+        cls = LEVEL_TYPES.get(tname)
+        if cls is None:
+            self.fail(f"unknown level type {tname!r} (expected one of {', '.join(LEVEL_TYPES)})", tcol)
+        props = {}
+        if self.peek()[1] == "(":
+            self.i += 1
+            while True:
+                _, p, pcol = self.take("name", what="a level property")
+                if p not in _PROPS:
+                    self.fail(f"unknown level property {p!r} (expected one of {', '.join(_PROPS)})", pcol)
+                key, val = _PROPS[p]
+                if key not in getattr(cls, "__dataclass_fields__", {}):
+                    if getattr(cls, key) != val:
+                        self.fail(f"a {tname} level cannot be {p}", pcol)
+                else:
+                    props[key] = val
+                if self.peek()[1] == ")":
+                    break
+                self.take("op", ",", what="',' or ')'")
+            self.take("op", ")")
+        return expr, cls(**props)

@@ -1,0 +1,135 @@
+"""The capability interface every level type implements, and the storage a level owns.
+
+A level is told its coordinate range ``[lo, hi)`` (from its coordinate expression and the tensor's
+shape) and the positions of its parent level; it never learns which format it is part of. This is the only
+place the rest of scorch learns how a level is stored (TACO's ``ModeFormatImpl``):
+
+Properties (class or instance attributes)
+    ``full``      every coordinate of the range has a position (dense)
+    ``ordered``   coordinates of siblings are stored in increasing order
+    ``unique``    no two siblings share a coordinate
+    ``padded``    some positions are padding (value 0, coordinate repeated) rather than entries
+    ``arrays``    the names of the index arrays the level stores (``pos``, ``crd``)
+
+Capabilities (which access paths the compiler may use)
+    ``coord_iter``  iterate coordinates ``lo..hi`` and compute positions from them (dense)
+    ``pos_iter``    iterate a range of positions and read each one's coordinate (compressed, singleton, fixed)
+    ``locate``      find the position of a given coordinate in O(1) (dense)
+    ``append``      assemble by appending coordinates in order (compressed, singleton, fixed)
+    ``insert``      assemble by writing at a located position (dense)
+
+Vectorized operations (torch tensors of int64 positions/coordinates, one element per parent position):
+    ``num_positions``  how many positions the level has under ``parent_count`` parents
+    ``iterate``        every child position of the given parents, with its coordinate
+    ``locate_pos``     the position of ``coord`` under each parent, and whether it is stored
+    ``assemble``       build the level's arrays from sorted entries
+    ``validate``       check stored arrays against the invariants, naming the bad position
+
+The compiler (``scorch.compiler.lower``) will add the code-emitting counterparts of ``iterate``
+(position/coordinate bounds and access), ``locate_pos`` and ``assemble`` to these same classes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+
+@dataclass(eq=False)
+class LevelStorage:
+    """The index arrays of one level (``None`` where the level type stores no such array)."""
+
+    pos: Optional[torch.Tensor] = None
+    crd: Optional[torch.Tensor] = None
+
+    def arrays(self):
+        return {k: v for k, v in (("pos", self.pos), ("crd", self.crd)) if v is not None}
+
+    def map(self, fn):
+        return LevelStorage(*(None if a is None else fn(a) for a in (self.pos, self.crd)))
+
+    def __repr__(self):
+        inner = ", ".join(f"{k}={v.tolist() if v.numel() <= 16 else f'<{v.numel()} x {v.dtype}>'}"
+                          for k, v in self.arrays().items())
+        return f"LevelStorage({inner})"
+
+
+class Level:
+    """Base of the level types. Instances are immutable and hashable: they are part of format cache keys."""
+
+    name: ClassVar[str]
+    arrays: ClassVar[tuple[str, ...]] = ()
+    full: ClassVar[bool] = False
+    padded: ClassVar[bool] = False
+    coord_iter: ClassVar[bool] = False
+    pos_iter: ClassVar[bool] = False
+    locate: ClassVar[bool] = False
+    append: ClassVar[bool] = False
+    insert: ClassVar[bool] = False
+    ordered: bool = True
+    unique: bool = True
+
+    @property
+    def keeps_duplicates(self) -> bool:
+        """Whether entries with equal coordinates stay separate when assembled (else they are summed)."""
+        return not self.unique and not self.padded
+
+    def props_text(self) -> str:
+        """The non-default properties as written in the format text, e.g. ``(nonunique)``."""
+        props = [p for p, on in (("nonunique", not self.unique), ("nonordered", not self.ordered)) if on]
+        return f"({', '.join(props)})" if props else ""
+
+    def __str__(self) -> str:
+        return self.name + self.props_text()
+
+    # vectorized operations; see the module docstring
+    def num_positions(self, storage: LevelStorage, parent_count: int, lo: int, hi: int) -> int:
+        raise NotImplementedError
+
+    def iterate(self, storage: LevelStorage, parent_pos: torch.Tensor, parent_count: int, lo: int, hi: int):
+        """Returns ``(src, child_pos, coord)``: for every child, the index of its parent in ``parent_pos``."""
+        raise NotImplementedError
+
+    def locate_pos(self, storage: LevelStorage, parent_pos: torch.Tensor, coord: torch.Tensor, lo: int, hi: int):
+        raise NotImplementedError(f"level type {self.name} cannot locate coordinates")
+
+    def assemble(self, parent_pos: torch.Tensor, parent_count: int, coord: torch.Tensor, lo: int, hi: int):
+        """Build the level from entries sorted by (parent position, coordinate).
+
+        Returns ``(storage, child_pos, child_count)``, with int64 arrays (the caller narrows the index type).
+        """
+        raise NotImplementedError
+
+    def validate(self, storage: LevelStorage, parent_count: int, lo: int, hi: int, where: str) -> None:
+        """Check array lengths, monotone ``pos`` and coordinate ranges; ``where`` names the level in errors."""
+
+
+def ranges(starts: torch.Tensor, counts: torch.Tensor):
+    """Expand ``[starts[r], starts[r] + counts[r])`` for every r: returns ``(src, values)`` with ``src`` the row."""
+    n = starts.numel()
+    src = torch.repeat_interleave(torch.arange(n, device=starts.device), counts)
+    offsets = torch.cumsum(counts, 0) - counts
+    within = torch.arange(src.numel(), device=starts.device) - offsets[src]
+    return src, starts[src] + within
+
+
+def check_range(crd: torch.Tensor, lo: int, hi: int, where: str, name: str = "crd") -> None:
+    if crd.numel() == 0:
+        return
+    bad = (crd < lo) | (crd >= hi)
+    if bool(bad.any()):
+        p = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{where}: {name}[{p}] = {int(crd[p])} is out of range [{lo}, {hi})")
+
+
+def check_length(arr: torch.Tensor, n: int, where: str, name: str) -> None:
+    if arr.dim() != 1:
+        raise ValueError(f"{where}: {name} must be 1-dimensional, got shape {tuple(arr.shape)}")
+    if arr.numel() != n:
+        raise ValueError(f"{where}: {name} has {arr.numel()} entries, expected {n}")
+
+
+def check_index_dtype(arr: torch.Tensor, where: str, name: str) -> None:
+    if arr.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{where}: {name} must be int32 or int64, got {arr.dtype}")

@@ -1,0 +1,73 @@
+"""The fixed level (ELL): every parent has the same number W of positions, so no ``pos`` array is needed.
+
+W is the largest number of entries under one parent, and follows from the storage: ``len(crd) / parents``.
+Shorter segments are padded at their end with the segment's last coordinate (0 in an empty segment) and
+value 0, so coordinates stay in range and in non-decreasing order and a kernel can run without a branch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Level, LevelStorage, check_index_dtype, check_range
+from .compressed import new_groups
+
+
+@dataclass(frozen=True)
+class Fixed(Level):
+    name = "fixed"
+    arrays = ("crd",)
+    padded = True
+    unique = False  # padding repeats coordinates
+    pos_iter = True
+    append = True
+
+    def props_text(self):
+        return ""
+
+    @staticmethod
+    def width(storage, parent_count):
+        return storage.crd.numel() // parent_count if parent_count else 0
+
+    def num_positions(self, storage, parent_count, lo, hi):
+        return storage.crd.numel()
+
+    def iterate(self, storage, parent_pos, parent_count, lo, hi):
+        w = self.width(storage, parent_count)
+        n = parent_pos.numel()
+        src = torch.arange(n, device=parent_pos.device).repeat_interleave(w)
+        child = parent_pos[src] * w + torch.arange(w, device=parent_pos.device).repeat(n)
+        return src, child, storage.crd[child].long()
+
+    def assemble(self, parent_pos, parent_count, coord, lo, hi):
+        dev = coord.device
+        new = new_groups(parent_pos, coord)
+        entry = torch.cumsum(new.long(), 0) - 1  # index of each entry's distinct (parent, coord)
+        parents, crd_u = parent_pos[new], coord[new]
+        counts = torch.bincount(parents, minlength=parent_count)
+        w = int(counts.max()) if counts.numel() else 0
+        first = torch.cumsum(counts, 0) - counts  # index in crd_u of each parent's first entry
+        slot = torch.arange(crd_u.numel(), device=dev) - first[parents]
+        child_u = parents * w + slot
+        # padding repeats the last coordinate of the segment (lo in an empty one)
+        if crd_u.numel():
+            s = torch.arange(w, device=dev)
+            src = first[:, None] + torch.minimum(s[None, :], (counts - 1).clamp(min=0)[:, None])
+            crd = torch.where(counts[:, None] > 0, crd_u[src.clamp(max=crd_u.numel() - 1)], lo).reshape(-1)
+        else:
+            crd = torch.full((parent_count * w,), lo, dtype=torch.int64, device=dev)
+        return LevelStorage(crd=crd), child_u[entry], parent_count * w
+
+    def validate(self, storage, parent_count, lo, hi, where):
+        crd = storage.crd
+        if crd is None:
+            raise ValueError(f"{where}: a fixed level needs a crd array")
+        check_index_dtype(crd, where, "crd")
+        if crd.dim() != 1:
+            raise ValueError(f"{where}: crd must be 1-dimensional, got shape {tuple(crd.shape)}")
+        if parent_count and crd.numel() % parent_count:
+            raise ValueError(f"{where}: crd has {crd.numel()} entries, not a multiple of the {parent_count} parents")
+        if not parent_count and crd.numel():
+            raise ValueError(f"{where}: crd has {crd.numel()} entries but the level has no parents")
+        check_range(crd, lo, hi, where)

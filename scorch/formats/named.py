@@ -1,0 +1,134 @@
+"""Named formats, and the resolution of format specs (``"csr"``, ``"bsr(2, 3)"``, a ``Format``) for a tensor.
+
+Every named format is an ordinary ``Format``: a name is only a shorthand for its text.
+"""
+from __future__ import annotations
+
+import re
+
+from .expr import Div, Mod, Sub, Var
+from .format import Format
+from .levels import Compressed, Dense, Fixed, Singleton
+
+
+def dense_nd(ndim: int) -> Format:
+    return Format.from_levels(ndim, [(Var(d), Dense()) for d in range(ndim)])
+
+
+def coo_nd(ndim: int, coalesced: bool = True) -> Format:
+    """N-d COO: a non-unique compressed level for the first dimension, singletons for the rest.
+    ``coalesced=False`` gives the unsorted form with duplicates that torch's uncoalesced COO has."""
+    if coalesced:
+        first = Compressed(unique=ndim == 1)
+        rest = [Singleton(unique=d == ndim - 1) for d in range(1, ndim)]
+    else:
+        first = Compressed(unique=False, ordered=False)
+        rest = [Singleton(unique=False, ordered=False) for _ in range(1, ndim)]
+    return Format.from_levels(ndim, [(Var(0), first)] + [(Var(d), lv) for d, lv in enumerate(rest, 1)])
+
+
+def csf(ndim: int) -> Format:
+    """Compressed sparse fiber: every level compressed."""
+    return Format.from_levels(ndim, [(Var(d), Compressed()) for d in range(ndim)])
+
+
+def bsr(bh: int, bw: int) -> Format:
+    """Block CSR with ``bh x bw`` blocks, each stored dense and row-major (torch's BSR layout)."""
+    return Format(f"(i, j) -> (i / {bh} : dense, j / {bw} : compressed, i % {bh} : dense, j % {bw} : dense)")
+
+
+def bsc(bh: int, bw: int) -> Format:
+    """Block CSC with ``bh x bw`` blocks, each stored dense and row-major (torch's BSC layout)."""
+    return Format(f"(i, j) -> (j / {bw} : dense, i / {bh} : compressed, i % {bh} : dense, j % {bw} : dense)")
+
+
+dense = dense_nd(2)
+coo = coo_nd(2)
+csr = Format("(i, j) -> (i : dense, j : compressed)")
+csc = Format("(i, j) -> (j : dense, i : compressed)")
+dcsr = Format("(i, j) -> (i : compressed, j : compressed)")
+dcsc = Format("(i, j) -> (j : compressed, i : compressed)")
+#: ELLPACK: every row stores the same number of (column, value) slots, padded
+ell = Format.from_levels(2, [(Var(0), Dense()), (Var(1), Fixed())])
+#: diagonal: a compressed list of diagonal offsets, each diagonal stored dense along the rows
+dia = Format.from_levels(2, [(Sub(1, 0), Compressed()), (Var(0), Dense())])
+
+_FIXED = {"csr": csr, "csc": csc, "dcsr": dcsr, "dcsc": dcsc, "ell": ell, "dia": dia}
+_BY_NDIM = {"dense": dense_nd, "coo": coo_nd, "csf": csf}
+_BLOCKED = {"bsr": bsr, "bsc": bsc}
+_SPEC = re.compile(r"^\s*([a-z]+)\s*(?:\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\))?\s*$")
+
+NAMES = tuple(_FIXED) + tuple(_BY_NDIM) + tuple(_BLOCKED)
+
+
+def resolve(spec, ndim: int | None = None) -> Format:
+    """The ``Format`` a spec names for an ``ndim``-d tensor.
+
+    ``spec`` is a ``Format``, format text ``"(i, j) -> (...)"``, or a name: ``dense``, ``coo``, ``csf``
+    (any ndim), ``csr``, ``csc``, ``dcsr``, ``dcsc``, ``ell``, ``dia`` (2-d), ``bsr(bh, bw)``, ``bsc(bh, bw)``.
+    """
+    if isinstance(spec, Format):
+        fmt = spec
+    elif isinstance(spec, str):
+        fmt = _from_string(spec, ndim)
+    else:
+        raise TypeError(f"a format is a scorch.Format or a string, got {type(spec).__name__}")
+    if ndim is not None and fmt.ndim != ndim:
+        raise ValueError(f"format {spec!r} is for {fmt.ndim}-d tensors, but the tensor is {ndim}-d")
+    return fmt
+
+
+def _from_string(spec, ndim):
+    if "->" in spec:
+        return Format(spec)
+    m = _SPEC.match(spec.lower())
+    if not m or m.group(1) not in NAMES:
+        raise ValueError(f"unknown format {spec!r}: expected one of {', '.join(NAMES)}, 'bsr(bh, bw)',"
+                         " or format text such as '(i, j) -> (i : dense, j : compressed)'")
+    name, a, b = m.group(1), m.group(2), m.group(3)
+    if name in _BLOCKED:
+        if a is None:
+            raise ValueError(f"format {name!r} needs a block size, e.g. '{name}(2, 2)'")
+        bh, bw = int(a), int(b if b is not None else a)
+        if bh <= 0 or bw <= 0:
+            raise ValueError(f"format {spec!r}: block sizes must be positive")
+        return _BLOCKED[name](bh, bw)
+    if a is not None:
+        raise ValueError(f"format {name!r} takes no arguments, got {spec!r}")
+    if name in _BY_NDIM:
+        return _BY_NDIM[name](2 if ndim is None else ndim)
+    return _FIXED[name]
+
+
+def name_of(fmt: Format) -> str | None:
+    """The name of ``fmt`` if it is a named format, else None."""
+    for name, f in _FIXED.items():
+        if f == fmt:
+            return name
+    for name, make in _BY_NDIM.items():
+        if make(fmt.ndim) == fmt:
+            return name
+    if fmt.ndim == 2 and len(fmt.levels) == 4:
+        e = fmt.exprs
+        if isinstance(e[0], Div):
+            bh, bw = (e[0].block, e[1].block) if e[0].dim == 0 else (e[1].block, e[0].block)
+            for name in _BLOCKED:
+                if _BLOCKED[name](bh, bw) == fmt:
+                    return f"{name}({bh}, {bw})"
+    return None
+
+
+def block_size(fmt: Format):
+    """``(bh, bw)`` for bsr/bsc formats, else None."""
+    name = name_of(fmt)
+    if name and name.startswith(("bsr", "bsc")):
+        e = [x for x in fmt.exprs if isinstance(x, Mod)]
+        return e[0].block, e[1].block
+    return None
+
+
+def short_name(fmt: Format) -> str:
+    """The name for display: the format's name, ``coo (uncoalesced)``, or its text."""
+    if fmt == coo_nd(fmt.ndim, coalesced=False):
+        return "coo (uncoalesced)"
+    return name_of(fmt) or str(fmt)

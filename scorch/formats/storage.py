@@ -1,0 +1,151 @@
+"""Vectorized (torch) assembly and traversal of level storage, written only against the level interface.
+
+``pack`` builds any format's arrays from a list of coordinates; ``unpack`` lists a storage's entries;
+``validate`` checks storage invariants. These serve format conversion until the compiler generates it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .format import Format
+from .levels import LevelStorage, Singleton
+
+INT32_MAX = 2**31 - 1
+
+
+def pick_index_dtype(*extents: int) -> torch.dtype:
+    """int32 when every coordinate, position and count fits, else int64."""
+    return torch.int32 if max((abs(int(e)) for e in extents), default=0) < INT32_MAX else torch.int64
+
+
+def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dtype=None):
+    """Assemble ``fmt`` storage for the entries at ``dims`` (``(ndim, M)`` int64) with ``values`` (``(M,)``).
+
+    Entries are sorted by level coordinates; duplicates are summed unless the format keeps them.
+    Returns ``(levels, values)``: a tuple of ``LevelStorage`` and the 1-d values array (0 where padded).
+    """
+    bounds = fmt.level_bounds(shape)
+    coords = [e.evaluate(dims) for e in fmt.exprs]
+    m = values.numel()
+    if m > 1:
+        perm = torch.arange(m, device=values.device)
+        for c in reversed(coords):
+            perm = perm[torch.argsort(c[perm], stable=True)]
+        coords = [c[perm] for c in coords]
+        values = values[perm]
+        if not fmt.keeps_duplicates:
+            new = torch.zeros(m, dtype=torch.bool, device=values.device)
+            new[0] = True
+            for c in coords:
+                new[1:] |= c[1:] != c[:-1]
+            if not bool(new.all()):
+                group = torch.cumsum(new.long(), 0) - 1
+                summed = torch.zeros(int(group[-1]) + 1, dtype=_acc_dtype(values), device=values.device)
+                summed.index_add_(0, group, values.to(summed.dtype))
+                values = summed.to(values.dtype) if values.dtype != torch.bool else summed > 0
+                coords = [c[new] for c in coords]
+    parent = torch.zeros(values.numel(), dtype=torch.int64, device=values.device)
+    count, levels, largest = 1, [], [m]
+    for (lo, hi), lvl, c in zip(bounds, fmt.level_types, coords):
+        st, parent, count = lvl.assemble(parent, count, c, lo, hi)
+        levels.append(st)
+        largest += [count, lo, hi]
+    out = torch.zeros(count, dtype=values.dtype, device=values.device)
+    out[parent] = values
+    if index_dtype is None:
+        index_dtype = pick_index_dtype(*largest)
+    elif max(abs(x) for x in largest) >= INT32_MAX and index_dtype == torch.int32:
+        raise ValueError("index_dtype=int32 cannot address this tensor: sizes exceed 2**31 - 1")
+    levels = [st.map(lambda a: a.to(index_dtype)) for st in levels]
+    if len(levels) > 1 and all(type(lvl) is Singleton for lvl in fmt.level_types[1:]):
+        # COO: the coordinate arrays are the rows of one (ndim, nnz) matrix, as torch's COO indices are
+        rows = torch.stack([st.crd for st in levels]).unbind(0)
+        levels = [LevelStorage(pos=levels[0].pos, crd=rows[0])] + [LevelStorage(crd=r) for r in rows[1:]]
+    return tuple(levels), out
+
+
+def _acc_dtype(values):
+    return torch.int64 if values.dtype == torch.bool else values.dtype
+
+
+def positions(fmt: Format, shape, levels):
+    """Walk the levels top-down: returns ``(leaf_pos, level_coords)`` for every stored position, in order."""
+    parent = torch.zeros(1, dtype=torch.int64, device=_device(levels))
+    count, coords = 1, []
+    for (lo, hi), lvl, st in zip(fmt.level_bounds(shape), fmt.level_types, levels):
+        src, child, c = lvl.iterate(st, parent, count, lo, hi)
+        coords = [x[src] for x in coords] + [c]
+        count = lvl.num_positions(st, count, lo, hi)
+        parent = child
+    return parent, coords
+
+
+def unpack(fmt: Format, shape, levels, values):
+    """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding is dropped.
+
+    Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and the
+    repeated coordinates of a padded (fixed) level.
+    """
+    leaf, coords = positions(fmt, shape, levels)
+    dims = [None] * fmt.ndim
+    for rec in fmt.inverse:
+        dims[rec.dim] = rec.evaluate(coords, dims)
+    dims = torch.stack(dims) if dims else torch.zeros(0, leaf.numel(), dtype=torch.int64)
+    keep = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
+    for d, n in enumerate(shape):
+        keep &= (dims[d] >= 0) & (dims[d] < n)
+    for k, lvl in enumerate(fmt.level_types):
+        if lvl.padded and leaf.numel() > 1:
+            # a padding slot repeats the previous slot's full coordinate
+            same = torch.ones(leaf.numel() - 1, dtype=torch.bool, device=leaf.device)
+            for c in coords:
+                same &= c[1:] == c[:-1]
+            keep[1:] &= ~same
+    return dims[:, keep], values[leaf[keep]]
+
+
+def to_dense(fmt: Format, shape, levels, values):
+    if fmt.is_dense:
+        return values.reshape(shape)
+    dims, vals = unpack(fmt, shape, levels, values)
+    out = torch.zeros(tuple(shape), dtype=values.dtype, device=values.device)
+    if vals.numel():
+        out.index_put_(tuple(dims), vals, accumulate=fmt.keeps_duplicates)
+    return out
+
+
+def validate(fmt: Format, shape, levels, values) -> None:
+    """Check storage invariants; raise ``ValueError`` naming the level and position of the first violation."""
+    bounds = fmt.level_bounds(shape)
+    if len(levels) != len(fmt.levels):
+        raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
+    parent = torch.zeros(1, dtype=torch.int64, device=values.device)
+    count, group = 1, torch.zeros(1, dtype=torch.int64, device=values.device)
+    for k, ((lo, hi), lvl, st) in enumerate(zip(bounds, fmt.level_types, levels)):
+        where = f"level {k} ({fmt.level_text(k)})"
+        lvl.validate(st, count, lo, hi, where)
+        src, child, c = lvl.iterate(st, parent, count, lo, hi)
+        g = group[src]
+        if lvl.ordered and c.numel() > 1:
+            same = g[1:] == g[:-1]
+            bad = same & ((c[1:] <= c[:-1]) if lvl.unique else (c[1:] < c[:-1]))
+            if bool(bad.any()):
+                p = int(bad.nonzero()[0, 0]) + 1
+                what = "not strictly increasing" if lvl.unique else "decreasing"
+                raise ValueError(f"{where}: coordinates {what} at stored entry {int(child[p])}"
+                                 f" ({int(c[p])} after {int(c[p - 1])})")
+        new = torch.ones(c.numel(), dtype=torch.bool, device=c.device)
+        if c.numel() > 1:
+            new[1:] = (g[1:] != g[:-1]) | (c[1:] != c[:-1])
+        group = torch.cumsum(new.long(), 0) - 1
+        count = lvl.num_positions(st, count, lo, hi)
+        parent = child
+    if values.dim() != 1 or values.numel() != count:
+        raise ValueError(f"values has shape {tuple(values.shape)}, expected ({count},): one per stored position")
+
+
+def _device(levels):
+    for st in levels:
+        for a in st.arrays().values():
+            return a.device
+    return torch.device("cpu")

@@ -1,0 +1,180 @@
+"""Building SparseTensors: conversion between any two formats, and zero-copy interop with torch's layouts.
+
+torch layout            scorch format                                       shared arrays
+sparse_coo (N-d)        coo_nd(n) (uncoalesced variant if not coalesced)    indices rows, values
+sparse_csr              csr                                                 crow/col indices, values
+sparse_csc              csc                                                 ccol/row indices, values
+sparse_bsr (bh, bw)     bsr(bh, bw)                                         crow/col indices, values (flat)
+sparse_bsc (bh, bw)     bsc(bh, bw)                                         ccol/row indices, values (flat)
+strided                 dense_nd(n) (only through ``to_torch``)             values
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from .formats import LevelStorage, named, resolve
+from .formats import storage as _storage
+from .sparse_tensor import SparseTensor, checking_invariants
+
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
+    """``x`` (a dense tensor, a torch sparse tensor or a SparseTensor) stored in ``format``.
+
+    ``format`` is a ``scorch.Format``, format text, or a name (``"csr"``, ``"bsr(2, 2)"``...).
+    ``index_dtype`` forces int32 or int64 index arrays (default: int32 when the sizes allow).
+    ``check=True`` validates the source storage (when sparse) and the result.
+    Returns ``x`` itself when it already has that format and index type.
+    """
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.dim() == 0:
+        raise ValueError("scorch formats store tensors of at least one dimension, got a 0-d tensor")
+    fmt = resolve(format, x.dim())
+    if index_dtype not in (None, torch.int32, torch.int64):
+        raise ValueError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+    check = check or checking_invariants()
+    if x.layout in _SPARSE_LAYOUTS:
+        x = from_torch(x, check=check)
+    if isinstance(x, SparseTensor):
+        if check:
+            x.check_invariants()
+        if x.format == fmt and index_dtype in (None, x.index_dtype):
+            return x
+        dims, vals = _storage.unpack(x.format, x.shape, x.levels, x.values())
+    else:
+        if x.layout != torch.strided:
+            raise ValueError(f"cannot convert a tensor of layout {x.layout} to a scorch format")
+        dims = x.nonzero().T
+        vals = x[tuple(dims)]
+    levels, values = _storage.pack(fmt, x.shape, dims, vals.detach(), index_dtype)
+    return SparseTensor(fmt, x.shape, levels, values, check=check)
+
+
+def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
+    """View a torch sparse tensor (COO, CSR, CSC, BSR, BSC) as a SparseTensor, sharing its arrays."""
+    if isinstance(t, SparseTensor):
+        return t
+    layout = t.layout
+    if layout not in _SPARSE_LAYOUTS:
+        raise ValueError(f"from_torch takes a torch sparse tensor, got layout {layout}; use scorch.asformat"
+                         " to convert a dense tensor")
+    if layout == torch.sparse_coo:
+        if t.dense_dim() or t.sparse_dim() != t.dim():
+            raise NotImplementedError(f"scorch: hybrid COO tensors (dense_dim={t.dense_dim()}) are not supported")
+        idx, vals = t._indices(), t._values()
+        coalesced = t.is_coalesced()
+        pos = torch.tensor([0, vals.numel()], dtype=idx.dtype, device=idx.device)
+        levels = [LevelStorage(pos=pos, crd=idx[0])] + [LevelStorage(crd=idx[d]) for d in range(1, t.dim())]
+        fmt = named.coo_nd(t.dim(), coalesced=coalesced)
+    else:
+        if t.dim() != 2 or t.dense_dim():
+            raise NotImplementedError(f"scorch: batched or hybrid {layout} tensors are not supported"
+                                      f" (shape {tuple(t.shape)}, dense_dim={t.dense_dim()})")
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            pos, crd = t.crow_indices(), t.col_indices()
+        else:
+            pos, crd = t.ccol_indices(), t.row_indices()
+        vals = t.values()
+        if layout == torch.sparse_csr:
+            fmt = named.csr
+        elif layout == torch.sparse_csc:
+            fmt = named.csc
+        else:
+            bh, bw = vals.shape[1:3]
+            fmt = (named.bsr if layout == torch.sparse_bsr else named.bsc)(bh, bw)
+            vals = vals.reshape(-1)
+        levels = [LevelStorage()] + [LevelStorage(pos=pos, crd=crd)] + [LevelStorage()] * (len(fmt.levels) - 2)
+    return SparseTensor(fmt, t.shape, levels, vals, requires_grad=t.requires_grad and t.is_leaf, check=check)
+
+
+def to_torch(s: SparseTensor) -> torch.Tensor:
+    """The torch tensor with the same storage: COO, CSR, CSC, BSR, BSC, or strided for dense formats.
+
+    The arrays are shared, except COO index arrays that are int32 or not rows of one tensor (torch's COO
+    needs one int64 ``(ndim, nnz)`` tensor; scorch's own COO is built that way only for int64).
+    """
+    fmt, lv, vals = s.format, s.levels, s.values()
+    if fmt.is_dense:
+        return vals.reshape(s.shape)
+    n = fmt.ndim
+    if fmt in (named.coo_nd(n), named.coo_nd(n, coalesced=False)):
+        idx = _rows_as_matrix([st.crd for st in lv])
+        return torch.sparse_coo_tensor(idx, vals, s.shape, is_coalesced=fmt == named.coo_nd(n),
+                                       check_invariants=False)
+    kw = dict(size=s.shape, check_invariants=False)
+    if fmt in (named.csr, named.csc):
+        with _quiet_beta():
+            make = torch.sparse_csr_tensor if fmt == named.csr else torch.sparse_csc_tensor
+            return make(lv[1].pos, lv[1].crd, vals, **kw)
+    block = named.block_size(fmt)
+    if block is not None:
+        bh, bw = block
+        if s.shape[0] % bh or s.shape[1] % bw:
+            raise ValueError(f"torch's BSR/BSC need the shape {tuple(s.shape)} to be a multiple of the block"
+                             f" size {block}")
+        blocks = vals.reshape(-1, bh, bw)
+        make = torch.sparse_bsr_tensor if named.name_of(fmt).startswith("bsr") else torch.sparse_bsc_tensor
+        with _quiet_beta():
+            return make(lv[1].pos, lv[1].crd, blocks, **kw)
+    raise ValueError(f"format {fmt.name or fmt} has no torch layout; convert it first, e.g."
+                     " scorch.asformat(S, 'csr'), or use S.to_dense()")
+
+
+def _rows_as_matrix(rows):
+    """``rows`` as one ``(n, nnz)`` int64 tensor: a view when they are equally spaced rows of one storage."""
+    first = rows[0]
+    if all(r.dtype == torch.int64 and r.stride() == (1,)
+           and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for r in rows):
+        step = (rows[1].data_ptr() - first.data_ptr()) // 8 if len(rows) > 1 else first.numel()
+        if step >= first.numel() and all(r.data_ptr() == first.data_ptr() + 8 * k * step
+                                         for k, r in enumerate(rows)):
+            return first.as_strided((len(rows), first.numel()), (step, 1))
+    return torch.stack([r.long() for r in rows])
+
+
+@contextlib.contextmanager
+def _quiet_beta():
+    """torch warns that its compressed layouts are beta each time one is made; scorch makes them on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*support is in beta state")
+        yield
+
+
+# --- torch-signature constructors ---------------------------------------------------------------------------
+# The arrays come from the user, so they are validated by scorch (clear errors naming level and position)
+# unless check_invariants=False is passed explicitly.
+def _build(torch_fn, args, dtype, device, requires_grad, check_invariants, **extra):
+    with _quiet_beta():
+        t = torch_fn(*args, dtype=dtype, device=device, check_invariants=False, **extra)
+    check = check_invariants is None or bool(check_invariants)
+    return from_torch(t, check=check).requires_grad_(requires_grad)
+
+
+def sparse_coo_tensor(indices, values, size=None, *, dtype=None, device=None, requires_grad=False,
+                      check_invariants=None, is_coalesced=None):
+    """As ``torch.sparse_coo_tensor``, returning a SparseTensor (COO, uncoalesced unless said otherwise)."""
+    args = (indices, values) if size is None else (indices, values, size)
+    return _build(torch.sparse_coo_tensor, args, dtype, device, requires_grad, check_invariants,
+                  is_coalesced=is_coalesced)
+
+
+def _compressed_ctor(torch_fn):
+    def ctor(compressed_indices, plain_indices, values, size=None, *, dtype=None, device=None,
+             requires_grad=False, check_invariants=None):
+        args = (compressed_indices, plain_indices, values) + (() if size is None else (size,))
+        return _build(torch_fn, args, dtype, device, requires_grad, check_invariants)
+    ctor.__name__ = torch_fn.__name__
+    ctor.__doc__ = (f"As ``torch.{torch_fn.__name__}``, returning a scorch SparseTensor that shares its arrays"
+                    " (validated unless ``check_invariants=False``).")
+    return ctor
+
+
+sparse_csr_tensor = _compressed_ctor(torch.sparse_csr_tensor)
+sparse_csc_tensor = _compressed_ctor(torch.sparse_csc_tensor)
+sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor)
+sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor)

@@ -1,0 +1,7 @@
+"""``scorch.nn``: torch.nn, with scorch's sparse-aware additions. Other names are torch.nn's own."""
+import torch.nn as _nn
+
+from .. import _forward
+from . import functional  # noqa: F401
+
+__getattr__, __dir__ = _forward.forward(globals(), _nn)

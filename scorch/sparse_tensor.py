@@ -1,0 +1,266 @@
+"""``SparseTensor``: a ``torch.Tensor`` wrapper subclass holding a format's level storage and values.
+
+It owns no dense storage: its arrays are ``levels`` (one ``LevelStorage`` per format level) and ``values``
+(1-d). ``__torch_function__`` routes torch functions and methods with a sparse operand to scorch's
+implementations (``implements``); anything without one raises ``NotImplementedError`` naming the op and the
+format, never a silent densify.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from .formats import Format, LevelStorage, resolve
+from .formats.named import short_name
+from .formats import storage as _storage
+
+#: torch function or method -> scorch implementation, filled next to each implementation by ``implements``
+IMPLEMENTATIONS: dict = {}
+
+# Metadata reads that are answered by the wrapper itself (shape, dtype, device and autograd flags).
+_METADATA = {
+    torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.ndimension,
+    torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
+    torch.Tensor.requires_grad_, torch.Tensor.__hash__,
+}
+
+
+def implements(*funcs):
+    """Register ``fn`` as the implementation of each torch function / ``torch.Tensor`` method in ``funcs``."""
+    def register(fn):
+        for f in funcs:
+            IMPLEMENTATIONS[f] = fn
+        return fn
+    return register
+
+
+class _Checking(threading.local):
+    depth = 0
+
+
+_checking = _Checking()
+
+
+def checking_invariants() -> bool:
+    """Whether storage is validated on construction (inside ``scorch.sparse.check_invariants()``)."""
+    return _checking.depth > 0
+
+
+def _as_storage(level):
+    if isinstance(level, LevelStorage):
+        return level
+    if isinstance(level, dict):
+        return LevelStorage(pos=level.get("pos"), crd=level.get("crd"))
+    if level is None:
+        return LevelStorage()
+    raise TypeError(f"a level's storage is a LevelStorage or a dict with 'pos'/'crd', got {type(level).__name__}")
+
+
+class SparseTensor(torch.Tensor):
+    """A sparse tensor in any scorch format. Build one with ``scorch.asformat`` or the ``sparse_*_tensor``
+    constructors; ``SparseTensor(format, shape, levels, values)`` wraps existing arrays without copying
+    (and validates them unless ``check=False``)."""
+
+    _format: Format
+    _levels: tuple
+    _values: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, format, shape, levels, values, *, requires_grad=False, check=True):
+        shape = torch.Size(shape)
+        fmt = resolve(format, len(shape))
+        levels = tuple(_as_storage(lv) for lv in levels)
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if any(n < 0 for n in shape):
+            raise ValueError(f"negative dimension in shape {tuple(shape)}")
+        for st in levels:
+            for name, a in st.arrays().items():
+                if a.device != values.device:
+                    raise ValueError(f"{name} is on {a.device} but values are on {values.device}")
+        if check or checking_invariants():
+            _storage.validate(fmt, shape, levels, values)
+        elif len(levels) != len(fmt.levels):
+            raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=values.dtype, device=values.device,
+                                                requires_grad=requires_grad)
+        r._format, r._levels, r._values = fmt, levels, values
+        return r
+
+    # --- routing -------------------------------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = IMPLEMENTATIONS.get(func)
+        if impl is not None:
+            return impl(*args, **kwargs)
+        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise NotImplementedError(f"scorch: {_op_name(func)} is not implemented for sparse operands"
+                                  f" ({_describe(args, kwargs)})")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"scorch: {func} reached torch's dispatcher with a sparse operand"
+                                  f" ({_describe(args, kwargs or {})}); scorch has no implementation for it")
+
+    # --- storage ---------------------------------------------------------------------------------------------
+    @property
+    def format(self) -> Format:
+        return self._format
+
+    @property
+    def levels(self) -> tuple:
+        """One ``LevelStorage`` (``pos``, ``crd`` torch tensors, ``None`` where absent) per format level."""
+        return self._levels
+
+    def values(self) -> torch.Tensor:
+        """The 1-d array of stored values, one per stored position (padding included)."""
+        return self._values
+
+    @property
+    def nnz(self) -> int:
+        """The number of stored values (explicit zeros and padding included)."""
+        return self._values.numel()
+
+    def _nnz(self) -> int:
+        return self.nnz
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        for st in self._levels:
+            for a in st.arrays().values():
+                return a.dtype
+        return torch.int64
+
+    @property
+    def density(self) -> float:
+        n = self.numel()
+        return self.nnz / n if n else 0.0
+
+    def with_values(self, values: torch.Tensor, requires_grad: bool = False) -> "SparseTensor":
+        """The same pattern (shared index arrays) with other values."""
+        return SparseTensor(self._format, self.shape, self._levels, values, requires_grad=requires_grad,
+                            check=False)
+
+    def _map_arrays(self, fn, values_fn=None):
+        levels = tuple(st.map(fn) for st in self._levels)
+        return SparseTensor(self._format, self.shape, levels, (values_fn or fn)(self._values), check=False)
+
+    # --- conversions -------------------------------------------------------------------------------------------
+    def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
+        out = _storage.to_dense(self._format, self.shape, self._levels, self._values)
+        return out if dtype is None else out.to(dtype)
+
+    def to_torch(self) -> torch.Tensor:
+        """The torch layout this format matches (COO, CSR, CSC, BSR, BSC or strided), sharing storage."""
+        from .interop import to_torch
+        return to_torch(self)
+
+    def asformat(self, format, **kwargs) -> "SparseTensor":
+        from .interop import asformat
+        return asformat(self, format, **kwargs)
+
+    def to(self, *args, **kwargs) -> "SparseTensor":
+        copy = kwargs.pop("copy", False)
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        out = self
+        if device is not None and torch.device(device) != self.device:
+            out = out._map_arrays(lambda a: a.to(device, non_blocking=non_blocking))
+        if dtype is not None and dtype != self.dtype:
+            out = out.with_values(out._values.to(dtype))
+        if copy and out is self:
+            out = self.clone()
+        return out
+
+    def clone(self, *, memory_format=None) -> "SparseTensor":
+        return self._map_arrays(torch.clone)
+
+    def detach(self) -> "SparseTensor":
+        return SparseTensor(self._format, self.shape, self._levels, self._values.detach(), check=False)
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def check_invariants(self) -> "SparseTensor":
+        """Validate the storage; raise ``ValueError`` naming the level and position of a violation."""
+        _storage.validate(self._format, self.shape, self._levels, self._values)
+        return self
+
+    # --- display -----------------------------------------------------------------------------------------------
+    def __repr__(self, *, tensor_contents=None) -> str:
+        fmt = short_name(self._format)
+        head = (f"SparseTensor(format={fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz},"
+                f" density={self.density:.3g}")
+        if self.device.type != "cpu":
+            head += f", device={self.device}"
+        if self.requires_grad:
+            head += ", requires_grad=True"
+        pic = self._picture()
+        return head + ")" + ("\n" + pic if pic else "")
+
+    __str__ = __repr__
+
+    def _picture(self, max_rows=24, max_cols=64) -> str:
+        """A character picture of the pattern: '#' a stored nonzero, '0' a stored zero, '.' nothing stored."""
+        if self.dim() not in (1, 2) or self.numel() == 0:
+            return ""
+        rows, cols = (1, self.shape[0]) if self.dim() == 1 else tuple(self.shape)
+        if rows > max_rows or cols > max_cols:
+            return ""
+        dims, vals = _storage.unpack(self._format, self.shape, self._levels, self._values)
+        grid = [["."] * cols for _ in range(rows)]
+        r = [0] * vals.numel() if self.dim() == 1 else dims[0].tolist()
+        for i, j, v in zip(r, dims[-1].tolist(), (vals != 0).tolist()):
+            grid[i][j] = "#" if v or grid[i][j] == "#" else "0"
+        return "\n".join("  " + "".join(row) for row in grid)
+
+    def __reduce_ex__(self, proto):
+        return (_rebuild, (str(self._format), tuple(self.shape),
+                           tuple((st.pos, st.crd) for st in self._levels), self._values, self.requires_grad))
+
+
+def _rebuild(fmt, shape, levels, values, requires_grad):
+    return SparseTensor(Format(fmt), shape, [LevelStorage(*lv) for lv in levels], values,
+                        requires_grad=requires_grad, check=False)
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    mod = getattr(func, "__module__", None) or ""
+    if name.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor." + name.split(".", 1)[1]
+    if name.startswith("_VariableFunctionsClass."):
+        return "torch." + name.split(".", 1)[1]
+    return f"{mod}.{name}" if mod and not mod.startswith("torch._C") else f"torch.{name}"
+
+
+def _describe(args, kwargs) -> str:
+    found = []
+    for a in list(args) + list(kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(x, SparseTensor):
+                found.append(f"{short_name(x._format)} {tuple(x.shape)}")
+    return "format " + ", ".join(found) if found else "sparse operand"
+
+
+# torch.* spellings of the methods SparseTensor defines
+def _method(name):
+    return functools.wraps(getattr(SparseTensor, name))(lambda self, *a, **k: getattr(SparseTensor, name)(self, *a, **k))
+
+
+for _name in ("to_dense", "values", "clone", "detach", "to", "cpu", "double", "float", "_nnz"):
+    IMPLEMENTATIONS[getattr(torch.Tensor, _name)] = _method(_name)
+IMPLEMENTATIONS[torch.clone] = _method("clone")
+IMPLEMENTATIONS[torch.detach] = _method("detach")
+IMPLEMENTATIONS[torch.Tensor.__repr__] = _method("__repr__")
+IMPLEMENTATIONS[torch.Tensor.__reduce_ex__] = _method("__reduce_ex__")

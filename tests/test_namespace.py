@@ -1,0 +1,93 @@
+"""``import scorch as torch``: torch's names are torch's own objects; submodules import the way torch's do."""
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scorch
+
+NAMES = """
+tensor randn rand zeros ones empty full arange linspace eye zeros_like ones_like randn_like rand_like randint
+randperm manual_seed from_numpy as_tensor cat stack split chunk reshape transpose permute squeeze unsqueeze
+flatten gather scatter index_select masked_select where clamp abs exp log sqrt sin cos tanh sigmoid relu
+softmax log_softmax matmul mm bmm mv addmm einsum sum mean max min amax amin argmax argmin topk sort norm
+allclose equal isclose no_grad enable_grad set_grad_enabled inference_mode is_tensor is_grad_enabled
+float32 float64 float16 bfloat16 int64 int32 int16 int8 uint8 bool complex64 strided sparse_coo sparse_csr
+sparse_csc sparse_bsr sparse_bsc device dtype layout Size Tensor Generator float double long int half
+get_default_dtype set_default_dtype from_dlpack cumsum cumprod diff flip roll tril triu outer kron cdist
+optim autograd utils linalg fft special distributions jit cuda backends testing save load
+""".split()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forwarded_names_are_torch_objects(name):
+    assert getattr(scorch, name) is getattr(torch, name)
+
+
+def test_at_least_100_names_checked():
+    assert len(set(NAMES)) >= 100
+
+
+def test_submodule_imports_work_like_torch():
+    import scorch.nn as nn
+    from scorch.nn import functional as F
+    from scorch.optim import Adam
+    from scorch.utils.data import DataLoader, TensorDataset
+    assert nn.Linear is torch.nn.Linear and nn.Module is torch.nn.Module
+    assert F.relu is torch.nn.functional.relu and F.softmax is torch.nn.functional.softmax
+    assert Adam is torch.optim.Adam and DataLoader is torch.utils.data.DataLoader
+    assert TensorDataset is torch.utils.data.TensorDataset
+    for sub in ("optim", "linalg", "autograd", "utils.data", "nn.init", "nn.utils", "distributions"):
+        assert importlib.import_module("scorch." + sub) is importlib.import_module("torch." + sub), sub
+    # torch's modules keep their own identity
+    assert torch.utils.data.__spec__.name == "torch.utils.data" and torch.nn.init.__name__ == "torch.nn.init"
+
+
+def test_scorch_modules_are_its_own():
+    import scorch.nn
+    import scorch.nn.functional
+    import scorch.sparse
+    assert scorch.nn is not torch.nn and scorch.sparse is not torch.sparse
+    assert scorch.sparse.softmax is torch.sparse.softmax  # forwarded until scorch overrides it
+    assert callable(scorch.sparse.check_invariants)
+    assert scorch.sparse_csr_tensor is not torch.sparse_csr_tensor  # scorch's constructors return SparseTensors
+
+
+def test_dir_lists_torch_and_scorch_names():
+    names = dir(scorch)
+    assert {"randn", "nn", "SparseTensor", "asformat", "Format"} <= set(names)
+    assert "Linear" in dir(scorch.nn) and "relu" in dir(scorch.nn.functional)
+
+
+def test_missing_names_raise_attribute_error():
+    with pytest.raises(AttributeError, match="has no attribute 'definitely_not_a_torch_name'"):
+        scorch.definitely_not_a_torch_name
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("scorch.definitely_not_a_module")
+
+
+def test_dense_code_is_not_wrapped():
+    x = scorch.randn(3, 3)
+    y = scorch.nn.functional.relu(x @ x)
+    assert type(x) is torch.Tensor and type(y) is torch.Tensor
+
+
+def test_drop_in_script_runs_unchanged():
+    code = """
+import scorch as torch
+import scorch.nn as nn
+from scorch.nn import functional as F
+from scorch.optim import SGD
+from scorch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+x = torch.randn(64, 4); y = (x.sum(1) > 0).long()
+model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = SGD(model.parameters(), lr=0.5)
+for xb, yb in DataLoader(TensorDataset(x, y), batch_size=16):
+    loss = F.cross_entropy(model(xb), yb); opt.zero_grad(); loss.backward(); opt.step()
+print(type(loss).__module__, float(loss) >= 0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["torch", "True"]

@@ -1,0 +1,26 @@
+"""The README's example runs verbatim, as a new user would paste it."""
+import pathlib
+import re
+import subprocess
+import sys
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_readme_example_runs_verbatim():
+    code = python_blocks()[0]
+    assert len([line for line in code.splitlines() if line.strip()]) <= 10
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "SparseTensor(format=csr, shape=(6, 8)" in out.stdout and "bsr(2, 4)" in out.stdout
+
+
+def test_readme_format_examples_hold():
+    code = "import scorch\n" + python_blocks()[1].replace("scorch.Format(", "f = scorch.Format(")
+    code = code.replace("# == scorch.formats.dia", "\nassert f == scorch.formats.dia")
+    code = code.replace("# == scorch.formats.coo", "\nassert f == scorch.formats.coo")
+    subprocess.run([sys.executable, "-c", code], check=True)
