@@ -17,9 +17,10 @@ stamp="$VENV/.scorch-installed"
 want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "scorch: installing $TORCH_SPEC and scorch[$EXTRAS] into $VENV" >&2
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]"
+    log="$VENV/install.log"
+    { "$VENV/bin/python" -m pip install "$TORCH_SPEC" &&
+      "$VENV/bin/python" -m pip install -e "$ROOT[$EXTRAS]"; } > "$log" 2>&1 ||
+        { tail -n 40 "$log" >&2; echo "scorch: installation failed; full log in $log" >&2; exit 1; }
     echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -31,6 +31,11 @@ class CoordExpr:
     def render(self, names) -> str:
         raise NotImplementedError
 
+    def renumber(self, new) -> "CoordExpr":
+        """The same expression over other dimension numbers: dimension ``d`` becomes ``new[d]``."""
+        fields = {k: (new[v] if k in ("dim", "a", "b") else v) for k, v in self.__dict__.items()}
+        return type(self)(**fields)
+
     def __str__(self) -> str:
         return self.render([dim_name(d) for d in range(max(self.dims()) + 1)])
 

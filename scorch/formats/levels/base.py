@@ -25,8 +25,12 @@ Vectorized operations (torch tensors of int64 positions/coordinates, one element
     ``assemble``       build the level's arrays from sorted entries
     ``validate``       check stored arrays against the invariants, naming the bad position
 
-The compiler (``scorch.compiler.lower``) will add the code-emitting counterparts of ``iterate``
-(position/coordinate bounds and access), ``locate_pos`` and ``assemble`` to these same classes.
+Code emission (loop-IR expressions, for ``scorch.compiler.lower``; ``sym`` is the level's ``LevelSymbols``)
+    ``emit_coord_bounds(sym, parent)``      ``(lo, hi)`` of the coordinates under ``parent`` (coord_iter)
+    ``emit_coord_access(sym, parent, c)``   the position of coordinate ``c`` (coord_iter, locate)
+    ``emit_pos_bounds(sym, parent)``        ``(begin, end)`` of the positions under ``parent``, or None when
+                                            the parent has exactly one child at its own position (pos_iter)
+    ``emit_pos_access(sym, p)``             the coordinate stored at position ``p`` (pos_iter)
 """
 from __future__ import annotations
 
@@ -53,6 +57,23 @@ class LevelStorage:
         inner = ", ".join(f"{k}={v.tolist() if v.numel() <= 16 else f'<{v.numel()} x {v.dtype}>'}"
                           for k, v in self.arrays().items())
         return f"LevelStorage({inner})"
+
+
+@dataclass(frozen=True)
+class LevelSymbols:
+    """The loop-IR names the lowering gave one level: its arrays (``pos``, ``crd``: kernel parameter names,
+    or None), their element type, and expressions for the coordinate range start ``lo``, the range's
+    ``size`` and (fixed levels) the ``width``."""
+    pos: Optional[str]
+    crd: Optional[str]
+    index_type: str
+    lo: object
+    size: object
+    width: object = None
+
+    def load(self, array, index):
+        from ...compiler import loops as L
+        return L.Cast(L.Load(array, index, self.index_type), "i64")
 
 
 class Level:
@@ -103,6 +124,19 @@ class Level:
 
     def validate(self, storage: LevelStorage, parent_count: int, lo: int, hi: int, where: str) -> None:
         """Check array lengths, monotone ``pos`` and coordinate ranges; ``where`` names the level in errors."""
+
+    # code emission; see the module docstring
+    def emit_coord_bounds(self, sym: LevelSymbols, parent):
+        raise NotImplementedError(f"level type {self.name} cannot iterate coordinates")
+
+    def emit_coord_access(self, sym: LevelSymbols, parent, coord):
+        raise NotImplementedError(f"level type {self.name} cannot iterate coordinates")
+
+    def emit_pos_bounds(self, sym: LevelSymbols, parent):
+        raise NotImplementedError(f"level type {self.name} cannot iterate positions")
+
+    def emit_pos_access(self, sym: LevelSymbols, pos):
+        raise NotImplementedError(f"level type {self.name} cannot iterate positions")
 
 
 def ranges(starts: torch.Tensor, counts: torch.Tensor):

@@ -35,6 +35,13 @@ class Compressed(Level):
         src, child = ranges(starts, pos[parent_pos + 1] - starts)
         return src, child, storage.crd[child].long()
 
+    def emit_pos_bounds(self, sym, parent):
+        from ...compiler.loops import Const, binary
+        return sym.load(sym.pos, parent), sym.load(sym.pos, binary("add", parent, Const(1)))
+
+    def emit_pos_access(self, sym, pos):
+        return sym.load(sym.crd, pos)
+
     def assemble(self, parent_pos, parent_count, coord, lo, hi):
         if self.unique:
             new = new_groups(parent_pos, coord)

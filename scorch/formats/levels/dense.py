@@ -32,6 +32,14 @@ class Dense(Level):
         found = (coord >= lo) & (coord < hi)
         return parent_pos * (hi - lo) + (coord - lo), found
 
+    def emit_coord_bounds(self, sym, parent):
+        from ...compiler.loops import binary
+        return sym.lo, binary("add", sym.lo, sym.size)
+
+    def emit_coord_access(self, sym, parent, coord):
+        from ...compiler.loops import binary
+        return binary("add", binary("mul", parent, sym.size), binary("sub", coord, sym.lo))
+
     def assemble(self, parent_pos, parent_count, coord, lo, hi):
         ext = hi - lo
         return LevelStorage(), parent_pos * ext + (coord - lo), parent_count * ext

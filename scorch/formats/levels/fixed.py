@@ -40,6 +40,14 @@ class Fixed(Level):
         child = parent_pos[src] * w + torch.arange(w, device=parent_pos.device).repeat(n)
         return src, child, storage.crd[child].long()
 
+    def emit_pos_bounds(self, sym, parent):
+        from ...compiler.loops import binary
+        begin = binary("mul", parent, sym.width)
+        return begin, binary("add", begin, sym.width)
+
+    def emit_pos_access(self, sym, pos):
+        return sym.load(sym.crd, pos)
+
     def assemble(self, parent_pos, parent_count, coord, lo, hi):
         dev = coord.device
         new = new_groups(parent_pos, coord)

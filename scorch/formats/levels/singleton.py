@@ -25,6 +25,12 @@ class Singleton(Level):
         src = torch.arange(parent_pos.numel(), device=parent_pos.device)
         return src, parent_pos, storage.crd[parent_pos].long()
 
+    def emit_pos_bounds(self, sym, parent):
+        return None  # one child, at the parent's own position
+
+    def emit_pos_access(self, sym, pos):
+        return sym.load(sym.crd, pos)
+
     def assemble(self, parent_pos, parent_count, coord, lo, hi):
         if parent_pos.numel() > 1 and bool((parent_pos[1:] == parent_pos[:-1]).any()):
             raise ValueError("a singleton level can store only one coordinate per parent position, but two entries"

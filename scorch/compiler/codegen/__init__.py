@@ -1,0 +1,1 @@
+"""Code generators: loop IR -> source text (``cpp`` for CPU with OpenMP; ``cuda`` later)."""

@@ -1,0 +1,188 @@
+"""Loop IR -> C++ source (OpenMP), a plain ``extern "C"`` function that takes raw pointers and scalars.
+
+Only identifiers the lowering made reach the source; each is checked against a strict pattern anyway.
+ABI: arrays are ``T*`` (``const`` unless output), integer and boolean scalars ``int64_t``, float scalars
+``double``; ``argtypes(kernel)`` gives the matching ctypes signature.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+
+from .. import loops as L
+
+CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double"}
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&&", "or": "||",
+        "add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "/", "mod": "%"}
+
+PRELUDE = """#include <cstdint>
+#include <cmath>
+#include <algorithm>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads() { return 1; }
+static inline int omp_get_thread_num() { return 0; }
+#endif
+"""
+
+
+def ident(name: str) -> str:
+    if not _IDENT.match(name):
+        raise ValueError(f"refusing to emit identifier {name!r}")
+    return name
+
+
+def argtypes(kernel: L.Kernel) -> list:
+    out = []
+    for p in kernel.params:
+        if p.kind == "array":
+            out.append(ctypes.c_void_p)
+        else:
+            out.append(ctypes.c_double if p.type in ("f32", "f64") else ctypes.c_int64)
+    return out
+
+
+def generate(kernel: L.Kernel) -> str:
+    """The complete translation unit for ``kernel``."""
+    params, casts = [], []
+    for p in kernel.params:
+        n = ident(p.name)
+        if p.kind == "array":
+            const = "" if p.output else "const "
+            params.append(f"{const}{CTYPE[p.type]}* __restrict__ {n}")
+        elif p.type in ("f32", "f64"):
+            params.append(f"double {n}_arg")
+            casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
+        else:
+            params.append(f"int64_t {n}_arg")
+            casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
+    body = _Emitter(any(p.name == "nthreads" for p in kernel.params)).block(kernel.body, 1)
+    sig = ",\n    ".join(params)
+    return (PRELUDE + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
+            + "\n".join(casts + body) + "\n}\n")
+
+
+class _Emitter:
+    def __init__(self, threads: bool):
+        self.n = 0
+        self.threads = " num_threads(nthreads)" if threads else ""
+
+    def fresh(self, base):
+        self.n += 1
+        return f"{base}_{self.n}"
+
+    def block(self, b, depth):
+        out = []
+        for s in b.stmts:
+            out.extend(self.stmt(s, depth))
+        return out
+
+    def stmt(self, s, d):
+        pad = "  " * d
+        if isinstance(s, L.Let):
+            return [f"{pad}const {CTYPE[s.var.type]} {ident(s.var.name)} = {self.expr(s.value)};"]
+        if isinstance(s, L.Decl):
+            return [f"{pad}{CTYPE[s.var.type]} {ident(s.var.name)} = {self.expr(s.value)};"]
+        if isinstance(s, L.Assign):
+            return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
+        if isinstance(s, L.Store):
+            target = f"{ident(s.array)}[{self.expr(s.index)}]"
+            line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
+            return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
+        if isinstance(s, L.LocalArray):
+            n, t = ident(s.name), CTYPE[s.type]
+            i = self.fresh("w")
+            return [f"{pad}{t} {n}[{int(s.size)}];",
+                    f"{pad}for (int64_t {i} = 0; {i} < {int(s.size)}; ++{i}) {n}[{i}] = {self.expr(s.init)};"]
+        if isinstance(s, L.For):
+            return self.loop(s, d)
+        if isinstance(s, L.While):
+            return [f"{pad}while ({self.expr(s.cond)}) {{"] + self.block(s.body, d + 1) + [f"{pad}}}"]
+        if isinstance(s, L.If):
+            out = [f"{pad}if ({self.expr(s.cond)}) {{"] + self.block(s.then, d + 1)
+            if s.orelse.stmts:
+                out += [f"{pad}}} else {{"] + self.block(s.orelse, d + 1)
+            return out + [f"{pad}}}"]
+        if isinstance(s, L.Block):
+            return [f"{pad}{{"] + self.block(s, d + 1) + [f"{pad}}}"]
+        raise TypeError(f"unknown statement {type(s).__name__}")
+
+    def loop(self, s, d):
+        pad, v = "  " * d, ident(s.var.name)
+        lo, hi = self.expr(s.lo), self.expr(s.hi)
+        if s.parallel is None or s.parallel.kind == "static":
+            head = [f"{pad}#pragma omp parallel for schedule(static){self.threads}"] if s.parallel else []
+            return head + [f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) \
+                + [f"{pad}}}"]
+        if s.parallel.kind != "nnz":
+            raise ValueError(f"unknown parallel kind {s.parallel.kind!r}")
+        # Balance rows by rows + positions under them: f(r) = (pos[r] - pos[lo]) + (r - lo) is increasing, so
+        # thread t takes the rows where f falls in [total * t / nt, total * (t + 1) / nt).
+        pos = ident(s.parallel.pos)
+        a, b, t, nt, tot = (self.fresh(x) for x in ("lo", "hi", "t", "nt", "total"))
+        p2 = pad + "  "
+        return [
+            f"{pad}#pragma omp parallel{self.threads}",
+            f"{pad}{{",
+            f"{p2}const int64_t {a} = {lo}, {b} = {hi};",
+            f"{p2}const int64_t {nt} = omp_get_num_threads(), {t} = omp_get_thread_num();",
+            f"{p2}const int64_t {tot} = ((int64_t){pos}[{b}] - (int64_t){pos}[{a}]) + ({b} - {a});",
+            f"{p2}auto first_row = [&](int64_t k) -> int64_t {{",
+            f"{p2}  if (k >= {nt}) return {b};",
+            f"{p2}  const int64_t target = (int64_t)((__int128){tot} * k / {nt});",
+            f"{p2}  int64_t l = {a}, h = {b};",
+            f"{p2}  while (l < h) {{ int64_t m = l + (h - l) / 2;"
+            f" if (((int64_t){pos}[m] - (int64_t){pos}[{a}]) + (m - {a}) < target) l = m + 1; else h = m; }}",
+            f"{p2}  return l;",
+            f"{p2}}};",
+            f"{p2}const int64_t r0 = first_row({t}), r1 = first_row({t} + 1);",
+            f"{p2}for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
+        ] + self.block(s.body, d + 2) + [f"{p2}}}", f"{pad}}}"]
+
+    def update(self, target, op, value):
+        if op is None:
+            return f"{target} = {value}"
+        if op == "add":
+            return f"{target} += {value}"
+        if op in ("max", "min"):
+            return f"{target} = std::{op}({target}, {value})"
+        raise ValueError(f"unknown update {op!r}")
+
+    def expr(self, e):
+        if isinstance(e, L.Var):
+            return ident(e.name)
+        if isinstance(e, L.Const):
+            return _literal(e.value, e.type)
+        if isinstance(e, L.Load):
+            return f"{ident(e.array)}[{self.expr(e.index)}]"
+        if isinstance(e, L.Binary):
+            a, b = self.expr(e.a), self.expr(e.b)
+            if e.op in ("min", "max"):
+                return f"std::{e.op}<{CTYPE[e.type]}>({a}, {b})"
+            return f"({a} {_CMP[e.op]} {b})"
+        if isinstance(e, L.Unary):
+            a, t = self.expr(e.a), CTYPE[e.type]
+            return {"neg": f"(-{a})", "abs": f"std::abs({a})", "relu": f"({a} < {t}(0) ? {t}(0) : {a})",
+                    "sqrt": f"std::sqrt({a})", "square": f"({a} * {a})", "sin": f"std::sin({a})",
+                    "tanh": f"std::tanh({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
+                    "not": f"(!{a})"}[e.op]
+        if isinstance(e, L.Cast):
+            return f"(({CTYPE[e.type]}){self.expr(e.a)})"
+        if isinstance(e, L.Select):
+            return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"
+        raise TypeError(f"unknown expression {type(e).__name__}")
+
+
+def _literal(v, t):
+    if t == "bool":
+        return "true" if v else "false"
+    if t in ("i32", "i64"):
+        return f"INT64_C({int(v)})" if t == "i64" else str(int(v))
+    v = float(v)
+    if v != v:
+        return "NAN"
+    if v in (float("inf"), float("-inf")):
+        return ("-" if v < 0 else "") + "INFINITY"
+    return repr(v) + ("f" if t == "f32" else "")

@@ -1,0 +1,262 @@
+"""Dispatch: from an einsum call on tensors to a ready compiled kernel, through two caches.
+
+The first cache maps (equation, operand types) to the planned assignment (format inference and schedule);
+the second adds the specialized extents and holds the compiled kernel with a prepared argument list, so a
+repeated call costs a dictionary look-up, a few size computations and the ctypes call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import interop
+from ..formats import named
+from ..sparse_tensor import SparseTensor
+from . import loops as L
+from . import runtime
+from .codegen import cpp
+from .einsum import parse, to_index_notation
+from .infer import OutputFormat, infer
+from .ir import Assignment, TensorType
+from .lower import lower
+from .schedule import SPECIALIZE_MAX, schedule
+
+_PLANNED: dict = {}
+_COMPILED: dict = {}
+SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+@dataclass
+class Plan:
+    """Everything decided for one assignment over one set of operand types, and the loaded kernel."""
+    asg: Assignment
+    output: OutputFormat
+    schedule: object
+    lowered: object = None
+    source: str = ""
+    kernel: object = None
+    assemble_from_dense: bool = False
+    calls: int = 0
+    history: list = field(default_factory=list)
+
+    def explain(self) -> str:
+        out = self.output
+        fmt = "dense (torch tensor)" if out.format is None else (out.format.name or str(out.format))
+        lines = [f"expression:   {self.asg}",
+                 f"operands:     {', '.join(f'T{k}: {t}' for k, t in enumerate(self.asg.operands))}",
+                 f"output:       {fmt}  [rule: {out.rule}]"]
+        if self.assemble_from_dense:
+            lines.append("assembly:     computed into a dense workspace, then compressed into the output format")
+        s = self.schedule
+        lines += [f"loop order:   {s.describe(self.asg)}",
+                  f"parallel:     {s.parallel}{' (balanced by nnz)' if s.balance == 'nnz' else ''}: {s.why}",
+                  f"specialized:  {', '.join(f'{v}={n}' for v, n in s.specialize) or 'none'}"]
+        if self.kernel is not None:
+            how = {"compiled": f"compiled now ({self.kernel.compile_seconds:.2f} s)", "disk": "loaded from the disk"
+                   " cache", "memory": "from the memory cache"}.get(self.kernel.origin, self.kernel.origin)
+            lines += [f"kernel:       {how}: {self.kernel.path}", "source:", self.source]
+        return "\n".join(lines)
+
+
+def _type(x) -> TensorType:
+    if isinstance(x, SparseTensor):
+        return TensorType(x.dim(), x.dtype, x.format, x.index_dtype, x.device.type)
+    return TensorType(x.dim(), x.dtype, None, None, x.device.type)
+
+
+def prepare(operands):
+    """Torch sparse layouts become SparseTensors (zero-copy); numbers become 0-d tensors."""
+    out = []
+    for x in operands:
+        if isinstance(x, SparseTensor):
+            out.append(x)
+        elif isinstance(x, torch.Tensor):
+            out.append(interop.from_torch(x) if x.layout != torch.strided else x)
+        elif isinstance(x, (int, float, bool)):
+            out.append(torch.tensor(x))
+        else:
+            raise TypeError(f"einsum operands must be tensors, got {type(x).__name__}")
+    return out
+
+
+def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
+    """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    ops = prepare(operands)
+    if not any(isinstance(x, SparseTensor) for x in ops) and format is None:
+        return torch.einsum(equation, *ops)
+    inputs, out = parse(equation, [x.dim() for x in ops])
+    return run(inputs, out, ops, format=format, explain=explain, name=f"einsum({equation!r})", backend=backend)
+
+
+def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp"):
+    """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``."""
+    sizes, broadcast = _sizes(inputs, ops, name)
+    dtype = _result_dtype(ops, name)
+    devices = {x.device.type for x in ops}
+    if devices != {"cpu"}:
+        raise NotImplementedError(f"scorch: {name} on {', '.join(sorted(devices))} tensors is not supported yet"
+                                  " (CPU kernels only)")
+    ops = [_cast(x, dtype) for x in ops]
+    fmt = None if format is None else named.resolve(format, len(out))
+    types = tuple(_type(x) for x in ops)
+    key = (inputs, out, types, broadcast, fmt, rhs)
+    planned = _PLANNED.get(key)
+    if planned is None:
+        asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, out_format=fmt)
+        output = infer(asg)
+        planned = _PLANNED[key] = (asg, output)
+    asg, output = planned
+    if sum(t.sparse for t in types) == 0:
+        raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
+    inner_size = None
+    plan_key = key
+    sched0 = schedule(asg, _lowerable(asg, output))
+    if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
+        inner_size = sizes[sched0.inner[-1]]
+        plan_key = key + (inner_size,)
+    plan = _COMPILED.get(plan_key)
+    if plan is None:
+        plan = _compile(asg, output, sizes, broadcast)
+        _COMPILED[plan_key] = plan
+    result = _call(plan, ops, sizes, dtype, scalars or {}, backend)
+    if explain:
+        print(plan.explain())
+    return result
+
+
+def _lowerable(asg, output: OutputFormat) -> OutputFormat:
+    """The output the lowering writes: the inferred one when it shares the driver's positions or is dense;
+    otherwise a dense workspace that is compressed afterwards."""
+    if output.format is None or output.shared_levels:
+        return output
+    return OutputFormat(None, 0, output.rule)
+
+
+def _compile(asg, output, sizes, broadcast) -> Plan:
+    written = _lowerable(asg, output)
+    sched = schedule(asg, written, sizes)
+    ct = L.type_of(asg.operands[0].dtype)
+    plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
+    plan.lowered = lower(asg, sched, ct, broadcast)
+    plan.source = cpp.generate(plan.lowered.kernel)
+    plan.kernel = runtime.load(plan.source, plan.lowered.kernel.name, cpp.argtypes(plan.lowered.kernel))
+    return plan
+
+
+def _sizes(inputs, ops, name):
+    sizes, broadcast = {}, set()
+    for k, (idx, x) in enumerate(zip(inputs, ops)):
+        for d, v in enumerate(idx):
+            n = x.shape[d]
+            if v not in sizes or sizes[v] == 1:
+                sizes[v] = n
+            elif n != sizes[v] and n != 1:
+                raise ValueError(f"scorch {name}: index {v!r} has size {sizes[v]} in one operand and {n} in"
+                                 f" operand {k} (shape {tuple(x.shape)})")
+    for k, (idx, x) in enumerate(zip(inputs, ops)):
+        for d, v in enumerate(idx):
+            if x.shape[d] == 1 and sizes[v] != 1:
+                if isinstance(x, SparseTensor):
+                    raise NotImplementedError(f"scorch {name}: broadcasting the sparse operand {k} along"
+                                              f" index {v!r} is not supported")
+                broadcast.add((k, d))
+    return sizes, frozenset(broadcast)
+
+
+def _result_dtype(ops, name):
+    dtype = ops[0].dtype
+    for x in ops[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    if dtype not in SUPPORTED:
+        raise TypeError(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32, int64)")
+    return dtype
+
+
+def _cast(x, dtype):
+    if x.dtype == dtype:
+        return x if isinstance(x, SparseTensor) else x.contiguous()
+    if isinstance(x, SparseTensor):
+        return x.with_values(x.values().to(dtype))
+    return x.to(dtype).contiguous()
+
+
+def _level_info(x: SparseTensor):
+    """Per level: ``(lo, extent, width)`` and the number of positions, from the storage."""
+    fmt = x.format
+    count, info, counts = 1, [], []
+    for (lo, hi), lvl, st in zip(fmt.level_bounds(x.shape), fmt.level_types, x.levels):
+        width = lvl.width(st, count) if lvl.padded else 0
+        info.append((lo, hi - lo, width))
+        count = lvl.num_positions(st, count, lo, hi)
+        counts.append(count)
+    return info, counts
+
+
+def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
+    asg, out = plan.asg, plan.output
+    s = ops[plan.schedule.driver.operand]
+    info, counts = _level_info(s)
+    out_shape = tuple(sizes[v] for v in asg.out)
+    written = _lowerable(asg, out)
+    if written.shared_levels:
+        out_arr = torch.zeros(counts[written.shared_levels - 1], dtype=dtype)
+    else:
+        out_arr = torch.zeros(out_shape, dtype=dtype)
+    args = [_arg(a, ops, info, sizes, scalars, out_arr) for a in plan.lowered.args]
+    if backend == "interp":
+        from . import interp
+        interp.run(plan.lowered.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
+                                         for a, v in zip(plan.lowered.args, args)})
+    else:
+        plan.kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
+    plan.calls += 1
+    if written.shared_levels and out.format is not None:
+        m = written.shared_levels
+        return SparseTensor(out.format, out_shape, s.levels[:m], out_arr, check=False)
+    if written.shared_levels:
+        return out_arr.reshape(out_shape)
+    if out.format is not None:
+        return interop.asformat(out_arr, out.format)
+    return out_arr
+
+
+def _arg(a, ops, info, sizes, scalars, out_arr):
+    """The value of one kernel argument: a tensor (passed by pointer) or a number."""
+    k = a.kind
+    if k in ("pos", "crd"):
+        return getattr(ops[a.operand].levels[a.level], k)
+    if k == "values":
+        return ops[a.operand].values()
+    if k == "dense":
+        return ops[a.operand]
+    if k in ("lo", "extent", "width"):
+        return info[a.level][("lo", "extent", "width").index(k)]
+    if k == "dim":
+        return ops[a.operand].shape[a.level]
+    if k == "size":
+        return sizes[a.var]
+    if k == "scalar":
+        return scalars[a.var]
+    if k == "out":
+        return out_arr
+    if k == "threads":
+        return torch.get_num_threads()
+    raise AssertionError(f"unknown argument kind {k!r}")
+
+
+def explain(equation, *operands, format=None) -> str:
+    """The plan for ``einsum(equation, *operands)``: output format and the rule that chose it, loop order,
+    parallel loop, specialized extents, where the kernel came from, and the generated source."""
+    ops = prepare(operands)
+    inputs, out = parse(equation, [x.dim() for x in ops])
+    run(inputs, out, ops, format=format, name=f"einsum({equation!r})")
+    sizes, bc = _sizes(inputs, ops, "explain")
+    dtype = _result_dtype(ops, "explain")
+    types = tuple(_type(_cast(x, dtype)) for x in ops)
+    fmt = None if format is None else named.resolve(format, len(out))
+    key = (inputs, out, types, bc, fmt, None)
+    plan = next((p for k, p in _COMPILED.items() if k[:6] == key), None)
+    return plan.explain() if plan else "(no compiled plan: dense operands go straight to torch)"

@@ -1,0 +1,117 @@
+"""Format inference: the output format of an assignment, from its operands' formats and the algebra.
+
+Rules (DESIGN.md section 3.2), on the set of index variables where an expression's nonzeros are restricted
+by a sparse level ("sparse indices"):
+
+* an access to a sparse operand is sparse on the indices of its non-full levels (CSR ``A[i,j]``: ``{j}``;
+  DCSR and COO: ``{i, j}``; BSR(2,2): ``{j}``, through ``j / 2``); a dense operand is sparse nowhere;
+* a product is sparse where any factor is (intersection of patterns): ``A[i,j] * X[j,k]`` is sparse on j;
+* a sum is sparse only where every term is (union of patterns);
+* a zero-preserving map keeps its argument's pattern.
+
+The output is then:
+
+1. dense (a plain torch tensor) when none of its indices is sparse: ``"ij,jk->ik"`` with CSR ``A``;
+2. the pattern of the driving sparse operand when the output indices are exactly that operand's and the
+   operand is a factor of the product (the result can only be nonzero where the operand is stored):
+   ``"ij,ij->ij"`` (sparse * dense), SDDMM ``"ij,ik,kj->ij"``, ``relu(A)``; transposed indices give the
+   transposed format: ``"ij->ji"`` of CSR is CSC, sharing the arrays;
+3. a prefix of the driver's levels when the output indices are exactly the ones those levels store:
+   ``"ij->i"`` of DCSR is ``(i : compressed)``, sharing level 0;
+4. otherwise levels in loop order: ``compressed`` for sparse indices, ``dense`` for the others.
+
+``format=`` on the call overrides all of this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..formats import Compressed, Dense, Format, Var
+from .ir import Access, Add, Assignment, IndexExpr, Map, Mul, Scalar
+
+
+def sparse_indices(e: IndexExpr, operands) -> frozenset:
+    """The index variables on which ``e``'s nonzero pattern is restricted by a sparse level."""
+    if isinstance(e, Access):
+        t = operands[e.operand]
+        if not t.sparse:
+            return frozenset()
+        return frozenset(e.indices[d] for ex, lvl in t.format.levels if not lvl.full for d in ex.dims())
+    if isinstance(e, Mul):
+        return frozenset().union(*(sparse_indices(f, operands) for f in e.factors))
+    if isinstance(e, Add):
+        sets = [sparse_indices(t, operands) for t in e.terms]
+        return frozenset.intersection(*sets) if sets else frozenset()
+    if isinstance(e, Map):
+        return sparse_indices(e.arg, operands)
+    if isinstance(e, Scalar):
+        return frozenset()
+    raise TypeError(f"unknown index expression {type(e).__name__}")
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """The inferred output: ``format`` (None: a dense torch tensor) and, when the output shares a prefix of
+    the driver's levels, ``shared_levels`` (how many) so the kernel writes values at the driver's positions."""
+    format: Optional[Format]
+    shared_levels: int = 0
+    rule: str = "dense"
+
+
+def factors(e: IndexExpr):
+    return e.factors if isinstance(e, Mul) else (e,)
+
+
+def driver_access(asg: Assignment) -> Optional[Access]:
+    """The sparse access that drives the loops: the first sparse operand among the product's factors."""
+    for f in factors(asg.rhs):
+        inner = f
+        while isinstance(inner, Map):
+            inner = inner.arg
+        if isinstance(inner, Access) and asg.operands[inner.operand].sparse:
+            return inner
+    return None
+
+
+def prefix_levels(fmt: Format, access: Access, out) -> int:
+    """The smallest m such that the first m levels of ``fmt`` store exactly the output's indices and
+    determine them (an invertible prefix); 0 if there is none."""
+    known = set()
+    for m in range(1, len(fmt.levels) + 1):
+        known |= {access.indices[d] for d in fmt.exprs[m - 1].dims()}
+        if not known <= set(out):
+            return 0
+        if known == set(out):
+            try:
+                remap(fmt, access, out, m)
+                return m
+            except ValueError:  # e.g. ``j - i`` alone determines neither i nor j
+                continue
+    return 0
+
+
+def remap(fmt: Format, access: Access, out, levels: int) -> Format:
+    """The first ``levels`` levels of ``fmt``, with dimensions renumbered from the access to the output."""
+    new = {d: out.index(v) for d, v in enumerate(access.indices) if v in out}
+    return Format.from_levels(len(out), [(e.renumber(new), lvl) for e, lvl in fmt.levels[:levels]])
+
+
+def infer(asg: Assignment) -> OutputFormat:
+    if asg.out_format is not None:
+        return OutputFormat(asg.out_format, 0, "requested")
+    sparse = sparse_indices(asg.rhs, asg.operands) & set(asg.out)
+    if not sparse:
+        return OutputFormat(None, 0, "dense: no output index is sparse")
+    drv = driver_access(asg)
+    if drv is not None and len(set(drv.indices)) == len(drv.indices):
+        fmt = asg.operands[drv.operand].format
+        m = prefix_levels(fmt, drv, asg.out)
+        if m:
+            out = remap(fmt, drv, asg.out, m)
+            if out.is_dense and all(isinstance(e, Var) and e.dim == k for k, e in enumerate(out.exprs)):
+                return OutputFormat(None, m, "dense: the driver's dense prefix")
+            rule = "the driver's pattern" if m == len(fmt.levels) else f"the driver's first {m} level(s)"
+            return OutputFormat(out, m, rule)
+    levels = [(Var(k), Compressed() if v in sparse else Dense()) for k, v in enumerate(asg.out)]
+    return OutputFormat(Format.from_levels(len(asg.out), levels), 0, "levels by sparse indices")

@@ -1,0 +1,172 @@
+"""The reference semantics of the loop IR: a (slow, scalar) NumPy interpreter, used as the oracle in tests.
+
+Every array access is bounds-checked, so a kernel that would read or write out of bounds in C++ raises
+``IndexError`` here.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import loops as L
+
+NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+
+
+def run(kernel: L.Kernel, args: dict) -> None:
+    """Execute ``kernel`` with ``args`` (parameter name -> NumPy array or Python scalar); arrays are updated
+    in place."""
+    env = {}
+    arrays = {}
+    for p in kernel.params:
+        if p.name not in args:
+            raise KeyError(f"missing argument {p.name!r} for kernel {kernel.name}")
+        v = args[p.name]
+        if p.kind == "array":
+            if not isinstance(v, np.ndarray) or v.ndim != 1:
+                raise TypeError(f"argument {p.name!r} must be a 1-d NumPy array")
+            arrays[p.name] = v
+        else:
+            env[p.name] = _cast(v, p.type)
+    _Interp(arrays).block(kernel.body, env)
+
+
+def _cast(v, t):
+    if t == "bool":
+        return bool(v)
+    if t in ("i32", "i64"):
+        return int(v)
+    return NP[t](v)
+
+
+class _Interp:
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def block(self, b, env):
+        for s in b.stmts:
+            self.stmt(s, env)
+
+    def stmt(self, s, env):
+        if isinstance(s, L.Let) or isinstance(s, L.Decl):
+            env[s.var.name] = _cast(self.expr(s.value, env), s.var.type)
+        elif isinstance(s, L.Assign):
+            v = _cast(self.expr(s.value, env), s.var.type)
+            env[s.var.name] = v if s.op is None else _cast(_combine(s.op, env[s.var.name], v), s.var.type)
+        elif isinstance(s, L.Store):
+            arr = self.arrays[s.array]
+            i = self._index(s.array, s.index, env)
+            v = self.expr(s.value, env)
+            arr[i] = v if s.op is None else _combine(s.op, arr[i], v)
+        elif isinstance(s, L.For):
+            lo, hi = self.expr(s.lo, env), self.expr(s.hi, env)
+            for x in range(int(lo), int(hi)):
+                inner = dict(env)
+                inner[s.var.name] = x
+                self.block(s.body, inner)
+                _writeback(env, inner)
+        elif isinstance(s, L.While):
+            inner = dict(env)
+            while self.expr(s.cond, inner):
+                self.block(s.body, inner)
+            _writeback(env, inner)
+        elif isinstance(s, L.If):
+            inner = dict(env)
+            self.block(s.then if self.expr(s.cond, env) else s.orelse, inner)
+            _writeback(env, inner)
+        elif isinstance(s, L.LocalArray):
+            self.arrays[s.name] = np.full(s.size, self.expr(s.init, env), dtype=NP[s.type])
+        elif isinstance(s, L.Block):
+            inner = dict(env)
+            self.block(s, inner)
+            _writeback(env, inner)
+        else:
+            raise TypeError(f"unknown statement {type(s).__name__}")
+
+    def _index(self, name, index, env):
+        arr = self.arrays[name]
+        i = int(self.expr(index, env))
+        if not 0 <= i < arr.shape[0]:
+            raise IndexError(f"{name}[{i}] is out of bounds (length {arr.shape[0]})")
+        return i
+
+    def expr(self, e, env):
+        if isinstance(e, L.Var):
+            return env[e.name]
+        if isinstance(e, L.Const):
+            return _cast(e.value, e.type)
+        if isinstance(e, L.Load):
+            v = self.arrays[e.array][self._index(e.array, e.index, env)]
+            return _cast(v, e.type)
+        if isinstance(e, L.Binary):
+            return _cast(_binary(e.op, self.expr(e.a, env), self.expr(e.b, env), e.type), e.type)
+        if isinstance(e, L.Unary):
+            return _cast(_unary(e.op, self.expr(e.a, env), e.type), e.type)
+        if isinstance(e, L.Cast):
+            return _cast(self.expr(e.a, env), e.type)
+        if isinstance(e, L.Select):
+            return self.expr(e.a, env) if self.expr(e.cond, env) else self.expr(e.b, env)
+        raise TypeError(f"unknown expression {type(e).__name__}")
+
+
+def _writeback(env, inner):
+    # mutable locals declared outside a scope are updated by it; locals declared inside stay inside
+    for k in env:
+        env[k] = inner[k]
+
+
+def _combine(op, old, new):
+    if op == "add":
+        return old + new
+    if op == "max":
+        return max(old, new)
+    if op == "min":
+        return min(old, new)
+    raise ValueError(f"unknown update {op!r}")
+
+
+def _binary(op, a, b, t):
+    if op == "add":
+        return a + b
+    if op == "sub":
+        return a - b
+    if op == "mul":
+        return a * b
+    if op == "div":
+        if t in ("i32", "i64", "bool"):
+            q = abs(int(a)) // abs(int(b))
+            return q if (a >= 0) == (b >= 0) else -q
+        return a / b
+    if op == "floordiv":
+        return a // b
+    if op == "mod":
+        return a % b
+    if op == "min":
+        return min(a, b)
+    if op == "max":
+        return max(a, b)
+    return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b, "eq": a == b, "ne": a != b,
+            "and": bool(a) and bool(b), "or": bool(a) or bool(b)}[op]
+
+
+def _unary(op, a, t):
+    if op == "neg":
+        return -a
+    if op == "abs":
+        return abs(a)
+    if op == "relu":
+        return _cast(0, t) if a < 0 else a  # NaN stays NaN, as in torch
+    if op == "sqrt":
+        return np.sqrt(a) if not isinstance(a, (int, bool)) else math.sqrt(a)
+    if op == "square":
+        return a * a
+    if op == "sin":
+        return np.sin(a)
+    if op == "tanh":
+        return np.tanh(a)
+    if op == "sign":
+        return (a > 0) - (a < 0)
+    if op == "not":
+        return not a
+    raise ValueError(f"unknown unary op {op!r}")

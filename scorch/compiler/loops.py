@@ -1,0 +1,227 @@
+"""The loop IR: imperative loop nests over arrays, what lowering produces and the code generators consume.
+
+Nodes are frozen dataclasses. Scalars have a ``Type`` (a small set that every backend can name); arrays are
+kernel parameters (or local workspaces) referred to by name. The NumPy interpreter (``interp``) defines
+the semantics; the C++ and CUDA generators must agree with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+#: loop-IR scalar types, and the torch dtypes that map to them
+TYPES = ("bool", "i32", "i64", "f32", "f64")
+FROM_TORCH = {torch.bool: "bool", torch.int32: "i32", torch.int64: "i64", torch.float32: "f32",
+              torch.float64: "f64"}
+TO_TORCH = {v: k for k, v in FROM_TORCH.items()}
+
+
+def type_of(dtype: torch.dtype) -> str:
+    try:
+        return FROM_TORCH[dtype]
+    except KeyError:
+        raise TypeError(f"scorch kernels support the dtypes {', '.join(str(d) for d in FROM_TORCH)}; got {dtype}")\
+            from None
+
+
+class Expr:
+    type: str
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    name: str
+    type: str = "i64"
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: Union[int, float, bool]
+    type: str = "i64"
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    """``array[index]``; the result has the array's element type."""
+    array: str
+    index: Expr
+    type: str = "i64"
+
+
+#: binary operators: arithmetic (``div`` is true division for floats and truncation for integers;
+#: ``floordiv``/``mod`` are used on non-negative integers only), comparisons, logic, min/max
+BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "lt", "le", "gt", "ge", "eq", "ne",
+          "and", "or")
+#: unary maps; every one but ``not`` maps 0 to 0, so it may run on stored values only
+UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not")
+
+
+@dataclass(frozen=True)
+class Binary(Expr):
+    op: str
+    a: Expr
+    b: Expr
+    type: str = "i64"
+
+
+@dataclass(frozen=True)
+class Unary(Expr):
+    op: str
+    a: Expr
+    type: str = "f32"
+
+
+@dataclass(frozen=True)
+class Cast(Expr):
+    a: Expr
+    type: str
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    cond: Expr
+    a: Expr
+    b: Expr
+    type: str = "f32"
+
+
+def binary(op, a, b) -> Expr:
+    """``Binary`` with the result type inferred (comparisons give bool; arithmetic the wider operand type),
+    folding the integer identities the lowering produces (``0 * n``, ``x + 0``, ``x * 1``)."""
+    if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or"):
+        return Binary(op, a, b, "bool")
+    t = wider(a.type, b.type)
+    if t in ("i32", "i64"):
+        za, zb = _is_const(a, 0), _is_const(b, 0)
+        if op == "add" and (za or zb):
+            return b if za else a
+        if op == "sub" and zb:
+            return a
+        if op == "mul" and (za or zb):
+            return Const(0, t)
+        if op == "mul" and (_is_const(a, 1) or _is_const(b, 1)):
+            return b if _is_const(a, 1) else a
+    return Binary(op, a, b, t)
+
+
+def _is_const(e, v) -> bool:
+    return isinstance(e, Const) and e.value == v
+
+
+def wider(a: str, b: str) -> str:
+    return a if TYPES.index(a) >= TYPES.index(b) else b
+
+
+class Stmt:
+    pass
+
+
+@dataclass(frozen=True)
+class Block(Stmt):
+    stmts: tuple = ()
+
+
+@dataclass(frozen=True)
+class Let(Stmt):
+    """Declare an immutable local ``var = value``."""
+    var: Var
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Decl(Stmt):
+    """Declare a mutable local (an accumulator) with an initial value."""
+    var: Var
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Assign(Stmt):
+    var: Var
+    value: Expr
+    op: Optional[str] = None  # None: ``=``; "add": ``+=``; "max"/"min": ``var = max(var, value)``
+
+
+@dataclass(frozen=True)
+class Store(Stmt):
+    array: str
+    index: Expr
+    value: Expr
+    op: Optional[str] = None  # as Assign.op
+    atomic: bool = False
+
+
+@dataclass(frozen=True)
+class LocalArray(Stmt):
+    """A workspace of compile-time ``size`` (kept in registers or on the stack), filled with ``init``."""
+    name: str
+    type: str
+    size: int
+    init: Expr
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a loop runs in parallel. ``kind="static"``: equal iteration counts per thread. ``kind="nnz"``:
+    iterations balanced by the work under them, read from the non-decreasing ``pos`` array (positions
+    ``pos[lo]..pos[hi]``), so that a few long rows do not serialize a thread."""
+    kind: str = "static"
+    pos: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class For(Stmt):
+    var: Var
+    lo: Expr
+    hi: Expr
+    body: Block
+    parallel: Optional[Parallel] = None
+
+
+@dataclass(frozen=True)
+class While(Stmt):
+    cond: Expr
+    body: Block
+
+
+@dataclass(frozen=True)
+class If(Stmt):
+    cond: Expr
+    then: Block
+    orelse: Block = field(default_factory=Block)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A kernel argument: an array (pointer to ``type`` elements) or a scalar of ``type``."""
+    name: str
+    kind: str  # "array" | "scalar"
+    type: str
+    output: bool = False
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    params: tuple
+    body: Block
+
+    def param(self, name) -> Param:
+        return next(p for p in self.params if p.name == name)
+
+
+def block(*stmts) -> Block:
+    """A Block from statements, flattening nested Blocks and dropping Nones."""
+    out = []
+    for s in stmts:
+        if s is None:
+            continue
+        if isinstance(s, Block):
+            out.extend(s.stmts)
+        elif isinstance(s, (list, tuple)):
+            out.extend(block(*s).stmts)
+        else:
+            out.append(s)
+    return Block(tuple(out))

@@ -1,0 +1,358 @@
+"""Compile generated C++ into shared libraries once, cache them, and call them through ctypes.
+
+``load(source, symbol, argtypes, restype)`` returns a :class:`Kernel` whose ``fn`` is a plain ctypes function:
+callers pass raw pointers (``t.data_ptr()`` for a ``c_void_p``) and scalars; per call there is nothing but
+ctypes' own argument conversion.
+
+Caches, fastest first:
+
+* memory: ``.so`` path -> loaded ``ctypes.CDLL`` (per process, guarded by a lock);
+* disk: ``<cache_dir()>/<key>.so`` beside ``<key>.cpp``, where ``key`` is a sha256 of the source, the compiler
+  (path and ``--version``), the flags and the CPU (``-march=native`` code is only valid on the CPU it was built
+  for). Files are written to a unique temporary name and ``os.replace``d into place, so concurrent processes
+  never see a half-written file, and a cached ``.so`` that is damaged is deleted and rebuilt, never loaded.
+
+Environment, read at call time: ``CXX`` (compiler, default ``g++``), ``SCORCH_CACHE_DIR`` (default
+``~/.cache/scorch``), ``SCORCH_SANITIZE=1`` (ASan + UBSan build; load it only in a process started with
+:func:`sanitizer_env`).
+
+This module imports nothing from scorch or torch, so it can be loaded on its own (tests do, in subprocesses).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import secrets
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "sanitizer_env"]
+
+# Bump when the layout of the cache or the meaning of a key changes: old entries are then simply ignored.
+CACHE_VERSION = "v1"
+
+_BASE_FLAGS = ("-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_OPT_FLAGS = ("-O3",)
+_SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                   "-fno-sanitize-recover=all")
+_MAX_MESSAGE = 8000  # characters of compiler output kept in a CompileError; the first errors matter most
+
+_lock = threading.Lock()            # guards _libs and _key_locks; the memo dicts after them are filled without
+                                    # it, since a race there only computes the same value twice
+_libs: dict[str, ctypes.CDLL] = {}  # memory cache: .so path -> loaded library
+_key_locks: dict[str, threading.Lock] = {}  # one per .so path: a compile happens once per process
+_targets: dict[tuple, tuple] = {}          # (source, environment) -> what _target computes
+_which: dict[tuple[str, str], str] = {}     # ($CXX, $PATH) -> resolved compiler path
+_versions: dict[str, str] = {}               # compiler path -> `--version` output
+_cpu: str | None = None
+_asan_loaded: bool | None = None
+
+
+class CompileError(RuntimeError):
+    """The compiler rejected a source: the message names the ``.cpp`` file and carries the compiler's output.
+
+    Attributes: ``source_path`` (the ``.cpp``), ``command`` (the argv run), ``stderr`` (full compiler output).
+    """
+
+    def __init__(self, message: str, source_path: pathlib.Path | None = None,
+                 command: tuple[str, ...] = (), stderr: str = ""):
+        super().__init__(message)
+        self.source_path = source_path
+        self.command = command
+        self.stderr = stderr
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$CXX`` or ``g++``, resolved to an absolute path; ``RuntimeError`` if not found."""
+    cxx = os.environ.get("CXX") or "g++"
+    path_env = os.environ.get("PATH", "")
+    resolved = _which.get((cxx, path_env))
+    if resolved is None:
+        resolved = shutil.which(cxx)
+        if resolved is None:
+            raise RuntimeError(f"scorch: C++ compiler {cxx!r} not found (from $CXX or the default 'g++'); "
+                               "install g++ or set CXX to a C++17 compiler with OpenMP support")
+        resolved = os.path.abspath(resolved)
+        _which[(cxx, path_env)] = resolved
+    return resolved
+
+
+def _sanitize() -> bool:
+    return os.environ.get("SCORCH_SANITIZE", "") not in ("", "0")
+
+
+def flags() -> tuple[str, ...]:
+    """Compiler flags: ``-O3`` plus the base flags, or the ASan/UBSan set instead of ``-O3`` under
+    ``SCORCH_SANITIZE=1``."""
+    return (_SANITIZE_FLAGS if _sanitize() else _OPT_FLAGS) + _BASE_FLAGS
+
+
+def cache_dir() -> pathlib.Path:
+    """``$SCORCH_CACHE_DIR`` (or ``~/.cache/scorch``) / ``CACHE_VERSION``. Not created here; ``load`` does."""
+    root = os.environ.get("SCORCH_CACHE_DIR") or os.path.join("~", ".cache", "scorch")
+    return pathlib.Path(os.path.expanduser(root)) / CACHE_VERSION
+
+
+class Kernel:
+    """One loaded function. ``origin`` is ``"compiled"`` (built by this call), ``"disk"`` (an existing ``.so``)
+    or ``"memory"`` (already loaded in this process); ``compile_seconds`` is 0.0 unless compiled now."""
+
+    __slots__ = ("name", "path", "source_path", "origin", "compile_seconds", "fn")
+
+    def __init__(self, name: str, path: pathlib.Path, source_path: pathlib.Path, origin: str,
+                 compile_seconds: float, fn):
+        self.name = name
+        self.path = path
+        self.source_path = source_path
+        self.origin = origin
+        self.compile_seconds = compile_seconds
+        self.fn = fn
+
+    def __call__(self, *args):
+        # Nothing but the ctypes call: hot loops may call ``kernel.fn`` directly to skip even this frame.
+        return self.fn(*args)
+
+    def __repr__(self):
+        return f"Kernel({self.name!r}, origin={self.origin!r}, path='{self.path}')"
+
+
+def load(source: str, symbol: str, argtypes: list, restype=None) -> Kernel:
+    """Compile ``source`` (or reuse a cached build) and return its ``extern "C"`` function ``symbol`` with the
+    given ctypes ``argtypes``/``restype``. Raises ``CompileError`` if the source does not compile or does not
+    export ``symbol``."""
+    # Everything the target depends on, as raw strings: a memory hit then costs a few dict lookups, not a
+    # sha256, a PATH search and pathlib parsing (the variables are still read on every call).
+    env = os.environ
+    inputs = (source, env.get("CXX"), env.get("PATH"), env.get("SCORCH_SANITIZE"), env.get("SCORCH_CACHE_DIR"),
+              env.get("HOME"))
+    target = _targets.get(inputs)
+    if target is None:
+        target = _targets[inputs] = _target(source)
+    so_path, path, cpp_path, cxx, flag_set = target
+
+    with _lock:
+        lib = _libs.get(so_path)
+        if lib is None:
+            key_lock = _key_locks.setdefault(so_path, threading.Lock())
+    if lib is not None:
+        return _kernel(lib, symbol, argtypes, restype, path, cpp_path, "memory", 0.0)
+
+    with key_lock:  # other threads wanting the same library wait here; different libraries build in parallel
+        with _lock:
+            lib = _libs.get(so_path)
+        if lib is not None:
+            return _kernel(lib, symbol, argtypes, restype, path, cpp_path, "memory", 0.0)
+        if "-fsanitize=address,undefined" in flag_set:
+            _require_asan_runtime()
+        os.makedirs(path.parent, exist_ok=True)
+
+        origin, seconds = "disk", 0.0
+        lib = _load_cached(so_path)
+        if lib is None:
+            if not cpp_path.exists() or cpp_path.read_text(encoding="utf-8") != source:
+                _write_atomic(cpp_path, source)
+            seconds = _compile(cxx, flag_set, cpp_path, so_path)
+            origin = "compiled"
+            try:
+                lib = ctypes.CDLL(so_path)
+            except OSError as e:
+                raise CompileError(f"scorch: compiled {cpp_path} but cannot load {so_path}: {e}", cpp_path) from e
+        elif not cpp_path.exists():  # keep the source beside the binary for debugging
+            _write_atomic(cpp_path, source)
+        with _lock:
+            _libs[so_path] = lib
+        return _kernel(lib, symbol, argtypes, restype, path, cpp_path, origin, seconds)
+
+
+def sanitizer_env() -> dict:
+    """``os.environ`` plus ``LD_PRELOAD`` (the compiler's libasan and libubsan, ASan first) and
+    ``ASAN_OPTIONS=detect_leaks=0:abort_on_error=0``: the environment for a subprocess that loads
+    ``SCORCH_SANITIZE=1`` kernels (an ASan library cannot be dlopen'ed into a process started without it).
+    Leak detection is off because the Python interpreter's own leaks are not ours."""
+    cxx = compiler()
+    preload = []
+    for name in ("libasan.so", "libubsan.so"):
+        out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not os.path.isabs(out) or not os.path.exists(out):  # the compiler echoes the bare name if missing
+            raise RuntimeError(f"scorch: {cxx} has no {name} (install the compiler's sanitizer runtime)")
+        preload.append(os.path.realpath(out))
+    env = dict(os.environ)
+    if env.get("LD_PRELOAD"):
+        preload.append(env["LD_PRELOAD"])
+    env["LD_PRELOAD"] = ":".join(preload)
+    env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0"
+    env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1")
+    return env
+
+
+# --- internals -----------------------------------------------------------------------------------------------
+
+def _target(source: str) -> tuple[str, pathlib.Path, pathlib.Path, str, tuple[str, ...]]:
+    """(.so path as str and Path, .cpp path, compiler, flags) for ``source`` under the current environment."""
+    cxx, flag_set = compiler(), flags()
+    path = cache_dir() / (_key(source, cxx, flag_set) + ".so")
+    return str(path), path, path.with_suffix(".cpp"), cxx, flag_set
+
+
+def _key(source: str, cxx: str, flag_set: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for part in (CACHE_VERSION, source, cxx, _compiler_version(cxx), "\0".join(flag_set), _cpu_id()):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))  # length-prefixed: no two field splits hash alike
+        h.update(data)
+    return h.hexdigest()
+
+
+def _compiler_version(cxx: str) -> str:
+    version = _versions.get(cxx)
+    if version is None:
+        try:
+            run = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+        except OSError as e:
+            raise RuntimeError(f"scorch: cannot run C++ compiler {cxx!r}: {e}") from e
+        version = run.stdout + run.stderr
+        _versions[cxx] = version
+    return version
+
+
+def _cpu_id() -> str:
+    global _cpu
+    if _cpu is None:
+        model = ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        model = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        _cpu = f"{platform.machine()}|{model}"
+    return _cpu
+
+
+def _require_asan_runtime() -> None:
+    # Loading an ASan library into a process without the ASan runtime kills the process outright (ASan's
+    # "runtime does not come first" check calls Die()), so refuse with an exception instead.
+    global _asan_loaded
+    if _asan_loaded is None:
+        try:
+            with open("/proc/self/maps") as f:
+                _asan_loaded = "libasan" in f.read()
+        except OSError:
+            _asan_loaded = "libasan" in os.environ.get("LD_PRELOAD", "")
+    if not _asan_loaded:
+        raise RuntimeError("scorch: SCORCH_SANITIZE=1 kernels need the ASan runtime preloaded; run this "
+                           "process with scorch.compiler.runtime.sanitizer_env() as its environment")
+
+
+def _tmp_name(path: str | os.PathLike) -> str:
+    # Same folder (os.replace must not cross filesystems), unique per process and call, hidden, ignorable.
+    head, tail = os.path.split(os.fspath(path))
+    return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_path: str) -> float:
+    tmp = _tmp_name(so_path)
+    command = (cxx, *flag_set, "-o", tmp, str(cpp_path))
+    start = time.perf_counter()
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, errors="replace")
+        seconds = time.perf_counter() - start
+        if run.returncode != 0:
+            output = (run.stderr + run.stdout).strip()
+            shown = output if len(output) <= _MAX_MESSAGE else (
+                output[:_MAX_MESSAGE] + f"\n... ({len(output) - _MAX_MESSAGE} more characters)")
+            raise CompileError(f"scorch: failed to compile {cpp_path} (exit {run.returncode}):\n"
+                               f"$ {' '.join(command)}\n{shown}", cpp_path, command, output)
+        os.replace(tmp, so_path)  # atomic: other processes see the old file, none, or the whole new one
+    finally:
+        _unlink(tmp)
+    return seconds
+
+
+def _load_cached(so_path: str) -> ctypes.CDLL | None:
+    """The cached library at ``so_path``, or None if absent; a damaged file is deleted (and None returned)."""
+    try:
+        reason = _elf_damage(so_path)
+    except FileNotFoundError:
+        return None
+    if reason is None:
+        try:
+            return ctypes.CDLL(so_path)
+        except OSError as e:
+            reason = str(e)
+    # Never trust it; the caller rebuilds. Deleting (not truncating) leaves any process that mapped it intact.
+    _unlink(so_path)
+    return None
+
+
+def _elf_damage(path: str) -> str | None:
+    """Why an ELF file cannot be loaded safely, or None. dlopen of a truncated library maps segments past the
+    end of the file and dies with SIGBUS instead of failing, so check every loaded range lies in the file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(64)
+        if not sys.platform.startswith("linux"):
+            return None if size else "empty file"
+        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+            return "not an ELF file"
+        end = "<" if head[5] == 1 else ">"
+        if head[4] == 2:  # ELF64
+            if len(head) < 64:
+                return "truncated ELF header"
+            phoff, shoff = struct.unpack_from(end + "QQ", head, 32)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 54)
+            ph_fmt, ph_fields = end + "IIQQQQ", (0, 2, 5)  # p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz
+        else:  # ELF32
+            phoff, shoff = struct.unpack_from(end + "II", head, 28)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 42)
+            ph_fmt, ph_fields = end + "IIIII", (0, 1, 4)  # p_type, p_offset, p_vaddr, p_paddr, p_filesz
+        if shoff + shentsize * shnum > size:
+            return "section headers past end of file"
+        if phnum == 0 or phoff + phentsize * phnum > size or phentsize < struct.calcsize(ph_fmt):
+            return "program headers missing or past end of file"
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        fields = struct.unpack_from(ph_fmt, table, i * phentsize)
+        p_type, p_offset, p_filesz = (fields[j] for j in ph_fields)
+        if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
+            return "loadable segment past end of file"
+    return None
+
+
+def _kernel(lib, symbol, argtypes, restype, path, source_path, origin, seconds) -> Kernel:
+    try:
+        fn = lib[symbol]  # __getitem__ makes a fresh function object: argtypes set here never leak to others
+    except AttributeError:
+        raise CompileError(f"scorch: {path} (from {source_path}) does not export {symbol!r}; "
+                           "is it declared extern \"C\"?", source_path) from None
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return Kernel(symbol, path, source_path, origin, seconds, fn)
