@@ -99,7 +99,10 @@ def remap(fmt: Format, access: Access, out, levels: int) -> Format:
 
 def infer(asg: Assignment) -> OutputFormat:
     if asg.out_format is not None:
-        return OutputFormat(asg.out_format, 0, "requested")
+        f = asg.out_format
+        if f.is_dense and all(isinstance(e, Var) and e.dim == k for k, e in enumerate(f.exprs)):
+            return OutputFormat(None, 0, "requested: dense")
+        return OutputFormat(f, 0, "requested")
     sparse = sparse_indices(asg.rhs, asg.operands) & set(asg.out)
     if not sparse:
         return OutputFormat(None, 0, "dense: no output index is sparse")

@@ -1,0 +1,105 @@
+"""Elementwise ops. Zero-preserving maps and products with a dense or scalar operand keep the sparse
+operand's pattern (its index arrays are shared, only values are computed); a sum with a dense operand is
+dense. Sums and products of two sparse operands arrive with co-iteration."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from ..compiler import dispatch
+from ..sparse_tensor import SparseTensor, implements
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+# zero-preserving unary maps: f(0) == 0, so f runs on the stored values only
+_MAPS = {
+    "relu": (torch.relu, torch.Tensor.relu, F.relu),
+    "neg": (torch.neg, torch.Tensor.neg, torch.Tensor.__neg__, torch.negative),
+    "abs": (torch.abs, torch.Tensor.abs, torch.Tensor.__abs__),
+    "sqrt": (torch.sqrt, torch.Tensor.sqrt),
+    "square": (torch.square, torch.Tensor.square),
+    "sin": (torch.sin, torch.Tensor.sin),
+    "tanh": (torch.tanh, torch.Tensor.tanh, F.tanh),
+    "sign": (torch.sign, torch.Tensor.sign),
+}
+
+
+def _map(torch_fn):
+    def apply(x, *args, **kwargs):
+        if args or kwargs.get("inplace"):
+            raise NotImplementedError(f"scorch: {torch_fn.__name__} with extra arguments on a sparse operand")
+        return x.with_values(torch_fn(x.values()))
+    return apply
+
+
+for _name, _funcs in _MAPS.items():
+    implements(*_funcs)(_map(_funcs[0]))
+
+
+def _elementwise_eq(a, b):
+    """``"ab,ab->ab"`` with broadcasting of the dense side aligned right, as torch broadcasts."""
+    n = max(a.dim(), b.dim())
+    out = _LETTERS[:n]
+    return f"{out[n - a.dim():]},{out[n - b.dim():]}->{out}"
+
+
+@implements(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply)
+def mul(a, b):
+    if isinstance(b, SparseTensor) and not isinstance(a, SparseTensor):
+        a, b = b, a
+    if isinstance(b, numbers.Number) or (isinstance(b, torch.Tensor) and b.dim() == 0 and
+                                         not isinstance(b, SparseTensor)):
+        scalar = b.item() if isinstance(b, torch.Tensor) else b
+        vals = a.values() * scalar
+        return a.with_values(vals)
+    if tuple(torch.broadcast_shapes(a.shape, b.shape)) != tuple(a.shape) and not isinstance(b, SparseTensor):
+        raise ValueError(f"mul: the dense operand of shape {tuple(b.shape)} would broadcast the sparse operand of"
+                         f" shape {tuple(a.shape)}")
+    return dispatch.einsum(_elementwise_eq(a, b), a, b)
+
+
+@implements(torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide)
+def div(a, b, *, rounding_mode=None):
+    if isinstance(a, SparseTensor) and isinstance(b, numbers.Number) and rounding_mode is None:
+        vals = a.values() / b
+        return a.with_values(vals)
+    raise NotImplementedError("scorch: div of a sparse tensor is supported by a scalar only (x / 0 is not"
+                              " zero-preserving otherwise)")
+
+
+def _sparse(x):
+    return isinstance(x, SparseTensor) or (isinstance(x, torch.Tensor) and x.layout != torch.strided)
+
+
+def _scattered(s):
+    """A sparse tensor's entries scattered into a dense tensor, by a compiled kernel."""
+    letters = _LETTERS[:s.dim()]
+    return dispatch.einsum(f"{letters}->{letters}", s, format="dense")
+
+
+@implements(torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+def add(a, b, *, alpha=1):
+    """``a + alpha * b``. With a dense operand the union is dense: the sparse entries are scattered into it."""
+    if _sparse(a) and _sparse(b):
+        raise NotImplementedError("scorch: add of two sparse operands needs co-iteration (a union merge),"
+                                  " which is not supported yet")
+    if isinstance(b, numbers.Number) or isinstance(a, numbers.Number):
+        if (b if isinstance(b, numbers.Number) else a) == 0:
+            return a if _sparse(a) else b * alpha
+        raise NotImplementedError("scorch: adding a nonzero scalar to a sparse tensor makes it dense; use"
+                                  " S.to_dense() + c")
+    if _sparse(a):
+        return torch.add(_scattered(a), b, alpha=alpha)
+    return torch.add(a, _scattered(b), alpha=alpha)
+
+
+@implements(torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.subtract)
+def sub(a, b, *, alpha=1):
+    return add(a, b, alpha=-alpha)
+
+
+@implements(torch.Tensor.__rsub__)
+def rsub(a, b):
+    return sub(b, a)

@@ -1,0 +1,114 @@
+"""Products: einsum, matmul, mm, mv, bmm, addmm, and torch.sparse's mm/addmm/sampled_addmm."""
+from __future__ import annotations
+
+import torch
+
+from ..compiler import dispatch
+from ..sparse_tensor import SparseTensor, implements
+
+
+@implements(torch.einsum)
+def einsum(equation, *operands, format=None):
+    """``torch.einsum`` over any mix of dense and sparse operands (``format=`` sets the output format)."""
+    return dispatch.einsum(equation, *operands, format=format)
+
+
+def _is_sparse(x):
+    return isinstance(x, SparseTensor) or (isinstance(x, torch.Tensor) and x.layout != torch.strided)
+
+
+def _product_format(a, b):
+    """torch's convention: a product with a dense operand is dense; sparse x sparse is sparse (inferred)."""
+    return None if (_is_sparse(a) and _is_sparse(b)) else "dense"
+
+
+@implements(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+def matmul(a, b):
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"matmul: operands must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    da, db = a.dim(), b.dim()
+    if da == 0 or db == 0:
+        raise ValueError("matmul: both arguments need at least one dimension")
+    if da == 1 and db == 1:
+        eq = "j,j->"
+    elif da == 2 and db == 1:
+        eq = "ij,j->i"
+    elif da == 1 and db == 2:
+        eq = "j,jk->k"
+    elif da == 2 and db == 2:
+        eq = "ij,jk->ik"
+    else:
+        eq = "...ij,...jk->...ik" if db > 1 else "...ij,j->...i"
+        if da == 1:
+            eq = "j,...jk->...k"
+    _check_inner(a, b, -1, -2 if db > 1 else 0, "matmul")
+    return dispatch.einsum(eq, a, b, format=_product_format(a, b))
+
+
+@implements(torch.Tensor.__rmatmul__)
+def rmatmul(b, a):
+    return matmul(a, b)
+
+
+def _check_inner(a, b, da, db, name):
+    if a.shape[da] != b.shape[db]:
+        raise ValueError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied"
+                         f" ({a.shape[da]} != {b.shape[db]})")
+
+
+@implements(torch.mm, torch.Tensor.mm, torch.sparse.mm, torch.spmm)
+def mm(a, b, *args):
+    if args:  # torch.sparse.mm(S, D, reduce) is not supported
+        raise NotImplementedError("scorch: torch.sparse.mm with a reduce argument is not supported yet")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"mm: expected 2-d tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    _check_inner(a, b, 1, 0, "mm")
+    return dispatch.einsum("ij,jk->ik", a, b, format=_product_format(a, b))
+
+
+@implements(torch.mv, torch.Tensor.mv)
+def mv(a, v):
+    if a.dim() != 2 or v.dim() != 1:
+        raise ValueError(f"mv: expected a 2-d and a 1-d tensor, got shapes {tuple(a.shape)} and {tuple(v.shape)}")
+    _check_inner(a, v, 1, 0, "mv")
+    return dispatch.einsum("ij,j->i", a, v, format=_product_format(a, v))
+
+
+@implements(torch.bmm, torch.Tensor.bmm)
+def bmm(a, b):
+    if a.dim() != 3 or b.dim() != 3:
+        raise ValueError(f"bmm: expected 3-d tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    _check_inner(a, b, 2, 1, "bmm")
+    return dispatch.einsum("bij,bjk->bik", a, b, format=_product_format(a, b))
+
+
+@implements(torch.addmm, torch.Tensor.addmm, torch.sparse.addmm)
+def addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    """``beta * input + alpha * (mat1 @ mat2)``; dense ``input``."""
+    prod = mm(mat1, mat2)
+    if isinstance(prod, SparseTensor):
+        prod = prod.to_dense()
+    if isinstance(input, SparseTensor):
+        input = input.to_dense()
+    return torch.add(input * beta if beta != 1 else input, prod, alpha=alpha)
+
+
+@implements(torch.sparse.sampled_addmm)
+def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
+    """SDDMM: ``beta * input + alpha * (mat1 @ mat2)`` at the stored entries of the sparse ``input``.
+    The result has ``input``'s pattern and format (its index arrays are shared)."""
+    if out is not None:
+        raise NotImplementedError("scorch: sampled_addmm(out=...) is not supported")
+    if not _is_sparse(input):
+        raise ValueError("sampled_addmm: input must be sparse")
+    s = dispatch.prepare([input])[0]
+    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[0] != s.shape[0] or mat2.shape[1] != s.shape[1]:
+        raise ValueError(f"sampled_addmm: shapes {tuple(s.shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
+                         " do not match (input m x n, mat1 m x k, mat2 k x n)")
+    _check_inner(mat1, mat2, 1, 0, "sampled_addmm")
+    pattern = s.with_values(torch.ones_like(s.values()))
+    prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2)
+    vals = prod.values() * alpha
+    if beta != 0:
+        vals = vals + beta * s.values()
+    return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)

@@ -1,0 +1,52 @@
+"""Reductions: sum and mean over dimensions, with keepdim; torch.sparse.sum."""
+from __future__ import annotations
+
+import torch
+
+from ..compiler import dispatch
+from ..sparse_tensor import SparseTensor, implements
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _dims(dim, n, name):
+    if dim is None:
+        return tuple(range(n))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    out = []
+    for d in dims:
+        if not -n <= d < n:
+            raise IndexError(f"{name}: dimension {d} is out of range for a {n}-d tensor")
+        out.append(d % n)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}: dimension repeated in {dims}")
+    return tuple(out)
+
+
+@implements(torch.sum, torch.Tensor.sum, torch.sparse.sum)
+def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
+    n = x.dim()
+    dims = _dims(dim, n, "sum")
+    src = _LETTERS[:n]
+    out = "".join(c for d, c in enumerate(src) if d not in dims)
+    if dtype is not None:
+        x = x.to(dtype)
+    elif not (x.dtype.is_floating_point or x.dtype.is_complex):
+        x = x.to(torch.int64)  # torch sums integers (and bools) in int64
+    r = dispatch.einsum(f"{src}->{out}", x)
+    if keepdim:
+        shape = tuple(1 if d in dims else x.shape[d] for d in range(n))
+        r = r.to_dense().reshape(shape) if isinstance(r, SparseTensor) else r.reshape(shape)
+    return r
+
+
+@implements(torch.mean, torch.Tensor.mean)
+def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
+    if not (x.dtype.is_floating_point or dtype is not None):
+        raise TypeError(f"mean: could not infer output dtype; input dtype {x.dtype} is not floating point")
+    dims = _dims(dim, x.dim(), "mean")
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    s = sum(x, dim, keepdim, dtype=dtype)
+    return s.with_values(s.values() / count) if isinstance(s, SparseTensor) else s / count
