@@ -12,7 +12,7 @@ NAMES = """
 tensor randn rand zeros ones empty full arange linspace eye zeros_like ones_like randn_like rand_like randint
 randperm manual_seed from_numpy as_tensor cat stack split chunk reshape transpose permute squeeze unsqueeze
 flatten gather scatter index_select masked_select where clamp abs exp log sqrt sin cos tanh sigmoid relu
-softmax log_softmax matmul mm bmm mv addmm einsum sum mean max min amax amin argmax argmin topk sort norm
+softmax log_softmax matmul mm bmm mv addmm sum mean max min amax amin argmax argmin topk sort norm
 allclose equal isclose no_grad enable_grad set_grad_enabled inference_mode is_tensor is_grad_enabled
 float32 float64 float16 bfloat16 int64 int32 int16 int8 uint8 bool complex64 strided sparse_coo sparse_csr
 sparse_csc sparse_bsr sparse_bsc device dtype layout Size Tensor Generator float double long int half
@@ -53,6 +53,7 @@ def test_scorch_modules_are_its_own():
     assert scorch.sparse.softmax is torch.sparse.softmax  # forwarded until scorch overrides it
     assert callable(scorch.sparse.check_invariants)
     assert scorch.sparse_csr_tensor is not torch.sparse_csr_tensor  # scorch's constructors return SparseTensors
+    assert scorch.einsum is not torch.einsum  # takes format= and runs sparse operands through the compiler
 
 
 def test_dir_lists_torch_and_scorch_names():
