@@ -150,7 +150,10 @@ def _quiet_beta():
 # unless check_invariants=False is passed explicitly.
 def _build(torch_fn, args, dtype, device, requires_grad, check_invariants, **extra):
     with _quiet_beta():
-        t = torch_fn(*args, dtype=dtype, device=device, check_invariants=False, **extra)
+        try:
+            t = torch_fn(*args, dtype=dtype, device=device, check_invariants=False, **extra)
+        except RuntimeError as e:  # torch reports inconsistent arguments as RuntimeError
+            raise ValueError(f"{torch_fn.__name__}: {e}") from None
     check = check_invariants is None or bool(check_invariants)
     return from_torch(t, check=check).requires_grad_(requires_grad)
 

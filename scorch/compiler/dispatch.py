@@ -109,8 +109,17 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         output = infer(asg)
         planned = _PLANNED[key] = (asg, output)
     asg, output = planned
-    if sum(t.sparse for t in types) == 0:
+    n_sparse = sum(t.sparse for t in types)
+    if n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
+    if n_sparse > 1:
+        plan = _COMPILED.get(key)
+        if plan is None:
+            plan = _COMPILED[key] = _compile_coiteration(asg, output, broadcast)
+        result = _call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
+        if explain:
+            print(plan.explain())
+        return result
     inner_size = None
     plan_key = key
     sched0 = schedule(asg, _lowerable(asg, output))
@@ -144,6 +153,118 @@ def _compile(asg, output, sizes, broadcast) -> Plan:
     plan.source = cpp.generate(plan.lowered.kernel)
     plan.kernel = runtime.load(plan.source, plan.lowered.kernel.name, cpp.argtypes(plan.lowered.kernel))
     return plan
+
+
+@dataclass
+class CoPlan:
+    """A co-iteration plan: operands reformatted as the schedule says, then one kernel (dense output) or two
+    (count and fill passes of a rows output)."""
+    asg: Assignment
+    output: OutputFormat
+    schedule: object
+    inner_asg: Assignment = None
+    lowered: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+    kernels: dict = field(default_factory=dict)
+    calls: int = 0
+
+    def explain(self) -> str:
+        cs, out = self.schedule, self.output
+        fmt = "dense (torch tensor)" if out.format is None else (out.format.name or str(out.format))
+        lines = [f"expression:   {self.asg}",
+                 f"operands:     {', '.join(f'T{k}: {t}' for k, t in enumerate(self.asg.operands))}",
+                 f"output:       {fmt}  [rule: {out.rule}]"]
+        for k, f in cs.reformat:
+            lines.append(f"reformat:     T{k} converted to {f.name or f} before the kernel")
+        lines.append(f"loop order:   {' -> '.join(cs.order)}  ({cs.why})")
+        if cs.output == "rows":
+            row = cs.row_var or "(one virtual row)"
+            lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) with a touched list;"
+                         " count pass, prefix sum, fill pass")
+        lines.append(f"parallel:     {'the outermost loop' if cs.parallel else 'none'}"
+                     f"{' (balanced by nnz)' if cs.balance else ''}")
+        for phase, k in self.kernels.items():
+            how = {"compiled": f"compiled now ({k.compile_seconds:.2f} s)", "disk": "loaded from the disk cache",
+                   "memory": "from the memory cache"}.get(k.origin, k.origin)
+            lines += [f"kernel {phase}: {how}: {k.path}", "source:", self.sources[phase]]
+        return "\n".join(lines)
+
+
+def _compile_coiteration(asg, output, broadcast) -> CoPlan:
+    from .coiterate import lower_coiteration
+    from .schedule import schedule_coiteration
+    cs = schedule_coiteration(asg, output)
+    ops = list(asg.operands)
+    for k, f in cs.reformat:
+        t = ops[k]
+        ops[k] = TensorType(t.ndim, t.dtype, f, t.index_dtype, t.device)
+    inner = Assignment(asg.out, asg.rhs, tuple(ops), asg.reduce, asg.out_format)
+    plan = CoPlan(asg, output, cs, inner)
+    ct = L.type_of(asg.operands[0].dtype)
+    for phase in ((None,) if cs.output == "dense" else ("count", "fill")):
+        low = lower_coiteration(inner, cs, ct, broadcast, phase)
+        src = cpp.generate(low.kernel)
+        plan.lowered[phase], plan.sources[phase] = low, src
+        plan.kernels[phase] = runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+    return plan
+
+
+def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
+    cs, asg = plan.schedule, plan.asg
+    ops = list(ops)
+    for k, f in cs.reformat:
+        ops[k] = interop.asformat(ops[k], f, index_dtype=ops[k].index_dtype)
+    infos = {k: _level_info(x)[0] for k, x in enumerate(ops) if isinstance(x, SparseTensor)}
+    out_shape = tuple(sizes[v] for v in asg.out)
+
+    def launch(phase, extra):
+        low = plan.lowered[phase]
+        args = [extra[a.kind] if a.kind in extra else _arg(a, ops, infos.get(a.operand), sizes, scalars, None)
+                for a in low.args]
+        if backend == "interp":
+            from . import interp
+            interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
+                                    for a, v in zip(low.args, args)})
+        else:
+            plan.kernels[phase](*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
+
+    plan.calls += 1
+    if cs.output == "dense":
+        out = torch.zeros(out_shape, dtype=dtype)
+        launch(None, {"out": out})
+        return out
+    rows = sizes[cs.row_var] if cs.row_var is not None else 1
+    counts = torch.zeros(rows, dtype=torch.int64)
+    launch("count", {"counts": counts})
+    row_ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=row_ptr[1:])
+    nnz = int(row_ptr[-1])
+    crd = torch.empty(nnz, dtype=torch.int64)
+    vals = torch.empty(nnz, dtype=dtype)
+    launch("fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
+    return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
+
+
+def _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals):
+    """The result in the output format, from the rows the kernels wrote: directly when they already are that
+    format's arrays (CSR or CSC), else through the coordinate list."""
+    cs, asg, fmt = plan.schedule, plan.asg, plan.output.format
+    from ..formats import storage
+    idx = storage.pick_index_dtype(crd.numel(), *out_shape)
+    if len(asg.out) == 2 and cs.row_var is not None:
+        direct = named.csr if cs.row_var == asg.out[0] else named.csc
+        s = SparseTensor(direct, out_shape, [None, {"pos": row_ptr.to(idx), "crd": crd.to(idx)}], vals, check=False)
+        return s if fmt == direct else interop.asformat(s, fmt)
+    coords = {}
+    if cs.row_var is not None:
+        coords[cs.row_var] = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    rest = crd
+    for v in reversed(cs.ws_vars):
+        coords[v] = rest % sizes[v] if sizes[v] else rest
+        rest = rest // sizes[v] if sizes[v] else rest
+    dims = torch.stack([coords[v] for v in asg.out]) if asg.out else torch.zeros(0, vals.numel(), dtype=torch.int64)
+    levels, values = storage.pack(fmt, out_shape, dims, vals, idx)
+    return SparseTensor(fmt, out_shape, levels, values, check=False)
 
 
 def _sizes(inputs, ops, name):

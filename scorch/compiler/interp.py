@@ -60,6 +60,8 @@ class _Interp:
             v = self.expr(s.value, env)
             arr[i] = v if s.op is None else _combine(s.op, arr[i], v)
         elif isinstance(s, L.For):
+            if s.parallel is not None and s.parallel.setup is not None:
+                self.block(s.parallel.setup, env)  # one "thread": its private workspaces
             lo, hi = self.expr(s.lo, env), self.expr(s.hi, env)
             for x in range(int(lo), int(hi)):
                 inner = dict(env)
@@ -75,6 +77,14 @@ class _Interp:
             inner = dict(env)
             self.block(s.then if self.expr(s.cond, env) else s.orelse, inner)
             _writeback(env, inner)
+        elif isinstance(s, L.Alloc):
+            self.arrays[s.name] = np.zeros(int(self.expr(s.size, env)), dtype=NP[s.type])
+        elif isinstance(s, L.Sort):
+            arr = self.arrays[s.array]
+            lo, hi = int(self.expr(s.lo, env)), int(self.expr(s.hi, env))
+            if not 0 <= lo <= hi <= arr.shape[0]:
+                raise IndexError(f"sort of {s.array}[{lo}:{hi}] is out of bounds (length {arr.shape[0]})")
+            arr[lo:hi] = np.sort(arr[lo:hi])
         elif isinstance(s, L.LocalArray):
             self.arrays[s.name] = np.full(s.size, self.expr(s.init, env), dtype=NP[s.type])
         elif isinstance(s, L.Block):

@@ -163,12 +163,30 @@ class LocalArray(Stmt):
 
 
 @dataclass(frozen=True)
+class Alloc(Stmt):
+    """A workspace of run-time ``size`` elements on the heap, zero-filled; freed at the end of its scope.
+    Inside a parallel loop's ``setup`` it is private to each thread."""
+    name: str
+    type: str
+    size: Expr
+
+
+@dataclass(frozen=True)
+class Sort(Stmt):
+    """Sort ``array[lo:hi]`` ascending in place."""
+    array: str
+    lo: Expr
+    hi: Expr
+
+
+@dataclass(frozen=True)
 class Parallel:
     """How a loop runs in parallel. ``kind="static"``: equal iteration counts per thread. ``kind="nnz"``:
     iterations balanced by the work under them, read from the non-decreasing ``pos`` array (positions
     ``pos[lo]..pos[hi]``), so that a few long rows do not serialize a thread."""
     kind: str = "static"
     pos: Optional[str] = None
+    setup: "Block" = None  # statements each thread runs once before its iterations (private workspaces)
 
 
 @dataclass(frozen=True)

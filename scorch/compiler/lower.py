@@ -209,8 +209,6 @@ class _Lowering:
                 out = L.Binary("mul", out, v, ct)
             return out
         if isinstance(e, Add):
-            if any(asg.operands[a.operand].sparse for a in e.accesses()):
-                raise NotImplementedError("scorch: a sum with a sparse term (union) is not supported yet")
             vals = [self._value(t) for t in e.terms]
             out = vals[0]
             for v in vals[1:]:

@@ -73,3 +73,124 @@ def _inner_order(vs, asg):
     red = [v for v in vs if v not in asg.out]
     outs = sorted((v for v in vs if v in asg.out), key=asg.out.index)
     return red + outs
+
+
+# --- co-iteration of several sparse operands ------------------------------------------------------------------
+@dataclass(frozen=True)
+class CoSchedule:
+    """The schedule of an assignment with several sparse operands, lowered by index variable (``coiterate``).
+
+    ``order``: the loop order, concordant with every sparse operand's levels. ``reformat``: operands first
+    converted to another format ((operand, Format) pairs): to a format with plain-index, unique, ordered levels,
+    or transposed when no loop order is concordant with all operands. ``output``: ``dense``, or ``rows``: each
+    iteration of ``row_var`` (the outermost loop; None: one virtual row) accumulates into a dense workspace over
+    ``ws_vars`` with a list of touched entries, assembled in two passes (count, prefix sum, fill).
+    """
+    order: tuple
+    reformat: tuple
+    output: str
+    row_var: Optional[str]
+    ws_vars: tuple
+    parallel: bool
+    balance: Optional[tuple]
+    why: str
+
+    def describe(self, asg: Assignment) -> str:
+        return " -> ".join(self.order)
+
+
+def coiterable(fmt) -> bool:
+    """Levels a merge can walk: plain indices, each level dense or compressed (unique and ordered)."""
+    return all(isinstance(e, Var) for e in fmt.exprs) and all(
+        isinstance(lvl, Dense) or (isinstance(lvl, Compressed) and lvl.unique and lvl.ordered)
+        for lvl in fmt.level_types)
+
+
+def _coiterable_version(fmt):
+    from ..formats import Format, named
+    if not all(isinstance(e, Var) for e in fmt.exprs):
+        return named.csr if fmt.ndim == 2 else named.csf(fmt.ndim)
+    return Format.from_levels(fmt.ndim, [(e, lvl if isinstance(lvl, Dense) else Compressed())
+                                         for e, lvl in fmt.levels])
+
+
+def _level_vars(fmt, access):
+    return [access.indices[e.dim] for e in fmt.exprs]
+
+
+def _topological(vars_, constraints, priority):
+    """A loop order respecting every (before, after) constraint, best priority first; None on a cycle."""
+    order, left = [], list(vars_)
+    while left:
+        ready = [v for v in left if not any(b == v and a in left for a, b in constraints)]
+        if not ready:
+            return None
+        v = min(ready, key=priority)
+        order.append(v)
+        left.remove(v)
+    return tuple(order)
+
+
+def schedule_coiteration(asg: Assignment, out: OutputFormat) -> CoSchedule:
+    from ..formats import Format
+    sparse = [a for a in _accesses(asg) if asg.operands[a.operand].sparse]
+    for a in sparse:
+        if len(set(a.indices)) != len(a.indices):
+            raise NotImplementedError("scorch: repeated indices on a sparse operand that is co-iterated with"
+                                      " another sparse operand are not supported yet")
+    fmts = {a.operand: asg.operands[a.operand].format for a in sparse}
+    reformat = {k: _coiterable_version(f) for k, f in fmts.items() if not coiterable(f)}
+    fmts.update(reformat)
+    stored = {v for a in sparse for v in a.indices}
+
+    def priority(v):
+        if v not in stored:
+            return (2, asg.indices.index(v))  # dense-only indices innermost
+        return (0, asg.out.index(v)) if v in asg.out else (1, asg.indices.index(v))
+
+    def constraints(skip=()):
+        cs = []
+        for a in sparse:
+            if a.operand in skip:
+                continue
+            vs = _level_vars(fmts[a.operand], a)
+            cs += list(zip(vs, vs[1:]))
+        return cs
+
+    order = _topological(asg.indices, constraints(), priority)
+    why = "concordant with every sparse operand"
+    if order is None:
+        # transpose the last sparse operand to follow the others (a format conversion of its nnz entries)
+        victim = sparse[-1]
+        order = _topological(asg.indices, constraints(skip=(victim.operand,)), priority)
+        if order is None:
+            raise NotImplementedError("scorch: no loop order is concordant with the sparse operands")
+        f = fmts[victim.operand]
+        vs = _level_vars(f, victim)
+        new_vars = sorted(vs, key=order.index)
+        fmt = Format.from_levels(f.ndim, [(Var(victim.indices.index(v)), lvl)
+                                          for v, (_, lvl) in zip(new_vars, f.levels)])
+        reformat[victim.operand] = fmts[victim.operand] = fmt
+        why = f"T{victim.operand} transposed to follow the other operands' level order"
+    reformat = tuple(sorted(reformat.items()))
+    if out.format is None:
+        mode, row, ws = "dense", None, ()
+        parallel = order[0] in asg.out
+    else:
+        mode = "rows"
+        row = order[0] if order[0] in asg.out else None
+        ws = tuple(v for v in asg.out if v != row)
+        parallel = row is not None
+    balance = None
+    if parallel:
+        for a in sparse:
+            f = fmts[a.operand]
+            if len(f.levels) > 1 and isinstance(f.level_types[0], Dense) and \
+                    isinstance(f.level_types[1], Compressed) and a.indices[f.exprs[0].dim] == order[0]:
+                balance = (a.operand, 1)
+                break
+    return CoSchedule(order, reformat, mode, row, ws, parallel, balance, why)
+
+
+def _accesses(asg):
+    return asg.rhs.accesses()

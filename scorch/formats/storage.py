@@ -83,8 +83,8 @@ def positions(fmt: Format, shape, levels):
 def unpack(fmt: Format, shape, levels, values):
     """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding is dropped.
 
-    Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and the
-    repeated coordinates of a padded (fixed) level.
+    Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and, in a
+    format with a padded (fixed) level, every stored zero (padding and explicit zeros cannot be told apart).
     """
     leaf, coords = positions(fmt, shape, levels)
     dims = [None] * fmt.ndim
@@ -94,13 +94,9 @@ def unpack(fmt: Format, shape, levels, values):
     keep = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
     for d, n in enumerate(shape):
         keep &= (dims[d] >= 0) & (dims[d] < n)
-    for k, lvl in enumerate(fmt.level_types):
-        if lvl.padded and leaf.numel() > 1:
-            # a padding slot repeats the previous slot's full coordinate
-            same = torch.ones(leaf.numel() - 1, dtype=torch.bool, device=leaf.device)
-            for c in coords:
-                same &= c[1:] == c[:-1]
-            keep[1:] &= ~same
+    if any(lvl.padded for lvl in fmt.level_types):
+        # a padded (fixed) level cannot tell padding from a stored zero: both read back as absent
+        keep &= values[leaf] != 0
     return dims[:, keep], values[leaf[keep]]
 
 

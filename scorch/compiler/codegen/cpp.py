@@ -19,6 +19,7 @@ _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "a
 PRELUDE = """#include <cstdint>
 #include <cmath>
 #include <algorithm>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -96,6 +97,15 @@ class _Emitter:
             i = self.fresh("w")
             return [f"{pad}{t} {n}[{int(s.size)}];",
                     f"{pad}for (int64_t {i} = 0; {i} < {int(s.size)}; ++{i}) {n}[{i}] = {self.expr(s.init)};"]
+        if isinstance(s, L.Alloc):
+            n, t = ident(s.name), CTYPE[s.type]
+            vec = self.fresh("buf")
+            store = "unsigned char" if s.type == "bool" else t  # std::vector<bool> is a bitset: no data()
+            return [f"{pad}std::vector<{store}> {vec}((size_t)({self.expr(s.size)}));",
+                    f"{pad}{t}* __restrict__ {n} = reinterpret_cast<{t}*>({vec}.data());"]
+        if isinstance(s, L.Sort):
+            a = ident(s.array)
+            return [f"{pad}std::sort({a} + {self.expr(s.lo)}, {a} + {self.expr(s.hi)});"]
         if isinstance(s, L.For):
             return self.loop(s, d)
         if isinstance(s, L.While):
@@ -112,10 +122,18 @@ class _Emitter:
     def loop(self, s, d):
         pad, v = "  " * d, ident(s.var.name)
         lo, hi = self.expr(s.lo), self.expr(s.hi)
-        if s.parallel is None or s.parallel.kind == "static":
-            head = [f"{pad}#pragma omp parallel for schedule(static){self.threads}"] if s.parallel else []
-            return head + [f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) \
-                + [f"{pad}}}"]
+        if s.parallel is None:
+            return [f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) + [f"{pad}}}"]
+        setup = self.block(s.parallel.setup, d + 1) if s.parallel.setup is not None else []
+        if s.parallel.kind == "static":
+            if not setup:
+                return [f"{pad}#pragma omp parallel for schedule(static){self.threads}",
+                        f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) \
+                    + [f"{pad}}}"]
+            return [f"{pad}#pragma omp parallel{self.threads}", f"{pad}{{"] + setup + [
+                f"{pad}  #pragma omp for schedule(dynamic, 16)",
+                f"{pad}  for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 2) + \
+                [f"{pad}  }}", f"{pad}}}"]
         if s.parallel.kind != "nnz":
             raise ValueError(f"unknown parallel kind {s.parallel.kind!r}")
         # Balance rows by rows + positions under them: f(r) = (pos[r] - pos[lo]) + (r - lo) is increasing, so
@@ -126,6 +144,7 @@ class _Emitter:
         return [
             f"{pad}#pragma omp parallel{self.threads}",
             f"{pad}{{",
+        ] + setup + [
             f"{p2}const int64_t {a} = {lo}, {b} = {hi};",
             f"{p2}const int64_t {nt} = omp_get_num_threads(), {t} = omp_get_thread_num();",
             f"{p2}const int64_t {tot} = ((int64_t){pos}[{b}] - (int64_t){pos}[{a}]) + ({b} - {a});",

@@ -3,6 +3,8 @@
 W is the largest number of entries under one parent, and follows from the storage: ``len(crd) / parents``.
 Shorter segments are padded at their end with the segment's last coordinate (0 in an empty segment) and
 value 0, so coordinates stay in range and in non-decreasing order and a kernel can run without a branch.
+Padding and an explicitly stored zero look alike, so listing the entries of a format with a fixed level
+(conversions, ``to_dense``) skips every stored zero.
 """
 from __future__ import annotations
 

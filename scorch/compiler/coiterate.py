@@ -1,0 +1,242 @@
+"""Lowering by index variable with co-iteration: several sparse operands, merged loop by loop.
+
+Each loop of the schedule's order binds one index variable. The operand levels that store it are its
+iterators: dense levels are located (their position computed from the coordinate); compressed levels are
+walked, alone when the merge lattice (``lattice``) says the result needs that operand, else merged: a
+two-pointer (k-pointer) merge over their coordinates for an intersection or a union, or, when the result can
+be nonzero where none of them has an entry, a dense loop with the compressed levels following along.
+An operand absent at a coordinate is "dead" below it: its deeper levels iterate nothing and its value is 0.
+
+Outputs are dense (scattered with ``+=``), or assembled row by row through a dense workspace with a list of
+touched entries in two passes: ``count`` (entries per row) and, after a prefix sum, ``fill`` (sorted
+coordinates and values). The workspace is private to each thread, so the row loop runs in parallel.
+"""
+from __future__ import annotations
+
+from ..formats.levels import LevelSymbols
+from . import lattice
+from . import loops as L
+from .ir import Access, Assignment
+from .lower import Lowered, _Lowering, _cast
+from .schedule import CoSchedule
+
+INT64_MAX = 2**63 - 1
+
+
+def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozenset(), phase=None) -> Lowered:
+    """``phase``: None for a dense output; ``"count"`` or ``"fill"`` for the two passes of a rows output."""
+    return _CoLowering(asg, cs, ct, broadcast, phase).run()
+
+
+class _CoLowering(_Lowering):
+    def __init__(self, asg, cs, ct, broadcast, phase):
+        self.asg, self.cs, self.ct, self.broadcast, self.phase = asg, cs, ct, broadcast, phase
+        self.params, self.args = [], []
+        self.vname = {v: f"x{k}" for k, v in enumerate(asg.indices)}
+        self.spec = {}
+        self.bound = {}
+        self.scalars = {}
+        self.formula = lattice.presence(asg.rhs, asg.operands)
+        self.access = {a.operand: a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse}
+        self.setup_placed = False
+
+    # --- operand levels -----------------------------------------------------------------------------------
+    def var_of(self, k, idx):
+        return self.access[k].indices[self.asg.operands[k].format.exprs[idx].dim]
+
+    def sym(self, k, idx):
+        t = self.asg.operands[k]
+        lvl = t.format.level_types[idx]
+        itype = L.type_of(t.index_dtype)
+        pos = self.param(f"t{k}_l{idx}_pos", "array", itype, "pos", operand=k, level=idx) if "pos" in lvl.arrays \
+            else None
+        crd = self.param(f"t{k}_l{idx}_crd", "array", itype, "crd", operand=k, level=idx) if "crd" in lvl.arrays \
+            else None
+        return LevelSymbols(pos, crd, itype,
+                            L.Var(self.param(f"t{k}_l{idx}_lo", "scalar", "i64", "lo", operand=k, level=idx)),
+                            L.Var(self.param(f"t{k}_l{idx}_ext", "scalar", "i64", "extent", operand=k, level=idx)))
+
+    def run(self) -> Lowered:
+        cs = self.cs
+        if self.phase:
+            self.ws_size = L.Const(1)
+            for v in cs.ws_vars:
+                self.ws_size = L.binary("mul", self.ws_size, self.size(v))
+            self.setup = [L.Alloc("mark", "bool", self.ws_size), L.Alloc("touched", "i64", self.ws_size)]
+            if self.phase == "fill":
+                self.setup.append(L.Alloc("ws", self.ct, self.ws_size))
+        state = {k: (0, L.Const(0), None) for k in self.access}
+        if self.phase and cs.row_var is None:
+            body = [L.Decl(L.Var("nt"), L.Const(0))] + self.gen(0, state) + self.row_end(L.Const(0))
+        else:
+            body = self.gen(0, state)
+        if self.phase and not self.setup_placed:
+            body = self.setup + body
+        if self._parallel_used:
+            self.param("nthreads", "scalar", "i64", "threads")
+        kernel = L.Kernel(f"scorch_{self.phase or 'kernel'}", tuple(self.params), L.block(body))
+        return Lowered(kernel, tuple(self.args), self.ct)
+
+    _parallel_used = False
+
+    def parallel(self, i):
+        if i != 0 or not self.cs.parallel:
+            return None
+        self._parallel_used = True
+        setup = None
+        if self.phase:
+            setup = L.block(self.setup)
+            self.setup_placed = True
+        if self.cs.balance is not None:
+            k, lvl = self.cs.balance
+            pos = self.sym(k, lvl).pos
+            return L.Parallel("nnz", pos, setup)
+        return L.Parallel("static", None, setup)
+
+    # --- loops --------------------------------------------------------------------------------------------
+    def gen(self, i, state):
+        if i == len(self.cs.order):
+            return self.innermost(state)
+        v = self.cs.order[i]
+        x = L.Var(self.vname[v])
+        self.bound[v] = x
+        dense_its, comp_its = [], []
+        for k, (idx, parent, alive) in state.items():
+            if idx < len(self.asg.operands[k].format.levels) and self.var_of(k, idx) == v:
+                lvl = self.asg.operands[k].format.level_types[idx]
+                (dense_its if lvl.coord_iter else comp_its).append(k)
+        cond = lattice.restrict(self.formula, set(comp_its))
+
+        def locate(st):
+            lets, st = [], dict(st)
+            for k in dense_its:
+                idx, parent, alive = st[k]
+                p = L.Var(f"p{k}_{idx}")
+                lvl = self.asg.operands[k].format.level_types[idx]
+                lets.append(L.Let(p, lvl.emit_coord_access(self.sym(k, idx), parent, x)))
+                st[k] = (idx + 1, p, alive)
+            return lets, st
+
+        if not comp_its:
+            lets, st = locate(state)
+            par = self.parallel(i)
+            return [L.For(x, L.Const(0), self.size(v), L.block(lets, self.body_at(i, st)), par)]
+
+        bounds = {k: self.bounds(k, state[k]) for k in comp_its}
+        need_all = lattice.evaluate(cond, {k: False for k in comp_its})
+        if len(comp_its) == 1 and not need_all:
+            k = comp_its[0]
+            idx, _, alive = state[k]
+            q = L.Var(f"q{k}_{idx}")
+            lets, st = locate(state)
+            st[k] = (idx + 1, q, alive)
+            lvl = self.asg.operands[k].format.level_types[idx]
+            par = self.parallel(i)
+            return [L.For(q, *bounds[k], L.block([L.Let(x, lvl.emit_pos_access(self.sym(k, idx), q))], lets,
+                                                  self.body_at(i, st)), par)]
+        # a merge: pointers q_k walk the compressed levels together
+        decls, q, end = [], {}, {}
+        for k in comp_its:
+            idx = state[k][0]
+            q[k], end[k] = L.Var(f"q{k}_{idx}"), L.Var(f"end{k}_{idx}")
+            decls += [L.Decl(q[k], bounds[k][0]), L.Let(end[k], bounds[k][1])]
+
+        def crd_at(k):
+            idx = state[k][0]
+            lvl = self.asg.operands[k].format.level_types[idx]
+            return lvl.emit_pos_access(self.sym(k, idx), q[k])
+
+        flags, lets = {}, []
+        if need_all:
+            for k in comp_its:
+                f = L.Var(f"f{k}_{state[k][0]}", "bool")
+                lets.append(L.Let(f, L.binary("eq", L.Select(L.binary("lt", q[k], end[k]), crd_at(k),
+                                                             L.Const(-1), "i64"), x)))
+                flags[k] = f
+        else:
+            cc = {}
+            for k in comp_its:
+                cc[k] = L.Var(f"cc{k}_{state[k][0]}")
+                lets.append(L.Let(cc[k], L.Select(L.binary("lt", q[k], end[k]), crd_at(k), L.Const(INT64_MAX),
+                                                  "i64")))
+            m = cc[comp_its[0]]
+            for k in comp_its[1:]:
+                m = L.binary("min", m, cc[k])
+            lets.append(L.Let(x, m))
+            for k in comp_its:
+                f = L.Var(f"f{k}_{state[k][0]}", "bool")
+                lets.append(L.Let(f, L.binary("eq", cc[k], x)))
+                flags[k] = f
+        dlets, st = locate(state)
+        for k in comp_its:
+            idx, _, alive = state[k]
+            st[k] = (idx + 1, q[k], flags[k] if alive is None else L.binary("and", alive, flags[k]))
+        step = [L.Assign(q[k], L.Cast(flags[k], "i64"), "add") for k in comp_its]
+        body = L.block(lets, L.If(lattice.emit(cond, flags), L.block(dlets, self.body_at(i, st))), step)
+        if need_all:
+            loop = L.For(x, L.Const(0), self.size(v), body)
+        else:
+            loop = L.While(lattice.emit(cond, {k: L.binary("lt", q[k], end[k]) for k in comp_its}), body)
+        return [L.Block(tuple(decls) + (loop,))]
+
+    def bounds(self, k, st):
+        idx, parent, alive = st
+        lvl = self.asg.operands[k].format.level_types[idx]
+        b, e = lvl.emit_pos_bounds(self.sym(k, idx), parent)
+        if alive is None:
+            return b, e
+        return L.Select(alive, b, L.Const(0), "i64"), L.Select(alive, e, L.Const(0), "i64")
+
+    def body_at(self, i, st):
+        if i == 0 and self.phase and self.cs.row_var is not None:
+            return [L.Decl(L.Var("nt"), L.Const(0))] + self.gen(1, st) + self.row_end(self.bound[self.cs.row_var])
+        return self.gen(i + 1, st)
+
+    # --- innermost: value and output ------------------------------------------------------------------------
+    def innermost(self, state):
+        self.state = state
+        value = self._value(self.asg.rhs)
+        if self.phase is None:
+            out = self.param("out", "array", self.ct, "out", output=True)
+            index = L.Const(0)
+            for v in self.asg.out:
+                index = L.binary("add", L.binary("mul", index, self.size(v)), self.bound[v])
+            return [L.Store(out, index, value, "add")]
+        w = L.Const(0)
+        for v in self.cs.ws_vars:
+            w = L.binary("add", L.binary("mul", w, self.size(v)), self.bound[v])
+        wv = L.Var("w")
+        nt = L.Var("nt")
+        mark = [L.Store("mark", wv, L.Const(True, "bool")), L.Store("touched", nt, wv),
+                L.Assign(nt, L.Const(1), "add")]
+        stmts = [L.Let(wv, w), L.If(L.Unary("not", L.Load("mark", wv, "bool"), "bool"), L.block(mark))]
+        if self.phase == "fill":
+            stmts.append(L.Store("ws", wv, value, "add"))
+        return stmts
+
+    def row_end(self, row):
+        t, nt = L.Var("t"), L.Var("nt")
+        if self.phase == "count":
+            counts = self.param("counts", "array", "i64", "counts", output=True)
+            return [L.Store(counts, row, nt),
+                    L.For(t, L.Const(0), nt, L.block(L.Store("mark", L.Load("touched", t, "i64"),
+                                                             L.Const(False, "bool"))))]
+        row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
+        crd = self.param("out_crd", "array", "i64", "out_crd", output=True)
+        vals = self.param("out", "array", self.ct, "out", output=True)
+        base, wv = L.Var("base"), L.Var("w")
+        at = L.binary("add", base, t)
+        return [L.Sort("touched", L.Const(0), nt), L.Let(base, L.Load(row_ptr, row, "i64")),
+                L.For(t, L.Const(0), nt, L.block(
+                    L.Let(wv, L.Load("touched", t, "i64")), L.Store(crd, at, wv),
+                    L.Store(vals, at, L.Load("ws", wv, self.ct)), L.Store("ws", wv, L.Const(0, self.ct)),
+                    L.Store("mark", wv, L.Const(False, "bool"))))]
+
+    def _value(self, e):
+        if isinstance(e, Access) and self.asg.operands[e.operand].sparse:
+            t = self.asg.operands[e.operand]
+            _, p, alive = self.state[e.operand]
+            vals = self.param(f"t{e.operand}_vals", "array", L.type_of(t.dtype), "values", operand=e.operand)
+            v = _cast(L.Load(vals, p, L.type_of(t.dtype)), self.ct)
+            return v if alive is None else L.Select(alive, v, L.Const(0, self.ct), self.ct)
+        return super()._value(e)
