@@ -18,7 +18,8 @@ The output is then:
    transposed format: ``"ij->ji"`` of CSR is CSC, sharing the arrays;
 3. a prefix of the driver's levels when the output indices are exactly the ones those levels store:
    ``"ij->i"`` of DCSR is ``(i : compressed)``, sharing level 0;
-4. otherwise levels in loop order: ``compressed`` for sparse indices, ``dense`` for the others.
+4. otherwise one level per output index, in the first sparse operand's level order (so the loops stay
+   concordant): ``compressed`` for sparse indices, ``dense`` for the others (CSC + CSC is CSC).
 
 ``format=`` on the call overrides all of this.
 """
@@ -116,5 +117,13 @@ def infer(asg: Assignment) -> OutputFormat:
                 return OutputFormat(None, m, "dense: the driver's dense prefix")
             rule = "the driver's pattern" if m == len(fmt.levels) else f"the driver's first {m} level(s)"
             return OutputFormat(out, m, rule)
-    levels = [(Var(k), Compressed() if v in sparse else Dense()) for k, v in enumerate(asg.out)]
+    # levels in the first sparse operand's level order (so its loops stay concordant), then the rest
+    first = next((a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse), None)
+    order = []
+    if first is not None:
+        for e in asg.operands[first.operand].format.exprs:
+            order += [first.indices[d] for d in e.dims() if first.indices[d] in asg.out and
+                      first.indices[d] not in order]
+    order += [v for v in asg.out if v not in order]
+    levels = [(Var(asg.out.index(v)), Compressed() if v in sparse else Dense()) for v in order]
     return OutputFormat(Format.from_levels(len(asg.out), levels), 0, "levels by sparse indices")

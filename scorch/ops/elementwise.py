@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compiler import dispatch
+from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import SparseTensor, implements
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -79,12 +80,27 @@ def _scattered(s):
     return dispatch.einsum(f"{letters}->{letters}", s, format="dense")
 
 
+def _sparse_sum(a, b, alpha):
+    """``a + alpha * b`` of two sparse operands: a union merge, the result sparse where both are."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} differ (broadcasting two sparse"
+                         " operands is not supported)")
+    idx = tuple(_LETTERS[:a.dim()])
+    second = Access(1, idx)
+    scalars = {}
+    if alpha == -1:
+        second = Map("neg", second)
+    elif alpha != 1:
+        second, scalars = Mul((Scalar("alpha"), second)), {"alpha": alpha}
+    rhs = Add((Access(0, idx), second))
+    return dispatch.run((idx, idx), idx, dispatch.prepare([a, b]), rhs=rhs, scalars=scalars, name="add")
+
+
 @implements(torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
 def add(a, b, *, alpha=1):
     """``a + alpha * b``. With a dense operand the union is dense: the sparse entries are scattered into it."""
     if _sparse(a) and _sparse(b):
-        raise NotImplementedError("scorch: add of two sparse operands needs co-iteration (a union merge),"
-                                  " which is not supported yet")
+        return _sparse_sum(a, b, alpha)
     if isinstance(b, numbers.Number) or isinstance(a, numbers.Number):
         if (b if isinstance(b, numbers.Number) else a) == 0:
             return a if _sparse(a) else b * alpha
