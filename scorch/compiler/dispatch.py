@@ -13,6 +13,7 @@ import torch
 from .. import interop
 from ..formats import named
 from ..sparse_tensor import SparseTensor
+from . import contract
 from . import loops as L
 from . import runtime
 from .codegen import cpp
@@ -25,6 +26,8 @@ from .schedule import SPECIALIZE_MAX, schedule
 _PLANNED: dict = {}
 _COMPILED: dict = {}
 SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
+#: the largest dense row workspace (all threads together) before a hash workspace would be needed
+WORKSPACE_LIMIT_BYTES = 1 << 30
 
 
 @dataclass
@@ -88,10 +91,41 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     if not any(isinstance(x, SparseTensor) for x in ops) and format is None:
         return torch.einsum(equation, *ops)
     inputs, out = parse(equation, [x.dim() for x in ops])
-    return run(inputs, out, ops, format=format, explain=explain, name=f"einsum({equation!r})", backend=backend)
+    name = f"einsum({equation!r})"
+    if len(ops) >= 3:
+        tree = _path(inputs, out, ops, name)
+        if tree.parts is not None:
+            if explain:
+                print(f"contraction:  {contract.describe(tree, inputs)}")
+            return _evaluate(tree, inputs, ops, out, format, backend)
+    return run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend)
 
 
-def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp"):
+def _path(inputs, out, ops, name):
+    sizes, _ = _sizes(inputs, ops, name)
+    meta = [contract.Operand(idx, isinstance(x, SparseTensor), float(x.nnz if isinstance(x, SparseTensor)
+                                                                       else x.numel()),
+                             frozenset(idx) if isinstance(x, SparseTensor) else frozenset())
+            for idx, x in zip(inputs, ops)]
+    return contract.best_path(meta, out, sizes)
+
+
+def _evaluate(node, inputs, ops, target, format=None, backend="cpp"):
+    """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense)."""
+    if node.parts is None:
+        parts = [(ops[k], inputs[k]) for k in node.leaves]
+    else:
+        parts = [(_evaluate(p, inputs, ops, p.indices, backend=backend), p.indices) for p in node.parts]
+    tensors = [t for t, _ in parts]
+    idx = tuple(i for _, i in parts)
+    if not any(isinstance(t, SparseTensor) for t in tensors) and format is None:
+        eq = ",".join("".join(i) for i in idx) + "->" + "".join(target)
+        return torch.einsum(eq, *tensors)
+    return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend)
+
+
+def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
+        reduce="sum"):
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``."""
     sizes, broadcast = _sizes(inputs, ops, name)
     dtype = _result_dtype(ops, name)
@@ -102,10 +136,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     ops = [_cast(x, dtype) for x in ops]
     fmt = None if format is None else named.resolve(format, len(out))
     types = tuple(_type(x) for x in ops)
-    key = (inputs, out, types, broadcast, fmt, rhs)
+    key = (inputs, out, types, broadcast, fmt, rhs, reduce)
     planned = _PLANNED.get(key)
     if planned is None:
-        asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, out_format=fmt)
+        asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
         output = infer(asg)
         planned = _PLANNED[key] = (asg, output)
     asg, output = planned
@@ -113,6 +147,9 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
     if n_sparse > 1:
+        if reduce != "sum":
+            raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
+                                      " supported yet")
         plan = _COMPILED.get(key)
         if plan is None:
             plan = _COMPILED[key] = _compile_coiteration(asg, output, broadcast)
@@ -216,6 +253,16 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
         ops[k] = interop.asformat(ops[k], f, index_dtype=ops[k].index_dtype)
     infos = {k: _level_info(x)[0] for k, x in enumerate(ops) if isinstance(x, SparseTensor)}
     out_shape = tuple(sizes[v] for v in asg.out)
+    if cs.output == "rows":
+        ws = 1
+        for v in cs.ws_vars:
+            ws *= sizes[v]
+        threads = torch.get_num_threads() if cs.parallel else 1
+        if ws * threads * (dtype.itemsize + 9) > WORKSPACE_LIMIT_BYTES:
+            raise NotImplementedError(
+                f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
+                f" {ws * threads * (dtype.itemsize + 9) / 2**20:.0f} MiB; hash workspaces for such outputs are not"
+                " supported yet (ask for format='dense' or reorder the operands)")
 
     def launch(phase, extra):
         low = plan.lowered[phase]
@@ -322,11 +369,18 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
     info, counts = _level_info(s)
     out_shape = tuple(sizes[v] for v in asg.out)
     written = _lowerable(asg, out)
-    if written.shared_levels:
-        out_arr = torch.zeros(counts[written.shared_levels - 1], dtype=dtype)
+    n_out = counts[written.shared_levels - 1] if written.shared_levels else out_shape
+    red = asg.reduce
+    if red == "sum":
+        out_arr, counted = torch.zeros(n_out, dtype=dtype), None
     else:
-        out_arr = torch.zeros(out_shape, dtype=dtype)
-    args = [_arg(a, ops, info, sizes, scalars, out_arr) for a in plan.lowered.args]
+        ident = float("-inf") if red == "max" else float("inf")
+        if not dtype.is_floating_point:
+            ident = torch.iinfo(dtype).min if red == "max" else torch.iinfo(dtype).max
+        out_arr, counted = torch.full(n_out if isinstance(n_out, tuple) else (n_out,), ident, dtype=dtype), \
+            torch.zeros(n_out, dtype=torch.int64)
+    args = [counted if a.kind == "counts" else _arg(a, ops, info, sizes, scalars, out_arr)
+            for a in plan.lowered.args]
     if backend == "interp":
         from . import interp
         interp.run(plan.lowered.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
@@ -334,6 +388,13 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
     else:
         plan.kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
     plan.calls += 1
+    if counted is not None:
+        reduced = 1
+        for v in asg.reduced:
+            reduced *= sizes[v]
+        zero = torch.zeros((), dtype=dtype)
+        implicit = counted.reshape(out_arr.shape) < reduced  # an implicit zero takes part in the max/min
+        out_arr = torch.where(implicit, (torch.maximum if red == "max" else torch.minimum)(out_arr, zero), out_arr)
     if written.shared_levels and out.format is not None:
         m = written.shared_levels
         return SparseTensor(out.format, out_shape, s.levels[:m], out_arr, check=False)
@@ -368,16 +429,17 @@ def _arg(a, ops, info, sizes, scalars, out_arr):
     raise AssertionError(f"unknown argument kind {k!r}")
 
 
-def explain(equation, *operands, format=None) -> str:
-    """The plan for ``einsum(equation, *operands)``: output format and the rule that chose it, loop order,
-    parallel loop, specialized extents, where the kernel came from, and the generated source."""
-    ops = prepare(operands)
-    inputs, out = parse(equation, [x.dim() for x in ops])
-    run(inputs, out, ops, format=format, name=f"einsum({equation!r})")
-    sizes, bc = _sizes(inputs, ops, "explain")
-    dtype = _result_dtype(ops, "explain")
-    types = tuple(_type(_cast(x, dtype)) for x in ops)
-    fmt = None if format is None else named.resolve(format, len(out))
-    key = (inputs, out, types, bc, fmt, None)
-    plan = next((p for k, p in _COMPILED.items() if k[:6] == key), None)
-    return plan.explain() if plan else "(no compiled plan: dense operands go straight to torch)"
+def explain(equation, *operands, format=None, file=None) -> str:
+    """Run ``einsum(equation, *operands)`` and print (to ``file``, default stdout) and return its plan: the
+    contraction order for three or more operands, the inferred output format and the rule that chose it, any
+    operand reformatting, the loop order, workspaces and assembly, the parallel loop, specialized extents,
+    where each kernel came from (compiled now, disk or memory cache) and the generated source."""
+    import contextlib
+    import io
+    import sys
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        einsum(equation, *operands, format=format, explain=True)
+    text = buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n"
+    print(text, end="", file=file or sys.stdout)
+    return text

@@ -83,7 +83,7 @@ def prefix_levels(fmt: Format, access: Access, out) -> int:
         known |= {access.indices[d] for d in fmt.exprs[m - 1].dims()}
         if not known <= set(out):
             return 0
-        if known == set(out):
+        if known == set(out) and fmt.level_types[m - 1].unique:  # a non-unique level repeats coordinates
             try:
                 remap(fmt, access, out, m)
                 return m

@@ -160,29 +160,35 @@ class _Lowering:
         asg, sched = self.asg, self.sched
         out = self.param("out", "array", self.ct, "out", output=True)
         shared = sched.output.shared_levels
+        red = asg.reduce
+        update = "add" if red == "sum" else red
         if shared:
             index = self.positions[shared - 1]
             ready = max(i for i, it in enumerate(items) if it[0] != "if" and it[1] == index)
-            op = None
+            op = None  # each position is written once
         else:
             index = L.Const(0)
             for v in asg.out:
                 index = L.binary("add", L.binary("mul", index, self.size(v)), self.bound[v])
             names = {self.bound[v].name for v in asg.out}
             ready = max((i for i, it in enumerate(items) if it[0] != "if" and it[1].name in names), default=-1)
-            op = "add"
+            op = update
         # guards right after the point where the output location is known still apply to it
         while ready + 1 < len(items) and items[ready + 1][0] == "if":
             ready += 1
         value = self._value(asg.rhs)
         rest = items[ready + 1:]
+        # max/min also count the stored entries reduced into each output: where fewer than the reduced extent,
+        # an implicit zero takes part too (applied after the kernel)
+        counts = self.param("counts", "array", "i64", "counts", output=True) if red != "sum" else None
         if any(it[0] == "for" for it in rest):
-            acc = L.Var("acc", self.ct)
-            inner = [L.Decl(acc, L.Const(0, self.ct)),
-                     _nest(rest, [L.Assign(acc, value, "add")]),
-                     L.Store(out, index, acc, op)]
+            acc, cnt = L.Var("acc", self.ct), L.Var("cnt")
+            inner = [L.Decl(acc, identity(red, self.ct)), L.Decl(cnt, L.Const(0)) if counts else None,
+                     _nest(rest, [L.Assign(acc, value, update), L.Assign(cnt, L.Const(1), "add") if counts else None]),
+                     L.Store(out, index, acc, op), L.Store(counts, index, cnt, "add") if counts else None]
         else:
-            inner = [_nest(rest, [L.Store(out, index, value, op)])]
+            inner = [_nest(rest, [L.Store(out, index, value, op),
+                                  L.Store(counts, index, L.Const(1), "add") if counts else None])]
         return [_nest(items[:ready + 1], inner)]
 
     def _value(self, e):
@@ -220,6 +226,16 @@ class _Lowering:
             k = self.scalars.setdefault(e.name, len(self.scalars))
             return L.Var(self.param(f"s{k}", "scalar", ct, "scalar", var=e.name), ct)
         raise TypeError(f"unknown index expression {type(e).__name__}")
+
+
+def identity(reduce, t):
+    """The identity of a reduction in type ``t``."""
+    if reduce == "sum":
+        return L.Const(0, t)
+    if t in ("f32", "f64"):
+        return L.Const(float("-inf") if reduce == "max" else float("inf"), t)
+    bits = 31 if t == "i32" else 63
+    return L.Const(-(2**bits) if reduce == "max" else 2**bits - 1, t)
 
 
 def _cast(e, t):

@@ -50,3 +50,29 @@ def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
         count *= x.shape[d]
     s = sum(x, dim, keepdim, dtype=dtype)
     return s.with_values(s.values() / count) if isinstance(s, SparseTensor) else s / count
+
+
+def _extremum(reduce):
+    def fn(x: SparseTensor, dim=None, keepdim=False):
+        n = x.dim()
+        dims = _dims(dim if dim != () else None, n, f"a{reduce}")
+        for d in dims:
+            if x.shape[d] == 0:
+                raise IndexError(f"a{reduce}(): expected reduction dim {d} to have non-zero size")
+        # max and min need each entry once: coalesce duplicates and drop padding first
+        if x.format.keeps_duplicates or any(lvl.padded for lvl in x.format.level_types):
+            from ..formats import named
+            x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates else "csr")
+        src = _LETTERS[:n]
+        out = "".join(c for d, c in enumerate(src) if d not in dims)
+        r = dispatch.run((tuple(src),), tuple(out), [x], reduce=reduce, name=f"a{reduce}")
+        if keepdim:
+            shape = tuple(1 if d in dims else x.shape[d] for d in range(n))
+            r = r.to_dense().reshape(shape) if isinstance(r, SparseTensor) else r.reshape(shape)
+        return r
+    fn.__name__ = f"a{reduce}"
+    return fn
+
+
+amax = implements(torch.amax, torch.Tensor.amax)(_extremum("max"))
+amin = implements(torch.amin, torch.Tensor.amin)(_extremum("min"))
