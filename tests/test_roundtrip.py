@@ -136,7 +136,10 @@ def expected_nnz(fmt: str, pattern: torch.Tensor) -> int | None:
 
 def stored_pattern(S) -> torch.Tensor:
     """Where ``S`` stores an entry (explicit zeros included, padding excluded): its dense form with every
-    stored value replaced by one."""
+    stored value replaced by one. A format with a padded (fixed) level cannot tell its padding from stored
+    zeros, and lists neither, so its stored pattern is its nonzeros."""
+    if any(lvl.padded for lvl in S.format.level_types):
+        return S.to_dense() != 0
     return S.with_values(torch.ones_like(S.values())).to_dense() != 0
 
 
