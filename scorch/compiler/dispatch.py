@@ -97,7 +97,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
         if tree.parts is not None:
             if explain:
                 print(f"contraction:  {contract.describe(tree, inputs)}")
-            return _evaluate(tree, inputs, ops, out, format, backend)
+            return _evaluate(tree, inputs, ops, out, format, backend, explain)
     return run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend)
 
 
@@ -110,18 +110,21 @@ def _path(inputs, out, ops, name):
     return contract.best_path(meta, out, sizes)
 
 
-def _evaluate(node, inputs, ops, target, format=None, backend="cpp"):
+def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=False):
     """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense)."""
     if node.parts is None:
         parts = [(ops[k], inputs[k]) for k in node.leaves]
     else:
-        parts = [(_evaluate(p, inputs, ops, p.indices, backend=backend), p.indices) for p in node.parts]
+        parts = [(_evaluate(p, inputs, ops, p.indices, backend=backend, explain=explain), p.indices)
+                 for p in node.parts]
     tensors = [t for t, _ in parts]
     idx = tuple(i for _, i in parts)
     if not any(isinstance(t, SparseTensor) for t in tensors) and format is None:
         eq = ",".join("".join(i) for i in idx) + "->" + "".join(target)
+        if explain:
+            print(f"dense step:   torch.einsum({eq!r})")
         return torch.einsum(eq, *tensors)
-    return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend)
+    return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend, explain=explain)
 
 
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",

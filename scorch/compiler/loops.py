@@ -6,7 +6,7 @@ the semantics; the C++ and CUDA generators must agree with it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
@@ -191,11 +191,15 @@ class Parallel:
 
 @dataclass(frozen=True)
 class For(Stmt):
+    """``for var in [lo, hi)``. ``simd``: the iterations may run as vector lanes, with the scalar updates
+    named in ``reductions`` (``(op, var name)`` pairs) combined across lanes (so reassociated)."""
     var: Var
     lo: Expr
     hi: Expr
     body: Block
     parallel: Optional[Parallel] = None
+    simd: bool = False
+    reductions: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -243,3 +247,40 @@ def block(*stmts) -> Block:
         else:
             out.append(s)
     return Block(tuple(out))
+
+
+def mark_simd(stmt, is_dense_index=lambda name: True):
+    """Mark innermost loops (no loop inside) over dense indices as ``simd``, with their scalar reductions."""
+    if isinstance(stmt, Block):
+        return Block(tuple(mark_simd(s, is_dense_index) for s in stmt.stmts))
+    if isinstance(stmt, For):
+        body = mark_simd(stmt.body, is_dense_index)
+        if not _has_loop(body) and is_dense_index(stmt.var.name):
+            reds = tuple(sorted({(s.op, s.var.name) for s in _walk(body) if isinstance(s, Assign) and s.op}))
+            return replace(stmt, body=body, simd=True, reductions=reds)
+        return replace(stmt, body=body)
+    if isinstance(stmt, If):
+        return replace(stmt, then=mark_simd(stmt.then, is_dense_index), orelse=mark_simd(stmt.orelse, is_dense_index))
+    if isinstance(stmt, While):
+        return replace(stmt, body=mark_simd(stmt.body, is_dense_index))
+    return stmt
+
+
+def _walk(stmt):
+    yield stmt
+    for child in _children(stmt):
+        yield from _walk(child)
+
+
+def _children(stmt):
+    if isinstance(stmt, Block):
+        return stmt.stmts
+    if isinstance(stmt, (For, While)):
+        return (stmt.body,)
+    if isinstance(stmt, If):
+        return (stmt.then, stmt.orelse)
+    return ()
+
+
+def _has_loop(stmt):
+    return any(isinstance(s, (For, While)) for s in _walk(stmt))

@@ -121,7 +121,9 @@ class _Lowering:
         body = self._output(items)
         if any(isinstance(it[4], L.Parallel) for it in items if it[0] == "for"):
             self.param("nthreads", "scalar", "i64", "threads")
-        kernel = L.Kernel("scorch_kernel", tuple(self.params), L.block(body))
+        inner = {self.vname[v] for v in sched.inner}
+        body = L.mark_simd(L.block(body), lambda name: name in inner)
+        kernel = L.Kernel("scorch_kernel", tuple(self.params), body)
         return Lowered(kernel, tuple(self.args), self.ct)
 
     def _recover(self, fmt, k, coords, dims, drv):

@@ -107,7 +107,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")
     _check_inner(mat1, mat2, 1, 0, "sampled_addmm")
     pattern = s.with_values(torch.ones_like(s.values()))
-    prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2)
+    # mat2 transposed once (k x n -> n x k) so the inner loop over k reads both dense operands contiguously
+    prod = dispatch.einsum("ij,ik,jk->ij", pattern, mat1, mat2.t().contiguous())
     vals = prod.values() * alpha
     if beta != 0:
         vals = vals + beta * s.values()

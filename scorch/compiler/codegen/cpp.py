@@ -123,7 +123,11 @@ class _Emitter:
         pad, v = "  " * d, ident(s.var.name)
         lo, hi = self.expr(s.lo), self.expr(s.hi)
         if s.parallel is None:
-            return [f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) + [f"{pad}}}"]
+            simd = []
+            if s.simd:
+                reds = "".join(f" reduction({'+' if op == 'add' else op}:{ident(v)})" for op, v in s.reductions)
+                simd = [f"{pad}#pragma omp simd{reds}"]
+            return simd + [f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) + [f"{pad}}}"]
         setup = self.block(s.parallel.setup, d + 1) if s.parallel.setup is not None else []
         if s.parallel.kind == "static":
             if not setup:
