@@ -45,14 +45,32 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
             x.check_invariants()
         if x.format == fmt and index_dtype in (None, x.index_dtype):
             return x
+        fast = _compiled_conversion(x, fmt, index_dtype, drop_zeros=False)
+        if fast is not None:
+            return fast
         dims, vals = _storage.unpack(x.format, x.shape, x.levels, x.values())
     else:
         if x.layout != torch.strided:
             raise ValueError(f"cannot convert a tensor of layout {x.layout} to a scorch format")
+        if x.dim() == 2 and not x.requires_grad:
+            view = SparseTensor(named.dense, x.shape, [LevelStorage(), LevelStorage()], x.detach().reshape(-1),
+                                check=False)
+            fast = _compiled_conversion(view, fmt, index_dtype, drop_zeros=True)
+            if fast is not None:
+                return fast
         dims = x.nonzero().T
         vals = x[tuple(dims)]
     levels, values = _storage.pack(fmt, x.shape, dims, vals.detach(), index_dtype)
     return SparseTensor(fmt, x.shape, levels, values, check=check)
+
+
+def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
+    """CSR and CSC targets are assembled by generated kernels (counting sort); None where that path does
+    not apply, and the vectorized conversion below serves instead."""
+    from .compiler import dispatch
+    if x.device.type != "cpu" or x.numel() == 0:
+        return None
+    return dispatch.convert(x, fmt, index_dtype, drop_zeros)
 
 
 def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:

@@ -6,7 +6,7 @@ repeated call costs a dictionary look-up, a few size computations and the ctypes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,7 +19,7 @@ from . import runtime
 from .codegen import cpp
 from .einsum import parse, to_index_notation
 from .infer import OutputFormat, infer
-from .ir import Assignment, TensorType
+from .ir import Access, Assignment, TensorType
 from .lower import lower
 from .schedule import SPECIALIZE_MAX, schedule
 
@@ -163,6 +163,18 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     inner_size = None
     plan_key = key
     sched0 = schedule(asg, _lowerable(asg, output))
+    if sched0.parallel != "level0" and torch.get_num_threads() > 1:
+        k = sched0.driver.operand
+        alt = _transposed_for_parallel(asg, sched0, ops[k], sizes)
+        if alt is not None:
+            if explain:
+                print(f"reformat:     T{k} converted from {ops[k].format.name or ops[k].format} to {alt.name or alt}:"
+                      " its first level writes conflicting outputs, and a transposition costs less than a serial"
+                      " loop")
+            ops = list(ops)
+            ops[k] = interop.asformat(ops[k], alt)
+            return run(inputs, out, ops, format=format, explain=explain, name=name, rhs=rhs, scalars=scalars,
+                       backend=backend, reduce=reduce)
     if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
         inner_size = sizes[sched0.inner[-1]]
         plan_key = key + (inner_size,)
@@ -174,6 +186,36 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if explain:
         print(plan.explain())
     return result
+
+
+#: estimated cost of a format conversion, in kernel multiply-adds per stored entry and sort step
+CONVERT_COST = 4.0
+
+
+def _transposed_for_parallel(asg, sched, x, sizes):
+    """A format for the driver whose first level is an output index (so the loop over it runs in parallel
+    without write conflicts), when converting costs less than the serial loop loses; else None.
+
+    The choice between this transposition and a privatized output workspace is by this estimate; only
+    formats with plain-index levels are transposed."""
+    from ..formats import Format, Var
+    fmt = x.format
+    if not all(isinstance(e, Var) for e in fmt.exprs) or fmt.keeps_duplicates or x.nnz < 2:
+        return None
+    drv = sched.driver
+    level_vars = [drv.indices[e.dim] for e in fmt.exprs]
+    firsts = [v for v in level_vars if v in asg.out]
+    if not firsts:
+        return None
+    order = [firsts[0]] + [v for v in level_vars if v != firsts[0]]
+    work = x.nnz
+    for v in sched.outer + sched.inner:
+        work *= sizes[v]
+    threads = torch.get_num_threads()
+    convert = CONVERT_COST * x.nnz * max(1.0, int(x.nnz).bit_length())
+    if convert >= work * (1 - 1 / threads):
+        return None
+    return Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, fmt.level_types)])
 
 
 def _lowerable(asg, output: OutputFormat) -> OutputFormat:
@@ -446,3 +488,72 @@ def explain(equation, *operands, format=None, file=None) -> str:
     text = buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n"
     print(text, end="", file=file or sys.stdout)
     return text
+
+
+# --- format conversion by generated kernels -----------------------------------------------------------------
+_CONVERTERS: dict = {}
+
+
+def compressed_target(fmt):
+    """``(row dim, col dim)`` when ``fmt`` is a 2-d ``(r : dense, c : compressed)`` format (CSR, CSC), else None."""
+    from ..formats import Compressed, Dense, Var
+    if fmt.ndim != 2 or len(fmt.levels) != 2:
+        return None
+    (e0, l0), (e1, l1) = fmt.levels
+    if isinstance(e0, Var) and isinstance(e1, Var) and isinstance(l0, Dense) and isinstance(l1, Compressed) \
+            and l1.unique and l1.ordered:
+        return e0.dim, e1.dim
+    return None
+
+
+def convert(x: SparseTensor, fmt, index_dtype=None, drop_zeros=False):
+    """``x`` in the CSR-like format ``fmt`` by generated kernels (counting sort: count, prefix sum, fill), or
+    None when this path does not apply (another target, or a source with duplicates to sum).
+    ``drop_zeros``: leave stored zeros out (a dense source's zeros are not entries)."""
+    from ..formats import storage
+    rc = compressed_target(fmt)
+    if rc is None or x.format.keeps_duplicates or x.dim() != 2 or x.dtype not in SUPPORTED:
+        return None
+    letters = ("i", "j")
+    types = (_type(x),)
+    key = (types, fmt, drop_zeros)
+    plans = _CONVERTERS.get(key)
+    if plans is None:
+        asg = Assignment(letters, Access(0, letters), types, out_format=fmt)
+        sched = schedule(asg, OutputFormat(None, 0, "conversion"))
+        sched = replace(sched, parallel="none", balance="static")
+        ct = L.type_of(x.dtype)
+        plans = {}
+        for phase in ("count", "fill"):
+            low = lower(asg, sched, ct, frozenset(), scatter=(letters[rc[0]], letters[rc[1]], phase, drop_zeros))
+            src = cpp.generate(low.kernel)
+            plans[phase] = (low, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel)), src)
+        _CONVERTERS[key] = plans
+    info, _ = _level_info(x)
+    sizes = {"i": x.shape[0], "j": x.shape[1]}
+    rows = x.shape[rc[0]]
+    counts = torch.zeros(rows, dtype=torch.int64)
+    low, k, _ = plans["count"]
+    k(*[_ptr(counts if a.kind == "counts" else _arg(a, [x], info, sizes, {}, None)) for a in low.args])
+    row_ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=row_ptr[1:])
+    nnz = int(row_ptr[-1])
+    nxt = row_ptr[:-1].clone()
+    crd = torch.empty(nnz, dtype=torch.int64)
+    vals = torch.empty(nnz, dtype=x.dtype)
+    extra = {"next": nxt, "out_crd": crd, "out": vals}
+    low, k, _ = plans["fill"]
+    k(*[_ptr(extra[a.kind] if a.kind in extra else _arg(a, [x], info, sizes, {}, None)) for a in low.args])
+    # entries reach each row in the source's loop order: sorted for every ordered source format we have, but
+    # checked, and sorted here when not
+    if nnz > 1:
+        starts = torch.zeros(nnz, dtype=torch.bool)
+        starts[row_ptr[:-1][counts > 0]] = True
+        if bool(((crd[1:] <= crd[:-1]) & ~starts[1:]).any()):
+            return None
+    idx = index_dtype or storage.pick_index_dtype(nnz, *x.shape)
+    return SparseTensor(fmt, x.shape, [None, {"pos": row_ptr.to(idx), "crd": crd.to(idx)}], vals, check=False)
+
+
+def _ptr(v):
+    return v.data_ptr() if isinstance(v, torch.Tensor) else v

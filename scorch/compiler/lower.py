@@ -41,14 +41,20 @@ class Lowered:
     compute_type: str
 
 
-def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset()) -> Lowered:
-    """``broadcast``: (operand, dim) pairs of dense operands that have size 1 where the index is larger."""
-    return _Lowering(asg, sched, compute_type, broadcast).run()
+def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset(), scatter=None) -> Lowered:
+    """``broadcast``: (operand, dim) pairs of dense operands that have size 1 where the index is larger.
+
+    ``scatter=(row, col, phase, drop_zeros)``: instead of a dense or shared output, assemble a compressed matrix whose
+    rows are index ``row`` and columns ``col`` by counting sort: phase ``count`` adds one per entry to its
+    row's count, phase ``fill`` writes each entry at its row's next free slot (entries reach a row in the
+    order the loops visit them). Used for format conversion; runs serially."""
+    return _Lowering(asg, sched, compute_type, broadcast, scatter).run()
 
 
 class _Lowering:
-    def __init__(self, asg, sched, ct, broadcast):
+    def __init__(self, asg, sched, ct, broadcast, scatter=None):
         self.asg, self.sched, self.ct, self.broadcast = asg, sched, ct, broadcast
+        self.scatter = scatter
         self.params, self.args = [], []
         self.vname = {v: f"x{k}" for k, v in enumerate(asg.indices)}  # einsum letter -> generated name
         self.spec = dict(sched.specialize)
@@ -118,6 +124,8 @@ class _Lowering:
             x = L.Var(self.vname[v])
             items.append(("for", x, L.Const(0), self.size(v), None))
             self.bound[v] = x
+        if self.scatter:  # counting sort visits entries in order: one thread
+            items = [("for", *it[1:4], None) if it[0] == "for" else it for it in items]
         body = self._output(items)
         if any(isinstance(it[4], L.Parallel) for it in items if it[0] == "for"):
             self.param("nthreads", "scalar", "i64", "threads")
@@ -158,8 +166,28 @@ class _Lowering:
         return items
 
     # --- the output ------------------------------------------------------------------------------------
+    def _scatter(self, items):
+        row, col, phase, drop_zeros = self.scatter
+        value = self._value(self.asg.rhs)
+        r, c = self.bound[row], self.bound[col]
+        if phase == "count":
+            body = [L.Store(self.param("counts", "array", "i64", "counts", output=True), r, L.Const(1), "add")]
+        else:
+            nxt = self.param("next", "array", "i64", "next", output=True)
+            slot = L.Var("slot")
+            body = [L.Let(slot, L.Load(nxt, r, "i64")), L.Store(nxt, r, L.binary("add", slot, L.Const(1))),
+                    L.Store(self.param("out_crd", "array", "i64", "out_crd", output=True), slot, c),
+                    L.Store(self.param("out", "array", self.ct, "out", output=True), slot, value)]
+        if drop_zeros or any(lvl.padded for lvl in self.asg.operands[self.sched.driver.operand].format.level_types):
+            # (padding and stored zeros look alike in a padded level: neither is an entry)
+            body = [L.Let(L.Var("v", self.ct), value),
+                    L.If(L.binary("ne", L.Var("v", self.ct), L.Const(0, self.ct)), L.block(body))]
+        return [_nest(items, body)]
+
     def _output(self, items):
         asg, sched = self.asg, self.sched
+        if self.scatter:
+            return self._scatter(items)
         out = self.param("out", "array", self.ct, "out", output=True)
         shared = sched.output.shared_levels
         red = asg.reduce
