@@ -66,6 +66,7 @@ class SparseTensor(torch.Tensor):
     _format: Format
     _levels: tuple
     _values: torch.Tensor
+    _shape: torch.Size  # the same as .shape, readable without __torch_function__ (hot paths use it)
 
     @staticmethod
     def __new__(cls, format, shape, levels, values, *, requires_grad=False, check=True):
@@ -86,7 +87,8 @@ class SparseTensor(torch.Tensor):
             raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=values.dtype, device=values.device,
                                                 requires_grad=requires_grad)
-        r._format, r._levels, r._values = fmt, levels, values
+        r._format, r._levels, r._values, r._shape = fmt, levels, values, shape
+        r._index_dtype = next((a.dtype for st in levels for a in (st.pos, st.crd) if a is not None), torch.int64)
         return r
 
     # --- routing -------------------------------------------------------------------------------------------
@@ -131,10 +133,7 @@ class SparseTensor(torch.Tensor):
 
     @property
     def index_dtype(self) -> torch.dtype:
-        for st in self._levels:
-            for a in st.arrays().values():
-                return a.dtype
-        return torch.int64
+        return self._index_dtype
 
     @property
     def density(self) -> float:
@@ -227,6 +226,19 @@ class SparseTensor(torch.Tensor):
     def __reduce_ex__(self, proto):
         return (_rebuild, (str(self._format), tuple(self.shape),
                            tuple((st.pos, st.crd) for st in self._levels), self._values, self.requires_grad))
+
+
+def shape_of(x) -> torch.Size:
+    """``x.shape`` without a trip through ``__torch_function__`` for SparseTensors (hot paths)."""
+    return x._shape if type(x) is SparseTensor else x.shape
+
+
+def dtype_of(x) -> torch.dtype:
+    return x._values.dtype if type(x) is SparseTensor else x.dtype
+
+
+def device_of(x) -> torch.device:
+    return x._values.device if type(x) is SparseTensor else x.device
 
 
 def _rebuild(fmt, shape, levels, values, requires_grad):

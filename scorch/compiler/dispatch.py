@@ -12,7 +12,7 @@ import torch
 
 from .. import interop
 from ..formats import named
-from ..sparse_tensor import SparseTensor
+from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
 from . import loops as L
 from . import runtime
@@ -25,6 +25,7 @@ from .schedule import SPECIALIZE_MAX, schedule
 
 _PLANNED: dict = {}
 _COMPILED: dict = {}
+_FAST: dict = {}  # call signature (expression, operand formats, dtypes, shapes) -> prepared call
 SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
 #: the largest dense row workspace (all threads together) before a hash workspace would be needed
 WORKSPACE_LIMIT_BYTES = 1 << 30
@@ -63,8 +64,8 @@ class Plan:
 
 
 def _type(x) -> TensorType:
-    if isinstance(x, SparseTensor):
-        return TensorType(x.dim(), x.dtype, x.format, x.index_dtype, x.device.type)
+    if type(x) is SparseTensor:
+        return TensorType(len(x._shape), x._values.dtype, x._format, x.index_dtype, x._values.device.type)
     return TensorType(x.dim(), x.dtype, None, None, x.device.type)
 
 
@@ -72,7 +73,9 @@ def prepare(operands):
     """Torch sparse layouts become SparseTensors (zero-copy); numbers become 0-d tensors."""
     out = []
     for x in operands:
-        if isinstance(x, SparseTensor):
+        if type(x) is SparseTensor or (type(x) is torch.Tensor and x.layout == torch.strided):
+            out.append(x)
+        elif isinstance(x, SparseTensor):
             out.append(x)
         elif isinstance(x, torch.Tensor):
             out.append(interop.from_torch(x) if x.layout != torch.strided else x)
@@ -88,9 +91,9 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     ops = prepare(operands)
-    if not any(isinstance(x, SparseTensor) for x in ops) and format is None:
+    if format is None and not any(type(x) is SparseTensor for x in ops):
         return torch.einsum(equation, *ops)
-    inputs, out = parse(equation, [x.dim() for x in ops])
+    inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
     name = f"einsum({equation!r})"
     if len(ops) >= 3:
         tree = _path(inputs, out, ops, name)
@@ -127,12 +130,24 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
     return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend, explain=explain)
 
 
+def _signature(x):
+    """What a repeated call must match to reuse a prepared call: format, dtypes and shape."""
+    if type(x) is SparseTensor:
+        v = x._values
+        return (x._format, v.dtype, x._index_dtype, x._shape, v.device)
+    return (None, x.dtype, x.shape, x.device, x.is_contiguous())
+
+
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
         reduce="sum"):
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``."""
+    sig = (inputs, out, format, rhs, reduce) + tuple(_signature(x) for x in ops)
+    fast = _FAST.get(sig)
+    if fast is not None and not explain and backend == "cpp":
+        return fast(ops, scalars)
     sizes, broadcast = _sizes(inputs, ops, name)
     dtype = _result_dtype(ops, name)
-    devices = {x.device.type for x in ops}
+    devices = {device_of(x).type for x in ops}
     if devices != {"cpu"}:
         raise NotImplementedError(f"scorch: {name} on {', '.join(sorted(devices))} tensors is not supported yet"
                                   " (CPU kernels only)")
@@ -144,9 +159,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if planned is None:
         asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
         output = infer(asg)
-        planned = _PLANNED[key] = (asg, output)
-    asg, output = planned
-    n_sparse = sum(t.sparse for t in types)
+        n = sum(t.sparse for t in types)
+        sched0 = schedule(asg, _lowerable(asg, output)) if n == 1 else None
+        planned = _PLANNED[key] = (asg, output, sched0, n)
+    asg, output, sched0, n_sparse = planned
     if n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
     if n_sparse > 1:
@@ -160,9 +176,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         if explain:
             print(plan.explain())
         return result
-    inner_size = None
     plan_key = key
-    sched0 = schedule(asg, _lowerable(asg, output))
     if sched0.parallel != "level0" and torch.get_num_threads() > 1:
         k = sched0.driver.operand
         alt = _transposed_for_parallel(asg, sched0, ops[k], sizes)
@@ -176,12 +190,13 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
             return run(inputs, out, ops, format=format, explain=explain, name=name, rhs=rhs, scalars=scalars,
                        backend=backend, reduce=reduce)
     if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
-        inner_size = sizes[sched0.inner[-1]]
-        plan_key = key + (inner_size,)
+        plan_key = key + (sizes[sched0.inner[-1]],)
     plan = _COMPILED.get(plan_key)
     if plan is None:
         plan = _compile(asg, output, sizes, broadcast)
         _COMPILED[plan_key] = plan
+    if backend == "cpp" and all(dtype_of(x) == dtype for x in ops) and len(_FAST) < 4096:
+        _FAST[sig] = _prepared_call(plan, sizes, dtype)
     result = _call(plan, ops, sizes, dtype, scalars or {}, backend)
     if explain:
         print(plan.explain())
@@ -363,7 +378,7 @@ def _sizes(inputs, ops, name):
     sizes, broadcast = {}, set()
     for k, (idx, x) in enumerate(zip(inputs, ops)):
         for d, v in enumerate(idx):
-            n = x.shape[d]
+            n = shape_of(x)[d]
             if v not in sizes or sizes[v] == 1:
                 sizes[v] = n
             elif n != sizes[v] and n != 1:
@@ -371,7 +386,7 @@ def _sizes(inputs, ops, name):
                                  f" operand {k} (shape {tuple(x.shape)})")
     for k, (idx, x) in enumerate(zip(inputs, ops)):
         for d, v in enumerate(idx):
-            if x.shape[d] == 1 and sizes[v] != 1:
+            if shape_of(x)[d] == 1 and sizes[v] != 1:
                 if isinstance(x, SparseTensor):
                     raise NotImplementedError(f"scorch {name}: broadcasting the sparse operand {k} along"
                                               f" index {v!r} is not supported")
@@ -380,17 +395,17 @@ def _sizes(inputs, ops, name):
 
 
 def _result_dtype(ops, name):
-    dtype = ops[0].dtype
+    dtype = dtype_of(ops[0])
     for x in ops[1:]:
-        dtype = torch.promote_types(dtype, x.dtype)
+        dtype = torch.promote_types(dtype, dtype_of(x))
     if dtype not in SUPPORTED:
         raise TypeError(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32, int64)")
     return dtype
 
 
 def _cast(x, dtype):
-    if x.dtype == dtype:
-        return x if isinstance(x, SparseTensor) else x.contiguous()
+    if dtype_of(x) == dtype:
+        return x if type(x) is SparseTensor else x.contiguous()
     if isinstance(x, SparseTensor):
         return x.with_values(x.values().to(dtype))
     return x.to(dtype).contiguous()
@@ -400,12 +415,82 @@ def _level_info(x: SparseTensor):
     """Per level: ``(lo, extent, width)`` and the number of positions, from the storage."""
     fmt = x.format
     count, info, counts = 1, [], []
-    for (lo, hi), lvl, st in zip(fmt.level_bounds(x.shape), fmt.level_types, x.levels):
+    for (lo, hi), lvl, st in zip(fmt.level_bounds(x._shape), fmt.level_types, x._levels):
         width = lvl.width(st, count) if lvl.padded else 0
         info.append((lo, hi - lo, width))
         count = lvl.num_positions(st, count, lo, hi)
         counts.append(count)
     return info, counts
+
+
+def _prepared_call(plan: Plan, sizes, dtype):
+    """A call of ``plan`` for operands of one signature, with everything that depends only on the signature
+    (sizes, level bounds, the argument list's constant entries) computed once: a repeated call then costs
+    the pointer reads, the output allocation and the ctypes call."""
+    asg, out = plan.asg, plan.output
+    written = _lowerable(asg, out)
+    if asg.reduce != "sum" or (out.format is not None and not written.shared_levels) or any(
+            lvl.padded for t in asg.operands if t.sparse for lvl in t.format.level_types):
+        return lambda ops, scalars: _call(plan, ops, sizes, dtype, scalars or {})
+    k_drv = plan.schedule.driver.operand
+    out_shape = tuple(sizes[v] for v in asg.out)
+    m = written.shared_levels
+    alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+    template, dynamic = [], []
+    for n, a in enumerate(plan.lowered.args):
+        k = a.kind
+        if k in ("pos", "crd"):
+            dynamic.append((n, a.operand, a.level, 0 if k == "pos" else 1))
+            template.append(None)
+        elif k == "values":
+            dynamic.append((n, a.operand, -1, 2))
+            template.append(None)
+        elif k == "dense":
+            dynamic.append((n, a.operand, -1, 3))
+            template.append(None)
+        elif k in ("out", "threads", "scalar"):
+            template.append(None)
+        else:
+            template.append(_arg(a, None, None, sizes, None, None) if k in ("size",) else None)
+    # the remaining static values (level bounds and operand dimensions) come from the first call
+    statics = {}
+    out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
+    thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
+    scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
+    fn = plan.kernel.fn
+
+    def call(ops, scalars):
+        if not statics:
+            s = ops[k_drv]
+            info, _ = _level_info(s)
+            for n, a in enumerate(plan.lowered.args):
+                if a.kind in ("lo", "extent"):
+                    template[n] = info[a.level][0 if a.kind == "lo" else 1]
+                elif a.kind == "dim":
+                    template[n] = shape_of(ops[a.operand])[a.level]
+            statics["done"] = True
+        args = list(template)
+        for n, op, lvl, what in dynamic:
+            x = ops[op]
+            args[n] = (x._levels[lvl].pos if what == 0 else x._levels[lvl].crd if what == 1 else
+                       x._values if what == 2 else x).data_ptr()
+        if m:
+            s = ops[k_drv]
+            _, counts = _level_info(s)
+            out_arr = alloc(counts[m - 1], dtype=dtype)
+        else:
+            out_arr = alloc(out_shape, dtype=dtype)
+        args[out_pos] = out_arr.data_ptr()
+        for n in thr_pos:
+            args[n] = torch.get_num_threads()
+        for n, v in scal:
+            args[n] = scalars[v]
+        fn(*args)
+        plan.calls += 1
+        if m and out.format is not None:
+            return SparseTensor(out.format, out_shape, ops[k_drv]._levels[:m], out_arr, check=False)
+        return out_arr.reshape(out_shape) if m else out_arr
+    return call
 
 
 def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
@@ -417,7 +502,8 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
     n_out = counts[written.shared_levels - 1] if written.shared_levels else out_shape
     red = asg.reduce
     if red == "sum":
-        out_arr, counted = torch.zeros(n_out, dtype=dtype), None
+        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+        out_arr, counted = alloc(n_out, dtype=dtype), None
     else:
         ident = float("-inf") if red == "max" else float("inf")
         if not dtype.is_floating_point:
@@ -454,15 +540,15 @@ def _arg(a, ops, info, sizes, scalars, out_arr):
     """The value of one kernel argument: a tensor (passed by pointer) or a number."""
     k = a.kind
     if k in ("pos", "crd"):
-        return getattr(ops[a.operand].levels[a.level], k)
+        return getattr(ops[a.operand]._levels[a.level], k)
     if k == "values":
-        return ops[a.operand].values()
+        return ops[a.operand]._values
     if k == "dense":
         return ops[a.operand]
     if k in ("lo", "extent", "width"):
         return info[a.level][("lo", "extent", "width").index(k)]
     if k == "dim":
-        return ops[a.operand].shape[a.level]
+        return shape_of(ops[a.operand])[a.level]
     if k == "size":
         return sizes[a.var]
     if k == "scalar":

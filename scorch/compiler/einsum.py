@@ -5,6 +5,7 @@ else: no part of it ever reaches generated source, which uses index names the co
 """
 from __future__ import annotations
 
+import functools
 import re
 
 from .ir import Access, Mul
@@ -13,6 +14,13 @@ _EQ = re.compile(r"^[A-Za-z.,\- >]*$")
 
 
 def parse(equation: str, ndims) -> tuple:
+    if not isinstance(equation, str):
+        raise TypeError(f"einsum equation must be a string, got {type(equation).__name__}")
+    return _parse(equation, tuple(ndims))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(equation: str, ndims) -> tuple:
     """``(inputs, output)``: the index letters of every operand and of the result, ``...`` expanded.
 
     Implicit output (no ``->``) is the letters used exactly once, sorted, as in ``torch.einsum``.

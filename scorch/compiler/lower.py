@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formats import Var as FVar
 from ..formats.levels import LevelSymbols
 from . import loops as L
 from .infer import factors
@@ -39,6 +40,7 @@ class Lowered:
     kernel: L.Kernel
     args: tuple
     compute_type: str
+    writes_every_output: bool = False  # the output need not be zero-filled before the kernel
 
 
 def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset(), scatter=None) -> Lowered:
@@ -55,6 +57,8 @@ class _Lowering:
     def __init__(self, asg, sched, ct, broadcast, scatter=None):
         self.asg, self.sched, self.ct, self.broadcast = asg, sched, ct, broadcast
         self.scatter = scatter
+        self.covering = set()  # loops that visit each coordinate of an output index exactly once
+        self.writes_every_output = False
         self.params, self.args = [], []
         self.vname = {v: f"x{k}" for k, v in enumerate(asg.indices)}  # einsum letter -> generated name
         self.spec = dict(sched.specialize)
@@ -83,6 +87,7 @@ class _Lowering:
             x = L.Var(self.vname[v])
             par = L.Parallel("static") if k == 0 and sched.parallel == "outer" else None
             items.append(("for", x, L.Const(0), self.size(v), par))
+            self.covering.add(x.name)
             self.bound[v] = x
         fmt = t.format
         parent = L.Const(0)
@@ -109,6 +114,8 @@ class _Lowering:
             if lvl.coord_iter:
                 lo, hi = lvl.emit_coord_bounds(sym, parent)
                 items += [("for", c, lo, hi, par), ("let", p, lvl.emit_coord_access(sym, parent, c))]
+                if isinstance(e, FVar) and drv.indices[e.dim] in asg.out:
+                    self.covering.add(c.name)  # visits every coordinate of an output index once
             else:
                 bounds = lvl.emit_pos_bounds(sym, parent)
                 if bounds is None:
@@ -132,7 +139,7 @@ class _Lowering:
         inner = {self.vname[v] for v in sched.inner}
         body = L.mark_simd(L.block(body), lambda name: name in inner)
         kernel = L.Kernel("scorch_kernel", tuple(self.params), body)
-        return Lowered(kernel, tuple(self.args), self.ct)
+        return Lowered(kernel, tuple(self.args), self.ct, self.writes_every_output)
 
     def _recover(self, fmt, k, coords, dims, drv):
         items = []
@@ -184,6 +191,42 @@ class _Lowering:
                     L.If(L.binary("ne", L.Var("v", self.ct), L.Const(0, self.ct)), L.block(body))]
         return [_nest(items, body)]
 
+    def _row_workspace(self, items, out, index, value):
+        """A workspace for the output tile of the innermost dense loops, held across the reduction loops that
+        enclose them (SpMM's row of K): accumulated in registers or on the stack, written once. None when the
+        loop nest does not have that shape."""
+        asg = self.asg
+        tail_names = {self.vname[v] for v in asg.out if v in self.spec}
+        j = len(items)
+        while j > 0 and items[j - 1][0] == "for" and items[j - 1][1].name in tail_names:
+            j -= 1
+        tail, head = items[j:], items[:j]
+        if not tail:
+            return None
+        tvars = [next(v for v in asg.out if self.vname.get(v) == it[1].name) for it in tail]
+        names = {self.bound[v].name for v in asg.out if v not in tvars}
+        b = max((i for i, it in enumerate(head) if it[0] != "if" and it[1].name in names), default=-1)
+        while b + 1 < len(head) and head[b + 1][0] == "if":
+            b += 1
+        between = head[b + 1:]
+        if not any(it[0] == "for" for it in between):
+            return None
+        size, lin = 1, L.Const(0)
+        for v in tvars:
+            lin = L.binary("add", L.binary("mul", lin, L.Const(self.spec[v])), self.bound[v])
+            size *= self.spec[v]
+        if size > 1024:
+            return None
+        # every output location written exactly once: the loops down to the tile only walk output indices
+        # densely, without guards, so the output need not be zeroed first
+        once = all(it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in head[:b + 1])
+        self.writes_every_output = once
+        w = "wrow"
+        stmts = [L.LocalArray(w, self.ct, size, L.Const(0, self.ct)),
+                 _nest(between + tail, [L.Store(w, lin, value, "add")]),
+                 _nest(tail, [L.Store(out, index, L.Load(w, lin, self.ct), None if once else "add")])]
+        return [_nest(head[:b + 1], stmts)]
+
     def _output(self, items):
         asg, sched = self.asg, self.sched
         if self.scatter:
@@ -207,6 +250,10 @@ class _Lowering:
         while ready + 1 < len(items) and items[ready + 1][0] == "if":
             ready += 1
         value = self._value(asg.rhs)
+        if not shared and red == "sum":
+            tiled = self._row_workspace(items, out, index, value)
+            if tiled is not None:
+                return tiled
         rest = items[ready + 1:]
         # max/min also count the stored entries reduced into each output: where fewer than the reduced extent,
         # an implicit zero takes part too (applied after the kernel)

@@ -39,7 +39,10 @@ __all__ = ["CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "
 CACHE_VERSION = "v1"
 
 _BASE_FLAGS = ("-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_OPT_FLAGS = ("-O3",)
+# -fno-loop-unroll-and-jam: GCC 12 jams two iterations of a sparse loop around a dense inner loop and then
+# loads the second one's dense row with gathers (measured 4-5x slower SpMM, benchmarks/RESULTS.md);
+# -mprefer-vector-width=512: use the full AVX-512 width where the CPU has it (GCC prefers 256 otherwise).
+_OPT_FLAGS = ("-O3", "-fno-loop-unroll-and-jam", "-mprefer-vector-width=512")
 _SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                    "-fno-sanitize-recover=all")
 _MAX_MESSAGE = 8000  # characters of compiler output kept in a CompileError; the first errors matter most

@@ -21,6 +21,9 @@ _PROPS = {"unique": ("unique", True), "nonunique": ("unique", False),
           "ordered": ("ordered", True), "nonordered": ("ordered", False)}
 
 
+_BOUNDS: dict = {}  # (format, shape) -> level bounds: computed on every kernel call, so memoized
+
+
 class Format:
     """An immutable storage format. Build it from text, ``Format("(i, j) -> (i : dense, j : compressed)")``,
     or from parts, ``Format.from_levels(ndim, [(Var(0), Dense()), (Var(1), Compressed())])``."""
@@ -112,8 +115,15 @@ class Format:
 
     def level_bounds(self, shape) -> tuple[tuple[int, int], ...]:
         """``(lo, hi)`` of every level's coordinate for a tensor of ``shape``."""
-        self.check_shape(shape)
-        return tuple(e.bounds(shape) for e in self.exprs)
+        key = (self, tuple(shape))
+        b = _BOUNDS.get(key)
+        if b is None:
+            self.check_shape(shape)
+            b = tuple(e.bounds(shape) for e in self.exprs)
+            if len(_BOUNDS) > 4096:
+                _BOUNDS.clear()
+            _BOUNDS[key] = b
+        return b
 
     def check_shape(self, shape) -> None:
         if len(shape) != self.ndim:

@@ -4,6 +4,7 @@ Every named format is an ordinary ``Format``: a name is only a shorthand for its
 """
 from __future__ import annotations
 
+import functools
 import re
 
 from .expr import Div, Mod, Sub, Var
@@ -78,6 +79,7 @@ def resolve(spec, ndim: int | None = None) -> Format:
     return fmt
 
 
+@functools.lru_cache(maxsize=512)
 def _from_string(spec, ndim):
     if "->" in spec:
         return Format(spec)

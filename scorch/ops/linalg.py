@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..compiler import dispatch
-from ..sparse_tensor import SparseTensor, implements
+from ..sparse_tensor import SparseTensor, implements, shape_of
 
 
 @implements(torch.einsum)
@@ -26,7 +26,8 @@ def _product_format(a, b):
 def matmul(a, b):
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"matmul: operands must be tensors, got {type(a).__name__} and {type(b).__name__}")
-    da, db = a.dim(), b.dim()
+    sa, sb = shape_of(a), shape_of(b)
+    da, db = len(sa), len(sb)
     if da == 0 or db == 0:
         raise ValueError("matmul: both arguments need at least one dimension")
     if da == 1 and db == 1:
@@ -41,7 +42,8 @@ def matmul(a, b):
         eq = "...ij,...jk->...ik" if db > 1 else "...ij,j->...i"
         if da == 1:
             eq = "j,...jk->...k"
-    _check_inner(a, b, -1, -2 if db > 1 else 0, "matmul")
+    if sa[-1] != sb[-2 if db > 1 else 0]:
+        _check_inner(a, b, -1, -2 if db > 1 else 0, "matmul")
     return dispatch.einsum(eq, a, b, format=_product_format(a, b))
 
 

@@ -23,9 +23,19 @@ def _vectorized_lines(source, tmp_path):
     return {int(m.group(1)) for m in re.finditer(r"k\.cpp:(\d+):\d+: optimized: loop vectorized", out.stderr)}
 
 
+def _report(source, tmp_path):
+    cpp = tmp_path / "r.cpp"
+    cpp.write_text(source)
+    flags = [f for f in runtime.flags() if f not in ("-shared",)]
+    return subprocess.run([runtime.compiler(), *flags, "-fopt-info-vec-optimized", "-c", str(cpp), "-o",
+                           str(tmp_path / "r.o")], capture_output=True, text=True, check=True).stderr
+
+
 def _innermost_loop_line(source, var_prefix="x"):
+    """The hot loop: the dense-index loop whose body accumulates (``+=``)."""
     lines = source.splitlines()
-    loops = [i + 1 for i, line in enumerate(lines) if re.search(rf"for \(int64_t {var_prefix}\d+ =", line)]
+    loops = [i + 1 for i, line in enumerate(lines[:-1]) if re.search(rf"for \(int64_t {var_prefix}\d+ =", line)
+             and "+=" in lines[i + 1]]
     return loops[-1]
 
 
@@ -38,6 +48,7 @@ def test_inner_dense_loop_vectorizes(eq, k, tmp_path):
     src = _kernel_source(eq, *ops)
     assert f"< INT64_C({k})" in src, "the dense extent should be compiled in"
     line = _innermost_loop_line(src)  # g++ names the loop's line or its body's
+    assert "64 byte vectors" in _report(src, tmp_path) or "32 byte vectors" in _report(src, tmp_path)
     assert {line, line + 1} & _vectorized_lines(src, tmp_path)
 
 
