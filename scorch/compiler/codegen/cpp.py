@@ -104,8 +104,9 @@ class _Emitter:
             return [f"{pad}std::vector<{store}> {vec}((size_t)({self.expr(s.size)}));",
                     f"{pad}{t}* __restrict__ {n} = reinterpret_cast<{t}*>({vec}.data());"]
         if isinstance(s, L.Sort):
-            a = ident(s.array)
-            return [f"{pad}std::sort({a} + {self.expr(s.lo)}, {a} + {self.expr(s.hi)});"]
+            a, lo, hi = ident(s.array), self.expr(s.lo), self.expr(s.hi)
+            # merges often produce the entries in order already: checking is linear, sorting is not
+            return [f"{pad}if (!std::is_sorted({a} + {lo}, {a} + {hi})) std::sort({a} + {lo}, {a} + {hi});"]
         if isinstance(s, L.For):
             return self.loop(s, d)
         if isinstance(s, L.While):
