@@ -1,8 +1,19 @@
-"""The tensor-algebra compiler (DESIGN.md section 3): index notation -> format inference -> schedule ->
-lowering over the level interface (``scorch.formats.levels``) -> C++/CUDA -> cached kernels.
+"""The tensor-algebra compiler (DESIGN.md section 3). The pipeline, in the order a call meets it:
 
-The pipeline lands with the compiler issue. ``torch.compiler`` shares this name, so its names are forwarded
-here: ``import scorch as torch; torch.compiler.disable`` stays torch's own.
+1. ``einsum.parse``: the equation, checked against its grammar, as index letters per operand.
+2. ``ir``: index notation (``Assignment`` of an ``IndexExpr`` over typed operand placeholders).
+3. ``contract``: for three or more operands, the contraction tree (fused kernels vs pairwise steps).
+4. ``infer``: the output format, by the rules documented there and in docs/format-inference.md.
+5. ``schedule``: loop order, parallel loop, workspaces, specialized extents (``Schedule`` for one sparse
+   operand, ``CoSchedule`` for several).
+6. ``lower`` (one sparse operand, its levels drive the loops) or ``coiterate`` (several, merged by index
+   variable through ``lattice``): a ``loops.Kernel``, through the level capability interface only.
+7. ``interp`` runs a kernel in NumPy (the reference semantics); ``codegen.cpp`` renders it as C++.
+8. ``runtime``: compile once, cache in memory and on disk, load through ctypes.
+9. ``dispatch``: the caches from a call's signature to a prepared call, and ``explain``.
+
+``torch.compiler`` shares this package's name, so its names are forwarded here: under
+``import scorch as torch``, ``torch.compiler.disable`` stays torch's own.
 """
 import torch.compiler as _torch_compiler
 
