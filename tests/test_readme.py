@@ -19,8 +19,17 @@ def test_readme_example_runs_verbatim():
     assert "SparseTensor(format=csr, shape=(6, 8)" in out.stdout and "bsr(2, 4)" in out.stdout
 
 
+def test_readme_ops_example_runs_after_the_first():
+    blocks = python_blocks()
+    ops = next(b for b in blocks if "sampled_addmm" in b)
+    out = subprocess.run([sys.executable, "-c", blocks[0] + ops], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "loop order:" in out.stdout and 'extern "C"' in out.stdout
+
+
 def test_readme_format_examples_hold():
-    code = "import scorch\n" + python_blocks()[1].replace("scorch.Format(", "f = scorch.Format(")
+    block = next(b for b in python_blocks() if "scorch.Format(" in b and "->" in b and "asformat" not in b)
+    code = "import scorch\n" + block.replace("scorch.Format(", "f = scorch.Format(")
     code = code.replace("# == scorch.formats.dia", "\nassert f == scorch.formats.dia")
     code = code.replace("# == scorch.formats.coo", "\nassert f == scorch.formats.coo")
     subprocess.run([sys.executable, "-c", code], check=True)
