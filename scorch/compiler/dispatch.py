@@ -145,8 +145,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     fast = _FAST.get(sig)
     if fast is not None and not explain and backend == "cpp":
         return fast(ops, scalars)
-    sizes, broadcast = _sizes(inputs, ops, name)
+    prepared_ok = all(type(x) is SparseTensor or x.is_contiguous() for x in ops)  # the prepared call passes
+    sizes, broadcast = _sizes(inputs, ops, name)                                  # data pointers as they are
     dtype = _result_dtype(ops, name)
+    prepared_ok = prepared_ok and all(dtype_of(x) == dtype for x in ops)  # ... without casting them
     devices = {device_of(x).type for x in ops}
     if devices != {"cpu"}:
         raise NotImplementedError(f"scorch: {name} on {', '.join(sorted(devices))} tensors is not supported yet"
@@ -195,7 +197,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if plan is None:
         plan = _compile(asg, output, sizes, broadcast)
         _COMPILED[plan_key] = plan
-    if backend == "cpp" and all(dtype_of(x) == dtype for x in ops) and len(_FAST) < 4096:
+    if backend == "cpp" and prepared_ok and len(_FAST) < 4096:
         _FAST[sig] = _prepared_call(plan, sizes, dtype)
     result = _call(plan, ops, sizes, dtype, scalars or {}, backend)
     if explain:

@@ -83,7 +83,10 @@ def prefix_levels(fmt: Format, access: Access, out) -> int:
         known |= {access.indices[d] for d in fmt.exprs[m - 1].dims()}
         if not known <= set(out):
             return 0
-        if known == set(out) and fmt.level_types[m - 1].unique:  # a non-unique level repeats coordinates
+        lvl = fmt.level_types[m - 1]
+        # a non-unique level repeats coordinates of different entries; a padded one only repeats padding,
+        # whose value (zero) a product with the driver keeps zero
+        if known == set(out) and (lvl.unique or lvl.padded):
             try:
                 remap(fmt, access, out, m)
                 return m
@@ -122,8 +125,10 @@ def infer(asg: Assignment) -> OutputFormat:
     order = []
     if first is not None:
         for e in asg.operands[first.operand].format.exprs:
-            order += [first.indices[d] for d in e.dims() if first.indices[d] in asg.out and
-                      first.indices[d] not in order]
+            for d in e.dims():
+                v = first.indices[d]
+                if v in asg.out and v not in order:
+                    order.append(v)
     order += [v for v in asg.out if v not in order]
     levels = [(Var(asg.out.index(v)), Compressed() if v in sparse else Dense()) for v in order]
     return OutputFormat(Format.from_levels(len(asg.out), levels), 0, "levels by sparse indices")
