@@ -27,16 +27,20 @@ _MAPS = {
 }
 
 
-def _map(torch_fn):
+def _map(torch_fn, linear):
     def apply(x, *args, **kwargs):
         if args or kwargs.get("inplace"):
             raise NotImplementedError(f"scorch: {torch_fn.__name__} with extra arguments on a sparse operand")
+        if x.format.keeps_duplicates and not linear:
+            # f(a) + f(b) != f(a + b): duplicates are summed first
+            from ..formats import named
+            x = x.asformat(named.coo_nd(x.dim()))
         return x.with_values(torch_fn(x.values()))
     return apply
 
 
 for _name, _funcs in _MAPS.items():
-    implements(*_funcs)(_map(_funcs[0]))
+    implements(*_funcs)(_map(_funcs[0], linear=_name == "neg"))
 
 
 def _elementwise_eq(a, b):

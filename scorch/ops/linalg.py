@@ -108,10 +108,14 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         raise ValueError(f"sampled_addmm: shapes {tuple(s.shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")
     _check_inner(mat1, mat2, 1, 0, "sampled_addmm")
-    pattern = s.with_values(torch.ones_like(s.values()))
+    vals = s.values()
+    # ones on the pattern; a padded (ELL) level's padding is indistinguishable from stored zeros: not pattern
+    ones = (vals != 0).to(vals.dtype) if any(lvl.padded for lvl in s.format.level_types) else torch.ones_like(vals)
+    pattern = s.with_values(ones)
     # mat2 transposed once (k x n -> n x k) so the inner loop over k reads both dense operands contiguously
     prod = dispatch.einsum("ij,ik,jk->ij", pattern, mat1, mat2.t().contiguous())
-    vals = prod.values() * alpha
+    # a dense-format input gives a dense product, whose row-major values are the format's values
+    vals = (prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)) * alpha
     if beta != 0:
         vals = vals + beta * s.values()
     return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)

@@ -40,6 +40,14 @@ def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
     return r
 
 
+@implements(torch._sparse_sum)
+def _sparse_sum(x, *args):
+    """``torch.sparse.sum(x, dim, dtype)`` arrives here as ``torch._sparse_sum(x[, dim][, dtype])``."""
+    dim = next((a for a in args if not isinstance(a, torch.dtype)), None)
+    dtype = next((a for a in args if isinstance(a, torch.dtype)), None)
+    return sum(x, dim, dtype=dtype)
+
+
 @implements(torch.mean, torch.Tensor.mean)
 def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
     if not (x.dtype.is_floating_point or dtype is not None):
@@ -49,6 +57,8 @@ def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
     for d in dims:
         count *= x.shape[d]
     s = sum(x, dim, keepdim, dtype=dtype)
+    if count == 0:  # the mean of nothing is nan, as in torch
+        return (s.to_dense() if isinstance(s, SparseTensor) else s) / count
     return s.with_values(s.values() / count) if isinstance(s, SparseTensor) else s / count
 
 
