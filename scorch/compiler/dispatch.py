@@ -215,7 +215,7 @@ def _transposed_for_parallel(asg, sched, x, sizes):
 
     The choice between this transposition and a privatized output workspace is by this estimate; only
     formats with plain-index levels are transposed."""
-    from ..formats import Format, Var
+    from ..formats import Compressed, Dense, Format, Var
     fmt = x.format
     if not all(isinstance(e, Var) for e in fmt.exprs) or fmt.keeps_duplicates or x.nnz < 2:
         return None
@@ -232,7 +232,9 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     convert = CONVERT_COST * x.nnz * max(1.0, int(x.nnz).bit_length())
     if convert >= work * (1 - 1 / threads):
         return None
-    return Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, fmt.level_types)])
+    # the same level types in the new order, made unique (COO's repeated rows would race again)
+    types = [lvl if isinstance(lvl, Dense) else Compressed() for lvl in fmt.level_types]
+    return Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, types)])
 
 
 def _lowerable(asg, output: OutputFormat) -> OutputFormat:

@@ -46,7 +46,9 @@ def schedule(asg: Assignment, out: OutputFormat, sizes: Optional[dict] = None) -
     first_vars = {drv.indices[d] for d in first.dims()}
     # The first level's loop writes disjoint outputs if its coordinate pins down output rows
     # (``i`` or ``i / b`` of an output index) or if the output shares the driver's positions.
-    level0_ok = out.shared_levels > 0 or (isinstance(first, (Var, Div)) and first_vars <= set(asg.out))
+    # (a non-unique or padded first level visits one coordinate from several iterations: a race)
+    level0_ok = out.shared_levels > 0 or (isinstance(first, (Var, Div)) and first_vars <= set(asg.out)
+                                          and fmt.level_types[0].unique)
     outer_candidates = [v for v in rest if v in asg.out]
     if level0_ok or not outer_candidates:
         outer, inner = (), tuple(_inner_order(rest, asg))

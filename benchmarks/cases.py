@@ -1,0 +1,390 @@
+"""The kernel cases: each builds its inputs, runs every peer once and checks it against the reference, then
+times the peers that gave a right answer (interleaved, median after warm-up) into a ``Table``.
+
+A scorch call that raises ``NotImplementedError`` becomes a row saying "not supported yet", so the suite runs
+on a compiler that lacks an op and fills the row in once it has it; any other exception is recorded as an
+error row. Peers keep running either way.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+import scorch
+
+from . import data, hand
+from .timing import Row, Table, Target, Timing, measure
+
+TOLERANCE = 1e-4  # max |got - ref| / max |ref| for float32 results
+
+
+@dataclass(frozen=True)
+class Config:
+    quick: bool
+    repeat: int
+    uniform_n: int
+    uniform_density: float
+    graph_n: int
+    graph_mean: float
+    graph_max: int
+    spmm_k: tuple
+    sddmm_k: int
+    chain_k: int
+    mttkrp_shape: tuple
+    mttkrp_density: float
+    mttkrp_rank: int
+    budget_s: float       # time budget per table; rounds stop early past it (at least 3 rounds)
+    slow_s: float         # a peer whose first call takes longer is timed on one more call only
+    tune_rounds: int      # rounds for choosing the fastest hand-kernel variant
+    compile_runs: int     # fresh processes for the compile / disk-cache measurements
+
+
+FULL = Config(quick=False, repeat=20, uniform_n=20000, uniform_density=1e-3, graph_n=100000, graph_mean=21,
+              graph_max=12000, spmm_k=(32, 128), sddmm_k=64, chain_k=32, mttkrp_shape=(200, 200, 200),
+              mttkrp_density=1e-3, mttkrp_rank=16, budget_s=40.0, slow_s=3.0, tune_rounds=5, compile_runs=3)
+QUICK = Config(quick=True, repeat=5, uniform_n=2000, uniform_density=1e-2, graph_n=10000, graph_mean=21,
+               graph_max=1200, spmm_k=(32, 128), sddmm_k=64, chain_k=32, mttkrp_shape=(60, 60, 60),
+               mttkrp_density=1e-2, mttkrp_rank=16, budget_s=2.0, slow_s=0.5, tune_rounds=2, compile_runs=1)
+
+
+class Inputs:
+    """The matrices, built on first use and shared by the cases."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._cache = {}
+
+    def _get(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def matrix(self, which: str) -> data.Matrix:
+        return {"uniform": self.uniform, "power-law": self.graph}[which]
+
+    @property
+    def uniform(self) -> data.Matrix:
+        c = self.cfg
+        return self._get("uniform", lambda: data.uniform(c.uniform_n, c.uniform_density, seed=0))
+
+    @property
+    def uniform2(self) -> data.Matrix:
+        c = self.cfg
+        return self._get("uniform2", lambda: data.uniform(c.uniform_n, c.uniform_density, seed=1))
+
+    @property
+    def graph(self) -> data.Matrix:
+        c = self.cfg
+        return self._get("graph", lambda: data.power_law(c.graph_n, c.graph_mean, c.graph_max, seed=0))
+
+
+# --- checking ----------------------------------------------------------------------------------------------
+
+def comparable(x):
+    """A numpy array or scipy CSR matrix with ``x``'s values, from any result type the peers return."""
+    if isinstance(x, scorch.SparseTensor):
+        if x.dim() == 2:
+            try:
+                x = x.to_torch()
+            except Exception:  # no torch layout for this format: densify (small outputs only)
+                return x.to_dense().numpy()
+        else:
+            return x.to_dense().numpy()
+    if isinstance(x, torch.Tensor):
+        if x.layout == torch.strided:
+            return x.detach().numpy()
+        if x.layout == torch.sparse_csr:
+            return sp.csr_matrix((x.values().numpy(), x.col_indices().numpy(), x.crow_indices().numpy()),
+                                 shape=tuple(x.shape))
+        if x.layout == torch.sparse_coo and x.dim() == 2:
+            x = x.coalesce()
+            i = x.indices().numpy()
+            return sp.csr_matrix((x.values().numpy(), (i[0], i[1])), shape=tuple(x.shape))
+        return x.to_dense().numpy()
+    if sp.issparse(x):
+        return x.tocsr()
+    if hasattr(x, "todense") and not isinstance(x, np.ndarray):  # pydata sparse
+        return np.asarray(x.todense())
+    return np.asarray(x)
+
+
+def relative_error(got, ref) -> float:
+    g, r = comparable(got), comparable(ref)
+    if tuple(g.shape) != tuple(r.shape):
+        raise AssertionError(f"shape {tuple(g.shape)} != reference shape {tuple(r.shape)}")
+    if sp.issparse(g) or sp.issparse(r):
+        g, r = sp.csr_matrix(g), sp.csr_matrix(r)
+        diff, scale = abs(g - r).max(), abs(r).max()
+    else:
+        diff, scale = np.abs(g - r).max(initial=0.0), np.abs(r).max(initial=0.0)
+    return float(diff) / max(float(scale), 1e-30)
+
+
+def _status(e: Exception) -> str:
+    msg = " ".join(str(e).split())
+    if len(msg) > 160:
+        msg = msg[:157] + "..."
+    if isinstance(e, NotImplementedError):
+        return f"not supported yet ({msg})"
+    return f"error: {type(e).__name__}: {msg}"
+
+
+def run_peers(table: Table, peers: dict[str, Callable], reference: str, cfg: Config,
+              refs: dict[str, Callable] | None = None) -> None:
+    """Call each peer once (the first warm-up call: scorch compiles here), check it against the result of
+    ``reference`` (or of ``refs[name]()`` where given: a peer that computes something else), then time the
+    peers that ran and were right. A peer whose first call took over ``cfg.slow_s`` is timed on one more call
+    instead of the rounds. Rows are added to ``table`` in the order of ``peers``."""
+    results, status, slow = {}, {}, set()
+    for name, fn in peers.items():
+        try:
+            t0 = time.perf_counter()
+            results[name] = fn()
+            if time.perf_counter() - t0 > cfg.slow_s:
+                slow.add(name)
+        except Exception as e:  # noqa: BLE001  (any failure of one peer becomes its row's status)
+            status[name] = _status(e)
+    if reference not in results:
+        raise RuntimeError(f"the reference {reference!r} failed: {status.get(reference)}")
+    checks = []
+    for name in list(results):
+        if name == reference:
+            continue
+        try:
+            ref = refs[name]() if refs and name in refs else results[reference]
+            err = relative_error(results[name], ref)
+        except Exception as e:  # noqa: BLE001
+            status[name] = f"check failed: {_status(e)}"
+            del results[name]
+            continue
+        ok = err <= TOLERANCE
+        checks.append(f"{name}: {err:.1e}{'' if ok else ' (WRONG)'}")
+        if not ok:
+            status[name] = f"WRONG RESULT: max |diff| / max |ref| = {err:.1e} > {TOLERANCE:g}"
+            del results[name]
+    del results
+    table.notes.insert(0, f"Checked against {reference} (max |diff| / max |ref|, tolerance {TOLERANCE:g}): "
+                          + ("; ".join(checks) or "nothing to check") + ".")
+    timings = measure({n: fn for n, fn in peers.items() if n not in status and n not in slow}, cfg.repeat,
+                      warmup=1, budget_s=cfg.budget_s)
+    for name in slow - set(status):
+        t0 = time.perf_counter()
+        peers[name]()
+        sec = time.perf_counter() - t0
+        timings[name] = Timing(sec, sec, 1)
+    if slow - set(status):
+        table.notes.append(f"Slow peers (first call over {cfg.slow_s:g} s) were timed on one further call: "
+                           + ", ".join(sorted(slow - set(status))) + ".")
+    for name in peers:
+        table.rows.append(Row(name, timings.get(name), status.get(name, "")))
+
+
+def _ratio_target(table: Table, text: str, goal: float, num: str, den: str, higher: bool = True) -> Target:
+    """A target on ``num``'s median over ``den``'s."""
+    t = Target(text, goal, table.ratio(num, den), "x", higher)
+    if t.value is None:
+        missing = [n for n in (num, den) if table.row(n) is None or table.row(n).timing is None]
+        t.why_missing = "; ".join(f"{n}: {table.row(n).status if table.row(n) else 'absent'}" for n in missing)
+    return t
+
+
+# --- SpMM ----------------------------------------------------------------------------------------------------
+
+SCORCH_SPMM, TORCH_SPMM, SCIPY_SPMM = "scorch  S @ X", "torch CSR  A @ X", "scipy csr @ ndarray"
+
+
+def spmm(inputs: Inputs, which: str, k: int, variants: dict) -> Table:
+    """CSR x dense. ``variants`` collects the median of every hand-kernel variant (for the variants table)."""
+    cfg = inputs.cfg
+    a = inputs.matrix(which)
+    x = data.dense((a.torch.shape[1], k), seed=10 + k)
+    xn = x.numpy()
+    t = Table("spmm", f"SpMM, {which}, K={k}", f"{a.describe()}; X: {x.shape[0]:,} x {k} float32, Y = A @ X")
+    t.scorch, t.torch = SCORCH_SPMM, TORCH_SPMM
+
+    # the yardstick: time every hand variant (and the ablation builds) on this case, keep the fastest candidate
+    kernels = {f"hand {n}": f for n, f in hand.spmm_kernels(k).items()}
+    kernels.update({f"ablation {n}": f for n, f in hand.ablation_kernels(k).items()})
+    ref = a.torch @ x
+    calls = {}
+    for name, f in kernels.items():
+        err = relative_error(f(a.torch, x), ref)
+        if err > TOLERANCE:
+            raise AssertionError(f"{name} is wrong on {t.title}: relative error {err:.1e}")
+        calls[name] = (lambda f=f: f(a.torch, x))
+    tuned = measure(calls, cfg.tune_rounds, warmup=1, budget_s=cfg.budget_s / 2, min_rounds=2)
+    variants[t.title] = {n: v.median for n, v in tuned.items()}
+    best = min((n for n in tuned if n.startswith("hand ")), key=lambda n: tuned[n].median)
+    best_fn = kernels[best]
+    hand_name = f"hand C++ ({best.split(' ', 1)[1]})"
+
+    peers = {SCORCH_SPMM: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x,
+             SCIPY_SPMM: lambda: a.scipy @ xn, hand_name: lambda: best_fn(a.torch, x)}
+    run_peers(t, peers, TORCH_SPMM, cfg)
+    t.targets.append(_ratio_target(t, "scorch >= 2x faster than torch CSR", 2.0, TORCH_SPMM, SCORCH_SPMM))
+    t.targets.append(_ratio_target(t, "scorch within 1.3x of the hand kernel (scorch time / hand time)", 1.3,
+                                   SCORCH_SPMM, hand_name, higher=False))
+    hand_vs_torch = t.ratio(TORCH_SPMM, hand_name)
+    if hand_vs_torch is not None and hand_vs_torch < 2.0:
+        t.notes.append(f"The hand kernel itself is {hand_vs_torch:.2f}x faster than torch CSR here (torch uses MKL): "
+                       "2x over torch is beyond this CSR kernel design on this machine.")
+    t.notes.append(f"Hand kernel: the fastest of {len([n for n in kernels if n.startswith('hand ')])} variants "
+                   f"in a {cfg.tune_rounds}-round trial on this case ({best.split(' ', 1)[1]}); all variants are in"
+                   " the SpMM variants table.")
+    return t
+
+
+# --- SDDMM ---------------------------------------------------------------------------------------------------
+
+SCORCH_SDDMM = "scorch  sampled_addmm(S, A, B)"
+TORCH_SDDMM = "torch  sampled_addmm(A_csr, A, B)"
+SCORCH_SDDMM_EINSUM = "scorch  einsum('ij,ik,kj->ij', S, A, B)"
+SCORCH_SDDMM_BT = "scorch  einsum('ij,ik,jk->ij', S, A, Bt)  (B stored transposed)"
+
+
+def sddmm(inputs: Inputs) -> Table:
+    cfg = inputs.cfg
+    s, k = inputs.uniform, cfg.sddmm_k
+    n, m = s.torch.shape
+    a, b = data.dense((n, k), seed=20), data.dense((k, m), seed=21)
+    bt = b.t().contiguous()
+    t = Table("sddmm", f"SDDMM, uniform, K={k}",
+              f"{s.describe()}; A: {n:,} x {k}, B: {k} x {m:,}; sampled_addmm = S + (A @ B) at S's nonzeros")
+    t.scorch, t.torch = SCORCH_SDDMM, TORCH_SDDMM
+
+    def einsum_ref():  # S * (A @ B) at the nonzeros: torch's sampled product (beta=0) times S's values
+        prod = torch.sparse.sampled_addmm(s.torch, a, b, beta=0.0)
+        return torch.sparse_csr_tensor(prod.crow_indices(), prod.col_indices(), prod.values() * s.torch.values(),
+                                       prod.shape)
+    peers = {SCORCH_SDDMM: lambda: torch.sparse.sampled_addmm(s.scorch, a, b),
+             TORCH_SDDMM: lambda: torch.sparse.sampled_addmm(s.torch, a, b),
+             SCORCH_SDDMM_EINSUM: lambda: scorch.einsum("ij,ik,kj->ij", s.scorch, a, b),
+             SCORCH_SDDMM_BT: lambda: scorch.einsum("ij,ik,jk->ij", s.scorch, a, bt)}
+    run_peers(t, peers, TORCH_SDDMM, cfg, refs={SCORCH_SDDMM_EINSUM: einsum_ref, SCORCH_SDDMM_BT: einsum_ref})
+    t.targets.append(_ratio_target(t, "scorch sampled_addmm >= 1.5x faster than torch", 1.5, TORCH_SDDMM,
+                                   SCORCH_SDDMM))
+    kernel_only = t.ratio(SCORCH_SDDMM, SCORCH_SDDMM_BT)
+    if kernel_only is not None:
+        t.notes.append(f"scorch's sampled_addmm takes {kernel_only:.2f}x the time of its einsum kernel alone on a "
+                       "transposed B (last row): the rest is the work sampled_addmm does around the kernel "
+                       "(scorch/ops/linalg.py).")
+    t.notes.append("The einsum rows compute S * (A @ B) at S's nonzeros (the kernel alone, without "
+                   "sampled_addmm's scaling and addition of S); they are checked against torch's product times S's"
+                   " values. The last row passes B as its transpose, stored row-major, to show the cost of the "
+                   "column-order reads of B.")
+    return t
+
+
+# --- SpMV ----------------------------------------------------------------------------------------------------
+
+SCORCH_SPMV, TORCH_SPMV, SCIPY_SPMV = "scorch  S @ v", "torch CSR  A @ v", "scipy csr @ ndarray"
+
+
+def spmv(inputs: Inputs, which: str) -> Table:
+    cfg = inputs.cfg
+    a = inputs.matrix(which)
+    v = data.dense((a.torch.shape[1],), seed=30)
+    vn = v.numpy()
+    t = Table("spmv", f"SpMV, {which}", f"{a.describe()}; y = A @ v")
+    t.scorch, t.torch = SCORCH_SPMV, TORCH_SPMV
+    peers = {SCORCH_SPMV: lambda: a.scorch @ v, TORCH_SPMV: lambda: a.torch @ v, SCIPY_SPMV: lambda: a.scipy @ vn}
+    run_peers(t, peers, TORCH_SPMV, cfg)
+    return t
+
+
+# --- sparse x sparse -------------------------------------------------------------------------------------------
+
+def spgemm(inputs: Inputs) -> Table:
+    cfg = inputs.cfg
+    a = inputs.uniform
+    t = Table("spgemm", "SpGEMM, uniform, A @ A", f"{a.describe()}; C = A @ A (sparse result)")
+    t.scorch, t.torch = "scorch  S @ S", "torch CSR  A @ A"
+    peers = {t.scorch: lambda: a.scorch @ a.scorch, t.torch: lambda: a.torch @ a.torch,
+             "scipy csr @ csr": lambda: a.scipy @ a.scipy}
+    run_peers(t, peers, "scipy csr @ csr", cfg)
+    nnz = (a.scipy @ a.scipy).nnz
+    t.notes.append(f"The product has {nnz:,} nonzeros.")
+    return t
+
+
+def add_mul(inputs: Inputs, op: str) -> Table:
+    cfg = inputs.cfg
+    a, b = inputs.uniform, inputs.uniform2
+    sym = "+" if op == "add" else "*"
+    t = Table("addmul", f"sparse {sym} sparse, uniform",
+              f"{a.describe()}; B: same size and density, another pattern (seed 1); C = A {sym} B")
+    t.scorch, t.torch = f"scorch  S1 {sym} S2", f"torch CSR  A {sym} B"
+    if op == "add":
+        peers = {t.scorch: lambda: a.scorch + b.scorch, t.torch: lambda: a.torch + b.torch,
+                 "scipy  A + B": lambda: a.scipy + b.scipy}
+        reference = "scipy  A + B"
+    else:
+        peers = {t.scorch: lambda: a.scorch * b.scorch, t.torch: lambda: a.torch * b.torch,
+                 "scipy  A.multiply(B)": lambda: a.scipy.multiply(b.scipy)}
+        reference = "scipy  A.multiply(B)"
+    run_peers(t, peers, reference, cfg)
+    return t
+
+
+# --- multi-operand einsum ------------------------------------------------------------------------------------
+
+def chain(inputs: Inputs) -> Table:
+    cfg = inputs.cfg
+    a, k = inputs.uniform, cfg.chain_k
+    n = a.torch.shape[1]
+    b, c = data.dense((n, k), seed=40), data.dense((k, k), seed=41)
+    t = Table("chain", "einsum 'ij,jk,kl->il', sparse first operand",
+              f"{a.describe()}; B: {n:,} x {k}, C: {k} x {k}")
+    t.scorch, t.torch = "scorch  einsum('ij,jk,kl->il', S, B, C)", "torch  (A_csr @ B) @ C"
+    peers = {t.scorch: lambda: scorch.einsum("ij,jk,kl->il", a.scorch, b, c),
+             t.torch: lambda: (a.torch @ b) @ c,
+             "scorch  (S @ B) @ C, by hand": lambda: (a.scorch @ b) @ c}
+    run_peers(t, peers, t.torch, cfg)
+    return t
+
+
+# --- MTTKRP ----------------------------------------------------------------------------------------------------
+
+def mttkrp(inputs: Inputs) -> Table:
+    import sparse as pydata
+
+    cfg = inputs.cfg
+    shape, r = cfg.mttkrp_shape, cfg.mttkrp_rank
+    x = data.random_3d(shape, cfg.mttkrp_density, seed=50)
+    s = scorch.asformat(x, "csf")
+    xp = pydata.COO.from_numpy(x.numpy())
+    b, c = data.dense((shape[1], r), seed=51), data.dense((shape[2], r), seed=52)
+    bn, cn = b.numpy(), c.numpy()
+    eq = "ijk,jr,kr->ir"
+    t = Table("mttkrp", f"MTTKRP '{eq}'",
+              f"3-d tensor {'x'.join(map(str, shape))}, density {cfg.mttkrp_density:g}, nnz {int(s.values().numel()):,};"
+              f" B: {shape[1]} x {r}, C: {shape[2]} x {r}")
+    t.scorch, t.torch = "scorch  einsum (csf)", "torch  einsum (dense tensor)"
+    peers = {t.scorch: lambda: scorch.einsum(eq, s, b, c),
+             "scorch  einsum (csf, format='dense')": lambda: scorch.einsum(eq, s, b, c, format="dense"),
+             "pydata sparse.einsum (COO)": lambda: pydata.einsum(eq, xp, bn, cn),
+             "pydata sparse.tensordot (COO), then numpy": lambda: _tensordot_mttkrp(pydata, xp, bn, cn),
+             t.torch: lambda: torch.einsum(eq, x, b, c)}
+    run_peers(t, peers, t.torch, cfg)
+    t.notes.append("scorch's default output for this expression is sparse (rows of the result follow the tensor's "
+                   "first level: format (i : compressed, r : dense)); the second row asks for a dense result.")
+    return t
+
+
+def _tensordot_mttkrp(pydata, x, b, c):
+    """MTTKRP through pydata's tensordot: Y[i, j, r] = sum_k X[i, j, k] C[k, r], then sum_j Y[i, j, r] B[j, r]."""
+    y = pydata.tensordot(x, c, axes=([2], [0]))
+    y = y.todense() if hasattr(y, "todense") else y
+    return np.einsum("ijr,jr->ir", y, b)
+
+
+def sources_of(explained: str) -> list[str]:
+    """The generated sources in ``scorch.explain``'s text: each ``source:`` block, up to the next header line
+    (``word(s): ...`` at the start of a line) or the end."""
+    return [m.group(1) for m in re.finditer(r"^source:\n(.*?)(?=^[a-z][a-z ]*: |\Z)", explained, flags=re.M | re.S)]

@@ -1,0 +1,318 @@
+"""RESULTS.md and the speedup plot, from the tables a run produced."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+
+from .timing import Table, Target
+
+MACHINE_KEYS = ("cpu", "cores", "threads", "load_before", "load_after")
+
+
+# --- environment ---------------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def versions() -> dict:
+    import numpy
+    import scipy
+    import sparse
+    import torch
+
+    import scorch
+    from scorch.compiler import runtime
+
+    try:
+        gxx = subprocess.run([runtime.compiler(), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except Exception as e:  # noqa: BLE001
+        gxx = f"unknown ({e})"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _git(root, "rev-parse", "--short", "HEAD")
+    if commit and _git(root, "status", "--porcelain", "--", "scorch"):
+        commit += " (with uncommitted changes in scorch/)"
+    return {"python": platform.python_version(), "torch": torch.__version__, "scipy": scipy.__version__,
+            "sparse (pydata)": sparse.__version__, "numpy": numpy.__version__, "C++ compiler": gxx,
+            "compiler flags": " ".join(runtime.flags()), "scorch": f"{scorch.__version__}, commit {commit or '?'}"}
+
+
+def _git(root, *args) -> str:
+    try:
+        run = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=30)
+        return run.stdout.strip() if run.returncode == 0 else ""
+    except OSError:
+        return ""
+
+
+# --- formatting ------------------------------------------------------------------------------------------------
+
+def ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 10 else f"{ms:.1f}"
+
+
+def duration(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _speedup(r: float) -> str:
+    return f"{r:.2f}x" if r >= 1 else f"{r:.2f}x (scorch slower)"
+
+
+def value_text(t: Target) -> str:
+    if t.value is None:
+        return "not measured"
+    return f"{t.value:.2f}{'x' if t.unit == 'x' else ' ' + t.unit}"
+
+
+def _verdict(t: Target) -> str:
+    return {True: "**met**", False: "**not met**", None: "not measured"}[t.met]
+
+
+def _table_md(t: Table) -> list[str]:
+    out = [f"### {t.title}", "", t.setup, ""]
+    if t.kind == "measurements":
+        out += ["| measurement | median | min | runs |", "| --- | ---: | ---: | ---: |"]
+        for r in t.rows:
+            if r.timing is None:
+                out.append(f"| {r.name} | {r.status} | | |")
+            else:
+                out.append(f"| {r.name} | {duration(r.timing.median)} | {duration(r.timing.min)} | {r.timing.runs} |")
+    else:
+        out += ["| implementation | median ms | min ms | runs | scorch speedup (its time / scorch's) |",
+                "| --- | ---: | ---: | ---: | ---: |"]
+        for r in t.rows:
+            if r.timing is None:
+                out.append(f"| {r.name} | {r.status} | | | |")
+                continue
+            ratio = t.ratio(r.name)
+            cell = "(reference: scorch)" if r.name == t.scorch else ("" if ratio is None else _speedup(ratio))
+            out.append(f"| {r.name} | {ms(r.timing.median)} | {ms(r.timing.min)} | {r.timing.runs} | {cell} |")
+    out.append("")
+    for tg in t.targets:
+        line = f"- Target: {tg.text}: measured {value_text(tg)}, {_verdict(tg)}."
+        if tg.value is None and tg.why_missing:
+            line += f" ({tg.why_missing})"
+        out.append(line)
+    out += [f"- {n}" for n in t.notes]
+    out.append("")
+    return out
+
+
+# --- the SpMM story: generated loop vs hand kernel ---------------------------------------------------------------
+
+def _spmm_analysis(tables, variants, diagnoses) -> list[str]:
+    out = []
+    for t in tables:
+        if t.group != "spmm" or t.title not in variants:
+            continue
+        v = variants[t.title]
+        scorch_row, hand_row, torch_row = t.row(t.scorch), _hand_row(t), t.row(t.torch)
+        if not (scorch_row and scorch_row.timing and hand_row and hand_row.timing):
+            continue
+        s, h = scorch_row.timing.median, hand_row.timing.median
+        parts = [f"**{t.title}**: scorch {ms(s)} ms, hand kernel {ms(h)} ms ({s / h:.2f}x)."]
+        rmw, wide = v.get("ablation spmm_gen_rmw"), v.get("ablation spmm_gen_rmw (512-bit)")
+        acc, accw = v.get("ablation spmm_gen_acc"), v.get("ablation spmm_gen_acc (512-bit)")
+        nojam, nojamw = (v.get("ablation spmm_gen_acc (no unroll-and-jam)"),
+                         v.get("ablation spmm_gen_acc (no unroll-and-jam, 512-bit)"))
+        if rmw:
+            parts.append(f"By hand, the loop that updates the output row in memory for every nonzero "
+                         f"(`out[i, :] +=`) takes {ms(rmw)} ms" + (f", {ms(wide)} ms with 512-bit vectors" if wide else "")
+                         + ".")
+        if acc:
+            parts.append(f"The row accumulated in a local `float acc[K]` and stored once (a row workspace): {ms(acc)} ms"
+                         + (f" ({ms(accw)} ms with 512-bit vectors)" if accw else "")
+                         + (f"; without GCC's unroll-and-jam pass, which turns it into gathers: {ms(nojam)} ms"
+                            if nojam else "")
+                         + (f" ({ms(nojamw)} ms with 512-bit vectors)" if nojamw else "") + ".")
+        form = _generated_form(diagnoses, t.title)
+        if form:
+            parts.append(f"scorch's generated kernel for this K uses {form} (its hot loop is below).")
+        parts.append("The hand kernel keeps the output row in vector registers across the row's nonzeros (GCC "
+                     "vector types, `benchmarks/kernels/spmm.cpp`).")
+        if torch_row and torch_row.timing:
+            parts.append(f"The hand kernel is {torch_row.timing.median / h:.2f}x faster than torch CSR here.")
+        out += [" ".join(parts), ""]
+    for d in diagnoses:
+        out += [f"**Generated hot loop, {d.title}** (from `scorch.explain`):", ""]
+        if d.plan:
+            out += ["Plan: " + "; ".join(f"`{p}`" for p in d.plan), ""]
+        if d.hot_loop:
+            out += ["```cpp", d.hot_loop, "```", ""]
+        if d.error:
+            out += [f"({d.error})", ""]
+        if d.vectorizer:
+            out += ["GCC (`-fopt-info-vec-all`, scorch's flags) on these lines:", ""]
+            out += [f"- {r}" for r in d.vectorizer] + [""]
+        out += [f"- {f}" for f in d.findings] + [""]
+    return out
+
+
+def _generated_form(diagnoses, title: str) -> str:
+    """Which of the ablation forms the generated SpMM kernel for the table's K has, from its hot loop."""
+    k = title.rsplit("K=", 1)[-1]
+    d = next((d for d in diagnoses if d.title == f"SpMM, K={k}"), None)
+    if d is None or not d.hot_loop:
+        return ""
+    if re.search(r"^\s*float \w+\[\d+\];", d.hot_loop, flags=re.M):
+        return "the local-array form"
+    if re.search(r"\bout\[[^;]*\] \+=", d.hot_loop):
+        return "the update-in-memory form"
+    return "neither form"
+
+
+def _hand_row(t: Table):
+    return next((r for r in t.rows if r.name.startswith("hand C++")), None)
+
+
+def _variants_md(variants: dict) -> list[str]:
+    if not variants:
+        return []
+    titles = list(variants)
+    names = []
+    for v in variants.values():
+        names += [n for n in v if n not in names]
+    out = ["| variant | " + " | ".join(titles) + " |", "| --- |" + " ---: |" * len(titles)]
+    for n in names:
+        cells = []
+        for title in titles:
+            sec = variants[title].get(n)
+            best = min((x for k, x in variants[title].items() if k.startswith("hand ")), default=None)
+            cells.append("" if sec is None else ms(sec) + (" **(best)**" if sec == best else ""))
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+# --- the whole file --------------------------------------------------------------------------------------------
+
+def write(directory: str, tables: list, machine: dict, variants: dict, diagnoses: list, command: str,
+          elapsed: float, quick: bool) -> tuple[str, str]:
+    os.makedirs(directory, exist_ok=True)
+    md, png = os.path.join(directory, "RESULTS.md"), os.path.join(directory, "speedups.png")
+    plotted = plot(tables, png)
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    lines = ["# Benchmark results", "",
+             f"Produced by `{command}` on {now}, in "
+             + (f"{elapsed / 60:.1f} min" if elapsed >= 120 else f"{elapsed:.0f} s")
+             + (" (**quick mode: small sizes, not the issue's cases**)" if quick else "") + ".",
+             "Times are the median of repeated calls after warm-up (the first call, which compiles, is excluded); "
+             "peers of a case run in the same process, interleaved round by round. Ratios are medians divided by "
+             "scorch's median: above 1, scorch is faster.", "",
+             "## Machine", "",
+             f"- CPU: {machine['cpu']}, {machine['cores']} logical cores; threads used: {machine['threads']} "
+             "(torch.set_num_threads, OMP_NUM_THREADS)",
+             f"- load average (1 / 5 / 15 min) before the run: {machine['load_before']}; after: "
+             f"{machine['load_after']} (a load above the thread count means other processes competed for the cores"
+             " and the medians carry their noise; the min column is the least disturbed run)"]
+    lines += [f"- {k}: {v}" for k, v in machine.items() if k not in MACHINE_KEYS]
+    lines += ["", "## Summary", "",
+              "| case | scorch ms | torch ms | scorch speedup vs torch |", "| --- | ---: | ---: | ---: |"]
+    for t in tables:
+        if t.kind != "ratios":
+            continue
+        s, tr = t.row(t.scorch), t.row(t.torch)
+        sc = ms(s.timing.median) if s and s.timing else (s.status if s else "")
+        tc = ms(tr.timing.median) if tr and tr.timing else (tr.status if tr else "")
+        r = t.ratio(t.torch)
+        lines.append(f"| {t.title} | {sc} | {tc} | {'' if r is None else _speedup(r)} |")
+    lines += ["", "## Targets", "", "| case | target | measured | |", "| --- | --- | ---: | --- |"]
+    for t in tables:
+        for tg in t.targets:
+            lines.append(f"| {t.title} | {tg.text} | {value_text(tg)} | {_verdict(tg)} |")
+    missed = [(t, tg) for t in tables for tg in t.targets if tg.met is False]
+    if missed:
+        lines += ["", "Where a target is not met, the case's section and *Generated kernels* below say what the "
+                      "measurements and the generated source show."]
+    lines += ["", "## Cases", ""]
+    for t in tables:
+        lines += _table_md(t)
+    if variants:
+        lines += ["## SpMM: hand-kernel variants and the generated loop", "",
+                  "Median ms over a short trial on each case. `hand ...` are the yardstick candidates, built with "
+                  "scorch's flags (the fastest is the case's hand kernel); `ablation ...` are the loops scorch "
+                  "generates, written by hand (`benchmarks/kernels/spmm.cpp`): `spmm_gen_rmw` updates the output row"
+                  " in memory per nonzero, `spmm_gen_acc` accumulates it in a local array. Their options are set by "
+                  "pragmas, whatever scorch's flags: no suffix is GCC 12's -O3 default here (256-bit vectors "
+                  "preferred, loop unroll-and-jam on).", ""]
+        lines += _variants_md(variants)
+    analysis = _spmm_analysis(tables, variants, diagnoses)
+    if analysis:
+        lines += ["## Generated kernels: what the measurements and the source show", ""] + analysis
+    if plotted:
+        lines += ["## Speedups vs torch", "", "![speedups vs torch](speedups.png)", ""]
+    with open(md, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    return md, (png if plotted else "")
+
+
+def plot(tables: list, path: str) -> bool:
+    """Bar chart of scorch's speedup over torch per case (log scale), with the hand kernel's where there is one
+    and the targets as ticks. Returns False if nothing could be plotted."""
+    bars = []
+    for t in tables:
+        r = t.ratio(t.torch) if t.kind == "ratios" else None
+        if r is None:
+            continue
+        hand = _hand_row(t)
+        h = t.ratio(t.torch, hand.name) if hand else None
+        goal = next((tg.goal for tg in t.targets if "torch" in tg.text and tg.higher), None)
+        bars.append((t.title, r, h, goal))
+    if not bars:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(bars) + 3), 5.5))
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, label="scorch",
+           color=["tab:green" if b[1] >= 1 else "tab:red" for b in bars])
+    hx = [(x, b[2]) for x, b in zip(xs, bars) if b[2] is not None]
+    if hx:
+        ax.bar([x + 0.2 for x, _ in hx], [h for _, h in hx], width=0.4, label="hand C++ kernel", color="tab:gray")
+    for x, b in zip(xs, bars):
+        if b[3] is not None:
+            ax.plot([x - 0.4, x + 0.4], [b[3], b[3]], color="black", linestyle=":", linewidth=1.5)
+        ax.annotate(f"{b[1]:.2f}x", (x - 0.2, b[1]), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}x" if str(f"{y:g}")[0] in "2357" else ""))
+    ax.set_ylabel("speedup over torch (torch time / time), log scale")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([b[0].replace(", ", "\n") for b in bars], rotation=30, ha="right", fontsize=8)
+    ax.set_title("scorch vs torch (dotted: target)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def command_line() -> str:
+    return " ".join(["python -m benchmarks"] + sys.argv[1:])

@@ -1,0 +1,124 @@
+"""Timing and the shape of results: peers timed in interleaved rounds, results as tables of rows and targets.
+
+Peers of one case are timed round-robin (one call of each per round, the order rotated every round), so a
+burst of load from another process on the machine lands on all of them alike instead of on one peer's block
+of runs. Each peer is called ``warmup`` times first (the first scorch call compiles); the reported figure is
+the median of the timed calls, with the minimum beside it.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Timing:
+    median: float  # seconds
+    min: float
+    runs: int
+
+
+def measure(peers: dict[str, Callable[[], object]], repeat: int, warmup: int = 2,
+            budget_s: Optional[float] = None, min_rounds: int = 3) -> dict[str, Timing]:
+    """Median and minimum time of each zero-argument callable over ``repeat`` interleaved rounds. With
+    ``budget_s``, rounds stop early once that many seconds have passed (never before ``min_rounds``)."""
+    names = list(peers)
+    for name in names:
+        for _ in range(warmup):
+            peers[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(repeat):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                fn = peers[name]
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+            if budget_s is not None and r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        if enabled:
+            gc.enable()
+    return {n: Timing(statistics.median(s), min(s), len(s)) for n, s in samples.items()}
+
+
+def per_call(fns: dict[str, Callable[[], object]], batch_s: float, rounds: int) -> dict[str, Timing]:
+    """Seconds per call of very fast callables: the median over ``rounds`` batches, each about ``batch_s``
+    seconds of calls (the count per callable set from a first estimate), the callables' batches interleaved."""
+    calls = {}
+    for name, fn in fns.items():
+        fn()
+        t0, n = time.perf_counter(), 0
+        while n < 10 or (time.perf_counter() - t0 < batch_s / 4 and n < 100000):
+            fn()
+            n += 1
+        calls[name] = max(10, int(batch_s / ((time.perf_counter() - t0) / n)))
+    batches: dict[str, list[float]] = {n: [] for n in fns}
+    gc.collect()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n = calls[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            batches[name].append((time.perf_counter() - t0) / n)
+    return {n: Timing(statistics.median(b), min(b), rounds * calls[n]) for n, b in batches.items()}
+
+
+# --- results -----------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One implementation in a table: timed, or a ``status`` saying why not ("not supported yet: ...")."""
+    name: str
+    timing: Optional[Timing] = None
+    status: str = ""
+
+
+@dataclass
+class Target:
+    """A goal from the issue. ``value`` is the measured figure in ``unit``; ``higher`` says which way is good."""
+    text: str
+    goal: float
+    value: Optional[float]
+    unit: str = "x"
+    higher: bool = True
+    why_missing: str = ""
+
+    @property
+    def met(self) -> Optional[bool]:
+        if self.value is None:
+            return None
+        return self.value >= self.goal if self.higher else self.value <= self.goal
+
+
+@dataclass
+class Table:
+    """One case: ``rows`` (peers), ``scorch`` (the row ratios are taken against), ``torch`` (the row the
+    speedup plot uses), the targets, and notes (checks, sizes, diagnostics)."""
+    group: str
+    title: str
+    setup: str
+    kind: str = "ratios"  # "ratios": peers compared with scorch; "measurements": figures of their own
+    rows: list = field(default_factory=list)
+    scorch: str = ""
+    torch: str = ""
+    targets: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def row(self, name: str) -> Optional[Row]:
+        return next((r for r in self.rows if r.name == name), None)
+
+    def ratio(self, name: str, against: Optional[str] = None) -> Optional[float]:
+        """``name``'s median over ``against``'s (default: scorch's): how many times faster ``against`` is."""
+        a, b = self.row(name), self.row(against or self.scorch)
+        if a is None or b is None or a.timing is None or b.timing is None:
+            return None
+        return a.timing.median / b.timing.median

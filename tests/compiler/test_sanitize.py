@@ -1,0 +1,168 @@
+"""A subset of the einsum matrix under AddressSanitizer and UndefinedBehaviorSanitizer.
+
+The kernels are built with ``SCORCH_SANITIZE=1`` into a fresh cache, in a subprocess started with
+``scorch.compiler.runtime.sanitizer_env()`` (an ASan library cannot be loaded into a process started without
+the ASan runtime). The cases are the ones where an index computation is most likely to step outside an array:
+partial blocks (bsr/bsc), diagonals that leave the matrix (dia and the DSL diagonal formats), ELL padding,
+empty and 1x1 operands, fewer rows than threads. Every result is also compared with torch, in the subprocess.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from scorch.compiler import runtime
+
+SCRIPT = textwrap.dedent(r'''
+    import concurrent.futures, sys
+    import torch
+    import scorch
+
+    EXTRA = 3
+    # (equation, which operand is sparse, formats)
+    CASES = [
+        ("ij,j->i", 0, ["csr", "bsr(2, 3)", "dia", "ell", "(i, j) -> (i + j : compressed, j : dense)"]),
+        ("ij,jk->ik", 0, ["bsc(2, 2)", "ell", "(i, j) -> (j - i : compressed, j : dense)"]),
+        ("ki,ij->kj", 1, ["bsr(2, 3)", "(i, j) -> (j - i : compressed, i : dense)"]),
+        ("ij,ik,jk->ij", 0, ["bsr(2, 3)", "dia", "ell"]),
+        ("ij->j", 0, ["bsc(2, 2)", "dia"]),
+        ("ij->ji", 0, ["bsr(2, 3)"]),
+        ("ii->", 0, ["dia"]),
+        ("ijk,jr,kr->ir", 0, ["csf", "(i, j, k) -> (k : dense, i : compressed, j : compressed)"]),
+        ("ijk->kij", 0, ["coo"]),
+    ]
+    SHAPES_2D = [((5, 7), 0.5), ((0, 7), 0.5), ((5, 0), 0.5), ((1, 1), 1.0), ((4, 6), 1.0), ((4, 6), 0.0),
+                 ((2, 9), 0.7)]
+    SHAPES_SQUARE = [((5, 5), 0.5), ((0, 0), 0.5), ((1, 1), 1.0), ((3, 3), 0.0)]
+    SHAPES_3D = [((3, 4, 5), 0.4), ((0, 2, 3), 0.5), ((1, 1, 1), 1.0), ((2, 0, 3), 0.5)]
+
+
+    def values(shape, gen, density=1.0):
+        mag = torch.randint(1, 9, shape, generator=gen)
+        sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+        return (mag * sign * (torch.rand(shape, generator=gen) < density)).to(torch.float64) / 4
+
+
+    def close(r, expected):
+        got = r.to_dense() if isinstance(r, scorch.SparseTensor) else r
+        return tuple(got.shape) == tuple(expected.shape) and torch.allclose(got, expected)
+
+
+    def run(job):
+        eq, sp, fmt = job
+        lhs, out = eq.split("->")
+        inputs = lhs.split(",")
+        shapes = SHAPES_3D if len(inputs[sp]) == 3 else SHAPES_SQUARE if inputs[sp] == "ii" else SHAPES_2D
+        bad = []
+        for k, (shape, density) in enumerate(shapes):
+            gen = torch.Generator().manual_seed(k)
+            a = values(shape, gen, density)
+            sizes = dict(zip(inputs[sp], shape))
+            ops = [scorch.asformat(a, fmt) if i == sp else values(tuple(sizes.get(c, EXTRA) for c in t), gen)
+                   for i, t in enumerate(inputs)]
+            dense = [a if i == sp else x for i, x in enumerate(ops)]
+            r = scorch.einsum(eq, *ops)
+            if isinstance(r, scorch.SparseTensor):
+                r.check_invariants()
+            if not close(r, torch.einsum(eq, *dense)):
+                bad.append(f"{eq} {fmt} {shape}")
+        return len(shapes), bad
+
+
+    def ops_checks():
+        """Ops outside einsum that run kernels: transposition, sums, SDDMM, scatter into dense, S + S."""
+        gen = torch.Generator().manual_seed(99)
+        bad, n = [], 0
+        for fmt in ("bsr(2, 3)", "dia", "csr"):
+            for shape in ((5, 7), (0, 3), (1, 1)):
+                a = values(shape, gen, 0.5)
+                s = scorch.asformat(a, fmt)
+                m1, m2 = values((shape[0], 2), gen), values((2, shape[1]), gen)
+                mask = a != 0 if fmt == "csr" else None
+                checks = [(s.sum(0), a.sum(0)), (s.t(), a.T), (s + a, 2 * a)]
+                if fmt == "csr":
+                    b = scorch.asformat(values(shape, gen, 0.5), "csr")
+                    checks += [(s * a, a * a), (torch.sparse.sampled_addmm(s, m1, m2), a + (m1 @ m2) * mask),
+                               (s + b, a + b.to_dense()), (s * b, a * b.to_dense())]
+                for r, expected in checks:
+                    n += 1
+                    if not close(r, expected):
+                        bad.append(f"op on {fmt} {shape}")
+        return n, bad
+
+
+    torch.set_num_threads(3)  # more threads than some inputs have rows
+    jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
+        results = list(pool.map(run, jobs)) + [ops_checks()]
+    bad = [b for _, bs in results for b in bs]
+    print("checked", sum(n for n, _ in results), "results in", len(jobs), "kernels")
+    for b in bad:
+        print("MISMATCH", b)
+    sys.exit(1 if bad else 0)
+''')
+
+
+def _sanitizer_available():
+    try:
+        runtime.sanitizer_env()
+        return shutil.which(runtime.compiler()) is not None
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ASan preloading is set up for Linux")
+def test_matrix_subset_under_sanitizers(tmp_path):
+    if not _sanitizer_available():
+        pytest.skip("the C++ compiler has no ASan/UBSan runtime")
+    env = runtime.sanitizer_env()
+    env["SCORCH_SANITIZE"] = "1"
+    env["SCORCH_CACHE_DIR"] = str(tmp_path / "cache")
+    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = run.stdout + run.stderr
+    assert "AddressSanitizer" not in out, out[-6000:]
+    assert "runtime error" not in out, out[-6000:]
+    assert run.returncode == 0, out[-6000:]
+    assert "checked" in run.stdout and "MISMATCH" not in run.stdout, out[-6000:]
+    # the kernels really were sanitized builds, in the fresh cache
+    built = list((tmp_path / "cache").rglob("*.so"))
+    assert len(built) >= 15, len(built)
+    sources = list((tmp_path / "cache").rglob("*.cpp"))
+    assert sources
+
+
+def test_sanitizer_catches_an_out_of_bounds_read(tmp_path):
+    """The set-up can fail: a kernel that reads one past its buffer is reported by ASan in this subprocess."""
+    if not _sanitizer_available():
+        pytest.skip("the C++ compiler has no ASan/UBSan runtime")
+    env = runtime.sanitizer_env()
+    env["SCORCH_SANITIZE"] = "1"
+    env["SCORCH_CACHE_DIR"] = str(tmp_path / "cache")
+    script = textwrap.dedent(r'''
+        import ctypes, importlib.util, sys
+        spec = importlib.util.spec_from_file_location("rt", sys.argv[1])
+        rt = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(rt)
+        src = """
+        #include <cstdlib>
+        extern "C" long oob(long n) {
+            long* p = static_cast<long*>(std::malloc(n * sizeof(long)));
+            for (long i = 0; i < n; ++i) p[i] = i;
+            long s = 0;
+            for (long i = 0; i <= n; ++i) s += p[i];
+            std::free(p);
+            return s;
+        }
+        """
+        k = rt.load(src, "oob", [ctypes.c_long], ctypes.c_long)
+        print(k(8))
+    ''')
+    run = subprocess.run([sys.executable, "-c", script, runtime.__file__], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "AddressSanitizer" in run.stderr
