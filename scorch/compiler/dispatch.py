@@ -345,6 +345,11 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
         launch(None, {"out": out})
         return out
     rows = sizes[cs.row_var] if cs.row_var is not None else 1
+    if rows * 16 > WORKSPACE_LIMIT_BYTES:
+        raise NotImplementedError(
+            f"scorch: assembling the output row by row over {cs.row_var!r} needs {rows} row counts"
+            f" ({rows * 16 / 2**20:.0f} MiB) and a workspace over ({', '.join(cs.ws_vars)}); hash workspaces for"
+            " such outputs are not supported yet")
     counts = torch.zeros(rows, dtype=torch.int64)
     launch("count", {"counts": counts})
     row_ptr = torch.zeros(rows + 1, dtype=torch.int64)
@@ -504,6 +509,15 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
     out_shape = tuple(sizes[v] for v in asg.out)
     written = _lowerable(asg, out)
     n_out = counts[written.shared_levels - 1] if written.shared_levels else out_shape
+    if plan.assemble_from_dense:
+        cells = 1
+        for n in out_shape:
+            cells *= n
+        if cells * dtype.itemsize > WORKSPACE_LIMIT_BYTES:
+            raise NotImplementedError(
+                f"scorch: the {out.format.name or out.format} output of {asg} would be assembled through a dense"
+                f" workspace of {cells * dtype.itemsize / 2**20:.0f} MiB; direct assembly of this output is not"
+                " supported yet (ask for another format=)")
     red = asg.reduce
     if red == "sum":
         alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
