@@ -1,4 +1,6 @@
+import concurrent.futures
 import os
+import warnings
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -18,3 +20,40 @@ def assert_matches_dense(result, expected):
         torch.testing.assert_close(got, expected)
     else:
         assert torch.equal(got, expected)
+
+
+# --- compiling a module's kernels ahead, on every core --------------------------------------------------------
+
+def compile_ahead(request, job_for):
+    """Run ``job_for(item)`` (a callable or None) for every selected test of this module on every core, before
+    the tests run: a cold kernel costs ~0.4 s of g++ on one core, and the runtime builds different kernels in
+    parallel. Errors are ignored here: the tests themselves report them."""
+    jobs = [j for j in (job_for(item) for item in request.session.items if item.module is request.module) if j]
+    workers = os.cpu_count() or 1
+    if workers < 2 or len(jobs) < 8:
+        return
+
+    def run(job):
+        try:
+            job()
+        except BaseException:
+            pass
+
+    threads = torch.get_num_threads()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, jobs))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def plain_test_job(item):
+    """The test body itself, for a test that takes only its parameters (no fixtures, no hypothesis)."""
+    cs = getattr(item, "callspec", None)
+    params = cs.params if cs else {}
+    names = item._fixtureinfo.argnames
+    if getattr(item.obj, "is_hypothesis_test", False) or not set(names) <= set(params):
+        return None
+    return lambda: item.obj(**{k: params[k] for k in names})

@@ -58,30 +58,31 @@ def _check_inner(a, b, da, db, name):
                          f" ({a.shape[da]} != {b.shape[db]})")
 
 
+def _product(name, eq, a, b, ranks, inner):
+    """A product of fixed ranks (``mm``, ``mv``, ``bmm``): check ranks and the contracted extent, then einsum."""
+    sa, sb = shape_of(a), shape_of(b)
+    if (len(sa), len(sb)) != ranks:
+        raise ValueError(f"{name}: expected a {ranks[0]}-d and a {ranks[1]}-d tensor, got shapes {tuple(sa)} and"
+                         f" {tuple(sb)}")
+    _check_inner(a, b, *inner, name)
+    return dispatch.einsum(eq, a, b, format=_product_format(a, b))
+
+
 @implements(torch.mm, torch.Tensor.mm, torch.sparse.mm, torch.spmm)
 def mm(a, b, *args):
     if args:  # torch.sparse.mm(S, D, reduce) is not supported
         raise NotImplementedError("scorch: torch.sparse.mm with a reduce argument is not supported yet")
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"mm: expected 2-d tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    _check_inner(a, b, 1, 0, "mm")
-    return dispatch.einsum("ij,jk->ik", a, b, format=_product_format(a, b))
+    return _product("mm", "ij,jk->ik", a, b, (2, 2), (1, 0))
 
 
 @implements(torch.mv, torch.Tensor.mv)
 def mv(a, v):
-    if a.dim() != 2 or v.dim() != 1:
-        raise ValueError(f"mv: expected a 2-d and a 1-d tensor, got shapes {tuple(a.shape)} and {tuple(v.shape)}")
-    _check_inner(a, v, 1, 0, "mv")
-    return dispatch.einsum("ij,j->i", a, v, format=_product_format(a, v))
+    return _product("mv", "ij,j->i", a, v, (2, 1), (1, 0))
 
 
 @implements(torch.bmm, torch.Tensor.bmm)
 def bmm(a, b):
-    if a.dim() != 3 or b.dim() != 3:
-        raise ValueError(f"bmm: expected 3-d tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    _check_inner(a, b, 2, 1, "bmm")
-    return dispatch.einsum("bij,bjk->bik", a, b, format=_product_format(a, b))
+    return _product("bmm", "bij,bjk->bik", a, b, (3, 3), (2, 1))
 
 
 @implements(torch.addmm, torch.Tensor.addmm, torch.sparse.addmm)

@@ -24,10 +24,7 @@ Most tests run kernels on one thread (``_one_thread``) and all kernels are compi
 """
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import re
-import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -39,7 +36,7 @@ import scorch
 from scorch import Format, SparseTensor
 from scorch.compiler import dispatch
 
-from conftest import assert_matches_dense
+from conftest import assert_matches_dense, compile_ahead, plain_test_job
 
 EXTRA = 3  # extent of every index letter the sparse operand does not have
 
@@ -318,41 +315,6 @@ def _one_thread():
 
 
 # --- parallel first compiles --------------------------------------------------------------------------------------
-
-def compile_ahead(request, job_for):
-    """Run ``job_for(item)`` (a callable or None) for every selected test of this module on every core, before
-    the tests run: a cold kernel costs ~0.4 s of g++ on one core, and the runtime builds different kernels in
-    parallel. Errors are ignored here: the tests themselves report them."""
-    jobs = [j for j in (job_for(item) for item in request.session.items if item.module is request.module) if j]
-    workers = os.cpu_count() or 1
-    if workers < 2 or len(jobs) < 8:
-        return
-
-    def run(job):
-        try:
-            job()
-        except BaseException:
-            pass
-
-    threads = torch.get_num_threads()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                list(pool.map(run, jobs))
-    finally:
-        torch.set_num_threads(threads)
-
-
-def plain_test_job(item):
-    """The test body itself, for a test that takes only its parameters (no fixtures, no hypothesis)."""
-    cs = getattr(item, "callspec", None)
-    params = cs.params if cs else {}
-    names = item._fixtureinfo.argnames
-    if getattr(item.obj, "is_hypothesis_test", False) or not set(names) <= set(params):
-        return None
-    return lambda: item.obj(**{k: params[k] for k in names})
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _compile_ahead(request):

@@ -5,8 +5,6 @@ Values are multiples of 1/4, so products and sums are exact and every comparison
 """
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import warnings
 
 import pytest
@@ -16,7 +14,7 @@ import torch.nn.functional as F
 import scorch
 from scorch import SparseTensor
 
-from conftest import assert_matches_dense
+from conftest import assert_matches_dense, compile_ahead, plain_test_job
 
 FORMATS = ["csr", "coo", "csc", "dcsr", "dcsc", "ell", "dia", "bsr(2, 3)", "bsc(2, 2)", "dense",
            "(i, j) -> (i + j : compressed, j : dense)", "(i, j) -> (j - i : compressed, i : dense)"]
@@ -64,33 +62,7 @@ def assert_dense_result(r, expected):
 def _compile_ahead(request):
     """Run the selected tests' bodies once on every core before the tests run, so that their kernels compile in
     parallel (a cold kernel costs ~0.4 s of g++ on one core). Errors are ignored here: the tests report them."""
-    jobs = []
-    for item in request.session.items:
-        if item.module is not request.module:
-            continue
-        cs = getattr(item, "callspec", None)
-        params = cs.params if cs else {}
-        names = item._fixtureinfo.argnames
-        if set(names) <= set(params):
-            jobs.append((item.obj, {k: params[k] for k in names}))
-    workers = os.cpu_count() or 1
-    if workers < 2 or len(jobs) < 8:
-        return
-
-    def run(job):
-        try:
-            job[0](**job[1])
-        except BaseException:
-            pass
-
-    threads = torch.get_num_threads()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                list(pool.map(run, jobs))
-    finally:
-        torch.set_num_threads(threads)
+    compile_ahead(request, plain_test_job)
 
 
 # --- products -------------------------------------------------------------------------------------------------

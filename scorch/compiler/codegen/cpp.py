@@ -17,9 +17,6 @@ _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "a
         "add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "/", "mod": "%"}
 
 PRELUDE = """#include <cstdint>
-#include <cmath>
-#include <algorithm>
-#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -27,6 +24,52 @@ static inline int omp_get_num_threads() { return 1; }
 static inline int omp_get_thread_num() { return 0; }
 #endif
 """
+
+
+_HELPERS = {
+    # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
+    "scorch_buf": """#include <cstdlib>
+struct scorch_buf {
+  void* p;
+  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
+  ~scorch_buf() { std::free(p); }
+};
+""",
+    # ascending sort of int64 keys: quicksort (median of three) down to insertion sort (<algorithm> costs ~0.4 s)
+    "scorch_sort": """static void scorch_sort(int64_t* a, int64_t n) {
+  while (n > 24) {
+    const int64_t x = a[0], y = a[n / 2], z = a[n - 1];
+    const int64_t p = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+    int64_t i = 0, j = n - 1;
+    while (i <= j) {
+      while (a[i] < p) ++i;
+      while (a[j] > p) --j;
+      if (i <= j) { const int64_t t = a[i]; a[i] = a[j]; a[j] = t; ++i; --j; }
+    }
+    if (j + 1 < n - i) { scorch_sort(a, j + 1); a += i; n -= i; } else { scorch_sort(a + i, n - i); n = j + 1; }
+  }
+  for (int64_t k = 1; k < n; ++k) {
+    const int64_t v = a[k];
+    int64_t q = k - 1;
+    while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
+    a[q + 1] = v;
+  }
+}
+static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
+  for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
+  return true;
+}
+""",
+}
+
+
+def _includes(body: str) -> str:
+    """Only the headers and helpers the kernel uses: each standard header costs compile time."""
+    inc = []
+    if any(f"std::{f}" in body for f in ("abs", "sqrt", "sin", "tanh")) or "NAN" in body or "INFINITY" in body:
+        inc.append("#include <cmath>\n")
+    inc += [text for name, text in _HELPERS.items() if name in body]
+    return "".join(inc)
 
 
 def ident(name: str) -> str:
@@ -61,8 +104,9 @@ def generate(kernel: L.Kernel) -> str:
             casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
     body = _Emitter(any(p.name == "nthreads" for p in kernel.params)).block(kernel.body, 1)
     sig = ",\n    ".join(params)
-    return (PRELUDE + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
-            + "\n".join(casts + body) + "\n}\n")
+    text = "\n".join(casts + body)
+    return (PRELUDE + _includes(text) + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
+            + text + "\n}\n")
 
 
 class _Emitter:
@@ -99,14 +143,14 @@ class _Emitter:
                     f"{pad}for (int64_t {i} = 0; {i} < {int(s.size)}; ++{i}) {n}[{i}] = {self.expr(s.init)};"]
         if isinstance(s, L.Alloc):
             n, t = ident(s.name), CTYPE[s.type]
-            vec = self.fresh("buf")
-            store = "unsigned char" if s.type == "bool" else t  # std::vector<bool> is a bitset: no data()
-            return [f"{pad}std::vector<{store}> {vec}((size_t)({self.expr(s.size)}));",
-                    f"{pad}{t}* __restrict__ {n} = reinterpret_cast<{t}*>({vec}.data());"]
+            buf = self.fresh("buf")
+            return [f"{pad}scorch_buf {buf}((size_t)({self.expr(s.size)}), sizeof({t}));",
+                    f"{pad}{t}* __restrict__ {n} = static_cast<{t}*>({buf}.p);"]
         if isinstance(s, L.Sort):
             a, lo, hi = ident(s.array), self.expr(s.lo), self.expr(s.hi)
             # merges often produce the entries in order already: checking is linear, sorting is not
-            return [f"{pad}if (!std::is_sorted({a} + {lo}, {a} + {hi})) std::sort({a} + {lo}, {a} + {hi});"]
+            n = f"({hi}) - ({lo})"
+            return [f"{pad}if (!scorch_is_sorted({a} + {lo}, {n})) scorch_sort({a} + {lo}, {n});"]
         if isinstance(s, L.For):
             return self.loop(s, d)
         if isinstance(s, L.While):
@@ -171,7 +215,8 @@ class _Emitter:
         if op == "add":
             return f"{target} += {value}"
         if op in ("max", "min"):
-            return f"{target} = std::{op}({target}, {value})"
+            cmp = ">" if op == "max" else "<"
+            return f"{{ const auto u_ = {value}; if (u_ {cmp} {target}) {target} = u_; }}"
         raise ValueError(f"unknown update {op!r}")
 
     def expr(self, e):
@@ -184,7 +229,8 @@ class _Emitter:
         if isinstance(e, L.Binary):
             a, b = self.expr(e.a), self.expr(e.b)
             if e.op in ("min", "max"):
-                return f"std::{e.op}<{CTYPE[e.type]}>({a}, {b})"
+                t = CTYPE[e.type]
+                return f"(({t})({a}) {'<' if e.op == 'min' else '>'} ({t})({b}) ? ({t})({a}) : ({t})({b}))"
             return f"({a} {_CMP[e.op]} {b})"
         if isinstance(e, L.Unary):
             a, t = self.expr(e.a), CTYPE[e.type]
