@@ -145,9 +145,9 @@ class SparseTensor(torch.Tensor):
         return SparseTensor(self._format, self.shape, self._levels, values, requires_grad=requires_grad,
                             check=False)
 
-    def _map_arrays(self, fn, values_fn=None):
+    def _map_arrays(self, fn):
         levels = tuple(st.map(fn) for st in self._levels)
-        return SparseTensor(self._format, self.shape, levels, (values_fn or fn)(self._values), check=False)
+        return SparseTensor(self._format, self.shape, levels, fn(self._values), check=False)
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:

@@ -43,7 +43,6 @@ class Plan:
     kernel: object = None
     assemble_from_dense: bool = False
     calls: int = 0
-    history: list = field(default_factory=list)
 
     def explain(self) -> str:
         out = self.output
@@ -229,7 +228,8 @@ def _transposed_for_parallel(asg, sched, x, sizes):
 
     The choice between this transposition and a privatized output workspace is by this estimate; only
     formats with plain-index levels are transposed."""
-    from ..formats import Compressed, Dense, Format, Var
+    from ..formats import Format, Var
+    from .schedule import unique_levels
     fmt = x.format
     if not all(isinstance(e, Var) for e in fmt.exprs) or fmt.keeps_duplicates or x.nnz < 2:
         return None
@@ -247,7 +247,7 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     if convert >= work * (1 - 1 / threads):
         return None
     # the same level types in the new order, made unique (COO's repeated rows would race again)
-    types = [lvl if isinstance(lvl, Dense) else Compressed() for lvl in fmt.level_types]
+    types = unique_levels(fmt.level_types)
     return Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, types)])
 
 

@@ -108,12 +108,17 @@ def coiterable(fmt) -> bool:
         for lvl in fmt.level_types)
 
 
+def unique_levels(types):
+    """The level types with every non-dense level made compressed, unique and ordered: what merges and
+    conflict-free parallel loops need (COO's repeated rows, ELL's padding are gone)."""
+    return [lvl if isinstance(lvl, Dense) else Compressed() for lvl in types]
+
+
 def _coiterable_version(fmt):
     from ..formats import Format, named
     if not all(isinstance(e, Var) for e in fmt.exprs):
         return named.csr if fmt.ndim == 2 else named.csf(fmt.ndim)
-    return Format.from_levels(fmt.ndim, [(e, lvl if isinstance(lvl, Dense) else Compressed())
-                                         for e, lvl in fmt.levels])
+    return Format.from_levels(fmt.ndim, list(zip(fmt.exprs, unique_levels(fmt.level_types))))
 
 
 def _level_vars(fmt, access):

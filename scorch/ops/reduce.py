@@ -23,21 +23,29 @@ def _dims(dim, n, name):
     return tuple(out)
 
 
+def _kept(n, dims):
+    """``(source letters, output letters)`` of a reduction of an n-d tensor over ``dims``."""
+    src = _LETTERS[:n]
+    return src, "".join(c for d, c in enumerate(src) if d not in dims)
+
+
+def _keepdim(r, shape, dims):
+    """``r`` reshaped with the reduced dimensions kept as size 1 (dense, as torch returns it)."""
+    kept = tuple(1 if d in dims else n for d, n in enumerate(shape))
+    return r.to_dense().reshape(kept) if isinstance(r, SparseTensor) else r.reshape(kept)
+
+
 @implements(torch.sum, torch.Tensor.sum, torch.sparse.sum)
 def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
     n = x.dim()
     dims = _dims(dim, n, "sum")
-    src = _LETTERS[:n]
-    out = "".join(c for d, c in enumerate(src) if d not in dims)
+    src, out = _kept(n, dims)
     if dtype is not None:
         x = x.to(dtype)
     elif not (x.dtype.is_floating_point or x.dtype.is_complex):
         x = x.to(torch.int64)  # torch sums integers (and bools) in int64
     r = dispatch.einsum(f"{src}->{out}", x)
-    if keepdim:
-        shape = tuple(1 if d in dims else x.shape[d] for d in range(n))
-        r = r.to_dense().reshape(shape) if isinstance(r, SparseTensor) else r.reshape(shape)
-    return r
+    return _keepdim(r, x.shape, dims) if keepdim else r
 
 
 @implements(torch._sparse_sum)
@@ -73,13 +81,9 @@ def _extremum(reduce):
         if x.format.keeps_duplicates or any(lvl.padded for lvl in x.format.level_types):
             from ..formats import named
             x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates else "csr")
-        src = _LETTERS[:n]
-        out = "".join(c for d, c in enumerate(src) if d not in dims)
+        src, out = _kept(n, dims)
         r = dispatch.run((tuple(src),), tuple(out), [x], reduce=reduce, name=f"a{reduce}")
-        if keepdim:
-            shape = tuple(1 if d in dims else x.shape[d] for d in range(n))
-            r = r.to_dense().reshape(shape) if isinstance(r, SparseTensor) else r.reshape(shape)
-        return r
+        return _keepdim(r, x.shape, dims) if keepdim else r
     fn.__name__ = f"a{reduce}"
     return fn
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from test_runtime import OOB  # the kernel that reads one past its buffer
 
 from scorch.compiler import runtime
 
@@ -106,6 +107,14 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+def _sanitized_env(tmp_path):
+    """The environment of a subprocess that builds and loads sanitized kernels, in a fresh cache."""
+    env = runtime.sanitizer_env()
+    env["SCORCH_SANITIZE"] = "1"
+    env["SCORCH_CACHE_DIR"] = str(tmp_path / "cache")
+    return env
+
+
 def _sanitizer_available():
     try:
         runtime.sanitizer_env()
@@ -118,9 +127,7 @@ def _sanitizer_available():
 def test_matrix_subset_under_sanitizers(tmp_path):
     if not _sanitizer_available():
         pytest.skip("the C++ compiler has no ASan/UBSan runtime")
-    env = runtime.sanitizer_env()
-    env["SCORCH_SANITIZE"] = "1"
-    env["SCORCH_CACHE_DIR"] = str(tmp_path / "cache")
+    env = _sanitized_env(tmp_path)
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -140,26 +147,13 @@ def test_sanitizer_catches_an_out_of_bounds_read(tmp_path):
     """The set-up can fail: a kernel that reads one past its buffer is reported by ASan in this subprocess."""
     if not _sanitizer_available():
         pytest.skip("the C++ compiler has no ASan/UBSan runtime")
-    env = runtime.sanitizer_env()
-    env["SCORCH_SANITIZE"] = "1"
-    env["SCORCH_CACHE_DIR"] = str(tmp_path / "cache")
-    script = textwrap.dedent(r'''
+    env = _sanitized_env(tmp_path)
+    script = textwrap.dedent(f'''
         import ctypes, importlib.util, sys
         spec = importlib.util.spec_from_file_location("rt", sys.argv[1])
         rt = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(rt)
-        src = """
-        #include <cstdlib>
-        extern "C" long oob(long n) {
-            long* p = static_cast<long*>(std::malloc(n * sizeof(long)));
-            for (long i = 0; i < n; ++i) p[i] = i;
-            long s = 0;
-            for (long i = 0; i <= n; ++i) s += p[i];
-            std::free(p);
-            return s;
-        }
-        """
-        k = rt.load(src, "oob", [ctypes.c_long], ctypes.c_long)
+        k = rt.load({OOB!r}, "oob", [ctypes.c_long], ctypes.c_long)
         print(k(8))
     ''')
     run = subprocess.run([sys.executable, "-c", script, runtime.__file__], env=env, capture_output=True, text=True,
