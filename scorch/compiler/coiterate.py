@@ -24,13 +24,16 @@ INT64_MAX = 2**63 - 1
 
 
 def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozenset(), phase=None) -> Lowered:
-    """``phase``: None for a dense output; ``"count"`` or ``"fill"`` for the two passes of a rows output."""
+    """``phase``: None for a dense output; ``"count"``, or ``"fill"`` / ``"fill32"`` (64- or 32-bit output
+    coordinates), for the two passes of a rows output."""
     return _CoLowering(asg, cs, ct, broadcast, phase).run()
 
 
 class _CoLowering(_Lowering):
     def __init__(self, asg, cs, ct, broadcast, phase):
-        self.asg, self.cs, self.ct, self.broadcast, self.phase = asg, cs, ct, broadcast, phase
+        self.asg, self.cs, self.ct, self.broadcast = asg, cs, ct, broadcast
+        self.phase = "fill" if phase == "fill32" else phase
+        self.crd_type = "i32" if phase == "fill32" else "i64"
         self.params, self.args = [], []
         self.vname = {v: f"x{k}" for k, v in enumerate(asg.indices)}
         self.spec = {}
@@ -64,7 +67,7 @@ class _CoLowering(_Lowering):
                 self.ws_size = L.binary("mul", self.ws_size, self.size(v))
             self.setup = [L.Alloc("mark", "bool", self.ws_size), L.Alloc("touched", "i64", self.ws_size)]
             if self.phase == "fill":
-                self.setup.append(L.Alloc("ws", self.ct, self.ws_size))
+                self.setup += [L.Alloc("ws", self.ct, self.ws_size), L.Alloc("sort_tmp", "i64", self.ws_size)]
         state = {k: (0, L.Const(0), None) for k in self.access}
         if self.phase and cs.row_var is None:
             body = [L.Decl(L.Var("nt"), L.Const(0))] + self.gen(0, state) + self.row_end(L.Const(0))
@@ -222,11 +225,11 @@ class _CoLowering(_Lowering):
                     L.For(t, L.Const(0), nt, L.block(L.Store("mark", L.Load("touched", t, "i64"),
                                                              L.Const(False, "bool"))))]
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
-        crd = self.param("out_crd", "array", "i64", "out_crd", output=True)
+        crd = self.param("out_crd", "array", self.crd_type, "out_crd", output=True)
         vals = self.param("out", "array", self.ct, "out", output=True)
         base, wv = L.Var("base"), L.Var("w")
         at = L.binary("add", base, t)
-        return [L.Sort("touched", L.Const(0), nt), L.Let(base, L.Load(row_ptr, row, "i64")),
+        return [L.Sort("touched", L.Const(0), nt, self.ws_size, "sort_tmp"), L.Let(base, L.Load(row_ptr, row, "i64")),
                 L.For(t, L.Const(0), nt, L.block(
                     L.Let(wv, L.Load("touched", t, "i64")), L.Store(crd, at, wv),
                     L.Store(vals, at, L.Load("ws", wv, self.ct)), L.Store("ws", wv, L.Const(0, self.ct)),

@@ -29,6 +29,7 @@ _FAST: dict = {}  # call signature (expression, operand formats, dtypes, shapes)
 _FAST_EQ: dict = {}  # the same, keyed by the einsum equation string
 SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
 #: the largest dense row workspace (all threads together) before a hash workspace would be needed
+NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
 WORKSPACE_LIMIT_BYTES = 1 << 30
 
 
@@ -282,6 +283,19 @@ class CoPlan:
     sources: dict = field(default_factory=dict)
     kernels: dict = field(default_factory=dict)
     calls: int = 0
+    broadcast: frozenset = frozenset()
+
+    def kernel(self, phase):
+        """The kernel of ``phase`` (None, "count", "fill" or "fill32"), lowered and loaded on first use: a rows
+        output needs the fill with 32-bit coordinates or the one with 64-bit coordinates, rarely both."""
+        if phase not in self.kernels:
+            from .coiterate import lower_coiteration
+            low = lower_coiteration(self.inner_asg, self.schedule, L.type_of(self.asg.operands[0].dtype),
+                                    self.broadcast, phase)
+            src = cpp.generate(low.kernel)
+            self.lowered[phase], self.sources[phase] = low, src
+            self.kernels[phase] = runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+        return self.kernels[phase]
 
     def explain(self) -> str:
         cs, out = self.schedule, self.output
@@ -306,7 +320,6 @@ class CoPlan:
 
 
 def _compile_coiteration(asg, output, broadcast) -> CoPlan:
-    from .coiterate import lower_coiteration
     from .schedule import schedule_coiteration
     cs = schedule_coiteration(asg, output)
     ops = list(asg.operands)
@@ -314,13 +327,9 @@ def _compile_coiteration(asg, output, broadcast) -> CoPlan:
         t = ops[k]
         ops[k] = TensorType(t.ndim, t.dtype, f, t.index_dtype, t.device)
     inner = Assignment(asg.out, asg.rhs, tuple(ops), asg.reduce, asg.out_format)
-    plan = CoPlan(asg, output, cs, inner)
-    ct = L.type_of(asg.operands[0].dtype)
-    for phase in ((None,) if cs.output == "dense" else ("count", "fill")):
-        low = lower_coiteration(inner, cs, ct, broadcast, phase)
-        src = cpp.generate(low.kernel)
-        plan.lowered[phase], plan.sources[phase] = low, src
-        plan.kernels[phase] = runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+    plan = CoPlan(asg, output, cs, inner, broadcast=broadcast)
+    if cs.output == "dense":
+        plan.kernel(None)
     return plan
 
 
@@ -336,13 +345,14 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
         for v in cs.ws_vars:
             ws *= sizes[v]
         threads = torch.get_num_threads() if cs.parallel else 1
-        if ws * threads * (dtype.itemsize + 9) > WORKSPACE_LIMIT_BYTES:
+        if ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
             raise NotImplementedError(
                 f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
-                f" {ws * threads * (dtype.itemsize + 9) / 2**20:.0f} MiB; hash workspaces for such outputs are not"
+                f" {ws * threads * (dtype.itemsize + 17) / 2**20:.0f} MiB; hash workspaces for such outputs are not"
                 " supported yet (ask for format='dense' or reorder the operands)")
 
     def launch(phase, extra):
+        kernel = plan.kernel(phase)
         low = plan.lowered[phase]
         args = [extra[a.kind] if a.kind in extra else _arg(a, ops, infos.get(a.operand), sizes, scalars, None)
                 for a in low.args]
@@ -351,7 +361,7 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
             interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
                                     for a, v in zip(low.args, args)})
         else:
-            plan.kernels[phase](*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
+            kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
 
     plan.calls += 1
     if cs.output == "dense":
@@ -369,9 +379,10 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
     row_ptr = torch.zeros(rows + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=row_ptr[1:])
     nnz = int(row_ptr[-1])
-    crd = torch.empty(nnz, dtype=torch.int64)
+    narrow = ws <= NARROW_COORDINATES
+    crd = torch.empty(nnz, dtype=torch.int32 if narrow else torch.int64)
     vals = torch.empty(nnz, dtype=dtype)
-    launch("fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
+    launch("fill32" if narrow else "fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
     return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
 
 

@@ -84,6 +84,12 @@ class _Interp:
             lo, hi = int(self.expr(s.lo, env)), int(self.expr(s.hi, env))
             if not 0 <= lo <= hi <= arr.shape[0]:
                 raise IndexError(f"sort of {s.array}[{lo}:{hi}] is out of bounds (length {arr.shape[0]})")
+            bound, scratch = int(self.expr(s.bound, env)), self.arrays[s.scratch]
+            if scratch.shape[0] < hi - lo:
+                raise IndexError(f"sort of {s.array}[{lo}:{hi}] needs {hi - lo} scratch entries, {s.scratch} has"
+                                 f" {scratch.shape[0]}")
+            if hi > lo and not (0 <= arr[lo:hi].min() and arr[lo:hi].max() < bound):
+                raise IndexError(f"sort of {s.array}[{lo}:{hi}]: a key lies outside [0, {bound})")
             arr[lo:hi] = np.sort(arr[lo:hi])
         elif isinstance(s, L.LocalArray):
             self.arrays[s.name] = np.full(s.size, self.expr(s.init, env), dtype=NP[s.type])

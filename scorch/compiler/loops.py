@@ -173,10 +173,13 @@ class Alloc(Stmt):
 
 @dataclass(frozen=True)
 class Sort(Stmt):
-    """Sort ``array[lo:hi]`` ascending in place."""
+    """Sort ``array[lo:hi]`` ascending in place. Every key lies in ``[0, bound)``; ``scratch`` names an i64
+    array at least ``hi - lo`` long that the sort may use (a radix sort: comparison sorts mispredict)."""
     array: str
     lo: Expr
     hi: Expr
+    bound: Expr
+    scratch: str
 
 
 @dataclass(frozen=True)

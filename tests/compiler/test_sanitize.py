@@ -92,6 +92,11 @@ SCRIPT = textwrap.dedent(r'''
                     n += 1
                     if not close(r, expected):
                         bad.append(f"op on {fmt} {shape}")
+        # S @ S with rows of hundreds of entries: the radix sort of the touched list
+        a, b = values((6, 300), gen, 0.5), values((300, 300), gen, 0.5)
+        n += 1
+        if not close(scorch.asformat(a, "csr") @ scorch.asformat(b, "csr"), a @ b):
+            bad.append("csr @ csr, long rows")
         return n, bad
 
 

@@ -36,24 +36,27 @@ struct scorch_buf {
 };
 """,
     # ascending sort of int64 keys: quicksort (median of three) down to insertion sort (<algorithm> costs ~0.4 s)
-    "scorch_sort": """static void scorch_sort(int64_t* a, int64_t n) {
-  while (n > 24) {
-    const int64_t x = a[0], y = a[n / 2], z = a[n - 1];
-    const int64_t p = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
-    int64_t i = 0, j = n - 1;
-    while (i <= j) {
-      while (a[i] < p) ++i;
-      while (a[j] > p) --j;
-      if (i <= j) { const int64_t t = a[i]; a[i] = a[j]; a[j] = t; ++i; --j; }
+    "scorch_sort": """static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
+  // keys in [0, bound): insertion sort for short runs, else a least-significant-digit radix sort by bytes
+  if (n <= 32) {
+    for (int64_t k = 1; k < n; ++k) {
+      const int64_t v = a[k];
+      int64_t q = k - 1;
+      while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
+      a[q + 1] = v;
     }
-    if (j + 1 < n - i) { scorch_sort(a, j + 1); a += i; n -= i; } else { scorch_sort(a + i, n - i); n = j + 1; }
+    return;
   }
-  for (int64_t k = 1; k < n; ++k) {
-    const int64_t v = a[k];
-    int64_t q = k - 1;
-    while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
-    a[q + 1] = v;
+  int64_t* src = a;
+  int64_t* dst = scratch;
+  for (int shift = 0; shift < 63 && (bound - 1) >> shift; shift += 8) {
+    int64_t count[257] = {0};
+    for (int64_t k = 0; k < n; ++k) ++count[((src[k] >> shift) & 255) + 1];
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (int64_t k = 0; k < n; ++k) dst[count[(src[k] >> shift) & 255]++] = src[k];
+    int64_t* t = src; src = dst; dst = t;
   }
+  if (src != a) for (int64_t k = 0; k < n; ++k) a[k] = src[k];
 }
 static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
   for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
@@ -150,7 +153,8 @@ class _Emitter:
             a, lo, hi = ident(s.array), self.expr(s.lo), self.expr(s.hi)
             # merges often produce the entries in order already: checking is linear, sorting is not
             n = f"({hi}) - ({lo})"
-            return [f"{pad}if (!scorch_is_sorted({a} + {lo}, {n})) scorch_sort({a} + {lo}, {n});"]
+            return [f"{pad}if (!scorch_is_sorted({a} + {lo}, {n}))"
+                    f" scorch_sort({a} + {lo}, {n}, {self.expr(s.bound)}, {ident(s.scratch)});"]
         if isinstance(s, L.For):
             return self.loop(s, d)
         if isinstance(s, L.While):

@@ -1,0 +1,48 @@
+"""Row-by-row assembly of sparse outputs: rows with many entries (the radix sort of the touched list), keys
+above 2**32, and both widths of output coordinates, checked against dense torch."""
+import pytest
+import torch
+
+import scorch
+from scorch.compiler import dispatch
+
+
+def _random_csr(m, n, per_row, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(m).repeat_interleave(per_row)
+    cols = torch.randint(0, n, (m * per_row,), generator=g)
+    vals = torch.randn(m * per_row, generator=g, dtype=torch.float64)
+    dense = torch.zeros(m, n, dtype=torch.float64).index_put_((rows, cols), vals, accumulate=True)
+    return dense, scorch.asformat(dense, "csr")
+
+
+@pytest.mark.parametrize("narrow", [True, False])
+def test_spgemm_with_long_rows(monkeypatch, narrow):
+    if not narrow:
+        monkeypatch.setattr(dispatch, "NARROW_COORDINATES", 0)
+    da, a = _random_csr(40, 3000, 30, 1)   # about 900 touched entries per row: the radix path
+    db, b = _random_csr(3000, 3000, 30, 2)
+    r = a @ b
+    assert isinstance(r, scorch.SparseTensor) and r.format == scorch.asformat(da[:1, :1], "csr").format
+    torch.testing.assert_close(r.to_dense(), da @ db)
+    assert r._levels[1].crd.dtype == torch.int32  # the output's index width, whichever the kernel wrote
+    _assert_rows_strictly_increasing(r)
+
+
+def _assert_rows_strictly_increasing(r):
+    pos, crd = r._levels[1].pos.long(), r._levels[1].crd.long()
+    assert pos[-1] == crd.numel()
+    step = crd[1:] > crd[:-1]
+    row_start = torch.zeros(crd.numel(), dtype=torch.bool)
+    row_start[pos[1:-1][pos[1:-1] < crd.numel()]] = True
+    assert bool((step | row_start[1:]).all())
+
+
+def test_rows_output_with_a_two_dimensional_workspace():
+    # rows i of a CSF output, assembled over (j, k): keys up to 2000 * 1500, three radix passes
+    g = torch.Generator().manual_seed(3)
+    da = (torch.rand(6, 2000, generator=g) < 0.02) * torch.randn(6, 2000, generator=g)
+    db = (torch.rand(6, 1500, generator=g) < 0.03) * torch.randn(6, 1500, generator=g)
+    a, b = scorch.asformat(da, "csr"), scorch.asformat(db, "csr")
+    r = scorch.einsum("ij,ik->ijk", a, b, format="csf")
+    torch.testing.assert_close(r.to_dense(), torch.einsum("ij,ik->ijk", da, db))
