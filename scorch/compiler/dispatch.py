@@ -15,7 +15,7 @@ from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
 from . import loops as L
-from . import runtime
+from . import relayout, runtime
 from .codegen import cpp
 from .einsum import parse, to_index_notation
 from .infer import OutputFormat, infer
@@ -153,8 +153,9 @@ def _signature(x):
 
 
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
-        reduce="sum"):
-    """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``."""
+        reduce="sum", relaid=False):
+    """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
+    ``relaid``: the dense operands were already given their layout (``relayout``)."""
     sig = (inputs, out, format, rhs, reduce) + tuple(_signature(x) for x in ops)
     fast = _FAST.get(sig)
     if fast is not None and not explain and backend == "cpp":
@@ -205,6 +206,15 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
             ops[k] = interop.asformat(ops[k], alt)
             return run(inputs, out, ops, format=format, explain=explain, name=name, rhs=rhs, scalars=scalars,
                        backend=backend, reduce=reduce)
+    moves = relayout.plan(inputs, ops, sched0, sizes, broadcast) if rhs is None and not relaid else ()
+    if moves:
+        if explain:
+            for k, d in moves:
+                print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
+                      " reads it along that dimension")
+        inputs, ops = relayout.apply(moves, inputs, ops)
+        return run(inputs, out, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
+                   reduce=reduce, relaid=True)
     if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
         plan_key = key + (sizes[sched0.inner[-1]],)
     plan = _COMPILED.get(plan_key)

@@ -113,8 +113,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     # ones on the pattern; a padded (ELL) level's padding is indistinguishable from stored zeros: not pattern
     ones = (vals != 0).to(vals.dtype) if any(lvl.padded for lvl in s.format.level_types) else torch.ones_like(vals)
     pattern = s.with_values(ones)
-    # mat2 transposed once (k x n -> n x k) so the inner loop over k reads both dense operands contiguously
-    prod = dispatch.einsum("ij,ik,jk->ij", pattern, mat1, mat2.t().contiguous())
+    # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
+    prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2)
     # a dense-format input gives a dense product, whose row-major values are the format's values
     vals = (prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)) * alpha
     if beta != 0:

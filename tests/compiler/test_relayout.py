@@ -1,0 +1,50 @@
+"""Dense operands read along a dimension other than their last get a copy with that dimension last."""
+import io
+
+import pytest
+import torch
+
+import scorch
+from scorch.compiler import relayout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int16, torch.bool])
+@pytest.mark.parametrize("shape", [(5, 7), (1, 1), (0, 3), (3, 4, 5), (2, 33, 65), (40, 70)])
+def test_dim_last_matches_torch(shape, dtype):
+    x = (torch.randn(shape) * 10).to(dtype)
+    for d in range(len(shape)):
+        torch.testing.assert_close(relayout.dim_last(x, d), x.movedim(d, -1).contiguous())
+
+
+def test_dim_last_of_a_non_contiguous_view():
+    x = torch.randn(6, 8)[:, ::2]
+    torch.testing.assert_close(relayout.dim_last(x, 0), x.t().contiguous())
+
+
+def test_sddmm_reads_mat2_through_a_copy():
+    g = torch.Generator().manual_seed(0)
+    dense = (torch.rand(400, 500, generator=g) < 0.01) * torch.randn(400, 500, generator=g)
+    s = scorch.asformat(dense, "csr")  # sparse enough that the contraction stays one SDDMM kernel
+    a, b = torch.randn(400, 16, generator=g), torch.randn(16, 500, generator=g)
+    buf = io.StringIO()
+    scorch.explain("ij,ik,kj->ij", s, a, b, file=buf)
+    assert "relayout:     T2" in buf.getvalue()
+    r = scorch.einsum("ij,ik,kj->ij", s, a, b)
+    torch.testing.assert_close(r.to_dense(), dense * (a @ b))
+
+
+def test_no_copy_when_the_operand_is_large_next_to_the_reads():
+    s = scorch.asformat(torch.eye(200)[:, :1] * 0 + torch.eye(200)[:, :1], "csr")  # one stored entry
+    b = torch.randn(4, 1)
+    assert relayout.plan((("i", "j"), ("k", "j")), [s, torch.randn(4, 1)], _sched(s, b), {"i": 200, "j": 1, "k": 4},
+                         frozenset()) == ()
+
+
+def _sched(s, b):
+    from scorch.compiler.dispatch import _type
+    from scorch.compiler.einsum import to_index_notation
+    from scorch.compiler.infer import infer
+    from scorch.compiler.ir import Assignment
+    from scorch.compiler.schedule import schedule
+    asg = Assignment(("i", "k"), to_index_notation((("i", "j"), ("k", "j"))), (_type(s), _type(b)), "sum", None)
+    return schedule(asg, infer(asg))
