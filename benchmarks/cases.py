@@ -308,6 +308,8 @@ def spgemm(inputs: Inputs) -> Table:
     peers = {t.scorch: lambda: a.scorch @ a.scorch, t.torch: lambda: a.torch @ a.torch,
              "scipy csr @ csr": lambda: a.scipy @ a.scipy}
     run_peers(t, peers, "scipy csr @ csr", cfg)
+    t.targets.append(_ratio_target(t, "scorch faster than scipy", 1.0, "scipy csr @ csr", t.scorch))
+    t.targets.append(_ratio_target(t, "scorch >= 1.5x faster than torch CSR @ CSR", 1.5, t.torch, t.scorch))
     nnz = (a.scipy @ a.scipy).nnz
     t.notes.append(f"The product has {nnz:,} nonzeros.")
     return t
@@ -346,6 +348,7 @@ def chain(inputs: Inputs) -> Table:
              t.torch: lambda: (a.torch @ b) @ c,
              "scorch  (S @ B) @ C, by hand": lambda: (a.scorch @ b) @ c}
     run_peers(t, peers, t.torch, cfg)
+    t.targets.append(_ratio_target(t, "scorch no slower than torch's (A @ B) @ C", 1.0, t.torch, t.scorch))
     return t
 
 

@@ -18,6 +18,7 @@ from . import nn, sparse  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers the sparse implementations of torch ops)
 from .ops.linalg import einsum  # noqa: E402
 from .compiler.dispatch import explain  # noqa: E402
+from .rearrange import rearrange  # noqa: E402
 
 __version__ = "0.1.0"
 

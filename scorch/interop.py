@@ -17,6 +17,7 @@ import torch
 
 from .formats import LevelStorage, named, resolve
 from .formats import storage as _storage
+from ._autograd import needs_grad
 from .sparse_tensor import SparseTensor, checking_invariants
 
 _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
@@ -40,6 +41,10 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     check = check or checking_invariants()
     if x.layout in _SPARSE_LAYOUTS:
         x = from_torch(x, check=check)
+    if needs_grad([x]) and not (isinstance(x, SparseTensor) and x.format == fmt and index_dtype in (
+            None, x.index_dtype)):
+        from . import _autograd as autograd
+        return autograd.convert(x, lambda src: asformat(src, fmt, index_dtype=index_dtype, check=check))
     if isinstance(x, SparseTensor):
         if check:
             x.check_invariants()
@@ -52,7 +57,7 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     else:
         if x.layout != torch.strided:
             raise ValueError(f"cannot convert a tensor of layout {x.layout} to a scorch format")
-        if x.dim() == 2 and not x.requires_grad:
+        if x.dim() == 2:
             view = SparseTensor(named.dense, x.shape, [LevelStorage(), LevelStorage()], x.detach().reshape(-1),
                                 check=False)
             fast = _compiled_conversion(view, fmt, index_dtype, drop_zeros=True)
@@ -166,21 +171,25 @@ def _quiet_beta():
 # --- torch-signature constructors ---------------------------------------------------------------------------
 # The arrays come from the user, so they are validated by scorch (clear errors naming level and position)
 # unless check_invariants=False is passed explicitly.
-def _build(torch_fn, args, dtype, device, requires_grad, check_invariants, **extra):
+def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants, **extra):
     with _quiet_beta():
         try:
             t = torch_fn(*args, dtype=dtype, device=device, check_invariants=False, **extra)
         except RuntimeError as e:  # torch reports inconsistent arguments as RuntimeError
             raise ValueError(f"{torch_fn.__name__}: {e}") from None
     check = check_invariants is None or bool(check_invariants)
-    return from_torch(t, check=check).requires_grad_(requires_grad)
+    s = from_torch(t, check=check)
+    if isinstance(values, torch.Tensor) and needs_grad([values]):
+        # values computed by a graph (attention scores, ...): the result's values are that graph's output
+        s = s.with_values(values.to(dtype=s.dtype, device=s.device).reshape(-1))
+    return s.requires_grad_() if requires_grad else s
 
 
 def sparse_coo_tensor(indices, values, size=None, *, dtype=None, device=None, requires_grad=False,
                       check_invariants=None, is_coalesced=None):
     """As ``torch.sparse_coo_tensor``, returning a SparseTensor (COO, uncoalesced unless said otherwise)."""
     args = (indices, values) if size is None else (indices, values, size)
-    return _build(torch.sparse_coo_tensor, args, dtype, device, requires_grad, check_invariants,
+    return _build(torch.sparse_coo_tensor, args, values, dtype, device, requires_grad, check_invariants,
                   is_coalesced=is_coalesced)
 
 
@@ -188,7 +197,7 @@ def _compressed_ctor(torch_fn):
     def ctor(compressed_indices, plain_indices, values, size=None, *, dtype=None, device=None,
              requires_grad=False, check_invariants=None):
         args = (compressed_indices, plain_indices, values) + (() if size is None else (size,))
-        return _build(torch_fn, args, dtype, device, requires_grad, check_invariants)
+        return _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants)
     ctor.__name__ = torch_fn.__name__
     ctor.__doc__ = (f"As ``torch.{torch_fn.__name__}``, returning a scorch SparseTensor that shares its arrays"
                     " (validated unless ``check_invariants=False``).")

@@ -23,7 +23,7 @@ IMPLEMENTATIONS: dict = {}
 _METADATA = {
     torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.ndimension,
     torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
-    torch.Tensor.requires_grad_, torch.Tensor.__hash__,
+    torch.Tensor.__hash__, torch.is_complex, torch.is_floating_point, torch.Tensor.is_contiguous,
 }
 
 
@@ -75,6 +75,11 @@ class SparseTensor(torch.Tensor):
         levels = tuple(_as_storage(lv) for lv in levels)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        # kernels read arrays as contiguous: a strided view (a column of a matrix) is copied
+        if not values.is_contiguous():
+            values = values.contiguous()
+        if any(not a.is_contiguous() for st in levels for a in st.arrays().values()):
+            levels = tuple(st.map(torch.Tensor.contiguous) for st in levels)
         if any(n < 0 for n in shape):
             raise ValueError(f"negative dimension in shape {tuple(shape)}")
         for st in levels:
@@ -85,8 +90,10 @@ class SparseTensor(torch.Tensor):
             _storage.validate(fmt, shape, levels, values)
         elif len(levels) != len(fmt.levels):
             raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=values.dtype, device=values.device,
-                                                requires_grad=requires_grad)
+        # the wrapper itself never requires grad: autograd runs on the values (see scorch/autograd.py)
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=values.dtype, device=values.device)
+        if requires_grad and not values.requires_grad:
+            values = (values if values.is_leaf else values.detach()).requires_grad_()
         r._format, r._levels, r._values, r._shape = fmt, levels, values, shape
         r._index_dtype = next((a.dtype for st in levels for a in (st.pos, st.crd) if a is not None), torch.int64)
         return r
@@ -148,6 +155,53 @@ class SparseTensor(torch.Tensor):
     def _map_arrays(self, fn):
         levels = tuple(st.map(fn) for st in self._levels)
         return SparseTensor(self._format, self.shape, levels, fn(self._values), check=False)
+
+    # --- autograd: the graph lives on the values ---------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return self._values.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool):
+        self._values.requires_grad_(flag)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "SparseTensor":
+        self._values.requires_grad_(requires_grad)
+        return self
+
+    @property
+    def grad(self):
+        """The gradient on this tensor's pattern (a SparseTensor sharing its index arrays), or None."""
+        g = self._values.grad
+        return None if g is None else SparseTensor(self._format, self._shape, self._levels, g, check=False)
+
+    @grad.setter
+    def grad(self, g):
+        if g is None:
+            self._values.grad = None
+            return
+        if type(g) is not SparseTensor or g._shape != self._shape or g._values.shape != self._values.shape:
+            raise ValueError("the grad of a SparseTensor must be a SparseTensor with the same shape and pattern")
+        self._values.grad = g._values
+
+    @property
+    def grad_fn(self):
+        return self._values.grad_fn
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._values.is_leaf
+
+    def retain_grad(self):
+        self._values.retain_grad()
+
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        if gradient is not None:
+            gradient = gradient._values if type(gradient) is SparseTensor else gradient
+        elif self.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        self._values.backward(gradient if gradient is not None else torch.ones_like(self._values), retain_graph,
+                              create_graph, inputs)
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
@@ -225,7 +279,8 @@ class SparseTensor(torch.Tensor):
 
     def __reduce_ex__(self, proto):
         return (_rebuild, (str(self._format), tuple(self.shape),
-                           tuple((st.pos, st.crd) for st in self._levels), self._values, self.requires_grad))
+                           tuple((st.pos, st.crd) for st in self._levels), self._values.detach(), self.requires_grad,
+                           bool(getattr(self, "_is_param", False))))
 
 
 def shape_of(x) -> torch.Size:
@@ -241,9 +296,17 @@ def device_of(x) -> torch.device:
     return x._values.device if type(x) is SparseTensor else x.device
 
 
-def _rebuild(fmt, shape, levels, values, requires_grad):
-    return SparseTensor(Format(fmt), shape, [LevelStorage(*lv) for lv in levels], values,
-                        requires_grad=requires_grad, check=False)
+def _rebuild(fmt, shape, levels, values, requires_grad, is_param=False):
+    # validated: a checkpoint is input like any other
+    s = SparseTensor(Format(fmt), shape, [LevelStorage(*lv) for lv in levels], values, requires_grad=requires_grad)
+    if is_param:
+        s._is_param = True
+    return s
+
+
+# ``torch.load`` (weights_only=True by default) may rebuild SparseTensors: ``_rebuild`` parses a format string
+# and validates the arrays, it runs no code from the file
+torch.serialization.add_safe_globals([_rebuild])
 
 
 def _op_name(func) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import interop
+from .._autograd import needs_grad
 from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
@@ -91,6 +92,9 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if needs_grad(operands) and not explain and backend == "cpp":
+        from .. import _autograd as autograd
+        return autograd.einsum(equation, operands, format)
     if not explain and backend == "cpp" and all(type(x) is SparseTensor or (
             isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands):
         sig = (equation, format) + tuple(_signature(x) for x in operands)
@@ -136,11 +140,15 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
                  for p in node.parts]
     tensors = [t for t, _ in parts]
     idx = tuple(i for _, i in parts)
-    if not any(isinstance(t, SparseTensor) for t in tensors) and format is None:
+    if len(parts) == 1 and tuple(idx[0]) == tuple(target) and format is None:
+        return tensors[0]  # a leaf already in the target's index order: nothing to compute
+    if not any(isinstance(t, SparseTensor) for t in tensors):
         eq = ",".join("".join(i) for i in idx) + "->" + "".join(target)
         if explain:
             print(f"dense step:   torch.einsum({eq!r})")
-        return torch.einsum(eq, *tensors)
+        r = torch.einsum(eq, *tensors)
+        fmt = None if format is None else named.resolve(format, len(target))
+        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
     return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend, explain=explain)
 
 
@@ -156,6 +164,9 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         reduce="sum", relaid=False):
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
     ``relaid``: the dense operands were already given their layout (``relayout``)."""
+    if (rhs is not None or reduce != "sum") and backend == "cpp" and not explain and needs_grad(ops):
+        from .. import _autograd as autograd
+        return autograd.run(inputs, out, ops, format=format, name=name, rhs=rhs, scalars=scalars, reduce=reduce)
     sig = (inputs, out, format, rhs, reduce) + tuple(_signature(x) for x in ops)
     fast = _FAST.get(sig)
     if fast is not None and not explain and backend == "cpp":

@@ -80,20 +80,28 @@ def positions(fmt: Format, shape, levels):
     return parent, coords
 
 
+def coordinates(fmt: Format, shape, levels):
+    """Every stored position's coordinates: ``(leaf, dims, inside)``, where ``leaf`` is the position in the
+    values array, ``dims`` the ``(ndim, P)`` int64 coordinates and ``inside`` whether they fall in the shape
+    (block and diagonal formats store positions outside it)."""
+    leaf, coords = positions(fmt, shape, levels)
+    dims = [None] * fmt.ndim
+    for rec in fmt.inverse:
+        dims[rec.dim] = rec.evaluate(coords, dims)
+    dims = torch.stack(dims) if dims else torch.zeros(0, leaf.numel(), dtype=torch.int64)
+    inside = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
+    for d, n in enumerate(shape):
+        inside &= (dims[d] >= 0) & (dims[d] < n)
+    return leaf, dims, inside
+
+
 def unpack(fmt: Format, shape, levels, values):
     """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding is dropped.
 
     Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and, in a
     format with a padded (fixed) level, every stored zero (padding and explicit zeros cannot be told apart).
     """
-    leaf, coords = positions(fmt, shape, levels)
-    dims = [None] * fmt.ndim
-    for rec in fmt.inverse:
-        dims[rec.dim] = rec.evaluate(coords, dims)
-    dims = torch.stack(dims) if dims else torch.zeros(0, leaf.numel(), dtype=torch.int64)
-    keep = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
-    for d, n in enumerate(shape):
-        keep &= (dims[d] >= 0) & (dims[d] < n)
+    leaf, dims, keep = coordinates(fmt, shape, levels)
     if any(lvl.padded for lvl in fmt.level_types):
         # a padded (fixed) level cannot tell padding from a stored zero: both read back as absent
         keep &= values[leaf] != 0

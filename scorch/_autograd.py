@@ -1,0 +1,339 @@
+"""Autograd through scorch's compiled ops. The graph lives on the values.
+
+A ``SparseTensor`` is a wrapper around index arrays and a 1-d ``values`` tensor. Its ``requires_grad``,
+``grad``, ``grad_fn`` and ``is_leaf`` are its values' (``sparse_tensor.py``), so torch's autograd engine
+only ever sees dense tensors: the values of sparse operands and the dense operands. A compiled op that may
+need gradients runs as a ``torch.autograd.Function`` whose inputs are those tensors. Its output is the dense
+result, or the values of the sparse result (the Function re-wraps them with the result's index arrays).
+
+The derivative of an einsum with respect to an operand is an einsum, run through the same compiler:
+- dense operand ``k``: ``grad_k = einsum(out, others -> k)``, expanded along indices only ``k`` has, put on
+  the diagonal for repeated indices (``"ii"``), summed over broadcast dimensions;
+- sparse operand ``k``: the same einsum with ``k``'s pattern (ones at its stored positions) as one more
+  factor and ``k``'s format as the output format. The pattern drives the loops, so only stored positions are
+  computed (for ``S @ X``: ``grad_S`` is the SDDMM ``P * (G @ X^T)``) and the result shares ``k``'s index
+  arrays; its values are the gradient of ``k``'s values. Never densified.
+Backward calls the differentiable einsum, so double backward works where the forward's ops are linear in
+each operand (every einsum is).
+"""
+from __future__ import annotations
+
+import torch
+
+from .sparse_tensor import SparseTensor
+
+
+def needs_grad(operands) -> bool:
+    """Whether a call on ``operands`` records a graph: grad mode is on and some tensor requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for x in operands:
+        if type(x) is SparseTensor:
+            if x._values.requires_grad:
+                return True
+        elif isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
+
+
+class _Spec:
+    """What a Function needs besides its tensor inputs: the index letters, the sparse operands' structure,
+    the requested format, and (after forward) the structure of a sparse result."""
+
+    __slots__ = ("inputs", "out", "format", "structure", "result")
+
+    def __init__(self, inputs, out, fmt, operands):
+        self.inputs, self.out, self.format = inputs, out, fmt
+        self.structure = [(x._format, x._shape, x._levels) if type(x) is SparseTensor else None for x in operands]
+        self.result = None
+
+    def operands(self, tensors):
+        return [t if st is None else SparseTensor(st[0], st[1], st[2], t, check=False)
+                for t, st in zip(tensors, self.structure)]
+
+    def wrap(self, values):
+        if self.result is None:
+            return values
+        fmt, shape, levels = self.result
+        return SparseTensor(fmt, shape, levels, values, check=False)
+
+
+def _tensors(operands):
+    return [x._values if type(x) is SparseTensor else x for x in operands]
+
+
+def _equation(inputs, out) -> str:
+    return ",".join("".join(i) for i in inputs) + "->" + "".join(out)
+
+
+class _Einsum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, *tensors):
+        from .compiler import dispatch
+        r = dispatch.einsum(_equation(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
+        if type(r) is SparseTensor:
+            spec.result = (r._format, r._shape, r._levels)
+            r = r._values
+        ctx.spec = spec
+        ctx.save_for_backward(*tensors)
+        # an output that is one of the inputs (an identity einsum returns its operand) must be a new tensor
+        return r.view_as(r) if any(r is t for t in tensors) else r
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        ops = spec.operands(ctx.saved_tensors)
+        gout = spec.wrap(grad)
+        grads = [None]
+        for k in range(len(ops)):
+            grads.append(_einsum_grad(k, spec.inputs, spec.out, ops, gout) if ctx.needs_input_grad[k + 1] else None)
+        return tuple(grads)
+
+
+def einsum(equation: str, operands, format=None):
+    """``dispatch.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``."""
+    from .compiler.dispatch import prepare
+    from .compiler.einsum import parse
+    from .sparse_tensor import shape_of
+    ops = prepare(operands)
+    inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
+    spec = _Spec(inputs, out, format, ops)
+    values = _Einsum.apply(spec, *_tensors(ops))
+    return spec.wrap(values)
+
+
+# --- gradients of one operand ------------------------------------------------------------------------------
+
+def _sizes(inputs, ops):
+    sizes = {}
+    for idx, x in zip(inputs, ops):
+        for v, n in zip(idx, x.shape):
+            if sizes.get(v, 1) == 1:
+                sizes[v] = n
+    return sizes
+
+
+def _einsum_grad(k, inputs, out, ops, gout):
+    from .compiler import dispatch
+    target = inputs[k]
+    x = ops[k]
+    uniq = tuple(dict.fromkeys(target))
+    others = [j for j in range(len(ops)) if j != k]
+    g_inputs = [tuple(out)] + [inputs[j] for j in others]
+    g_ops = [gout] + [ops[j] for j in others]
+    if type(x) is SparseTensor and not others:
+        # a unary einsum (permutation, sums, diagonal): each stored entry's gradient is the output
+        # gradient at the entry's output coordinates; no kernel needed
+        return values_at(gout, x, target, tuple(out))
+    if type(x) is SparseTensor:
+        pattern = x.with_values(_pattern_values(x, gout))
+        repeated = len(uniq) < len(target)
+        eq = _equation([target] + g_inputs, uniq)
+        r = dispatch.einsum(eq, pattern, *g_ops, format=None if repeated else x._format)
+        return values_at(r, x, target)
+    sizes = _sizes(inputs, ops)
+    present = {v for idx in g_inputs for v in idx}
+    have = tuple(v for v in uniq if v in present)
+    if any(type(t) is SparseTensor for t in g_ops):
+        r = dispatch.einsum(_equation(g_inputs, have), *g_ops, format="dense" if have else None)
+    else:
+        r = torch.einsum(_equation(g_inputs, have), *g_ops)
+    if type(r) is SparseTensor:
+        r = r.to_dense()
+    # indices only this operand has: the gradient is constant along them
+    full = r.reshape([sizes[v] if v in have else 1 for v in uniq]).expand([sizes[v] for v in uniq])
+    if len(uniq) < len(target):  # repeated indices: the gradient lives on the diagonal
+        g = torch.zeros([sizes[v] for v in target], dtype=full.dtype, device=full.device)
+        strides = [0] * len(uniq)
+        for d, v in enumerate(target):
+            strides[uniq.index(v)] += g.stride(d)
+        g.as_strided([sizes[v] for v in uniq], strides).copy_(full)
+        full = g
+    if tuple(full.shape) != tuple(x.shape):  # broadcast dimensions of size 1
+        full = full.sum_to_size(x.shape)
+    return full
+
+
+def _pattern_values(x: SparseTensor, like):
+    """Ones at ``x``'s stored positions. In a format with a padded level, padding and stored zeros cannot be
+    told apart; both get no gradient (a gradient there would turn padding into an entry)."""
+    dtype = like._values.dtype if type(like) is SparseTensor else like.dtype
+    v = x._values
+    if any(lvl.padded for lvl in x._format.level_types):
+        return (v != 0).to(dtype)
+    return torch.ones(v.shape, dtype=dtype, device=v.device)
+
+
+def values_at(r, x: SparseTensor, letters=None, r_letters=None):
+    """The values of ``r`` (dense or sparse) at every stored position of ``x``, aligned with ``x.values()``;
+    0 at padding and where ``r`` has no entry. ``letters`` name ``x``'s dimensions (default: distinct), and
+    ``r_letters`` ``r``'s (default: ``x``'s unique letters in first-seen order); a letter repeated in ``x``
+    takes only its diagonal. A result that shares ``x``'s index arrays gives its values directly."""
+    if r_letters is None and type(r) is SparseTensor and r._format == x._format and r._shape == x._shape and all(
+            a is b for a, b in zip(r._levels, x._levels)):
+        return r._values
+    from .formats import storage
+    letters = tuple(letters) if letters is not None else tuple("abcdefghijklmnopqrstuvwxyz"[:x.dim()])
+    uniq = tuple(dict.fromkeys(letters))
+    leaf, dims, valid = storage.coordinates(x._format, x._shape, x._levels)
+    if any(lvl.padded for lvl in x._format.level_types):
+        valid = valid & (x._values[leaf] != 0)
+    first = [letters.index(v) for v in (uniq if r_letters is None else r_letters)]
+    for d, v in enumerate(letters):  # a repeated index: only the diagonal
+        valid = valid & (dims[d] == dims[letters.index(v)])
+    dims = dims[:, valid]
+    leaf = leaf[valid]
+    coords = dims[first]
+    dtype = r._values.dtype if type(r) is SparseTensor else r.dtype
+    out = torch.zeros(x._values.shape, dtype=dtype, device=x._values.device)
+    if leaf.numel() == 0:
+        return out + 0 * (r._values.sum() if type(r) is SparseTensor else r.sum())  # keeps the graph
+    if type(r) is SparseTensor:
+        got = _lookup(r, coords)
+    else:
+        got = r[tuple(coords)]
+    return out.index_put((leaf,), got, accumulate=True)
+
+
+def _lookup(r: SparseTensor, coords):
+    """``r``'s values at the coordinates ``coords`` ((ndim, M) int64), 0 where ``r`` stores nothing."""
+    from .formats import storage
+    rdims, rvals = storage.unpack(r._format, r._shape, r._levels, r._values)
+    key_r, key_q = _linear(rdims, r._shape), _linear(coords, r._shape)
+    order = torch.argsort(key_r)
+    key_r, rvals = key_r[order], rvals[order]
+    if r._format.keeps_duplicates and key_r.numel():  # duplicates are summed
+        key_r, inv = torch.unique_consecutive(key_r, return_inverse=True)
+        rvals = torch.zeros(key_r.numel(), dtype=rvals.dtype, device=rvals.device).index_add(0, inv, rvals)
+    at = torch.searchsorted(key_r, key_q).clamp(max=max(key_r.numel() - 1, 0))
+    if key_r.numel() == 0:
+        return torch.zeros(key_q.shape, dtype=rvals.dtype, device=rvals.device)
+    hit = key_r[at] == key_q
+    return torch.where(hit, rvals[at], torch.zeros((), dtype=rvals.dtype, device=rvals.device))
+
+
+def _linear(dims, shape):
+    key = torch.zeros(dims.shape[1], dtype=torch.int64, device=dims.device)
+    for d, n in enumerate(shape):
+        key = key * n + dims[d]
+    return key
+
+
+# --- other compiled ops: sums of operands (``S1 + alpha * S2``), max/min reductions -----------------------
+
+class _Run(torch.autograd.Function):
+    """``dispatch.run`` of an elementwise sum of operands (each a term ``T``, ``-T`` or ``alpha * T`` over the
+    output's indices) or of a max/min reduction of one operand."""
+
+    @staticmethod
+    def forward(ctx, spec, kwargs, *tensors):
+        from .compiler import dispatch
+        r = dispatch.run(spec.inputs, spec.out, spec.operands(tensors), format=spec.format, **kwargs)
+        if type(r) is SparseTensor:
+            spec.result = (r._format, r._shape, r._levels)
+            r = r._values
+        ctx.spec, ctx.kwargs = spec, kwargs
+        ctx.save_for_backward(*tensors, r)
+        return r
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec, kw = ctx.spec, ctx.kwargs
+        *tensors, r = ctx.saved_tensors
+        ops = spec.operands(tensors)
+        gout = spec.wrap(grad)
+        grads = [None, None]
+        if kw.get("reduce", "sum") != "sum":
+            grads.append(_extremum_grad(spec.inputs[0], spec.out, ops[0], spec.wrap(r), gout))
+            return tuple(grads)
+        coef = _linear_terms(kw["rhs"], kw.get("scalars") or {})
+        for k, x in enumerate(ops):
+            if not ctx.needs_input_grad[k + 2]:
+                grads.append(None)
+                continue
+            c = coef[k]
+            g = values_at(gout, x, spec.inputs[k]) if type(x) is SparseTensor else (
+                gout.to_dense() if type(gout) is SparseTensor else gout)
+            grads.append(g if c == 1 else g * c)
+        return tuple(grads)
+
+
+def _linear_terms(rhs, scalars) -> dict:
+    """``{operand: coefficient}`` of an elementwise sum of terms; NotImplementedError for anything else."""
+    from .compiler.ir import Access, Add, Map, Mul, Scalar
+    coef = {}
+    for term in (rhs.terms if isinstance(rhs, Add) else (rhs,)):
+        c = 1
+        if isinstance(term, Map) and term.op == "neg":
+            c, term = -1, term.arg
+        elif isinstance(term, Mul) and len(term.factors) == 2 and isinstance(term.factors[0], Scalar):
+            c, term = scalars[term.factors[0].name], term.factors[1]
+        if not isinstance(term, Access) or term.operand in coef:
+            raise NotImplementedError(f"scorch: no derivative for the expression {rhs}")
+        coef[term.operand] = c
+    return coef
+
+
+def run(inputs, out, ops, *, format=None, **kwargs):
+    """``dispatch.run`` recording a graph (sums of operands and max/min reductions)."""
+    if kwargs.get("reduce", "sum") == "sum":
+        _linear_terms(kwargs["rhs"], kwargs.get("scalars") or {})  # refuse what backward cannot do, now
+    spec = _Spec(inputs, out, format, ops)
+    return spec.wrap(_Run.apply(spec, kwargs, *_tensors(ops)))
+
+
+def _extremum_grad(src, out, x, r, gout):
+    """The gradient of ``amax``/``amin`` of a sparse ``x``: shared evenly among the entries equal to the
+    extremum, as torch shares it among tied elements (an implicit zero that ties takes its share, which is
+    lost: it is not stored)."""
+    if type(x) is not SparseTensor:
+        raise NotImplementedError("scorch: amax/amin backward of a dense operand")
+    from .formats import storage
+    r = r.to_dense() if type(r) is SparseTensor else r
+    g = gout.to_dense() if type(gout) is SparseTensor else gout
+    leaf, dims, valid = storage.coordinates(x._format, x._shape, x._levels)
+    if any(lvl.padded for lvl in x._format.level_types):
+        valid = valid & (x._values[leaf] != 0)
+    leaf, dims = leaf[valid], dims[:, valid]
+    keep = [src.index(v) for v in out]
+    cell = tuple(dims[d] for d in keep)
+    vals = x._values[leaf]
+    tie = (vals == r[cell]).to(g.dtype)
+    # ties per output cell: stored ones, plus the implicit zeros when the extremum is 0
+    stored = torch.zeros(r.shape, dtype=g.dtype).index_put(cell, torch.ones_like(tie), accumulate=True)
+    ties = torch.zeros(r.shape, dtype=g.dtype).index_put(cell, tie, accumulate=True)
+    reduced = 1
+    for d, n in enumerate(x._shape):
+        if d not in keep:
+            reduced *= n
+    ties = ties + torch.where(r == 0, reduced - stored, torch.zeros_like(stored))
+    share = (g / ties.clamp(min=1))[cell] * tie
+    return torch.zeros(x._values.shape, dtype=g.dtype).index_put((leaf,), share, accumulate=True)
+
+
+# --- format conversion ------------------------------------------------------------------------------------
+
+class _Convert(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, convert, t):
+        r = convert(spec.operands([t])[0])
+        spec.result = (r._format, r._shape, r._levels)
+        ctx.spec = spec
+        ctx.save_for_backward(t)
+        return r._values.view_as(r._values) if r._values is t else r._values
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        g = spec.wrap(grad)
+        if spec.structure[0] is None:  # from dense: the gradient scattered back
+            return None, None, g.to_dense()
+        src = spec.operands(ctx.saved_tensors)[0]
+        return None, None, values_at(g, src)
+
+
+def convert(x, convert_fn):
+    """``convert_fn(x)`` (a format conversion) recording a graph from ``x``'s values (or ``x``, dense) to the
+    result's values."""
+    spec = _Spec((), (), None, [x])
+    return spec.wrap(_Convert.apply(spec, convert_fn, _tensors([x])[0]))

@@ -1,0 +1,177 @@
+"""torch's sparse-tensor API on SparseTensors: ``coalesce``, index accessors, ``to_sparse*``, and softmax.
+
+Softmax follows ``torch.sparse.softmax``: the implicit entries count as -inf, so the result has the input's
+pattern and each group of stored entries along ``dim`` is normalized on its own (a group with no stored entry
+stays empty). ``F.softmax`` / ``F.log_softmax`` / ``torch.softmax`` on a SparseTensor mean the same.
+It is vectorized torch on the values (grouped by the coordinates other than ``dim``), so autograd, double
+backward included, comes from torch's own ops.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import Compressed, Singleton, Var, named, storage
+from ..sparse_tensor import SparseTensor, implements
+
+
+def _coo_like(x):
+    """A COO format: a compressed first level, singletons below, plain coordinates in dimension order."""
+    fmt = x._format
+    return isinstance(fmt.level_types[0], Compressed) and all(
+        isinstance(lvl, Singleton) for lvl in fmt.level_types[1:]) and [
+        e.dim if isinstance(e, Var) else None for e in fmt.exprs] == list(range(fmt.ndim))
+
+
+@implements(torch.Tensor.coalesce)
+def coalesce(x):
+    """Duplicates summed and entries sorted: COO with duplicates becomes coalesced COO; other formats hold
+    each entry once already and are returned as they are."""
+    return x.asformat(named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
+
+
+@implements(torch.Tensor.is_coalesced)
+def is_coalesced(x):
+    return not x._format.keeps_duplicates
+
+
+@implements(torch.Tensor.indices, torch.Tensor._indices)
+def indices(x):
+    """The ``(ndim, nnz)`` int64 coordinates of a COO SparseTensor, as torch's ``indices()``."""
+    if not _coo_like(x):
+        raise NotImplementedError(f"scorch: indices() of format {x._format.name or x._format}: it is defined for"
+                                  " COO; use x.to_sparse_coo().indices()")
+    return torch.stack([st.crd.to(torch.int64) for st in x._levels])
+
+
+def _compressed_arrays(x, names):
+    n = x._format.name or ""
+    if n.startswith(names):
+        return x._levels[1]
+    raise NotImplementedError(f"scorch: this accessor is defined for {' and '.join(names)} formats, not"
+                              f" {n or x._format}")
+
+
+@implements(torch.Tensor.crow_indices)
+def crow_indices(x):
+    return _compressed_arrays(x, ("csr", "bsr")).pos
+
+
+@implements(torch.Tensor.col_indices)
+def col_indices(x):
+    return _compressed_arrays(x, ("csr", "bsr")).crd
+
+
+@implements(torch.Tensor.ccol_indices)
+def ccol_indices(x):
+    return _compressed_arrays(x, ("csc", "bsc")).pos
+
+
+@implements(torch.Tensor.row_indices)
+def row_indices(x):
+    return _compressed_arrays(x, ("csc", "bsc")).crd
+
+
+# --- to_sparse* -----------------------------------------------------------------------------------------------
+_LAYOUT_FORMATS = {torch.sparse_coo: "coo", torch.sparse_csr: "csr", torch.sparse_csc: "csc",
+                   torch.sparse_bsr: "bsr", torch.sparse_bsc: "bsc"}
+
+
+def _blocked(x, name, blocksize):
+    if name in ("bsr", "bsc"):
+        if blocksize is None:
+            raise ValueError(f"to_sparse_{name}: a blocksize is required")
+        bh, bw = tuple(blocksize)
+        return f"{name}({bh}, {bw})"
+    return named.coo_nd(x.dim()) if name == "coo" else name
+
+
+@implements(torch.Tensor.to_sparse)
+def to_sparse(x, *args, layout=None, blocksize=None, dense_dim=None):
+    if args and isinstance(args[0], int) and args[0] != x.dim():
+        raise NotImplementedError("scorch: to_sparse(sparse_dim) with hybrid dimensions is not supported")
+    if dense_dim:
+        raise NotImplementedError("scorch: hybrid (dense_dim) sparse tensors are not supported")
+    name = _LAYOUT_FORMATS.get(layout or torch.sparse_coo)
+    if name is None:
+        raise ValueError(f"to_sparse: unsupported layout {layout}")
+    return x.asformat(_blocked(x, name, blocksize))
+
+
+@implements(torch.Tensor.to_sparse_coo)
+def to_sparse_coo(x):
+    return to_sparse(x)
+
+
+@implements(torch.Tensor.to_sparse_csr)
+def to_sparse_csr(x, dense_dim=None):
+    return to_sparse(x, layout=torch.sparse_csr, dense_dim=dense_dim)
+
+
+@implements(torch.Tensor.to_sparse_csc)
+def to_sparse_csc(x, dense_dim=None):
+    return to_sparse(x, layout=torch.sparse_csc, dense_dim=dense_dim)
+
+
+@implements(torch.Tensor.to_sparse_bsr)
+def to_sparse_bsr(x, blocksize, dense_dim=None):
+    return to_sparse(x, layout=torch.sparse_bsr, blocksize=blocksize, dense_dim=dense_dim)
+
+
+@implements(torch.Tensor.to_sparse_bsc)
+def to_sparse_bsc(x, blocksize, dense_dim=None):
+    return to_sparse(x, layout=torch.sparse_bsc, blocksize=blocksize, dense_dim=dense_dim)
+
+
+# --- softmax ---------------------------------------------------------------------------------------------------
+
+def _softmax(x: SparseTensor, dim, dtype, log: bool):
+    n = x.dim()
+    if not -n <= dim < n:
+        raise IndexError(f"softmax: dimension {dim} is out of range for a {n}-d tensor")
+    dim %= n
+    if x._format.keeps_duplicates:
+        x = coalesce(x)
+    v = x._values if dtype is None else x._values.to(dtype)
+    if not v.dtype.is_floating_point:
+        raise TypeError(f"softmax: expected a floating point SparseTensor, got {v.dtype}")
+    leaf, dims, valid = storage.coordinates(x._format, x._shape, x._levels)
+    if any(lvl.padded for lvl in x._format.level_types):
+        valid = valid & (x._values[leaf] != 0)
+    leaf, dims = leaf[valid], dims[:, valid]
+    key = torch.zeros(leaf.numel(), dtype=torch.int64, device=leaf.device)
+    for d in range(n):
+        if d != dim:
+            key = key * x._shape[d] + dims[d]
+    groups, inv = torch.unique(key, return_inverse=True)
+    vals = v[leaf]
+    peak = torch.full((groups.numel(),), float("-inf"), dtype=v.dtype, device=v.device)
+    peak = peak.scatter_reduce(0, inv, vals.detach(), "amax")  # a shift: softmax does not depend on it
+    shifted = vals - peak[inv]
+    total = torch.zeros(groups.numel(), dtype=v.dtype, device=v.device).index_add(0, inv, shifted.exp())
+    out = shifted - total.log()[inv] if log else shifted.exp() / total[inv]
+    # padding keeps 0 (so it stays padding); positions are in the values' order
+    res = torch.zeros(v.shape, dtype=v.dtype, device=v.device).index_put((leaf,), out)
+    return x.with_values(res)
+
+
+def _dtype_arg(args, kwargs):
+    dt = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dt = a
+    return dt
+
+
+@implements(torch.sparse.softmax, torch.softmax, torch.Tensor.softmax, F.softmax)
+def softmax(x, dim=None, *args, **kwargs):
+    if dim is None:
+        raise ValueError("softmax of a sparse tensor needs dim")
+    return _softmax(x, dim, _dtype_arg(args, kwargs), log=False)
+
+
+@implements(torch.sparse.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)
+def log_softmax(x, dim=None, *args, **kwargs):
+    if dim is None:
+        raise ValueError("log_softmax of a sparse tensor needs dim")
+    return _softmax(x, dim, _dtype_arg(args, kwargs), log=True)

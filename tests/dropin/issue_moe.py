@@ -1,0 +1,44 @@
+"""The MoE program from the issue, verbatim (inputs dense, gates sparse), against the same computation with
+dense gates under plain torch."""
+
+DTYPE = "float32"
+SPARSE_KEYS = ()
+SCORCH_OPS = ()
+
+# exactly as reported; executed as it stands under scorch (after seeding torch's generator)
+PROGRAM = '''\
+import scorch as torch
+from scorch.nn import functional as F
+B, D_in, D_out, N_experts = 64, 32, 16, 8
+x = torch.randn(B, D_in)
+E = torch.randn(N_experts, D_in, D_out)
+gates = torch.rand(B, N_experts)
+gates = F.one_hot(gates.argmax(1), N_experts).to_sparse()
+x_dispatch = torch.rearrange(x, "bd->bnd", n=N_experts)
+y_experts = torch.einsum("bnd,ndh->bnh", x_dispatch, E)
+y = torch.einsum("bnd,bn->bd", y_experts, gates)
+'''
+
+
+def run(torch):
+    """The issue's program under scorch (``torch`` is scorch here; the program imports it itself)."""
+    torch.manual_seed(0)
+    ns = {}
+    exec(compile(PROGRAM, "issue_moe", "exec"), ns)
+    return {"x": ns["x"], "y_experts": ns["y_experts"], "y": ns["y"]}
+
+
+def reference(torch):
+    """The same under plain torch: dense gates, ``rearrange`` spelled with ``expand``. torch's einsum does not
+    promote, so the integer one-hot gates are cast to the experts' dtype."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    B, D_in, D_out, N_experts = 64, 32, 16, 8
+    x = torch.randn(B, D_in)
+    E = torch.randn(N_experts, D_in, D_out)
+    gates = torch.rand(B, N_experts)
+    gates = F.one_hot(gates.argmax(1), N_experts)
+    x_dispatch = x.unsqueeze(1).expand(B, N_experts, D_in)
+    y_experts = torch.einsum("bnd,ndh->bnh", x_dispatch, E)
+    y = torch.einsum("bnd,bn->bd", y_experts, gates.to(y_experts.dtype))
+    return {"x": x, "y_experts": y_experts, "y": y}

@@ -1,0 +1,118 @@
+"""torch's sparse-tensor API on SparseTensors: coalesce, index accessors, to_sparse*, sparse softmax."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import gradcheck
+
+import scorch
+from scorch.formats import storage
+
+FORMATS = ["csr", "csc", "coo", "dcsr", "bsr(2, 1)", "ell", "dia"]
+
+
+def _matrix(shape, seed, density=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64) * (torch.rand(shape, generator=g) < density)
+
+
+def _stored(s):
+    """A dense bool mask of the entries s stores (padding excluded)."""
+    leaf, dims, inside = storage.coordinates(s.format, s.shape, s.levels)
+    keep = inside
+    if any(lvl.padded for lvl in s.format.level_types):
+        keep = keep & (s.values()[leaf] != 0)
+    mask = torch.zeros(tuple(s.shape), dtype=torch.bool)
+    mask[tuple(dims[:, keep])] = True
+    return mask
+
+
+def _masked_softmax(d, mask, dim, log=False):
+    x = d.masked_fill(~mask, float("-inf"))
+    r = (torch.log_softmax if log else torch.softmax)(x, dim)
+    return torch.where(mask, r, torch.zeros((), dtype=d.dtype)).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(6, 5), (1, 1), (0, 4), (4, 3)])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_softmax_matches_masked_dense_softmax(fmt, shape, dim):
+    d = _matrix(shape, 1)
+    s = scorch.asformat(d, fmt)
+    mask = _stored(s)
+    for fn, log in ((torch.sparse.softmax, False), (F.softmax, False), (torch.sparse.log_softmax, True),
+                    (F.log_softmax, True)):
+        r = fn(s, dim)
+        assert isinstance(r, scorch.SparseTensor) and r.format == s.format
+        torch.testing.assert_close(r.to_dense(), _masked_softmax(d, mask, dim, log))
+
+
+def test_softmax_matches_torch_sparse_softmax_on_coo():
+    d = _matrix((7, 6), 2)
+    t = d.to_sparse()
+    s = scorch.from_torch(t)
+    for dim in (0, 1):
+        torch.testing.assert_close(torch.sparse.softmax(s, dim).to_dense(), torch.sparse.softmax(t, dim).to_dense())
+        torch.testing.assert_close(s.softmax(dim).to_dense(), torch.sparse.softmax(t, dim).to_dense())
+
+
+def test_softmax_of_uncoalesced_coo_sums_duplicates_first():
+    i = torch.tensor([[0, 0, 1, 0], [1, 1, 2, 3]])
+    v = torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=torch.float64)
+    s = scorch.sparse_coo_tensor(i, v, (2, 4))
+    t = torch.sparse_coo_tensor(i, v, (2, 4))
+    torch.testing.assert_close(torch.sparse.softmax(s, 1).to_dense(), torch.sparse.softmax(t, 1).to_dense())
+
+
+def test_softmax_3d_and_gradients():
+    d = _matrix((3, 4, 5), 3)
+    s = scorch.asformat(d, "csf")
+    for dim in range(3):
+        torch.testing.assert_close(torch.sparse.softmax(s, dim).to_dense(),
+                                   torch.sparse.softmax(d.to_sparse(), dim).to_dense())
+    c = scorch.asformat(_matrix((5, 4), 4), "csr")
+    v = c.values().detach().clone().requires_grad_()
+    assert gradcheck(lambda v: torch.sparse.softmax(c.with_values(v), 1).to_dense(), (v,))
+    assert gradcheck(lambda v: F.log_softmax(c.with_values(v), 0).to_dense(), (v,))
+
+
+def test_softmax_errors():
+    s = scorch.asformat(_matrix((3, 3), 5), "csr")
+    with pytest.raises(IndexError, match="out of range"):
+        torch.sparse.softmax(s, 2)
+    with pytest.raises(TypeError, match="floating point"):
+        torch.sparse.softmax(scorch.asformat(torch.eye(3, dtype=torch.int64), "csr"), 1)
+
+
+def test_coalesce_and_indices():
+    i = torch.tensor([[1, 0, 1], [2, 1, 2]])
+    s = scorch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0, 3.0]), (2, 3))
+    assert not s.is_coalesced()
+    c = s.coalesce()
+    assert c.is_coalesced() and c.nnz == 2
+    torch.testing.assert_close(c.indices(), torch.tensor([[0, 1], [1, 2]]))
+    torch.testing.assert_close(c.values(), torch.tensor([2.0, 4.0]))
+    csr = scorch.asformat(c, "csr")
+    assert csr.coalesce() is csr
+    torch.testing.assert_close(csr.crow_indices().long(), torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(csr.col_indices().long(), torch.tensor([1, 2]))
+    csc = scorch.asformat(c, "csc")
+    torch.testing.assert_close(csc.ccol_indices().long(), torch.tensor([0, 0, 1, 2]))
+    torch.testing.assert_close(csc.row_indices().long(), torch.tensor([0, 1]))
+    with pytest.raises(NotImplementedError, match="COO"):
+        csr.indices()
+    with pytest.raises(NotImplementedError, match="csr"):
+        csc.crow_indices()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_to_sparse_methods(fmt):
+    d = _matrix((6, 4), 6)
+    s = scorch.asformat(d, fmt)
+    for r, name in ((s.to_sparse(), "coo"), (s.to_sparse_coo(), "coo"), (s.to_sparse_csr(), "csr"),
+                    (s.to_sparse_csc(), "csc"), (s.to_sparse_bsr((2, 2)), "bsr(2, 2)"),
+                    (s.to_sparse_bsc((3, 1)), "bsc(3, 1)"), (s.to_sparse(layout=torch.sparse_csr), "csr")):
+        assert isinstance(r, scorch.SparseTensor)
+        assert r.format == scorch.asformat(d, name).format
+        torch.testing.assert_close(r.to_dense(), d)
+    with pytest.raises(ValueError, match="blocksize"):
+        s.to_sparse(layout=torch.sparse_bsr)
