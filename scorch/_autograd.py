@@ -175,48 +175,23 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
     from .formats import storage
     letters = tuple(letters) if letters is not None else tuple("abcdefghijklmnopqrstuvwxyz"[:x.dim()])
     uniq = tuple(dict.fromkeys(letters))
-    leaf, dims, valid = storage.coordinates(x._format, x._shape, x._levels)
-    if any(lvl.padded for lvl in x._format.level_types):
-        valid = valid & (x._values[leaf] != 0)
+    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
     first = [letters.index(v) for v in (uniq if r_letters is None else r_letters)]
+    diagonal = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
     for d, v in enumerate(letters):  # a repeated index: only the diagonal
-        valid = valid & (dims[d] == dims[letters.index(v)])
-    dims = dims[:, valid]
-    leaf = leaf[valid]
+        diagonal &= dims[d] == dims[letters.index(v)]
+    if not bool(diagonal.all()):
+        dims, leaf = dims[:, diagonal], leaf[diagonal]
     coords = dims[first]
     dtype = r._values.dtype if type(r) is SparseTensor else r.dtype
     out = torch.zeros(x._values.shape, dtype=dtype, device=x._values.device)
     if leaf.numel() == 0:
         return out + 0 * (r._values.sum() if type(r) is SparseTensor else r.sum())  # keeps the graph
     if type(r) is SparseTensor:
-        got = _lookup(r, coords)
+        got = storage.lookup(r._format, r._shape, r._levels, r._values, coords)
     else:
         got = r[tuple(coords)]
     return out.index_put((leaf,), got, accumulate=True)
-
-
-def _lookup(r: SparseTensor, coords):
-    """``r``'s values at the coordinates ``coords`` ((ndim, M) int64), 0 where ``r`` stores nothing."""
-    from .formats import storage
-    rdims, rvals = storage.unpack(r._format, r._shape, r._levels, r._values)
-    key_r, key_q = _linear(rdims, r._shape), _linear(coords, r._shape)
-    order = torch.argsort(key_r)
-    key_r, rvals = key_r[order], rvals[order]
-    if r._format.keeps_duplicates and key_r.numel():  # duplicates are summed
-        key_r, inv = torch.unique_consecutive(key_r, return_inverse=True)
-        rvals = torch.zeros(key_r.numel(), dtype=rvals.dtype, device=rvals.device).index_add(0, inv, rvals)
-    at = torch.searchsorted(key_r, key_q).clamp(max=max(key_r.numel() - 1, 0))
-    if key_r.numel() == 0:
-        return torch.zeros(key_q.shape, dtype=rvals.dtype, device=rvals.device)
-    hit = key_r[at] == key_q
-    return torch.where(hit, rvals[at], torch.zeros((), dtype=rvals.dtype, device=rvals.device))
-
-
-def _linear(dims, shape):
-    key = torch.zeros(dims.shape[1], dtype=torch.int64, device=dims.device)
-    for d, n in enumerate(shape):
-        key = key * n + dims[d]
-    return key
 
 
 # --- other compiled ops: sums of operands (``S1 + alpha * S2``), max/min reductions -----------------------
@@ -291,10 +266,7 @@ def _extremum_grad(src, out, x, r, gout):
     from .formats import storage
     r = r.to_dense() if type(r) is SparseTensor else r
     g = gout.to_dense() if type(gout) is SparseTensor else gout
-    leaf, dims, valid = storage.coordinates(x._format, x._shape, x._levels)
-    if any(lvl.padded for lvl in x._format.level_types):
-        valid = valid & (x._values[leaf] != 0)
-    leaf, dims = leaf[valid], dims[:, valid]
+    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
     keep = [src.index(v) for v in out]
     cell = tuple(dims[d] for d in keep)
     vals = x._values[leaf]

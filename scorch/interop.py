@@ -208,3 +208,33 @@ sparse_csr_tensor = _compressed_ctor(torch.sparse_csr_tensor)
 sparse_csc_tensor = _compressed_ctor(torch.sparse_csc_tensor)
 sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor)
 sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor)
+
+
+def coo_from_entries(rows, vals, shape, duplicates: bool) -> SparseTensor:
+    """The coalesced COO SparseTensor of the entries at ``rows`` (one int64 coordinate array per dimension)
+    with ``vals``: sorted row-major, duplicates summed (only an input that keeps duplicates has any), index
+    arrays as ``scorch.asformat(..., "coo")`` makes them (int32 when the sizes allow, the rows of one matrix).
+    ``vals`` is only gathered and summed, so gradients flow back through it."""
+    device = vals.device
+    # the row-major linear index: it fits int64 as the shape has fewer than 2**63 elements
+    key = _storage.linear_index(torch.stack(rows), shape) if rows else torch.zeros(vals.numel(), dtype=torch.int64,
+                                                                                   device=device)
+    if key.numel() > 1:
+        key, order = torch.sort(key, stable=True)
+        vals = vals[order]
+        rows = [c[order] for c in rows]
+        if duplicates:
+            first = torch.ones(key.numel(), dtype=torch.bool, device=device)
+            first[1:] = key[1:] != key[:-1]
+            if not bool(first.all()):
+                group = torch.cumsum(first.long(), 0) - 1
+                acc = torch.int64 if vals.dtype == torch.bool else vals.dtype
+                summed = torch.zeros(int(group[-1]) + 1, dtype=acc, device=device).index_add(0, group, vals.to(acc))
+                vals = summed > 0 if vals.dtype == torch.bool else summed
+                rows = [c[first] for c in rows]
+    m = vals.numel()
+    index_dtype = _storage.pick_index_dtype(m, *shape)
+    crd = torch.stack(rows).to(index_dtype).unbind(0)
+    pos = torch.tensor([0, m], dtype=index_dtype, device=device)
+    levels = [LevelStorage(pos=pos, crd=crd[0])] + [LevelStorage(crd=c) for c in crd[1:]]
+    return SparseTensor(named.coo_nd(len(shape)), shape, levels, vals, check=False)

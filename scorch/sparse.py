@@ -1,10 +1,46 @@
-"""``scorch.sparse``: torch.sparse's names, plus scorch's storage checks."""
-import contextlib
+"""``scorch.sparse``: torch.sparse's names, plus scorch's storage checks.
 
+The functions of torch.sparse that take sparse operands (``mm``, ``addmm``, ``sampled_addmm``, ``softmax``,
+``log_softmax``, ``sum``) first view torch's own sparse tensors (``x.to_sparse()``, ``to_sparse_csr()``...)
+as SparseTensors, zero-copy, so they run through scorch too. A torch sparse tensor that requires grad is
+left to torch: its gradient belongs to it, not to a view.
+"""
+import contextlib
+import functools
+
+import torch as _torch
 import torch.sparse as _tsparse
 
 from . import _forward
 from .sparse_tensor import _checking
+
+_LAYOUTS = (_torch.sparse_coo, _torch.sparse_csr, _torch.sparse_csc, _torch.sparse_bsr, _torch.sparse_bsc)
+
+
+def _view(x):
+    if type(x) is _torch.Tensor and x.layout in _LAYOUTS and not x.requires_grad:
+        from .interop import from_torch
+        try:
+            return from_torch(x)
+        except NotImplementedError:  # hybrid or batched layouts stay torch's
+            return x
+    return x
+
+
+def routed(fn):
+    """``fn`` with torch sparse operands viewed as SparseTensors."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*[_view(a) for a in args], **{k: _view(v) for k, v in kwargs.items()})
+    return call
+
+
+mm = routed(_tsparse.mm)
+addmm = routed(_tsparse.addmm)
+sampled_addmm = routed(_tsparse.sampled_addmm)
+softmax = routed(_tsparse.softmax)
+log_softmax = routed(_tsparse.log_softmax)
+sum = routed(_tsparse.sum)
 
 
 @contextlib.contextmanager

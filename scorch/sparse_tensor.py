@@ -131,11 +131,30 @@ class SparseTensor(torch.Tensor):
         return self._values
 
     @property
+    def layout(self) -> torch.layout:
+        """torch's layout for this format: ``sparse_coo`` (COO, and formats torch has no layout for),
+        ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``, ``sparse_bsc``, or ``strided`` (dense)."""
+        return _layout_of(self._format)
+
+    @property
+    def is_sparse(self) -> bool:
+        """As torch: True for the ``sparse_coo`` layout (COO and the formats torch has no layout for).
+        False for a parameter's ``.grad``: it is the gradient of the parameter's values on its own pattern,
+        which optimizers apply like a dense gradient (torch's Adam refuses gradients that are "sparse" in
+        torch's sense: index/value pairs to scatter)."""
+        return _layout_of(self._format) == torch.sparse_coo and not getattr(self, "_pattern_grad", False)
+
+    @property
+    def is_sparse_csr(self) -> bool:
+        return _layout_of(self._format) == torch.sparse_csr
+
+    @property
     def nnz(self) -> int:
         """The number of stored values (explicit zeros and padding included)."""
         return self._values.numel()
 
     def _nnz(self) -> int:
+        """The number of stored values."""
         return self.nnz
 
     @property
@@ -173,7 +192,11 @@ class SparseTensor(torch.Tensor):
     def grad(self):
         """The gradient on this tensor's pattern (a SparseTensor sharing its index arrays), or None."""
         g = self._values.grad
-        return None if g is None else SparseTensor(self._format, self._shape, self._levels, g, check=False)
+        if g is None:
+            return None
+        out = SparseTensor(self._format, self._shape, self._levels, g, check=False)
+        out._pattern_grad = True
+        return out
 
     @grad.setter
     def grad(self, g):
@@ -205,6 +228,7 @@ class SparseTensor(torch.Tensor):
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
+        """The dense tensor (differentiable: the gradient reaches the stored values)."""
         out = _storage.to_dense(self._format, self.shape, self._levels, self._values)
         return out if dtype is None else out.to(dtype)
 
@@ -218,6 +242,7 @@ class SparseTensor(torch.Tensor):
         return asformat(self, format, **kwargs)
 
     def to(self, *args, **kwargs) -> "SparseTensor":
+        """Another device (every array moved) and/or dtype (values converted); the format is kept."""
         copy = kwargs.pop("copy", False)
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         out = self
@@ -230,18 +255,23 @@ class SparseTensor(torch.Tensor):
         return out
 
     def clone(self, *, memory_format=None) -> "SparseTensor":
+        """A copy of the index arrays and values, in the same format."""
         return self._map_arrays(torch.clone)
 
     def detach(self) -> "SparseTensor":
+        """The same arrays with detached values."""
         return SparseTensor(self._format, self.shape, self._levels, self._values.detach(), check=False)
 
     def cpu(self):
+        """On the CPU, as ``to('cpu')``."""
         return self.to("cpu")
 
     def double(self):
+        """float64 values, same arrays."""
         return self.to(torch.float64)
 
     def float(self):
+        """float32 values, same arrays."""
         return self.to(torch.float32)
 
     def check_invariants(self) -> "SparseTensor":
@@ -251,6 +281,7 @@ class SparseTensor(torch.Tensor):
 
     # --- display -----------------------------------------------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:
+        """Format, shape, dtype, nnz, density, and a picture of the pattern for small matrices."""
         fmt = short_name(self._format)
         head = (f"SparseTensor(format={fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz},"
                 f" density={self.density:.3g}")
@@ -278,9 +309,18 @@ class SparseTensor(torch.Tensor):
         return "\n".join("  " + "".join(row) for row in grid)
 
     def __reduce_ex__(self, proto):
+        """Pickling (``torch.save``): format text, shape, arrays and values; validated when loaded."""
         return (_rebuild, (str(self._format), tuple(self.shape),
                            tuple((st.pos, st.crd) for st in self._levels), self._values.detach(), self.requires_grad,
                            bool(getattr(self, "_is_param", False))))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(fmt: Format) -> torch.layout:
+    from .formats.named import name_of
+    name = (name_of(fmt) or "").split("(")[0]
+    return {"dense": torch.strided, "csr": torch.sparse_csr, "csc": torch.sparse_csc, "bsr": torch.sparse_bsr,
+            "bsc": torch.sparse_bsc}.get(name, torch.sparse_coo)
 
 
 def shape_of(x) -> torch.Size:

@@ -57,3 +57,12 @@ def plain_test_job(item):
     if getattr(item.obj, "is_hypothesis_test", False) or not set(names) <= set(params):
         return None
     return lambda: item.obj(**{k: params[k] for k in names})
+
+
+def quarters(shape, seed, density=1.0, dtype=torch.float32):
+    """Nonzero multiples of 1/4 in [-2, 2], a ``density`` fraction of them kept."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.randint(1, 9, shape, generator=g)
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    keep = torch.rand(shape, generator=g) < density
+    return ((mag * sign * keep).to(torch.float64) / 4).to(dtype)

@@ -50,7 +50,8 @@ def test_scorch_modules_are_its_own():
     import scorch.nn.functional
     import scorch.sparse
     assert scorch.nn is not torch.nn and scorch.sparse is not torch.sparse
-    assert scorch.sparse.softmax is torch.sparse.softmax  # forwarded until scorch overrides it
+    assert scorch.sparse.spdiags is torch.sparse.spdiags  # forwarded: scorch does not override it
+    assert scorch.sparse.softmax is not torch.sparse.softmax  # overridden: torch's sparse layouts run in scorch
     assert callable(scorch.sparse.check_invariants)
     assert scorch.sparse_csr_tensor is not torch.sparse_csr_tensor  # scorch's constructors return SparseTensors
     assert scorch.einsum is not torch.einsum  # takes format= and runs sparse operands through the compiler

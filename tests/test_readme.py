@@ -33,3 +33,17 @@ def test_readme_format_examples_hold():
     code = code.replace("# == scorch.formats.dia", "\nassert f == scorch.formats.dia")
     code = code.replace("# == scorch.formats.coo", "\nassert f == scorch.formats.coo")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_readme_training_example_runs_after_the_first():
+    blocks = python_blocks()
+    train = next(b for b in blocks if "loss.backward()" in b)
+    out = subprocess.run([sys.executable, "-c", blocks[0] + train], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].split() == ["csr", "csr"]
+
+
+def test_sparse_api_doc_is_in_sync_with_the_registry():
+    from scorch import catalog
+    doc = README.parent / "docs" / "sparse-api.md"
+    assert doc.read_text() == catalog.markdown(), "regenerate: python -m scorch.catalog > docs/sparse-api.md"

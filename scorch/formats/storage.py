@@ -95,17 +95,56 @@ def coordinates(fmt: Format, shape, levels):
     return leaf, dims, inside
 
 
-def unpack(fmt: Format, shape, levels, values):
-    """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding is dropped.
+def entries(fmt: Format, shape, levels, values):
+    """The stored entries as ``(leaf, dims)``: their positions in the values array and their ``(ndim, M)`` int64
+    coordinates, padding dropped.
 
     Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and, in a
     format with a padded (fixed) level, every stored zero (padding and explicit zeros cannot be told apart).
     """
     leaf, dims, keep = coordinates(fmt, shape, levels)
     if any(lvl.padded for lvl in fmt.level_types):
-        # a padded (fixed) level cannot tell padding from a stored zero: both read back as absent
         keep &= values[leaf] != 0
-    return dims[:, keep], values[leaf[keep]]
+    if bool(keep.all()):
+        return leaf, dims
+    return leaf[keep], dims[:, keep]
+
+
+def unpack(fmt: Format, shape, levels, values):
+    """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding dropped (``entries``).
+    The values are gathered, so gradients reach the stored values."""
+    leaf, dims = entries(fmt, shape, levels, values)
+    return dims, values[leaf]
+
+
+def linear_index(dims: torch.Tensor, shape) -> torch.Tensor:
+    """The row-major linear index of each coordinate column of ``dims`` (``(ndim, P)``), as int64 (a shape has
+    fewer than 2**63 elements, so it fits)."""
+    key = torch.zeros(dims.shape[1], dtype=torch.int64, device=dims.device)
+    for c, n in zip(dims, shape):
+        key = key * n + c
+    return key
+
+
+def lookup(fmt: Format, shape, levels, values, dims: torch.Tensor) -> torch.Tensor:
+    """The tensor's value at each coordinate column of ``dims``: 0 where nothing is stored, duplicates summed.
+    Differentiable in ``values`` (a gather)."""
+    edims, evals = unpack(fmt, shape, levels, values)
+    zero = torch.zeros((), dtype=_acc_dtype(values), device=values.device)
+    if evals.numel() == 0 or dims.shape[1] == 0:
+        return zero.expand(dims.shape[1]).to(values.dtype)
+    keys = linear_index(edims, shape)
+    keys, order = torch.sort(keys)
+    evals = evals[order]
+    if fmt.keeps_duplicates:
+        keys, group = torch.unique_consecutive(keys, return_inverse=True)
+        evals = torch.zeros(keys.numel(), dtype=zero.dtype, device=values.device).index_add(
+            0, group, evals.to(zero.dtype))
+        evals = evals > 0 if values.dtype == torch.bool else evals
+    query = linear_index(dims, shape)
+    at = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
+    hit = keys[at] == query
+    return torch.where(hit, evals[at], torch.zeros((), dtype=evals.dtype, device=values.device))
 
 
 def to_dense(fmt: Format, shape, levels, values):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..compiler import dispatch
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import SparseTensor, implements
+from .pattern import same_pattern
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -36,6 +37,8 @@ def _map(torch_fn, linear):
             from ..formats import named
             x = x.asformat(named.coo_nd(x.dim()))
         return x.with_values(torch_fn(x.values()))
+    apply.__doc__ = (f"``{torch_fn.__name__}`` maps 0 to 0: applied to the stored values, the pattern and format kept"
+                     f"{'' if linear else ' (an uncoalesced COO is coalesced first)'}.")
     return apply
 
 
@@ -52,6 +55,8 @@ def _elementwise_eq(a, b):
 
 @implements(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply)
 def mul(a, b):
+    """Elementwise product. With a scalar or a dense operand: the sparse operand's pattern and format (an einsum
+    driven by it); two sparse operands: their intersection, by co-iteration (same pattern: values multiplied)."""
     if isinstance(b, SparseTensor) and not isinstance(a, SparseTensor):
         a, b = b, a
     if isinstance(b, numbers.Number) or (isinstance(b, torch.Tensor) and b.dim() == 0 and
@@ -59,6 +64,8 @@ def mul(a, b):
         scalar = b.item() if isinstance(b, torch.Tensor) else b
         vals = a.values() * scalar
         return a.with_values(vals)
+    if isinstance(b, SparseTensor) and same_pattern(a, b) and not a.format.keeps_duplicates:
+        return a.with_values(a.values() * b.values())
     if tuple(torch.broadcast_shapes(a.shape, b.shape)) != tuple(a.shape) and not isinstance(b, SparseTensor):
         raise ValueError(f"mul: the dense operand of shape {tuple(b.shape)} would broadcast the sparse operand of"
                          f" shape {tuple(a.shape)}")
@@ -67,6 +74,7 @@ def mul(a, b):
 
 @implements(torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide)
 def div(a, b, *, rounding_mode=None):
+    """Division by a scalar: the values divided, pattern and format kept; anything else raises (x / 0)."""
     if isinstance(a, SparseTensor) and isinstance(b, numbers.Number) and rounding_mode is None:
         vals = a.values() / b
         return a.with_values(vals)
@@ -89,6 +97,10 @@ def _sparse_sum(a, b, alpha):
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} differ (broadcasting two sparse"
                          " operands is not supported)")
+    if isinstance(a, SparseTensor) and isinstance(b, SparseTensor) and same_pattern(a, b) \
+            and not a.format.keeps_duplicates:
+        # one pattern (a parameter and its gradient, optimizer state): the values add, the pattern stays
+        return a.with_values(torch.add(a.values(), b.values(), alpha=alpha))
     idx = tuple(_LETTERS[:a.dim()])
     second = Access(1, idx)
     scalars = {}
@@ -102,7 +114,8 @@ def _sparse_sum(a, b, alpha):
 
 @implements(torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
 def add(a, b, *, alpha=1):
-    """``a + alpha * b``. With a dense operand the union is dense: the sparse entries are scattered into it."""
+    """``a + alpha * b``. Two sparse operands: their union by co-iteration, sparse (same pattern: values added,
+    pattern and format kept). With a dense operand the union is dense: the sparse entries are scattered in."""
     if _sparse(a) and _sparse(b):
         return _sparse_sum(a, b, alpha)
     if isinstance(b, numbers.Number) or isinstance(a, numbers.Number):
@@ -117,9 +130,11 @@ def add(a, b, *, alpha=1):
 
 @implements(torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.subtract)
 def sub(a, b, *, alpha=1):
+    """``a - alpha * b``, as ``add``."""
     return add(a, b, alpha=-alpha)
 
 
 @implements(torch.Tensor.__rsub__)
 def rsub(a, b):
+    """``b - a``, as ``add``."""
     return sub(b, a)

@@ -24,6 +24,8 @@ def _product_format(a, b):
 
 @implements(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 def matmul(a, b):
+    """``a @ b`` with torch's broadcasting rules, as an einsum: dense result when an operand is dense, sparse
+    (inferred format) for sparse @ sparse."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"matmul: operands must be tensors, got {type(a).__name__} and {type(b).__name__}")
     sa, sb = shape_of(a), shape_of(b)
@@ -49,6 +51,7 @@ def matmul(a, b):
 
 @implements(torch.Tensor.__rmatmul__)
 def rmatmul(b, a):
+    """``a @ b`` for a dense ``a``, as ``matmul``."""
     return matmul(a, b)
 
 
@@ -70,6 +73,7 @@ def _product(name, eq, a, b, ranks, inner):
 
 @implements(torch.mm, torch.Tensor.mm, torch.sparse.mm, torch.spmm)
 def mm(a, b, *args):
+    """Matrix product, as ``matmul`` for 2-d operands (``torch.sparse.mm``, ``torch.spmm`` too)."""
     if args:  # torch.sparse.mm(S, D, reduce) is not supported
         raise NotImplementedError("scorch: torch.sparse.mm with a reduce argument is not supported yet")
     return _product("mm", "ij,jk->ik", a, b, (2, 2), (1, 0))
@@ -77,11 +81,13 @@ def mm(a, b, *args):
 
 @implements(torch.mv, torch.Tensor.mv)
 def mv(a, v):
+    """Matrix-vector product: a dense vector."""
     return _product("mv", "ij,j->i", a, v, (2, 1), (1, 0))
 
 
 @implements(torch.bmm, torch.Tensor.bmm)
 def bmm(a, b):
+    """Batched matrix product ``bij,bjk->bik``: dense with a dense operand."""
     return _product("bmm", "bij,bjk->bik", a, b, (3, 3), (2, 1))
 
 
@@ -94,6 +100,31 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1):
     if isinstance(input, SparseTensor):
         input = input.to_dense()
     return torch.add(input * beta if beta != 1 else input, prod, alpha=alpha)
+
+
+@implements(torch.nn.functional.linear)
+def linear(input, weight, bias=None):
+    """``input @ weight.T + bias`` with a sparse weight (out x in) or a sparse input (... x in).
+
+    A sparse weight computes ``(W @ X^T)^T``: the SpMM walks W's rows and reads X^T's rows contiguously; the
+    result is the transposed view of that product, as torch returns non-contiguous results elsewhere."""
+    if weight.dim() != 2:
+        raise ValueError(f"linear: weight must be 2-d, got shape {tuple(shape_of(weight))}")
+    n_in = shape_of(weight)[1]
+    if shape_of(input)[-1] != n_in:
+        raise ValueError(f"linear: input of shape {tuple(shape_of(input))} and weight of shape"
+                         f" {tuple(shape_of(weight))} cannot be multiplied ({shape_of(input)[-1]} != {n_in})")
+    if _is_sparse(weight) and not _is_sparse(input):
+        lead = tuple(input.shape[:-1])
+        x = input.reshape(-1, n_in)
+        out = dispatch.einsum("oi,bi->ob", weight, x, format="dense").t().reshape(*lead, shape_of(weight)[0])
+    elif _is_sparse(input) and not _is_sparse(weight):
+        if input.dim() != 2:
+            raise NotImplementedError("scorch: linear with a sparse input of more than 2 dimensions")
+        out = dispatch.einsum("bi,oi->bo", input, weight, format="dense")
+    else:
+        out = dispatch.einsum("bi,oi->bo", input, weight)
+    return out if bias is None else out + bias
 
 
 @implements(torch.sparse.sampled_addmm)

@@ -59,6 +59,8 @@ def _inplace(method):
         getattr(self._values, name)(*args, **kwargs)
         return self
     op.__name__ = name
+    op.__doc__ = (f"``{name}`` on the stored values, in place: the pattern is fixed, sparse operands must share"
+                  " it, scalars apply to each stored value.")
     return implements(method)(op)
 
 
@@ -96,6 +98,7 @@ def _like(fill):
         s = SparseTensor(x._format, x._shape, x._levels if device is None else
                          tuple(st.map(lambda a: a.to(device)) for st in x._levels), vals, check=False)
         return s.requires_grad_() if requires_grad else s
+    like.__doc__ = "The same pattern and format (shared index arrays), zero values: optimizer state for a sparse parameter."
     return like
 
 
@@ -105,6 +108,7 @@ implements(torch.empty_like)(_like(lambda v, dt: torch.zeros_like(v, dtype=dt)))
 
 @implements(torch.Tensor.conj, torch.conj, torch.Tensor.resolve_conj, torch.resolve_conj)
 def conj(x):
+    """Real values: the tensor itself."""
     if x.is_complex():
         raise NotImplementedError("scorch: complex SparseTensors are not supported")
     return x

@@ -37,6 +37,8 @@ def _keepdim(r, shape, dims):
 
 @implements(torch.sum, torch.Tensor.sum, torch.sparse.sum)
 def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
+    """Sum over ``dim`` (all by default) as an einsum: sparse over the kept indices the operand drives, dense
+    where none is left; keepdim gives the dense result with size-1 dimensions, as torch; integers sum in int64."""
     n = x.dim()
     dims = _dims(dim, n, "sum")
     src, out = _kept(n, dims)
@@ -58,6 +60,7 @@ def _sparse_sum(x, *args):
 
 @implements(torch.mean, torch.Tensor.mean)
 def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
+    """``sum`` divided by the count of all elements reduced (implicit zeros included), as torch."""
     if not (x.dtype.is_floating_point or dtype is not None):
         raise TypeError(f"mean: could not infer output dtype; input dtype {x.dtype} is not floating point")
     dims = _dims(dim, x.dim(), "mean")
@@ -72,6 +75,8 @@ def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
 
 def _extremum(reduce):
     def fn(x: SparseTensor, dim=None, keepdim=False):
+        """Max/min over ``dim`` by a compiled reduction; implicit zeros take part, as in the dense tensor; the
+        result is dense (duplicates and padding are removed first)."""
         n = x.dim()
         dims = _dims(dim if dim != () else None, n, f"a{reduce}")
         for d in dims:

@@ -11,6 +11,7 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 @implements(torch.permute, torch.Tensor.permute)
 def permute(x: SparseTensor, *dims):
+    """The same arrays under the permuted format when the levels allow it, else a conversion (an einsum)."""
     if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
         dims = tuple(dims[0])
     n = x.dim()
@@ -27,6 +28,7 @@ def _bad_dim(d, n):
 
 @implements(torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)
 def transpose(x, dim0, dim1):
+    """``permute`` swapping two dimensions."""
     n = x.dim()
     order = list(range(n))
     d0 = dim0 % n if -n <= dim0 < n else _bad_dim(dim0, n)
@@ -37,6 +39,7 @@ def transpose(x, dim0, dim1):
 
 @implements(torch.t, torch.Tensor.t, torch.Tensor.T.__get__)
 def t(x):
+    """Transpose of a matrix (``x.T`` too), as ``transpose(x, 0, 1)``."""
     if x.dim() > 2:
         raise ValueError(f"t() expects a tensor with at most 2 dimensions, got {x.dim()}")
     return x if x.dim() < 2 else transpose(x, 0, 1)

@@ -32,6 +32,7 @@ def coalesce(x):
 
 @implements(torch.Tensor.is_coalesced)
 def is_coalesced(x):
+    """False only for COO that may hold duplicates."""
     return not x._format.keeps_duplicates
 
 
@@ -54,21 +55,25 @@ def _compressed_arrays(x, names):
 
 @implements(torch.Tensor.crow_indices)
 def crow_indices(x):
+    """CSR/BSR: the row pointer array (shared)."""
     return _compressed_arrays(x, ("csr", "bsr")).pos
 
 
 @implements(torch.Tensor.col_indices)
 def col_indices(x):
+    """CSR/BSR: the column index array (shared)."""
     return _compressed_arrays(x, ("csr", "bsr")).crd
 
 
 @implements(torch.Tensor.ccol_indices)
 def ccol_indices(x):
+    """CSC/BSC: the column pointer array (shared)."""
     return _compressed_arrays(x, ("csc", "bsc")).pos
 
 
 @implements(torch.Tensor.row_indices)
 def row_indices(x):
+    """CSC/BSC: the row index array (shared)."""
     return _compressed_arrays(x, ("csc", "bsc")).crd
 
 
@@ -88,6 +93,7 @@ def _blocked(x, name, blocksize):
 
 @implements(torch.Tensor.to_sparse)
 def to_sparse(x, *args, layout=None, blocksize=None, dense_dim=None):
+    """Converted to the format of ``layout`` (COO by default), a SparseTensor."""
     if args and isinstance(args[0], int) and args[0] != x.dim():
         raise NotImplementedError("scorch: to_sparse(sparse_dim) with hybrid dimensions is not supported")
     if dense_dim:
@@ -100,26 +106,31 @@ def to_sparse(x, *args, layout=None, blocksize=None, dense_dim=None):
 
 @implements(torch.Tensor.to_sparse_coo)
 def to_sparse_coo(x):
+    """Converted to COO (a SparseTensor)."""
     return to_sparse(x)
 
 
 @implements(torch.Tensor.to_sparse_csr)
 def to_sparse_csr(x, dense_dim=None):
+    """Converted to CSR."""
     return to_sparse(x, layout=torch.sparse_csr, dense_dim=dense_dim)
 
 
 @implements(torch.Tensor.to_sparse_csc)
 def to_sparse_csc(x, dense_dim=None):
+    """Converted to CSC."""
     return to_sparse(x, layout=torch.sparse_csc, dense_dim=dense_dim)
 
 
 @implements(torch.Tensor.to_sparse_bsr)
 def to_sparse_bsr(x, blocksize, dense_dim=None):
+    """Converted to BSR with the block size."""
     return to_sparse(x, layout=torch.sparse_bsr, blocksize=blocksize, dense_dim=dense_dim)
 
 
 @implements(torch.Tensor.to_sparse_bsc)
 def to_sparse_bsc(x, blocksize, dense_dim=None):
+    """Converted to BSC with the block size."""
     return to_sparse(x, layout=torch.sparse_bsc, blocksize=blocksize, dense_dim=dense_dim)
 
 
@@ -135,14 +146,9 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     v = x._values if dtype is None else x._values.to(dtype)
     if not v.dtype.is_floating_point:
         raise TypeError(f"softmax: expected a floating point SparseTensor, got {v.dtype}")
-    leaf, dims, valid = storage.coordinates(x._format, x._shape, x._levels)
-    if any(lvl.padded for lvl in x._format.level_types):
-        valid = valid & (x._values[leaf] != 0)
-    leaf, dims = leaf[valid], dims[:, valid]
-    key = torch.zeros(leaf.numel(), dtype=torch.int64, device=leaf.device)
-    for d in range(n):
-        if d != dim:
-            key = key * x._shape[d] + dims[d]
+    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
+    others = [d for d in range(n) if d != dim]
+    key = storage.linear_index(dims[others], [x._shape[d] for d in others])
     groups, inv = torch.unique(key, return_inverse=True)
     vals = v[leaf]
     peak = torch.full((groups.numel(),), float("-inf"), dtype=v.dtype, device=v.device)
@@ -165,6 +171,7 @@ def _dtype_arg(args, kwargs):
 
 @implements(torch.sparse.softmax, torch.softmax, torch.Tensor.softmax, F.softmax)
 def softmax(x, dim=None, *args, **kwargs):
+    """As ``torch.sparse.softmax``: implicit entries are -inf; the result keeps the pattern and format."""
     if dim is None:
         raise ValueError("softmax of a sparse tensor needs dim")
     return _softmax(x, dim, _dtype_arg(args, kwargs), log=False)
@@ -172,6 +179,7 @@ def softmax(x, dim=None, *args, **kwargs):
 
 @implements(torch.sparse.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)
 def log_softmax(x, dim=None, *args, **kwargs):
+    """As ``torch.sparse.log_softmax``: implicit entries are -inf; pattern and format kept."""
     if dim is None:
         raise ValueError("log_softmax of a sparse tensor needs dim")
     return _softmax(x, dim, _dtype_arg(args, kwargs), log=True)
