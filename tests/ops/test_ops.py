@@ -14,14 +14,12 @@ import torch.nn.functional as F
 import scorch
 from scorch import SparseTensor
 
-from conftest import assert_matches_dense, compile_ahead, plain_test_job
+from conftest import assert_matches_dense, compile_ahead, plain_test_job, quarters
 
 FORMATS = ["csr", "coo", "csc", "dcsr", "dcsc", "ell", "dia", "bsr(2, 3)", "bsc(2, 2)", "dense",
            "(i, j) -> (i + j : compressed, j : dense)", "(i, j) -> (j - i : compressed, i : dense)"]
 SHAPES = [(5, 7), (0, 7), (5, 0), (1, 1)]
 FORMATS_3D = ["csf", "coo", "dense", "(i, j, k) -> (k : dense, i : compressed, j : compressed)"]
-
-
 
 
 def sparse(shape=(5, 7), fmt="csr", seed=0, density=0.45, dtype=torch.float32):
