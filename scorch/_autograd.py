@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .compiler.einsum import equation as einsum_string
 from .sparse_tensor import SparseTensor
 
 
@@ -62,15 +63,11 @@ def _tensors(operands):
     return [x._values if type(x) is SparseTensor else x for x in operands]
 
 
-def _equation(inputs, out) -> str:
-    return ",".join("".join(i) for i in inputs) + "->" + "".join(out)
-
-
 class _Einsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *tensors):
         from .compiler import dispatch
-        r = dispatch.einsum(_equation(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
+        r = dispatch.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
             r = r._values
@@ -104,15 +101,6 @@ def einsum(equation: str, operands, format=None):
 
 # --- gradients of one operand ------------------------------------------------------------------------------
 
-def _sizes(inputs, ops):
-    sizes = {}
-    for idx, x in zip(inputs, ops):
-        for v, n in zip(idx, x.shape):
-            if sizes.get(v, 1) == 1:
-                sizes[v] = n
-    return sizes
-
-
 def _einsum_grad(k, inputs, out, ops, gout):
     from .compiler import dispatch
     target = inputs[k]
@@ -126,18 +114,18 @@ def _einsum_grad(k, inputs, out, ops, gout):
         # gradient at the entry's output coordinates; no kernel needed
         return values_at(gout, x, target, tuple(out))
     if type(x) is SparseTensor:
-        pattern = x.with_values(_pattern_values(x, gout))
+        pattern = x.with_values(pattern_ones(x, gout._values.dtype if type(gout) is SparseTensor else gout.dtype))
         repeated = len(uniq) < len(target)
-        eq = _equation([target] + g_inputs, uniq)
+        eq = einsum_string([target] + g_inputs, uniq)
         r = dispatch.einsum(eq, pattern, *g_ops, format=None if repeated else x._format)
         return values_at(r, x, target)
-    sizes = _sizes(inputs, ops)
+    sizes, _ = dispatch._sizes(inputs, ops, "einsum")
     present = {v for idx in g_inputs for v in idx}
     have = tuple(v for v in uniq if v in present)
     if any(type(t) is SparseTensor for t in g_ops):
-        r = dispatch.einsum(_equation(g_inputs, have), *g_ops, format="dense" if have else None)
+        r = dispatch.einsum(einsum_string(g_inputs, have), *g_ops, format="dense" if have else None)
     else:
-        r = torch.einsum(_equation(g_inputs, have), *g_ops)
+        r = torch.einsum(einsum_string(g_inputs, have), *g_ops)
     if type(r) is SparseTensor:
         r = r.to_dense()
     # indices only this operand has: the gradient is constant along them
@@ -154,12 +142,12 @@ def _einsum_grad(k, inputs, out, ops, gout):
     return full
 
 
-def _pattern_values(x: SparseTensor, like):
-    """Ones at ``x``'s stored positions. In a format with a padded level, padding and stored zeros cannot be
-    told apart; both get no gradient (a gradient there would turn padding into an entry)."""
-    dtype = like._values.dtype if type(like) is SparseTensor else like.dtype
+def pattern_ones(x: SparseTensor, dtype):
+    """Ones at ``x``'s stored positions (the values of its pattern). In a format with a padded level, padding
+    and stored zeros cannot be told apart: both are 0 (a gradient there would turn padding into an entry, an
+    SDDMM there would too)."""
     v = x._values
-    if any(lvl.padded for lvl in x._format.level_types):
+    if x._format.padded:
         return (v != 0).to(dtype)
     return torch.ones(v.shape, dtype=dtype, device=v.device)
 

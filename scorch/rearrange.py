@@ -335,13 +335,8 @@ def _sparse(x: SparseTensor, plan: _Plan) -> SparseTensor:
                          " tensors of at least one dimension); use x.to_dense() first")
     if _prod(plan.out_shape) >= 2**63:  # torch cannot shape such a tensor; it also keeps the key below in int64
         raise ValueError(f"rearrange: the result's shape {tuple(plan.out_shape)} has 2**63 elements or more")
-    fmt, values = x.format, x.values()
-    leaf, dims, keep = storage.coordinates(fmt, x.shape, x.levels)
-    if any(lvl.padded for lvl in fmt.level_types):
-        # a padded (fixed) level cannot tell padding from a stored zero: both are absent
-        keep = keep & (values[leaf] != 0)
-    leaf, dims = leaf[keep], dims[:, keep]
-    vals = values[leaf]
+    fmt = x.format
+    dims, vals = storage.unpack(fmt, x.shape, x.levels, x.values())  # padding dropped
     device = dims.device
     if 0 in plan.out_shape:  # nothing to store (an input axis or a new axis of size 0)
         empty = torch.zeros(len(plan.out_shape), 0, dtype=torch.int64, device=device)

@@ -18,6 +18,7 @@ from . import contract
 from . import loops as L
 from . import relayout, runtime
 from .codegen import cpp
+from .einsum import equation as einsum_string
 from .einsum import parse, to_index_notation
 from .infer import OutputFormat, infer
 from .ir import Access, Assignment, TensorType
@@ -143,7 +144,7 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
     if len(parts) == 1 and tuple(idx[0]) == tuple(target) and format is None:
         return tensors[0]  # a leaf already in the target's index order: nothing to compute
     if not any(isinstance(t, SparseTensor) for t in tensors):
-        eq = ",".join("".join(i) for i in idx) + "->" + "".join(target)
+        eq = einsum_string(idx, target)
         if explain:
             print(f"dense step:   torch.einsum({eq!r})")
         r = torch.einsum(eq, *tensors)
@@ -287,9 +288,14 @@ def _compile(asg, output, sizes, broadcast) -> Plan:
     ct = L.type_of(asg.operands[0].dtype)
     plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
     plan.lowered = lower(asg, sched, ct, broadcast)
-    plan.source = cpp.generate(plan.lowered.kernel)
-    plan.kernel = runtime.load(plan.source, plan.lowered.kernel.name, cpp.argtypes(plan.lowered.kernel))
+    plan.source, plan.kernel = _build(plan.lowered)
     return plan
+
+
+def _build(low):
+    """``(source, kernel)``: a lowered kernel's C++ source, compiled (or found in a cache) and loaded."""
+    src = cpp.generate(low.kernel)
+    return src, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
 
 
 @dataclass
@@ -313,9 +319,8 @@ class CoPlan:
             from .coiterate import lower_coiteration
             low = lower_coiteration(self.inner_asg, self.schedule, L.type_of(self.asg.operands[0].dtype),
                                     self.broadcast, phase)
-            src = cpp.generate(low.kernel)
-            self.lowered[phase], self.sources[phase] = low, src
-            self.kernels[phase] = runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+            self.lowered[phase] = low
+            self.sources[phase], self.kernels[phase] = _build(low)
         return self.kernels[phase]
 
     def explain(self) -> str:
@@ -485,7 +490,7 @@ def _prepared_call(plan: Plan, sizes, dtype):
     asg, out = plan.asg, plan.output
     written = _lowerable(asg, out)
     if asg.reduce != "sum" or (out.format is not None and not written.shared_levels) or any(
-            lvl.padded for t in asg.operands if t.sparse for lvl in t.format.level_types):
+            t.format.padded for t in asg.operands if t.sparse):
         return lambda ops, scalars: _call(plan, ops, sizes, dtype, scalars or {})
     k_drv = plan.schedule.driver.operand
     out_shape = tuple(sizes[v] for v in asg.out)
@@ -676,8 +681,8 @@ def convert(x: SparseTensor, fmt, index_dtype=None, drop_zeros=False):
         plans = {}
         for phase in ("count", "fill"):
             low = lower(asg, sched, ct, frozenset(), scatter=(letters[rc[0]], letters[rc[1]], phase, drop_zeros))
-            src = cpp.generate(low.kernel)
-            plans[phase] = (low, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel)), src)
+            src, kernel = _build(low)
+            plans[phase] = (low, kernel, src)
         _CONVERTERS[key] = plans
     info, _ = _level_info(x)
     sizes = {"i": x.shape[0], "j": x.shape[1]}

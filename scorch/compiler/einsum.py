@@ -13,6 +13,11 @@ from .ir import Access, Mul
 _EQ = re.compile(r"^[A-Za-z.,\- >]*$")
 
 
+def equation(inputs, out) -> str:
+    """The einsum string of parsed index letters: ``(("i", "j"), ("j", "k")), ("i", "k")`` -> ``"ij,jk->ik"``."""
+    return ",".join("".join(i) for i in inputs) + "->" + "".join(out)
+
+
 def parse(equation: str, ndims) -> tuple:
     if not isinstance(equation, str):
         raise TypeError(f"einsum equation must be a string, got {type(equation).__name__}")

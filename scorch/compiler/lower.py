@@ -185,7 +185,7 @@ class _Lowering:
             body = [L.Let(slot, L.Load(nxt, r, "i64")), L.Store(nxt, r, L.binary("add", slot, L.Const(1))),
                     L.Store(self.param("out_crd", "array", "i64", "out_crd", output=True), slot, c),
                     L.Store(self.param("out", "array", self.ct, "out", output=True), slot, value)]
-        if drop_zeros or any(lvl.padded for lvl in self.asg.operands[self.sched.driver.operand].format.level_types):
+        if drop_zeros or self.asg.operands[self.sched.driver.operand].format.padded:
             # (padding and stored zeros look alike in a padded level: neither is an entry)
             body = [L.Let(L.Var("v", self.ct), value),
                     L.If(L.binary("ne", L.Var("v", self.ct), L.Const(0, self.ct)), L.block(body))]

@@ -113,6 +113,11 @@ class Format:
         sparse = [lvl for lvl in self.level_types if not isinstance(lvl, Dense)]
         return bool(sparse) and sparse[-1].keeps_duplicates
 
+    @property
+    def padded(self) -> bool:
+        """Whether a level pads its segments (ELL's fixed level): a stored zero may be padding, not an entry."""
+        return any(lvl.padded for lvl in self.level_types)
+
     def level_bounds(self, shape) -> tuple[tuple[int, int], ...]:
         """``(lo, hi)`` of every level's coordinate for a tensor of ``shape``."""
         key = (self, tuple(shape))

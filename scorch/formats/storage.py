@@ -103,7 +103,7 @@ def entries(fmt: Format, shape, levels, values):
     format with a padded (fixed) level, every stored zero (padding and explicit zeros cannot be told apart).
     """
     leaf, dims, keep = coordinates(fmt, shape, levels)
-    if any(lvl.padded for lvl in fmt.level_types):
+    if fmt.padded:
         keep &= values[leaf] != 0
     if bool(keep.all()):
         return leaf, dims

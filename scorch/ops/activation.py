@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .. import _stats
 from ..formats import named, storage
 from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, _describe
+from .sparse_api import coalesce
 
 _T = torch.Tensor
 
@@ -50,12 +51,11 @@ def _register(*funcs):
 
 
 def _padded(x: SparseTensor) -> bool:
-    return any(lvl.padded for lvl in x._format.level_types)
+    return x._format.padded
 
 
-def _coalesced(x: SparseTensor) -> SparseTensor:
-    """Duplicates summed: a nonlinear map needs each entry once (f(a) + f(b) != f(a + b))."""
-    return x.asformat(named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
+# duplicates summed: a nonlinear map needs each entry once (f(a) + f(b) != f(a + b))
+_coalesced = coalesce
 
 
 def _desc(*operands) -> str:

@@ -12,6 +12,7 @@ from ..compiler import dispatch
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import SparseTensor, implements
 from .pattern import same_pattern
+from .sparse_api import coalesce
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -32,10 +33,8 @@ def _map(torch_fn, linear):
     def apply(x, *args, **kwargs):
         if args or kwargs.get("inplace"):
             raise NotImplementedError(f"scorch: {torch_fn.__name__} with extra arguments on a sparse operand")
-        if x.format.keeps_duplicates and not linear:
-            # f(a) + f(b) != f(a + b): duplicates are summed first
-            from ..formats import named
-            x = x.asformat(named.coo_nd(x.dim()))
+        if not linear:
+            x = coalesce(x)  # f(a) + f(b) != f(a + b): duplicates are summed first
         return x.with_values(torch_fn(x.values()))
     apply.__doc__ = (f"``{torch_fn.__name__}`` maps 0 to 0: applied to the stored values, the pattern and format kept"
                      f"{'' if linear else ' (an uncoalesced COO is coalesced first)'}.")

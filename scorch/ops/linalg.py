@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import pattern_ones
 from ..compiler import dispatch
 from ..sparse_tensor import SparseTensor, implements, shape_of
 
@@ -140,10 +141,7 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         raise ValueError(f"sampled_addmm: shapes {tuple(s.shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")
     _check_inner(mat1, mat2, 1, 0, "sampled_addmm")
-    vals = s.values()
-    # ones on the pattern; a padded (ELL) level's padding is indistinguishable from stored zeros: not pattern
-    ones = (vals != 0).to(vals.dtype) if any(lvl.padded for lvl in s.format.level_types) else torch.ones_like(vals)
-    pattern = s.with_values(ones)
+    pattern = s.with_values(pattern_ones(s, s.dtype))
     # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
     prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2)
     # a dense-format input gives a dense product, whose row-major values are the format's values

@@ -50,7 +50,7 @@ def _inplace(method):
     def op(self, *args, **kwargs):
         if not isinstance(self, SparseTensor):
             raise NotImplementedError(f"scorch: {name} into a dense tensor from a SparseTensor; use to_dense()")
-        if any(lvl.padded for lvl in self._format.level_types) and name != "zero_":
+        if self._format.padded and name != "zero_":
             raise NotImplementedError(f"scorch: {name} on format {self._format.name or self._format}: its padding"
                                       " must stay zero, which in-place arithmetic does not keep yet")
         args = [_values(a, self, name) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number) else a

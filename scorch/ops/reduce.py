@@ -83,7 +83,7 @@ def _extremum(reduce):
             if x.shape[d] == 0:
                 raise IndexError(f"a{reduce}(): expected reduction dim {d} to have non-zero size")
         # max and min need each entry once: coalesce duplicates and drop padding first
-        if x.format.keeps_duplicates or any(lvl.padded for lvl in x.format.level_types):
+        if x.format.keeps_duplicates or x.format.padded:
             from ..formats import named
             x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates else "csr")
         src, out = _kept(n, dims)
