@@ -4,4 +4,8 @@ Nothing here imports torch at package import time: ``__main__`` sets ``OMP_NUM_T
 """
 
 #: the case groups, in run order (``--only`` picks among them)
-GROUPS = ("spmm", "sddmm", "spmv", "spgemm", "addmul", "chain", "mttkrp", "overhead")
+KERNEL_GROUPS = ("spmm", "sddmm", "spmv", "spgemm", "addmul", "chain", "mttkrp", "real", "scaling", "overhead")
+APP_GROUPS = ("gnn",)
+GROUPS = KERNEL_GROUPS + APP_GROUPS
+#: names for several groups at once in ``--only``
+ALIASES = {"kernels": KERNEL_GROUPS, "apps": APP_GROUPS}

@@ -3,7 +3,7 @@ import argparse
 import os
 import sys
 
-from . import GROUPS
+from . import ALIASES, GROUPS
 
 
 def parse(argv):
@@ -11,11 +11,14 @@ def parse(argv):
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (under a minute)")
     p.add_argument("--threads", type=int, default=2, help="threads for torch and the kernels (default 2)")
     p.add_argument("--repeat", type=int, default=None, help="timed rounds per case (default 20; quick: 5)")
-    p.add_argument("--only", default="", help=f"comma-separated groups out of {','.join(GROUPS)}")
+    p.add_argument("--only", default="", help=f"comma-separated groups out of {','.join(GROUPS)}, or "
+                   f"{' / '.join(ALIASES)} for all of those")
     p.add_argument("--out", default=None, help="folder for RESULTS.md and speedups.png (default: benchmarks/ for a "
                    "full run of every group, else a folder under the temporary directory)")
     args = p.parse_args(argv)
-    only = [g.strip() for g in args.only.split(",") if g.strip()]
+    only = []
+    for g in (g.strip() for g in args.only.split(",") if g.strip()):
+        only += [x for x in ALIASES.get(g, (g,)) if x not in only]
     unknown = [g for g in only if g not in GROUPS]
     if unknown:
         p.error(f"unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")

@@ -391,3 +391,57 @@ def sources_of(explained: str) -> list[str]:
     """The generated sources in ``scorch.explain``'s text: each ``source:`` block, up to the next header line
     (``word(s): ...`` at the start of a line) or the end."""
     return [m.group(1) for m in re.finditer(r"^source:\n(.*?)(?=^[a-z][a-z ]*: |\Z)", explained, flags=re.M | re.S)]
+
+
+# --- real graphs -----------------------------------------------------------------------------------------------
+
+SCORCH_AGG, PYG_AGG = "scorch  A @ X", "PyG scatter  (messages x[src] * w, summed at dst)"
+
+
+def real_spmm(inputs: Inputs, name: str, k: int) -> Table:
+    """SpMM on a real graph's normalized adjacency: the propagation step of a GCN layer, against torch CSR,
+    scipy and PyG's message passing (gather, scale, scatter-add: what GCNConv runs without torch_sparse)."""
+    cfg = inputs.cfg
+    a = inputs._get(("planetoid", name), lambda: data.planetoid(name))
+    if a is None:
+        t = Table("real", f"SpMM, {name}, K={k}", "the Planetoid files are not available (../shared/data or "
+                  "$SCORCH_DATA): case skipped", kind="measurements")
+        return t
+    n = a.torch.shape[0]
+    x = data.dense((n, k), seed=60 + k)
+    t = Table("real", f"SpMM, {name}, K={k}", f"{a.describe()}; X: {n:,} x {k}, Y = A @ X")
+    t.scorch, t.torch = SCORCH_AGG, TORCH_SPMM
+    peers = {SCORCH_AGG: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x, SCIPY_SPMM: lambda: a.scipy @ x.numpy()}
+    try:
+        from torch_geometric.utils import scatter
+        coo = a.torch.to_sparse_coo()
+        dst, src = coo.indices()
+        w = coo.values()[:, None]
+        peers[PYG_AGG] = lambda: scatter(x[src] * w, dst, dim=0, dim_size=n, reduce="sum")
+    except ImportError:
+        t.notes.append("torch_geometric is not installed: no PyG row.")
+    run_peers(t, peers, TORCH_SPMM, cfg)
+    t.targets.append(_ratio_target(t, "scorch faster than PyG's message passing", 1.0, PYG_AGG, SCORCH_AGG))
+    return t
+
+
+# --- SpMM time against nnz ---------------------------------------------------------------------------------------
+
+def spmm_nnz(inputs: Inputs, n: int, densities, k: int = 32) -> Table:
+    """SpMM median time against the number of nonzeros (uniform n x n matrices of growing density)."""
+    cfg = inputs.cfg
+    t = Table("scaling", f"SpMM time against nnz, K={k}", f"uniform {n:,} x {n:,} matrices, densities "
+              f"{', '.join(f'{d:g}' for d in densities)}; X: {n:,} x {k}", kind="series")
+    t.x_label = "nonzeros"
+    t.series = {SCORCH_SPMM: [], TORCH_SPMM: [], SCIPY_SPMM: []}
+    for d in densities:
+        a = data.uniform(n, d, seed=70)
+        x = data.dense((n, k), seed=71)
+        ref = a.torch @ x
+        if relative_error(a.scorch @ x, ref) > TOLERANCE:
+            raise AssertionError(f"scorch SpMM is wrong at density {d:g}")
+        timings = measure({SCORCH_SPMM: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x,
+                           SCIPY_SPMM: lambda: a.scipy @ x.numpy()}, cfg.repeat, warmup=1, budget_s=cfg.budget_s / 4)
+        for name, tm in timings.items():
+            t.series[name].append((a.nnz, tm.median))
+    return t

@@ -99,3 +99,30 @@ def random_3d(shape, density: float, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(*shape, generator=g) < density
     return torch.randn(*shape, generator=g) * mask
+
+
+def planetoid(name: str) -> Matrix | None:
+    """The GCN-normalized adjacency D^-1/2 (A + I) D^-1/2 of Cora or CiteSeer (``../shared/data`` or
+    ``$SCORCH_DATA``), or None when the files are not there."""
+    from apps import _common
+    from apps.gnn.data import load_planetoid
+    root = _common.data_root(None)
+    try:
+        g = load_planetoid(name, root) if root is not None else None
+    except FileNotFoundError:
+        g = None
+    if g is None:
+        return None
+    n = g.num_nodes
+    rows = np.repeat(np.arange(n), np.diff(g.indptr))
+    keys = np.sort(np.concatenate([rows * n + g.indices, np.arange(n) * (n + 1)]))
+    r, c = keys // n, keys % n
+    deg = np.bincount(r, minlength=n).astype(np.float64)
+    crow = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(r, minlength=n), out=crow[1:])
+    vals = (1 / np.sqrt(deg[r] * deg[c])).astype(np.float32)
+    crow_t, col_t, vals_t = (torch.from_numpy(crow.astype(np.int32)), torch.from_numpy(c.astype(np.int32)),
+                             torch.from_numpy(vals))
+    a = torch.sparse_csr_tensor(crow_t, col_t, vals_t, (n, n))
+    s = sp.csr_matrix((vals_t.numpy(), col_t.numpy(), crow_t.numpy()), shape=(n, n), copy=False)
+    return Matrix(f"{name} (GCN-normalized adjacency, real graph)", a, s, scorch.from_torch(a))

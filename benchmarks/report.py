@@ -94,7 +94,25 @@ def _verdict(t: Target) -> str:
 
 def _table_md(t: Table) -> list[str]:
     out = [f"### {t.title}", "", t.setup, ""]
-    if t.kind == "measurements":
+    if t.kind == "app":
+        out += ["| backend | training epoch ms | inference ms | quality | scorch speedup, training | scorch speedup,"
+                " inference |", "| --- | ---: | ---: | --- | ---: | ---: |"]
+        for r in t.rows:
+            if r.timing is None:
+                out.append(f"| {r.name} | {r.status} | | | | |")
+                continue
+            tr, ir = t.ratio(r.name), t.infer_ratio(r.name)
+            ref = r.name == t.scorch
+            out.append(f"| {r.name} | {ms(r.timing.median)} | {ms(r.infer.median) if r.infer else ''} | {r.metric} | "
+                       f"{'(scorch)' if ref else ('' if tr is None else _speedup(tr))} | "
+                       f"{'(scorch)' if ref else ('' if ir is None else _speedup(ir))} |")
+    elif t.kind == "series":
+        xs = sorted({x for pts in t.series.values() for x, _ in pts})
+        out += [f"| {t.x_label} | " + " | ".join(t.series) + " |", "| ---: |" + " ---: |" * len(t.series)]
+        for x in xs:
+            cells = [next((duration(sec) for xx, sec in pts if xx == x), "") for pts in t.series.values()]
+            out.append(f"| {x:,} | " + " | ".join(cells) + " |")
+    elif t.kind == "measurements":
         out += ["| measurement | median | min | runs |", "| --- | ---: | ---: | ---: |"]
         for r in t.rows:
             if r.timing is None:
@@ -211,9 +229,9 @@ def _variants_md(variants: dict) -> list[str]:
 
 def write(directory: str, tables: list, machine: dict, variants: dict, diagnoses: list, command: str,
           elapsed: float, quick: bool) -> tuple[str, str]:
-    os.makedirs(directory, exist_ok=True)
-    md, png = os.path.join(directory, "RESULTS.md"), os.path.join(directory, "speedups.png")
-    plotted = plot(tables, png)
+    os.makedirs(os.path.join(directory, "plots"), exist_ok=True)
+    md = os.path.join(directory, "RESULTS.md")
+    plots = _plots(tables, os.path.join(directory, "plots"))
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = ["# Benchmark results", "",
              f"Produced by `{command}` on {now}, in "
@@ -232,7 +250,7 @@ def write(directory: str, tables: list, machine: dict, variants: dict, diagnoses
     lines += ["", "## Summary", "",
               "| case | scorch ms | torch ms | scorch speedup vs torch |", "| --- | ---: | ---: | ---: |"]
     for t in tables:
-        if t.kind != "ratios":
+        if t.kind not in ("ratios", "app"):
             continue
         s, tr = t.row(t.scorch), t.row(t.torch)
         sc = ms(s.timing.median) if s and s.timing else (s.status if s else "")
@@ -262,11 +280,87 @@ def write(directory: str, tables: list, machine: dict, variants: dict, diagnoses
     analysis = _spmm_analysis(tables, variants, diagnoses)
     if analysis:
         lines += ["## Generated kernels: what the measurements and the source show", ""] + analysis
-    if plotted:
-        lines += ["## Speedups vs torch", "", "![speedups vs torch](speedups.png)", ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{title}](plots/{os.path.basename(path)})" for title, path in plots] + [""]
     with open(md, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
-    return md, (png if plotted else "")
+    return md, ", ".join(path for _, path in plots)
+
+
+def _plots(tables: list, directory: str) -> list:
+    """Every plot the tables allow, as (title, path): kernel speedups, app speedups, and one per series."""
+    out = []
+    kernels = [t for t in tables if t.kind == "ratios"]
+    if plot(kernels, os.path.join(directory, "kernels.png")):
+        out.append(("kernel speedups vs torch", os.path.join(directory, "kernels.png")))
+    apps = [t for t in tables if t.kind == "app"]
+    if plot_apps(apps, os.path.join(directory, "apps.png")):
+        out.append(("app speedups", os.path.join(directory, "apps.png")))
+    for t in tables:
+        if t.kind == "series" and t.series:
+            path = os.path.join(directory, re.sub(r"[^a-z0-9]+", "_", t.title.lower()).strip("_") + ".png")
+            plot_series(t, path)
+            out.append((t.title, path))
+    return out
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_apps(tables: list, path: str) -> bool:
+    """Grouped bars: scorch's training-epoch speedup over each other backend, per app case (log scale)."""
+    cases = [(t, [r for r in t.rows if r.name != t.scorch and t.ratio(r.name) is not None]) for t in tables]
+    cases = [(t, rows) for t, rows in cases if rows]
+    if not cases:
+        return False
+    plt = _pyplot()
+    peers = []
+    for _, rows in cases:
+        peers += [r.name for r in rows if r.name not in peers]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases) + 3), 5.5))
+    width = 0.8 / len(peers)
+    for k, peer in enumerate(peers):
+        pts = [(x, t.ratio(peer)) for x, (t, _) in enumerate(cases) if t.ratio(peer) is not None]
+        xs = [x - 0.4 + width * (k + 0.5) for x, _ in pts]
+        ax.bar(xs, [r for _, r in pts], width=width, label=f"vs {peer}")
+        for x, (_, r) in zip(xs, pts):
+            ax.annotate(f"{r:.2f}x", (x, r), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+    ax.set_ylabel("scorch speedup per training epoch (peer time / scorch time)")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([t.title.replace(", ", "\n") for t, _ in cases], rotation=30, ha="right", fontsize=8)
+    ax.set_title("apps: scorch against the other backends (above 1: scorch faster)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_series(t: Table, path: str) -> None:
+    """Time against a size, one line per peer, log-log."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name, pts in t.series.items():
+        pts = sorted(pts)
+        ax.plot([x for x, _ in pts], [sec * 1e3 for _, sec in pts], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(t.x_label)
+    ax.set_ylabel("median time, ms (log)")
+    ax.set_title(t.title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(tables: list, path: str) -> bool:
@@ -283,10 +377,7 @@ def plot(tables: list, path: str) -> bool:
         bars.append((t.title, r, h, goal))
     if not bars:
         return False
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(bars) + 3), 5.5))
     xs = range(len(bars))
     ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, label="scorch",

@@ -11,12 +11,13 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from . import GROUPS, cases, overhead, report
+from . import GROUPS, apps, cases, overhead, report
 from .diagnose import diagnose
 from .timing import Table
 
 
-def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, variants: dict, diagnoses: list):
+def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, variants: dict, diagnoses: list,
+           app_cfg: apps.AppConfig):
     """(group, title, thunk) for every table of the chosen groups; a thunk returns one ``Table``, or None for
     a look at the generated code (appended to ``diagnoses``)."""
     def diagnosis(title, equation, operands):
@@ -55,6 +56,17 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
         out.append(("chain", "einsum ij,jk,kl->il", lambda: cases.chain(inputs)))
     if "mttkrp" in groups:
         out.append(("mttkrp", "MTTKRP", lambda: cases.mttkrp(inputs)))
+    if "real" in groups:
+        out += [("real", f"SpMM, {name}, K={k}", lambda name=name, k=k: cases.real_spmm(inputs, name, k))
+                for name in ("cora", "citeseer") for k in (16, 64)]
+    if "scaling" in groups:
+        out.append(("scaling", "SpMM time against nnz",
+                    lambda: cases.spmm_nnz(inputs, app_cfg.spmm_nnz_n, app_cfg.spmm_nnz)))
+    if "gnn" in groups:
+        for model in ("gcn", "sage", "gat"):
+            for dataset, epochs in app_cfg.gnn_datasets + (app_cfg.gnn_big,):
+                out.append(("gnn", f"{model} on {dataset}",
+                            lambda m=model, d=dataset, e=epochs: apps.gnn(m, d, e, threads)))
     if "overhead" in groups:
         out += [("overhead", "compile and disk-cache overhead",
                  lambda: overhead.compile_and_load(threads, cfg.compile_runs)),
@@ -76,7 +88,7 @@ def run(args) -> int:
     start = time.perf_counter()
     inputs = cases.Inputs(cfg)
     variants, diagnoses, tables, failures = {}, [], [], 0
-    tasks = _tasks(cfg, inputs, args.only, args.threads, variants, diagnoses)
+    tasks = _tasks(cfg, inputs, args.only, args.threads, variants, diagnoses, apps.QUICK if args.quick else apps.FULL)
     with tqdm(tasks, desc="benchmarks", unit="case", dynamic_ncols=True) as bar:
         for group, title, thunk in bar:
             bar.set_postfix_str(title)

@@ -80,6 +80,8 @@ class Row:
     name: str
     timing: Optional[Timing] = None
     status: str = ""
+    infer: Optional[Timing] = None   # apps: the time of an inference batch (``timing`` is a training epoch)
+    metric: str = ""                 # apps: the quality reached ("test accuracy 0.815")
 
 
 @dataclass
@@ -106,12 +108,16 @@ class Table:
     group: str
     title: str
     setup: str
-    kind: str = "ratios"  # "ratios": peers compared with scorch; "measurements": figures of their own
+    kind: str = "ratios"  # "ratios": peers compared with scorch; "measurements": figures of their own;
+    #                       "app": an app's backends (training epoch, inference batch, quality), ratios to scorch;
+    #                       "series": times against a size (``series``), for a plot
     rows: list = field(default_factory=list)
     scorch: str = ""
     torch: str = ""
     targets: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    series: dict = field(default_factory=dict)  # "series": peer -> [(x, seconds)], x named by ``x_label``
+    x_label: str = ""
 
     def row(self, name: str) -> Optional[Row]:
         return next((r for r in self.rows if r.name == name), None)
@@ -122,3 +128,10 @@ class Table:
         if a is None or b is None or a.timing is None or b.timing is None:
             return None
         return a.timing.median / b.timing.median
+
+    def infer_ratio(self, name: str) -> Optional[float]:
+        """Apps: ``name``'s inference median over scorch's."""
+        a, b = self.row(name), self.row(self.scorch)
+        if a is None or b is None or a.infer is None or b.infer is None:
+            return None
+        return a.infer.median / b.infer.median

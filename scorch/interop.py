@@ -75,7 +75,23 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
     from .compiler import dispatch
     if x.device.type != "cpu" or x.numel() == 0:
         return None
-    return dispatch.convert(x, fmt, index_dtype, drop_zeros)
+    # a sparse source keeps its last conversions: a constant operand read transposed every step (the features
+    # in the backward pass of ``X @ W``) is converted once. An entry is used only while neither the source nor
+    # the converted tensor has been modified in place since (their arrays' and values' versions).
+    memo = x.__dict__.setdefault("_conversions", {}) if type(x) is SparseTensor and not x.format.is_dense else None
+    key = (fmt, index_dtype, drop_zeros)
+    if memo is not None and key in memo:
+        stamp, result = memo[key]
+        if stamp == (_versions(x), _versions(result)):
+            return result
+    result = dispatch.convert(x, fmt, index_dtype, drop_zeros)
+    if memo is not None and result is not None:
+        memo[key] = ((_versions(x), _versions(result)), result)
+    return result
+
+
+def _versions(s: SparseTensor):
+    return (s._values._version,) + tuple(a._version for st in s._levels for a in st.arrays().values())
 
 
 def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
@@ -178,11 +194,25 @@ def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariant
         except RuntimeError as e:  # torch reports inconsistent arguments as RuntimeError
             raise ValueError(f"{torch_fn.__name__}: {e}") from None
     check = check_invariants is None or bool(check_invariants)
-    s = from_torch(t, check=check)
+    s = from_torch(t, check=False)
+    # torch hands back new tensor objects for the caller's index arrays: keep the caller's own objects, so
+    # that validating the same arrays again (a pattern reused every step) is recognized and skipped
+    given = [a for a in args if isinstance(a, torch.Tensor)]
+    s._levels = tuple(st.map(lambda a: _same_array(a, given)) for st in s._levels)
+    if check or checking_invariants():
+        _storage.validate(s._format, s._shape, s._levels, s._values)
     if isinstance(values, torch.Tensor) and needs_grad([values]):
         # values computed by a graph (attention scores, ...): the result's values are that graph's output
         s = s.with_values(values.to(dtype=s.dtype, device=s.device).reshape(-1))
     return s.requires_grad_() if requires_grad else s
+
+
+def _same_array(a, given):
+    """The caller's tensor that ``a`` is a plain alias of (same memory, dtype, shape, strides), else ``a``."""
+    for g in given:
+        if g.data_ptr() == a.data_ptr() and g.dtype == a.dtype and g.shape == a.shape and g.stride() == a.stride():
+            return g
+    return a
 
 
 def sparse_coo_tensor(indices, values, size=None, *, dtype=None, device=None, requires_grad=False,

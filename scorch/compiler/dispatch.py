@@ -699,9 +699,11 @@ def convert(x: SparseTensor, fmt, index_dtype=None, drop_zeros=False):
     extra = {"next": nxt, "out_crd": crd, "out": vals}
     low, k, _ = plans["fill"]
     k(*[_ptr(extra[a.kind] if a.kind in extra else _arg(a, [x], info, sizes, {}, None)) for a in low.args])
-    # entries reach each row in the source's loop order: sorted for every ordered source format we have, but
-    # checked, and sorted here when not
-    if nnz > 1:
+    # entries reach each row in the source's loop order: sorted when the source's outermost level stores the
+    # target's column coordinate (ordered, unique: CSR -> CSC and back); else checked, and None when not sorted
+    from ..formats import Var
+    e0, l0 = x.format.levels[0]
+    if nnz > 1 and not (isinstance(e0, Var) and e0.dim == rc[1] and l0.ordered and l0.unique):
         starts = torch.zeros(nnz, dtype=torch.bool)
         starts[row_ptr[:-1][counts > 0]] = True
         if bool(((crd[1:] <= crd[:-1]) & ~starts[1:]).any()):

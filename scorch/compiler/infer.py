@@ -106,7 +106,16 @@ def infer(asg: Assignment) -> OutputFormat:
         f = asg.out_format
         if f.is_dense and all(isinstance(e, Var) and e.dim == k for k, e in enumerate(f.exprs)):
             return OutputFormat(None, 0, "requested: dense")
+        # a requested format that the rules would pick anyway keeps what they share with the driver: the
+        # gradient of ``S @ X`` with respect to S is an SDDMM requested in S's format, on S's own pattern
+        natural = _inferred(asg)
+        if natural.format == f and natural.shared_levels:
+            return OutputFormat(f, natural.shared_levels, f"requested, which is {natural.rule}")
         return OutputFormat(f, 0, "requested")
+    return _inferred(asg)
+
+
+def _inferred(asg: Assignment) -> OutputFormat:
     sparse = sparse_indices(asg.rhs, asg.operands) & set(asg.out)
     if not sparse:
         return OutputFormat(None, 0, "dense: no output index is sparse")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..formats import Compressed, Singleton, Var, named, storage
+from ..formats import Compressed, Dense, Singleton, Var, named, storage
 from ..sparse_tensor import SparseTensor, implements
+from . import segment
 
 
 def _coo_like(x):
@@ -136,6 +137,20 @@ def to_sparse_bsc(x, blocksize, dense_dim=None):
 
 # --- softmax ---------------------------------------------------------------------------------------------------
 
+def _segments(x: SparseTensor, dim: int):
+    """The last level's ``pos`` when each of its segments is one softmax group along ``dim``: the last level is
+    compressed and stores ``dim``, the levels above store the other dimensions one each, uniquely (CSR with
+    dim 1, CSC with dim 0, CSF along its last dimension). Else None."""
+    fmt = x._format
+    expr, last = fmt.levels[-1]
+    if fmt.padded or type(last) is not Compressed or not last.unique or not isinstance(expr, Var) \
+            or expr.dim != dim:
+        return None
+    if not all(isinstance(e, Var) and type(lvl) in (Dense, Compressed) and lvl.unique for e, lvl in fmt.levels[:-1]):
+        return None
+    return x._levels[-1].pos
+
+
 def _softmax(x: SparseTensor, dim, dtype, log: bool):
     n = x.dim()
     if not -n <= dim < n:
@@ -146,6 +161,9 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     v = x._values if dtype is None else x._values.to(dtype)
     if not v.dtype.is_floating_point:
         raise TypeError(f"softmax: expected a floating point SparseTensor, got {v.dtype}")
+    pos = _segments(x, dim)
+    if pos is not None and v.dtype in segment.SUPPORTED and v.device.type == "cpu":
+        return x.with_values(segment.softmax(v, pos, log))
     leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
     others = [d for d in range(n) if d != dim]
     key = storage.linear_index(dims[others], [x._shape[d] for d in others])

@@ -1,0 +1,109 @@
+"""What every app shares: its command line, the backend's torch-like module, threads, data paths, progress,
+timing and the printed summary.
+
+An app's model code is ordinary PyTorch written against a ``torch`` module passed in as an argument: the real
+``torch`` for the torch-based backends, ``scorch`` for ``--backend scorch`` (exactly ``import scorch as torch``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parser(app: str, description: str, backends: tuple, epochs: int) -> argparse.ArgumentParser:
+    """The options every app takes; an app adds its own (sizes, model variant) to the parser returned."""
+    p = argparse.ArgumentParser(prog=f"python -m apps.{app}", description=description)
+    p.add_argument("--backend", choices=backends, default=backends[0], help=f"default {backends[0]}")
+    p.add_argument("--data", default=None, help="data folder (default: $SCORCH_DATA, else ../shared/data beside "
+                   "the checkout when it exists; data is generated when none is found)")
+    p.add_argument("--epochs", type=int, default=epochs, help=f"training epochs (default {epochs})")
+    p.add_argument("--threads", type=int, default=2, help="threads for torch and scorch's kernels (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def set_threads(threads: int) -> None:
+    """OpenMP's thread count is read once, when torch loads: set it in the environment first, then in torch."""
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    torch.set_num_threads(threads)
+
+
+def backend_module(backend: str):
+    """``scorch`` for the scorch backend (``import scorch as torch``), else the real ``torch``."""
+    if backend == "scorch":
+        import scorch
+        return scorch
+    import torch
+    return torch
+
+
+def data_root(data: str | None) -> pathlib.Path | None:
+    """The data folder: ``--data``, else ``$SCORCH_DATA``, else ``../shared/data`` beside the checkout; None when
+    no folder was given and the default does not exist (the app then generates its data)."""
+    given = data or os.environ.get("SCORCH_DATA")
+    if given:
+        path = pathlib.Path(given).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"data folder {str(path)!r} does not exist")
+        return path
+    default = ROOT.parent / "shared" / "data"
+    return default if default.is_dir() else None
+
+
+def progress(iterable, desc: str, quiet: bool = False, total: int | None = None):
+    """A tqdm progress bar (on stderr), or the bare iterable when quiet."""
+    if quiet:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+class Stopwatch:
+    """Wall-clock times of repeated steps: ``with watch: ...`` records one; ``median(skip)`` leaves out the first
+    ``skip`` (the warm-up steps that compile kernels)."""
+
+    def __init__(self):
+        self.times: list = []
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.times.append(time.perf_counter() - self._t0)
+        return False
+
+    def median(self, skip: int = 1) -> float:
+        kept = self.times[skip:] or self.times
+        return statistics.median(kept) if kept else float("nan")
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports kilobytes)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def report(title: str, result: dict) -> None:
+    """Print an app's summary: one ``key: value`` line per entry; seconds as ms, fractions with 4 digits."""
+    print(title)
+    for key, value in result.items():
+        if isinstance(value, (list, tuple, dict)):  # curves and the like: for programs, not for the summary
+            continue
+        if isinstance(value, float):
+            if key.endswith("_s"):
+                text = f"{value * 1e3:.2f} ms"
+            else:
+                text = f"{value:.4f}"
+        else:
+            text = str(value)
+        print(f"  {key:<22} {text}")

@@ -1,0 +1,116 @@
+"""apps.gnn: the data (Planetoid files, generated SBM graphs), the three models under each backend on a small
+generated graph (scorch and torch run the same code and must agree step by step), and the command line."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import scorch
+from apps import _common
+from apps.gnn import data as gdata
+from apps.gnn import model as gmodel
+from apps import gnn
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
+              pytest.mark.filterwarnings("ignore:Sparse invariant checks")]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return gdata.generate_sbm(num_nodes=300, num_classes=3, num_features=60, avg_degree=6.0, words_per_node=15,
+                              seed=1)
+
+
+def test_generated_graph_is_symmetric_and_split(small):
+    g = small
+    n = g.num_nodes
+    rows = np.repeat(np.arange(n), np.diff(g.indptr))
+    a = set(zip(rows.tolist(), g.indices.tolist()))
+    assert a == {(j, i) for i, j in a}, "adjacency must be symmetric"
+    assert all(i != j for i, j in a), "no self loops"
+    for r in range(n):   # sorted, unique columns per row
+        seg = g.indices[g.indptr[r]:g.indptr[r + 1]]
+        assert np.all(np.diff(seg) > 0)
+    assert len(np.intersect1d(g.train_idx, g.test_idx)) == 0 and len(np.intersect1d(g.val_idx, g.test_idx)) == 0
+    assert set(np.unique(g.labels[g.train_idx]).tolist()) == set(range(g.num_classes))
+    same = (g.labels[rows] == g.labels[g.indices]).mean()
+    assert same > 0.6, f"homophily {same}"
+
+
+def test_unknown_inputs_are_named():
+    with pytest.raises(ValueError, match="unknown data set"):
+        gdata.dataset("nope", None)
+    with pytest.raises(ValueError, match="unknown backend"):
+        gnn.run(backend="jax", epochs=1)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        _common.data_root("/no/such/folder")
+
+
+def test_planetoid_files_load_when_present():
+    root = _common.data_root(None)
+    if root is None or not (root / "planetoid" / "cora.npz").is_file():
+        pytest.skip("../shared/data/planetoid is not beside this checkout")
+    g = gdata.dataset("cora", root)
+    assert (g.num_nodes, g.num_edges, g.num_features, g.num_classes) == (2708, 10556, 1433, 7)
+    assert (len(g.train_idx), len(g.val_idx), len(g.test_idx)) == (140, 500, 1000)
+
+
+def test_normalized_adjacency_matches_dense(small):
+    gt = gmodel.graph_tensors(scorch, small)
+    n = small.num_nodes
+    a = torch.zeros(n, n)
+    rows = np.repeat(np.arange(n), np.diff(small.indptr))
+    a[torch.from_numpy(rows), torch.from_numpy(small.indices)] = 1
+    a_hat = a + torch.eye(n)
+    d = a_hat.sum(1).rsqrt()
+    assert isinstance(gt.adj, scorch.SparseTensor) and gt.adj.format.name == "csr"
+    torch.testing.assert_close(gt.adj.to_dense(), d[:, None] * a_hat * d[None, :])
+    deg = a.sum(1).clamp(min=1)
+    torch.testing.assert_close(gt.mean.to_dense(), a / deg[:, None])
+    torch.testing.assert_close(gt.x.to_dense().sum(1)[np.diff(small.feat_indptr) > 0],
+                               torch.ones(int((np.diff(small.feat_indptr) > 0).sum())))
+
+
+@pytest.mark.parametrize("arch", ["gcn", "sage", "gat"])
+def test_scorch_and_torch_train_alike(small, arch):
+    seen = []
+    original = scorch.SparseTensor.__dict__["__torch_function__"]
+
+    def spy(cls, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original.__func__(cls, func, types, args, kwargs)
+
+    scorch.SparseTensor.__torch_function__ = classmethod(spy)
+    try:
+        s = gnn.run("scorch", arch, epochs=30, graph=small, hidden=8, heads=2, lr=0.05)
+    finally:
+        scorch.SparseTensor.__torch_function__ = original
+    t = gnn.run("torch", arch, epochs=30, graph=small, hidden=8, heads=2, lr=0.05)
+    assert torch.sparse.mm in seen, "the scorch backend must run its propagation through scorch"
+    if arch == "gat":
+        assert torch.sparse.softmax in seen
+    np.testing.assert_allclose(s["losses"], t["losses"], rtol=2e-4, atol=2e-5)
+    assert s["losses"][-1] < 0.6 * s["losses"][0], s["losses"]
+    assert s["test_acc"] > 0.6, s   # three classes: chance is 1/3
+    assert abs(s["test_acc"] - t["test_acc"]) < 0.02
+
+
+@pytest.mark.parametrize("arch", ["gcn", "sage", "gat"])
+def test_pyg_backend_trains(small, arch):
+    pytest.importorskip("torch_geometric")
+    r = gnn.run("pyg", arch, epochs=30, graph=small, hidden=8, heads=2, lr=0.05)
+    assert r["losses"][-1] < 0.6 * r["losses"][0] and r["test_acc"] > 0.6, r
+
+
+def test_command_line():
+    env = dict(os.environ, PYTHONPATH=str(_common.ROOT))
+    help_text = subprocess.run([sys.executable, "-m", "apps.gnn", "--help"], capture_output=True, text=True,
+                               cwd=_common.ROOT, env=env, check=True).stdout
+    assert "--backend" in help_text and "--dataset" in help_text
+    out = subprocess.run([sys.executable, "-m", "apps.gnn", "--dataset", "sbm-500", "--epochs", "3", "--quiet",
+                          "--model", "gat", "--heads", "2"], capture_output=True, text=True, cwd=_common.ROOT,
+                         env=env, check=True).stdout
+    assert "test_acc" in out and "epoch_s" in out

@@ -1,0 +1,85 @@
+"""Work that scorch does once per pattern and reuses: validation of index arrays passed again, conversions of
+an unchanged tensor, the requested format of a gradient on its operand's pattern. Each must notice in-place
+changes and never serve stale results."""
+import pytest
+import torch
+
+import scorch
+from scorch.formats import storage
+from scorch.ops import segment
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
+
+def _csr_arrays():
+    crow = torch.tensor([0, 2, 3, 5])
+    col = torch.tensor([0, 2, 1, 0, 2])
+    return crow, col
+
+
+def test_same_arrays_are_validated_once_but_changes_are_caught():
+    crow, col = _csr_arrays()
+    calls = []
+    original = storage._validate
+
+    def counting(*a):
+        calls.append(1)
+        return original(*a)
+
+    storage._validate = counting
+    try:
+        for _ in range(3):
+            scorch.sparse_csr_tensor(crow, col, torch.randn(5), (3, 3))
+        assert len(calls) == 1, "the same unchanged arrays are checked once"
+        col[1] = 7                       # in place: out of range now
+        with pytest.raises(ValueError, match="out of range"):
+            scorch.sparse_csr_tensor(crow, col, torch.randn(5), (3, 3))
+        col[1] = 2
+        scorch.sparse_csr_tensor(crow, col.clone(), torch.randn(5), (3, 3))
+        assert len(calls) == 3, "a new array object is checked again"
+        with pytest.raises(ValueError, match="values"):
+            scorch.sparse_csr_tensor(crow, col, torch.randn(4), (3, 3))
+    finally:
+        storage._validate = original
+
+
+def test_conversion_is_reused_until_either_side_changes():
+    x = torch.randn(30, 20) * (torch.rand(30, 20) < 0.3)
+    s = scorch.asformat(x, "csr")
+    c1 = scorch.asformat(s, "csc")
+    assert scorch.asformat(s, "csc") is c1
+    s.values().mul_(2)                   # the source changed: converted again
+    c2 = scorch.asformat(s, "csc")
+    assert c2 is not c1 and torch.equal(c2.to_dense(), 2 * x)
+    c2.values().zero_()                  # the converted tensor changed: not served again
+    c3 = scorch.asformat(s, "csc")
+    assert c3 is not c2 and torch.equal(c3.to_dense(), 2 * x)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "csc", "dcsr", "coo"])
+@pytest.mark.parametrize("log", [False, True])
+def test_segment_softmax_matches_torch(fmt, log):
+    x = torch.randn(9, 7, dtype=torch.float64) * (torch.rand(9, 7) < 0.5)
+    x[3] = 0                              # an empty row
+    f = torch.sparse.log_softmax if log else torch.sparse.softmax
+    for dim in (0, 1):
+        s = scorch.asformat(x, fmt)
+        vals = s.values().detach().clone().requires_grad_()
+        got = f(s.with_values(vals), dim)
+        torch.testing.assert_close(got.to_dense(), f(x.to_sparse(), dim).to_dense())
+        torch.autograd.gradcheck(lambda v: f(s.with_values(v), dim).values(), (vals,))
+        torch.autograd.gradgradcheck(lambda v: f(s.with_values(v), dim).values(), (vals,))
+
+
+def test_csr_softmax_runs_the_segment_kernel():
+    s = scorch.asformat(torch.randn(6, 6) * (torch.rand(6, 6) < 0.5), "csr")
+    assert segment.SegmentSoftmax is not None
+    out = torch.sparse.softmax(s.requires_grad_(), 1)
+    assert type(out.values().grad_fn).__name__ == "SegmentSoftmaxBackward"
+
+
+def test_gradient_in_requested_format_shares_the_pattern():
+    s = scorch.asformat(torch.randn(40, 40) * (torch.rand(40, 40) < 0.1), "csr")
+    a, b = torch.randn(40, 8), torch.randn(40, 8)
+    text = scorch.explain("ij,ik,jk->ij", s, a, b, format=s.format, file=open("/dev/null", "w"))
+    assert "requested, which is the driver's pattern" in text and "dense workspace" not in text
