@@ -13,6 +13,7 @@ def parse(argv):
     p.add_argument("--repeat", type=int, default=None, help="timed rounds per case (default 20; quick: 5)")
     p.add_argument("--only", default="", help=f"comma-separated groups out of {','.join(GROUPS)}, or "
                    f"{' / '.join(ALIASES)} for all of those")
+    p.add_argument("--print-table", action="store_true", help="print RESULTS.md's summary table at the end")
     p.add_argument("--out", default=None, help="folder for RESULTS.md and speedups.png (default: benchmarks/ for a "
                    "full run of every group, else a folder under the temporary directory)")
     args = p.parse_args(argv)

@@ -411,7 +411,9 @@ def real_spmm(inputs: Inputs, name: str, k: int) -> Table:
     x = data.dense((n, k), seed=60 + k)
     t = Table("real", f"SpMM, {name}, K={k}", f"{a.describe()}; X: {n:,} x {k}, Y = A @ X")
     t.scorch, t.torch = SCORCH_AGG, TORCH_SPMM
-    peers = {SCORCH_AGG: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x, SCIPY_SPMM: lambda: a.scipy @ x.numpy()}
+    dense_a = a.torch.to_dense()
+    peers = {SCORCH_AGG: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x, SCIPY_SPMM: lambda: a.scipy @ x.numpy(),
+             "torch dense  A @ X": lambda: dense_a @ x}
     try:
         from torch_geometric.utils import scatter
         coo = a.torch.to_sparse_coo()

@@ -405,5 +405,14 @@ def plot(tables: list, path: str) -> bool:
     return True
 
 
+def summary_section(md: str) -> str:
+    """The *Summary* and *Targets* sections of a written RESULTS.md, as they stand in the file."""
+    with open(md) as f:
+        text = f.read()
+    start = text.find("## Summary")
+    end = text.find("## Cases")
+    return text[start:end].rstrip() if start >= 0 else ""
+
+
 def command_line() -> str:
     return " ".join(["python -m benchmarks"] + sys.argv[1:])

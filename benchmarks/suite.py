@@ -107,6 +107,8 @@ def run(args) -> int:
     md, png = report.write(out_dir, tables, machine, variants, diagnoses, report.command_line(),
                            time.perf_counter() - start, args.quick)
     print(f"\nwrote {md}" + (f" and {png}" if png else ""))
+    if args.print_table:
+        print(report.summary_section(md))
     for t in tables:
         for tg in t.targets:
             print(f"  {'MET    ' if tg.met else ('NOT MET' if tg.met is False else 'n/a    ')} {t.title}: {tg.text}"

@@ -109,6 +109,7 @@ def _einsum_grad(k, inputs, out, ops, gout):
     others = [j for j in range(len(ops)) if j != k]
     g_inputs = [tuple(out)] + [inputs[j] for j in others]
     g_ops = [gout] + [ops[j] for j in others]
+    g_inputs, g_ops = _merge_shared_patterns(g_inputs, g_ops)
     if type(x) is SparseTensor and not others:
         # a unary einsum (permutation, sums, diagonal): each stored entry's gradient is the output
         # gradient at the entry's output coordinates; no kernel needed
@@ -140,6 +141,31 @@ def _einsum_grad(k, inputs, out, ops, gout):
     if tuple(full.shape) != tuple(x.shape):  # broadcast dimensions of size 1
         full = full.sum_to_size(x.shape)
     return full
+
+
+def _shares_arrays(a: SparseTensor, b: SparseTensor) -> bool:
+    """The same pattern by construction: the same format and shape over the very same index arrays."""
+    if a._format != b._format or a._shape != b._shape or a._values.shape != b._values.shape:
+        return False
+    return a._levels is b._levels or all(
+        p is q for x, y in zip(a._levels, b._levels) for p, q in ((x.pos, y.pos), (x.crd, y.crd)))
+
+
+def _merge_shared_patterns(inputs, ops):
+    """Sparse factors indexed alike on the same arrays multiply value by value: one operand instead of two
+    for the kernel to co-iterate (the output gradient of an SDDMM lies on the sampled matrix's pattern)."""
+    inputs, ops = list(inputs), list(ops)
+    k = 0
+    while k < len(ops):
+        a = ops[k]
+        j = next((j for j in range(k + 1, len(ops)) if type(a) is SparseTensor and type(ops[j]) is SparseTensor
+                  and inputs[j] == inputs[k] and _shares_arrays(a, ops[j])), None)
+        if j is None:
+            k += 1
+            continue
+        ops[k] = a.with_values(a._values * ops[j]._values)
+        del ops[j], inputs[j]
+    return inputs, ops
 
 
 def pattern_ones(x: SparseTensor, dtype):

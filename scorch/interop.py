@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 
@@ -84,10 +85,45 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
         stamp, result = memo[key]
         if stamp == (_versions(x), _versions(result)):
             return result
-    result = dispatch.convert(x, fmt, index_dtype, drop_zeros)
+    result = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
+    if result is None:
+        result = dispatch.convert(x, fmt, index_dtype, drop_zeros)
     if memo is not None and result is not None:
         memo[key] = ((_versions(x), _versions(result)), result)
     return result
+
+
+# Conversions of a pattern, by the pattern's index arrays (identity and version): the target's index arrays and
+# the permutation taking the source's values to the target's order. Another tensor on the same arrays (attention
+# scores on a graph, a gradient on a weight's pattern) then converts by one gather of its values.
+_PERMUTATIONS: dict = {}
+_PERMUTATIONS_MAX = 64
+
+
+def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
+    from .compiler import dispatch
+    arrays = [a for st in x._levels for a in st.arrays().values()]
+    key = (x._format, fmt, index_dtype, tuple(x._shape), tuple((id(a), a._version) for a in arrays))
+    entry = _PERMUTATIONS.get(key)
+    if entry is None or not all(r() is a for r, a in zip(entry[0], arrays)):
+        if x.nnz >= 2 ** 53 or x._format.padded or dispatch.compressed_target(fmt) is None:
+            return None
+        positions = x.with_values(torch.arange(x._values.numel(), dtype=torch.float64))
+        moved = dispatch.convert(positions, fmt, index_dtype)
+        if moved is None:
+            return None
+        if len(_PERMUTATIONS) >= _PERMUTATIONS_MAX:
+            _PERMUTATIONS.clear()
+        entry = _PERMUTATIONS[key] = ([weakref.ref(a) for a in arrays], moved._levels, moved._values.long())
+    _, levels, perm = entry
+    return SparseTensor(fmt, x._shape, levels, torch.index_select(x._values.detach(), 0, perm), check=False)
+
+
+def converted_already(x, fmt) -> bool:
+    """Whether ``asformat(x, fmt)`` would return a kept conversion (no work)."""
+    memo = x.__dict__.get("_conversions") if type(x) is SparseTensor else None
+    entry = memo.get((resolve(fmt, x.dim()), None, False)) if memo else None
+    return entry is not None and entry[0] == (_versions(x), _versions(entry[1]))
 
 
 def _versions(s: SparseTensor):

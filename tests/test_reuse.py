@@ -83,3 +83,31 @@ def test_gradient_in_requested_format_shares_the_pattern():
     a, b = torch.randn(40, 8), torch.randn(40, 8)
     text = scorch.explain("ij,ik,jk->ij", s, a, b, format=s.format, file=open("/dev/null", "w"))
     assert "requested, which is the driver's pattern" in text and "dense workspace" not in text
+
+
+def test_conversion_by_known_permutation_follows_the_values():
+    from scorch import interop
+    crow, col = _csr_arrays()
+    first = scorch.sparse_csr_tensor(crow, col, torch.arange(5.0), (3, 3))
+    scorch.asformat(first, "csc")
+    before = len(interop._PERMUTATIONS)
+    for k in range(3):                    # other values on the same arrays: one gather each, right values
+        vals = torch.randn(5)
+        s = scorch.sparse_csr_tensor(crow, col, vals, (3, 3))
+        c = scorch.asformat(s, "csc")
+        torch.testing.assert_close(c.to_dense(), s.to_dense())
+        c.check_invariants()
+    assert len(interop._PERMUTATIONS) == before
+    col[0], col[1] = 1, 2                 # the pattern changed in place: the permutation is recomputed
+    s = scorch.sparse_csr_tensor(crow, col, torch.randn(5), (3, 3))
+    torch.testing.assert_close(scorch.asformat(s, "csc").to_dense(), s.to_dense())
+
+
+def test_transposed_product_of_fresh_values_on_one_pattern():
+    x = torch.randn(30, 20) * (torch.rand(30, 20) < 0.3)
+    s = scorch.asformat(x, "csr")
+    u = torch.randn(30, 5)
+    for k in range(3):
+        v = torch.randn(s.nnz)
+        t = s.with_values(v)
+        torch.testing.assert_close(t.t() @ u, t.to_dense().t() @ u)

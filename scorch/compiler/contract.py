@@ -4,7 +4,8 @@ A dynamic program over subsets of operands (exhaustive up to ``EXHAUSTIVE`` oper
 compares, for every subset, evaluating it in one fused kernel against splitting it into two parts contracted
 pairwise. Costs are estimated multiply-adds: a kernel driven by sparse operands does work proportional to their
 nnz times the extents of the indices they do not store; a dense-only contraction goes to torch (BLAS), whose
-multiply-adds are ``DENSE_DISCOUNT`` times as cheap. This is opt_einsum's problem with a sparse-aware cost,
+multiply-adds are ``DENSE_DISCOUNT`` times as cheap (measured: an SDDMM at 6% density runs faster
+fused than as a dense product then sampled, which 0.05 chose). This is opt_einsum's problem with a sparse-aware cost,
 which opt_einsum itself cannot take (it knows only dense shapes); dense-only sub-contractions are handed to
 ``torch.einsum``, which orders them with opt_einsum.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 EXHAUSTIVE = 6
-DENSE_DISCOUNT = 0.05
+DENSE_DISCOUNT = 0.2
 
 
 @dataclass(frozen=True)

@@ -123,13 +123,26 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     return result
 
 
+_PATHS: dict = {}
+
+
 def _path(inputs, out, ops, name):
+    """The contraction tree, kept per equation, sizes and nnz (rounded to a power of two: the cost model's
+    choices do not hinge on finer differences), so a repeated call does not search again."""
     sizes, _ = _sizes(inputs, ops, name)
-    meta = [contract.Operand(idx, isinstance(x, SparseTensor), float(x.nnz if isinstance(x, SparseTensor)
-                                                                       else x.numel()),
-                             frozenset(idx) if isinstance(x, SparseTensor) else frozenset())
-            for idx, x in zip(inputs, ops)]
-    return contract.best_path(meta, out, sizes)
+    nnz = [float(x.nnz) if isinstance(x, SparseTensor) else float(x.numel()) for x in ops]
+    key = (inputs, out, tuple(sorted(sizes.items())),
+           tuple((isinstance(x, SparseTensor), int(n).bit_length()) for x, n in zip(ops, nnz)))
+    node = _PATHS.get(key)
+    if node is None:
+        meta = [contract.Operand(idx, isinstance(x, SparseTensor), n,
+                                 frozenset(idx) if isinstance(x, SparseTensor) else frozenset())
+                for idx, x, n in zip(inputs, ops, nnz)]
+        node = contract.best_path(meta, out, sizes)
+        if len(_PATHS) >= 4096:
+            _PATHS.clear()
+        _PATHS[key] = node
+    return node
 
 
 def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=False):
@@ -266,12 +279,20 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     for v in sched.outer + sched.inner:
         work *= sizes[v]
     threads = torch.get_num_threads()
-    convert = CONVERT_COST * x.nnz * max(1.0, int(x.nnz).bit_length())
-    if convert >= work * (1 - 1 / threads):
-        return None
     # the same level types in the new order, made unique (COO's repeated rows would race again)
     types = unique_levels(fmt.level_types)
-    return Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, types)])
+    try:
+        alt = Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, types)])
+    except ValueError:  # a repeated index ("ii"): the reordered levels would not determine the dimensions
+        return None
+    if interop.converted_already(x, alt):  # a constant operand (features, an adjacency) converts once
+        return alt
+    # a counting sort: a pass to count, one to fill (comparison sorts serve other targets: n log n)
+    passes = 2 if compressed_target(alt) is not None else max(1.0, int(x.nnz).bit_length())
+    convert = CONVERT_COST * (x.nnz + sizes[firsts[0]]) * passes
+    if convert >= work * (1 - 1 / threads):
+        return None
+    return alt
 
 
 def _lowerable(asg, output: OutputFormat) -> OutputFormat:

@@ -1,0 +1,34 @@
+"""The benchmark report: app tables (training and inference ratios, quality), series and their plots."""
+import os
+
+from benchmarks import report
+from benchmarks.apps import app_table, timing_of
+from benchmarks.timing import Row, Table, Timing
+
+
+def test_app_table_ratios_and_failures():
+    runs = {"scorch": lambda: {"epoch_times": [0.010, 0.012, 0.011], "infer_s": 0.002, "acc": 0.8},
+            "torch.sparse": lambda: {"epoch_s": 0.022, "infer_s": 0.004, "acc": 0.8},
+            "PyG": lambda: (_ for _ in ()).throw(RuntimeError("no such layer"))}
+    t = app_table("gnn", "GCN, test", "setup", runs, "scorch", "torch.sparse", lambda r: f"acc {r['acc']}")
+    assert t.row("scorch").timing == Timing(0.011, 0.010, 3)
+    assert abs(t.ratio("torch.sparse") - 2.0) < 1e-9 and abs(t.infer_ratio("torch.sparse") - 2.0) < 1e-9
+    assert t.row("PyG").timing is None and "no such layer" in t.row("PyG").status
+    assert timing_of({}, "epoch") is None
+
+
+def test_report_writes_tables_and_plots(tmp_path):
+    app = Table("gnn", "GCN, test", "setup", kind="app", scorch="scorch", torch="torch.sparse")
+    app.rows = [Row("scorch", Timing(0.01, 0.01, 3), infer=Timing(0.002, 0.002, 3), metric="acc 0.81"),
+                Row("torch.sparse", Timing(0.02, 0.02, 3), infer=Timing(0.003, 0.003, 3), metric="acc 0.81")]
+    series = Table("scaling", "SpMM time against nnz", "setup", kind="series", x_label="nonzeros",
+                   series={"scorch": [(100, 1e-4), (1000, 5e-4)], "torch": [(100, 2e-4), (1000, 9e-4)]})
+    machine = {"cpu": "test", "cores": 2, "threads": 2, "load_before": "0", "load_after": "0"}
+    md, plots = report.write(str(tmp_path), [app, series], machine, {}, [], "python -m benchmarks", 1.0, True)
+    text = open(md).read()
+    assert "| scorch | 10.0 | 2 | acc 0.81 | (scorch) | (scorch) |" in text
+    assert "| torch.sparse | 20.0 | 3 | acc 0.81 | 2.00x | 1.50x |" in text
+    assert "| 1,000 |" in text
+    for name in ("apps.png", "spmm_time_against_nnz.png"):
+        assert os.path.getsize(tmp_path / "plots" / name) > 1000
+    assert "## Summary" in report.summary_section(md)
