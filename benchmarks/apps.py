@@ -25,7 +25,7 @@ class AppConfig:
     spmm_nnz_n: int
 
 
-FULL = AppConfig(gnn_datasets=(("cora", 200), ("citeseer", 200)), gnn_big=("sbm-100000", 8),
+FULL = AppConfig(gnn_datasets=(("cora", 200), ("citeseer", 100)), gnn_big=("sbm-100000", 5),
                  moe=dict(), recsys=dict(), transformer=dict(), seq_lens=(512, 1024, 2048, 4096, 8192),
                  spmm_nnz=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2), spmm_nnz_n=20000)
 QUICK = AppConfig(gnn_datasets=(("cora", 30),), gnn_big=("sbm-5000", 5), moe=dict(quick=True),
@@ -104,3 +104,110 @@ def generic(group: str, module: str, title: str, backends: dict, scorch_name: st
     for text, goal, peer in targets:
         t.targets.append(_target(t, text, goal, peer))
     return t
+
+
+# --- MoE --------------------------------------------------------------------------------------------------------
+
+def moe(threads: int, quick: bool) -> Table:
+    """The issue's case: 16 experts, top-1, B=4096, D=512. scorch's sparse gate against the dense gate in the same
+    spelling (``slots``) and against the dense-gate einsum that computes every expert for every token
+    (``fused``: ``bn,bd,ndh->bh`` with a dense ``bn``)."""
+    from apps import moe as app
+    size = dict(tokens=512, dim=64, experts=16, top_k=1, batches=2, test_batches=1) if quick else \
+        dict(tokens=4096, dim=512, experts=16, top_k=1, batches=2, test_batches=1)
+    epochs = 2 if quick else 3
+    runs = {"scorch, sparse gate (slots)": lambda: app.run("scorch", epochs, threads, einsum="slots", **size),
+            "torch, dense gate (slots)": lambda: app.run("torch", epochs, threads, einsum="slots", **size),
+            "torch, dense gate, every expert (fused)": lambda: app.run("torch", epochs, threads, einsum="fused",
+                                                                        **size)}
+    t = app_table("moe", f"MoE, {size['experts']} experts, top-{size['top_k']}, B={size['tokens']}, D={size['dim']}",
+                  f"`apps.moe` with {', '.join(f'{k}={v}' for k, v in size.items())}, {epochs} epochs; a training "
+                  "epoch is `batches` steps (forward, backward, Adam)", runs, "scorch, sparse gate (slots)",
+                  "torch, dense gate, every expert (fused)", lambda r: f"held-out MSE {r['loss']:.4f}")
+    t.targets.append(_target(t, "sparse gate >= 4x faster than the dense-gate einsum (every expert for every token)",
+                             4.0, "torch, dense gate, every expert (fused)"))
+    t.notes.append("`slots` spells the block as dispatch (`sb,bd->sd`), expert matmuls per slot (`ncd,ndh->nch`) and "
+                   "combine (`bs,sh->bh`): with a sparse gate, scorch computes only the chosen experts. The issue's "
+                   "one-einsum spelling `bn,bd,ndh->bh` with a sparse gate runs in scorch as one matrix-vector "
+                   "product per (token, expert) pair, without blocking tokens by expert: slower than the dense "
+                   "einsum at this size (apps/moe/README.md has its numbers); fusion (a later issue) is what makes "
+                   "that spelling fast.")
+    return t
+
+
+# --- recommender ------------------------------------------------------------------------------------------------
+
+def recsys(threads: int, quick: bool) -> Table:
+    from apps import recsys as app
+    epochs = 8 if quick else 30
+    runs = {label: (lambda b=b: app.run(b, epochs=epochs, threads=threads, quick=quick))
+            for label, b in (("scorch", "scorch"), ("torch (gather, EmbeddingBag)", "torch"))}
+    t = app_table("recsys", "Recommender, MovieLens-100k", f"`apps.recsys`, {epochs} full-batch epochs, rank 32 "
+                  "(MovieLens-100k from the recbole package when installed, else generated of the same shape)",
+                  runs, "scorch", "torch (gather, EmbeddingBag)",
+                  lambda r: f"test RMSE {r['test_rmse']:.4f} ({r.get('data', '')})")
+    t.targets.append(_target(t, "scorch epoch faster than the torch gather version", 1.0,
+                             "torch (gather, EmbeddingBag)"))
+    return t
+
+
+# --- sparse transformer -----------------------------------------------------------------------------------------
+
+ST_NAMES = {"scorch": "scorch", "dense": "torch dense (SDPA, mask)", "sparse": "torch.sparse"}
+
+
+def transformer(threads: int, quick: bool, seq_lens) -> list:
+    """One attention layer at sequence length 4096, window 64 (forward+backward as the training figure, forward
+    as inference, and peak memory of each), the same against sequence length, and the training app at its
+    defaults."""
+    from apps import sparse_transformer as app
+    n = 1024 if quick else 4096
+    size = dict(window=64, d_model=128, heads=4, batch=1)
+    res = {}
+
+    def timed(b):
+        r = app.time_attention(b, n, repeats=3 if quick else 5, threads=threads, **size)
+        res[b] = r
+        return {"epoch_s": r["fwd_bwd_s"], "infer_s": r["fwd_s"]}
+
+    t = app_table("transformer", f"Sparse attention layer, sequence {n}, window 64",
+                  f"one attention layer (QKV and output projections, d_model 128, 4 heads, batch 1), Longformer/"
+                  "BigBird pattern (window 64, 2 global tokens, 1 random block of 64 per block row); training "
+                  "column: forward+backward, inference column: forward", {ST_NAMES[b]: (lambda b=b: timed(b))
+                                                                          for b in app.BACKENDS},
+                  "scorch", "torch dense (SDPA, mask)", lambda r: "")
+    mem = {}
+    for b in app.BACKENDS:
+        for mode in ("fwd", "fwd_bwd"):
+            try:
+                mem[b, mode] = app.measure_memory(b, n, mode=mode, threads=threads, **size)["peak_delta"]
+            except Exception as e:  # noqa: BLE001
+                t.notes.append(f"memory of {b} {mode}: {type(e).__name__}: {e}")
+    for r in t.rows:
+        b = next(k for k, v in ST_NAMES.items() if v == r.name)
+        if (b, "fwd") in mem and (b, "fwd_bwd") in mem:
+            r.metric = f"peak memory {mem[b, 'fwd'] / 2**20:.1f} MiB fwd, {mem[b, 'fwd_bwd'] / 2**20:.1f} MiB fwd+bwd"
+    t.targets.append(_target(t, "scorch >= 3x faster than dense attention (forward+backward)", 3.0,
+                             ST_NAMES["dense"]))
+    t.targets.append(_target(t, "scorch faster than torch.sparse (forward+backward)", 1.0, ST_NAMES["sparse"]))
+    for mode, label in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
+        if ("scorch", mode) in mem and ("dense", mode) in mem:
+            t.targets.append(Target(f"scorch >= 5x less peak memory than dense attention ({label})", 5.0,
+                                    mem["dense", mode] / max(mem["scorch", mode], 1), "x"))
+    t.notes.append("Peak memory: each backend in a fresh process, peak RSS above the RSS just before the step "
+                   "(`apps.sparse_transformer.measure_memory`).")
+
+    series = Table("transformer", "Sparse attention, forward+backward time against sequence length", "the layer "
+                   "above, window 64", kind="series", x_label="sequence length")
+    series.series = {ST_NAMES[b]: [] for b in app.BACKENDS}
+    for L in seq_lens:
+        for b in app.BACKENDS:
+            try:
+                r = app.time_attention(b, L, repeats=3, threads=threads, **size)
+                series.series[ST_NAMES[b]].append((L, r["fwd_bwd_s"]))
+            except Exception as e:  # noqa: BLE001
+                series.notes.append(f"{b} at {L}: {type(e).__name__}: {e}")
+    train = generic("transformer", "apps.sparse_transformer", "Sparse transformer training (sequence 512)",
+                    {ST_NAMES[b]: b for b in app.BACKENDS}, "scorch", ST_NAMES["dense"],
+                    dict(epochs=2 if quick else 4), threads, lambda r: f"accuracy {r['accuracy']:.3f}")
+    return [t, series, train]

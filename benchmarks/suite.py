@@ -67,6 +67,13 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
             for dataset, epochs in app_cfg.gnn_datasets + (app_cfg.gnn_big,):
                 out.append(("gnn", f"{model} on {dataset}",
                             lambda m=model, d=dataset, e=epochs: apps.gnn(m, d, e, threads)))
+    if "moe" in groups:
+        out.append(("moe", "MoE", lambda: apps.moe(threads, cfg.quick)))
+    if "recsys" in groups:
+        out.append(("recsys", "recommender", lambda: apps.recsys(threads, cfg.quick)))
+    if "transformer" in groups:
+        out.append(("transformer", "sparse transformer", lambda: apps.transformer(threads, cfg.quick,
+                                                                                  app_cfg.seq_lens)))
     if "overhead" in groups:
         out += [("overhead", "compile and disk-cache overhead",
                  lambda: overhead.compile_and_load(threads, cfg.compile_runs)),
@@ -99,7 +106,7 @@ def run(args) -> int:
                 table = Table(group, title, "(the case failed)", kind="measurements")
                 table.notes.append(f"The case raised {type(e).__name__}: {e}")
                 tqdm.write(f"[{title}] failed:\n{traceback.format_exc()}")
-            if table is not None:
+            for table in (table if isinstance(table, list) else [table] if table is not None else []):
                 tables.append(table)
                 tqdm.write(_summary_line(table))
     machine["load_after"] = report.load_average()

@@ -142,6 +142,8 @@ def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
         if t.dense_dim() or t.sparse_dim() != t.dim():
             raise NotImplementedError(f"scorch: hybrid COO tensors (dense_dim={t.dense_dim()}) are not supported")
         idx, vals = t._indices(), t._values()
+        if t.requires_grad and t.is_coalesced():  # ``values()`` carries the graph (``_values()`` does not)
+            vals = t.values()
         coalesced = t.is_coalesced()
         pos = torch.tensor([0, vals.numel()], dtype=idx.dtype, device=idx.device)
         levels = [LevelStorage(pos=pos, crd=idx[0])] + [LevelStorage(crd=idx[d]) for d in range(1, t.dim())]

@@ -82,7 +82,7 @@ def plan(inputs, ops, sched, sizes, broadcast):
         reads *= sizes[w]
     moves = []
     for k, (idx, x) in enumerate(zip(inputs, ops)):
-        if type(x) is not torch.Tensor or v not in idx or idx[-1] == v \
+        if not isinstance(x, torch.Tensor) or hasattr(x, "_format") or x.layout != torch.strided or v not in idx or idx[-1] == v \
                 or idx.count(v) > 1:
             continue
         d = idx.index(v)

@@ -1,0 +1,135 @@
+"""The encoder, written as ordinary PyTorch against a ``torch`` module passed in (the real ``torch``, or
+``scorch``: ``import scorch as torch``). Every backend runs this same code; only the mask differs:
+
+- a sparse mask (a CSR tensor: ``scorch.SparseTensor`` under scorch, ``torch.sparse_csr`` under torch) runs
+  attention as SDDMM -> sparse softmax -> SpMM, one head at a time sharing the one pattern:
+      scores = torch.sparse.sampled_addmm(mask, q, k.T, beta=0, alpha=1/sqrt(d))   # only the pattern's entries
+      attn   = torch.sparse.softmax(scores, dim=1)                                  # implicit entries are -inf
+      out    = torch.sparse.mm(attn, v)
+  torch has no CSR kernel for sparse softmax on the CPU (``aten::_sparse_softmax`` is COO only), so where the
+  CSR softmax raises ``NotImplementedError`` the scores go through COO first (``scores.to_sparse_coo()``), the
+  closest torch.sparse spelling; scorch takes CSR directly. ``dim=1``, not ``dim=-1``: torch 2.13's COO
+  softmax backward is wrong for a negative ``dim`` (the forward is right), see README.md.
+- a dense bool mask runs ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` over all heads at once.
+"""
+from __future__ import annotations
+
+import math
+
+
+def is_sparse_mask(torch, mask) -> bool:
+    return mask.layout != torch.strided
+
+
+def sparse_attention(torch, q, k, v, mask, state=None):
+    """One head: ``q, k, v`` are ``(n, dh)``, ``mask`` an ``n x n`` sparse tensor (its pattern is used, its values
+    are ignored). ``state`` (a dict) remembers whether the CSR softmax is supported."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.sparse.sampled_addmm(mask, q, k.transpose(0, 1), beta=0.0, alpha=scale)
+    state = {} if state is None else state
+    if not state.get("coo_softmax"):
+        try:
+            attn = torch.sparse.softmax(scores, dim=1)
+        except NotImplementedError:
+            state["coo_softmax"] = True
+    if state.get("coo_softmax"):
+        attn = torch.sparse.softmax(scores.to_sparse_coo(), dim=1)
+    return torch.sparse.mm(attn, v)
+
+
+def sinusoidal(torch, n, d):
+    """The fixed sine/cosine position encoding of "Attention Is All You Need", ``(n, d)``."""
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    enc = torch.zeros(n, d)
+    enc[:, 0::2] = torch.sin(pos * freq)
+    enc[:, 1::2] = torch.cos(pos * freq)
+    return enc
+
+
+def make_modules(torch):
+    """The model's classes, built on the given torch-like module."""
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class Attention(nn.Module):
+        """Multi-head self-attention; the mask decides the kernel (see the module docstring)."""
+
+        def __init__(self, d_model, heads):
+            super().__init__()
+            if d_model % heads:
+                raise ValueError(f"d_model {d_model} is not divisible by heads {heads}")
+            self.heads = heads
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.out = nn.Linear(d_model, d_model)
+            self._state = {}
+
+        def forward(self, x, mask):
+            B, n, d = x.shape
+            H = self.heads
+            # (3, B, H, n, dh), each head's (n, dh) slice contiguous
+            qkv = self.qkv(x).reshape(B, n, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            if is_sparse_mask(torch, mask):
+                heads = [torch.stack([sparse_attention(torch, q[b, h], k[b, h], v[b, h], mask, self._state)
+                                      for h in range(H)]) for b in range(B)]
+                o = torch.stack(heads)                                     # (B, H, n, dh)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(o.transpose(1, 2).reshape(B, n, d))
+
+    class Layer(nn.Module):
+        """A pre-norm encoder layer: attention and a feed-forward block, each with a residual."""
+
+        def __init__(self, d_model, heads, ff=2):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(d_model)
+            self.attn = Attention(d_model, heads)
+            self.norm2 = nn.LayerNorm(d_model)
+            self.ff = nn.Sequential(nn.Linear(d_model, ff * d_model), nn.GELU(), nn.Linear(ff * d_model, d_model))
+
+        def forward(self, x, mask):
+            x = x + self.attn(self.norm1(x), mask)
+            return x + self.ff(self.norm2(x))
+
+    class Encoder(nn.Module):
+        """A token embedding plus fixed sinusoidal positions, ``layers`` encoder layers, a per-token classifier."""
+
+        def __init__(self, vocab, d_model, heads, layers, classes):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d_model)
+            self.d_model = d_model
+            self.layers = nn.ModuleList([Layer(d_model, heads) for _ in range(layers)])
+            self.norm = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, classes)
+
+        def forward(self, tokens, mask):
+            n = tokens.shape[1]
+            x = self.tok(tokens) + sinusoidal(torch, n, self.d_model)
+            for layer in self.layers:
+                x = layer(x, mask)
+            return self.head(self.norm(x))
+
+    return Attention, Layer, Encoder
+
+
+def build_encoder(torch, vocab, d_model, heads, layers, classes, seed=0):
+    """The encoder with weights drawn from ``seed`` (the same weights under every backend); any sequence length
+    (fixed sinusoidal positions)."""
+    torch.manual_seed(seed)
+    return make_modules(torch)[2](vocab, d_model, heads, layers, classes)
+
+
+def build_attention(torch, d_model, heads, seed=0):
+    """One attention layer with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return make_modules(torch)[0](d_model, heads)
+
+
+def make_mask(torch, crow, col, n, sparse=True):
+    """The backend's mask from CSR arrays: a CSR tensor of ones (``torch.sparse_csr_tensor``: scorch's under
+    scorch), or the dense bool matrix."""
+    if sparse:
+        return torch.sparse_csr_tensor(crow.to(torch.int32), col.to(torch.int32), torch.ones(col.numel()), (n, n))
+    from .pattern import dense_mask
+    return dense_mask(crow, col)

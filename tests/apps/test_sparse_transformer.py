@@ -1,0 +1,243 @@
+"""The sparse transformer app (apps/sparse_transformer): the pattern builder, the task, the three backends agreeing
+on one attention layer and on training steps, scorch really running the sparse ops, training learning, and the
+command line. Tiny sizes (sequences of 64-128 tokens)."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scorch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _import_app(module):
+    """``apps.<module>`` of the checkout, imported explicitly: under pytest the name ``apps`` is this test folder
+    (tests/apps is a package), so the checkout's ``apps`` package is loaded from its path under another name."""
+    name = "_checkout_apps"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "apps" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "apps")])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"{name}.{module}")
+
+
+st = _import_app("sparse_transformer")
+st_pattern = _import_app("sparse_transformer.pattern")
+st_task = _import_app("sparse_transformer.task")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled"),
+]
+
+TINY = dict(seq_len=64, window=16, n_globals=2, random_blocks=1, block=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """The app sets torch's and OpenMP's thread count (``threads=1`` here: tiny sizes); put them back after."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
+# --- the pattern --------------------------------------------------------------------------------------------------
+
+def _check_csr(crow, col, n):
+    assert crow.dtype == col.dtype == torch.int64
+    assert crow.shape == (n + 1,) and crow[0] == 0 and int(crow[-1]) == col.numel()
+    assert (crow[1:] >= crow[:-1]).all()
+    assert ((col >= 0) & (col < n)).all()
+    for i in range(n):  # columns strictly increasing within each row: sorted, no duplicates
+        c = col[crow[i]:crow[i + 1]]
+        assert (c[1:] > c[:-1]).all(), i
+
+
+def test_pattern_window_and_globals():
+    n, window, g = 50, 10, 3
+    crow, col = st_pattern.build_pattern(n, window, n_globals=g, random_blocks=0)
+    _check_csr(crow, col, n)
+    mask = st_pattern.dense_mask(crow, col)
+    i = torch.arange(n)
+    expected = ((i[:, None] - i[None, :]).abs() <= window // 2) | (i[:, None] < g) | (i[None, :] < g)
+    assert torch.equal(mask, expected)
+    assert torch.equal(mask, mask.t())                       # window and globals are symmetric
+    assert st_pattern.density(crow) == pytest.approx(expected.sum().item() / n ** 2)
+    assert torch.equal(st_pattern.rows_of(crow), mask.nonzero()[:, 0])
+
+
+def test_pattern_random_blocks_deterministic():
+    n, window, block, r = 128, 8, 16, 2
+    crow, col = st_pattern.build_pattern(n, window, n_globals=0, random_blocks=r, block=block, seed=5)
+    _check_csr(crow, col, n)
+    again = st_pattern.build_pattern(n, window, n_globals=0, random_blocks=r, block=block, seed=5)
+    other = st_pattern.build_pattern(n, window, n_globals=0, random_blocks=r, block=block, seed=6)
+    assert torch.equal(crow, again[0]) and torch.equal(col, again[1])
+    assert not (torch.equal(crow, other[0]) and torch.equal(col, other[1]))
+    mask = st_pattern.dense_mask(crow, col)
+    i = torch.arange(n)
+    band = (i[:, None] - i[None, :]).abs() <= window // 2
+    assert (mask & band).sum() == band.sum()                 # the whole window is there
+    extra = (mask & ~band).reshape(n // block, block, n // block, block)
+    full = extra.all(dim=(1, 3))                             # key blocks every query of a block-row sees
+    assert (full.sum(1) == r).all()                          # r random blocks per block-row...
+    assert torch.equal(extra.any(dim=(1, 3)), full)          # ...and nothing else outside the window
+    assert not torch.equal(mask, mask.t())                   # random blocks are not symmetric
+
+
+def test_pattern_edge_cases():
+    crow, col = st_pattern.build_pattern(8, 0)               # window 0: the diagonal
+    assert torch.equal(st_pattern.dense_mask(crow, col), torch.eye(8, dtype=torch.bool))
+    crow, col = st_pattern.build_pattern(8, 100, n_globals=20, random_blocks=3, block=4)
+    assert torch.equal(st_pattern.dense_mask(crow, col), torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError):
+        st_pattern.build_pattern(8, -1)
+
+
+# --- the task -------------------------------------------------------------------------------------------------------
+
+def test_task_labels():
+    tokens, labels = st_task.make_task(64, 200, vocab=5, seed=3)
+    assert tokens.shape == labels.shape == (64, 200)
+    assert (labels[:, 0] == st_task.IGNORE).all()
+    assert torch.equal(labels[:, 1:], (tokens[:, 1:] == tokens[:, :1]).long())
+    assert 0.45 < labels[:, 1:].float().mean() < 0.55        # balanced: chance accuracy is 0.5
+    again = st_task.make_task(64, 200, vocab=5, seed=3)
+    assert torch.equal(tokens, again[0])
+
+
+# --- backends agree -----------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def record_sparse_ops():
+    """Counts, per torch function, the calls that reached ``SparseTensor.__torch_function__``."""
+    seen = collections.Counter()
+    cls = scorch.SparseTensor
+    original = cls.__dict__["__torch_function__"]
+
+    def spy(c, func, types, args=(), kwargs=None):
+        seen[func] += 1
+        return original.__func__(c, func, types, args, kwargs)
+
+    cls.__torch_function__ = classmethod(spy)
+    try:
+        yield seen
+    finally:
+        cls.__torch_function__ = original
+
+
+def _layer_result(backend):
+    torch_mod, _, layer, x, grad, mask = st._attention_setup(backend, d_model=32, heads=2, batch=2, seed=0, **TINY)
+    out = layer(x, mask)
+    out.backward(grad)
+    return mask, {"out": out.detach(), "grad_x": x.grad,
+                  **{f"grad_{k}": p.grad for k, p in layer.named_parameters()}}
+
+
+def test_attention_layer_backends_agree_and_scorch_runs_the_sparse_ops():
+    _, want = _layer_result("dense")
+    _, sparse = _layer_result("sparse")
+    with record_sparse_ops() as seen:
+        mask, got = _layer_result("scorch")
+    assert isinstance(mask, scorch.SparseTensor) and mask.layout == torch.sparse_csr
+    for fn in (torch.sparse.sampled_addmm, torch.sparse.softmax, torch.sparse.mm):
+        assert seen[fn] >= 4, (fn, seen)                     # batch 2 x 2 heads, each through scorch
+    for key, value in want.items():
+        for name, result in (("scorch", got), ("sparse", sparse)):
+            assert type(result[key]) is torch.Tensor, (name, key)
+            torch.testing.assert_close(result[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_training_steps_agree_across_backends():
+    """The same model code under each backend: equal losses step by step, and a second backend in the same
+    process after scorch (no global state left behind)."""
+    opts = dict(epochs=1, threads=1, seed=1, train_size=12, test_size=4, batch=4, d_model=32, heads=2, layers=1,
+                **TINY)
+    results = {b: st.run(b, **opts) for b in ("scorch", "dense", "sparse")}
+    ref = results["dense"]["losses"]
+    assert len(ref) == 3
+    for b, r in results.items():
+        assert r["backend"] == b and r["nnz"] == results["dense"]["nnz"]
+        assert r["losses"] == pytest.approx(ref, rel=1e-4), b
+        assert r["accuracy"] == pytest.approx(results["dense"]["accuracy"], abs=1e-6), b
+        for key in ("epoch_s", "step_s", "infer_s", "loss"):
+            assert r[key] > 0 and math.isfinite(r[key]), (b, key)
+
+
+def test_training_learns():
+    """Dense is the fastest backend at this size; the others take the same steps (the test above)."""
+    r = st.run("dense", epochs=10, threads=1, seed=0, train_size=64, test_size=16, batch=8, d_model=32, heads=2,
+               layers=2, vocab=8, lr=5e-3, **TINY)
+    assert r["accuracy"] > 0.9, r["accuracy"]                # chance is 0.5
+    assert r["losses"][-1] < 0.5 * r["losses"][0]
+
+
+def test_scorch_training_lowers_the_loss():
+    r = st.run("scorch", epochs=2, threads=1, seed=0, train_size=16, test_size=4, batch=4, d_model=32, heads=2,
+               layers=1, vocab=4, lr=1e-2, **TINY)
+    first, last = r["losses"][:2], r["losses"][-2:]
+    assert sum(last) < sum(first), r["losses"]
+
+
+def test_run_rejects_unknown_options():
+    with pytest.raises(TypeError):
+        st.run("dense", epochs=1, sequence_length=64)
+    with pytest.raises(ValueError):
+        st.run("cuda", epochs=1, **TINY)
+
+
+# --- timing and memory helpers ------------------------------------------------------------------------------------
+
+def test_time_attention_tiny():
+    r = st.time_attention("scorch", 64, window=16, block=16, d_model=32, heads=2, repeats=2, threads=1)
+    assert r["nnz"] > 0 and 0 < r["density"] < 1
+    assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0
+
+
+def test_measure_memory_in_a_fresh_process():
+    r = st.measure_memory("dense", 128, mode="fwd_bwd", window=16, block=16, d_model=32, heads=2, threads=1)
+    assert r["backend"] == "dense" and r["finite"]
+    assert r["peak_delta"] >= 0 and r["peak"] >= r["rss_before"] > 0
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "apps.sparse_transformer", *args], cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_help():
+    p = _cli("--help")
+    assert p.returncode == 0, p.stderr
+    for option in ("--backend", "--data", "--epochs", "--threads", "--seq-len", "--window", "--globals",
+                   "--random-blocks", "--block", "--d-model", "--heads", "--layers", "--batch", "--time-attention",
+                   "--measure-memory"):
+        assert option in p.stdout, option
+    assert "scorch" in p.stdout and "dense" in p.stdout and "sparse" in p.stdout
+
+
+def test_cli_tiny_run():
+    p = _cli("--backend", "scorch", "--epochs", "1", "--seq-len", "64", "--window", "16", "--block", "16",
+             "--train-size", "4", "--test-size", "4", "--batch", "2", "--d-model", "32", "--layers", "1", "--quiet",
+             "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    for key in ("backend                scorch", "accuracy", "epoch_s", "infer_s", "nnz", "density"):
+        assert key in p.stdout, (key, p.stdout)
