@@ -88,7 +88,16 @@ class Stopwatch:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (Linux reports kilobytes)."""
+    """The process's peak resident set size so far: ``VmHWM`` of /proc/self/status on Linux (the mark that
+    /proc/self/clear_refs resets). Not ``getrusage``'s ``ru_maxrss``: that one is inherited from the parent
+    process across fork and exec, so a child started by a large process would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -114,7 +114,8 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
             return None
         if len(_PERMUTATIONS) >= _PERMUTATIONS_MAX:
             _PERMUTATIONS.clear()
-        entry = _PERMUTATIONS[key] = ([weakref.ref(a) for a in arrays], moved._levels, moved._values.long())
+        perm = moved._values.to(torch.int32 if x.nnz < 2 ** 31 else torch.int64)  # index_select takes either
+        entry = _PERMUTATIONS[key] = ([weakref.ref(a) for a in arrays], moved._levels, perm)
     _, levels, perm = entry
     return SparseTensor(fmt, x._shape, levels, torch.index_select(x._values.detach(), 0, perm), check=False)
 
