@@ -1,3 +1,4 @@
+import contextlib
 import concurrent.futures
 import os
 import warnings
@@ -66,3 +67,37 @@ def quarters(shape, seed, density=1.0, dtype=torch.float32):
     sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
     keep = torch.rand(shape, generator=g) < density
     return ((mag * sign * keep).to(torch.float64) / 4).to(dtype)
+
+
+# --- spying on scorch ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def record_sparse_ops():
+    """Counts, per torch function, the calls that reached ``SparseTensor.__torch_function__``."""
+    import collections
+
+    import scorch
+    seen = collections.Counter()
+    cls = scorch.SparseTensor
+    original = cls.__dict__["__torch_function__"]
+
+    def spy(c, func, types, args=(), kwargs=None):
+        seen[func] += 1
+        return original.__func__(c, func, types, args, kwargs)
+
+    cls.__torch_function__ = classmethod(spy)
+    try:
+        yield seen
+    finally:
+        cls.__torch_function__ = original
+
+
+def import_app(app):
+    """``apps.<app>`` of this checkout (the repository root is on the path when pytest runs from it)."""
+    import importlib
+    import pathlib
+    import sys
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"apps.{app}")

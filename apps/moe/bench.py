@@ -10,8 +10,6 @@ one (experts, top-k) pair; the medians are printed, with the speedup of each row
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from .. import _common
 

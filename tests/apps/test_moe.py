@@ -3,7 +3,6 @@ step, the scorch backend's gate is a scorch.SparseTensor that goes through scorc
 backward), every einsum spelling gives the same numbers, and the command line works."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import importlib
@@ -18,25 +17,15 @@ import pytest
 import torch
 
 import scorch
+from conftest import import_app
 from scorch.compiler import dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _import_app(app):
-    """``apps.<app>`` of the checkout, imported explicitly: under pytest the name ``apps`` is this test folder
-    (tests/apps is a package), so the checkout's ``apps`` package is loaded from its path under another name."""
-    name = "_checkout_apps"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "apps" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "apps")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.{app}")
 
 
-moe = _import_app("moe")
+moe = import_app("moe")
 moe_model = importlib.import_module(moe.__name__ + ".model")
 moe_data = importlib.import_module(moe.__name__ + ".data")
 TINY = dict(tokens=256, dim=12, hidden=6, experts=4, batches=4, test_batches=1, lr=0.05)

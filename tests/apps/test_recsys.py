@@ -2,8 +2,6 @@
 other, the scorch backend's SDDMM and SpMM really run through scorch, ML-100k loads, and the command line works."""
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -17,24 +15,14 @@ import pytest
 import torch
 
 import scorch
+from conftest import import_app, record_sparse_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _import_app(app):
-    """``apps.<app>`` of the checkout, imported explicitly: under pytest the name ``apps`` is this test folder
-    (tests/apps is a package), so the checkout's ``apps`` package is loaded from its path under another name."""
-    name = "_checkout_apps"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "apps" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "apps")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.{app}")
 
 
-recsys = _import_app("recsys")
+recsys = import_app("recsys")
 recsys_data = importlib.import_module(recsys.__name__ + ".data")
 recsys_model = importlib.import_module(recsys.__name__ + ".model")
 TINY = dict(generated=True, users=60, items=80, ratings=2000, rank=8, lr=0.05, weight_decay=3e-3)
@@ -45,22 +33,6 @@ pytestmark = [
 ]
 
 
-@contextlib.contextmanager
-def record_sparse_ops():
-    """Counts, per torch function, the calls that reached ``SparseTensor.__torch_function__``."""
-    seen = collections.Counter()
-    cls = scorch.SparseTensor
-    original = cls.__dict__["__torch_function__"]
-
-    def spy(c, func, types, args=(), kwargs=None):
-        seen[func] += 1
-        return original.__func__(c, func, types, args, kwargs)
-
-    cls.__torch_function__ = classmethod(spy)
-    try:
-        yield seen
-    finally:
-        cls.__torch_function__ = original
 
 
 @functools.cache

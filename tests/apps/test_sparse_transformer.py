@@ -3,10 +3,6 @@ on one attention layer and on training steps, scorch really running the sparse o
 command line. Tiny sizes (sequences of 64-128 tokens)."""
 from __future__ import annotations
 
-import collections
-import contextlib
-import importlib
-import importlib.util
 import math
 import os
 import pathlib
@@ -17,26 +13,14 @@ import pytest
 import torch
 
 import scorch
+from conftest import import_app, record_sparse_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _import_app(module):
-    """``apps.<module>`` of the checkout, imported explicitly: under pytest the name ``apps`` is this test folder
-    (tests/apps is a package), so the checkout's ``apps`` package is loaded from its path under another name."""
-    name = "_checkout_apps"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "apps" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "apps")])
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[name] = package
-        spec.loader.exec_module(package)
-    return importlib.import_module(f"{name}.{module}")
-
-
-st = _import_app("sparse_transformer")
-st_pattern = _import_app("sparse_transformer.pattern")
-st_task = _import_app("sparse_transformer.task")
+st = import_app("sparse_transformer")
+st_pattern = import_app("sparse_transformer.pattern")
+st_task = import_app("sparse_transformer.task")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
@@ -125,22 +109,6 @@ def test_task_labels():
 
 # --- backends agree -----------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def record_sparse_ops():
-    """Counts, per torch function, the calls that reached ``SparseTensor.__torch_function__``."""
-    seen = collections.Counter()
-    cls = scorch.SparseTensor
-    original = cls.__dict__["__torch_function__"]
-
-    def spy(c, func, types, args=(), kwargs=None):
-        seen[func] += 1
-        return original.__func__(c, func, types, args, kwargs)
-
-    cls.__torch_function__ = classmethod(spy)
-    try:
-        yield seen
-    finally:
-        cls.__torch_function__ = original
 
 
 def _layer_result(backend):

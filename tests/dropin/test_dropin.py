@@ -15,8 +15,6 @@ scorch implements it, and the mark is then removed.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
 import importlib.util
 import math
@@ -26,6 +24,7 @@ import pytest
 import torch
 
 import scorch
+from conftest import record_sparse_ops
 
 HERE = pathlib.Path(__file__).parent
 PROGRAMS = ["gcn", "gat", "moe", "attention", "issue_moe", "edge_mlp"]
@@ -64,22 +63,6 @@ def _resolve(path):
     return obj
 
 
-@contextlib.contextmanager
-def record_sparse_ops():
-    """Counts, per torch function, the calls that reached ``SparseTensor.__torch_function__``."""
-    seen = collections.Counter()
-    cls = scorch.SparseTensor
-    original = cls.__dict__["__torch_function__"]
-
-    def spy(c, func, types, args=(), kwargs=None):
-        seen[func] += 1
-        return original.__func__(c, func, types, args, kwargs)
-
-    cls.__torch_function__ = classmethod(spy)
-    try:
-        yield seen
-    finally:
-        cls.__torch_function__ = original
 
 
 def _is_sparse(v):
