@@ -116,3 +116,13 @@ def report(title: str, result: dict) -> None:
         else:
             text = str(value)
         print(f"  {key:<22} {text}")
+
+
+def run_and_report(app: str, run, args, options) -> dict:
+    """``main``'s last step: set the threads, call the app's ``run`` with the common options and the app's own
+    ones (the names in ``options``, read from the parsed ``args``), print the summary, return the result."""
+    set_threads(args.threads)
+    result = run(args.backend, epochs=args.epochs, threads=args.threads, seed=args.seed, quiet=args.quiet,
+                 data=args.data, **{k: getattr(args, k) for k in options})
+    report(f"{app} ({args.backend})", result)
+    return result

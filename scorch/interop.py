@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 
 import torch
 
@@ -96,27 +95,24 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
 # Conversions of a pattern, by the pattern's index arrays (identity and version): the target's index arrays and
 # the permutation taking the source's values to the target's order. Another tensor on the same arrays (attention
 # scores on a graph, a gradient on a weight's pattern) then converts by one gather of its values.
-_PERMUTATIONS: dict = {}
-_PERMUTATIONS_MAX = 64
+_PERMUTATIONS = _storage.PatternMemo(64)
 
 
 def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
     from .compiler import dispatch
-    arrays = [a for st in x._levels for a in st.arrays().values()]
-    key = (x._format, fmt, index_dtype, tuple(x._shape), tuple((id(a), a._version) for a in arrays))
-    entry = _PERMUTATIONS.get(key)
-    if entry is None or not all(r() is a for r, a in zip(entry[0], arrays)):
+    extra = (x._format, fmt, index_dtype, tuple(x._shape))
+    entry = _PERMUTATIONS.get(extra, x._levels)
+    if entry is None:
         if x.nnz >= 2 ** 53 or x._format.padded or dispatch.compressed_target(fmt) is None:
             return None
         positions = x.with_values(torch.arange(x._values.numel(), dtype=torch.float64))
         moved = dispatch.convert(positions, fmt, index_dtype)
         if moved is None:
             return None
-        if len(_PERMUTATIONS) >= _PERMUTATIONS_MAX:
-            _PERMUTATIONS.clear()
         perm = moved._values.to(torch.int32 if x.nnz < 2 ** 31 else torch.int64)  # index_select takes either
-        entry = _PERMUTATIONS[key] = ([weakref.ref(a) for a in arrays], moved._levels, perm)
-    _, levels, perm = entry
+        entry = (moved._levels, perm)
+        _PERMUTATIONS.put(extra, x._levels, entry)
+    levels, perm = entry
     return SparseTensor(fmt, x._shape, levels, torch.index_select(x._values.detach(), 0, perm), check=False)
 
 

@@ -101,3 +101,15 @@ def import_app(app):
     if root not in sys.path:
         sys.path.insert(0, root)
     return importlib.import_module(f"apps.{app}")
+
+
+def run_app(app, *args, timeout=120):
+    """``python -m apps.<app> *args`` in a new process from the repository root (warnings silenced); the
+    completed process, output captured as text."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", f"apps.{app}", *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout)

@@ -141,11 +141,4 @@ def main(argv=None) -> dict:
                         "then 'bnd,ndh->bh'; combine 'bd,ndh->bnh' then 'bn,bnh->bh'")
     p.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"])
     args = p.parse_args(argv)
-    _common.set_threads(args.threads)
-    result = run(args.backend, epochs=args.epochs, threads=args.threads, seed=args.seed, quiet=args.quiet,
-                 data=args.data, tokens=args.tokens, dim=args.dim, hidden=args.hidden, experts=args.experts,
-                 top_k=args.top_k, batches=args.batches, test_batches=args.test_batches, lr=args.lr,
-                 einsum=args.einsum, dtype=args.dtype)
-    shown = {k: v for k, v in result.items() if not isinstance(v, list)}
-    _common.report(f"moe ({args.backend})", shown)
-    return result
+    return _common.run_and_report("moe", run, args, DEFAULTS)

@@ -193,11 +193,4 @@ def main(argv=None) -> dict:
     p.add_argument("--items", type=int, default=DEFAULTS["items"])
     p.add_argument("--ratings", type=int, default=DEFAULTS["ratings"])
     args = p.parse_args(argv)
-    _common.set_threads(args.threads)
-    result = run(args.backend, epochs=args.epochs, threads=args.threads, seed=args.seed, quiet=args.quiet,
-                 data=args.data, rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, batches=args.batches,
-                 test_fraction=args.test_fraction, dtype=args.dtype, generated=args.generated, users=args.users,
-                 items=args.items, ratings=args.ratings)
-    shown = {k: v for k, v in result.items() if not isinstance(v, list)}
-    _common.report(f"recsys ({args.backend})", shown)
-    return result
+    return _common.run_and_report("recsys", run, args, DEFAULTS)

@@ -159,29 +159,49 @@ def to_dense(fmt: Format, shape, levels, values):
     return out
 
 
-# Index arrays already validated for a format and shape, by identity and version: a model that builds a sparse
-# tensor on the same pattern every step (attention scores on a graph's edges) pays for the checks once. An
-# entry is used only while every array is alive, is the same object, and is unmodified (``_version``).
-_VALIDATED: dict = {}
-_VALIDATED_MAX = 256
+class PatternMemo:
+    """Results that depend only on a pattern's index arrays, looked up by the arrays' identity and version: a
+    model that builds sparse tensors on the same arrays every step (attention scores on a graph's edges, a
+    gradient on a weight's pattern) pays for the work once. An entry is served only while every array is alive,
+    is the same object and is unmodified (``_version``); the memo is emptied when it reaches ``limit`` entries."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._entries: dict = {}
+
+    def __len__(self):
+        return len(self._entries)
+
+    @staticmethod
+    def _key(extra, levels):
+        arrays = [a for st in levels for a in st.arrays().values()]
+        return (extra, tuple((id(a), a._version) for a in arrays)), arrays
+
+    def get(self, extra, levels):
+        key, arrays = self._key(extra, levels)
+        entry = self._entries.get(key)
+        if entry is None or not all(r() is a for r, a in zip(entry[0], arrays)):
+            return None
+        return entry[1]
+
+    def put(self, extra, levels, value) -> None:
+        key, arrays = self._key(extra, levels)
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[key] = ([weakref.ref(a) for a in arrays], value)
 
 
-def _structure_key(fmt: Format, shape, levels):
-    arrays = [a for st in levels for a in st.arrays().values()]
-    return (fmt, tuple(shape), tuple((id(a), a._version) for a in arrays)), arrays
+# index arrays already validated, per format, shape and number of values
+_VALIDATED = PatternMemo(256)
 
 
 def validate(fmt: Format, shape, levels, values) -> None:
     """Check storage invariants; raise ``ValueError`` naming the level and position of the first violation."""
-    key, arrays = _structure_key(fmt, shape, levels)
-    known = _VALIDATED.get(key)
-    if known is not None and known[1] == values.numel() and all(r() is a for r, a in zip(known[0], arrays)):
-        if values.dim() == 1:
-            return
+    extra = (fmt, tuple(shape), values.numel())
+    if values.dim() == 1 and _VALIDATED.get(extra, levels):
+        return
     _validate(fmt, shape, levels, values)
-    if len(_VALIDATED) >= _VALIDATED_MAX:
-        _VALIDATED.clear()
-    _VALIDATED[key] = ([weakref.ref(a) for a in arrays], values.numel())
+    _VALIDATED.put(extra, levels, True)
 
 
 def _validate(fmt: Format, shape, levels, values) -> None:

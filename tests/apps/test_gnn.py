@@ -1,14 +1,12 @@
 """apps.gnn: the data (Planetoid files, generated SBM graphs), the three models under each backend on a small
 generated graph (scorch and torch run the same code and must agree step by step), and the command line."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import scorch
+from conftest import run_app
 from apps import _common
 from apps.gnn import data as gdata
 from apps.gnn import model as gmodel
@@ -106,11 +104,9 @@ def test_pyg_backend_trains(small, arch):
 
 
 def test_command_line():
-    env = dict(os.environ, PYTHONPATH=str(_common.ROOT))
-    help_text = subprocess.run([sys.executable, "-m", "apps.gnn", "--help"], capture_output=True, text=True,
-                               cwd=_common.ROOT, env=env, check=True).stdout
-    assert "--backend" in help_text and "--dataset" in help_text
-    out = subprocess.run([sys.executable, "-m", "apps.gnn", "--dataset", "sbm-500", "--epochs", "3", "--quiet",
-                          "--model", "gat", "--heads", "2"], capture_output=True, text=True, cwd=_common.ROOT,
-                         env=env, check=True).stdout
-    assert "test_acc" in out and "epoch_s" in out
+    help_run = run_app("gnn", "--help")
+    assert help_run.returncode == 0, help_run.stderr
+    assert "--backend" in help_run.stdout and "--dataset" in help_run.stdout
+    out = run_app("gnn", "--dataset", "sbm-500", "--epochs", "3", "--quiet", "--model", "gat", "--heads", "2")
+    assert out.returncode == 0, out.stderr
+    assert "test_acc" in out.stdout and "epoch_s" in out.stdout

@@ -8,16 +8,13 @@ import functools
 import importlib
 import importlib.util
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import scorch
-from conftest import import_app
+from conftest import import_app, run_app
 from scorch.compiler import dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -172,9 +169,7 @@ def test_bad_arguments():
 
 
 def _cli(*args, timeout=120):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "apps.moe", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_app("moe", *args, timeout=timeout)
 
 
 def test_cli():

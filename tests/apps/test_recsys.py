@@ -6,16 +6,13 @@ import functools
 import importlib
 import importlib.util
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import scorch
-from conftest import import_app, record_sparse_ops
+from conftest import import_app, record_sparse_ops, run_app
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -181,9 +178,7 @@ def test_bad_arguments():
 
 
 def _cli(*args, timeout=120):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "apps.recsys", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_app("recsys", *args, timeout=timeout)
 
 
 def test_cli_help():

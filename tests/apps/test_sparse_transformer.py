@@ -6,14 +6,12 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import scorch
-from conftest import import_app, record_sparse_ops
+from conftest import import_app, record_sparse_ops, run_app
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -187,9 +185,8 @@ def test_measure_memory_in_a_fresh_process():
 
 # --- the command line ---------------------------------------------------------------------------------------------
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "apps.sparse_transformer", *args], cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=120)
+def _cli(*args, timeout=120):
+    return run_app("sparse_transformer", *args, timeout=timeout)
 
 
 def test_cli_help():
