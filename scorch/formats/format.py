@@ -6,7 +6,8 @@ Text form (UST-style)::
 
 Left of the arrow, the dimension names; right, one ``expr : type[(props)]`` per level, outermost first.
 ``expr`` is ``i``, ``i / b`` (or ``i // b``), ``i % b``, ``i + j`` or ``i - j``; ``type`` is one of the
-level types (dense, compressed, singleton, fixed) and ``props`` any of ``nonunique``, ``nonordered``.
+level types (dense, compressed, singleton, fixed) and ``props`` any of ``nonunique``, ``nonordered``; a fixed
+level may give its number of slots per parent, ``fixed(2)`` (else it is the most entries under one parent).
 Formats are immutable, hashable and compare by value; ``str(fmt)`` parses back to an equal format.
 """
 from __future__ import annotations
@@ -133,6 +134,8 @@ class Format:
     def check_shape(self, shape) -> None:
         if len(shape) != self.ndim:
             raise ValueError(f"format {self} is for {self.ndim}-d tensors, got shape {tuple(shape)}")
+        from .named import check_nm_shape
+        check_nm_shape(self, shape)
 
 
 def _check_structure(levels, names):
@@ -244,6 +247,15 @@ class _Parser:
         if self.peek()[1] == "(":
             self.i += 1
             while True:
+                if self.peek()[0] == "int" and "slots" in getattr(cls, "__dataclass_fields__", {}):
+                    _, num, col = self.take("int")
+                    if int(num) <= 0 or "slots" in props:
+                        self.fail(f"a {tname} level takes one positive number of slots", col)
+                    props["slots"] = int(num)
+                    if self.peek()[1] == ")":
+                        break
+                    self.take("op", ",", what="',' or ')'")
+                    continue
                 _, p, pcol = self.take("name", what="a level property")
                 if p not in _PROPS:
                     self.fail(f"unknown level property {p!r} (expected one of {', '.join(_PROPS)})", pcol)

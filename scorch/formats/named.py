@@ -1,4 +1,5 @@
-"""Named formats, and the resolution of format specs (``"csr"``, ``"bsr(2, 3)"``, a ``Format``) for a tensor.
+"""Named formats, and the resolution of format specs (``"csr"``, ``"bsr(2, 3)"``, ``"nm(2, 4)"``, a ``Format``)
+for a tensor.
 
 Every named format is an ordinary ``Format``: a name is only a shorthand for its text.
 """
@@ -43,6 +44,45 @@ def bsc(bh: int, bw: int) -> Format:
     return Format(f"(i, j) -> (j / {bw} : dense, i / {bh} : compressed, i % {bh} : dense, j % {bw} : dense)")
 
 
+@functools.lru_cache(maxsize=64, typed=True)
+def nm(n: int, m: int) -> Format:
+    """n:m structured sparsity (e.g. 2:4): every group of ``m`` consecutive columns of a row stores exactly ``n``
+    (column offset, value) slots, padded where the group has fewer entries. The number of columns must be a
+    multiple of ``m``; a tensor with more than ``n`` nonzeros in a group must be pruned before conversion.
+    Offsets are stored as int32 (int64 for huge tensors): scorch's index arrays are int32 or int64."""
+    _check_nm(n, m, f"nm({n}, {m})")
+    return Format.from_levels(2, [(Var(0), Dense()), (Div(1, m), Dense()), (Mod(1, m), Fixed(slots=n))])
+
+
+def _check_nm(n, m, spec):
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in (n, m)):
+        raise TypeError(f"format {spec!r}: n and m must be integers")
+    if n <= 0 or m <= 0:
+        raise ValueError(f"format {spec!r}: n and m must be positive")
+    if n > m:
+        raise ValueError(f"format {spec!r}: n ({n}) cannot exceed the group size m ({m}); n:m stores n of every m")
+
+
+def nm_size(fmt: Format):
+    """``(n, m)`` when ``fmt`` is ``nm(n, m)``, else None (a cheap structural test)."""
+    if fmt.ndim != 2 or len(fmt.levels) != 3:
+        return None
+    (_, l0), (e1, l1), (e2, l2) = fmt.levels
+    if not (isinstance(l2, Fixed) and l2.slots is not None and isinstance(e2, Mod) and isinstance(e1, Div)):
+        return None
+    n, m = l2.slots, e2.block
+    return (n, m) if n <= m and nm(n, m) == fmt else None
+
+
+def check_nm_shape(fmt: Format, shape) -> None:
+    """The clear error for an n:m format on a shape whose columns do not split into groups of m."""
+    nmsize = nm_size(fmt)
+    if nmsize is not None and len(shape) == 2 and int(shape[1]) % nmsize[1]:
+        n, m = nmsize
+        raise ValueError(f"format nm({n}, {m}) needs the number of columns to be a multiple of {m}, got shape"
+                         f" {tuple(shape)}; pad the columns to a multiple of {m} or pick another format")
+
+
 dense = dense_nd(2)
 coo = coo_nd(2)
 csr = Format("(i, j) -> (i : dense, j : compressed)")
@@ -57,16 +97,17 @@ dia = Format.from_levels(2, [(Sub(1, 0), Compressed()), (Var(0), Dense())])
 _FIXED = {"csr": csr, "csc": csc, "dcsr": dcsr, "dcsc": dcsc, "ell": ell, "dia": dia}
 _BY_NDIM = {"dense": dense_nd, "coo": coo_nd, "csf": csf}
 _BLOCKED = {"bsr": bsr, "bsc": bsc}
-_SPEC = re.compile(r"^\s*([a-z]+)\s*(?:\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\))?\s*$")
+_SPEC = re.compile(r"^\s*([a-z]+)\s*(?:\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\))?\s*$")
 
-NAMES = tuple(_FIXED) + tuple(_BY_NDIM) + tuple(_BLOCKED)
+NAMES = tuple(_FIXED) + tuple(_BY_NDIM) + tuple(_BLOCKED) + ("nm",)
 
 
 def resolve(spec, ndim: int | None = None) -> Format:
     """The ``Format`` a spec names for an ``ndim``-d tensor.
 
     ``spec`` is a ``Format``, format text ``"(i, j) -> (...)"``, or a name: ``dense``, ``coo``, ``csf``
-    (any ndim), ``csr``, ``csc``, ``dcsr``, ``dcsc``, ``ell``, ``dia`` (2-d), ``bsr(bh, bw)``, ``bsc(bh, bw)``.
+    (any ndim), ``csr``, ``csc``, ``dcsr``, ``dcsc``, ``ell``, ``dia`` (2-d), ``bsr(bh, bw)``, ``bsc(bh, bw)``,
+    ``nm(n, m)``.
     """
     if isinstance(spec, Format):
         fmt = spec
@@ -85,9 +126,14 @@ def _from_string(spec, ndim):
         return Format(spec)
     m = _SPEC.match(spec.lower())
     if not m or m.group(1) not in NAMES:
-        raise ValueError(f"unknown format {spec!r}: expected one of {', '.join(NAMES)}, 'bsr(bh, bw)',"
+        raise ValueError(f"unknown format {spec!r}: expected one of {', '.join(NAMES)}, 'bsr(bh, bw)', 'nm(n, m)',"
                          " or format text such as '(i, j) -> (i : dense, j : compressed)'")
     name, a, b = m.group(1), m.group(2), m.group(3)
+    if name == "nm":
+        if a is None or b is None:
+            raise ValueError(f"format {spec!r} needs n and m (n of every m columns stored), e.g. 'nm(2, 4)'")
+        _check_nm(int(a), int(b), spec)
+        return nm(int(a), int(b))
     if name in _BLOCKED:
         if a is None:
             raise ValueError(f"format {name!r} needs a block size, e.g. '{name}(2, 2)'")
@@ -110,6 +156,9 @@ def name_of(fmt: Format) -> str | None:
     for name, make in _BY_NDIM.items():
         if make(fmt.ndim) == fmt:
             return name
+    nmsize = nm_size(fmt)
+    if nmsize is not None:
+        return f"nm({nmsize[0]}, {nmsize[1]})"
     if fmt.ndim == 2 and len(fmt.levels) == 4:
         e = fmt.exprs
         if isinstance(e[0], Div):

@@ -9,8 +9,10 @@ import weakref
 
 import torch
 
+from .expr import dim_name
 from .format import Format
 from .levels import LevelStorage, Singleton
+from .levels.fixed import SlotsExceeded
 
 INT32_MAX = 2**31 - 1
 
@@ -48,8 +50,11 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
                 coords = [c[new] for c in coords]
     parent = torch.zeros(values.numel(), dtype=torch.int64, device=values.device)
     count, levels, largest = 1, [], [m]
-    for (lo, hi), lvl, c in zip(bounds, fmt.level_types, coords):
-        st, parent, count = lvl.assemble(parent, count, c, lo, hi)
+    for k, ((lo, hi), lvl, c) in enumerate(zip(bounds, fmt.level_types, coords)):
+        try:
+            st, parent, count = lvl.assemble(parent, count, c, lo, hi)
+        except SlotsExceeded as e:
+            raise ValueError(_slots_message(fmt, k, [x[e.entry] for x in coords[:k]], e)) from None
         levels.append(st)
         largest += [count, lo, hi]
     out = torch.zeros(count, dtype=values.dtype, device=values.device)
@@ -64,6 +69,25 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
         rows = torch.stack([st.crd for st in levels]).unbind(0)
         levels = [LevelStorage(pos=levels[0].pos, crd=rows[0])] + [LevelStorage(crd=r) for r in rows[1:]]
     return tuple(levels), out
+
+
+def _slots_message(fmt: Format, k, parent_coords, e: SlotsExceeded) -> str:
+    """The error for a parent with more entries than level ``k`` (a ``fixed(n)`` level) stores."""
+    from .named import nm_size
+    nmsize = nm_size(fmt)
+    if nmsize is not None:
+        n, m = nmsize
+        row, group = (int(x) for x in parent_coords)
+        return (f"cannot store this tensor as nm({n}, {m}): row {row}, column group {group} (columns"
+                f" {group * m}..{group * m + m - 1}) has {e.count} nonzeros, more than the {n} of every {m} that"
+                f" n:m sparsity keeps (this is the first such group). Prune first, e.g. with an n:m sparsifier that"
+                f" keeps the {n} largest-magnitude entries of every group of {m} columns")
+    names = [dim_name(d) for d in range(fmt.ndim)]
+    where = ", ".join(e_.render(names) for e_ in fmt.exprs[:k])
+    at = ", ".join(str(int(x)) for x in parent_coords)
+    return (f"cannot store this tensor in format {fmt.name or fmt}: level {k} ({fmt.level_text(k)}) stores at most"
+            f" {e.slots} entries under each ({where}), but ({where}) = ({at}) has {e.count} (the first such);"
+            f" drop entries first, or use a format without a fixed number of slots")
 
 
 def _acc_dtype(values):

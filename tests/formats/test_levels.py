@@ -4,6 +4,7 @@ import torch
 
 from scorch.formats import Compressed, Dense, Fixed, LevelStorage, Singleton
 from scorch.formats.levels import LEVEL_TYPES
+from scorch.formats.levels.fixed import SlotsExceeded
 
 L = torch.tensor
 
@@ -71,6 +72,22 @@ def test_fixed_pads_with_the_last_coordinate():
     assert n == 0 and st.crd.numel() == 0
 
 
+def test_fixed_slots_pin_the_width():
+    f = Fixed(slots=3)
+    assert str(f) == "fixed(3)" and f != Fixed() and f == Fixed(3) and hash(f) == hash(Fixed(3))
+    st, child, n = f.assemble(L([0, 0, 2]), 3, L([1, 4, 3]), 0, 9)
+    assert st.crd.tolist() == [1, 4, 4, 0, 0, 0, 3, 3, 3]  # width 3, though no parent has more than 2
+    assert child.tolist() == [0, 1, 6] and n == 9
+    st, child, n = f.assemble(L([], dtype=torch.int64), 2, L([], dtype=torch.int64), 1, 5)
+    assert n == 6 and st.crd.tolist() == [1] * 6
+    with pytest.raises(SlotsExceeded) as e:  # parent 1 has 3 entries, 2 slots
+        Fixed(slots=2).assemble(L([0, 1, 1, 1, 2, 2, 2]), 3, L([0, 1, 2, 3, 0, 1, 2]), 0, 4)
+    assert (e.value.entry, e.value.count, e.value.slots) == (1, 3, 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            Fixed(slots=bad)
+
+
 @pytest.mark.parametrize("lvl, storage, parents, fragment", [
     (Compressed(), LevelStorage(pos=L([0, 2]), crd=L([0, 1])), 2, "pos has 2 entries, expected 3"),
     (Compressed(), LevelStorage(pos=L([1, 2, 2]), crd=L([0, 1])), 2, r"pos\[0\] = 1"),
@@ -81,6 +98,7 @@ def test_fixed_pads_with_the_last_coordinate():
     (Singleton(), LevelStorage(crd=L([0, 1, 2])), 2, "crd has 3 entries, expected 2"),
     (Singleton(), LevelStorage(crd=L([0, -1])), 2, r"crd\[1\] = -1 is out of range"),
     (Fixed(), LevelStorage(crd=L([0, 1, 2])), 2, "not a multiple"),
+    (Fixed(slots=2), LevelStorage(crd=L([0, 1])), 2, "crd has 2 entries, expected 2 for each of the 2 parents"),
 ])
 def test_validate_names_the_problem(lvl, storage, parents, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -69,6 +69,9 @@ def test_formats_are_immutable_and_compare_by_value():
     ("(i, j) -> (i / x : dense, j : dense)", "block size", 15),
     ("(i, j) (i : dense, j : dense)", "expected '->'", 7),
     ("(i, j) -> (i : dense, j : compressed(fancy))", "unknown level property 'fancy'", 37),
+    ("(i, j) -> (i : dense, j : compressed(2))", "expected a level property, found '2'", 37),
+    ("(i, j) -> (i : dense, j : fixed(0))", "one positive number of slots", 32),
+    ("(i, j) -> (i : dense, j : fixed(2, 3))", "one positive number of slots", 35),
     ("(i, j) -> (i : dense(nonunique), j : dense)", "cannot be nonunique", 21),
     ("(i, j) -> (i : dense, j : compressed) extra", "unexpected text", 38),
     ("(i, j) -> (i * j : dense)", "unexpected character '*'", 13),
@@ -117,6 +120,8 @@ NAMED = {
     "dia": "(i, j) -> (j - i : compressed, i : dense)",
     "bsr(2, 3)": REQUIRED[0],
     "bsc(4, 2)": "(i, j) -> (j / 2 : dense, i / 4 : compressed, i % 4 : dense, j % 2 : dense)",
+    "nm(2, 4)": "(i, j) -> (i : dense, j / 4 : dense, j % 4 : fixed(2))",
+    "nm(1, 8)": "(i, j) -> (i : dense, j / 8 : dense, j % 8 : fixed(1))",
 }
 
 
@@ -138,11 +143,35 @@ def test_named_format_objects():
     assert F.resolve("coo", 1) == Format("(i) -> (i : compressed)")
 
 
+def test_nm_formats():
+    F = scorch.formats
+    f = F.resolve("nm(2,4)")
+    assert f == F.nm(2, 4) == Format(str(f)) and pickle.loads(pickle.dumps(f)) == f
+    assert f.levels == ((Var(0), Dense()), (Div(1, 4), Dense()), (Mod(1, 4), Fixed(slots=2)))
+    assert F.named.short_name(f) == "nm(2, 4)" and F.nm(4, 4).name == "nm(4, 4)"
+    assert f != F.nm(1, 4) and f.padded
+    # a fixed level without slots, or another layout, is no n:m format
+    assert Format("(i, j) -> (i : dense, j / 4 : dense, j % 4 : fixed)").name is None
+    assert Format("(i, j) -> (i : dense, j / 4 : dense, j % 4 : fixed(5))").name is None
+    assert Format("(i, j) -> (j : dense, i / 4 : dense, i % 4 : fixed(2))").name is None
+    assert Format("(i, j) -> (i : dense, j : fixed(3))").name is None
+    assert str(Format("(i, j) -> (i : dense, j : fixed(3))")) == "(i, j) -> (i : dense, j : fixed(3))"
+    with pytest.raises(TypeError, match="integers"):
+        F.nm(2.0, 4)
+
+
 @pytest.mark.parametrize("spec, error, fragment", [
     ("cssr", ValueError, "unknown format 'cssr'"),
     ("bsr", ValueError, "needs a block size"),
     ("bsr(0, 2)", ValueError, "positive"),
     ("csr(2)", ValueError, "takes no arguments"),
+    ("bsr(-1, 2)", ValueError, "positive"),
+    ("nm", ValueError, "needs n and m"),
+    ("nm(2)", ValueError, "needs n and m"),
+    ("nm(5, 4)", ValueError, "cannot exceed the group size m"),
+    ("nm(0, 4)", ValueError, "positive"),
+    ("nm(2, 0)", ValueError, "positive"),
+    ("nm(-2, 4)", ValueError, "positive"),
     (3, TypeError, "scorch.Format or a string"),
 ])
 def test_bad_format_specs(spec, error, fragment):

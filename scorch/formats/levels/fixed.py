@@ -1,6 +1,9 @@
 """The fixed level (ELL): every parent has the same number W of positions, so no ``pos`` array is needed.
 
 W is the largest number of entries under one parent, and follows from the storage: ``len(crd) / parents``.
+``Fixed(slots=n)`` (text ``fixed(n)``) pins W to n: the storage always has n positions per parent (n:m
+sparsity stores n per group of m), and assembling more than n entries under one parent is an error
+(``SlotsExceeded``, which ``storage.pack`` turns into a message naming the parent's coordinates).
 Shorter segments are padded at their end with the segment's last coordinate (0 in an empty segment) and
 value 0, so coordinates stay in range and in non-decreasing order and a kernel can run without a branch.
 Padding and an explicitly stored zero look alike, so listing the entries of a format with a fixed level
@@ -9,6 +12,7 @@ Padding and an explicitly stored zero look alike, so listing the entries of a fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,8 +20,20 @@ from .base import Level, LevelStorage, check_index_dtype, check_range
 from .compressed import new_groups
 
 
+class SlotsExceeded(ValueError):
+    """More entries under one parent than a ``Fixed(slots=n)`` level stores: ``entry`` is the index (in the
+    sorted entries given to ``assemble``) of the first entry of the first such parent, ``count`` its entries."""
+
+    def __init__(self, slots: int, entry: int, count: int):
+        super().__init__(f"a fixed({slots}) level stores at most {slots} entries under each parent, got {count}")
+        self.slots, self.entry, self.count = slots, entry, count
+
+
 @dataclass(frozen=True)
 class Fixed(Level):
+    #: positions per parent; None: the largest number of entries under one parent (ELL)
+    slots: Optional[int] = None
+
     name = "fixed"
     arrays = ("crd",)
     padded = True
@@ -25,8 +41,13 @@ class Fixed(Level):
     pos_iter = True
     append = True
 
+    def __post_init__(self):
+        if self.slots is not None and (isinstance(self.slots, bool) or not isinstance(self.slots, int)
+                                       or self.slots <= 0):
+            raise ValueError(f"a fixed level's number of slots must be a positive integer, got {self.slots!r}")
+
     def props_text(self):
-        return ""
+        return "" if self.slots is None else f"({self.slots})"
 
     @staticmethod
     def width(storage, parent_count):
@@ -57,6 +78,12 @@ class Fixed(Level):
         parents, crd_u = parent_pos[new], coord[new]
         counts = torch.bincount(parents, minlength=parent_count)
         w = int(counts.max()) if counts.numel() else 0
+        if self.slots is not None:
+            if w > self.slots:
+                over = torch.nonzero(counts[parents] > self.slots)[0, 0]  # first entry under a full parent
+                raise SlotsExceeded(self.slots, int(torch.nonzero(entry == over)[0, 0]),
+                                    int(counts[parents[over]]))
+            w = self.slots
         first = torch.cumsum(counts, 0) - counts  # index in crd_u of each parent's first entry
         slot = torch.arange(crd_u.numel(), device=dev) - first[parents]
         child_u = parents * w + slot
@@ -80,4 +107,7 @@ class Fixed(Level):
             raise ValueError(f"{where}: crd has {crd.numel()} entries, not a multiple of the {parent_count} parents")
         if not parent_count and crd.numel():
             raise ValueError(f"{where}: crd has {crd.numel()} entries but the level has no parents")
+        if self.slots is not None and crd.numel() != parent_count * self.slots:
+            raise ValueError(f"{where}: crd has {crd.numel()} entries, expected {self.slots} for each of the"
+                             f" {parent_count} parents")
         check_range(crd, lo, hi, where)
