@@ -103,17 +103,51 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
     extra = (x._format, fmt, index_dtype, tuple(x._shape))
     entry = _PERMUTATIONS.get(extra, x._levels)
     if entry is None:
-        if x.nnz >= 2 ** 53 or x._format.padded or dispatch.compressed_target(fmt) is None:
+        blocks = _block_matrices(x, fmt)
+        if blocks is not None:  # BSR <-> BSC: the blocks move whole; their pattern converts as a matrix
+            src, target, inner = blocks
+        elif x.nnz >= 2 ** 53 or x._format.padded or dispatch.compressed_target(fmt) is None:
             return None
-        positions = x.with_values(torch.arange(x._values.numel(), dtype=torch.float64))
-        moved = dispatch.convert(positions, fmt, index_dtype)
+        else:
+            src, target, inner = x, fmt, None
+        positions = src.with_values(torch.arange(src._values.numel(), dtype=torch.float64))
+        moved = dispatch.convert(positions, target, index_dtype)
         if moved is None:
             return None
         perm = moved._values.to(torch.int32 if x.nnz < 2 ** 31 else torch.int64)  # index_select takes either
-        entry = (moved._levels, perm)
+        levels = moved._levels if inner is None else (LevelStorage(), moved._levels[1]) + tuple(inner)
+        entry = (levels, perm)
         _PERMUTATIONS.put(extra, x._levels, entry)
     levels, perm = entry
-    return SparseTensor(fmt, x._shape, levels, torch.index_select(x._values.detach(), 0, perm), check=False)
+    vals = x._values.detach()
+    if len(levels) != 2 and perm.numel():  # whole blocks
+        vals = torch.index_select(vals.view(perm.numel(), -1), 0, perm).reshape(-1)
+    else:
+        vals = torch.index_select(vals, 0, perm)
+    return SparseTensor(fmt, x._shape, levels, vals, check=False)
+
+
+def _block_matrices(x: SparseTensor, fmt):
+    """For blocked formats that differ only in the order of their two block levels (BSR and BSC): the source's
+    block pattern as a CSR-like matrix of block numbers, the target's block-level format, and the target's
+    (unchanged) in-block level storage; else None."""
+    from .formats import Compressed, Dense, Div, Format, Var
+    a, b = x._format, fmt
+    if len(a.levels) != 4 or len(b.levels) != 4 or a.levels[2:] != b.levels[2:] or a.exprs[:2] != b.exprs[1::-1]:
+        return None
+    if not all(isinstance(e, Div) for e in a.exprs[:2]) or {e.dim for e in a.exprs[:2]} != {0, 1} or not all(
+            isinstance(t, Dense) for t in a.level_types[2:]):
+        return None
+    for f in (a, b):
+        if not (isinstance(f.level_types[0], Dense) and isinstance(f.level_types[1], Compressed)
+                and f.level_types[1].unique and f.level_types[1].ordered):
+            return None
+    sizes = [-(-int(x._shape[d]) // e.block) for d, e in sorted((e.dim, e) for e in a.exprs[:2])]
+    as_matrix = (lambda f: Format.from_levels(2, [(Var(f.exprs[0].dim), Dense()),
+                                                  (Var(f.exprs[1].dim), Compressed())]))
+    src = SparseTensor(as_matrix(a), sizes, [LevelStorage(), x._levels[1]],
+                       torch.zeros(x._levels[1].crd.numel(), dtype=torch.float64), check=False)
+    return src, as_matrix(b), x._levels[2:]
 
 
 def converted_already(x, fmt) -> bool:

@@ -219,7 +219,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
             print(plan.explain())
         return result
     plan_key = key
-    if sched0.parallel != "level0" and torch.get_num_threads() > 1:
+    if sched0.parallel != "level0" and (torch.get_num_threads() > 1 or sched0.outer):
         k = sched0.driver.operand
         alt = _transposed_for_parallel(asg, sched0, ops[k], sizes)
         if alt is not None:
@@ -229,8 +229,20 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
                       " loop")
             ops = list(ops)
             ops[k] = interop.asformat(ops[k], alt)
-            return run(inputs, out, ops, format=format, explain=explain, name=name, rhs=rhs, scalars=scalars,
+            # the result's format is the one inferred from the operands as given, not from the converted one
+            kept = format if format is not None else output.format or named.dense_nd(len(out))
+            return run(inputs, out, ops, format=kept, explain=explain, name=name, rhs=rhs, scalars=scalars,
                        backend=backend, reduce=reduce)
+    perm = relayout.output_order(out, sched0, output) if rhs is None else None
+    if perm is not None:
+        # the innermost loop runs along another output index: the kernel writes the output with that index
+        # last (contiguous stores, a register tile), and the caller gets a permuted view, as torch returns
+        # non-contiguous results elsewhere
+        if explain:
+            print(f"output:       computed as {''.join(perm)}, returned as a view in the order {''.join(out)}")
+        r = run(inputs, perm, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
+                reduce=reduce, relaid=relaid)
+        return r.permute(*[perm.index(v) for v in out])
     moves = relayout.plan(inputs, ops, sched0, sizes, broadcast) if rhs is None and not relaid else ()
     if moves:
         if explain:
@@ -254,6 +266,9 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     return result
 
 
+#: speedup of a loop nest whose innermost loop is a contiguous vector loop over one whose outer loop is dense
+VECTOR_GAIN = 4.0
+
 #: estimated cost of a format conversion, in kernel multiply-adds per stored entry and sort step
 CONVERT_COST = 4.0
 
@@ -263,18 +278,22 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     without write conflicts), when converting costs less than the serial loop loses; else None.
 
     The choice between this transposition and a privatized output workspace is by this estimate; only
-    formats with plain-index levels are transposed."""
-    from ..formats import Format, Var
+    formats with plain-index levels are transposed. With one thread the transposition still pays where the
+    serial loop nest has a dense loop outside the sparse levels: that order streams every stored entry once per
+    outer iteration, scalar, where the transposed one reads each once under a vector loop (``VECTOR_GAIN``)."""
+    from ..formats import Div, Format, Mod, Var
     from .schedule import unique_levels
     fmt = x.format
-    if not all(isinstance(e, Var) for e in fmt.exprs) or fmt.keeps_duplicates or x.nnz < 2:
+    blocked = all(isinstance(e, (Div, Mod)) for e in fmt.exprs)  # blocks: the block levels are reordered
+    if not (blocked or all(isinstance(e, Var) for e in fmt.exprs)) or fmt.keeps_duplicates or x.nnz < 2:
         return None
     drv = sched.driver
-    level_vars = [drv.indices[e.dim] for e in fmt.exprs]
-    firsts = [v for v in level_vars if v in asg.out]
+    movable = [k for k, e in enumerate(fmt.exprs) if not isinstance(e, Mod)]
+    firsts = [k for k in movable if drv.indices[fmt.exprs[k].dim] in asg.out]
     if not firsts:
         return None
-    order = [firsts[0]] + [v for v in level_vars if v != firsts[0]]
+    order = [firsts[0]] + [k for k in movable if k != firsts[0]]
+    order += [k for k in range(len(fmt.exprs)) if k not in order]
     work = x.nnz
     for v in sched.outer + sched.inner:
         work *= sizes[v]
@@ -282,15 +301,18 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     # the same level types in the new order, made unique (COO's repeated rows would race again)
     types = unique_levels(fmt.level_types)
     try:
-        alt = Format.from_levels(fmt.ndim, [(Var(drv.indices.index(v)), lvl) for v, lvl in zip(order, types)])
+        alt = Format.from_levels(fmt.ndim, [(fmt.exprs[k], lvl) for k, lvl in zip(order, types)])
     except ValueError:  # a repeated index ("ii"): the reordered levels would not determine the dimensions
+        return None
+    if alt == fmt:
         return None
     if interop.converted_already(x, alt):  # a constant operand (features, an adjacency) converts once
         return alt
     # a counting sort: a pass to count, one to fill (comparison sorts serve other targets: n log n)
     passes = 2 if compressed_target(alt) is not None else max(1.0, int(x.nnz).bit_length())
-    convert = CONVERT_COST * (x.nnz + sizes[firsts[0]]) * passes
-    if convert >= work * (1 - 1 / threads):
+    convert = CONVERT_COST * (x.nnz + sizes[drv.indices[fmt.exprs[firsts[0]].dim]]) * passes
+    gain = VECTOR_GAIN if sched.outer else 1.0
+    if convert >= work * (1 - 1 / (threads * gain)):
         return None
     return alt
 

@@ -155,11 +155,14 @@ class Store(Stmt):
 
 @dataclass(frozen=True)
 class LocalArray(Stmt):
-    """A workspace of compile-time ``size`` (kept in registers or on the stack), filled with ``init``."""
+    """A workspace of compile-time ``size`` (kept in registers or on the stack), filled with ``init``.
+    ``vector``: held as vectors of that many lanes (a register tile); only ``vector`` loops index it, at
+    positions that are multiples of ``vector``. The values are the same either way."""
     name: str
     type: str
     size: int
     init: Expr
+    vector: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,8 @@ class Parallel:
 @dataclass(frozen=True)
 class For(Stmt):
     """``for var in [lo, hi)``. ``simd``: the iterations may run as vector lanes, with the scalar updates
-    named in ``reductions`` (``(op, var name)`` pairs) combined across lanes (so reassociated)."""
+    named in ``reductions`` (``(op, var name)`` pairs) combined across lanes (so reassociated). ``vector``:
+    the code generator emits the body on explicit vectors (loads and stores contiguous in ``var``)."""
     var: Var
     lo: Expr
     hi: Expr
@@ -203,6 +207,8 @@ class For(Stmt):
     parallel: Optional[Parallel] = None
     simd: bool = False
     reductions: tuple = ()
+    vector: int = 0       # iterations run ``vector`` lanes at a time (hi - lo is a multiple): same results
+    unroll: bool = False  # a short constant trip count, unrolled (so a register tile stays in registers)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formats import Mod
 from ..formats import Var as FVar
 from ..formats.levels import LevelSymbols
 from . import loops as L
@@ -64,6 +65,8 @@ class _Lowering:
         self.spec = dict(sched.specialize)
         self.bound = {}
         self.scalars = {}
+        self.block_loops = {}  # loop variable of a dense level over a block's offsets -> the block size
+        self.tile = None       # (rows, columns) of a register tile, for explain
 
     def param(self, name, kind, type_, arg_kind, output=False, **where):
         if all(p.name != name for p in self.params):
@@ -99,11 +102,17 @@ class _Lowering:
                 else None
             crd = self.param(f"t{o}_l{k}_crd", "array", itype, "crd", operand=o, level=k) if "crd" in lvl.arrays \
                 else None
+            const_range = isinstance(e, Mod) and lvl.coord_iter  # an offset in a block spans [0, block)
+            if const_range:
+                self.block_loops[f"c{k}"] = e.block
             sym = LevelSymbols(
                 pos, crd, itype,
+                L.Const(0) if const_range else
                 L.Var(self.param(f"t{o}_l{k}_lo", "scalar", "i64", "lo", operand=o, level=k)),
+                L.Const(e.block) if const_range else
                 L.Var(self.param(f"t{o}_l{k}_ext", "scalar", "i64", "extent", operand=o, level=k)),
-                L.Var(self.param(f"t{o}_l{k}_w", "scalar", "i64", "width", operand=o, level=k))
+                (L.Const(lvl.slots) if getattr(lvl, "slots", None) else  # n:m: the width is the format's n
+                 L.Var(self.param(f"t{o}_l{k}_w", "scalar", "i64", "width", operand=o, level=k)))
                 if lvl.padded else None)
             par = None
             if k == 0 and sched.parallel == "level0":
@@ -217,6 +226,9 @@ class _Lowering:
             size *= self.spec[v]
         if size > 1024:
             return None
+        tiled = self._register_tile(items, head, tail, tvars, out)
+        if tiled is not None:
+            return tiled
         # every output location written exactly once: the loops down to the tile only walk output indices
         # densely, without guards, so the output need not be zeroed first
         once = all(it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in head[:b + 1])
@@ -226,6 +238,103 @@ class _Lowering:
                  _nest(between + tail, [L.Store(w, lin, value, "add")]),
                  _nest(tail, [L.Store(out, index, L.Load(w, lin, self.ct), None if once else "add")])]
         return [_nest(head[:b + 1], stmts)]
+
+    def _register_tile(self, items, head, tail, tvars, out):
+        """The output tile held in vector registers across the reduction loops (SpMM with a dense K, BSR's
+        block rows x K): the innermost output loop (extent S, contiguous) is split into tiles of T columns,
+        looped outside the reduction, and a dense level over a block's rows, if one binds the output row, moves
+        inside the reduction as the tile's rows. Per reduction step the tile takes one broadcast per row and
+        one vector load per T / lanes columns, so the loads per multiply-add fall with the tile's size.
+        None when the loop nest does not have that shape."""
+        from .codegen.cpp import VECTOR_BYTES
+        ct = self.ct
+        if ct not in ("f32", "f64") or len(tvars) != 1 or len(tail) != 1:
+            return None
+        bvar = tvars[0]
+        lanes = VECTOR_BYTES // (4 if ct == "f32" else 8)
+        S = self.spec[bvar]
+        if S % lanes:
+            return None
+        # the reduction starts at the first loop whose variable no output coordinate depends on
+        out_names = {self.bound[v].name for v in self.asg.out if v != bvar}
+        lets = {it[1].name: _uses(it[2]) for it in head if it[0] == "let"}
+        deps, todo = set(), list(out_names)
+        while todo:
+            n = todo.pop()
+            if n not in deps:
+                deps.add(n)
+                todo += lets.get(n, ())
+        h = next((i for i, it in enumerate(head) if it[0] == "for" and it[1].name not in deps), None)
+        if h is None:
+            return None
+        pre, rest = head[:h], head[h:]
+        bound_pre = {it[1].name for it in pre if it[0] != "if"}
+        late = [it for it in rest if it[0] == "let" and it[1].name in out_names]
+        rows = None
+        if late:
+            # output rows bound inside the reduction: only through one block-row loop
+            loops = [it for it in rest if it[0] == "for" and it[1].name in self.block_loops]
+            deps = set().union(*(_uses(it[2]) for it in late))
+            row_loops = [it for it in loops if it[1].name in deps]
+            if len(row_loops) != 1 or not deps <= bound_pre | {row_loops[0][1].name}:
+                return None
+            rows = row_loops[0]
+        if not any(it[0] == "for" and it is not rows for it in rest):
+            return None
+        R = self.block_loops[rows[1].name] if rows else 1
+        V = next(v for v in (4, 2, 1) if S % (v * lanes) == 0)
+        Rt = next(r for r in range(min(R, max(1, 16 // V)), 0, -1) if R % r == 0)
+        T = V * lanes
+        bt, bv = L.Var("bt"), L.Var("bv")
+        self.bound[bvar] = L.binary("add", bt, bv)
+        value = self._value(self.asg.rhs)
+        index = L.Const(0)
+        for v in self.asg.out:
+            index = L.binary("add", L.binary("mul", index, self.size(v)), self.bound[v])
+        if not all(_contiguous(x, bv.name) for x in [index] + _loads(value)):
+            self.bound[bvar] = tail[0][1]
+            return None
+        # split the reduction's items: those that follow from the row go inside the row loop
+        moved, kept, row_names = [], [], {rows[1].name} if rows else set()
+        for it in rest:
+            if it is rows:
+                continue
+            if it[0] != "for" and (_uses(it[1] if it[0] == "if" else it[2]) & row_names):
+                moved.append(it)
+                if it[0] == "let":
+                    row_names.add(it[1].name)
+            else:
+                kept.append(it)
+        w = "wtile"
+        lin = L.binary("add", L.binary("mul", L.Var("ir"), L.Const(T)), bv) if rows else bv
+        row_lets = []
+        if rows:
+            i0, ir = L.Var("i0"), L.Var("ir")
+            row_lets = [("let", rows[1], L.binary("add", i0, ir))]
+        update = [L.For(bv, L.Const(0), L.Const(T), L.block(L.Store(w, lin, value, "add")), vector=lanes)]
+        accumulate = _nest(row_lets + moved, update)
+        # the write-back needs the row's output coordinates only: the lets that do not read the reduction
+        unknown = {it[1].name for it in kept if it[0] != "if"}
+        back = []
+        for it in moved:
+            if _uses(it[1] if it[0] == "if" else it[2]) & unknown:
+                if it[0] == "let":
+                    unknown.add(it[1].name)
+            else:
+                back.append(it)
+        once = not rows and all(it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in pre)
+        self.writes_every_output = once
+        store = [L.For(bv, L.Const(0), L.Const(T), L.block(
+            L.Store(out, index, L.Load(w, lin, ct), None if once else "add")), vector=lanes)]
+        ir_loop = (lambda body: L.For(L.Var("ir"), L.Const(0), L.Const(Rt), body, unroll=True))
+        stmts = [L.LocalArray(w, ct, Rt * T, L.Const(0, ct), vector=lanes),
+                 _nest(kept, [ir_loop(accumulate) if rows else accumulate]),
+                 ir_loop(_nest(row_lets + back, store)) if rows else _nest([], store)]
+        body = L.block(stmts)
+        if rows:
+            body = L.block(L.Let(L.Var("i0"), L.Const(0)), body) if Rt == R else _strided(L.Var("i0"), R, Rt, body)
+        self.tile = (Rt, T)
+        return [_nest(pre, [_strided(bt, S, T, body)])]
 
     def _output(self, items):
         asg, sched = self.asg, self.sched
@@ -317,6 +426,32 @@ def identity(reduce, t):
 
 def _cast(e, t):
     return e if e.type == t else L.Cast(e, t)
+
+
+def _uses(e) -> set:
+    """The variable names an expression reads."""
+    if isinstance(e, L.Var):
+        return {e.name}
+    return set().union(set(), *(_uses(c) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
+                                if isinstance(c, L.Expr)))
+
+
+def _loads(e) -> list:
+    if isinstance(e, L.Load):
+        return [e.index]
+    return [x for c in (getattr(e, f, None) for f in ("a", "b", "cond")) if isinstance(c, L.Expr) for x in _loads(c)]
+
+
+def _contiguous(index, var) -> bool:
+    from .codegen.cpp import _coefficient
+    return _coefficient(index, var) in (0, 1)
+
+
+def _strided(var, extent, step, body):
+    """``for var in range(0, extent, step)`` as a loop over ``var / step`` (the loop IR steps by one)."""
+    k = L.Var(var.name + "_k")
+    return L.For(k, L.Const(0), L.Const(extent // step),
+                 L.block(L.Let(var, L.binary("mul", k, L.Const(step))), body))
 
 
 def _nest(items, body):

@@ -92,6 +92,17 @@ def plan(inputs, ops, sched, sizes, broadcast):
     return tuple(moves)
 
 
+def output_order(out, sched, output):
+    """The output's index order with the innermost loop's index last, when it is an output index other than
+    the last one of a dense output (``out[b, i] += ...`` under a loop nest ``i -> o -> b``); else None."""
+    if output.format is not None or not sched.inner or sched.outer:
+        return None
+    v = sched.inner[-1]
+    if v not in out or out[-1] == v:
+        return None
+    return tuple(w for w in out if w != v) + (v,)
+
+
 def apply(moves, inputs, ops):
     """The inputs and operands with the ``moves`` of ``plan`` made."""
     inputs, ops = list(inputs), list(ops)

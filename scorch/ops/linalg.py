@@ -103,6 +103,11 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1):
     return torch.add(input * beta if beta != 1 else input, prod, alpha=alpha)
 
 
+#: rows of the input per SpMM call of a sparse-weight ``linear``: the kernel keeps X^T's tile (in x BATCH_TILE)
+#: in the L2 cache, where a wider batch would stream X^T from memory once per row of W
+BATCH_TILE = 64
+
+
 @implements(torch.nn.functional.linear)
 def linear(input, weight, bias=None):
     """``input @ weight.T + bias`` with a sparse weight (out x in) or a sparse input (... x in).
@@ -118,7 +123,13 @@ def linear(input, weight, bias=None):
     if _is_sparse(weight) and not _is_sparse(input):
         lead = tuple(input.shape[:-1])
         x = input.reshape(-1, n_in)
-        out = dispatch.einsum("oi,bi->ob", weight, x, format="dense").t().reshape(*lead, shape_of(weight)[0])
+        n = x.shape[0]
+        if n <= 2 * BATCH_TILE:
+            out = dispatch.einsum("oi,bi->ob", weight, x, format="dense")
+        else:  # batch tiles: each tile's rows of X^T stay in cache while W streams past
+            out = torch.cat([dispatch.einsum("oi,bi->ob", weight, x[b:b + BATCH_TILE], format="dense")
+                             for b in range(0, n, BATCH_TILE)], 1)
+        out = out.t().reshape(*lead, shape_of(weight)[0])
     elif _is_sparse(input) and not _is_sparse(weight):
         if input.dim() != 2:
             raise NotImplementedError("scorch: linear with a sparse input of more than 2 dimensions")

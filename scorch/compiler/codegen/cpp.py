@@ -26,7 +26,15 @@ static inline int omp_get_thread_num() { return 0; }
 """
 
 
+#: bytes of an explicit vector (``For.vector`` loops): one AVX-512 register; GCC splits it where narrower
+VECTOR_BYTES = 64
+
 _HELPERS = {
+    # explicit vectors: ``scorch_vf32`` (aligned, for register tiles) and ``scorch_vf32u`` (any float address)
+    "scorch_vf": "".join(
+        f"typedef {t} scorch_v{n} __attribute__((vector_size({VECTOR_BYTES})));\n"
+        f"typedef {t} scorch_v{n}u __attribute__((vector_size({VECTOR_BYTES}), aligned({b}), may_alias));\n"
+        for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
 struct scorch_buf {
@@ -116,6 +124,8 @@ class _Emitter:
     def __init__(self, threads: bool):
         self.n = 0
         self.threads = " num_threads(nthreads)" if threads else ""
+        self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
+        self.vec_arrays = set()  # local arrays held as vectors
 
     def fresh(self, base):
         self.n += 1
@@ -135,10 +145,22 @@ class _Emitter:
             return [f"{pad}{CTYPE[s.var.type]} {ident(s.var.name)} = {self.expr(s.value)};"]
         if isinstance(s, L.Assign):
             return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
+        if isinstance(s, L.Store) and self.vec and _depends(s.index, self.vec[0]):
+            target = self.vector_ref(s.array, s.index, const=False)
+            return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
         if isinstance(s, L.Store):
             target = f"{ident(s.array)}[{self.expr(s.index)}]"
             line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
+        if isinstance(s, L.LocalArray) and s.vector:
+            n, lanes = ident(s.name), s.vector
+            if s.size % lanes or s.type not in ("f32", "f64"):
+                raise ValueError(f"vector workspace {s.name}: {s.size} {s.type} entries in vectors of {lanes}")
+            self.vec_arrays.add(s.name)
+            i = self.fresh("w")
+            return [f"{pad}scorch_v{s.type} {n}[{s.size // lanes}];",
+                    f"{pad}for (int64_t {i} = 0; {i} < {s.size // lanes}; ++{i}) {n}[{i}] = "
+                    f"scorch_v{s.type}{{}} + {self.expr(s.init)};"]
         if isinstance(s, L.LocalArray):
             n, t = ident(s.name), CTYPE[s.type]
             i = self.fresh("w")
@@ -171,6 +193,19 @@ class _Emitter:
     def loop(self, s, d):
         pad, v = "  " * d, ident(s.var.name)
         lo, hi = self.expr(s.lo), self.expr(s.hi)
+        if s.vector:
+            if s.parallel is not None or self.vec:
+                raise ValueError("a vector loop is neither parallel nor nested in another vector loop")
+            self.vec = (s.var.name, s.vector, _vector_type(s.body))
+            try:
+                body = self.block(s.body, d + 1)
+            finally:
+                self.vec = None
+            return [f"{pad}#pragma GCC unroll 16",
+                    f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; {v} += {s.vector}) {{"] + body + [f"{pad}}}"]
+        if s.parallel is None and s.unroll:
+            return [f"{pad}#pragma GCC unroll 64",
+                    f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) + [f"{pad}}}"]
         if s.parallel is None:
             simd = []
             if s.simd:
@@ -213,6 +248,15 @@ class _Emitter:
             f"{p2}for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
         ] + self.block(s.body, d + 2) + [f"{p2}}}", f"{pad}}}"]
 
+    def vector_ref(self, array, index, const):
+        """The vector at ``array[index]`` (lanes ``index .. index + lanes - 1``) inside a vector loop."""
+        var, lanes, t = self.vec
+        if _coefficient(index, var) != 1:
+            raise ValueError(f"vector access to {array} is not contiguous in the vector loop")
+        if array in self.vec_arrays:
+            return f"{ident(array)}[({self.expr(index)}) / {lanes}]"
+        return f"(*({'const ' if const else ''}scorch_v{t}u*)(&{ident(array)}[{self.expr(index)}]))"
+
     def update(self, target, op, value):
         if op is None:
             return f"{target} = {value}"
@@ -229,6 +273,8 @@ class _Emitter:
         if isinstance(e, L.Const):
             return _literal(e.value, e.type)
         if isinstance(e, L.Load):
+            if self.vec and _depends(e.index, self.vec[0]):
+                return self.vector_ref(e.array, e.index, const=True)
             return f"{ident(e.array)}[{self.expr(e.index)}]"
         if isinstance(e, L.Binary):
             a, b = self.expr(e.a), self.expr(e.b)
@@ -247,6 +293,38 @@ class _Emitter:
         if isinstance(e, L.Select):
             return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"
         raise TypeError(f"unknown expression {type(e).__name__}")
+
+
+def _depends(e, var) -> bool:
+    if isinstance(e, L.Var):
+        return e.name == var
+    return any(_depends(c, var) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
+               if isinstance(c, L.Expr))
+
+
+def _coefficient(e, var):
+    """The coefficient of ``var`` in the integer expression ``e`` when ``e`` is affine in it, else None."""
+    if not _depends(e, var):
+        return 0
+    if isinstance(e, L.Var):
+        return 1
+    if isinstance(e, L.Binary) and e.op in ("add", "sub"):
+        a, b = _coefficient(e.a, var), _coefficient(e.b, var)
+        return None if a is None or b is None else a + b if e.op == "add" else a - b
+    if isinstance(e, L.Binary) and e.op == "mul":
+        for x, y in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(y, L.Const) and not _depends(y, var):
+                c = _coefficient(x, var)
+                return None if c is None else c * int(y.value)
+    return None
+
+
+def _vector_type(body) -> str:
+    """The element type of a vector loop's stores (one floating type)."""
+    types = {s.value.type for s in L._walk(body) if isinstance(s, L.Store)}
+    if len(types) != 1 or not types <= {"f32", "f64"}:
+        raise ValueError(f"a vector loop stores one floating type, got {sorted(types)}")
+    return types.pop()
 
 
 def _literal(v, t):
