@@ -111,3 +111,12 @@ def test_transposed_product_of_fresh_values_on_one_pattern():
         v = torch.randn(s.nnz)
         t = s.with_values(v)
         torch.testing.assert_close(t.t() @ u, t.to_dense().t() @ u)
+
+
+def test_copy_of_another_pattern_drops_kept_conversions():
+    a = torch.tensor([[1., 0, 2], [0, 3, 0]])
+    b = torch.tensor([[0., 5, 0], [6, 0, 7]])
+    S = scorch.asformat(a, "csr")
+    scorch.asformat(S, "csc")  # kept on S
+    S.copy_(scorch.asformat(b, "csr"))
+    assert torch.equal(scorch.asformat(S, "csc").to_dense(), b)

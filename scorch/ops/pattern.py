@@ -86,6 +86,7 @@ def copy_(self, src, non_blocking=False):
         self._format, self._levels = src._format, tuple(st.map(torch.clone) for st in src._levels)
         self._index_dtype = src._index_dtype
         self._values = src._values.detach().to(self._values.dtype, copy=True).requires_grad_(grad)
+        self.__dict__.pop("_conversions", None)  # conversions kept for the old pattern
         return self
     self._values.copy_(_values(src, self, "copy_"), non_blocking)
     return self
