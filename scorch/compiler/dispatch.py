@@ -309,7 +309,8 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     if interop.converted_already(x, alt):  # a constant operand (features, an adjacency) converts once
         return alt
     # a counting sort: a pass to count, one to fill (comparison sorts serve other targets: n log n)
-    passes = 2 if compressed_target(alt) is not None else max(1.0, int(x.nnz).bit_length())
+    # (blocks move whole: their pattern converts by counting sort, the values by one gather)
+    passes = 2 if compressed_target(alt) is not None or blocked else max(1.0, int(x.nnz).bit_length())
     convert = CONVERT_COST * (x.nnz + sizes[drv.indices[fmt.exprs[firsts[0]].dim]]) * passes
     gain = VECTOR_GAIN if sched.outer else 1.0
     if convert >= work * (1 - 1 / (threads * gain)):

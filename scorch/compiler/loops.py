@@ -163,6 +163,8 @@ class LocalArray(Stmt):
     size: int
     init: Expr
     vector: int = 0
+    sums: int = 0  # held as ``sums``-lane partial sums: a vector loop adds a vector into an entry (its
+    #              index not depending on the loop), a read outside vector loops adds the lanes up
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,49 @@ class _Lowering:
         self.tile = (Rt, T)
         return [_nest(pre, [_strided(bt, S, T, body)])]
 
+    def _dot_tile(self, items, ready, out, index, value):
+        """Dot products at the stored entries (SDDMM: ``out[p] = sum_k A[i, k] B[j, k]``) for ``U`` entries at
+        once: the innermost loop (over k, contiguous) runs on vectors with one partial sum per entry, so U
+        independent chains hide the multiply-add latency and A's row is loaded once for U entries. The
+        entries left over (fewer than U) run the plain loop. None when the loop nest has another shape."""
+        from .codegen.cpp import VECTOR_BYTES
+        ct, rest = self.ct, items[ready + 1:]
+        loops = [it for it in rest if it[0] == "for"]
+        if ct not in ("f32", "f64") or len(loops) != 1 or loops[0] is not rest[-1]:
+            return None
+        kvar = next((v for v in self.asg.indices if self.vname[v] == loops[0][1].name), None)
+        lanes = VECTOR_BYTES // (4 if ct == "f32" else 8)
+        if kvar is None or kvar in self.asg.out or self.spec.get(kvar, 0) % lanes or not self.spec.get(kvar):
+            return None
+        P = max((i for i in range(ready + 1) if items[i][0] == "for"), default=None)
+        if P is None or items[P][4] is not None:
+            return None
+        if not all(_contiguous(x, loops[0][1].name) for x in _loads(value)):
+            return None
+        U = 4
+        _, pv, lo, hi, _ = items[P]
+        per_entry = items[P + 1:ready + 1] + rest[:-1]  # lets and guards of one entry
+        k, base, u = L.Var("e_k"), L.Var("e_base"), L.Var("u")
+        count = L.binary("sub", hi, lo)
+        full = L.binary("div", count, L.Const(U))
+        sums = "esum"
+        entry = [("let", pv, L.binary("add", base, u))]
+        kloop = loops[0]
+        accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
+            u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
+            vector=lanes)
+        write = L.For(u, L.Const(0), L.Const(U), _nest(entry + items[P + 1:ready + 1], [
+            L.Store(out, index, L.Load(sums, u, ct))]), unroll=True)
+        blocked = L.For(k, L.Const(0), full, L.block(
+            L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(U)))),
+            L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate, write))
+        acc = L.Var("acc", ct)
+        left = ("for", pv, L.binary("add", lo, L.binary("mul", full, L.Const(U))), hi, None)
+        plain = _nest([left] + items[P + 1:ready + 1], [
+            L.Decl(acc, L.Const(0, ct)), _nest(rest, [L.Assign(acc, value, "add")]), L.Store(out, index, acc)])
+        self.tile = (U, lanes)
+        return [_nest(items[:P], [blocked, plain])]
+
     def _output(self, items):
         asg, sched = self.asg, self.sched
         if self.scatter:
@@ -364,6 +407,10 @@ class _Lowering:
             if tiled is not None:
                 return tiled
         rest = items[ready + 1:]
+        if shared and red == "sum":
+            tiled = self._dot_tile(items, ready, out, index, value)
+            if tiled is not None:
+                return tiled
         # max/min also count the stored entries reduced into each output: where fewer than the reduced extent,
         # an implicit zero takes part too (applied after the kernel)
         counts = self.param("counts", "array", "i64", "counts", output=True) if red != "sum" else None

@@ -26,6 +26,23 @@ static inline int omp_get_thread_num() { return 0; }
 """
 
 
+def _hsum(name, ctype, lanes):
+    """The sum of a vector's lanes by halving (a tree: log2(lanes) dependent adds, not lanes)."""
+    lines = [f"static inline {ctype} scorch_hsum(scorch_v{name} v0) {{"]
+    width, k = lanes, 0
+    while width > 1:
+        half = width // 2
+        lo = ", ".join(str(i) for i in range(half))
+        hi = ", ".join(str(i) for i in range(half, width))
+        t = f"scorch_h{name}_{half}"
+        lines.append(f"  typedef {ctype} {t} __attribute__((vector_size({half * (4 if name == 'f32' else 8)})));")
+        lines.append(f"  const {t} v{k + 1} = __builtin_shufflevector(v{k}, v{k}, {lo}) +"
+                     f" __builtin_shufflevector(v{k}, v{k}, {hi});" if half > 1 else
+                     f"  return v{k}[0] + v{k}[1];")
+        width, k = half, k + 1
+    return "\n".join(lines) + "\n}\n"
+
+
 #: bytes of an explicit vector (``For.vector`` loops): one AVX-512 register; GCC splits it where narrower
 VECTOR_BYTES = 64
 
@@ -34,7 +51,8 @@ _HELPERS = {
     "scorch_vf": "".join(
         f"typedef {t} scorch_v{n} __attribute__((vector_size({VECTOR_BYTES})));\n"
         f"typedef {t} scorch_v{n}u __attribute__((vector_size({VECTOR_BYTES}), aligned({b}), may_alias));\n"
-        for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
+        for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
+        _hsum(n, t, VECTOR_BYTES // b) for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
 struct scorch_buf {
@@ -126,6 +144,7 @@ class _Emitter:
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.vec_arrays = set()  # local arrays held as vectors
+        self.sum_arrays = set()  # local arrays held as vector partial sums
 
     def fresh(self, base):
         self.n += 1
@@ -145,6 +164,10 @@ class _Emitter:
             return [f"{pad}{CTYPE[s.var.type]} {ident(s.var.name)} = {self.expr(s.value)};"]
         if isinstance(s, L.Assign):
             return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
+        if isinstance(s, L.Store) and self.vec and s.array in self.sum_arrays:
+            if s.op != "add":
+                raise ValueError(f"partial sums {s.array} only take additions")
+            return [f"{pad}{ident(s.array)}[{self.expr(s.index)}] += {self.expr(s.value)};"]
         if isinstance(s, L.Store) and self.vec and _depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
@@ -152,6 +175,12 @@ class _Emitter:
             target = f"{ident(s.array)}[{self.expr(s.index)}]"
             line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
+        if isinstance(s, L.LocalArray) and s.sums:
+            n = ident(s.name)
+            if s.type not in ("f32", "f64") or s.sums != VECTOR_BYTES // (4 if s.type == "f32" else 8):
+                raise ValueError(f"partial sums {s.name}: {s.type} in {s.sums} lanes")
+            self.sum_arrays.add(s.name)
+            return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}] = {{}};"]
         if isinstance(s, L.LocalArray) and s.vector:
             n, lanes = ident(s.name), s.vector
             if s.size % lanes or s.type not in ("f32", "f64"):
@@ -273,6 +302,10 @@ class _Emitter:
         if isinstance(e, L.Const):
             return _literal(e.value, e.type)
         if isinstance(e, L.Load):
+            if e.array in self.sum_arrays:
+                if self.vec:
+                    raise ValueError(f"partial sums {e.array} are read after the vector loop")
+                return f"scorch_hsum({ident(e.array)}[{self.expr(e.index)}])"
             if self.vec and _depends(e.index, self.vec[0]):
                 return self.vector_ref(e.array, e.index, const=True)
             return f"{ident(e.array)}[{self.expr(e.index)}]"
@@ -321,7 +354,7 @@ def _coefficient(e, var):
 
 def _vector_type(body) -> str:
     """The element type of a vector loop's stores (one floating type)."""
-    types = {s.value.type for s in L._walk(body) if isinstance(s, L.Store)}
+    types = {s.value.type for s in L._walk(body) if isinstance(s, L.Store)} - {None}
     if len(types) != 1 or not types <= {"f32", "f64"}:
         raise ValueError(f"a vector loop stores one floating type, got {sorted(types)}")
     return types.pop()
