@@ -11,7 +11,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from . import GROUPS, apps, cases, overhead, report
+from . import GROUPS, apps, cases, linear, overhead, report
 from .diagnose import diagnose
 from .timing import Table
 
@@ -62,6 +62,10 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
     if "scaling" in groups:
         out.append(("scaling", "SpMM time against nnz",
                     lambda: cases.spmm_nnz(inputs, app_cfg.spmm_nnz_n, app_cfg.spmm_nnz)))
+    if "linear" in groups:
+        n, batches = linear.size(cfg)
+        out += [("linear", f"Sparse linear layer, batch {b}, {'forward + backward' if bw else 'forward'}",
+                 lambda b=b, bw=bw: linear.linear_layer(cfg, n, b, bw)) for bw in (False, True) for b in batches]
     if "gnn" in groups:
         for model in ("gcn", "sage", "gat"):
             for dataset, epochs in app_cfg.gnn_datasets + (app_cfg.gnn_big,):

@@ -355,6 +355,14 @@ class _Lowering:
             return None
         if not all(_contiguous(x, loops[0][1].name) for x in _loads(value)):
             return None
+        # factors that do not vary along k multiply the sum once, at the write (SDDMM's sampled values)
+        fs = factors(self.asg.rhs)
+        inner_fs = [f for f in fs if kvar in _index_vars(f)]
+        outer = None
+        if inner_fs and len(inner_fs) < len(fs):
+            value = self._value(Mul(tuple(inner_fs)) if len(inner_fs) > 1 else inner_fs[0])
+            outer = self._value(Mul(tuple(f for f in fs if f not in inner_fs)) if len(fs) - len(inner_fs) > 1
+                                else next(f for f in fs if f not in inner_fs))
         U = 4
         _, pv, lo, hi, _ = items[P]
         per_entry = items[P + 1:ready + 1] + rest[:-1]  # lets and guards of one entry
@@ -367,15 +375,19 @@ class _Lowering:
         accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
             u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
             vector=lanes)
-        write = L.For(u, L.Const(0), L.Const(U), _nest(entry + items[P + 1:ready + 1], [
-            L.Store(out, index, L.Load(sums, u, ct))]), unroll=True)
+        total = L.Load(sums, u, ct)
+        rest_lets = [it for it in rest[:-1] if it[0] == "let"]
+        lets = [it for it in items[P + 1:ready + 1] if it[0] == "let"] + rest_lets
+        write = L.For(u, L.Const(0), L.Const(U), _nest(entry + lets, [
+            L.Store(out, index, total if outer is None else L.Binary("mul", outer, total, ct))]), unroll=True)
         blocked = L.For(k, L.Const(0), full, L.block(
             L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(U)))),
             L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate, write))
         acc = L.Var("acc", ct)
         left = ("for", pv, L.binary("add", lo, L.binary("mul", full, L.Const(U))), hi, None)
-        plain = _nest([left] + items[P + 1:ready + 1], [
-            L.Decl(acc, L.Const(0, ct)), _nest(rest, [L.Assign(acc, value, "add")]), L.Store(out, index, acc)])
+        plain = _nest([left] + items[P + 1:ready + 1] + rest_lets, [
+            L.Decl(acc, L.Const(0, ct)), _nest([it for it in rest if it[0] != "let"], [L.Assign(acc, value, "add")]),
+            L.Store(out, index, acc if outer is None else L.Binary("mul", outer, acc, ct))])
         self.tile = (U, lanes)
         return [_nest(items[:P], [blocked, plain])]
 
@@ -473,6 +485,19 @@ def identity(reduce, t):
 
 def _cast(e, t):
     return e if e.type == t else L.Cast(e, t)
+
+
+def _index_vars(e) -> set:
+    """The index variables an index expression reads."""
+    if isinstance(e, Access):
+        return set(e.indices)
+    if isinstance(e, Mul):
+        return set().union(*(_index_vars(f) for f in e.factors))
+    if isinstance(e, Add):
+        return set().union(*(_index_vars(t) for t in e.terms))
+    if isinstance(e, Map):
+        return _index_vars(e.arg)
+    return set()
 
 
 def _uses(e) -> set:

@@ -1,0 +1,108 @@
+"""The sparse linear layer (issue 6's target): ``F.linear(x, W, b)`` with a 90%-sparse ``n x n`` weight in CSR
+(unstructured, magnitude-pruned) and BSR (block-pruned), forward and forward + backward, against the dense
+``nn.Linear`` and torch.sparse, in one process.
+
+Each format has its own pattern (unstructured or whole blocks kept), so each peer is checked against a dense
+layer holding *its* masked weight; the dense layer's time does not depend on the mask. Forward + backward
+runs ``y = layer(x); y.backward(g)`` with ``x`` and the weight requiring gradients, and returns ``x.grad``;
+the weight's gradient is checked once, outside the timed calls, against the dense gradient on the pattern.
+"""
+from __future__ import annotations
+
+import torch
+
+import scorch
+
+from . import data
+from .cases import Config, _ratio_target, relative_error, run_peers, TOLERANCE
+from .timing import Table
+
+DENSE = "dense nn.Linear"
+SPARSITY = 0.9
+FORMATS = ("csr", "bsr(16, 16)", "bsr(32, 32)")
+
+
+def _scorch_name(fmt):
+    return f"scorch {fmt}"
+
+
+def size(cfg: Config) -> tuple[int, tuple]:
+    """The layer's width and the batch sizes."""
+    return (1024, (64,)) if cfg.quick else (4096, (64, 256, 512))
+
+
+def masked_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``w`` with the 90% smallest entries (csr) or blocks (bsr) zeroed."""
+    if fmt == "csr":
+        keep = scorch.nn.ScalarFraction(SPARSITY).mask(w)
+    else:
+        b = scorch.formats.named.block_size(scorch.formats.named.resolve(fmt))
+        keep = scorch.nn.BlockFraction(SPARSITY, b).mask(w)
+    return w * keep
+
+
+def weight_bytes(s: scorch.SparseTensor) -> int:
+    """Bytes of a SparseTensor's values and index arrays."""
+    total = s.values().numel() * s.values().element_size()
+    for st in s.levels:
+        total += sum(a.numel() * a.element_size() for a in st.arrays().values())
+    return total
+
+
+def linear_layer(cfg: Config, n: int, batch: int, backward: bool) -> Table:
+    mode = "forward + backward" if backward else "forward"
+    t = Table("linear", f"Sparse linear layer, {n} x {n}, batch {batch}, {mode}",
+              f"F.linear(x, W, bias): W {n} x {n} float32 at {SPARSITY:.0%} sparsity, x {batch} x {n}; "
+              + ("y.backward(g) with x and W requiring gradients" if backward else "no gradients"))
+    torch.manual_seed(0)
+    w = torch.randn(n, n) / n ** 0.5
+    bias = torch.randn(n)
+    x = data.dense((batch, n), seed=90 + batch).requires_grad_(backward)
+    g = data.dense((batch, n), seed=91 + batch)
+    masked = {fmt: masked_weight(w, fmt) for fmt in FORMATS}
+    sparse = {fmt: torch.nn.Parameter(scorch.asformat(masked[fmt], fmt), requires_grad=backward) for fmt in FORMATS}
+    torch_csr = masked["csr"].to_sparse_csr().requires_grad_(backward)
+    torch_bsr = masked["bsr(16, 16)"].to_sparse_bsr((16, 16)).requires_grad_(backward)
+    dense_w = {fmt: masked[fmt].clone().requires_grad_(backward) for fmt in FORMATS}
+
+    def call(f, wt):
+        if not backward:
+            with torch.no_grad():
+                return f(x, wt)
+        x.grad = None
+        y = f(x, wt)
+        y.backward(g)
+        return x.grad
+
+    linear = (lambda x_, wt: torch.nn.functional.linear(x_, wt, bias))
+    by_torch = (lambda x_, wt: torch.sparse.mm(wt, x_.t()).t() + bias)
+    peers = {DENSE: lambda: call(linear, dense_w["csr"])}
+    peers.update({_scorch_name(fmt): (lambda fmt=fmt: call(linear, sparse[fmt])) for fmt in FORMATS})
+    peers["torch.sparse CSR"] = lambda: call(by_torch, torch_csr)
+    peers["torch.sparse BSR 16x16"] = lambda: call(by_torch, torch_bsr)
+    refs = {_scorch_name(fmt): (lambda fmt=fmt: call(linear, dense_w[fmt])) for fmt in FORMATS}
+    refs["torch.sparse BSR 16x16"] = lambda: call(linear, dense_w["bsr(16, 16)"])
+    t.scorch, t.torch = _scorch_name("bsr(16, 16)"), DENSE
+    run_peers(t, peers, DENSE, cfg, refs)
+    if backward:  # the weight's gradient: the dense one on the pattern
+        errs = []
+        for fmt in FORMATS:
+            for p in (sparse[fmt], dense_w[fmt]):
+                p.grad = None
+            call(linear, sparse[fmt])
+            call(linear, dense_w[fmt])
+            got = sparse[fmt].grad.to_dense()
+            err = relative_error(got, dense_w[fmt].grad * (got != 0))
+            if err > TOLERANCE:
+                raise AssertionError(f"scorch {fmt}: the weight's gradient is wrong (relative error {err:.1e})")
+            errs.append(f"{fmt}: {err:.1e}")
+        t.notes.append("Weight gradient checked against the dense gradient on the pattern: " + "; ".join(errs) + ".")
+    goal = 2.0 if backward else 3.0
+    for fmt in FORMATS if n >= 4096 else ():  # the issue's size (the quick run's layer is smaller)
+        t.targets.append(_ratio_target(t, f"scorch {fmt} >= {goal:g}x faster than dense nn.Linear ({mode})", goal,
+                                       DENSE, _scorch_name(fmt)))
+    dense_bytes = n * n * 4
+    t.notes.append("Weight bytes: dense " + f"{dense_bytes / 1e6:.1f} MB; " + "; ".join(
+        f"{fmt} {weight_bytes(sparse[fmt]) / 1e6:.1f} MB ({dense_bytes / weight_bytes(sparse[fmt]):.1f}x less)"
+        for fmt in FORMATS) + ".")
+    return t
