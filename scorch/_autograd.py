@@ -175,7 +175,18 @@ def pattern_ones(x: SparseTensor, dtype):
     v = x._values
     if x._format.padded:
         return (v != 0).to(dtype)
-    return torch.ones(v.shape, dtype=dtype, device=v.device)
+    key = (v.numel(), dtype, v.device)
+    kept = _ONES.get(key)
+    if kept is None or kept[0]._version != kept[1]:  # (modified in place since: not ones any more)
+        if len(_ONES) >= 8:
+            _ONES.clear()
+        ones = torch.ones(v.shape, dtype=dtype, device=v.device)
+        kept = _ONES[key] = (ones, ones._version)
+    return kept[0].view(v.shape)
+
+
+#: ones of a size, kept: a model's patterns (a weight's, a graph's) ask for the same ones every step
+_ONES: dict = {}
 
 
 def values_at(r, x: SparseTensor, letters=None, r_letters=None):

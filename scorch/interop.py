@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 
@@ -118,12 +119,19 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
         levels = moved._levels if inner is None else (LevelStorage(), moved._levels[1]) + tuple(inner)
         entry = (levels, perm)
         _PERMUTATIONS.put(extra, x._levels, entry)
-    levels, perm = entry
-    vals = x._values.detach()
-    if len(levels) != 2 and perm.numel():  # whole blocks
-        vals = torch.index_select(vals.view(perm.numel(), -1), 0, perm).reshape(-1)
+    levels, perm = entry[:2]
+    src = x._values.detach()
+    last = entry[2] if len(entry) > 2 else None  # the last values moved: the same values ask again (a weight
+    if last is not None and last[0]() is x._values and (last[1], last[3]) == (  # read transposed by several
+            x._values._version, last[2]._version):                                 # calls)
+        vals = last[2]
     else:
-        vals = torch.index_select(vals, 0, perm)
+        if len(levels) != 2 and perm.numel():  # whole blocks
+            vals = torch.index_select(src.view(perm.numel(), -1), 0, perm).reshape(-1)
+        else:
+            vals = torch.index_select(src, 0, perm)
+        _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._values), x._values._version, vals,
+                                                            vals._version)))
     return SparseTensor(fmt, x._shape, levels, vals, check=False)
 
 

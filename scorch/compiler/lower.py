@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..formats import Mod
+from ..formats import Div, Mod
 from ..formats import Var as FVar
 from ..formats.levels import LevelSymbols
 from . import loops as L
@@ -67,6 +67,7 @@ class _Lowering:
         self.scalars = {}
         self.block_loops = {}  # loop variable of a dense level over a block's offsets -> the block size
         self.tile = None       # (rows, columns) of a register tile, for explain
+        self.block_covering = set()  # loops over all of a dense ``i / b`` or ``i % b`` level of an output index
 
     def param(self, name, kind, type_, arg_kind, output=False, **where):
         if all(p.name != name for p in self.params):
@@ -125,6 +126,8 @@ class _Lowering:
                 items += [("for", c, lo, hi, par), ("let", p, lvl.emit_coord_access(sym, parent, c))]
                 if isinstance(e, FVar) and drv.indices[e.dim] in asg.out:
                     self.covering.add(c.name)  # visits every coordinate of an output index once
+                elif isinstance(e, (Div, Mod)) and lvl.full and drv.indices[e.dim] in asg.out:
+                    self.block_covering.add(c.name)  # with the other part of the same index: each once
             else:
                 bounds = lvl.emit_pos_bounds(sym, parent)
                 if bounds is None:
@@ -322,7 +325,10 @@ class _Lowering:
                     unknown.add(it[1].name)
             else:
                 back.append(it)
-        once = not rows and all(it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in pre)
+        # every output location written once: the loops outside the tile walk output indices densely (whole
+        # coordinates, or a block level whose offsets are the tile's rows), without a guard that skips rows
+        covering = self.covering | (self.block_covering if rows and rows[1].name in self.block_covering else set())
+        once = all(it[0] == "let" or (it[0] == "for" and it[1].name in covering) for it in pre)
         self.writes_every_output = once
         store = [L.For(bv, L.Const(0), L.Const(T), L.block(
             L.Store(out, index, L.Load(w, lin, ct), None if once else "add")), vector=lanes)]

@@ -127,8 +127,9 @@ def linear(input, weight, bias=None):
         if n <= 2 * BATCH_TILE:
             out = dispatch.einsum("oi,bi->ob", weight, x, format="dense")
         else:  # batch tiles: each tile's rows of X^T stay in cache while W streams past
-            out = torch.cat([dispatch.einsum("oi,bi->ob", weight, x[b:b + BATCH_TILE], format="dense")
-                             for b in range(0, n, BATCH_TILE)], 1)
+            # (split, not slicing: the gradients of the tiles meet in one concatenation)
+            out = torch.cat([dispatch.einsum("oi,bi->ob", weight, tile, format="dense")
+                             for tile in x.split(BATCH_TILE)], 1)
         out = out.t().reshape(*lead, shape_of(weight)[0])
     elif _is_sparse(input) and not _is_sparse(weight):
         if input.dim() != 2:
