@@ -47,3 +47,10 @@ def test_sparse_api_doc_is_in_sync_with_the_registry():
     from scorch import catalog
     doc = README.parent / "docs" / "sparse-api.md"
     assert doc.read_text() == catalog.markdown(), "regenerate: python -m scorch.catalog > docs/sparse-api.md"
+
+
+def test_readme_sparsify_example_runs():
+    block = next(b for b in python_blocks() if "scorch.schedule(model)" in b)
+    out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "bsr(16, 16)" in out.stdout and "csr" in out.stdout
