@@ -100,10 +100,44 @@ SCRIPT = textwrap.dedent(r'''
         return n, bad
 
 
+    def tile_checks():
+        """Register tiles and dot tiles (dense extents a multiple of the vector width), partial blocks, n:m,
+        and a sparse-weight linear layer in batch tiles with its backward (output order, BSR -> BSC)."""
+        gen = torch.Generator().manual_seed(7)
+        bad, n = [], 0
+        for fmt, shape in (("csr", (5, 7)), ("bsr(4, 4)", (5, 7)), ("bsr(2, 8)", (9, 16)), ("nm(2, 4)", (6, 8)),
+                           ("bsr(4, 4)", (0, 8)), ("csr", (1, 1))):
+            a = values(shape, gen, 0.5)
+            if fmt.startswith("nm"):
+                a = a * (torch.arange(shape[1]) % 4 < 2)
+            s = scorch.asformat(a, fmt)
+            for k in (16, 64):
+                x, y = values((shape[1], k), gen), values((shape[0], k), gen)
+                checks = [(scorch.einsum("ij,jk->ik", s, x), a @ x), (scorch.einsum("ij,ik->jk", s, y), a.T @ y),
+                          (scorch.einsum("ij,ik,jk->ij", s, y, x), (y @ x.T) * a)]
+                for r, expected in checks:
+                    n += 1
+                    if not close(r, expected):
+                        bad.append(f"tile {fmt} {shape} k={k}")
+        w = values((48, 32), gen, 0.3)
+        for fmt in ("csr", "bsr(16, 16)"):
+            p = torch.nn.Parameter(scorch.asformat(w, fmt))
+            x = values((160, 32), gen).requires_grad_()
+            y = torch.nn.functional.linear(x, p)
+            y.backward(torch.ones_like(y))
+            n += 1
+            stored = p.detach()
+            mask = stored.with_values(torch.ones_like(stored.values())).to_dense() != 0  # blocks keep zeros
+            if not (close(y, x.detach() @ w.T) and close(x.grad, torch.ones(160, 48, dtype=w.dtype) @ w)
+                    and close(p.grad.to_dense(), (torch.ones(48, 160, dtype=w.dtype) @ x.detach()) * mask)):
+                bad.append(f"linear {fmt}")
+        return n, bad
+
+
     torch.set_num_threads(3)  # more threads than some inputs have rows
     jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
-        results = list(pool.map(run, jobs)) + [ops_checks()]
+        results = list(pool.map(run, jobs)) + [ops_checks(), tile_checks()]
     bad = [b for _, bs in results for b in bs]
     print("checked", sum(n for n, _ in results), "results in", len(jobs), "kernels")
     for b in bad:
