@@ -151,6 +151,38 @@ def recsys(threads: int, quick: bool) -> Table:
     return t
 
 
+# --- sparsified model -------------------------------------------------------------------------------------------
+
+def sparsify(threads: int, quick: bool) -> list:
+    """``apps.sparsify``: the dense MLP and its pruned, fine-tuned versions, one table per format; a row per
+    model with its training epoch, its inference batch and its accuracy and weight bytes. Ratios are to the
+    90%-sparse model."""
+    from apps import sparsify as app
+    size = dict(epochs=5, finetune_epochs=2, hidden=512, repeats=5) if quick else \
+        dict(epochs=60, finetune_epochs=10, hidden=2048, repeats=20)
+    tables = []
+    for fmt in ("csr", "bsr16"):
+        r = app.run("scorch", threads=threads, quiet=True, format=fmt, **size)
+        rows = r["rows"]
+        t = Table("sparsify", f"Sparsified MLP, {r['data']}, {dict(csr='CSR', bsr16='BSR 16 x 16')[fmt]}",
+                  f"`python -m apps.sparsify --format {fmt}`: MLP {size['hidden']} wide, dense training "
+                  f"{size['epochs']} epochs, then each sparsity pruned ({app.FORMATS[fmt]}) and fine-tuned "
+                  f"{size['finetune_epochs']} epochs; batch 256; accuracy on a random 20% test split", kind="app")
+        for row in rows:
+            pruned = "" if row["acc_pruned"] is None else f"pruned {row['acc_pruned']:.3f}, "
+            t.rows.append(Row(row["model"], Timing(statistics.median(row["epoch_times"]), min(row["epoch_times"]),
+                                                   len(row["epoch_times"])),
+                              infer=Timing(statistics.median(row["infer_times"]), min(row["infer_times"]),
+                                           len(row["infer_times"])),
+                              metric=f"test accuracy {pruned}tuned {row['acc']:.3f}; weights "
+                                     f"{row['bytes'] / 1e6:.2f} MB ({rows[0]['bytes'] / row['bytes']:.1f}x less)"))
+        t.scorch, t.torch = rows[-1]["model"], "dense"
+        t.notes.append(f"Ratios are each model's time over the {rows[-1]['model']} model's (the sparsest); the "
+                       "sparse weights are the two wide hidden layers, the classifier layer stays dense.")
+        tables.append(t)
+    return tables
+
+
 # --- sparse transformer -----------------------------------------------------------------------------------------
 
 ST_NAMES = {"scorch": "scorch", "dense": "torch dense (SDPA, mask)", "sparse": "torch.sparse"}
