@@ -41,14 +41,6 @@ def masked_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return w * keep
 
 
-def weight_bytes(s: scorch.SparseTensor) -> int:
-    """Bytes of a SparseTensor's values and index arrays."""
-    total = s.values().numel() * s.values().element_size()
-    for st in s.levels:
-        total += sum(a.numel() * a.element_size() for a in st.arrays().values())
-    return total
-
-
 def linear_layer(cfg: Config, n: int, batch: int, backward: bool) -> Table:
     mode = "forward + backward" if backward else "forward"
     t = Table("linear", f"Sparse linear layer, {n} x {n}, batch {batch}, {mode}",
@@ -102,7 +94,7 @@ def linear_layer(cfg: Config, n: int, batch: int, backward: bool) -> Table:
         t.targets.append(_ratio_target(t, f"scorch {fmt} >= {goal:g}x faster than dense nn.Linear ({mode})", goal,
                                        DENSE, _scorch_name(fmt)))
     dense_bytes = n * n * 4
-    t.notes.append("Weight bytes: dense " + f"{dense_bytes / 1e6:.1f} MB; " + "; ".join(
-        f"{fmt} {weight_bytes(sparse[fmt]) / 1e6:.1f} MB ({dense_bytes / weight_bytes(sparse[fmt]):.1f}x less)"
-        for fmt in FORMATS) + ".")
+    stored = {fmt: scorch.nn.storage_bytes(sparse[fmt]) for fmt in FORMATS}
+    t.notes.append(f"Weight bytes: dense {dense_bytes / 1e6:.1f} MB; " + "; ".join(
+        f"{fmt} {b / 1e6:.1f} MB ({dense_bytes / b:.1f}x less)" for fmt, b in stored.items()) + ".")
     return t

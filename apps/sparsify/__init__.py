@@ -99,14 +99,7 @@ def infer_times(model, x, batch: int, repeats: int):
 def weight_bytes(model) -> int:
     """Bytes of every parameter: values and, for sparse ones, their index arrays."""
     import scorch
-    total = 0
-    for p in model.parameters():
-        if isinstance(p, scorch.SparseTensor):
-            total += p.values().numel() * p.values().element_size()
-            total += sum(a.numel() * a.element_size() for st in p.levels for a in st.arrays().values())
-        else:
-            total += p.numel() * p.element_size()
-    return total
+    return sum(scorch.nn.storage_bytes(p) for p in model.parameters())
 
 
 def sparsify(model, fmt: str, sparsity: float):

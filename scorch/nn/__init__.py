@@ -5,7 +5,7 @@ from .. import _forward
 from . import functional  # noqa: F401
 from .sparsify import (NM, BlockFraction, KeepAll, RandomFraction, ScalarFraction, ScalarThreshold,  # noqa: F401
                        Sparsifier)
-from .schedule import Schedule  # noqa: F401
+from .schedule import Schedule, storage_bytes  # noqa: F401
 from .layers import SparseLinear, patch_model, reformat_model  # noqa: F401
 
 __getattr__, __dir__ = _forward.forward(globals(), _nn)

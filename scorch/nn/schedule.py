@@ -357,7 +357,8 @@ def _replace(model, old, new):
                 setattr(module, attr, new)
 
 
-def _nbytes(t) -> int:
+def storage_bytes(t) -> int:
+    """Bytes a tensor's storage takes: a SparseTensor's values and index arrays, a dense tensor's elements."""
     if isinstance(t, SparseTensor):
         arrays = [a for st in t.levels for a in st.arrays().values()] + [t.values()]
         return sum(a.numel() * a.element_size() for a in arrays)
@@ -575,7 +576,7 @@ class Schedule:
             rows.append(dict(kind="param", name=name, shape=tuple(p.shape),
                              format=short_name(p.format) if sparse else "dense (not applied)",
                              density=p.density if sparse else 1.0, dense_bytes=p.numel() * p.element_size(),
-                             bytes=_nbytes(p)))
+                             bytes=storage_bytes(p)))
         for name, plan in self._outputs.items():
             rows.append(dict(kind="output", name=name, format=plan.layout.describe(), sparsifier=repr(plan.rule)))
         if print_it:
