@@ -154,20 +154,36 @@ def recsys(threads: int, quick: bool) -> Table:
 # --- sparsified model -------------------------------------------------------------------------------------------
 
 def sparsify(threads: int, quick: bool) -> list:
-    """``apps.sparsify``: the dense MLP and its pruned, fine-tuned versions, one table per format; a row per
-    model with its training epoch, its inference batch and its accuracy and weight bytes. Ratios are to the
-    90%-sparse model."""
+    """``apps.sparsify``: a dense model and its pruned, fine-tuned versions, one table per (model, format): the
+    MLP in CSR and BSR 16 x 16, the transformer in BSR 16 x 16; a row per model with its training epoch, its
+    inference batch and its accuracy and weight bytes. Ratios are to the 90%-sparse model."""
     from apps import sparsify as app
-    size = dict(epochs=5, finetune_epochs=2, hidden=512, repeats=5) if quick else \
-        dict(epochs=60, finetune_epochs=10, hidden=2048, repeats=20)
+    sizes = {"mlp": dict(epochs=5, finetune_epochs=2, hidden=512, repeats=5) if quick else
+             dict(epochs=60, finetune_epochs=10, hidden=2048, repeats=20),
+             "transformer": dict(epochs=2, finetune_epochs=1, hidden=256, sequences=400, repeats=5) if quick else
+             dict(epochs=app.TRANSFORMER["epochs"], finetune_epochs=app.TRANSFORMER["finetune_epochs"],
+                  hidden=app.TRANSFORMER["hidden"], sequences=app.TRANSFORMER["sequences"], repeats=20)}
+    names = dict(csr="CSR", bsr16="BSR 16 x 16")
     tables = []
-    for fmt in ("csr", "bsr16"):
-        r = app.run("scorch", threads=threads, quiet=True, format=fmt, **size)
+    for model, fmt in (("mlp", "csr"), ("mlp", "bsr16"), ("transformer", "bsr16")):
+        size = sizes[model]
+        r = app.run("scorch", model=model, threads=threads, quiet=True, format=fmt, **size)
         rows = r["rows"]
-        t = Table("sparsify", f"Sparsified MLP, {r['data']}, {dict(csr='CSR', bsr16='BSR 16 x 16')[fmt]}",
-                  f"`python -m apps.sparsify --format {fmt}`: MLP {size['hidden']} wide, dense training "
-                  f"{size['epochs']} epochs, then each sparsity pruned ({app.FORMATS[fmt]}) and fine-tuned "
-                  f"{size['finetune_epochs']} epochs; batch 256; accuracy on a random 20% test split", kind="app")
+        if model == "mlp":
+            title = f"Sparsified MLP, {r['data']}, {names[fmt]}"
+            what = (f"MLP {size['hidden']} wide, dense training {size['epochs']} epochs, then each sparsity pruned "
+                    f"({app.FORMATS[fmt]}) and fine-tuned {size['finetune_epochs']} epochs; batch {r['batch']}; "
+                    "accuracy on a random 20% test split")
+            weights = "the two wide hidden layers, the classifier layer stays dense"
+        else:
+            t_ = app.TRANSFORMER
+            title = f"Sparsified transformer encoder, {names[fmt]}"
+            what = (f"{t_['layers']}-layer nn.TransformerEncoder, d_model {t_['d_model']}, feed-forward "
+                    f"{size['hidden']}, on the {r['data']}; dense training {size['epochs']} "
+                    f"epochs, then each sparsity pruned ({app.FORMATS[fmt]}) and fine-tuned "
+                    f"{size['finetune_epochs']} epochs; batch {r['batch']} sequences; accuracy on 20% held out")
+            weights = "every layer's feed-forward linear1 and linear2, attention and embeddings stay dense"
+        t = Table("sparsify", title, f"`python -m apps.sparsify --model {model} --format {fmt}`: {what}", kind="app")
         for row in rows:
             pruned = "" if row["acc_pruned"] is None else f"pruned {row['acc_pruned']:.3f}, "
             t.rows.append(Row(row["model"], Timing(statistics.median(row["epoch_times"]), min(row["epoch_times"]),
@@ -178,7 +194,7 @@ def sparsify(threads: int, quick: bool) -> list:
                                      f"{row['bytes'] / 1e6:.2f} MB ({rows[0]['bytes'] / row['bytes']:.1f}x less)"))
         t.scorch, t.torch = rows[-1]["model"], "dense"
         t.notes.append(f"Ratios are each model's time over the {rows[-1]['model']} model's (the sparsest); the "
-                       "sparse weights are the two wide hidden layers, the classifier layer stays dense.")
+                       f"sparse weights are {weights}.")
         tables.append(t)
     return tables
 
@@ -203,7 +219,7 @@ def transformer(threads: int, quick: bool, seq_lens) -> list:
         return {"epoch_s": r["fwd_bwd_s"], "infer_s": r["fwd_s"]}
 
     t = app_table("transformer", f"Sparse attention layer, sequence {n}, window 64",
-                  f"one attention layer (QKV and output projections, d_model 128, 4 heads, batch 1), Longformer/"
+                  "one attention layer (QKV and output projections, d_model 128, 4 heads, batch 1), Longformer/"
                   "BigBird pattern (window 64, 2 global tokens, 1 random block of 64 per block row); training "
                   "column: forward+backward, inference column: forward", {ST_NAMES[b]: (lambda b=b: timed(b))
                                                                           for b in app.BACKENDS},

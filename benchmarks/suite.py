@@ -76,7 +76,7 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
     if "recsys" in groups:
         out.append(("recsys", "recommender", lambda: apps.recsys(threads, cfg.quick)))
     if "sparsify" in groups:
-        out.append(("sparsify", "sparsified MLP", lambda: apps.sparsify(threads, cfg.quick)))
+        out.append(("sparsify", "sparsified MLP and transformer", lambda: apps.sparsify(threads, cfg.quick)))
     if "transformer" in groups:
         out.append(("transformer", "sparse transformer", lambda: apps.transformer(threads, cfg.quick,
                                                                                   app_cfg.seq_lens)))
