@@ -38,8 +38,8 @@ WEIGHTS = {"mlp": SPARSE_WEIGHTS, "transformer": TRANSFORMER_WEIGHTS}
 DEFAULTS = dict(model="mlp", dataset="cora", hidden=2048, epochs=60, finetune_epochs=10, lr=1e-2, batch=256,
                 repeats=20, sparsities=(0.5, 0.75, 0.9), format="bsr16")
 # --model transformer: the sizes and training that differ from the MLP's (hidden is the feed-forward width)
-TRANSFORMER = dict(hidden=2048, epochs=5, finetune_epochs=2, lr=1e-3, batch=64, d_model=256, heads=4, layers=2,
-                   seq_len=16, vocab=64, classes=4, sequences=4000)
+TRANSFORMER = dict(hidden=2048, epochs=6, finetune_epochs=2, lr=1e-3, batch=64, d_model=256, heads=4, layers=2,
+                   seq_len=16, vocab=64, classes=4, sequences=5000)
 IGNORE = -100  # a label cross_entropy and accuracy leave out (the transformer task's first position)
 
 
