@@ -29,6 +29,12 @@ def one_thread():
 CASES = [("csr", 0.9, "csr"), ("bsr16", 0.75, "bsr(16, 16)"), ("bsr32", 0.5, "bsr(32, 32)"), ("nm24", 0.5, "nm(2, 4)")]
 
 
+def stored_pattern(p):
+    """Where ``p`` stores an entry (a block format stores the zeros of its kept blocks too)."""
+    stored = p.detach()
+    return stored.with_values(torch.ones_like(stored.values())).to_dense() != 0
+
+
 def sparse_weights(model):
     return {n: p for n, p in model.named_parameters() if re.fullmatch(app.SPARSE_WEIGHTS, n)}
 
@@ -45,8 +51,7 @@ def test_pruned_model_is_the_dense_model_with_the_mask(fmt, sparsity, name):
     for n, p in weights.items():
         assert isinstance(p, scorch.SparseTensor) and isinstance(p, torch.nn.Parameter) and p.requires_grad
         assert scorch.formats.named.short_name(p.format) == name
-        stored = p.detach()
-        mask = stored.with_values(torch.ones_like(stored.values())).to_dense() != 0
+        mask = stored_pattern(p)
         kept = mask.float().mean().item()
         assert kept == pytest.approx(1 - sparsity, abs=1e-3), (n, kept)
         dict(masked.named_parameters())[n].data.mul_(mask)  # the dense weight with the same mask
@@ -119,7 +124,7 @@ def test_transformer_pruned_is_the_dense_model_with_the_mask(fmt, sparsity, name
     for n in TRANSFORMER_WEIGHTS:
         p = params[n]
         assert scorch.formats.named.short_name(p.format) == name and p.requires_grad
-        mask = p.detach().with_values(torch.ones_like(p.detach().values())).to_dense() != 0
+        mask = stored_pattern(p)
         assert mask.float().mean().item() == pytest.approx(1 - sparsity, abs=1e-3), n
         dict(masked.named_parameters())[n].data.mul_(mask)
     x = torch.randint(10, (5, 8))
