@@ -17,7 +17,7 @@ from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
 from . import loops as L
 from . import relayout, runtime
-from .codegen import cpp
+from .codegen import cpp, cuda
 from .einsum import equation as einsum_string
 from .einsum import parse, to_index_notation
 from .infer import OutputFormat, infer
@@ -62,6 +62,7 @@ class Plan:
         if self.kernel is not None:
             how = {"compiled": f"compiled now ({self.kernel.compile_seconds:.2f} s)", "disk": "loaded from the disk"
                    " cache", "memory": "from the memory cache"}.get(self.kernel.origin, self.kernel.origin)
+            lines += _gpu_lines(self.kernel)
             lines += [f"kernel:       {how}: {self.kernel.path}", "source:", self.source]
         return "\n".join(lines)
 
@@ -189,10 +190,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     sizes, broadcast = _sizes(inputs, ops, name)                                  # data pointers as they are
     dtype = _result_dtype(ops, name)
     prepared_ok = prepared_ok and all(dtype_of(x) == dtype for x in ops)  # ... without casting them
-    devices = {device_of(x).type for x in ops}
-    if devices != {"cpu"}:
-        raise NotImplementedError(f"scorch: {name} on {', '.join(sorted(devices))} tensors is not supported yet"
-                                  " (CPU kernels only)")
+    backend = _backend(ops, backend, name)
     ops = [_cast(x, dtype) for x in ops]
     fmt = None if format is None else named.resolve(format, len(out))
     types = tuple(_type(x) for x in ops)
@@ -211,17 +209,17 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         if reduce != "sum":
             raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
                                       " supported yet")
-        plan = _COMPILED.get(key)
+        plan = _COMPILED.get(key + (_target(backend),))
         if plan is None:
-            plan = _COMPILED[key] = _compile_coiteration(asg, output, broadcast)
+            plan = _COMPILED[key + (_target(backend),)] = _compile_coiteration(asg, output, broadcast, backend)
         result = _call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
         if explain:
             print(plan.explain())
         return result
     plan_key = key
-    if sched0.parallel != "level0" and (torch.get_num_threads() > 1 or sched0.outer):
+    if sched0.parallel != "level0" and (_threads(backend) > 1 or sched0.outer):
         k = sched0.driver.operand
-        alt = _transposed_for_parallel(asg, sched0, ops[k], sizes)
+        alt = _transposed_for_parallel(asg, sched0, ops[k], sizes, _threads(backend))
         if alt is not None:
             if explain:
                 print(f"reformat:     T{k} converted from {ops[k].format.name or ops[k].format} to {alt.name or alt}:"
@@ -254,9 +252,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
                    reduce=reduce, relaid=True)
     if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
         plan_key = key + (sizes[sched0.inner[-1]],)
+    plan_key += (_target(backend),)
     plan = _COMPILED.get(plan_key)
     if plan is None:
-        plan = _compile(asg, output, sizes, broadcast)
+        plan = _compile(asg, output, sizes, broadcast, backend)
         _COMPILED[plan_key] = plan
     if backend == "cpp" and prepared_ok and len(_FAST) < 4096:
         _FAST[sig] = _prepared_call(plan, sizes, dtype)
@@ -273,7 +272,7 @@ VECTOR_GAIN = 4.0
 CONVERT_COST = 4.0
 
 
-def _transposed_for_parallel(asg, sched, x, sizes):
+def _transposed_for_parallel(asg, sched, x, sizes, threads):
     """A format for the driver whose first level is an output index (so the loop over it runs in parallel
     without write conflicts), when converting costs less than the serial loop loses; else None.
 
@@ -297,7 +296,6 @@ def _transposed_for_parallel(asg, sched, x, sizes):
     work = x.nnz
     for v in sched.outer + sched.inner:
         work *= sizes[v]
-    threads = torch.get_num_threads()
     # the same level types in the new order, made unique (COO's repeated rows would race again)
     types = unique_levels(fmt.level_types)
     try:
@@ -326,20 +324,95 @@ def _lowerable(asg, output: OutputFormat) -> OutputFormat:
     return OutputFormat(None, 0, output.rule)
 
 
-def _compile(asg, output, sizes, broadcast) -> Plan:
+def _compile(asg, output, sizes, broadcast, backend="cpp") -> Plan:
     written = _lowerable(asg, output)
     sched = schedule(asg, written, sizes)
     ct = L.type_of(asg.operands[0].dtype)
     plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
-    plan.lowered = lower(asg, sched, ct, broadcast)
-    plan.source, plan.kernel = _build(plan.lowered)
+    plan.lowered = lower(asg, sched, ct, broadcast, target=_target(backend))
+    plan.source, plan.kernel = _build(plan.lowered, backend)
     return plan
 
 
-def _build(low):
-    """``(source, kernel)``: a lowered kernel's C++ source, compiled (or found in a cache) and loaded."""
-    src = cpp.generate(low.kernel)
-    return src, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+#: backends: ``cpp`` (C++ on the CPU), ``cuda`` (CUDA on the tensors' GPU), ``cuda-emulate`` (the CUDA source run on
+#: the CPU by the emulation in ``codegen.cuda``: tests without a GPU), ``interp`` (the loop-IR interpreter)
+BACKENDS = ("cpp", "cuda", "cuda-emulate", "interp")
+
+
+def _target(backend) -> str:
+    """The code generator a backend uses: ``cpu`` or ``cuda``."""
+    return "cuda" if backend in ("cuda", "cuda-emulate") else "cpu"
+
+
+def _threads(backend) -> int:
+    """How many workers a parallel loop gets, for the schedule's cost estimates: on a GPU, many."""
+    return 1 << 14 if _target(backend) == "cuda" else torch.get_num_threads()
+
+
+def _backend(ops, backend, name):
+    """The backend for operands on their devices: CUDA tensors run CUDA kernels; CPU tensors the requested
+    backend; mixed devices are refused as torch refuses them."""
+    if backend not in BACKENDS:
+        raise ValueError(f"scorch: unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
+    devices = {device_of(x) for x in ops}
+    kinds = {d.type for d in devices}
+    if kinds == {"cpu"}:
+        if backend == "cuda":
+            raise ValueError(f"scorch {name}: the cuda backend takes CUDA tensors; these are on the CPU")
+        return backend
+    if kinds == {"cuda"} and len(devices) == 1:
+        if backend not in ("cpp", "cuda"):
+            raise ValueError(f"scorch {name}: the {backend} backend runs on the CPU; these tensors are on CUDA")
+        return "cuda"
+    if kinds == {"cuda"} or len(kinds) > 1:
+        raise ValueError(f"scorch {name}: expected all tensors on the same device, got "
+                         f"{', '.join(sorted(str(d) for d in devices))}")
+    raise NotImplementedError(f"scorch: {name} on {', '.join(sorted(kinds))} tensors is not supported (CPU and"
+                              " CUDA only)")
+
+
+class CudaKernel:
+    """A loaded CUDA launcher (``codegen.cuda``): called with the kernel's arguments, it adds the current CUDA
+    stream and raises ``RuntimeError`` on a CUDA error. ``emulated``: the CPU emulation build."""
+
+    def __init__(self, kernel, error, emulated, mapping):
+        self.kernel, self.error, self.emulated, self.mapping = kernel, error, emulated, mapping
+        self.path, self.origin, self.compile_seconds = kernel.path, kernel.origin, kernel.compile_seconds
+
+    def __call__(self, *args):
+        stream = None if self.emulated else torch.cuda.current_stream().cuda_stream
+        code = self.kernel.fn(*args, stream)
+        if code:
+            raise RuntimeError(f"scorch: CUDA kernel {self.kernel.name} failed: {self.error(code).decode()}"
+                               f" (error {code})")
+
+
+def _build(low, backend="cpp"):
+    """``(source, kernel)``: a lowered kernel's source for the backend, compiled (or found in a cache) and
+    loaded."""
+    if _target(backend) == "cpu":
+        src = cpp.generate(low.kernel)
+        return src, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+    import ctypes
+    src = cuda.generate(low.kernel)
+    emulated = backend == "cuda-emulate"
+    arch = "" if emulated else _cuda_arch()
+    tool = "emulate" if emulated else "nvcc"
+    k = runtime.load(src, low.kernel.name, cuda.argtypes(low.kernel), ctypes.c_int, toolchain=tool, arch=arch)
+    err = runtime.load(src, low.kernel.name + "_error", [ctypes.c_int], ctypes.c_char_p, toolchain=tool, arch=arch)
+    return src, CudaKernel(k, err.fn, emulated, cuda.plan(low.kernel))
+
+
+def _gpu_lines(kernel) -> list:
+    if not isinstance(kernel, CudaKernel):
+        return []
+    where = "CUDA, emulated on the CPU" if kernel.emulated else "CUDA"
+    return [f"target:       {where}; workers: {kernel.mapping.describe}"]
+
+
+def _cuda_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
 
 
 @dataclass
@@ -355,6 +428,7 @@ class CoPlan:
     kernels: dict = field(default_factory=dict)
     calls: int = 0
     broadcast: frozenset = frozenset()
+    backend: str = "cpp"
 
     def kernel(self, phase):
         """The kernel of ``phase`` (None, "count", "fill" or "fill32"), lowered and loaded on first use: a rows
@@ -364,7 +438,7 @@ class CoPlan:
             low = lower_coiteration(self.inner_asg, self.schedule, L.type_of(self.asg.operands[0].dtype),
                                     self.broadcast, phase)
             self.lowered[phase] = low
-            self.sources[phase], self.kernels[phase] = _build(low)
+            self.sources[phase], self.kernels[phase] = _build(low, self.backend)
         return self.kernels[phase]
 
     def explain(self) -> str:
@@ -385,11 +459,12 @@ class CoPlan:
         for phase, k in self.kernels.items():
             how = {"compiled": f"compiled now ({k.compile_seconds:.2f} s)", "disk": "loaded from the disk cache",
                    "memory": "from the memory cache"}.get(k.origin, k.origin)
+            lines += _gpu_lines(k)
             lines += [f"kernel {phase}: {how}: {k.path}", "source:", self.sources[phase]]
         return "\n".join(lines)
 
 
-def _compile_coiteration(asg, output, broadcast) -> CoPlan:
+def _compile_coiteration(asg, output, broadcast, backend="cpp") -> CoPlan:
     from .schedule import schedule_coiteration
     cs = schedule_coiteration(asg, output)
     ops = list(asg.operands)
@@ -397,7 +472,7 @@ def _compile_coiteration(asg, output, broadcast) -> CoPlan:
         t = ops[k]
         ops[k] = TensorType(t.ndim, t.dtype, f, t.index_dtype, t.device)
     inner = Assignment(asg.out, asg.rhs, tuple(ops), asg.reduce, asg.out_format)
-    plan = CoPlan(asg, output, cs, inner, broadcast=broadcast)
+    plan = CoPlan(asg, output, cs, inner, broadcast=broadcast, backend=backend)
     if cs.output == "dense":
         plan.kernel(None)
     return plan
@@ -414,7 +489,8 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
         ws = 1
         for v in cs.ws_vars:
             ws *= sizes[v]
-        threads = torch.get_num_threads() if cs.parallel else 1
+        # (a GPU launcher runs as many workers as fit its scratch: one workspace is what must fit)
+        threads = torch.get_num_threads() if cs.parallel and _target(backend) == "cpu" else 1
         if ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
             raise NotImplementedError(
                 f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
@@ -424,8 +500,8 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
     def launch(phase, extra):
         kernel = plan.kernel(phase)
         low = plan.lowered[phase]
-        args = [extra[a.kind] if a.kind in extra else _arg(a, ops, infos.get(a.operand), sizes, scalars, None)
-                for a in low.args]
+        args = [extra[a.kind] if a.kind in extra else _arg(a, ops, infos.get(a.operand), sizes, scalars, None,
+                                                           backend) for a in low.args]
         if backend == "interp":
             from . import interp
             interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
@@ -434,8 +510,9 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
             kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
 
     plan.calls += 1
+    dev = device_of(ops[0])
     if cs.output == "dense":
-        out = torch.zeros(out_shape, dtype=dtype)
+        out = torch.zeros(out_shape, dtype=dtype, device=dev)
         launch(None, {"out": out})
         return out
     rows = sizes[cs.row_var] if cs.row_var is not None else 1
@@ -444,14 +521,14 @@ def _call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
             f"scorch: assembling the output row by row over {cs.row_var!r} needs {rows} row counts"
             f" ({rows * 16 / 2**20:.0f} MiB) and a workspace over ({', '.join(cs.ws_vars)}); hash workspaces for"
             " such outputs are not supported yet")
-    counts = torch.zeros(rows, dtype=torch.int64)
+    counts = torch.zeros(rows, dtype=torch.int64, device=dev)
     launch("count", {"counts": counts})
-    row_ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    row_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
     torch.cumsum(counts, 0, out=row_ptr[1:])
     nnz = int(row_ptr[-1])
     narrow = ws <= NARROW_COORDINATES
-    crd = torch.empty(nnz, dtype=torch.int32 if narrow else torch.int64)
-    vals = torch.empty(nnz, dtype=dtype)
+    crd = torch.empty(nnz, dtype=torch.int32 if narrow else torch.int64, device=dev)
+    vals = torch.empty(nnz, dtype=dtype, device=dev)
     launch("fill32" if narrow else "fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
     return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
 
@@ -468,12 +545,13 @@ def _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals):
         return s if fmt == direct else interop.asformat(s, fmt)
     coords = {}
     if cs.row_var is not None:
-        coords[cs.row_var] = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        coords[cs.row_var] = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
     rest = crd
     for v in reversed(cs.ws_vars):
         coords[v] = rest % sizes[v] if sizes[v] else rest
         rest = rest // sizes[v] if sizes[v] else rest
-    dims = torch.stack([coords[v] for v in asg.out]) if asg.out else torch.zeros(0, vals.numel(), dtype=torch.int64)
+    dims = torch.stack([coords[v] for v in asg.out]) if asg.out else torch.zeros(0, vals.numel(), dtype=torch.int64,
+                                                                                device=vals.device)
     levels, values = storage.pack(fmt, out_shape, dims, vals, idx)
     return SparseTensor(fmt, out_shape, levels, values, check=False)
 
@@ -614,16 +692,17 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
                 f" workspace of {cells * dtype.itemsize / 2**20:.0f} MiB; direct assembly of this output is not"
                 " supported yet (ask for another format=)")
     red = asg.reduce
+    dev = s._values.device
     if red == "sum":
         alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
-        out_arr, counted = alloc(n_out, dtype=dtype), None
+        out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
     else:
         ident = float("-inf") if red == "max" else float("inf")
         if not dtype.is_floating_point:
             ident = torch.iinfo(dtype).min if red == "max" else torch.iinfo(dtype).max
-        out_arr, counted = torch.full(n_out if isinstance(n_out, tuple) else (n_out,), ident, dtype=dtype), \
-            torch.zeros(n_out, dtype=torch.int64)
-    args = [counted if a.kind == "counts" else _arg(a, ops, info, sizes, scalars, out_arr)
+        out_arr, counted = torch.full(n_out if isinstance(n_out, tuple) else (n_out,), ident, dtype=dtype,
+                                      device=dev), torch.zeros(n_out, dtype=torch.int64, device=dev)
+    args = [counted if a.kind == "counts" else _arg(a, ops, info, sizes, scalars, out_arr, backend)
             for a in plan.lowered.args]
     if backend == "interp":
         from . import interp
@@ -636,7 +715,7 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
         reduced = 1
         for v in asg.reduced:
             reduced *= sizes[v]
-        zero = torch.zeros((), dtype=dtype)
+        zero = torch.zeros((), dtype=dtype, device=dev)
         implicit = counted.reshape(out_arr.shape) < reduced  # an implicit zero takes part in the max/min
         out_arr = torch.where(implicit, (torch.maximum if red == "max" else torch.minimum)(out_arr, zero), out_arr)
     if written.shared_levels and out.format is not None:
@@ -649,7 +728,7 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
     return out_arr
 
 
-def _arg(a, ops, info, sizes, scalars, out_arr):
+def _arg(a, ops, info, sizes, scalars, out_arr, backend="cpp"):
     """The value of one kernel argument: a tensor (passed by pointer) or a number."""
     k = a.kind
     if k in ("pos", "crd"):
@@ -669,7 +748,7 @@ def _arg(a, ops, info, sizes, scalars, out_arr):
     if k == "out":
         return out_arr
     if k == "threads":
-        return torch.get_num_threads()
+        return _threads(backend)
     raise AssertionError(f"unknown argument kind {k!r}")
 
 
@@ -711,7 +790,8 @@ def convert(x: SparseTensor, fmt, index_dtype=None, drop_zeros=False):
     ``drop_zeros``: leave stored zeros out (a dense source's zeros are not entries)."""
     from ..formats import storage
     rc = compressed_target(fmt)
-    if rc is None or x.format.keeps_duplicates or x.dim() != 2 or x.dtype not in SUPPORTED:
+    if rc is None or x.format.keeps_duplicates or x.dim() != 2 or x.dtype not in SUPPORTED or \
+            x.device.type != "cpu":  # (conversions on a GPU go through torch's sort)
         return None
     letters = ("i", "j")
     types = (_type(x),)

@@ -277,10 +277,14 @@ def mark_simd(stmt, is_dense_index=lambda name: True):
     return stmt
 
 
-def _walk(stmt):
+def walk(stmt):
+    """``stmt`` and every statement nested in it, parents first."""
     yield stmt
     for child in _children(stmt):
-        yield from _walk(child)
+        yield from walk(child)
+
+
+_walk = walk
 
 
 def _children(stmt):
@@ -295,3 +299,28 @@ def _children(stmt):
 
 def _has_loop(stmt):
     return any(isinstance(s, (For, While)) for s in _walk(stmt))
+
+
+def depends(e, var) -> bool:
+    """Whether the expression ``e`` reads the variable named ``var``."""
+    if isinstance(e, Var):
+        return e.name == var
+    return any(depends(c, var) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
+               if isinstance(c, Expr))
+
+
+def coefficient(e, var):
+    """The coefficient of ``var`` in the integer expression ``e`` when ``e`` is affine in it, else None."""
+    if not depends(e, var):
+        return 0
+    if isinstance(e, Var):
+        return 1
+    if isinstance(e, Binary) and e.op in ("add", "sub"):
+        a, b = coefficient(e.a, var), coefficient(e.b, var)
+        return None if a is None or b is None else a + b if e.op == "add" else a - b
+    if isinstance(e, Binary) and e.op == "mul":
+        for x, y in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(y, Const) and not depends(y, var):
+                c = coefficient(x, var)
+                return None if c is None else c * int(y.value)
+    return None

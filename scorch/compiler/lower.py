@@ -44,19 +44,26 @@ class Lowered:
     writes_every_output: bool = False  # the output need not be zero-filled before the kernel
 
 
-def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset(), scatter=None) -> Lowered:
-    """``broadcast``: (operand, dim) pairs of dense operands that have size 1 where the index is larger.
+def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset(), scatter=None,
+          target="cpu") -> Lowered:
+    """``target``: ``"cpu"`` or ``"cuda"``; register and dot tiles (explicit CPU vectors) are CPU-only: the CUDA
+    generator maps the same plain loops to warp lanes instead.
+
+    ``broadcast``: (operand, dim) pairs of dense operands that have size 1 where the index is larger.
 
     ``scatter=(row, col, phase, drop_zeros)``: instead of a dense or shared output, assemble a compressed matrix whose
     rows are index ``row`` and columns ``col`` by counting sort: phase ``count`` adds one per entry to its
     row's count, phase ``fill`` writes each entry at its row's next free slot (entries reach a row in the
     order the loops visit them). Used for format conversion; runs serially."""
-    return _Lowering(asg, sched, compute_type, broadcast, scatter).run()
+    return _Lowering(asg, sched, compute_type, broadcast, scatter, target).run()
 
 
 class _Lowering:
-    def __init__(self, asg, sched, ct, broadcast, scatter=None):
+    target = "cpu"
+
+    def __init__(self, asg, sched, ct, broadcast, scatter=None, target="cpu"):
         self.asg, self.sched, self.ct, self.broadcast = asg, sched, ct, broadcast
+        self.target = target
         self.scatter = scatter
         self.covering = set()  # loops that visit each coordinate of an output index exactly once
         self.writes_every_output = False
@@ -229,7 +236,7 @@ class _Lowering:
             size *= self.spec[v]
         if size > 1024:
             return None
-        tiled = self._register_tile(items, head, tail, tvars, out)
+        tiled = self._register_tile(items, head, tail, tvars, out) if self.target == "cpu" else None
         if tiled is not None:
             return tiled
         # every output location written exactly once: the loops down to the tile only walk output indices
@@ -425,7 +432,7 @@ class _Lowering:
             if tiled is not None:
                 return tiled
         rest = items[ready + 1:]
-        if shared and red == "sum":
+        if shared and red == "sum" and self.target == "cpu":
             tiled = self._dot_tile(items, ready, out, index, value)
             if tiled is not None:
                 return tiled
@@ -521,8 +528,7 @@ def _loads(e) -> list:
 
 
 def _contiguous(index, var) -> bool:
-    from .codegen.cpp import _coefficient
-    return _coefficient(index, var) in (0, 1)
+    return L.coefficient(index, var) in (0, 1)
 
 
 def _strided(var, extent, step, body):

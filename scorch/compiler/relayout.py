@@ -53,6 +53,8 @@ def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     x = x.contiguous()
     shape = tuple(x.shape)
     perm = [k for k in range(x.dim()) if k != d] + [d]
+    if x.device.type != "cpu":  # torch's own copy kernel on the GPU
+        return x.permute(perm).contiguous()
     out = torch.empty([shape[k] for k in perm], dtype=x.dtype)
     if x.numel() == 0 or x.element_size() not in (1, 2, 4, 8):
         return out.copy_(x.permute(perm)) if x.numel() else out

@@ -12,9 +12,14 @@ Caches, fastest first:
   for). Files are written to a unique temporary name and ``os.replace``d into place, so concurrent processes
   never see a half-written file, and a cached ``.so`` that is damaged is deleted and rebuilt, never loaded.
 
-Environment, read at call time: ``CXX`` (compiler, default ``g++``), ``SCORCH_CACHE_DIR`` (default
-``~/.cache/scorch``), ``SCORCH_SANITIZE=1`` (ASan + UBSan build; load it only in a process started with
-:func:`sanitizer_env`).
+Toolchains (``load(..., toolchain=)``): ``"cxx"`` builds C++ with the host compiler; ``"nvcc"`` builds CUDA source
+(``codegen.cuda``) for one GPU architecture (``arch="sm_90"``); ``"emulate"`` builds the same CUDA source with the
+host compiler and ``-DSCORCH_EMULATE``, so that it runs on the CPU (tests without a GPU). :func:`ptx` compiles CUDA
+source to PTX for an architecture without loading it (the compile check that runs without a GPU).
+
+Environment, read at call time: ``CXX`` (compiler, default ``g++``), ``NVCC`` (default ``nvcc``),
+``SCORCH_CACHE_DIR`` (default ``~/.cache/scorch``), ``SCORCH_SANITIZE=1`` (ASan + UBSan build of host-compiled
+kernels; load it only in a process started with :func:`sanitizer_env`).
 
 This module imports nothing from scorch or torch, so it can be loaded on its own (tests do, in subprocesses).
 """
@@ -33,7 +38,7 @@ import sys
 import threading
 import time
 
-__all__ = ["CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "sanitizer_env"]
+__all__ = ["CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "nvcc", "ptx", "sanitizer_env"]
 
 # Bump when the layout of the cache or the meaning of a key changes: old entries are then simply ignored.
 CACHE_VERSION = "v1"
@@ -45,6 +50,9 @@ _BASE_FLAGS = ("-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _OPT_FLAGS = ("-O3", "-fno-loop-unroll-and-jam", "-mprefer-vector-width=512")
 _SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                    "-fno-sanitize-recover=all")
+#: nvcc: C++17, host code position-independent; ``-lineinfo`` keeps source lines for profilers at no run-time cost
+_NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+_EMULATE_FLAGS = ("-x", "c++", "-DSCORCH_EMULATE")
 _MAX_MESSAGE = 8000  # characters of compiler output kept in a CompileError; the first errors matter most
 
 _lock = threading.Lock()            # guards _libs and _key_locks; the memo dicts after them are filled without
@@ -74,16 +82,21 @@ class CompileError(RuntimeError):
 
 def compiler() -> str:
     """The C++ compiler: ``$CXX`` or ``g++``, resolved to an absolute path; ``RuntimeError`` if not found."""
-    cxx = os.environ.get("CXX") or "g++"
+    return _resolve("CXX", "g++", "C++ compiler", "install g++ or set CXX to a C++17 compiler with OpenMP support")
+
+
+def _resolve(variable, default, what, hint, fallback=None) -> str:
+    """The program named by ``$variable`` (or ``default``) on the ``PATH`` (else in ``fallback``), absolute."""
+    name = os.environ.get(variable) or default
     path_env = os.environ.get("PATH", "")
-    resolved = _which.get((cxx, path_env))
+    resolved = _which.get((name, path_env))
     if resolved is None:
-        resolved = shutil.which(cxx)
+        resolved = shutil.which(name) or (shutil.which(name, path=fallback) if fallback else None)
         if resolved is None:
-            raise RuntimeError(f"scorch: C++ compiler {cxx!r} not found (from $CXX or the default 'g++'); "
-                               "install g++ or set CXX to a C++17 compiler with OpenMP support")
+            raise RuntimeError(f"scorch: {what} {name!r} not found (from ${variable} or the default {default!r}); "
+                               f"{hint}")
         resolved = os.path.abspath(resolved)
-        _which[(cxx, path_env)] = resolved
+        _which[(name, path_env)] = resolved
     return resolved
 
 
@@ -95,6 +108,20 @@ def flags() -> tuple[str, ...]:
     """Compiler flags: ``-O3`` plus the base flags, or the ASan/UBSan set instead of ``-O3`` under
     ``SCORCH_SANITIZE=1``."""
     return (_SANITIZE_FLAGS if _sanitize() else _OPT_FLAGS) + _BASE_FLAGS
+
+
+def nvcc() -> str:
+    """The CUDA compiler: ``$NVCC`` or ``nvcc`` on the ``PATH`` (else under ``/usr/local/cuda/bin``), as an
+    absolute path; ``RuntimeError`` if there is none."""
+    return _resolve("NVCC", "nvcc", "CUDA compiler", "install the CUDA toolkit or set NVCC", "/usr/local/cuda/bin")
+
+
+def _arch_flags(arch: str) -> tuple[str, ...]:
+    if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
+        raise ValueError(f"scorch: a CUDA architecture is written like 'sm_90', got {arch!r}")
+    n = arch[3:]
+    # the machine code for this GPU, and its PTX (which a newer GPU's driver compiles)
+    return ("-gencode", f"arch=compute_{n},code=sm_{n}", "-gencode", f"arch=compute_{n},code=compute_{n}")
 
 
 def cache_dir() -> pathlib.Path:
@@ -126,18 +153,18 @@ class Kernel:
         return f"Kernel({self.name!r}, origin={self.origin!r}, path='{self.path}')"
 
 
-def load(source: str, symbol: str, argtypes: list, restype=None) -> Kernel:
+def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str = "cxx", arch: str = "") -> Kernel:
     """Compile ``source`` (or reuse a cached build) and return its ``extern "C"`` function ``symbol`` with the
     given ctypes ``argtypes``/``restype``. Raises ``CompileError`` if the source does not compile or does not
-    export ``symbol``."""
+    export ``symbol``. ``toolchain`` and ``arch``: see the module's docstring."""
     # Everything the target depends on, as raw strings: a memory hit then costs a few dict lookups, not a
     # sha256, a PATH search and pathlib parsing (the variables are still read on every call).
     env = os.environ
     inputs = (source, env.get("CXX"), env.get("PATH"), env.get("SCORCH_SANITIZE"), env.get("SCORCH_CACHE_DIR"),
-              env.get("HOME"))
+              env.get("HOME"), toolchain, arch, env.get("NVCC"))
     target = _targets.get(inputs)
     if target is None:
-        target = _targets[inputs] = _target(source)
+        target = _targets[inputs] = _target(source, toolchain, arch)
     so_path, path, cpp_path, cxx, flag_set = target
 
     with _lock:
@@ -197,11 +224,35 @@ def sanitizer_env() -> dict:
 
 # --- internals -----------------------------------------------------------------------------------------------
 
-def _target(source: str) -> tuple[str, pathlib.Path, pathlib.Path, str, tuple[str, ...]]:
-    """(.so path as str and Path, .cpp path, compiler, flags) for ``source`` under the current environment."""
-    cxx, flag_set = compiler(), flags()
+def _target(source: str, toolchain: str = "cxx", arch: str = "") \
+        -> tuple[str, pathlib.Path, pathlib.Path, str, tuple[str, ...]]:
+    """(.so path as str and Path, source path, compiler, flags) for ``source`` under the current environment."""
+    if toolchain == "cxx":
+        cxx, flag_set, suffix = compiler(), flags(), ".cpp"
+    elif toolchain == "emulate":
+        cxx, flag_set, suffix = compiler(), flags() + _EMULATE_FLAGS, ".cu"
+    elif toolchain == "nvcc":
+        cxx, flag_set, suffix = nvcc(), _NVCC_FLAGS + _arch_flags(arch), ".cu"
+    else:
+        raise ValueError(f"scorch: unknown toolchain {toolchain!r} (cxx, nvcc, emulate)")
     path = cache_dir() / (_key(source, cxx, flag_set) + ".so")
-    return str(path), path, path.with_suffix(".cpp"), cxx, flag_set
+    return str(path), path, path.with_suffix(suffix), cxx, flag_set
+
+
+def ptx(source: str, arch: str) -> str:
+    """``source`` (CUDA) compiled by nvcc to PTX for ``arch`` (``"sm_80"``...), without a GPU: the PTX text.
+    Raises ``CompileError`` with nvcc's messages if it does not compile."""
+    cc = nvcc()
+    n = _arch_flags(arch)[1].split(",")[0].split("_")[1]
+    flag_set = ("-std=c++17", "--ptx", f"-arch=compute_{n}")
+    path = cache_dir() / "ptx" / (_key(source, cc, flag_set) + ".ptx")
+    if path.exists():
+        return path.read_text(encoding="utf-8")
+    os.makedirs(path.parent, exist_ok=True)
+    cu = path.with_suffix(".cu")
+    _write_atomic(cu, source)
+    _compile(cc, flag_set, cu, str(path))
+    return path.read_text(encoding="utf-8")
 
 
 def _key(source: str, cxx: str, flag_set: tuple[str, ...]) -> str:

@@ -103,6 +103,11 @@ class SegmentSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, pos, log_space):
         values = values.contiguous()
+        ctx.log_space = log_space
+        if values.device.type != "cpu":  # on a GPU: torch's segment reductions
+            y = _forward_ops(values, pos, log_space)
+            ctx.save_for_backward(y, pos)
+            return y
         _check(pos, values)
         y = torch.empty_like(values)
         _kernel("scorch_segment_softmax")(pos.data_ptr(), values.data_ptr(), y.data_ptr(), pos.numel() - 1,
@@ -115,7 +120,7 @@ class SegmentSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, pos = ctx.saved_tensors
-        if torch.is_grad_enabled():  # double backward: the same formula in torch ops, differentiable
+        if torch.is_grad_enabled() or y.device.type != "cpu":  # double backward, or a GPU: the same formula in torch ops, differentiable
             return _backward_ops(y, dy, pos, ctx.log_space), None, None
         dy = dy.contiguous()
         dx = torch.empty_like(y)
@@ -124,6 +129,22 @@ class SegmentSoftmax(torch.autograd.Function):
                                                    int(y.dtype == torch.float64), int(pos.dtype == torch.int64),
                                                    torch.get_num_threads())
         return dx, None, None
+
+
+def _forward_ops(x, pos, log_space):
+    """The forward pass in torch ops (any device): per segment, subtract the maximum, exponentiate, normalize."""
+    lengths = pos.diff().to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(pos.numel() - 1, device=x.device), lengths)
+    if x.numel() == 0:
+        return x.clone()
+    peak = torch.full((pos.numel() - 1,), float("-inf"), dtype=x.dtype, device=x.device)
+    peak = peak.scatter_reduce(0, seg, x, "amax")
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # an all -inf segment: NaN out
+    shifted = x - peak[seg]
+    total = torch.zeros_like(peak).index_add(0, seg, shifted.exp())
+    if log_space:
+        return shifted - total.log()[seg]
+    return shifted.exp() / total[seg]
 
 
 def _backward_ops(y, dy, pos, log_space):

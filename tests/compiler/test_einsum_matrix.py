@@ -316,25 +316,26 @@ def _one_thread():
 
 # --- parallel first compiles --------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_ahead(request):
+def matrix_jobs(run, plain=True):
+    """``compile_ahead``'s job per test: one small einsum per (case, format, dtypes) of the matrix, run by
+    ``run(case, operands)``; other tests' own bodies where ``plain``."""
     seen = set()
 
     def job_for(item):
         cs = getattr(item, "callspec", None)
-        if cs is not None and "itype" in cs.params:  # the matrix: one small einsum per (case, format, dtypes)
+        if cs is not None and "itype" in cs.params:
             p = tuple(cs.params[k] for k in ("case", "fmt", "dtype", "itype"))
             if p in seen:
                 return None
             seen.add(p)
+            return lambda: run(p[0], build(*p, spec=Spec((3, 4, 2), 0.5, 0))[0])
+        return plain_test_job(item) if plain else None
+    return job_for
 
-            def job():
-                ops, _, _ = build(*p, spec=Spec((3, 4, 2), 0.5, 0))
-                scorch.einsum(p[0].eq, *ops)
-            return job
-        return plain_test_job(item)
 
-    compile_ahead(request, job_for)
+@pytest.fixture(scope="module", autouse=True)
+def _compile_ahead(request):
+    compile_ahead(request, matrix_jobs(lambda case, ops: scorch.einsum(case.eq, *ops)))
 
 
 # --- the matrix ------------------------------------------------------------------------------------------------

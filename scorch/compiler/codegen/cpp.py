@@ -117,20 +117,25 @@ def argtypes(kernel: L.Kernel) -> list:
     return out
 
 
-def generate(kernel: L.Kernel) -> str:
-    """The complete translation unit for ``kernel``."""
+def signature(kernel: L.Kernel, restrict=True) -> tuple[list, list]:
+    """The parameter declarations of ``kernel`` in the ABI above, and the statements that give each scalar
+    its own type (``const int32_t n = (int32_t)n_arg;``)."""
     params, casts = [], []
     for p in kernel.params:
         n = ident(p.name)
         if p.kind == "array":
             const = "" if p.output else "const "
-            params.append(f"{const}{CTYPE[p.type]}* __restrict__ {n}")
-        elif p.type in ("f32", "f64"):
-            params.append(f"double {n}_arg")
-            casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
+            params.append(f"{const}{CTYPE[p.type]}*{' __restrict__' if restrict else ''} {n}")
         else:
-            params.append(f"int64_t {n}_arg")
+            abi = "double" if p.type in ("f32", "f64") else "int64_t"
+            params.append(f"{abi} {n}_arg")
             casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
+    return params, casts
+
+
+def generate(kernel: L.Kernel) -> str:
+    """The complete translation unit for ``kernel``."""
+    params, casts = signature(kernel)
     body = _Emitter(any(p.name == "nthreads" for p in kernel.params)).block(kernel.body, 1)
     sig = ",\n    ".join(params)
     text = "\n".join(casts + body)
@@ -168,7 +173,7 @@ class _Emitter:
             if s.op != "add":
                 raise ValueError(f"partial sums {s.array} only take additions")
             return [f"{pad}{ident(s.array)}[{self.expr(s.index)}] += {self.expr(s.value)};"]
-        if isinstance(s, L.Store) and self.vec and _depends(s.index, self.vec[0]):
+        if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
         if isinstance(s, L.Store):
@@ -280,7 +285,7 @@ class _Emitter:
     def vector_ref(self, array, index, const):
         """The vector at ``array[index]`` (lanes ``index .. index + lanes - 1``) inside a vector loop."""
         var, lanes, t = self.vec
-        if _coefficient(index, var) != 1:
+        if L.coefficient(index, var) != 1:
             raise ValueError(f"vector access to {array} is not contiguous in the vector loop")
         if array in self.vec_arrays:
             return f"{ident(array)}[({self.expr(index)}) / {lanes}]"
@@ -306,7 +311,7 @@ class _Emitter:
                 if self.vec:
                     raise ValueError(f"partial sums {e.array} are read after the vector loop")
                 return f"scorch_hsum({ident(e.array)}[{self.expr(e.index)}])"
-            if self.vec and _depends(e.index, self.vec[0]):
+            if self.vec and L.depends(e.index, self.vec[0]):
                 return self.vector_ref(e.array, e.index, const=True)
             return f"{ident(e.array)}[{self.expr(e.index)}]"
         if isinstance(e, L.Binary):
@@ -326,30 +331,6 @@ class _Emitter:
         if isinstance(e, L.Select):
             return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"
         raise TypeError(f"unknown expression {type(e).__name__}")
-
-
-def _depends(e, var) -> bool:
-    if isinstance(e, L.Var):
-        return e.name == var
-    return any(_depends(c, var) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
-               if isinstance(c, L.Expr))
-
-
-def _coefficient(e, var):
-    """The coefficient of ``var`` in the integer expression ``e`` when ``e`` is affine in it, else None."""
-    if not _depends(e, var):
-        return 0
-    if isinstance(e, L.Var):
-        return 1
-    if isinstance(e, L.Binary) and e.op in ("add", "sub"):
-        a, b = _coefficient(e.a, var), _coefficient(e.b, var)
-        return None if a is None or b is None else a + b if e.op == "add" else a - b
-    if isinstance(e, L.Binary) and e.op == "mul":
-        for x, y in ((e.a, e.b), (e.b, e.a)):
-            if isinstance(y, L.Const) and not _depends(y, var):
-                c = _coefficient(x, var)
-                return None if c is None else c * int(y.value)
-    return None
 
 
 def _vector_type(body) -> str:

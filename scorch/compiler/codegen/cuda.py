@@ -1,0 +1,561 @@
+"""Loop IR -> CUDA source: the kernels ``cpp`` renders for the CPU, with the parallel loop mapped to GPU workers.
+
+How a kernel maps to the GPU (``plan``, per kernel):
+
+* The schedule's parallel loop runs across **workers**: ``static`` loops deal their iterations out grid-stride;
+  ``nnz`` loops give each worker one contiguous range of rows holding an equal share of rows + stored entries
+  (a merge-path split at row granularity), so a few long rows do not serialize one worker.
+* A worker is a **warp** when the loop body has an innermost dense loop whose iterations are independent
+  (SpMM's ``k``; SDDMM's ``k`` with its sum): consecutive iterations go to consecutive lanes (coalesced loads
+  of the dense operand), scalar sums over that loop are combined by warp shuffles, the rest of the body runs
+  on every lane alike (its loads are broadcasts), and stores outside the lane loops are done by lane 0. The
+  hazards that would make this wrong (a lane reading what another lane wrote) are checked, and a kernel that
+  has one gets thread workers instead. Otherwise a worker is a **thread** (SpGEMM's row with its workspace).
+* Per-worker workspaces (``Alloc``) are slices of one scratch buffer that the launcher allocates, zero-filled
+  where the IR declares them; the number of workers is capped so that the scratch stays small.
+* Write conflicts use atomics only where the IR marks a store atomic; a kernel without a parallel loop runs
+  on one thread (the dispatcher transposes such operands first where it pays, as with many CPU threads).
+
+The translation unit holds the ``__global__`` kernel and an ``extern "C"`` host launcher with the CPU kernels'
+ABI (arrays as pointers, integers ``int64_t``, floats ``double``) plus the CUDA stream, returning a
+``cudaError_t``: the runtime loads it through ctypes as it loads CPU kernels. Compiled by a C++ compiler with
+``-DSCORCH_EMULATE`` instead of by ``nvcc``, the same source runs on the CPU (blocks one after another, a
+block's threads as OpenMP threads, one warp per block so that shuffles are barriers): that is how the mapping
+is tested on machines without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from .. import loops as L
+from . import cpp
+from .cpp import CTYPE, ident
+
+WARP = 32
+#: threads per block on a GPU (8 warps), and blocks per multiprocessor (2048 resident threads on sm_80/sm_90)
+BLOCK = 256
+BLOCKS_PER_SM = 8
+#: the most scratch the per-worker workspaces may take (bytes): fewer workers run when they would take more
+SCRATCH_BYTES = 256 << 20
+#: emulation: blocks of one warp, a few of them (enough for grid-stride loops and empty workers to be exercised)
+EMULATED_GRID = 3
+
+PRELUDE = r"""#include <cstdint>
+#include <cmath>
+#ifdef SCORCH_EMULATE
+/* CUDA on the CPU, for tests without a GPU: blocks run one after another, the threads of a block as OpenMP
+   threads. Blocks are one warp, so a warp shuffle is a block barrier; atomics are OpenMP atomics. */
+#include <cstdlib>
+#include <omp.h>
+struct scorch_dim3 { unsigned x, y, z; };
+static thread_local scorch_dim3 threadIdx, blockIdx;
+static scorch_dim3 blockDim, gridDim;
+typedef void* cudaStream_t;
+typedef int cudaError_t;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+template <class T> static T __shfl_xor_sync(unsigned, T v, int mask) {
+  static T slot[32];
+  slot[threadIdx.x] = v;
+  _Pragma("omp barrier")
+  const T r = slot[threadIdx.x ^ mask];
+  _Pragma("omp barrier")
+  return r;
+}
+template <class T> static inline void scorch_atomic_add(T* p, T v) {
+  _Pragma("omp atomic")
+  *p += v;
+}
+template <class T> static inline void scorch_atomic_max(T* p, T v) {
+  _Pragma("omp critical(scorch_atomic)")
+  { if (v > *p) *p = v; }
+}
+template <class T> static inline void scorch_atomic_min(T* p, T v) {
+  _Pragma("omp critical(scorch_atomic)")
+  { if (v < *p) *p = v; }
+}
+static int scorch_launch_error = 0;
+#define SCORCH_LAUNCH(kernel, grid, block, stream, ...) do { \
+    gridDim = scorch_dim3{(unsigned)(grid), 1, 1}; blockDim = scorch_dim3{(unsigned)(block), 1, 1}; \
+    for (unsigned scorch_b = 0; scorch_b < gridDim.x; ++scorch_b) { \
+      _Pragma("omp parallel num_threads(blockDim.x)") \
+      { \
+        if ((unsigned)omp_get_num_threads() != blockDim.x) { _Pragma("omp atomic write") scorch_launch_error = 1; } \
+        else { threadIdx = scorch_dim3{(unsigned)omp_get_thread_num(), 0, 0}; \
+               blockIdx = scorch_dim3{scorch_b, 0, 0}; kernel(__VA_ARGS__); } \
+      } \
+    } } while (0)
+static inline int scorch_sms(cudaStream_t) { return 1; }
+static inline cudaError_t scorch_scratch_alloc(char** p, int64_t bytes, cudaStream_t) {
+  *p = (char*)std::malloc(bytes > 0 ? (size_t)bytes : 1);
+  return *p ? 0 : 2;
+}
+static inline void scorch_scratch_free(char* p, cudaStream_t) { std::free(p); }
+static inline cudaError_t scorch_last_error() { const int e = scorch_launch_error; scorch_launch_error = 0; return e; }
+static inline const char* scorch_error_string(int e) {
+  return e == 1 ? "the emulator got fewer OpenMP threads than a block has" : e == 2 ? "out of memory" : "no error";
+}
+#define SCORCH_EMULATED 1
+#else
+#define SCORCH_EMULATED 0
+#define SCORCH_LAUNCH(kernel, grid, block, stream, ...) \
+    kernel<<<(unsigned)(grid), (unsigned)(block), 0, (stream)>>>(__VA_ARGS__)
+static __device__ __forceinline__ void scorch_atomic_add(float* p, float v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(double* p, double v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(int32_t* p, int32_t v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(int64_t* p, int64_t v) {
+  atomicAdd((unsigned long long*)p, (unsigned long long)v);  /* two's complement: the same bits */
+}
+static __device__ __forceinline__ void scorch_atomic_max(int32_t* p, int32_t v) { atomicMax(p, v); }
+static __device__ __forceinline__ void scorch_atomic_max(int64_t* p, int64_t v) { atomicMax((long long*)p, (long long)v); }
+static __device__ __forceinline__ void scorch_atomic_min(int32_t* p, int32_t v) { atomicMin(p, v); }
+static __device__ __forceinline__ void scorch_atomic_min(int64_t* p, int64_t v) { atomicMin((long long*)p, (long long)v); }
+template <class T, class B, class C> static __device__ void scorch_atomic_cas(T* p, T v, C better) {
+  B* q = (B*)p;
+  B old = *q, seen;
+  do {
+    seen = old;
+    T cur; memcpy(&cur, &seen, sizeof(T));
+    if (!better(v, cur)) return;
+    B want; memcpy(&want, &v, sizeof(T));
+    old = atomicCAS(q, seen, want);
+  } while (old != seen);
+}
+struct scorch_gt { template <class T> __device__ bool operator()(T a, T b) const { return a > b; } };
+struct scorch_lt { template <class T> __device__ bool operator()(T a, T b) const { return a < b; } };
+static __device__ __forceinline__ void scorch_atomic_max(float* p, float v) { scorch_atomic_cas<float, unsigned int>(p, v, scorch_gt()); }
+static __device__ __forceinline__ void scorch_atomic_max(double* p, double v) { scorch_atomic_cas<double, unsigned long long>(p, v, scorch_gt()); }
+static __device__ __forceinline__ void scorch_atomic_min(float* p, float v) { scorch_atomic_cas<float, unsigned int>(p, v, scorch_lt()); }
+static __device__ __forceinline__ void scorch_atomic_min(double* p, double v) { scorch_atomic_cas<double, unsigned long long>(p, v, scorch_lt()); }
+static int scorch_sms(cudaStream_t) {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 1;
+  return n > 0 ? n : 1;
+}
+static inline cudaError_t scorch_scratch_alloc(char** p, int64_t bytes, cudaStream_t s) {
+  return cudaMallocAsync((void**)p, (size_t)(bytes > 0 ? bytes : 1), s);
+}
+static inline void scorch_scratch_free(char* p, cudaStream_t s) { cudaFreeAsync(p, s); }
+static inline cudaError_t scorch_last_error() { return cudaGetLastError(); }
+static inline const char* scorch_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
+#endif
+template <class T> static __device__ __forceinline__ T scorch_warp_add(T v) {
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+template <class T> static __device__ __forceinline__ T scorch_warp_max(T v) {
+  for (int m = 16; m > 0; m >>= 1) { const T o = __shfl_xor_sync(0xffffffffu, v, m); v = o > v ? o : v; }
+  return v;
+}
+template <class T> static __device__ __forceinline__ T scorch_warp_min(T v) {
+  for (int m = 16; m > 0; m >>= 1) { const T o = __shfl_xor_sync(0xffffffffu, v, m); v = o < v ? o : v; }
+  return v;
+}
+/* The first row of worker k of nw when rows [lo, hi) are split by rows + positions under them:
+   f(r) = (pos[r] - pos[lo]) + (r - lo) is increasing, and worker k starts where f reaches total * k / nw. */
+template <class P> static __device__ int64_t scorch_first_row(const P* pos, int64_t lo, int64_t hi, int64_t total,
+                                                            int64_t k, int64_t nw) {
+  if (k >= nw) return hi;
+  const int64_t target = (total / nw) * k + (total % nw) * k / nw;  /* floor(total * k / nw), no overflow */
+  int64_t l = lo, h = hi;
+  while (l < h) {
+    const int64_t m = l + (h - l) / 2;
+    if (((int64_t)pos[m] - (int64_t)pos[lo]) + (m - lo) < target) l = m + 1; else h = m;
+  }
+  return l;
+}
+"""
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How one kernel runs: ``mode`` is ``"serial"`` (one thread runs the whole body), ``"thread"`` or
+    ``"warp"`` (the workers of the parallel loop); ``lane_loops``: ids of the loops whose iterations go to
+    lanes; ``allocs``: the per-worker workspaces in the scratch, in order."""
+    mode: str
+    loop: object = None
+    prologue: tuple = ()
+    lane_loops: frozenset = frozenset()
+    allocs: tuple = ()
+
+    @property
+    def describe(self) -> str:
+        if self.mode == "serial":
+            return "one thread (no parallel loop)"
+        kind = self.loop.parallel.kind
+        split = "grid-stride" if kind == "static" else "contiguous ranges balanced by rows + stored entries"
+        if self.mode == "warp":
+            return (f"a warp per iteration of the parallel loop ({split}); {len(self.lane_loops)} inner loop(s)"
+                    " across the lanes")
+        return f"a thread per iteration of the parallel loop ({split})"
+
+
+def plan(kernel: L.Kernel) -> Mapping:
+    """The worker mapping of ``kernel`` (see the module docstring)."""
+    allocs = tuple(s for s in _walk(kernel.body) if isinstance(s, L.Alloc))
+    params = {p.name for p in kernel.params}
+    for a in allocs:
+        free = {n for n in _vars(a.size)} - params
+        if free:
+            raise ValueError(f"workspace {a.name}: its size depends on {sorted(free)}, not on parameters alone")
+    stmts = kernel.body.stmts
+    loops = [s for s in stmts if isinstance(s, L.For) and s.parallel is not None]
+    rest = [s for s in stmts if not (isinstance(s, L.For) and s.parallel is not None)]
+    if len(loops) != 1 or stmts[-1] is not loops[0] or not all(isinstance(s, (L.Let, L.Decl)) for s in rest) \
+            or any(isinstance(s, L.For) and s.parallel is not None for s in L.walk(loops[0].body)):
+        return Mapping("serial", allocs=allocs)
+    loop = loops[0]
+    prologue = tuple(rest)
+    lanes = frozenset() if allocs else _lane_loops(loop)
+    if lanes and _hazards(loop, lanes):
+        lanes = frozenset()
+    return Mapping("warp" if lanes else "thread", loop, prologue, lanes, allocs)
+
+
+def _walk(stmt):
+    """Every statement under ``stmt``, parallel loops' setups included."""
+    yield stmt
+    if isinstance(stmt, L.For) and stmt.parallel is not None and stmt.parallel.setup is not None:
+        yield from _walk(stmt.parallel.setup)
+    for c in L._children(stmt):
+        yield from _walk(c)
+
+
+def _vars(e):
+    if isinstance(e, L.Var):
+        yield e.name
+    for f in ("index", "a", "b", "cond"):
+        c = getattr(e, f, None)
+        if isinstance(c, L.Expr):
+            yield from _vars(c)
+
+
+def _lane_loops(loop: L.For) -> frozenset:
+    """Ids of the innermost loops under ``loop`` whose iterations may run on separate lanes."""
+    out = set()
+    for s in L.walk(loop.body):
+        if isinstance(s, L.For) and s.parallel is None and (s.simd or s.vector) and _independent(s):
+            out.add(id(s))
+    return frozenset(out)
+
+
+def _independent(f: L.For) -> bool:
+    """Iterations of ``f`` touch disjoint locations: no nested loop, every store indexed by an injective affine
+    function of the loop variable (over variables bound outside the loop), and every update of an outer scalar
+    a declared reduction."""
+    var = f.var.name
+    local = {s.var.name for s in L.walk(f.body) if isinstance(s, (L.Let, L.Decl))}
+    reductions = {name for op, name in f.reductions if op in ("add", "max", "min")}
+    for s in L.walk(f.body):
+        if isinstance(s, (L.For, L.While, L.Sort, L.Alloc, L.LocalArray)):
+            return False
+        if isinstance(s, L.Store):
+            c = L.coefficient(s.index, var)
+            if c in (0, None) or set(_vars(s.index)) & local:
+                return False
+        if isinstance(s, L.Assign) and s.var.name not in local and s.var.name not in reductions:
+            return False
+    return True
+
+
+def _hazards(loop: L.For, lanes: frozenset) -> bool:
+    """Whether splitting the ``lanes`` loops would let a lane read what another lane wrote: an array written in
+    a lane loop and read outside lane loops (or by lane loops over another variable or index), or an array
+    written outside lane loops (by lane 0) and read anywhere in the worker."""
+    in_lane, outside = [], []   # (statement, lane loop or None)
+
+    def visit(s, owner):
+        if isinstance(s, L.For) and id(s) in lanes:
+            owner = s
+        (in_lane if owner is not None else outside).append((s, owner))
+        for c in L._children(s):
+            visit(c, owner)
+    visit(loop.body, None)
+    stored_lane = {s.array for s, _ in in_lane if isinstance(s, L.Store)}
+    stored_out = {s.array for s, _ in outside if isinstance(s, L.Store)}
+    for s, _ in outside:
+        for e in _exprs(s):
+            if any(ld.array in stored_lane | stored_out for ld in _loads(e)):
+                return True
+    local = {s.name for s in L.walk(loop.body) if isinstance(s, L.LocalArray)}
+    # a private array touched in lane loops: every access the same index, linear in the same loop variable
+    seen = {}
+    for s, owner in in_lane:
+        accesses = [(s.array, s.index)] if isinstance(s, L.Store) else []
+        for e in _exprs(s):
+            accesses += [(ld.array, ld.index) for ld in _loads(e)]
+        for array, index in accesses:
+            if array in stored_out:
+                return True
+            if array in local:
+                if seen.setdefault(array, (owner.var.name, index)) != (owner.var.name, index):
+                    return True
+                if L.coefficient(index, owner.var.name) != 1:
+                    return True
+    return False
+
+
+def _exprs(s):
+    for f in ("value", "index", "cond", "lo", "hi", "init"):
+        e = getattr(s, f, None)
+        if isinstance(e, L.Expr):
+            yield e
+
+
+def _loads(e):
+    if isinstance(e, L.Load):
+        yield e
+    for f in ("index", "a", "b", "cond"):
+        c = getattr(e, f, None)
+        if isinstance(c, L.Expr):
+            yield from _loads(c)
+
+
+def argtypes(kernel: L.Kernel) -> list:
+    """The launcher's ctypes signature: the kernel's (``cpp.argtypes``) and the stream."""
+    return cpp.argtypes(kernel) + [ctypes.c_void_p]
+
+
+def generate(kernel: L.Kernel, prelude: bool = True, symbol: str = "") -> str:
+    """The translation unit: prelude, ``__global__`` kernel ``<name>_dev`` and host launcher ``<name>`` (``symbol``
+    if given). Without ``prelude`` (and the helpers), several kernels of distinct symbols concatenate behind one
+    ``PRELUDE + HELPERS`` into one unit, as the compile check does."""
+    m = plan(kernel)
+    name = ident(symbol or kernel.name)
+    params, casts = cpp.signature(kernel)
+    em = _Emitter(m, kernel, name)
+    body = em.kernel_body(casts)
+    dev_params = params + ["char* __restrict__ scorch_scratch", "int64_t scorch_stride"]
+    names = [ident(p.name) + ("" if p.kind == "array" else "_arg") for p in kernel.params]
+    src = [PRELUDE + HELPERS] if prelude else []
+    src += [f'extern "C" __global__ void {name}_dev(\n    ' + ",\n    ".join(dev_params) + ")\n{", *body, "}", ""]
+    host_params = [p.replace(" __restrict__", "") for p in params] + ["void* scorch_stream_arg"]
+    src += [f'extern "C" int {name}(\n    ' + ",\n    ".join(host_params) + ")\n{",
+            "  cudaStream_t scorch_stream = (cudaStream_t)scorch_stream_arg;",
+            *casts, *em.launcher(names), "}", "",
+            f'extern "C" const char* {name}_error(int e) {{ return scorch_error_string(e); }}', ""]
+    return "\n".join(src)
+
+
+#: device versions of the C++ helpers (the per-row radix sort of sparse output assembly)
+HELPERS = cpp._HELPERS["scorch_sort"].replace("static void", "static __device__ void").replace(
+    "static inline bool", "static __device__ inline bool")
+
+
+class _Emitter(cpp._Emitter):
+    """The C++ emitter with CUDA's statements: vector loops and tiles as plain code, lanes, workers, scratch."""
+
+    def __init__(self, mapping: Mapping, kernel: L.Kernel, name: str):
+        super().__init__(threads=False)
+        self.m = mapping
+        self.body = kernel.body
+        self.kernel_name = name
+        self.kernel_params = kernel.params
+        self.decl_types = {s.var.name: s.var.type for s in L.walk(kernel.body) if isinstance(s, (L.Decl, L.Let))}
+        self.compressed = self._compressed() if mapping.mode == "warp" else set()
+        self.in_lane = False
+
+    def _compressed(self):
+        """Private arrays indexed only by a lane loop's variable: each lane holds only its own entries
+        (``size / 32`` of them, in registers when the loop is unrolled)."""
+        out = set()
+        arrays = {s.name for s in L.walk(self.m.loop.body) if isinstance(s, L.LocalArray)}
+        for name in arrays:
+            idx = set()
+            ok = True
+            for s in L.walk(self.m.loop.body):
+                if isinstance(s, L.For) and id(s) in self.m.lane_loops:
+                    for t in L.walk(s.body):
+                        acc = [(t.array, t.index)] if isinstance(t, L.Store) else []
+                        for e in _exprs(t):
+                            acc += [(ld.array, ld.index) for ld in _loads(e)]
+                        idx |= {i for a, i in acc if a == name}
+            if not idx or any(not isinstance(i, L.Var) for i in idx):
+                ok = False
+            if ok:
+                out.add(name)
+        return out
+
+    # --- the kernel's body --------------------------------------------------------------------------------
+    def kernel_body(self, casts):
+        m, out = self.m, list(casts)
+        out += ["  const int64_t scorch_tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;",
+                "  const int64_t scorch_nthreads = (int64_t)gridDim.x * blockDim.x;"]
+        if m.mode == "warp":
+            out += ["  const int64_t scorch_worker = scorch_tid / 32, scorch_nworkers = scorch_nthreads / 32;",
+                    "  const int64_t scorch_lane = threadIdx.x % 32;"]
+        else:
+            out += ["  const int64_t scorch_worker = scorch_tid, scorch_nworkers = scorch_nthreads;"]
+        if m.mode == "serial":
+            return out + ["  if (scorch_tid != 0) return;"] + self.block(self.body, 1)
+        for s in m.prologue:
+            out += self.stmt(s, 1)
+        loop = m.loop
+        if loop.parallel.setup is not None:
+            out += self.block(loop.parallel.setup, 1)
+        v, lo, hi = ident(loop.var.name), self.expr(loop.lo), self.expr(loop.hi)
+        if loop.parallel.kind == "static":
+            out += [f"  for (int64_t {v} = ({lo}) + scorch_worker; {v} < ({hi}); {v} += scorch_nworkers) {{"]
+        elif loop.parallel.kind == "nnz":
+            pos = ident(loop.parallel.pos)
+            a, b, tot = self.fresh("lo"), self.fresh("hi"), self.fresh("total")
+            out += [f"  const int64_t {a} = {lo}, {b} = {hi};",
+                    f"  const int64_t {tot} = ((int64_t){pos}[{b}] - (int64_t){pos}[{a}]) + ({b} - {a});",
+                    f"  const int64_t scorch_r0 = scorch_first_row({pos}, {a}, {b}, {tot}, scorch_worker,"
+                    " scorch_nworkers);",
+                    f"  const int64_t scorch_r1 = scorch_first_row({pos}, {a}, {b}, {tot}, scorch_worker + 1,"
+                    " scorch_nworkers);",
+                    f"  for (int64_t {v} = scorch_r0; {v} < scorch_r1; ++{v}) {{"]
+        else:
+            raise ValueError(f"unknown parallel kind {loop.parallel.kind!r}")
+        return out + self.block(loop.body, 2) + ["  }"]
+
+    # --- statements -------------------------------------------------------------------------------------------
+    def stmt(self, s, d):
+        pad = "  " * d
+        if isinstance(s, L.Store) and self.m.mode == "warp" and not self.in_lane:
+            return [f"{pad}if (scorch_lane == 0) {{"] + self._store(s, d + 1) + [f"{pad}}}"]
+        if isinstance(s, L.Store):
+            return self._store(s, d)
+        if isinstance(s, L.LocalArray):
+            n, t = ident(s.name), CTYPE[s.type]
+            size = -(-int(s.size) // WARP) if s.name in self.compressed else int(s.size)
+            i = self.fresh("w")
+            return [f"{pad}{t} {n}[{size}];",
+                    f"{pad}for (int64_t {i} = 0; {i} < {size}; ++{i}) {n}[{i}] = {self.expr(s.init)};"]
+        if isinstance(s, L.Alloc):
+            n, t = ident(s.name), CTYPE[s.type]
+            k = next(i for i, a in enumerate(self.m.allocs) if a is s)
+            i = self.fresh("z")
+            return [f"{pad}{t}* __restrict__ {n} = ({t}*)(scorch_scratch + scorch_worker * scorch_stride + "
+                    f"{self._offset(k)});",
+                    f"{pad}for (int64_t {i} = 0; {i} < (int64_t)({self.expr(s.size)}); ++{i}) {n}[{i}] = {t}();"]
+        if isinstance(s, L.For):
+            return self.loop(s, d)
+        return super().stmt(s, d)
+
+    def _store(self, s, d):
+        pad = "  " * d
+        target = f"{ident(s.array)}[{self.index(s.array, s.index)}]"
+        value = self.expr(s.value)
+        if s.atomic:
+            if s.op not in ("add", "max", "min"):
+                raise ValueError(f"an atomic store must add, max or min, not {s.op!r}")
+            return [f"{pad}scorch_atomic_{s.op}(&{target}, ({CTYPE[self._type(s.array)]})({value}));"]
+        return [f"{pad}{self.update(target, s.op, value)};"]
+
+    def _type(self, array):
+        for p in self.kernel_params:
+            if p.name == array:
+                return p.type
+        return "f64"
+
+    def index(self, array, index):
+        if array in self.compressed:
+            return f"({self.expr(index)}) >> 5"
+        return self.expr(index)
+
+    def loop(self, s, d):
+        pad, v = "  " * d, ident(s.var.name)
+        lo, hi = self.expr(s.lo), self.expr(s.hi)
+        unroll = isinstance(s.lo, L.Const) and isinstance(s.hi, L.Const) and int(s.hi.value) - int(s.lo.value) <= 1024
+        if id(s) in self.m.lane_loops:
+            out, saved = [f"{pad}{{"], []
+            for op, name in s.reductions:
+                t = CTYPE[self.decl_types[name]]
+                keep = self.fresh("keep")
+                saved.append((op, name, keep))
+                out += [f"{pad}  const {t} {keep} = {ident(name)};",
+                        f"{pad}  {ident(name)} = {self._identity(op, self.decl_types[name])};"]
+            self.in_lane = True
+            try:
+                body = self.block(s.body, d + 2)
+            finally:
+                self.in_lane = False
+            out += ([f"{pad}  #pragma unroll"] if unroll else []) + [
+                f"{pad}  for (int64_t {v} = ({lo}) + ((scorch_lane - ({lo})) & 31); {v} < ({hi}); {v} += 32) {{"] + \
+                body + [f"{pad}  }}"]
+            for op, name, keep in saved:
+                n = ident(name)
+                combined = f"scorch_warp_{op}({n})"
+                out.append(f"{pad}  {n} = " + (f"{keep} + {combined};" if op == "add" else
+                                                f"({keep} {'>' if op == 'max' else '<'} {combined} ? {keep} :"
+                                                f" {combined});"))
+            return out + [f"{pad}}}"]
+        if s.parallel is not None:
+            # a parallel loop where the mapping runs one thread: its setup once, its iterations in order
+            setup = s.parallel.setup or L.Block(())
+            return [f"{pad}{{"] + self.block(setup, d + 1) + self.loop(L.For(s.var, s.lo, s.hi, s.body), d + 1) \
+                + [f"{pad}}}"]
+        head = [f"{pad}#pragma unroll"] if (s.unroll or s.vector) and unroll else []
+        return head + [f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) + \
+            [f"{pad}}}"]
+
+    @staticmethod
+    def _identity(op, t):
+        if op == "add":
+            return cpp._literal(0, t)
+        if t in ("f32", "f64"):
+            return cpp._literal(float("-inf") if op == "max" else float("inf"), t)
+        return {"i32": ("INT32_MIN", "INT32_MAX"), "i64": ("INT64_MIN", "INT64_MAX")}[t][op == "min"]
+
+    def expr(self, e):
+        if isinstance(e, L.Load):
+            return f"{ident(e.array)}[{self.index(e.array, e.index)}]"
+        if isinstance(e, L.Unary) and e.op in ("abs", "sqrt", "sin", "tanh"):
+            a, t = self.expr(e.a), CTYPE[e.type]
+            if e.type == "f32":
+                return {"abs": f"fabsf({a})", "sqrt": f"sqrtf({a})", "sin": f"sinf({a})", "tanh": f"tanhf({a})"}[e.op]
+            if e.op == "abs" and e.type != "f64":
+                return f"(({a}) < {t}(0) ? -({a}) : ({a}))"
+            f = {"abs": "fabs"}.get(e.op, e.op)
+            return f"(({t}){f}((double)({a})))"
+        return super().expr(e)
+
+    # --- the launcher ------------------------------------------------------------------------------------------
+    def _offset(self, k):
+        """Byte offset of workspace ``k`` in a worker's slice (each one 16-byte aligned)."""
+        parts = [f"(((int64_t)({self.expr(a.size)}) * (int64_t)sizeof({CTYPE[a.type]}) + 15) / 16 * 16)"
+                 for a in self.m.allocs[:k]]
+        return " + ".join(parts) or "0"
+
+    def launcher(self, names):
+        m = self.m
+        stride = self._offset(len(m.allocs)) if m.allocs else "0"
+        lines = [f"  const int64_t scorch_stride_ = {stride};"]
+        if m.mode == "serial":
+            lines += ["  const int64_t scorch_grid = 1, scorch_block = 1;"]
+        else:
+            per = WARP if m.mode == "warp" else 1
+            lines += [
+                "  int64_t scorch_block = SCORCH_EMULATED ? 32 : " + str(BLOCK) + ";",
+                f"  int64_t scorch_grid = SCORCH_EMULATED ? {EMULATED_GRID} : (int64_t)scorch_sms(scorch_stream) * "
+                f"{BLOCKS_PER_SM};",
+            ]
+            if m.allocs:  # fewer workers where their workspaces would take too much memory
+                lines += [
+                    f"  if (scorch_stride_ > 0) {{",
+                    f"    int64_t most = {SCRATCH_BYTES}LL / scorch_stride_;",
+                    f"    if (most < 1) most = 1;",
+                    f"    if (scorch_grid * scorch_block / {per} > most) {{",
+                    f"      scorch_block = SCORCH_EMULATED ? 32 : (most * {per} < scorch_block ? "
+                    f"(most * {per} + 31) / 32 * 32 : scorch_block);",
+                    f"      scorch_grid = (most * {per} + scorch_block - 1) / scorch_block;",
+                    "    }",
+                    "  }",
+                ]
+        lines += ["  char* scorch_scratch = nullptr;"]
+        if m.allocs:
+            lines += ["  const int64_t scorch_workers = scorch_grid * scorch_block"
+                      f" / {WARP if m.mode == 'warp' else 1};",
+                      "  { const cudaError_t e = scorch_scratch_alloc(&scorch_scratch, scorch_workers * scorch_stride_,"
+                      " scorch_stream); if (e) return (int)e; }"]
+        lines += [f"  SCORCH_LAUNCH({ident(self.kernel_name)}_dev, scorch_grid, scorch_block, scorch_stream, "
+                  + ", ".join(names + ["scorch_scratch", "scorch_stride_"]) + ");"]
+        if m.allocs:
+            lines += ["  scorch_scratch_free(scorch_scratch, scorch_stream);"]
+        lines += ["  return (int)scorch_last_error();"]
+        return lines
