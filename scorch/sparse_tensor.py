@@ -266,6 +266,12 @@ class SparseTensor(torch.Tensor):
         """On the CPU, as ``to('cpu')``."""
         return self.to("cpu")
 
+    def cuda(self, device=None, non_blocking=False):
+        """On a CUDA device (every level's arrays and the values), as ``to('cuda')``; ops on it then run
+        generated CUDA kernels."""
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device, non_blocking=non_blocking)
+
     def double(self):
         """float64 values, same arrays."""
         return self.to(torch.float64)

@@ -16,7 +16,7 @@ from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
 from . import loops as L
-from . import relayout, runtime
+from . import library, relayout, runtime
 from .codegen import cpp, cuda
 from .einsum import equation as einsum_string
 from .einsum import parse, to_index_notation
@@ -46,6 +46,7 @@ class Plan:
     kernel: object = None
     assemble_from_dense: bool = False
     calls: int = 0
+    library: object = None  # on a GPU: the measured choice between this kernel and a library call (library.py)
 
     def explain(self) -> str:
         out = self.output
@@ -63,6 +64,8 @@ class Plan:
             how = {"compiled": f"compiled now ({self.kernel.compile_seconds:.2f} s)", "disk": "loaded from the disk"
                    " cache", "memory": "from the memory cache"}.get(self.kernel.origin, self.kernel.origin)
             lines += _gpu_lines(self.kernel)
+            if self.library is not None:
+                lines.append(f"path:         {self.library.describe()}")
             lines += [f"kernel:       {how}: {self.kernel.path}", "source:", self.source]
         return "\n".join(lines)
 
@@ -259,6 +262,17 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         _COMPILED[plan_key] = plan
     if backend == "cpp" and prepared_ok and len(_FAST) < 4096:
         _FAST[sig] = _prepared_call(plan, sizes, dtype)
+    if backend == "cuda" and rhs is None and library.ENABLED:
+        lib = library.candidate(asg, ops)
+        if lib is not None:
+            name, fn = lib
+            plan.library = library.choose(library.key_of(plan_key, ops), name,
+                                          lambda: _call(plan, ops, sizes, dtype, scalars or {}, backend),
+                                          lambda: fn(ops))
+            if plan.library.path != "scorch":
+                if explain:
+                    print(plan.explain())
+                return fn(ops)
     result = _call(plan, ops, sizes, dtype, scalars or {}, backend)
     if explain:
         print(plan.explain())

@@ -177,3 +177,48 @@ def test_matrix_cuda_sources_compile(arch):
     text = runtime.ptx(unit, arch)
     entries = set(re.findall(r"\.entry\s+(scorch_m\d+)_dev", text))
     assert len(entries) == len(kernels)
+
+
+# --- library kernels: recognized, equal to the compiler's result, chosen by measurement -----------------------
+
+def test_library_candidates_compute_the_same():
+    """The library calls the GPU dispatcher may take instead of a kernel give the kernel's results (run here on
+    the CPU, where torch.sparse has the same calls)."""
+    from scorch.compiler import library
+    from scorch.compiler.einsum import parse, to_index_notation
+    from scorch.compiler.ir import Assignment
+    s = scorch.asformat(torch.randn(30, 20) * (torch.rand(30, 20) < 0.3), "csr")
+    x, a, b = torch.randn(20, 8), torch.randn(30, 8), torch.randn(20, 8)
+    for eq, ops in [("ij,jk->ik", [s, x]), ("ij,ik,jk->ij", [s, a, b])]:
+        inputs, out = parse(eq, [o.dim() for o in ops])
+        asg = Assignment(out, to_index_notation(inputs), tuple(dispatch._type(o) for o in ops))
+        name, fn = library.candidate(asg, ops)
+        assert "cuSPARSE" in name
+        assert_matches_dense(fn(ops), dispatch.einsum(eq, *ops).to_dense() if eq.endswith("ij") else
+                             dispatch.einsum(eq, *ops))
+    inputs, out = parse("ij,jk->ki", [2, 2])
+    asg = Assignment(out, to_index_notation(inputs), (dispatch._type(s), dispatch._type(x)))
+    assert library.candidate(asg, [s, x]) is None  # another output order: no library call
+
+
+def test_library_choice_is_measured_once():
+    from scorch.compiler import library
+    calls = []
+    times = {"scorch": 2.0, "lib": 1.0}
+
+    def clock(fn):
+        return times[fn()]
+    c = library.choose(("test-key",), "lib", lambda: calls.append("s") or "scorch", lambda: "lib", clock)
+    assert c.path == "lib" and c.scorch_ms == 2000.0 and "measured" in c.describe()
+    n = len(calls)
+    assert library.choose(("test-key",), "lib", lambda: calls.append("s") or "scorch", lambda: "lib", clock) is c
+    assert len(calls) == n  # kept: not measured again
+    times["scorch"] = 0.5
+    assert library.choose(("other-key",), "lib", lambda: "scorch", lambda: "lib", clock).path == "scorch"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_gpu_benchmark_without_a_gpu(capsys):
+    from benchmarks import gpu
+    assert gpu.main(["--quick"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

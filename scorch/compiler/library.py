@@ -1,0 +1,103 @@
+"""Library kernels where they win: on a GPU, cuSPARSE (through ``torch.sparse``) computes some assignments too.
+
+``candidate(asg, ops)`` recognizes the assignments a library serves (SpMM of a CSR matrix by a dense one,
+SDDMM on a CSR pattern) and returns a function computing the same result from the operands, or None. The first
+time an assignment of one signature (formats, dtypes, shapes rounded to powers of two) runs on a GPU, ``choose``
+times both paths (median of a few runs, after a warm-up) and keeps the faster; later calls take the kept path.
+``explain`` shows the choice and the times it was made on.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..formats import named
+from .ir import Access, Mul
+
+#: timed runs of each path when a choice is made
+RUNS = 5
+#: False: always the compiler's kernel (the GPU benchmark measures the kernel alone this way)
+ENABLED = True
+
+
+@dataclass(frozen=True)
+class Choice:
+    path: str            # "scorch" or the library call's name
+    library: str         # the library call that was measured
+    scorch_ms: float
+    library_ms: float
+
+    def describe(self) -> str:
+        return (f"{'library: ' + self.path if self.path != 'scorch' else 'scorch kernel'} (measured at the first"
+                f" call: scorch {self.scorch_ms:.3f} ms, {self.library} {self.library_ms:.3f} ms)")
+
+
+_CHOICES: dict = {}
+
+
+def candidate(asg, ops) -> Optional[tuple[str, Callable]]:
+    """``(name, fn)`` where ``fn(ops)`` computes ``asg`` by a library call, or None."""
+    if asg.reduce != "sum" or asg.out_format is not None:
+        return None
+    types = asg.operands
+    if any(t.dtype not in (torch.float32, torch.float64) for t in types) or types[0].format != named.csr:
+        return None
+    accesses = list(asg.rhs.factors) if isinstance(asg.rhs, Mul) else [asg.rhs]
+    if not all(isinstance(a, Access) for a in accesses) or [a.operand for a in accesses] != list(range(len(types))):
+        return None
+    idx = [a.indices for a in accesses]
+    if len(types) == 2 and not types[1].sparse and len(idx[1]) == 2:
+        (i, j), (j2, k) = idx
+        if j == j2 and len({i, j, k}) == 3 and asg.out == (i, k):
+            return "torch.sparse.mm (cuSPARSE SpMM)", lambda o: torch.sparse.mm(o[0].to_torch(), o[1])
+    if len(types) == 3 and not types[1].sparse and not types[2].sparse:
+        (i, j), (i2, k), (j2, k2) = idx
+        if (i, j) == asg.out and i2 == i and j2 == j and k == k2 and len({i, j, k}) == 3:
+            return "torch.sparse.sampled_addmm (cuSPARSE SDDMM)", _sddmm
+    return None
+
+
+def _sddmm(o):
+    s, a, b = o
+    pattern = s.to_torch()
+    r = torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0)
+    return s.with_values(r.values() * s.values())
+
+
+def key_of(plan_key, ops) -> tuple:
+    """The choice's key: the plan's, and every operand's shape rounded up to a power of two and nnz likewise."""
+    def p2(n):
+        return 1 << max(int(n) - 1, 0).bit_length()
+    return plan_key + tuple((tuple(p2(n) for n in x.shape), p2(x.nnz) if hasattr(x, "nnz") and x.layout !=
+                             torch.strided else 0) for x in ops)
+
+
+def choose(key, name, run_scorch: Callable, run_library: Callable, clock: Callable = None) -> Choice:
+    """The kept choice for ``key``, measuring both paths the first time. ``clock(fn)``: the seconds one call of
+    ``fn`` takes (default: CUDA events around it)."""
+    c = _CHOICES.get(key)
+    if c is not None:
+        return c
+    clock = clock or _cuda_time
+    run_scorch(), run_library()  # warm-up: compiles, cuSPARSE handles, allocator
+    ts = statistics.median(clock(run_scorch) for _ in range(RUNS))
+    tl = statistics.median(clock(run_library) for _ in range(RUNS))
+    c = _CHOICES[key] = Choice(name if tl < ts else "scorch", name, ts * 1e3, tl * 1e3)
+    return c
+
+
+def _cuda_time(fn) -> float:
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
