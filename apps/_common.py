@@ -28,6 +28,28 @@ def parser(app: str, description: str, backends: tuple, epochs: int) -> argparse
     return p
 
 
+def to_device(obj, device):
+    """``obj`` on ``device``: a tensor (a SparseTensor's every array), a module, or a dataclass or tuple of them
+    (moved field by field); anything else as it is."""
+    import dataclasses
+    if device is None:
+        return obj
+    if hasattr(obj, "to") and not isinstance(obj, type):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple):
+        return tuple(to_device(x, device) for x in obj)
+    return obj
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    """The ``--device`` option of the apps that run on a GPU."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model and data live (with the "
+                   "scorch backend on a GPU, sparse ops run generated CUDA kernels); default cpu")
+
+
 def set_threads(threads: int) -> None:
     """OpenMP's thread count is read once, when torch loads: set it in the environment first, then in torch."""
     if threads < 1:
@@ -79,6 +101,9 @@ class Stopwatch:
         return self
 
     def __exit__(self, *exc):
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
         self.times.append(time.perf_counter() - self._t0)
         return False
 

@@ -297,15 +297,15 @@ def _extremum_grad(src, out, x, r, gout):
     vals = x._values[leaf]
     tie = (vals == r[cell]).to(g.dtype)
     # ties per output cell: stored ones, plus the implicit zeros when the extremum is 0
-    stored = torch.zeros(r.shape, dtype=g.dtype).index_put(cell, torch.ones_like(tie), accumulate=True)
-    ties = torch.zeros(r.shape, dtype=g.dtype).index_put(cell, tie, accumulate=True)
+    stored = torch.zeros(r.shape, dtype=g.dtype, device=g.device).index_put(cell, torch.ones_like(tie), accumulate=True)
+    ties = torch.zeros(r.shape, dtype=g.dtype, device=g.device).index_put(cell, tie, accumulate=True)
     reduced = 1
     for d, n in enumerate(x._shape):
         if d not in keep:
             reduced *= n
     ties = ties + torch.where(r == 0, reduced - stored, torch.zeros_like(stored))
     share = (g / ties.clamp(min=1))[cell] * tie
-    return torch.zeros(x._values.shape, dtype=g.dtype).index_put((leaf,), share, accumulate=True)
+    return torch.zeros(x._values.shape, dtype=g.dtype, device=g.device).index_put((leaf,), share, accumulate=True)
 
 
 # --- format conversion ------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
             return None
         else:
             src, target, inner = x, fmt, None
-        positions = src.with_values(torch.arange(src._values.numel(), dtype=torch.float64))
+        positions = src.with_values(torch.arange(src._values.numel(), dtype=torch.float64, device=src.device))
         moved = dispatch.convert(positions, target, index_dtype)
         if moved is None:
             return None
@@ -154,7 +154,7 @@ def _block_matrices(x: SparseTensor, fmt):
     as_matrix = (lambda f: Format.from_levels(2, [(Var(f.exprs[0].dim), Dense()),
                                                   (Var(f.exprs[1].dim), Compressed())]))
     src = SparseTensor(as_matrix(a), sizes, [LevelStorage(), x._levels[1]],
-                       torch.zeros(x._levels[1].crd.numel(), dtype=torch.float64), check=False)
+                       torch.zeros(x._levels[1].crd.numel(), dtype=torch.float64, device=x.device), check=False)
     return src, as_matrix(b), x._levels[2:]
 
 

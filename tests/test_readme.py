@@ -54,3 +54,15 @@ def test_readme_sparsify_example_runs():
     out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "bsr(16, 16)" in out.stdout and "csr" in out.stdout
+
+
+def test_readme_gpu_example():
+    """On a GPU the example runs verbatim; without one it runs with the device moves taken out (the CPU path of
+    the same code), so it stays valid."""
+    import torch
+    block = next(b for b in python_blocks() if ".cuda()" in b)
+    if not torch.cuda.is_available():
+        block = block.replace(".cuda()", "").replace(', device="cuda"', "")
+    out = subprocess.run([sys.executable, "-c", "import torch, scorch\n" + block], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert ("target:       CUDA" in out.stdout) == torch.cuda.is_available()

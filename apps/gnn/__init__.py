@@ -41,10 +41,10 @@ def prepare(backend: str, model: str, graph, hidden=None, heads=None, dropout=No
 
 def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epochs: int = 200, threads: int = 2,
         seed: int = 0, quiet: bool = True, data=None, hidden=None, heads=None, lr=None, weight_decay=None,
-        dropout=None, graph=None) -> dict:
+        dropout=None, graph=None, device="cpu") -> dict:
     """Train ``model`` on ``dataset`` with ``backend``; returns accuracies and the median times of a training
     epoch (forward, backward, optimizer step) and of an inference forward. ``graph`` (an ``apps.gnn.data.Graph``)
-    skips loading."""
+    skips loading. ``device``: where the model and the graph's tensors live ("cuda": sparse ops on the GPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose {', '.join(BACKENDS)}")
     import torch
@@ -57,6 +57,9 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*(beta|invariant)")
         net, inputs, gt = prepare(backend, model, g, hidden, heads, dropout)
+        if device != "cpu":
+            net, gt = net.to(device), _common.to_device(gt, device)
+            inputs = (gt.x, gt) if backend != "pyg" else (gt.x, inputs[1].to(device))
         opt = torch.optim.Adam(net.parameters(), lr=lr or d["lr"],
                                weight_decay=d["weight_decay"] if weight_decay is None else weight_decay)
         labels, train_idx = gt.labels, gt.train_idx
@@ -86,7 +89,8 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
             "epochs": epochs, "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
             "val_acc": best_val, "test_acc": test_at_best,
             "epoch_s": train_watch.median(skip=warm), "infer_s": infer_watch.median(skip=warm),
-            "epoch_times": train_watch.times[warm:], "infer_times": infer_watch.times[warm:], "threads": threads}
+            "epoch_times": train_watch.times[warm:], "infer_times": infer_watch.times[warm:], "threads": threads,
+            "device": str(device)}
 
 
 def main(argv=None) -> dict:
@@ -99,9 +103,10 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--dropout", type=float, default=None)
+    _common.add_device(p)
     a = p.parse_args(argv)
     _common.set_threads(a.threads)
     result = run(a.backend, a.model, a.dataset, a.epochs, a.threads, a.seed, a.quiet, a.data, a.hidden, a.heads,
-                 a.lr, a.weight_decay, a.dropout)
+                 a.lr, a.weight_decay, a.dropout, device=a.device)
     _common.report(f"apps.gnn: {a.model} on {result['data']} with {a.backend}", result)
     return result

@@ -51,13 +51,14 @@ def _config(options):
     return {**DEFAULTS, **options}
 
 
-def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, **options) -> dict:
+def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, device="cpu", **options) -> dict:
     """Train the encoder on the synthetic task (``task.py``) for ``epochs`` and evaluate it.
 
     ``data`` is accepted for the common app interface and unused (the task is generated from ``seed``).
     ``options``: the keys of ``DEFAULTS``. Returns the backend, sizes, the pattern's nnz and density, test
     ``accuracy`` and ``loss``, ``epoch_s`` (median epoch time, leaving out the first, which compiles kernels),
     ``step_s`` (median training step, leaving out the first epoch's), ``infer_s`` (median forward of one batch).
+    ``device``: where the model, mask and batches live ("cuda": the attention's sparse ops on the GPU).
     """
     from .pattern import density
     from .task import CLASSES, IGNORE, make_task
@@ -73,6 +74,9 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, **
     x_train, y_train = make_task(cfg["train_size"], n, cfg["vocab"], seed + 1)
     x_test, y_test = make_task(cfg["test_size"], n, cfg["vocab"], seed + 2)
     net = _model.build_encoder(torch, cfg["vocab"], cfg["d_model"], cfg["heads"], cfg["layers"], CLASSES, seed)
+    if device != "cpu":
+        net, mask = net.to(device), _common.to_device(mask, device)
+        x_train, y_train, x_test, y_test = _common.to_device((x_train, y_train, x_test, y_test), device)
     opt = torch.optim.Adam(net.parameters(), lr=cfg["lr"])
     F = torch.nn.functional
     bs = cfg["batch"]
@@ -83,7 +87,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, **
     steps_per_epoch = (cfg["train_size"] + bs - 1) // bs
     for epoch in range(epochs):
         net.train()
-        perm = real_torch.randperm(cfg["train_size"], generator=order_gen)
+        perm = real_torch.randperm(cfg["train_size"], generator=order_gen).to(x_train.device)
         batches = [perm[i:i + bs] for i in range(0, cfg["train_size"], bs)]
         with epoch_watch:
             for idx in _common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
@@ -117,7 +121,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, **
         "threads": threads, "accuracy": correct / max(total, 1), "loss": test_loss / max(total, 1),
         "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
         "epoch_s": epoch_watch.median(skip=1), "step_s": step_watch.median(skip=steps_per_epoch),
-        "infer_s": infer_watch.median(skip=1),
+        "infer_s": infer_watch.median(skip=1), "device": str(device),
     }
 
 
@@ -242,6 +246,7 @@ def measure_memory(backend, seq_len, mode="fwd_bwd", window=64, n_globals=2, ran
 
 def main(argv=None):
     p = _common.parser("sparse_transformer", __doc__.splitlines()[0], backends=BACKENDS, epochs=4)
+    _common.add_device(p)
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="sequence length (default %(default)s)")
     p.add_argument("--window", type=int, default=DEFAULTS["window"],
                    help="local window in tokens, half on each side (default %(default)s)")
@@ -287,7 +292,7 @@ def main(argv=None):
     r = run(a.backend, epochs=a.epochs, threads=a.threads, seed=a.seed, quiet=a.quiet, data=a.data,
             seq_len=a.seq_len, window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
             d_model=a.d_model, heads=a.heads, layers=a.layers, batch=a.batch, train_size=a.train_size,
-            test_size=a.test_size, vocab=a.vocab, lr=a.lr)
+            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device)
     shown = {k: v for k, v in r.items() if k != "losses"}
     _common.report(f"sparse_transformer ({a.backend})", shown)
     return r

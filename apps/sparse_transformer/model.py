@@ -105,7 +105,8 @@ def make_modules(torch):
 
         def forward(self, tokens, mask):
             n = tokens.shape[1]
-            x = self.tok(tokens) + sinusoidal(torch, n, self.d_model)
+            x = self.tok(tokens)
+            x = x + sinusoidal(torch, n, self.d_model).to(x.device)
             for layer in self.layers:
                 x = layer(x, mask)
             return self.head(self.norm(x))

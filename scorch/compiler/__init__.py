@@ -8,9 +8,11 @@
    operand, ``CoSchedule`` for several).
 6. ``lower`` (one sparse operand, its levels drive the loops) or ``coiterate`` (several, merged by index
    variable through ``lattice``): a ``loops.Kernel``, through the level capability interface only.
-7. ``interp`` runs a kernel in NumPy (the reference semantics); ``codegen.cpp`` renders it as C++.
-8. ``runtime``: compile once, cache in memory and on disk, load through ctypes.
-9. ``dispatch``: the caches from a call's signature to a prepared call, and ``explain``.
+7. ``interp`` runs a kernel in NumPy (the reference semantics); ``codegen.cpp`` renders it as C++,
+   ``codegen.cuda`` as CUDA (the parallel loop across warps or threads).
+8. ``runtime``: compile once (g++, or nvcc for a GPU), cache in memory and on disk, load through ctypes.
+9. ``dispatch``: the caches from a call's signature to a prepared call, the backend for the operands' device,
+   ``library`` (cuSPARSE where it measures faster on a GPU), and ``explain``.
 
 ``torch.compiler`` shares this package's name, so its names are forwarded here: under
 ``import scorch as torch``, ``torch.compiler.disable`` stays torch's own.

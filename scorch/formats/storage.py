@@ -114,7 +114,7 @@ def coordinates(fmt: Format, shape, levels):
     dims = [None] * fmt.ndim
     for rec in fmt.inverse:
         dims[rec.dim] = rec.evaluate(coords, dims)
-    dims = torch.stack(dims) if dims else torch.zeros(0, leaf.numel(), dtype=torch.int64)
+    dims = torch.stack(dims) if dims else torch.zeros(0, leaf.numel(), dtype=torch.int64, device=leaf.device)
     inside = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
     for d, n in enumerate(shape):
         inside &= (dims[d] >= 0) & (dims[d] < n)

@@ -110,3 +110,23 @@ def test_command_line():
     out = run_app("gnn", "--dataset", "sbm-500", "--epochs", "3", "--quiet", "--model", "gat", "--heads", "2")
     assert out.returncode == 0, out.stderr
     assert "test_acc" in out.stdout and "epoch_s" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("arch", ["gcn", "sage", "gat"])
+def test_scorch_trains_on_the_gpu_as_on_the_cpu(small, arch):
+    """--device cuda: the same losses as on the CPU (the sparse ops run generated CUDA kernels)."""
+    c = gnn.run("scorch", arch, epochs=20, graph=small, hidden=8, heads=2, lr=0.05)
+    g = gnn.run("scorch", arch, epochs=20, graph=small, hidden=8, heads=2, lr=0.05, device="cuda")
+    assert g["device"] == "cuda"
+    np.testing.assert_allclose(g["losses"], c["losses"], rtol=1e-3, atol=1e-4)
+    assert abs(g["test_acc"] - c["test_acc"]) < 0.02
+
+
+def test_to_device_moves_dataclass_fields(small):
+    """The helper behind --device moves every tensor field of the graph tensors (here to the CPU: the same)."""
+    gt = gmodel.graph_tensors(scorch, small)
+    moved = _common.to_device(gt, "cpu")
+    assert type(moved) is type(gt) and moved.num_nodes == gt.num_nodes
+    assert torch.equal(moved.labels, gt.labels) and isinstance(moved.adj, scorch.SparseTensor)
+    assert _common.to_device(gt, None) is gt

@@ -147,6 +147,17 @@ def test_training_steps_agree_across_backends():
             assert r[key] > 0 and math.isfinite(r[key]), (b, key)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (torch.cuda.is_available() is False)")
+def test_scorch_trains_on_the_gpu_as_on_the_cpu():
+    """--device cuda: SDDMM, sparse softmax and SpMM of the attention on the GPU take the CPU's steps."""
+    opts = dict(epochs=1, threads=1, seed=1, train_size=12, test_size=4, batch=4, d_model=32, heads=2, layers=1,
+                **TINY)
+    cpu, gpu = st.run("scorch", **opts), st.run("scorch", device="cuda", **opts)
+    assert gpu["device"] == "cuda"
+    assert gpu["losses"] == pytest.approx(cpu["losses"], rel=1e-3)
+    assert gpu["accuracy"] == pytest.approx(cpu["accuracy"], abs=1e-6)
+
+
 def test_training_learns():
     """Dense is the fastest backend at this size; the others take the same steps (the test above)."""
     r = st.run("dense", epochs=10, threads=1, seed=0, train_size=64, test_size=16, batch=8, d_model=32, heads=2,

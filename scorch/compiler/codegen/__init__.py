@@ -1,1 +1,2 @@
-"""Code generators: loop IR -> source text (``cpp`` for CPU with OpenMP; ``cuda`` later)."""
+"""Code generators: loop IR -> source text (``cpp``: C++ with OpenMP for the CPU; ``cuda``: CUDA, whose
+source also runs on the CPU under an emulation for tests)."""
