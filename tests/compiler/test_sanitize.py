@@ -18,9 +18,12 @@ from test_runtime import OOB  # the kernel that reads one past its buffer
 from scorch.compiler import runtime
 
 SCRIPT = textwrap.dedent(r'''
-    import concurrent.futures, sys
+    import concurrent.futures, os, sys
     import torch
     import scorch
+    from scorch.compiler import dispatch
+
+    BACKEND = os.environ.get("SCORCH_TEST_BACKEND", "cpp")  # cuda-emulate: the CUDA kernels, run on the CPU
 
     EXTRA = 3
     # (equation, which operand is sparse, formats)
@@ -65,7 +68,7 @@ SCRIPT = textwrap.dedent(r'''
             ops = [scorch.asformat(a, fmt) if i == sp else values(tuple(sizes.get(c, EXTRA) for c in t), gen)
                    for i, t in enumerate(inputs)]
             dense = [a if i == sp else x for i, x in enumerate(ops)]
-            r = scorch.einsum(eq, *ops)
+            r = scorch.einsum(eq, *ops) if BACKEND == "cpp" else dispatch.einsum(eq, *ops, backend=BACKEND)
             if isinstance(r, scorch.SparseTensor):
                 r.check_invariants()
             if not close(r, torch.einsum(eq, *dense)):
@@ -134,10 +137,29 @@ SCRIPT = textwrap.dedent(r'''
         return n, bad
 
 
+    def coiteration_checks():
+        """Two sparse operands through the CUDA kernels: SpGEMM's count and fill (scratch workspaces, the
+        per-row sort of long rows) and a merge."""
+        gen = torch.Generator().manual_seed(5)
+        bad, n = [], 0
+        for (m, k, c), d in (((6, 300, 300), 0.5), ((0, 4, 5), 0.5), ((9, 7, 8), 0.3)):
+            a, b = values((m, k), gen, d), values((k, c), gen, d)
+            n += 1
+            r = dispatch.einsum("ij,jk->ik", scorch.asformat(a, "csr"), scorch.asformat(b, "csr"), backend=BACKEND)
+            if not close(r, a @ b):
+                bad.append(f"csr @ csr {(m, k, c)}")
+            n += 1
+            r = dispatch.einsum("ij,ij->ij", scorch.asformat(a, "csr"), scorch.asformat(a, "coo"), backend=BACKEND)
+            if not close(r, a * a):
+                bad.append(f"csr * coo {(m, k)}")
+        return n, bad
+
+
     torch.set_num_threads(3)  # more threads than some inputs have rows
     jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
-        results = list(pool.map(run, jobs)) + [ops_checks(), tile_checks()]
+        extra = [ops_checks(), tile_checks()] if BACKEND == "cpp" else [coiteration_checks()]
+        results = list(pool.map(run, jobs)) + extra
     bad = [b for _, bs in results for b in bs]
     print("checked", sum(n for n, _ in results), "results in", len(jobs), "kernels")
     for b in bad:
@@ -163,10 +185,14 @@ def _sanitizer_available():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ASan preloading is set up for Linux")
-def test_matrix_subset_under_sanitizers(tmp_path):
+@pytest.mark.parametrize("backend", ["cpp", "cuda-emulate"])
+def test_matrix_subset_under_sanitizers(tmp_path, backend):
+    """The C++ kernels, and the CUDA kernels run by the emulation (their index arithmetic, lane and worker
+    splits, scratch slices)."""
     if not _sanitizer_available():
         pytest.skip("the C++ compiler has no ASan/UBSan runtime")
     env = _sanitized_env(tmp_path)
+    env["SCORCH_TEST_BACKEND"] = backend
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -178,7 +204,7 @@ def test_matrix_subset_under_sanitizers(tmp_path):
     # the kernels really were sanitized builds, in the fresh cache
     built = list((tmp_path / "cache").rglob("*.so"))
     assert len(built) >= 15, len(built)
-    sources = list((tmp_path / "cache").rglob("*.cpp"))
+    sources = list((tmp_path / "cache").rglob("*.cpp" if backend == "cpp" else "*.cu"))
     assert sources
 
 

@@ -47,6 +47,7 @@ PRELUDE = r"""#include <cstdint>
 /* CUDA on the CPU, for tests without a GPU: blocks run one after another, the threads of a block as OpenMP
    threads. Blocks are one warp, so a warp shuffle is a block barrier; atomics are OpenMP atomics. */
 #include <cstdlib>
+#include <mutex>
 #include <omp.h>
 struct scorch_dim3 { unsigned x, y, z; };
 static thread_local scorch_dim3 threadIdx, blockIdx;
@@ -77,7 +78,9 @@ template <class T> static inline void scorch_atomic_min(T* p, T v) {
   { if (v < *p) *p = v; }
 }
 static int scorch_launch_error = 0;
+static std::mutex scorch_launch_lock;  /* launches from several host threads take turns (shared grid state) */
 #define SCORCH_LAUNCH(kernel, grid, block, stream, ...) do { \
+    std::lock_guard<std::mutex> scorch_guard(scorch_launch_lock); \
     gridDim = scorch_dim3{(unsigned)(grid), 1, 1}; blockDim = scorch_dim3{(unsigned)(block), 1, 1}; \
     for (unsigned scorch_b = 0; scorch_b < gridDim.x; ++scorch_b) { \
       _Pragma("omp parallel num_threads(blockDim.x)") \
