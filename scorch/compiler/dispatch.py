@@ -47,6 +47,7 @@ class Plan:
     assemble_from_dense: bool = False
     calls: int = 0
     library: object = None  # on a GPU: the measured choice between this kernel and a library call (library.py)
+    library_call: object = None  # on a GPU: ``(name, fn)`` of a library call computing this assignment, or None
 
     def explain(self) -> str:
         out = self.output
@@ -262,17 +263,15 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         _COMPILED[plan_key] = plan
     if backend == "cpp" and prepared_ok and len(_FAST) < 4096:
         _FAST[sig] = _prepared_call(plan, sizes, dtype)
-    if backend == "cuda" and rhs is None and library.ENABLED:
-        lib = library.candidate(asg, ops)
-        if lib is not None:
-            name, fn = lib
-            plan.library = library.choose(library.key_of(plan_key, ops), name,
-                                          lambda: _call(plan, ops, sizes, dtype, scalars or {}, backend),
-                                          lambda: fn(ops))
-            if plan.library.path != "scorch":
-                if explain:
-                    print(plan.explain())
-                return fn(ops)
+    if plan.library_call is not None and rhs is None and library.ENABLED:
+        name, fn = plan.library_call
+        plan.library = library.choose(library.key_of(plan_key, ops), name,
+                                      lambda: _call(plan, ops, sizes, dtype, scalars or {}, backend),
+                                      lambda: fn(ops))
+        if plan.library.path != "scorch":
+            if explain:
+                print(plan.explain())
+            return fn(ops)
     result = _call(plan, ops, sizes, dtype, scalars or {}, backend)
     if explain:
         print(plan.explain())
@@ -345,6 +344,7 @@ def _compile(asg, output, sizes, broadcast, backend="cpp") -> Plan:
     plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
     plan.lowered = lower(asg, sched, ct, broadcast, target=_target(backend))
     plan.source, plan.kernel = _build(plan.lowered, backend)
+    plan.library_call = library.candidate(asg) if backend == "cuda" else None
     return plan
 
 

@@ -1,6 +1,6 @@
 """Library kernels where they win: on a GPU, cuSPARSE (through ``torch.sparse``) computes some assignments too.
 
-``candidate(asg, ops)`` recognizes the assignments a library serves (SpMM of a CSR matrix by a dense one,
+``candidate(asg)`` recognizes the assignments a library serves (SpMM of a CSR matrix by a dense one,
 SDDMM on a CSR pattern) and returns a function computing the same result from the operands, or None. The first
 time an assignment of one signature (formats, dtypes, shapes rounded to powers of two) runs on a GPU, ``choose``
 times both paths (median of a few runs, after a warm-up) and keeps the faster; later calls take the kept path.
@@ -39,7 +39,7 @@ class Choice:
 _CHOICES: dict = {}
 
 
-def candidate(asg, ops) -> Optional[tuple[str, Callable]]:
+def candidate(asg) -> Optional[tuple[str, Callable]]:
     """``(name, fn)`` where ``fn(ops)`` computes ``asg`` by a library call, or None."""
     if asg.reduce != "sum" or asg.out_format is not None:
         return None
@@ -82,7 +82,7 @@ def choose(key, name, run_scorch: Callable, run_library: Callable, clock: Callab
     c = _CHOICES.get(key)
     if c is not None:
         return c
-    clock = clock or _cuda_time
+    clock = clock or seconds
     run_scorch(), run_library()  # warm-up: compiles, cuSPARSE handles, allocator
     ts = statistics.median(clock(run_scorch) for _ in range(RUNS))
     tl = statistics.median(clock(run_library) for _ in range(RUNS))
@@ -90,7 +90,8 @@ def choose(key, name, run_scorch: Callable, run_library: Callable, clock: Callab
     return c
 
 
-def _cuda_time(fn) -> float:
+def seconds(fn) -> float:
+    """The time one call of ``fn`` takes: between CUDA events on a GPU (its work is asynchronous)."""
     if not torch.cuda.is_available():
         start = time.perf_counter()
         fn()

@@ -301,6 +301,14 @@ def _has_loop(stmt):
     return any(isinstance(s, (For, While)) for s in _walk(stmt))
 
 
+def uses(e) -> set:
+    """The variable names an expression reads."""
+    if isinstance(e, Var):
+        return {e.name}
+    return set().union(set(), *(uses(c) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
+                                if isinstance(c, Expr)))
+
+
 def depends(e, var) -> bool:
     """Whether the expression ``e`` reads the variable named ``var``."""
     if isinstance(e, Var):

@@ -267,7 +267,7 @@ class _Lowering:
             return None
         # the reduction starts at the first loop whose variable no output coordinate depends on
         out_names = {self.bound[v].name for v in self.asg.out if v != bvar}
-        lets = {it[1].name: _uses(it[2]) for it in head if it[0] == "let"}
+        lets = {it[1].name: L.uses(it[2]) for it in head if it[0] == "let"}
         deps, todo = set(), list(out_names)
         while todo:
             n = todo.pop()
@@ -284,7 +284,7 @@ class _Lowering:
         if late:
             # output rows bound inside the reduction: only through one block-row loop
             loops = [it for it in rest if it[0] == "for" and it[1].name in self.block_loops]
-            deps = set().union(*(_uses(it[2]) for it in late))
+            deps = set().union(*(L.uses(it[2]) for it in late))
             row_loops = [it for it in loops if it[1].name in deps]
             if len(row_loops) != 1 or not deps <= bound_pre | {row_loops[0][1].name}:
                 return None
@@ -309,7 +309,7 @@ class _Lowering:
         for it in rest:
             if it is rows:
                 continue
-            if it[0] != "for" and (_uses(it[1] if it[0] == "if" else it[2]) & row_names):
+            if it[0] != "for" and (L.uses(it[1] if it[0] == "if" else it[2]) & row_names):
                 moved.append(it)
                 if it[0] == "let":
                     row_names.add(it[1].name)
@@ -327,7 +327,7 @@ class _Lowering:
         unknown = {it[1].name for it in kept if it[0] != "if"}
         back = []
         for it in moved:
-            if _uses(it[1] if it[0] == "if" else it[2]) & unknown:
+            if L.uses(it[1] if it[0] == "if" else it[2]) & unknown:
                 if it[0] == "let":
                     unknown.add(it[1].name)
             else:
@@ -511,14 +511,6 @@ def _index_vars(e) -> set:
     if isinstance(e, Map):
         return _index_vars(e.arg)
     return set()
-
-
-def _uses(e) -> set:
-    """The variable names an expression reads."""
-    if isinstance(e, L.Var):
-        return {e.name}
-    return set().union(set(), *(_uses(c) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
-                                if isinstance(c, L.Expr)))
 
 
 def _loads(e) -> list:

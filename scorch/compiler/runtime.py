@@ -116,10 +116,15 @@ def nvcc() -> str:
     return _resolve("NVCC", "nvcc", "CUDA compiler", "install the CUDA toolkit or set NVCC", "/usr/local/cuda/bin")
 
 
-def _arch_flags(arch: str) -> tuple[str, ...]:
+def _arch_number(arch: str) -> str:
+    """``"90"`` for ``"sm_90"``; ``ValueError`` for anything else."""
     if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
         raise ValueError(f"scorch: a CUDA architecture is written like 'sm_90', got {arch!r}")
-    n = arch[3:]
+    return arch[3:]
+
+
+def _arch_flags(arch: str) -> tuple[str, ...]:
+    n = _arch_number(arch)
     # the machine code for this GPU, and its PTX (which a newer GPU's driver compiles)
     return ("-gencode", f"arch=compute_{n},code=sm_{n}", "-gencode", f"arch=compute_{n},code=compute_{n}")
 
@@ -243,8 +248,7 @@ def ptx(source: str, arch: str) -> str:
     """``source`` (CUDA) compiled by nvcc to PTX for ``arch`` (``"sm_80"``...), without a GPU: the PTX text.
     Raises ``CompileError`` with nvcc's messages if it does not compile."""
     cc = nvcc()
-    n = _arch_flags(arch)[1].split(",")[0].split("_")[1]
-    flag_set = ("-std=c++17", "--ptx", f"-arch=compute_{n}")
+    flag_set = ("-std=c++17", "--ptx", f"-arch=compute_{_arch_number(arch)}")
     path = cache_dir() / "ptx" / (_key(source, cc, flag_set) + ".ptx")
     if path.exists():
         return path.read_text(encoding="utf-8")

@@ -133,8 +133,7 @@ class SegmentSoftmax(torch.autograd.Function):
 
 def _forward_ops(x, pos, log_space):
     """The forward pass in torch ops (any device): per segment, subtract the maximum, exponentiate, normalize."""
-    lengths = pos.diff().to(torch.int64)
-    seg = torch.repeat_interleave(torch.arange(pos.numel() - 1, device=x.device), lengths)
+    seg = _segment_of_each(pos)
     if x.numel() == 0:
         return x.clone()
     peak = torch.full((pos.numel() - 1,), float("-inf"), dtype=x.dtype, device=x.device)
@@ -147,8 +146,13 @@ def _forward_ops(x, pos, log_space):
     return shifted.exp() / total[seg]
 
 
+def _segment_of_each(pos):
+    """The segment index of every value: ``s`` repeated ``pos[s + 1] - pos[s]`` times."""
+    return torch.repeat_interleave(torch.arange(pos.numel() - 1, device=pos.device), pos.diff())
+
+
 def _backward_ops(y, dy, pos, log_space):
-    seg = torch.repeat_interleave(torch.arange(pos.numel() - 1, device=y.device), pos.diff())
+    seg = _segment_of_each(pos)
     total = torch.zeros(pos.numel() - 1, dtype=y.dtype, device=y.device)
     if log_space:
         return dy - y.exp() * total.index_add(0, seg, dy)[seg]

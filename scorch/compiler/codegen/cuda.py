@@ -201,7 +201,7 @@ def plan(kernel: L.Kernel) -> Mapping:
     allocs = tuple(s for s in _walk(kernel.body) if isinstance(s, L.Alloc))
     params = {p.name for p in kernel.params}
     for a in allocs:
-        free = {n for n in _vars(a.size)} - params
+        free = L.uses(a.size) - params
         if free:
             raise ValueError(f"workspace {a.name}: its size depends on {sorted(free)}, not on parameters alone")
     stmts = kernel.body.stmts
@@ -227,15 +227,6 @@ def _walk(stmt):
         yield from _walk(c)
 
 
-def _vars(e):
-    if isinstance(e, L.Var):
-        yield e.name
-    for f in ("index", "a", "b", "cond"):
-        c = getattr(e, f, None)
-        if isinstance(c, L.Expr):
-            yield from _vars(c)
-
-
 def _lane_loops(loop: L.For) -> frozenset:
     """Ids of the innermost loops under ``loop`` whose iterations may run on separate lanes."""
     out = set()
@@ -257,7 +248,7 @@ def _independent(f: L.For) -> bool:
             return False
         if isinstance(s, L.Store):
             c = L.coefficient(s.index, var)
-            if c in (0, None) or set(_vars(s.index)) & local:
+            if c in (0, None) or L.uses(s.index) & local:
                 return False
         if isinstance(s, L.Assign) and s.var.name not in local and s.var.name not in reductions:
             return False
@@ -287,10 +278,7 @@ def _hazards(loop: L.For, lanes: frozenset) -> bool:
     # a private array touched in lane loops: every access the same index, linear in the same loop variable
     seen = {}
     for s, owner in in_lane:
-        accesses = [(s.array, s.index)] if isinstance(s, L.Store) else []
-        for e in _exprs(s):
-            accesses += [(ld.array, ld.index) for ld in _loads(e)]
-        for array, index in accesses:
+        for array, index in _accesses(s):
             if array in stored_out:
                 return True
             if array in local:
@@ -299,6 +287,14 @@ def _hazards(loop: L.For, lanes: frozenset) -> bool:
                 if L.coefficient(index, owner.var.name) != 1:
                     return True
     return False
+
+
+def _accesses(s):
+    """``(array, index)`` of every store and load in the statement ``s`` itself (not in nested statements)."""
+    out = [(s.array, s.index)] if isinstance(s, L.Store) else []
+    for e in _exprs(s):
+        out += [(ld.array, ld.index) for ld in _loads(e)]
+    return out
 
 
 def _exprs(s):
@@ -364,23 +360,15 @@ class _Emitter(cpp._Emitter):
     def _compressed(self):
         """Private arrays indexed only by a lane loop's variable: each lane holds only its own entries
         (``size / 32`` of them, in registers when the loop is unrolled)."""
-        out = set()
         arrays = {s.name for s in L.walk(self.m.loop.body) if isinstance(s, L.LocalArray)}
-        for name in arrays:
-            idx = set()
-            ok = True
-            for s in L.walk(self.m.loop.body):
-                if isinstance(s, L.For) and id(s) in self.m.lane_loops:
-                    for t in L.walk(s.body):
-                        acc = [(t.array, t.index)] if isinstance(t, L.Store) else []
-                        for e in _exprs(t):
-                            acc += [(ld.array, ld.index) for ld in _loads(e)]
-                        idx |= {i for a, i in acc if a == name}
-            if not idx or any(not isinstance(i, L.Var) for i in idx):
-                ok = False
-            if ok:
-                out.add(name)
-        return out
+        indices = {name: set() for name in arrays}
+        for s in L.walk(self.m.loop.body):
+            if isinstance(s, L.For) and id(s) in self.m.lane_loops:
+                for t in L.walk(s.body):
+                    for array, index in _accesses(t):
+                        if array in indices:
+                            indices[array].add(index)
+        return {name for name, idx in indices.items() if idx and all(isinstance(i, L.Var) for i in idx)}
 
     # --- the kernel's body --------------------------------------------------------------------------------
     def kernel_body(self, casts):
@@ -527,12 +515,12 @@ class _Emitter(cpp._Emitter):
 
     def launcher(self, names):
         m = self.m
+        per = WARP if m.mode == "warp" else 1  # threads per worker
         stride = self._offset(len(m.allocs)) if m.allocs else "0"
         lines = [f"  const int64_t scorch_stride_ = {stride};"]
         if m.mode == "serial":
             lines += ["  const int64_t scorch_grid = 1, scorch_block = 1;"]
         else:
-            per = WARP if m.mode == "warp" else 1
             lines += [
                 "  int64_t scorch_block = SCORCH_EMULATED ? 32 : " + str(BLOCK) + ";",
                 f"  int64_t scorch_grid = SCORCH_EMULATED ? {EMULATED_GRID} : (int64_t)scorch_sms(scorch_stream) * "
@@ -552,8 +540,7 @@ class _Emitter(cpp._Emitter):
                 ]
         lines += ["  char* scorch_scratch = nullptr;"]
         if m.allocs:
-            lines += ["  const int64_t scorch_workers = scorch_grid * scorch_block"
-                      f" / {WARP if m.mode == 'warp' else 1};",
+            lines += [f"  const int64_t scorch_workers = scorch_grid * scorch_block / {per};",
                       "  { const cudaError_t e = scorch_scratch_alloc(&scorch_scratch, scorch_workers * scorch_stride_,"
                       " scorch_stream); if (e) return (int)e; }"]
         lines += [f"  SCORCH_LAUNCH({ident(self.kernel_name)}_dev, scorch_grid, scorch_block, scorch_stream, "
