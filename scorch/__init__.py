@@ -19,6 +19,8 @@ from . import ops  # noqa: E402,F401  (registers the sparse implementations of t
 from .ops.linalg import einsum  # noqa: E402
 from .compiler.dispatch import explain  # noqa: E402
 from .rearrange import rearrange  # noqa: E402
+from .deferred import deferral  # noqa: E402
+from .fusion import compile  # noqa: E402
 from .nn.schedule import schedule  # noqa: E402
 from ._stats import DensifyWarning, reset_stats, stats  # noqa: E402
 

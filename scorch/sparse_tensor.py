@@ -18,6 +18,8 @@ from .formats import storage as _storage
 
 #: torch function or method -> scorch implementation, filled next to each implementation by ``implements``
 IMPLEMENTATIONS: dict = {}
+#: ``(Deferred, compute_all)``, set by ``scorch.deferred``: deferred einsum results among an op's arguments
+_DEFERRED = [None, None]
 
 # Metadata reads that are answered by the wrapper itself (shape, dtype, device and autograd flags).
 _METADATA = {
@@ -104,6 +106,9 @@ class SparseTensor(torch.Tensor):
         kwargs = kwargs or {}
         impl = IMPLEMENTATIONS.get(func)
         if impl is not None:
+            if _DEFERRED[0] in types and not getattr(impl, "fuses", False):
+                _DEFERRED[1](args)  # deferred dense operands are computed, except for products that fuse them
+                _DEFERRED[1](kwargs.values())
             return impl(*args, **kwargs)
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
             with torch._C.DisableTorchFunctionSubclass():

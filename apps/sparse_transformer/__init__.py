@@ -27,7 +27,7 @@ from . import model as _model
 BACKENDS = ("scorch", "dense", "sparse")
 
 DEFAULTS = dict(seq_len=512, window=64, n_globals=2, random_blocks=1, block=64, d_model=64, heads=2, layers=2,
-                batch=4, train_size=64, test_size=16, vocab=8, lr=3e-3)
+                batch=4, train_size=64, test_size=16, vocab=8, lr=3e-3, fuse=False)
 
 
 def _torch_for(backend):
@@ -73,7 +73,8 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
                                        cfg["block"], seed)
     x_train, y_train = make_task(cfg["train_size"], n, cfg["vocab"], seed + 1)
     x_test, y_test = make_task(cfg["test_size"], n, cfg["vocab"], seed + 2)
-    net = _model.build_encoder(torch, cfg["vocab"], cfg["d_model"], cfg["heads"], cfg["layers"], CLASSES, seed)
+    net = _model.build_encoder(torch, cfg["vocab"], cfg["d_model"], cfg["heads"], cfg["layers"], CLASSES, seed,
+                               fuse=cfg["fuse"])
     if device != "cpu":
         net, mask = net.to(device), _common.to_device(mask, device)
         x_train, y_train, x_test, y_test = _common.to_device((x_train, y_train, x_test, y_test), device)
@@ -121,16 +122,17 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         "threads": threads, "accuracy": correct / max(total, 1), "loss": test_loss / max(total, 1),
         "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
         "epoch_s": epoch_watch.median(skip=1), "step_s": step_watch.median(skip=steps_per_epoch),
-        "infer_s": infer_watch.median(skip=1), "device": str(device),
+        "infer_s": infer_watch.median(skip=1), "device": str(device), "fuse": cfg["fuse"],
     }
 
 
 # --- one attention layer: time and memory --------------------------------------------------------------------
 
-def _attention_setup(backend, seq_len, window, n_globals, random_blocks, block, d_model, heads, batch, seed):
+def _attention_setup(backend, seq_len, window, n_globals, random_blocks, block, d_model, heads, batch, seed,
+                     fuse=False):
     torch = _torch_for(backend)
     crow, col, mask = pattern_and_mask(backend, seq_len, window, n_globals, random_blocks, block, seed)
-    layer = _model.build_attention(torch, d_model, heads, seed)
+    layer = _model.build_attention(torch, d_model, heads, seed, fuse)
     torch.manual_seed(seed + 1)
     x = torch.randn(batch, seq_len, d_model, requires_grad=True)
     grad = torch.randn(batch, seq_len, d_model)
@@ -138,7 +140,7 @@ def _attention_setup(backend, seq_len, window, n_globals, random_blocks, block, 
 
 
 def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, block=64, d_model=128, heads=4,
-                   batch=1, repeats=5, threads=None, seed=0) -> dict:
+                   batch=1, repeats=5, threads=None, seed=0, fuse=False) -> dict:
     """Median seconds of one attention layer (QKV and output projections included): ``fwd_s`` a forward under
     ``no_grad``, ``fwd_bwd_s`` a forward and backward (to the input and the weights); ``fwd_min_s`` and
     ``fwd_bwd_min_s`` the fastest repeats (steadier than medians on a machine shared with other jobs). One
@@ -147,7 +149,7 @@ def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, bl
     if threads:
         _common.set_threads(threads)
     torch, crow, layer, x, grad, mask = _attention_setup(backend, seq_len, window, n_globals, random_blocks,
-                                                         block, d_model, heads, batch, seed)
+                                                         block, d_model, heads, batch, seed, fuse)
 
     def fwd_bwd():
         layer.zero_grad()
@@ -168,7 +170,7 @@ def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, bl
     return {"backend": backend, "seq_len": seq_len, "window": window, "globals": n_globals,
             "random_blocks": random_blocks, "block": block, "d_model": d_model, "heads": heads, "batch": batch,
             "nnz": int(crow[-1]), "density": density(crow), "fwd_s": statistics.median(fwd),
-            "fwd_bwd_s": statistics.median(both), "fwd_min_s": min(fwd), "fwd_bwd_min_s": min(both)}
+            "fwd_bwd_s": statistics.median(both), "fwd_min_s": min(fwd), "fwd_bwd_min_s": min(both), "fuse": fuse}
 
 
 def _rss_bytes() -> int:
@@ -272,13 +274,15 @@ def main(argv=None):
                    help="instead of training: peak memory of one attention layer's forward and forward+backward, "
                    "each in a fresh subprocess")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats for --time-attention (default 5)")
+    p.add_argument("--fuse", action="store_true", help="scorch backend: run each head's SDDMM -> softmax -> SpMM as"
+                   " one fused kernel (scorch.compile)")
     a = p.parse_args(argv)
     _common.set_threads(a.threads)
     _common.data_root(a.data)  # checked for existence only: the task is synthetic, generated from --seed
     shape = dict(window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
                  d_model=a.d_model, heads=a.heads, batch=a.batch, seed=a.seed)
     if a.time_attention:
-        r = time_attention(a.backend, a.seq_len, repeats=a.repeats, threads=a.threads, **shape)
+        r = time_attention(a.backend, a.seq_len, repeats=a.repeats, threads=a.threads, fuse=a.fuse, **shape)
         _common.report(f"sparse_transformer attention layer ({a.backend})", r)
         return r
     if a.measure_memory:
@@ -292,7 +296,7 @@ def main(argv=None):
     r = run(a.backend, epochs=a.epochs, threads=a.threads, seed=a.seed, quiet=a.quiet, data=a.data,
             seq_len=a.seq_len, window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
             d_model=a.d_model, heads=a.heads, layers=a.layers, batch=a.batch, train_size=a.train_size,
-            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device)
+            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device, fuse=a.fuse)
     shown = {k: v for k, v in r.items() if k != "losses"}
     _common.report(f"sparse_transformer ({a.backend})", shown)
     return r

@@ -11,6 +11,9 @@
   closest torch.sparse spelling; scorch takes CSR directly. ``dim=1``, not ``dim=-1``: torch 2.13's COO
   softmax backward is wrong for a negative ``dim`` (the forward is right), see README.md.
 - a dense bool mask runs ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` over all heads at once.
+
+``fuse=True`` (scorch only) wraps the per-head attention in ``torch.compile`` (``scorch.compile``): the three
+ops run as one fused kernel, one pass over each row of the pattern.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ def make_modules(torch):
     class Attention(nn.Module):
         """Multi-head self-attention; the mask decides the kernel (see the module docstring)."""
 
-        def __init__(self, d_model, heads):
+        def __init__(self, d_model, heads, fuse=False):
             super().__init__()
             if d_model % heads:
                 raise ValueError(f"d_model {d_model} is not divisible by heads {heads}")
@@ -63,6 +66,11 @@ def make_modules(torch):
             self.qkv = nn.Linear(d_model, 3 * d_model)
             self.out = nn.Linear(d_model, d_model)
             self._state = {}
+            self._attend = lambda q, k, v, mask: sparse_attention(torch, q, k, v, mask, self._state)
+            if fuse:
+                if not hasattr(torch, "fusion"):
+                    raise ValueError("fuse=True needs scorch (scorch.compile fuses the attention ops)")
+                self._attend = torch.compile(self._attend)
 
         def forward(self, x, mask):
             B, n, d = x.shape
@@ -71,8 +79,8 @@ def make_modules(torch):
             qkv = self.qkv(x).reshape(B, n, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()
             q, k, v = qkv[0], qkv[1], qkv[2]
             if is_sparse_mask(torch, mask):
-                heads = [torch.stack([sparse_attention(torch, q[b, h], k[b, h], v[b, h], mask, self._state)
-                                      for h in range(H)]) for b in range(B)]
+                heads = [torch.stack([self._attend(q[b, h], k[b, h], v[b, h], mask) for h in range(H)])
+                         for b in range(B)]
                 o = torch.stack(heads)                                     # (B, H, n, dh)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -81,10 +89,10 @@ def make_modules(torch):
     class Layer(nn.Module):
         """A pre-norm encoder layer: attention and a feed-forward block, each with a residual."""
 
-        def __init__(self, d_model, heads, ff=2):
+        def __init__(self, d_model, heads, ff=2, fuse=False):
             super().__init__()
             self.norm1 = nn.LayerNorm(d_model)
-            self.attn = Attention(d_model, heads)
+            self.attn = Attention(d_model, heads, fuse)
             self.norm2 = nn.LayerNorm(d_model)
             self.ff = nn.Sequential(nn.Linear(d_model, ff * d_model), nn.GELU(), nn.Linear(ff * d_model, d_model))
 
@@ -95,11 +103,11 @@ def make_modules(torch):
     class Encoder(nn.Module):
         """A token embedding plus fixed sinusoidal positions, ``layers`` encoder layers, a per-token classifier."""
 
-        def __init__(self, vocab, d_model, heads, layers, classes):
+        def __init__(self, vocab, d_model, heads, layers, classes, fuse=False):
             super().__init__()
             self.tok = nn.Embedding(vocab, d_model)
             self.d_model = d_model
-            self.layers = nn.ModuleList([Layer(d_model, heads) for _ in range(layers)])
+            self.layers = nn.ModuleList([Layer(d_model, heads, fuse=fuse) for _ in range(layers)])
             self.norm = nn.LayerNorm(d_model)
             self.head = nn.Linear(d_model, classes)
 
@@ -114,17 +122,17 @@ def make_modules(torch):
     return Attention, Layer, Encoder
 
 
-def build_encoder(torch, vocab, d_model, heads, layers, classes, seed=0):
+def build_encoder(torch, vocab, d_model, heads, layers, classes, seed=0, fuse=False):
     """The encoder with weights drawn from ``seed`` (the same weights under every backend); any sequence length
     (fixed sinusoidal positions)."""
     torch.manual_seed(seed)
-    return make_modules(torch)[2](vocab, d_model, heads, layers, classes)
+    return make_modules(torch)[2](vocab, d_model, heads, layers, classes, fuse)
 
 
-def build_attention(torch, d_model, heads, seed=0):
+def build_attention(torch, d_model, heads, seed=0, fuse=False):
     """One attention layer with weights drawn from ``seed``."""
     torch.manual_seed(seed)
-    return make_modules(torch)[0](d_model, heads)
+    return make_modules(torch)[0](d_model, heads, fuse)
 
 
 def make_mask(torch, crow, col, n, sparse=True):

@@ -38,6 +38,7 @@ class Node:
     cost: float = 0.0
     sparse: bool = False
     nnz: float = 0.0
+    grouped: object = None   # a ``grouped.Grouping`` where the kernel is a grouped product (``grouped.py``)
 
 
 def kernel_cost(ops, sizes, fused_indices):
@@ -97,6 +98,7 @@ def best_path(operands, out, sizes) -> Node:
             keep = kept(subset)
             sp, nnz = _result(ops, keep, sizes)
             node = Node(tuple(sorted(subset)), keep, None, kernel_cost(ops, sizes, idx), sp, nnz)
+            node = _grouped(node, ops, keep, sizes)
             if len(subset) <= EXHAUSTIVE:
                 members = sorted(subset)
                 for r in range(1, len(members) // 2 + 1):
@@ -118,8 +120,23 @@ def best_path(operands, out, sizes) -> Node:
     return best(full)
 
 
+def _grouped(node, ops, keep, sizes):
+    """``node`` run as a grouped product (``grouped.py``) where that qualifies and is estimated cheaper."""
+    from . import grouped
+    if node.sparse:
+        return node
+    g = grouped.match([o.indices for o in ops], keep, [o.sparse for o in ops], sizes)
+    if g is None or ops[g.sparse].nnz < 1:
+        return node
+    c = grouped.cost(g, [o.indices for o in ops], keep, sizes, ops[g.sparse].nnz, DENSE_DISCOUNT)
+    if c >= node.cost:
+        return node
+    return Node(node.leaves, node.indices, None, c, False, node.nnz, g)
+
+
 def describe(node, letters) -> str:
     if node.parts is None:
         ops = ",".join("".join(letters[k]) for k in node.leaves)
-        return f"[{ops}->{''.join(node.indices)}]"
+        how = f" grouped by {''.join(node.grouped.group)}" if node.grouped is not None else ""
+        return f"[{ops}->{''.join(node.indices)}{how}]"
     return f"({describe(node.parts[0], letters)} . {describe(node.parts[1], letters)} -> {''.join(node.indices)})"

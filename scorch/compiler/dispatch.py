@@ -10,13 +10,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .. import interop
+from .. import deferred, interop
 from .._autograd import needs_grad
+from ..deferred import Deferred
 from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
 from . import loops as L
-from . import library, relayout, runtime
+from . import grouped, library, relayout, runtime
 from .codegen import cpp, cuda
 from .einsum import equation as einsum_string
 from .einsum import parse, to_index_notation
@@ -78,11 +79,14 @@ def _type(x) -> TensorType:
 
 
 def prepare(operands):
-    """Torch sparse layouts become SparseTensors (zero-copy); numbers become 0-d tensors."""
+    """Torch sparse layouts become SparseTensors (zero-copy); numbers become 0-d tensors; deferred results are
+    computed."""
     out = []
     for x in operands:
         if type(x) is SparseTensor or (type(x) is torch.Tensor and x.layout == torch.strided):
             out.append(x)
+        elif type(x) is Deferred:
+            out.append(x.compute())
         elif isinstance(x, SparseTensor):
             out.append(x)
         elif isinstance(x, torch.Tensor):
@@ -98,6 +102,16 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if operands and type(operands[0]) is SparseTensor and type(operands[0]._values) is Deferred and \
+            format in (None, "dense") and not explain and backend == "cpp":
+        from .. import fusion  # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
+        r = fusion.fused_product(equation, operands)
+        if r is not None:
+            return r
+    if any(type(x) is Deferred for x in operands):
+        fused = _substitute(equation, operands)
+        if fused is not None:
+            return einsum(fused[0], *fused[1], format=format, explain=explain, backend=backend)
     if needs_grad(operands) and not explain and backend == "cpp":
         from .. import _autograd as autograd
         return autograd.einsum(equation, operands, format)
@@ -114,9 +128,11 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
         return torch.einsum(equation, *ops)
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
     name = f"einsum({equation!r})"
+    if any(type(x) is torch.Tensor and 0 in x.stride() for x in ops):
+        inputs, ops = _unbroadcast(inputs, ops)
     if len(ops) >= 3:
         tree = _path(inputs, out, ops, name)
-        if tree.parts is not None:
+        if tree.parts is not None or tree.grouped is not None:
             if explain:
                 print(f"contraction:  {contract.describe(tree, inputs)}")
             return _evaluate(tree, inputs, ops, out, format, backend, explain)
@@ -126,6 +142,38 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
         if fast is not None and len(_FAST_EQ) < 4096:
             _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
     return result
+
+
+def _substitute(equation, operands):
+    """``(equation, operands)`` with deferred dense operands replaced by their expressions, where a sparse operand
+    is there to drive the combined expression's loops; else None, the deferred operands computed."""
+    if not any(isinstance(x, SparseTensor) or (isinstance(x, torch.Tensor) and x.layout != torch.strided)
+               for x in operands):
+        deferred.compute_all(operands)
+        return None
+    inputs, out = parse(equation, [len(shape_of(x)) for x in operands])
+    sub = deferred.substitute(inputs, out, operands)
+    if sub is None:
+        deferred.compute_all(operands)
+        return None
+    return einsum_string(sub[0], out), sub[1]
+
+
+def _unbroadcast(inputs, ops):
+    """A dense operand repeated along a dimension (stride 0: ``expand``, ``rearrange(x, "bd->bnd")``) is read as
+    the operand without that dimension, where another operand gives the index its extent: the product then does
+    not repeat the work along it."""
+    new_inputs, new_ops = [], []
+    for k, (idx, x) in enumerate(zip(inputs, ops)):
+        if type(x) is torch.Tensor and len(set(idx)) == len(idx):
+            for d in reversed(range(x.dim())):
+                v = idx[d]
+                if x.stride(d) == 0 and x.shape[d] > 1 and any(v in i for j, i in enumerate(inputs) if j != k):
+                    x = x.select(d, 0)
+                    idx = idx[:d] + idx[d + 1:]
+        new_inputs.append(tuple(idx))
+        new_ops.append(x)
+    return tuple(new_inputs), new_ops
 
 
 _PATHS: dict = {}
@@ -152,6 +200,18 @@ def _path(inputs, out, ops, name):
 
 def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=False):
     """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense)."""
+    if node.grouped is not None:
+        idx = [inputs[k] for k in node.leaves]
+        if explain:
+            print(f"grouped:      {contract.describe(node, inputs)}: the entries of the sparse operand grouped by"
+                  f" {''.join(node.grouped.group)}, one dense product per group (torch)")
+        leaves = [ops[k] for k in node.leaves]
+        sizes, _ = _sizes(idx, leaves, "einsum")
+        r = grouped.evaluate(node.grouped, idx, tuple(target), leaves, sizes)
+        # the format a kernel would have written: the requested one, else the inferred one
+        fmt = named.resolve(format, len(target)) if format is not None else infer(Assignment(
+            tuple(target), to_index_notation(idx), tuple(_type(_cast(x, r.dtype)) for x in leaves))).format
+        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
     if node.parts is None:
         parts = [(ops[k], inputs[k]) for k in node.leaves]
     else:
@@ -276,6 +336,36 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if explain:
         print(plan.explain())
     return result
+
+
+def row_plan(inputs, out, ops, backend="cpp"):
+    """``(plan, sizes)``: the compiled plan of an einsum with one sparse operand whose kernel loops over that
+    operand's rows in parallel, exactly as ``run`` would compile it, for fusion with other row kernels
+    (``fuse.rows``); None where ``run`` would first transpose, relayout or permute, or not loop over rows."""
+    sizes, broadcast = _sizes(inputs, ops, "einsum")
+    types = tuple(_type(x) for x in ops)
+    key = (inputs, out, types, broadcast, None, None, "sum")
+    asg = Assignment(out, to_index_notation(inputs), types, "sum", None)
+    output = infer(asg)
+    if sum(t.sparse for t in types) != 1 or broadcast:
+        return None
+    sched0 = schedule(asg, _lowerable(asg, output))
+    if sched0.parallel != "level0" or relayout.output_order(out, sched0, output) is not None or \
+            relayout.plan(inputs, ops, sched0, sizes, broadcast):
+        return None
+    if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
+        key += (sizes[sched0.inner[-1]],)
+    key += (_target(backend),)
+    plan = _COMPILED.get(key)
+    if plan is None:
+        plan = _COMPILED[key] = _compile(asg, output, sizes, broadcast, backend)
+    return plan, sizes
+
+
+def arguments(plan: Plan, ops, sizes, out_arr, backend="cpp") -> dict:
+    """The kernel parameters' values of ``plan`` on ``ops``, by parameter name (``out_arr`` the output array)."""
+    info, _ = _level_info(ops[plan.schedule.driver.operand])
+    return {a.param.name: _arg(a, ops, info, sizes, {}, out_arr, backend) for a in plan.lowered.args}
 
 
 #: speedup of a loop nest whose innermost loop is a contiguous vector loop over one whose outer loop is dense

@@ -181,6 +181,8 @@ def _unary(op, a, t):
         return np.sin(a)
     if op == "tanh":
         return np.tanh(a)
+    if op == "exp":
+        return np.exp(a)
     if op == "sign":
         return (a > 0) - (a < 0)
     if op == "not":

@@ -54,8 +54,9 @@ class Load(Expr):
 #: ``floordiv``/``mod`` are used on non-negative integers only), comparisons, logic, min/max
 BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "lt", "le", "gt", "ge", "eq", "ne",
           "and", "or")
-#: unary maps; every one but ``not`` maps 0 to 0, so it may run on stored values only
-UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not")
+#: unary maps; every one but ``not`` and ``exp`` maps 0 to 0, so it may run on stored values only (``exp`` serves
+#: kernels built as loop IR, such as ``fuse.softmax_rows``, never the lowering of an index expression)
+UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not", "exp")
 
 
 @dataclass(frozen=True)

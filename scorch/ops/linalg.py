@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import deferred, fusion
 from .._autograd import pattern_ones
+from ..deferred import Deferred
 from ..compiler import dispatch
 from ..formats import Mod
 from ..sparse_tensor import SparseTensor, implements, shape_of
@@ -11,7 +13,14 @@ from ..sparse_tensor import SparseTensor, implements, shape_of
 
 @implements(torch.einsum)
 def einsum(equation, *operands, format=None):
-    """``torch.einsum`` over any mix of dense and sparse operands (``format=`` sets the output format)."""
+    """``torch.einsum`` over any mix of dense and sparse operands (``format=`` sets the output format).
+    A large all-dense einsum may return a deferred result (``scorch.deferred``)."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if format is None and all(type(x) is torch.Tensor or type(x) is Deferred for x in operands) and operands:
+        d = deferred.einsum(equation, operands)
+        if d is not None:
+            return d
     return dispatch.einsum(equation, *operands, format=format)
 
 
@@ -157,6 +166,10 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         raise ValueError(f"sampled_addmm: shapes {tuple(s.shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")
     _check_inner(mat1, mat2, 1, 0, "sampled_addmm")
+    if beta == 0 and fusion.active():  # inside scorch.compile: the scores stay lazy, to fuse with what follows
+        lazy = fusion.lazy_sddmm(s, mat1, mat2, alpha)
+        if lazy is not None:
+            return lazy
     pattern = s.with_values(pattern_ones(s, s.dtype))
     # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
     prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2)
@@ -166,6 +179,9 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         vals = vals + beta * s.values()
     return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)
 
+
+for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):
+    _fn.fuses = True  # deferred dense operands are substituted into the product (``dispatch.einsum``)
 
 # ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
 # ``__torch_function__`` round trip (about 7 us a call)

@@ -120,15 +120,19 @@ class SegmentSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, pos = ctx.saved_tensors
-        if torch.is_grad_enabled() or y.device.type != "cpu":  # double backward, or a GPU: the same formula in torch ops, differentiable
-            return _backward_ops(y, dy, pos, ctx.log_space), None, None
-        dy = dy.contiguous()
-        dx = torch.empty_like(y)
-        _kernel("scorch_segment_softmax_backward")(pos.data_ptr(), y.data_ptr(), dy.data_ptr(), dx.data_ptr(),
-                                                   pos.numel() - 1, int(ctx.log_space),
-                                                   int(y.dtype == torch.float64), int(pos.dtype == torch.int64),
-                                                   torch.get_num_threads())
-        return dx, None, None
+        return softmax_backward(y, dy, pos, ctx.log_space), None, None
+
+
+def softmax_backward(y, dy, pos, log_space=False):
+    """The gradient of the segment softmax's input from its output ``y`` and the output's gradient ``dy``."""
+    if torch.is_grad_enabled() or y.device.type != "cpu":  # double backward, or a GPU: torch ops, differentiable
+        return _backward_ops(y, dy, pos, log_space)
+    dy = dy.contiguous()
+    dx = torch.empty_like(y)
+    _kernel("scorch_segment_softmax_backward")(pos.data_ptr(), y.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                                               pos.numel() - 1, int(log_space), int(y.dtype == torch.float64),
+                                               int(pos.dtype == torch.int64), torch.get_num_threads())
+    return dx
 
 
 def _forward_ops(x, pos, log_space):

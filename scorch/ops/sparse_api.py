@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import fusion
+from ..deferred import Deferred
 from ..formats import Compressed, Dense, Singleton, Var, named, storage
 from ..sparse_tensor import SparseTensor, implements
 from . import segment
@@ -158,6 +160,10 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     dim %= n
     if x._format.keeps_duplicates:
         x = coalesce(x)
+    if type(x._values) is Deferred:  # lazy scores inside scorch.compile: the softmax stays lazy too
+        lazy = fusion.lazy_softmax(x, dim, dtype, log)
+        if lazy is not None:
+            return lazy
     v = x._values if dtype is None else x._values.to(dtype)
     if not v.dtype.is_floating_point:
         raise TypeError(f"softmax: expected a floating point SparseTensor, got {v.dtype}")

@@ -95,7 +95,7 @@ static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
 def _includes(body: str) -> str:
     """Only the headers and helpers the kernel uses: each standard header costs compile time."""
     inc = []
-    if any(f"std::{f}" in body for f in ("abs", "sqrt", "sin", "tanh")) or "NAN" in body or "INFINITY" in body:
+    if any(f"std::{f}" in body for f in ("abs", "sqrt", "sin", "tanh", "exp")) or "NAN" in body or "INFINITY" in body:
         inc.append("#include <cmath>\n")
     inc += [text for name, text in _HELPERS.items() if name in body]
     return "".join(inc)
@@ -324,7 +324,7 @@ class _Emitter:
             a, t = self.expr(e.a), CTYPE[e.type]
             return {"neg": f"(-{a})", "abs": f"std::abs({a})", "relu": f"({a} < {t}(0) ? {t}(0) : {a})",
                     "sqrt": f"std::sqrt({a})", "square": f"({a} * {a})", "sin": f"std::sin({a})",
-                    "tanh": f"std::tanh({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
+                    "tanh": f"std::tanh({a})", "exp": f"std::exp({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
                     "not": f"(!{a})"}[e.op]
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"

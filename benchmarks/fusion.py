@@ -1,0 +1,241 @@
+"""Fusion across ops (deferred einsum results, ``scorch.compile``): the issue's targets, measured.
+
+``python -m benchmarks.fusion [--quick] [--write] [--repeats N] [--threads N]``:
+
+1. **MoE**, the issue's program (B=4096, D_in=D_out=512, 16 experts): ``rearrange`` -> ``einsum("bnd,ndh->bnh")``
+   -> ``einsum("bnd,bn->bd")``, with the one-hot ``gates`` dense (cast to float: torch's einsum refuses the
+   integer one-hot next to float experts) and with ``.to_sparse()`` added (the integer one-hot, as written); the
+   sparse version also with deferral off (``scorch.deferral("off")``: op by op, every expert on every token, then
+   the sparse combine). Medians of interleaved repeats; peak memory of each version in a fresh subprocess (peak
+   RSS during one run minus the RSS before it, after a warm-up).
+2. **Sparse attention** (sequence 4096, window 64, 2 global tokens, 1 random block of 64; head dim 32): one head's
+   SDDMM -> softmax -> SpMM op by op and under ``scorch.compile`` (one fused kernel), and the sparse
+   transformer's attention layer (4 heads, d_model 128, QKV and output projections included) both ways, forward
+   under ``no_grad`` and forward + backward.
+3. **Dense-only code**: dense einsums (a small and a large matrix product, a batched product followed by an
+   elementwise op) with deferral ``auto`` (the default) against ``off``: what deferral costs code that never meets
+   a sparse operand.
+
+``--write`` replaces the "Fusion" section of ``benchmarks/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
+
+
+def _interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, the repeats interleaved (A B C A B C ...) after one warm-up each."""
+    times = {k: [] for k in fns}
+    for k, f in fns.items():
+        f()
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# --- 1. MoE -----------------------------------------------------------------------------------------------------
+
+def moe_program(B, D, N, seed=0):
+    """``(x, E, gates_int, run)``: the issue's inputs and program (``run(gates)``)."""
+    import scorch as torch
+    from scorch.nn import functional as F
+    torch.manual_seed(seed)
+    x = torch.randn(B, D)
+    E = torch.randn(N, D, D)
+    gates = F.one_hot(torch.rand(B, N).argmax(1), N)
+
+    def run(g):
+        x_dispatch = torch.rearrange(x, "bd->bnd", n=N)
+        y_experts = torch.einsum("bnd,ndh->bnh", x_dispatch, E)
+        y = torch.einsum("bnd,bn->bd", y_experts, g)
+        return y.to_dense() if isinstance(y, torch.SparseTensor) else y + 0  # the values, computed
+
+    return x, E, gates, run
+
+
+def moe_variants(B, D, N):
+    import scorch
+    _, _, gates, run = moe_program(B, D, N)
+    dense, sparse = gates.float(), gates.to_sparse()
+
+    def unfused():
+        with scorch.deferral("off"):
+            return run(sparse)
+
+    return {"dense gates": lambda: run(dense), "sparse gates": lambda: run(sparse), "sparse, deferral off": unfused}
+
+
+def _peak_child(B, D, N, variant):
+    """In a fresh process: warm up, reset the peak-RSS mark, run once; print the peak delta in bytes."""
+    import gc
+    import resource
+    fn = moe_variants(B, D, N)[variant]
+    fn()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    fn()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"peak_delta": peak - before}))
+
+
+def moe_peak_bytes(B, D, N, variant, threads):
+    code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parents[1])!r});"
+            f"import torch; torch.set_num_threads({threads});"
+            f"from benchmarks.fusion import _peak_child; _peak_child({B}, {D}, {N}, {variant!r})")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"peak memory of {variant!r} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1][7:])["peak_delta"]
+
+
+def moe(quick, repeats, threads):
+    B, D, N = (1024, 256, 16) if quick else (4096, 512, 16)
+    times = _interleaved(moe_variants(B, D, N), repeats)
+    peaks = {k: moe_peak_bytes(B, D, N, k, threads) for k in times}
+    base = times["dense gates"]
+    rows = [(k, times[k] * 1e3, base / times[k], peaks[k] / 2**20) for k in times]
+    return {"B": B, "D": D, "N": N, "rows": rows}
+
+
+# --- 2. attention -----------------------------------------------------------------------------------------------
+
+def attention(quick, repeats, threads):
+    import torch as T
+    import scorch as torch
+    from apps import sparse_transformer as app
+    from apps.sparse_transformer import pattern as P
+    n = 1024 if quick else 4096
+    crow, col = P.build_pattern(n, 64, 2, 1, 64, 0)
+    mask = torch.sparse_csr_tensor(crow, col, T.ones(col.numel()), (n, n))
+    g = T.Generator().manual_seed(0)
+    q, k, v = (T.randn(n, 32, generator=g) for _ in range(3))
+
+    def head(q, k, v, mask):
+        s = torch.sparse.sampled_addmm(mask, q, k.transpose(0, 1), beta=0.0, alpha=32 ** -0.5)
+        return torch.sparse.mm(torch.sparse.softmax(s, dim=1), v)
+
+    fused = torch.compile(head)
+    torch.testing.assert_close(fused(q, k, v, mask), head(q, k, v, mask))
+    with T.no_grad():
+        ops = _interleaved({"op by op": lambda: head(q, k, v, mask), "fused": lambda: fused(q, k, v, mask)},
+                           repeats * 3)
+    layer = {}
+    for rnd in range(2):  # two rounds, alternating, so that load changes hit both
+        for fuse in (False, True):
+            r = app.time_attention("scorch", n, d_model=128, heads=4, batch=1, repeats=repeats, threads=threads,
+                                   fuse=fuse)
+            layer.setdefault(fuse, []).append(r)
+    lay = {f: {m: statistics.median(r[m] for r in rs) for m in ("fwd_s", "fwd_bwd_s")} for f, rs in layer.items()}
+    return {"n": n, "nnz": int(crow[-1]), "head": ops, "layer": lay}
+
+
+# --- 3. dense-only overhead -------------------------------------------------------------------------------------
+
+def dense_overhead(quick, repeats):
+    import torch as T
+    import scorch
+    g = T.Generator().manual_seed(0)
+    a64, b64 = T.randn(64, 64, generator=g), T.randn(64, 64, generator=g)
+    a1k, b1k = T.randn(1024, 1024, generator=g), T.randn(1024, 1024, generator=g)
+    xb, wb = T.randn(32, 256, 256, generator=g), T.randn(32, 256, 256, generator=g)
+    cases = {
+        "ij,jk->ik, 64x64 (not deferred: below the threshold)": lambda: scorch.einsum("ij,jk->ik", a64, b64) + 1,
+        "ij,jk->ik, 1024x1024, then + 1": lambda: scorch.einsum("ij,jk->ik", a1k, b1k) + 1,
+        "bij,bjk->bik, 32x256x256, then relu": lambda: T.relu(scorch.einsum("bij,bjk->bik", xb, wb)),
+    }
+    out = []
+    for name, fn in cases.items():
+        def off(fn=fn):
+            with scorch.deferral("off"):
+                return fn()
+
+        def auto(fn=fn):
+            with scorch.deferral("auto"):
+                return fn()
+
+        reps = repeats * (20 if "64x64" in name else 3)
+        t = _interleaved({"off": off, "auto": auto}, reps)
+        out.append((name, t["off"] * 1e6, t["auto"] * 1e6, t["auto"] / t["off"]))
+    return out
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+
+def report(m, a, d, threads, quick) -> str:
+    import torch
+    lines = ["## Fusion (deferred einsum results, scorch.compile)", "",
+             f"`python -m benchmarks.fusion{' --quick' if quick else ''}` ({platform.processor() or platform.machine()},"
+             f" {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}).",
+             "", f"### MoE, the issue's program: B={m['B']}, D_in=D_out={m['D']}, {m['N']} experts, top-1", "",
+             "| gates | ms (median) | speedup vs dense gates | peak MiB during one run |",
+             "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {k} | {t:.1f} | {x:.1f}x | {p:.0f} |" for k, t, x, p in m["rows"]]
+    h, lay = a["head"], a["layer"]
+    lines += ["", f"### Sparse attention, sequence {a['n']}, window 64 ({a['nnz']:,} entries), head dim 32", "",
+              "| what | op by op | fused (scorch.compile) | speedup |", "| --- | ---: | ---: | ---: |",
+              f"| one head, forward (SDDMM -> softmax -> SpMM) | {h['op by op'] * 1e3:.2f} ms | {h['fused'] * 1e3:.2f} ms"
+              f" | {h['op by op'] / h['fused']:.2f}x |",
+              f"| attention layer (4 heads, projections included), forward | {lay[False]['fwd_s'] * 1e3:.1f} ms |"
+              f" {lay[True]['fwd_s'] * 1e3:.1f} ms | {lay[False]['fwd_s'] / lay[True]['fwd_s']:.2f}x |",
+              f"| attention layer, forward + backward | {lay[False]['fwd_bwd_s'] * 1e3:.1f} ms |"
+              f" {lay[True]['fwd_bwd_s'] * 1e3:.1f} ms | {lay[False]['fwd_bwd_s'] / lay[True]['fwd_bwd_s']:.2f}x |",
+              "", "### Dense-only code: deferral auto (default) against off", "",
+              "| einsum | off, us | auto, us | auto / off |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {n} | {o:.1f} | {au:.1f} | {r:.3f} |" for n, o, au, r in d]
+    return "\n".join(lines) + "\n"
+
+
+def write(section: str):
+    text = RESULTS.read_text()
+    start = text.find("## Fusion (deferred einsum results, scorch.compile)")
+    if start >= 0:
+        end = text.find("\n## ", start + 3)
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    RESULTS.write_text(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fusion", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes")
+    p.add_argument("--write", action="store_true", help="replace the Fusion section of benchmarks/RESULTS.md")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    import torch
+    torch.set_num_threads(a.threads)
+    from tqdm import tqdm
+    parts = {}
+    steps = [("moe", lambda: moe(a.quick, a.repeats, a.threads)),
+             ("attention", lambda: attention(a.quick, a.repeats, a.threads)),
+             ("dense", lambda: dense_overhead(a.quick, a.repeats))]
+    for name, fn in tqdm(steps, desc="fusion benchmarks", disable=None):
+        parts[name] = fn()
+    text = report(parts["moe"], parts["attention"], parts["dense"], a.threads, a.quick)
+    print(text)
+    if a.write:
+        write(text)
+    return parts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Fusion of loop-IR kernels that share their parallel loop over a pattern's rows.
+
+Kernels lowered from different expressions over the same compressed pattern (an SDDMM writing values on the
+pattern, a softmax within each row, an SpMM reading those values) each loop over the rows in parallel, and row
+``i`` of a later kernel reads only what row ``i`` of the earlier ones wrote. ``rows`` concatenates their row
+bodies under one parallel loop: one pass over the rows instead of one per kernel, and a row's intermediate values
+are still in the cache when the next body reads them.
+
+Each part comes with a map from its parameters to the fused kernel's: parameters mapped to the same name are one
+argument (the pattern's arrays, an intermediate written by one part and read by the next); the others get a
+prefix of their part. Local names (variables, workspaces) get a suffix of their part, except the row variable,
+which all parts share. The parts' row loops must agree (bounds and parallel schedule, after the renaming):
+``rows`` raises ``ValueError`` otherwise, and the caller runs the kernels one by one.
+
+``softmax_rows`` is the row softmax as loop IR, so that it can be one of the parts.
+"""
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass, replace
+
+from . import loops as L
+
+
+def rename(node, names: dict):
+    """``node`` (an expression or statement) with variables and arrays renamed by ``names`` (name -> name)."""
+    if isinstance(node, L.Var):
+        return replace(node, name=names.get(node.name, node.name))
+    if isinstance(node, tuple):
+        return tuple(rename(n, names) for n in node)
+    if not is_dataclass(node) or isinstance(node, L.Param):
+        return node
+    changes = {}
+    for f in fields(node):
+        v = getattr(node, f.name)
+        if f.name in ("array", "name", "pos", "scratch") and isinstance(v, str):
+            changes[f.name] = names.get(v, v)
+        elif f.name == "reductions":
+            changes[f.name] = tuple((op, names.get(n, n)) for op, n in v)
+        elif isinstance(v, (L.Expr, L.Stmt, L.Parallel, tuple)) or is_dataclass(v):
+            changes[f.name] = rename(v, names)
+    return replace(node, **changes)
+
+
+def _locals(stmt) -> set:
+    """Names a statement declares: variables, loop variables, workspaces."""
+    out = set()
+    for s in L.walk(stmt):
+        if isinstance(s, (L.Let, L.Decl)):
+            out.add(s.var.name)
+        elif isinstance(s, L.For):
+            out.add(s.var.name)
+            if s.parallel is not None and s.parallel.setup is not None:
+                out |= _locals(s.parallel.setup)
+        elif isinstance(s, (L.LocalArray, L.Alloc)):
+            out.add(s.name)
+    return out
+
+
+def _row_loop(kernel) -> L.For:
+    stmts = kernel.body.stmts
+    if len(stmts) != 1 or not isinstance(stmts[0], L.For) or stmts[0].parallel is None:
+        raise ValueError(f"kernel {kernel.name}: its body is not one parallel row loop")
+    return stmts[0]
+
+
+def rows(name: str, parts) -> L.Kernel:
+    """One kernel running the row bodies of ``parts`` (``(kernel, {param: fused name})`` pairs) in order under
+    one parallel row loop."""
+    params, bodies, first = {}, [], None
+    for n, (kernel, mapping) in enumerate(parts):
+        loop = _row_loop(kernel)
+        names = {p.name: mapping.get(p.name, f"f{n}_{p.name}") for p in kernel.params}
+        names.update({v: f"{v}_f{n}" for v in _locals(loop.body)})
+        names[loop.var.name] = "row"
+        for p in kernel.params:
+            fused = names[p.name]
+            old = params.get(fused)
+            if old is not None and (old.kind, old.type) != (p.kind, p.type):
+                raise ValueError(f"fused parameter {fused}: {old.kind} {old.type} and {p.kind} {p.type}")
+            params[fused] = L.Param(fused, p.kind, p.type, p.output or (old is not None and old.output))
+        loop = rename(loop, names)
+        if first is None:
+            first = loop
+        elif (loop.lo, loop.hi, loop.parallel) != (first.lo, first.hi, first.parallel):
+            raise ValueError(f"kernel {kernel.name}: its row loop differs from the first part's")
+        bodies.append(loop.body)
+    return L.Kernel(name, tuple(params.values()), L.block(replace(first, body=L.block(*bodies))))
+
+
+def softmax_rows(vtype: str, itype: str) -> L.Kernel:
+    """``y[p] = softmax(scale * x[p])`` within each row ``[pos[i], pos[i + 1])`` of a CSR pattern, as the row loop
+    the lowering makes for CSR (parameters named as for operand 0: ``t0_l0_lo``, ``t0_l0_ext``, ``t0_l1_pos``).
+    A row whose scaled entries are all -inf (or NaN) gives NaN, as torch's softmax does."""
+    i64 = "i64"
+    c0, p0, p = L.Var("c0"), L.Var("p0"), L.Var("p")
+    lo, hi = L.Var("lo"), L.Var("hi")
+    peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
+    x = L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
+    row_lo, row_ext = L.Var("t0_l0_lo"), L.Var("t0_l0_ext")
+    ninf = L.Const(float("-inf"), vtype)
+    row = L.block(
+        L.Decl(peak, ninf),
+        L.For(p, lo, hi, L.block(L.Assign(peak, x, "max"))),
+        L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, L.Const(0.0, vtype)))),
+        L.Decl(total, L.Const(0.0, vtype)),
+        L.For(p, lo, hi, L.block(
+            L.Let(e, L.Unary("exp", L.binary("sub", x, peak), vtype)),
+            L.Store("y", p, e),
+            L.Assign(total, e, "add"))),
+        L.Let(inv, L.binary("div", L.Const(1.0, vtype), total)),
+        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv)))),
+    )
+    body = L.block(
+        L.Let(p0, L.binary("sub", c0, row_lo)),
+        L.Let(lo, L.Cast(L.Load("t0_l1_pos", p0, itype), i64)),
+        L.Let(hi, L.Cast(L.Load("t0_l1_pos", L.binary("add", p0, L.Const(1)), itype), i64)),
+        L.If(L.binary("lt", lo, hi), row))
+    loop = L.For(c0, row_lo, L.binary("add", row_lo, row_ext), body, parallel=L.Parallel("nnz", "t0_l1_pos"))
+    params = (L.Param("t0_l0_lo", "scalar", i64), L.Param("t0_l0_ext", "scalar", i64),
+              L.Param("t0_l1_pos", "array", itype), L.Param("x", "array", vtype),
+              L.Param("y", "array", vtype, output=True), L.Param("scale", "scalar", vtype),
+              L.Param("nthreads", "scalar", i64))
+    return L.Kernel("scorch_softmax_rows", params, L.block(loop))

@@ -1,0 +1,184 @@
+"""Grouped products: a sparse operand selecting slices of a dense one, run as one dense product per slice.
+
+In ``y[b, h] = sum_{n, d} G[b, n] x[b, d] E[n, d, h]`` (a mixture of experts with sparse gates ``G``) every stored
+entry ``(b, n)`` of ``G`` asks for the product of ``x``'s row ``b`` with the matrix ``E[n]``. A loop nest driven by
+``G`` computes exactly those entries, but as one matrix-vector product per entry: ``E[n]`` streams past once per
+token, without reuse. Grouping the entries by ``n`` (the sparse operand's *group* index: shared with the dense
+operands that hold the large slices) turns the same work into one matrix product per distinct ``n``: the rows
+``b`` of the group are gathered from ``x`` (weighted by ``G``'s values), multiplied by ``E[n]`` in BLAS, and added
+into ``y``'s rows ``b``. Only the stored entries are computed; each slice is read once per group.
+
+The contraction planner (``contract.best_path``) costs this against the generated kernel and picks it where the
+per-entry dense work is large and the groups are few (``cost``); ``evaluate`` runs it in torch ops, so autograd
+differentiates it as it stands (the gradients are grouped products too).
+
+Which einsums qualify (``match``): one sparse operand ``S`` with distinct indices, split into group indices ``g``
+(those of ``S`` that the dense operands holding no other index of ``S`` use) and row indices ``r`` (the rest, all
+in the output); every dense operand holds only group indices of ``S`` or only row indices; no group index is an
+output index.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .einsum import equation as einsum_string
+
+#: estimated cost of one group (a few torch calls: a slice, a product, a copy), in kernel multiply-adds
+GROUP_OVERHEAD = 1.0e5
+
+
+@dataclass(frozen=True)
+class Grouping:
+    sparse: int        # the sparse operand's position
+    group: tuple       # its group indices (the sliced dense operands hold them)
+    rows: tuple        # its row indices (the gathered dense operands hold them)
+
+
+def match(inputs, out, sparse, sizes) -> "Grouping | None":
+    """The cheapest grouping of an einsum (``inputs``: index letters per operand, ``sparse``: which operands are
+    sparse) with a dense output, or None where none qualifies: one sparse operand with distinct indices, split into
+    group and row indices so that each dense operand and the output hold only one kind. Among the splits, the one
+    gathering the least (the gathered operands are copied once per stored entry)."""
+    ks = [k for k, s in enumerate(sparse) if s]
+    if len(ks) != 1 or len(inputs) < 2:
+        return None
+    k = ks[0]
+    s = inputs[k]
+    if len(set(s)) != len(s) or any(len(set(i)) != len(i) for i in inputs) or len(set(out)) != len(out):
+        return None
+    best, best_cost = None, None
+    for mask in range(1, (1 << len(s)) - 1):
+        group = tuple(v for b, v in enumerate(s) if mask >> b & 1)
+        rows = tuple(v for v in s if v not in group)
+        holders = [set(i) for j, i in enumerate(inputs) if j != k] + [set(out)]
+        if any(h & set(group) and h & set(rows) for h in holders):
+            continue
+        if not any(h & set(group) for h in holders):
+            continue  # nothing is sliced: no reuse to gain
+        gathered = _per_entry(inputs, out, k, rows, sizes)
+        if best is None or gathered < best_cost:
+            best, best_cost = Grouping(k, group, rows), gathered
+    return best
+
+
+def _per_entry(inputs, out, k, rows, sizes):
+    """Elements copied per stored entry: the gathered operands' rows, and the result's where it keeps the rows."""
+    held = [i for j, i in enumerate(inputs) if j != k and set(i) & set(rows)]
+    if set(out) & set(rows):
+        held.append(out)
+    return sum(math.prod(sizes[v] for v in i if v not in inputs[k]) for i in held)
+
+
+def cost(grouping: Grouping, inputs, out, sizes, nnz, dense_discount) -> float:
+    """Estimated cost (kernel multiply-adds): BLAS-rate work for the stored entries, the gathers, and a per-group
+    overhead."""
+    idx = {v for i in inputs for v in i}
+    work = max(nnz, 1.0) * math.prod(sizes[v] for v in idx if v not in inputs[grouping.sparse])
+    gathered = _per_entry(inputs, out, grouping.sparse, grouping.rows, sizes)
+    groups = min(nnz, math.prod(sizes[v] for v in grouping.group))
+    return dense_discount * work + nnz * gathered + GROUP_OVERHEAD * groups
+
+
+def entries(x, grouping: Grouping, letters):
+    """``(dims, values, starts)`` of sparse ``x``'s stored entries sorted by their group coordinates:
+    ``dims`` ``(ndim, M)`` in ``letters``' order; ``starts`` the first entry of each group, plus the end."""
+    from ..formats import storage
+    dims, vals = storage.unpack(x.format, x.shape, x.levels, x.values())
+    gpos = [letters.index(v) for v in grouping.group]
+    key = storage.linear_index(dims[gpos], [x.shape[p] for p in gpos])
+    key, order = torch.sort(key, stable=True)
+    counts = torch.unique_consecutive(key, return_counts=True)[1]
+    return dims[:, order], vals[order], [0] + torch.cumsum(counts, 0).tolist()
+
+
+def evaluate(grouping: Grouping, inputs, out, ops, sizes):
+    """The einsum ``inputs -> out`` over ``ops`` (torch tensors and the one SparseTensor), group by group."""
+    k = grouping.sparse
+    letters = inputs[k]
+    dims, vals, starts = entries(ops[k], grouping, letters)
+    dtype = vals.dtype
+    for j, t in enumerate(ops):
+        if j != k:
+            dtype = torch.promote_types(dtype, t.dtype)
+    vals = vals.to(dtype)
+    coords = {v: dims[letters.index(v)] for v in letters}
+    used = {v for i in inputs for v in i}
+    p = next(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used)  # the entry
+
+    def sub(idx):  # the row indices replaced by p, at the first one's place
+        first = next((v for v in idx if v in grouping.rows), None)
+        return tuple(p if v == first else v for v in idx if v == first or v not in grouping.rows)
+
+    # dense operands holding row indices are gathered at the entries' rows; the others are sliced per group
+    gathered, sliced = [], []
+    for j, (idx, t) in enumerate(zip(inputs, ops)):
+        if j == k:
+            continue
+        t = t.to(dtype)
+        if set(idx) & set(grouping.rows):
+            gathered.append((_gather(t, idx, grouping.rows, coords), sub(idx)))
+        else:
+            sliced.append((t, idx))
+    if gathered:  # the values weigh the first gathered operand
+        t, idx = gathered[0]
+        gathered[0] = (t * vals.reshape([-1 if v == p else 1 for v in idx]), idx)
+    else:
+        gathered.append((vals, (p,)))
+    keep_p = bool(set(out) & set(grouping.rows))
+    res_idx = sub(out) if keep_p else tuple(v for v in out if v not in grouping.group)
+    parts, firsts = [], []
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        key = [int(coords[v][lo]) for v in grouping.group]
+        ops_g = [t.narrow(idx.index(p), lo, hi - lo) for t, idx in gathered]
+        ops_g += [_select(t, idx, grouping.group, key) for t, idx in sliced]
+        idx_g = [idx for _, idx in gathered] + [tuple(v for v in idx if v not in grouping.group) for _, idx in sliced]
+        parts.append(torch.einsum(einsum_string(idx_g, res_idx), *ops_g))
+        firsts.append(lo)
+    held = [v for v in out if v in letters]  # the output's dimensions the entries address
+    rest = [v for v in out if v not in letters]
+    result = torch.zeros([math.prod(sizes[v] for v in held)] + [sizes[v] for v in rest], dtype=dtype,
+                         device=vals.device)
+    if parts:
+        if keep_p:  # one row of the result per entry: scatter-added at the entry's coordinates
+            part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
+            part = part.permute([res_idx.index(v) for v in [p] + rest])
+            at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
+        else:  # one result per group: added at the group's coordinates
+            part = torch.stack([q.permute([res_idx.index(v) for v in rest]) for q in parts])
+            first = torch.tensor(firsts, dtype=torch.long, device=vals.device)
+            at = _linear([coords[v][first] for v in held], [sizes[v] for v in held], len(firsts), vals.device)
+        result = result.index_add(0, at, part)
+    shape = [sizes[v] for v in held + rest]
+    return result.reshape(shape).permute([(held + rest).index(v) for v in out])
+
+
+def _linear(coords, extents, n, device):
+    """The row-major linear index of ``n`` coordinates (one tensor per dimension)."""
+    lin = torch.zeros(n, dtype=torch.long, device=device)
+    for c, n in zip(coords, extents):
+        lin = lin * n + c
+    return lin
+
+
+def _gather(t, idx, rows, coords):
+    """Dense ``t`` (indices ``idx``) at the entries' row coordinates: its row dimensions become one entry
+    dimension, at the first one's place."""
+    held = [v for v in idx if v in rows]
+    dims = [idx.index(v) for v in held]
+    others = [d for d in range(t.dim()) if d not in dims]
+    flat = t.permute(dims + others).reshape([math.prod(t.shape[d] for d in dims)] + [t.shape[d] for d in others])
+    g = flat.index_select(0, _linear([coords[v] for v in held], [t.shape[d] for d in dims],
+                                      coords[held[0]].shape[0], t.device))
+    place = [dims[0]] + others  # the dimensions of g, by their place in idx
+    return g.permute(sorted(range(len(place)), key=lambda a: place[a]))
+
+
+def _select(t, idx, group, key):
+    """Dense ``t`` at the group coordinates ``key`` along its group dimensions."""
+    for v in reversed([v for v in idx if v in group]):
+        t = t.select(idx.index(v), key[group.index(v)])
+        idx = tuple(w for w in idx if w != v)
+    return t

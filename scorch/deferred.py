@@ -1,0 +1,266 @@
+"""Deferred einsum results: a large dense ``scorch.einsum`` result stays an expression until its values are needed.
+
+``y = scorch.einsum("bd,ndh->bnh", x, E)`` with dense operands may return a ``Deferred``: a ``torch.Tensor`` of the
+right shape, dtype and device whose values are not computed yet. Two things can happen to it:
+
+- it meets a sparse operand in another scorch einsum (``einsum("bnh,bn->bh", y, gates)``): the consumer
+  substitutes ``y``'s expression (``"bd,ndh,bn->bh"``) and the compiler evaluates the combined expression, its
+  loops driven by the sparse operand, so that only the entries the sparse operand keeps are computed;
+- anything else touches it (any torch function or method, printing, ``.item()``, ``.numpy()``, an operator,
+  autograd): ``__torch_function__`` computes the value exactly as the eager call would have (the same
+  ``torch.einsum``), puts it into the tensor in place (``.data``) and turns the object into a plain
+  ``torch.Tensor``; from then on it costs nothing.
+
+Metadata reads (shape, dtype, device, ``requires_grad``, ``grad_fn``) are answered without computing; the
+placeholder's storage is allocated but never written (the pages are not touched), so a deferred result occupies
+no memory until it is computed. Errors are the eager call's: equations and shapes are checked when the einsum is
+called, and anything the check cannot vouch for runs eagerly. An operand modified in place between the einsum and
+the computation of its value is detected (``_version``) and raises, as autograd does for its saved tensors.
+
+Which einsums are deferred (``mode``): ``"auto"`` (the default) defers all-dense einsums of at least ``MIN_WORK``
+multiply-adds, whose run time makes the few microseconds of bookkeeping unmeasurable; ``"all"`` defers every
+all-dense einsum (the test suite runs with it, to show deferral is invisible); ``"off"`` none. The environment
+variable ``SCORCH_DEFER`` sets the initial mode; ``scorch.deferral(mode)`` changes it within a ``with`` block.
+
+Autograd: a deferred einsum of operands that require grad is the output of an autograd Function whose backward is
+the eager einsum's (``_autograd._Einsum.backward``), so ``y.grad_fn`` exists before ``y`` is computed. A consumer
+that substitutes ``y``'s expression differentiates the combined expression with respect to ``y``'s operands
+directly.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+
+import torch
+
+from . import sparse_tensor as _sparse_tensor
+from .compiler.einsum import equation as einsum_string
+from .compiler.einsum import parse
+
+MODES = ("auto", "all", "off")
+
+#: an all-dense einsum doing at least this many multiply-adds is deferred in the ``auto`` mode
+MIN_WORK = 1 << 26
+
+
+class _Mode(threading.local):
+    def __init__(self):
+        value = os.environ.get("SCORCH_DEFER", "auto").lower()
+        self.value = value if value in MODES else "auto"
+
+
+_mode = _Mode()
+
+
+def mode() -> str:
+    """The current deferral mode: ``"auto"``, ``"all"`` or ``"off"``."""
+    return _mode.value
+
+
+@contextlib.contextmanager
+def deferral(new_mode: str):
+    """``with scorch.deferral("off"):`` ... runs the block with that deferral mode (``auto``, ``all``, ``off``)."""
+    if new_mode not in MODES:
+        raise ValueError(f"deferral mode must be one of {', '.join(MODES)}, got {new_mode!r}")
+    old = _mode.value
+    _mode.value = new_mode
+    try:
+        yield
+    finally:
+        _mode.value = old
+
+
+# reads answered from the placeholder's metadata, without computing the value
+_METADATA = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.numel, torch.Tensor.nelement,
+    torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
+    torch.Tensor.__len__, torch.Tensor.__hash__, torch.is_floating_point, torch.is_complex, torch.numel,
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
+    torch.Tensor.is_leaf.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
+    torch.Tensor.is_sparse.__get__,
+}
+
+
+# layout reads, answered from the placeholder where it has the value's layout (``exact_layout``)
+_LAYOUT = {torch.Tensor.is_contiguous, torch.Tensor.stride}
+
+
+class Deferred(torch.Tensor):
+    """A dense einsum result not computed yet (see the module's documentation). Becomes a plain
+    ``torch.Tensor`` holding the value the first time anything needs it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _sparse_tensor.SparseTensor in types:
+            return NotImplemented  # the sparse operand's implementation decides (products substitute this one)
+        if func in _METADATA or (func in _LAYOUT and args[0]._expr.exact_layout):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        compute_all(args)
+        compute_all(kwargs.values())
+        return func(*args, **kwargs)
+
+    def compute(self) -> torch.Tensor:
+        """Compute the value (once) and become a plain tensor holding it; returns ``self``."""
+        if type(self) is not Deferred:
+            return self
+        check_versions(self)
+        with torch.no_grad():
+            value = self._expr.compute()
+        return self.fill(value)
+
+    def fill(self, value: torch.Tensor) -> torch.Tensor:
+        """Become a plain tensor holding ``value`` (computed elsewhere: a fused kernel's intermediate)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self.data = value
+        self.__class__ = torch.Tensor
+        del self._expr, self._versions
+        return self
+
+
+class EinsumExpr:
+    """A deferred einsum: index letters, operands (plain dense tensors)."""
+    exact_layout = False  # the placeholder is contiguous, the eager result may be a permuted view
+
+    def __init__(self, inputs, out, operands):
+        self.inputs, self.out, self.operands = inputs, out, tuple(operands)
+
+    def describe(self):
+        return f"einsum {einsum_string(self.inputs, self.out)!r}"
+
+    def compute(self):
+        return torch.einsum(einsum_string(self.inputs, self.out), *self.operands)
+
+
+def check_versions(d):
+    for t, v in zip(d._expr.operands, d._versions):
+        if t._version != v:
+            raise RuntimeError(f"scorch: an operand of a deferred result was modified in place before the result"
+                               f" was used ({d._expr.describe()}); use the result before modifying its operands,"
+                               " or run under scorch.deferral('off')")
+
+
+def compute_all(items):
+    """Compute every deferred result among ``items`` (nested in lists, tuples and dicts too)."""
+    for a in items:
+        if type(a) is Deferred:
+            a.compute()
+        elif isinstance(a, (list, tuple)):
+            compute_all(a)
+        elif isinstance(a, dict):
+            compute_all(a.values())
+
+
+_sparse_tensor._DEFERRED[:] = [Deferred, compute_all]
+
+
+def pending(x) -> bool:
+    """Whether ``x`` is a deferred einsum result whose value is not computed yet."""
+    return type(x) is Deferred
+
+
+def make(expr, shape, dtype, device):
+    """A ``Deferred`` of ``shape`` computed by ``expr`` (``compute()``, ``operands``, ``exact_layout``)."""
+    placeholder = torch.empty(shape, dtype=dtype, device=device)  # allocated, never written
+    d = torch.Tensor._make_subclass(Deferred, placeholder)
+    d._expr = expr
+    d._versions = tuple(t._version for t in expr.operands)
+    return d
+
+
+def einsum(equation, operands):
+    """A ``Deferred`` for the all-dense einsum, or None where it is not deferred (the caller runs it eagerly).
+    Operands that are deferred themselves are computed first (no chains: the value is exactly the eager one)."""
+    m = _mode.value
+    if m == "off":
+        return None
+    if m == "auto":  # a cheap upper bound of the work first: small einsums leave at once
+        bound = 1
+        for t in operands:
+            bound *= t.numel()
+        if bound < MIN_WORK:
+            return None
+    try:
+        inputs, out = parse(equation, [t.dim() for t in operands])
+    except (ValueError, TypeError):
+        return None  # the eager call raises its own error
+    sizes = {}
+    for idx, t in zip(inputs, operands):
+        for v, n in zip(idx, t.shape):
+            if sizes.get(v, 1) == 1:
+                sizes[v] = n
+            elif n not in (1, sizes[v]):
+                return None
+    if m == "auto" and math.prod(sizes.values()) < MIN_WORK:
+        return None
+    dtype = operands[0].dtype
+    for t in operands[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    if len({t.device for t in operands}) != 1 or any(t.layout != torch.strided for t in operands):
+        return None
+    compute_all(operands)
+    shape = [sizes[v] for v in out]
+    from ._autograd import needs_grad
+    if needs_grad(operands):
+        return _Deferral.apply((inputs, out, shape, dtype), *operands)
+    return make(EinsumExpr(inputs, out, operands), shape, dtype, operands[0].device)
+
+
+def _deferral_function():
+    from ._autograd import _Einsum, _Spec
+
+    class _DeferralFn(_Einsum):
+        """The deferred einsum as an autograd node: forward computes nothing; backward is the einsum's."""
+
+        @staticmethod
+        def forward(ctx, what, *tensors):
+            inputs, out, shape, dtype = what
+            ctx.spec = _Spec(inputs, out, None, tensors)
+            ctx.save_for_backward(*tensors)
+            return make(EinsumExpr(inputs, out, tensors), shape, dtype, tensors[0].device)
+
+    return _DeferralFn
+
+
+class _LazyFn:
+    fn = None
+
+    def apply(self, *args):
+        if self.fn is None:
+            self.fn = _deferral_function()
+        return self.fn.apply(*args)
+
+
+_Deferral = _LazyFn()
+
+
+def substitute(inputs, out, operands):
+    """``(inputs, operands)`` with every pending deferred operand replaced by its expression: its operands, its
+    output letters renamed to the consumer's, its contracted letters to fresh ones. None where a deferred
+    operand cannot be substituted (a repeated letter in the consumer, letters run out)."""
+    used = {v for idx in inputs for v in idx} | set(out)
+    free = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in used]
+    new_inputs, new_ops = [], []
+    for idx, x in zip(inputs, operands):
+        if type(x) is not Deferred:
+            new_inputs.append(tuple(idx))
+            new_ops.append(x)
+            continue
+        e = x._expr
+        if len(set(idx)) != len(idx) or not isinstance(e, EinsumExpr):
+            return None
+        check_versions(x)
+        rename = dict(zip(e.out, idx))
+        for v in {w for i in e.inputs for w in i}:
+            if v not in rename:
+                if not free:
+                    return None
+                rename[v] = free.pop(0)
+        new_inputs += [tuple(rename[v] for v in i) for i in e.inputs]
+        new_ops += e.operands
+    return new_inputs, new_ops

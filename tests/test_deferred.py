@@ -1,0 +1,179 @@
+"""Deferred einsum results (``scorch/deferred.py``): invisible to the user (values, metadata, errors, autograd,
+printing, conversion), computed when touched, substituted into a product with a sparse operand, and the issue's
+mixture-of-experts program computing only the kept entries."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import scorch
+from scorch.deferred import Deferred, pending
+
+
+@pytest.fixture(autouse=True)
+def _defer_all():
+    with scorch.deferral("all"):
+        yield
+
+
+def _pair():
+    torch.manual_seed(0)
+    return torch.randn(5, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+
+def test_metadata_without_computing():
+    a, b = _pair()
+    y = scorch.einsum("ij,jk->ik", a, b)
+    assert pending(y)
+    assert y.shape == (5, 3) and y.dtype == torch.float64 and y.device == a.device and y.dim() == 2
+    assert y.numel() == 15 and len(y) == 5 and not y.requires_grad and y.grad_fn is None
+    assert pending(y)  # none of these computed it
+    torch.testing.assert_close(y + 0, a @ b)
+    assert not pending(y) and type(y) is torch.Tensor  # now a plain tensor holding the value
+
+
+@pytest.mark.parametrize("use", [
+    lambda y: y.sum(), lambda y: y * 2, lambda y: torch.relu(y), lambda y: y[1:3], lambda y: y.T.contiguous(),
+    lambda y: y.item() if y.numel() == 1 else y.tolist(), lambda y: y.numpy(), lambda y: np.asarray(y),
+    lambda y: repr(y), lambda y: str(y), lambda y: torch.cat([y, y]), lambda y: y.clone(),
+    lambda y: copy.deepcopy(y), lambda y: pickle.loads(pickle.dumps(y)), lambda y: y.stride(),
+    lambda y: y.is_contiguous(), lambda y: y.to(torch.float32), lambda y: y.add_(1),
+])
+def test_any_use_sees_the_eager_value(use):
+    a, b = _pair()
+    eager = torch.einsum("ij,jk->ik", a, b)
+    with scorch.deferral("off"):
+        expect = use(eager.clone())
+    y = scorch.einsum("ij,jk->ik", a, b)
+    got = use(y)
+    if isinstance(expect, torch.Tensor):
+        torch.testing.assert_close(got, expect)
+    elif isinstance(expect, np.ndarray):
+        np.testing.assert_allclose(got, expect)
+    else:
+        assert got == expect
+
+
+def test_errors_are_the_eager_ones():
+    a, b = _pair()
+    for eq, ops in [("ij,jk->ik", (a, a)), ("ij,jk", (a,)), ("ij->q", (a,)), ("i$j", (a,))]:
+        with pytest.raises(Exception) as deferred_error:
+            scorch.einsum(eq, *ops) + 0
+        with scorch.deferral("off"), pytest.raises(Exception) as eager_error:
+            scorch.einsum(eq, *ops)
+        assert type(deferred_error.value) is type(eager_error.value)
+        assert str(deferred_error.value) == str(eager_error.value)
+
+
+def test_autograd_through_a_deferred_result():
+    a, b = _pair()
+    a.requires_grad_(True)
+    y = scorch.einsum("ij,jk->ik", a, b)
+    assert pending(y) and y.requires_grad and y.grad_fn is not None
+    (y * y).sum().backward()
+    expect = 2 * (a @ b) @ b.T
+    torch.testing.assert_close(a.grad, expect.detach())
+    gradcheck_a = a.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: scorch.einsum("ij,jk->ik", t, b) * 1, (gradcheck_a,))
+
+
+def test_operand_modified_in_place_raises():
+    a, b = _pair()
+    y = scorch.einsum("ij,jk->ik", a, b)
+    a.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y + 0
+
+
+def test_dense_chain_computes_in_eager_order():
+    a, b = _pair()
+    y = scorch.einsum("ij,jk->ik", a, b)
+    z = scorch.einsum("ik,k->i", y, b[0])
+    assert not pending(y) and pending(z)  # y was computed to build z: no chains
+    torch.testing.assert_close(z + 0, (a @ b) @ b[0])
+
+
+def _moe(dtype=torch.float32, B=48, D=6, H=5, N=4):
+    torch.manual_seed(1)
+    x = torch.randn(B, D, dtype=dtype)
+    E = torch.randn(N, D, H, dtype=dtype)
+    gates = torch.nn.functional.one_hot(torch.rand(B, N).argmax(1), N)
+    return x, E, gates
+
+
+def test_substituted_into_a_sparse_product():
+    x, E, gates = _moe()
+    y_experts = scorch.einsum("bnd,ndh->bnh", scorch.rearrange(x, "bd->bnd", n=4), E)
+    y = scorch.einsum("bnh,bn->bh", y_experts, gates.to_sparse())
+    assert pending(y_experts)  # substituted, never computed
+    expect = scorch.einsum("bnh,bn->bh", torch.einsum("bd,ndh->bnh", x, E), gates.to_sparse())
+    assert y.format == expect.format  # the format the eager product infers
+    torch.testing.assert_close(y.to_dense(), expect.to_dense())
+    torch.testing.assert_close(y_experts, torch.einsum("bd,ndh->bnh", x, E))  # still right when used later
+
+
+def test_sparse_product_with_autograd():
+    x, E, gates = _moe(torch.float64)
+    x.requires_grad_(True)
+    E.requires_grad_(True)
+    g = scorch.asformat(gates.double(), "csr")
+    g.requires_grad_(True)
+    y = scorch.einsum("bnh,bn->bh", scorch.einsum("bd,ndh->bnh", x, E), g)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    xr, Er = x.detach().requires_grad_(True), E.detach().requires_grad_(True)
+    gr = gates.double().requires_grad_(True)
+    (torch.einsum("bnh,bn->bh", torch.einsum("bd,ndh->bnh", xr, Er), gr) * w).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(E.grad, Er.grad)
+    torch.testing.assert_close(g.grad.to_dense(), gr.grad * gates)
+
+
+def test_matmul_with_a_sparse_operand_substitutes():
+    a, b = _pair()
+    s = scorch.asformat(torch.eye(5, dtype=torch.float64), "csr")
+    y = scorch.einsum("ij,jk->ik", a, b)
+    r = s @ y
+    assert pending(y)
+    torch.testing.assert_close(r, a @ b)
+
+
+def test_auto_mode_defers_only_large_products():
+    a, b = _pair()
+    with scorch.deferral("auto"):
+        assert not pending(scorch.einsum("ij,jk->ik", a, b))
+        big = scorch.einsum("ij,jk->ik", torch.randn(512, 512), torch.randn(512, 512))
+        assert pending(big)
+    with scorch.deferral("off"):
+        assert not pending(scorch.einsum("ij,jk->ik", torch.randn(512, 512), torch.randn(512, 512)))
+    with pytest.raises(ValueError, match="deferral mode"):
+        with scorch.deferral("sometimes"):
+            pass
+
+
+def test_issue_program_computes_only_kept_entries(monkeypatch):
+    """The issue's program: the combined expression is grouped by expert, so no (token, expert) pair outside the
+    gate is computed: the expert product's value is never formed."""
+    from scorch.compiler import grouped
+    calls = []
+    evaluate = grouped.evaluate
+    monkeypatch.setattr(grouped, "evaluate", lambda *a: calls.append(a[0]) or evaluate(*a))
+    x, E, gates = _moe(B=512, D=64, H=64, N=4)
+    with scorch.deferral("auto"):
+        import scorch.deferred as d
+        old = d.MIN_WORK
+        d.MIN_WORK = 1  # this size is below the automatic threshold
+        try:
+            x_dispatch = scorch.rearrange(x, "bd->bnd", n=4)
+            y_experts = scorch.einsum("bnd,ndh->bnh", x_dispatch, E)
+            y = scorch.einsum("bnd,bn->bd", y_experts, gates.to_sparse())
+        finally:
+            d.MIN_WORK = old
+    assert isinstance(y_experts, Deferred) and pending(y_experts)
+    assert [g.group for g in calls] == [("n",)]  # one grouped product over the gate's entries
+    expect = torch.einsum("bnd,bn->bd", torch.einsum("bd,ndh->bnh", x, E), gates.float())
+    torch.testing.assert_close(y.to_dense(), expect)

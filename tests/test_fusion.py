@@ -1,0 +1,155 @@
+"""``scorch.compile`` (``scorch/fusion.py``) and row fusion of loop-IR kernels (``scorch/compiler/fuse.py``):
+the fused attention kernel against the op-by-op path and dense torch, across shapes (empty rows, one entry, fully
+dense), dtypes and index widths; its gradients; the fallback when a lazy value is used otherwise; the fused
+kernel's IR through the interpreter (the oracle) against the compiled C++."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import scorch
+from scorch.deferred import Deferred
+from scorch.compiler import fuse, interp, loops as L
+
+
+def attention(q, k, v, mask):
+    s = torch.sparse.sampled_addmm(mask, q, k.transpose(0, 1), beta=0.0, alpha=q.shape[1] ** -0.5)
+    a = torch.sparse.softmax(s, dim=1)
+    return torch.sparse.mm(a, v)
+
+
+fused_attention = scorch.compile(attention)
+
+
+def _dense_reference(q, k, v, keep):
+    s = (q @ k.T) * q.shape[1] ** -0.5
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=1).nan_to_num(0.0)  # a row without entries: no output
+    return p @ v
+
+
+def _case(n, m, d, dv, density, dtype, index_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(n, m, generator=g) < density
+    mask = scorch.asformat(keep.to(dtype), "csr", index_dtype=index_dtype)
+    q = torch.randn(n, d, generator=g, dtype=dtype)
+    k = torch.randn(m, d, generator=g, dtype=dtype)
+    v = torch.randn(m, dv, generator=g, dtype=dtype)
+    return q, k, v, mask, keep
+
+
+@settings(max_examples=20)
+@given(n=st.integers(1, 40), m=st.integers(1, 40), d=st.sampled_from([1, 4, 16]), dv=st.sampled_from([1, 3, 16]),
+       density=st.sampled_from([0.0, 0.1, 0.5, 1.0]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       index_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_fused_matches_op_by_op_and_dense(n, m, d, dv, density, dtype, index_dtype):
+    q, k, v, mask, keep = _case(n, m, d, dv, density, dtype, index_dtype)
+    got = fused_attention(q, k, v, mask)
+    assert type(got) is torch.Tensor and got.dtype == dtype and got.shape == (n, dv)
+    torch.testing.assert_close(got, attention(q, k, v, mask))
+    torch.testing.assert_close(got, _dense_reference(q, k, v, keep))
+
+
+def test_the_fused_kernel_runs(monkeypatch):
+    from scorch import fusion
+    calls = []
+    kernel = fusion._attention
+    monkeypatch.setattr(fusion, "_attention", lambda *a: calls.append(1) or kernel(*a))
+    q, k, v, mask, _ = _case(64, 64, 16, 16, 0.2, torch.float32, torch.int32)
+    fused_attention(q, k, v, mask)
+    assert calls == [1]
+    attention(q, k, v, mask)  # outside scorch.compile: op by op
+    assert calls == [1]
+
+
+def test_lazy_values_used_elsewhere_fall_back():
+    """Returning the scores and probabilities too: each is computed as the op-by-op path computes it."""
+    q, k, v, mask, _ = _case(30, 20, 8, 5, 0.3, torch.float64, torch.int64)
+
+    def with_intermediates(q, k, v, mask):
+        s = torch.sparse.sampled_addmm(mask, q, k.T, beta=0.0, alpha=0.5)
+        a = torch.sparse.softmax(s, dim=1)
+        return s, a, a @ v, s.values().sum()
+
+    got = scorch.compile(with_intermediates)(q, k, v, mask)
+    want = with_intermediates(q, k, v, mask)
+    for g, w in zip(got, want):
+        if isinstance(w, scorch.SparseTensor):
+            assert type(g.values()) is torch.Tensor
+            g, w = g.to_dense(), w.to_dense()
+        torch.testing.assert_close(g, w)
+
+
+def test_fused_gradients():
+    q, k, v, mask, keep = _case(24, 18, 6, 5, 0.4, torch.float64, torch.int32, seed=3)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    w = torch.randn(24, 5, dtype=torch.float64)
+    (fused_attention(q, k, v, mask) * w).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    refs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    (_dense_reference(*refs, keep) * w).sum().backward()
+    for g, r in zip(got, refs):
+        torch.testing.assert_close(g, r.grad)
+
+
+def test_compile_as_decorator_and_outputs():
+    @scorch.compile
+    def f(x, w):
+        return {"y": scorch.einsum("ij,jk->ik", x, w), "pair": (x.sum(), scorch.einsum("ij->j", x))}
+
+    x, w = torch.randn(5, 4), torch.randn(4, 3)
+    out = f(x, w)
+    assert type(out["y"]) is torch.Tensor and not isinstance(out["pair"][1], Deferred)
+    torch.testing.assert_close(out["y"], x @ w)
+    torch.testing.assert_close(out["pair"][1], x.sum(0))
+    assert scorch.compile(mode="max-autotune")(lambda a: a * 2)(x).equal(x * 2)
+
+
+def test_errors_inside_compile_are_the_eager_ones():
+    q, k, v, mask, _ = _case(8, 8, 4, 4, 0.5, torch.float32, torch.int32)
+    with pytest.raises(ValueError) as eager:
+        attention(q, k[:, :3], v, mask)
+    with pytest.raises(ValueError) as fused:
+        fused_attention(q, k[:, :3], v, mask)
+    assert str(eager.value) == str(fused.value)
+
+
+def test_softmax_rows_interpreted_matches_torch():
+    pos = torch.tensor([0, 3, 3, 4, 8], dtype=torch.int32)
+    x = torch.randn(8, dtype=torch.float64)
+    y = torch.zeros(8, dtype=torch.float64)
+    kernel = fuse.softmax_rows("f64", "i32")
+    interp.run(kernel, {"t0_l0_lo": 0, "t0_l0_ext": 4, "t0_l1_pos": pos.numpy(), "x": x.numpy(), "y": y.numpy(),
+                        "scale": 2.0, "nthreads": 1})
+    for lo, hi in zip(pos[:-1].tolist(), pos[1:].tolist()):
+        torch.testing.assert_close(y[lo:hi], torch.softmax(2.0 * x[lo:hi], 0))
+
+
+def test_fused_kernel_interpreted_matches_compiled():
+    """The fused kernel's IR through the loop-IR interpreter (bounds-checked) gives the compiled kernel's result."""
+    from scorch import fusion
+    q, k, v, mask, _ = _case(9, 7, 4, 3, 0.4, torch.float64, torch.int32, seed=5)
+    sddmm = fusion.SddmmExpr(mask, q, k, 0.5)
+    out, probs = fusion._attention(sddmm, v)
+    fused, _, values = fusion._prepare(sddmm, v)
+    assert [p.name for p in fused.params].count("t0_l1_pos") == 1  # the pattern is one argument
+    assert len(fused.body.stmts) == 1 and isinstance(fused.body.stmts[0], L.For)  # one row loop
+    interp.run(fused, {name: (x.reshape(-1).numpy() if isinstance(x, torch.Tensor) else x)
+                       for name, x in values.items()})
+    torch.testing.assert_close(values["out"], out)
+    torch.testing.assert_close(values["probs"], probs)
+
+
+def test_rows_refuses_different_row_loops():
+    a = fuse.softmax_rows("f32", "i32")
+    other = L.Kernel("k", a.params, L.block(L.For(L.Var("c0"), L.Const(0), L.Const(3), L.block(),
+                                                  parallel=L.Parallel("static"))))
+    with pytest.raises(ValueError, match="row loop differs"):
+        fuse.rows("f", [(a, {}), (other, {})])
+    with pytest.raises(ValueError, match="not one parallel row loop"):
+        fuse.rows("f", [(L.Kernel("k", (), L.block()), {})])
