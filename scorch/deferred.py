@@ -12,8 +12,8 @@ right shape, dtype and device whose values are not computed yet. Two things can 
   ``torch.Tensor``; from then on it costs nothing.
 
 Metadata reads (shape, dtype, device, ``requires_grad``, ``grad_fn``) are answered without computing; the
-placeholder's storage is allocated but never written (the pages are not touched), so a deferred result occupies
-no memory until it is computed. Errors are the eager call's: equations and shapes are checked when the einsum is
+placeholder is one element repeated (stride 0), so a deferred result occupies no memory until it is computed.
+Errors are the eager call's: equations and shapes are checked when the einsum is
 called, and anything the check cannot vouch for runs eagerly. An operand modified in place between the einsum and
 the computation of its value is detected (``_version``) and raises, as autograd does for its saved tensors.
 
@@ -81,9 +81,12 @@ _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
     torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
     torch.Tensor.is_leaf.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
-    torch.Tensor.is_sparse.__get__,
+    torch.Tensor.is_sparse.__get__, torch.Tensor._version.__get__,
 }
 
+
+#: ``fusion.epilogue``: an elementwise op on a deferred product that may stay lazy (set by ``scorch.fusion``)
+_EPILOGUE = [None]
 
 # layout reads, answered from the placeholder where it has the value's layout (``exact_layout``)
 _LAYOUT = {torch.Tensor.is_contiguous, torch.Tensor.stride}
@@ -101,6 +104,10 @@ class Deferred(torch.Tensor):
         if func in _METADATA or (func in _LAYOUT and args[0]._expr.exact_layout):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if _mode.value == "all" and _EPILOGUE[0] is not None:  # scorch.compile: an elementwise epilogue stays lazy
+            lazy = _EPILOGUE[0](func, args, kwargs)
+            if lazy is not None:
+                return lazy
         compute_all(args)
         compute_all(kwargs.values())
         return func(*args, **kwargs)
@@ -124,17 +131,24 @@ class Deferred(torch.Tensor):
 
 
 class EinsumExpr:
-    """A deferred einsum: index letters, operands (plain dense tensors)."""
-    exact_layout = False  # the placeholder is contiguous, the eager result may be a permuted view
+    """A deferred einsum: index letters, operands (dense tensors, and SparseTensors for a product with a dense
+    result), the requested output format."""
+    exact_layout = False  # the eager result may be a permuted view: layout reads compute it
 
-    def __init__(self, inputs, out, operands):
-        self.inputs, self.out, self.operands = inputs, out, tuple(operands)
+    def __init__(self, inputs, out, operands, format=None):
+        self.inputs, self.out, self.ops, self.format = inputs, out, tuple(operands), format
+        self.operands = tuple(x._values if type(x) is _sparse_tensor.SparseTensor else x for x in operands)
+        self.dense = not any(type(x) is _sparse_tensor.SparseTensor for x in operands)
 
     def describe(self):
         return f"einsum {einsum_string(self.inputs, self.out)!r}"
 
     def compute(self):
-        return torch.einsum(einsum_string(self.inputs, self.out), *self.operands)
+        eq = einsum_string(self.inputs, self.out)
+        if self.dense:
+            return torch.einsum(eq, *self.ops)
+        from .compiler import dispatch
+        return dispatch.einsum(eq, *self.ops, format=self.format)
 
 
 def check_versions(d):
@@ -166,7 +180,10 @@ def pending(x) -> bool:
 
 def make(expr, shape, dtype, device):
     """A ``Deferred`` of ``shape`` computed by ``expr`` (``compute()``, ``operands``, ``exact_layout``)."""
-    placeholder = torch.empty(shape, dtype=dtype, device=device)  # allocated, never written
+    if expr.exact_layout:  # allocated, never written: untouched pages (CPU) hold no memory
+        placeholder = torch.empty(shape, dtype=dtype, device=device)
+    else:  # one element repeated: no memory on any device (layout reads compute the value)
+        placeholder = torch.empty((), dtype=dtype, device=device).expand(shape)
     d = torch.Tensor._make_subclass(Deferred, placeholder)
     d._expr = expr
     d._versions = tuple(t._version for t in expr.operands)
@@ -204,25 +221,53 @@ def einsum(equation, operands):
     if len({t.device for t in operands}) != 1 or any(t.layout != torch.strided for t in operands):
         return None
     compute_all(operands)
-    shape = [sizes[v] for v in out]
-    from ._autograd import needs_grad
-    if needs_grad(operands):
-        return _Deferral.apply((inputs, out, shape, dtype), *operands)
-    return make(EinsumExpr(inputs, out, operands), shape, dtype, operands[0].device)
+    return _defer(inputs, out, operands, None, [sizes[v] for v in out], dtype)
+
+
+def product(equation, operands, format):
+    """A ``Deferred`` for a product with a sparse operand and a dense result (``S @ X``), in the ``all`` mode
+    only (and so inside ``scorch.compile``); None otherwise. Where the product's checks would fail, None: the
+    eager call raises its own error."""
+    if _mode.value != "all" or len(operands) != 2 or any(
+            type(x) is Deferred or (type(x) is _sparse_tensor.SparseTensor and type(x._values) is Deferred)
+            for x in operands):
+        return None  # (a deferred operand is substituted by the product instead; lazy values fuse with it)
+    from .compiler import dispatch
+    try:
+        ops = dispatch.prepare(operands)
+        if not any(type(x) is _sparse_tensor.SparseTensor for x in ops):
+            return None
+        plan = dispatch.dense_result(equation, ops, format)
+    except Exception:  # noqa: BLE001  (any problem: the eager call reports it)
+        return None
+    if plan is None:
+        return None
+    inputs, out, shape, dtype = plan
+    return _defer(inputs, out, ops, format, shape, dtype)
+
+
+def _defer(inputs, out, ops, format, shape, dtype):
+    from ._autograd import _Spec, _tensors, needs_grad
+    device = _sparse_tensor.device_of(ops[0])
+    if needs_grad(ops):
+        spec = _Spec(inputs, out, format, ops)
+        return _Deferral.apply((spec, shape, dtype, device), *_tensors(ops))
+    return make(EinsumExpr(inputs, out, ops, format), shape, dtype, device)
 
 
 def _deferral_function():
-    from ._autograd import _Einsum, _Spec
+    from ._autograd import _Einsum
 
     class _DeferralFn(_Einsum):
         """The deferred einsum as an autograd node: forward computes nothing; backward is the einsum's."""
 
         @staticmethod
         def forward(ctx, what, *tensors):
-            inputs, out, shape, dtype = what
-            ctx.spec = _Spec(inputs, out, None, tensors)
+            spec, shape, dtype, device = what
+            ctx.spec = spec
             ctx.save_for_backward(*tensors)
-            return make(EinsumExpr(inputs, out, tensors), shape, dtype, tensors[0].device)
+            expr = EinsumExpr(spec.inputs, spec.out, spec.operands(tensors), spec.format)
+            return make(expr, shape, dtype, device)
 
     return _DeferralFn
 
@@ -262,5 +307,5 @@ def substitute(inputs, out, operands):
                     return None
                 rename[v] = free.pop(0)
         new_inputs += [tuple(rename[v] for v in i) for i in e.inputs]
-        new_ops += e.operands
+        new_ops += e.ops
     return new_inputs, new_ops

@@ -11,6 +11,13 @@ settings.register_profile("ci", deadline=None, max_examples=200, suppress_health
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+def is_dense_result(r) -> bool:
+    """A dense result: a plain torch tensor, or a deferred one (``scorch.deferred.Deferred``, a ``torch.Tensor``
+    subclass that computes itself when touched; under ``SCORCH_DEFER=all`` every dense product is one)."""
+    from scorch import SparseTensor
+    return isinstance(r, torch.Tensor) and not isinstance(r, SparseTensor) and r.layout == torch.strided
+
+
 def assert_matches_dense(result, expected):
     """The one comparison every op test uses: a scorch result (sparse or dense) against the dense torch one."""
     from scorch import SparseTensor

@@ -153,3 +153,75 @@ def test_rows_refuses_different_row_loops():
         fuse.rows("f", [(a, {}), (other, {})])
     with pytest.raises(ValueError, match="not one parallel row loop"):
         fuse.rows("f", [(L.Kernel("k", (), L.block()), {})])
+
+
+# --- elementwise epilogues on a product ---------------------------------------------------------------------------
+
+@scorch.compile
+def _epilogue_model(s, x, b):
+    return torch.sigmoid(torch.relu(2.0 * (s @ x) + b) - 0.5 * 0 + 0.25) if b is not None else torch.tanh(s @ x)
+
+
+def _epilogue_reference(a, x, b):
+    return torch.sigmoid(torch.relu(2.0 * (a @ x) + b) + 0.25) if b is not None else torch.tanh(a @ x)
+
+
+@settings(max_examples=20)
+@given(n=st.integers(0, 30), m=st.integers(1, 30), k=st.sampled_from([1, 5, 16, 33]),
+       density=st.sampled_from([0.0, 0.2, 1.0]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       index_dtype=st.sampled_from([torch.int32, torch.int64]), bias=st.booleans(),
+       fmt=st.sampled_from(["csr", "csr", "coo", "csc"]))
+def test_epilogue_matches_eager(n, m, k, density, dtype, index_dtype, bias, fmt):
+    g = torch.Generator().manual_seed(n * 31 + m)
+    a = (torch.rand(n, m, generator=g) < density).to(dtype) * torch.randn(n, m, generator=g, dtype=dtype)
+    s = scorch.asformat(a, fmt, index_dtype=index_dtype)
+    x = torch.randn(m, k, generator=g, dtype=dtype)
+    b = torch.randn(k, generator=g, dtype=dtype) if bias else None
+    got = _epilogue_model(s, x, b)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, _epilogue_reference(a, x, b))
+
+
+def test_epilogue_runs_as_one_kernel_and_falls_back(monkeypatch):
+    from scorch import fusion
+    fused = []
+    kernel = fusion._epilogue_kernel
+
+    def spy(e):
+        r = kernel(e)
+        fused.append(r is not None)
+        return r
+
+    monkeypatch.setattr(fusion, "_epilogue_kernel", spy)
+    a = torch.randn(20, 12) * (torch.rand(20, 12) < 0.3)
+    x, b = torch.randn(12, 8), torch.randn(8)
+    torch.testing.assert_close(_epilogue_model(scorch.asformat(a, "csr"), x, b), _epilogue_reference(a, x, b))
+    assert fused == [True]
+    # another format: the product, then the steps in torch
+    torch.testing.assert_close(_epilogue_model(scorch.asformat(a, "coo"), x, b), _epilogue_reference(a, x, b))
+    assert fused[-1] is False
+    # an op outside the epilogue set, or a bias of another shape: computed op by op, same values
+    f = scorch.compile(lambda s, x: torch.exp(s @ x) + torch.ones(20, 8))
+    torch.testing.assert_close(f(scorch.asformat(a, "csr"), x), torch.exp(a @ x) + 1)
+
+
+def test_epilogue_under_autograd_runs_op_by_op():
+    a = torch.randn(10, 6, dtype=torch.float64) * (torch.rand(10, 6) < 0.5)
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    _epilogue_model(scorch.asformat(a, "csr"), x, b).sum().backward()
+    xr, br = x.detach().requires_grad_(), b.detach().requires_grad_()
+    _epilogue_reference(a, xr, br).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(b.grad, br.grad)
+
+
+def test_epilogue_kernel_interpreted_matches_compiled():
+    from scorch import fusion
+    k = fusion.epilogue_rows("f64", (("add", torch.zeros(3)), ("mul", 2.0), ("relu",), ("sigmoid",)), 3)
+    out = torch.tensor([[-1.0, 0.5, 2.0], [0.0, -3.0, 1.0]], dtype=torch.float64)
+    got = out.clone()
+    bias = torch.tensor([0.5, -0.5, 0.0], dtype=torch.float64)
+    interp.run(k, {"t0_l0_lo": 0, "t0_l0_ext": 2, "t0_l1_pos": torch.tensor([0, 1, 2], dtype=torch.int32).numpy(),
+                   "out": got.reshape(-1).numpy(), "bias0": bias.numpy(), "num1": 2.0, "nthreads": 1})
+    torch.testing.assert_close(got, torch.sigmoid(torch.relu((out + bias) * 2.0)))

@@ -111,7 +111,8 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     if any(type(x) is Deferred for x in operands):
         fused = _substitute(equation, operands)
         if fused is not None:
-            return einsum(fused[0], *fused[1], format=format, explain=explain, backend=backend)
+            kept = format if format is not None else fused[2] or "dense"  # the format the eager call gives
+            return einsum(fused[0], *fused[1], format=kept, explain=explain, backend=backend)
     if needs_grad(operands) and not explain and backend == "cpp":
         from .. import _autograd as autograd
         return autograd.einsum(equation, operands, format)
@@ -144,6 +145,32 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     return result
 
 
+def _inferred_format(inputs, out, ops, dtype):
+    """The output format inferred for one kernel over ``ops`` (None: dense)."""
+    types = tuple(_type(_cast(x, dtype)) if type(x) is SparseTensor else TensorType(x.dim(), dtype, None, None,
+                                                                                   x.device.type) for x in ops)
+    return infer(Assignment(tuple(out), to_index_notation(inputs), types)).format
+
+
+def dense_result(equation, ops, format):
+    """``(inputs, out, shape, dtype)`` of an einsum over ``ops`` (one or two operands, a sparse one among them)
+    whose result is a dense tensor, checked as the call checks it; None where the result would be sparse or the
+    einsum has more operands."""
+    inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
+    name = f"einsum({equation!r})"
+    sizes, _ = _sizes(inputs, ops, name)
+    dtype = _result_dtype(ops, name)
+    _backend(ops, "cpp", name)
+    if len(ops) > 2:
+        return None
+    if format is not None:
+        if not named.resolve(format, len(out)).is_dense:
+            return None
+    elif _inferred_format(inputs, out, ops, dtype) is not None:
+        return None
+    return inputs, out, [sizes[v] for v in out], dtype
+
+
 def _substitute(equation, operands):
     """``(equation, operands)`` with deferred dense operands replaced by their expressions, where a sparse operand
     is there to drive the combined expression's loops; else None, the deferred operands computed."""
@@ -152,11 +179,17 @@ def _substitute(equation, operands):
         deferred.compute_all(operands)
         return None
     inputs, out = parse(equation, [len(shape_of(x)) for x in operands])
-    sub = deferred.substitute(inputs, out, operands)
+    ops = [x if type(x) is Deferred else prepare([x])[0] for x in operands]
+    # only all-dense deferred expressions, into a consumer of one kernel: its output format stays the eager one
+    sub = None
+    if len(ops) <= 2 and all(type(x) is not Deferred or x._expr.dense for x in ops):
+        dtype = _result_dtype(ops, f"einsum({equation!r})")
+        fmt = _inferred_format(inputs, out, ops, dtype)
+        sub = deferred.substitute(inputs, out, ops)
     if sub is None:
         deferred.compute_all(operands)
         return None
-    return einsum_string(sub[0], out), sub[1]
+    return einsum_string(sub[0], out), sub[1], fmt
 
 
 def _unbroadcast(inputs, ops):
@@ -209,8 +242,8 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
         sizes, _ = _sizes(idx, leaves, "einsum")
         r = grouped.evaluate(node.grouped, idx, tuple(target), leaves, sizes)
         # the format a kernel would have written: the requested one, else the inferred one
-        fmt = named.resolve(format, len(target)) if format is not None else infer(Assignment(
-            tuple(target), to_index_notation(idx), tuple(_type(_cast(x, r.dtype)) for x in leaves))).format
+        fmt = named.resolve(format, len(target)) if format is not None else \
+            _inferred_format(idx, tuple(target), leaves, r.dtype)
         return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
     if node.parts is None:
         parts = [(ops[k], inputs[k]) for k in node.leaves]

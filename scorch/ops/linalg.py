@@ -19,9 +19,9 @@ def einsum(equation, *operands, format=None):
         operands = tuple(operands[0])
     if format is None and all(type(x) is torch.Tensor or type(x) is Deferred for x in operands) and operands:
         d = deferred.einsum(equation, operands)
-        if d is not None:
-            return d
-    return dispatch.einsum(equation, *operands, format=format)
+    else:
+        d = deferred.product(equation, operands, format)
+    return d if d is not None else dispatch.einsum(equation, *operands, format=format)
 
 
 def _is_sparse(x):
@@ -57,7 +57,13 @@ def matmul(a, b):
             eq = "j,...jk->...k"
     if sa[-1] != sb[-2 if db > 1 else 0]:
         _check_inner(a, b, -1, -2 if db > 1 else 0, "matmul")
-    return dispatch.einsum(eq, a, b, format=_product_format(a, b))
+    return _deferred_or_now(eq, a, b, _product_format(a, b))
+
+
+def _deferred_or_now(eq, a, b, fmt):
+    """The product, deferred where the deferral mode asks for it (``deferred.product``), else computed now."""
+    d = deferred.product(eq, (a, b), fmt)
+    return d if d is not None else dispatch.einsum(eq, a, b, format=fmt)
 
 
 @implements(torch.Tensor.__rmatmul__)
@@ -79,7 +85,7 @@ def _product(name, eq, a, b, ranks, inner):
         raise ValueError(f"{name}: expected a {ranks[0]}-d and a {ranks[1]}-d tensor, got shapes {tuple(sa)} and"
                          f" {tuple(sb)}")
     _check_inner(a, b, *inner, name)
-    return dispatch.einsum(eq, a, b, format=_product_format(a, b))
+    return _deferred_or_now(eq, a, b, _product_format(a, b))
 
 
 @implements(torch.mm, torch.Tensor.mm, torch.sparse.mm, torch.spmm)

@@ -147,6 +147,23 @@ def test_training_steps_agree_across_backends():
             assert r[key] > 0 and math.isfinite(r[key]), (b, key)
 
 
+def test_fused_attention_trains_as_the_unfused(monkeypatch):
+    """``fuse=True`` (scorch.compile around each head): the fused kernel runs, and training gives the unfused
+    losses step by step; other backends refuse it."""
+    from scorch import fusion
+    calls = []
+    kernel = fusion._attention
+    monkeypatch.setattr(fusion, "_attention", lambda *a: calls.append(1) or kernel(*a))
+    opts = dict(epochs=1, threads=1, seed=1, train_size=8, test_size=4, batch=4, d_model=32, heads=2, layers=1,
+                **TINY)
+    fused, plain = st.run("scorch", fuse=True, **opts), st.run("scorch", **opts)
+    assert len(calls) >= 2 * 4 * 2 + 4 * 2  # every head of every training step and of the test batch
+    assert fused["losses"] == pytest.approx(plain["losses"], rel=1e-4)
+    assert fused["accuracy"] == pytest.approx(plain["accuracy"], abs=1e-6)
+    with pytest.raises(ValueError, match="needs scorch"):
+        st.run("sparse", fuse=True, **opts)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (torch.cuda.is_available() is False)")
 def test_scorch_trains_on_the_gpu_as_on_the_cpu():
     """--device cuda: SDDMM, sparse softmax and SpMM of the attention on the GPU take the CPU's steps."""

@@ -155,10 +155,38 @@ SCRIPT = textwrap.dedent(r'''
         return n, bad
 
 
+    def fusion_checks():
+        """The fused attention kernel (scorch.compile: SDDMM, row softmax and SpMM under one row loop): empty rows,
+        empty and 1x1 patterns, more keys than queries, and the reverse."""
+        gen = torch.Generator().manual_seed(11)
+        bad, n = [], 0
+
+        @scorch.compile
+        def attend(q, k, v, mask):
+            s = torch.sparse.sampled_addmm(mask, q, k.T, beta=0.0, alpha=0.5)
+            return torch.sparse.mm(torch.sparse.softmax(s, dim=1), v)
+
+        for (rows, cols), d in (((5, 7), 0.4), ((0, 0), 0.5), ((1, 1), 1.0), ((9, 3), 0.6), ((4, 6), 0.0)):
+            keep = torch.rand(rows, cols, generator=gen) < d
+            mask = scorch.asformat(keep.to(torch.float64), "csr")
+            q, k, v = values((rows, 4), gen), values((cols, 4), gen), values((cols, 16), gen)
+            s = (q @ k.T * 0.5).masked_fill(~keep, float("-inf"))
+            expected = torch.softmax(s, dim=1).nan_to_num(0.0) @ v
+            n += 1
+            if not close(attend(q, k, v, mask), expected):
+                bad.append(f"fused attention {(rows, cols)}")
+            # a product with a bias and relu after it, as one kernel
+            b = values((16,), gen)
+            n += 1
+            if not close(scorch.compile(lambda s, x: torch.relu(s @ x + b))(mask, v), torch.relu(keep.double() @ v + b)):
+                bad.append(f"product epilogue {(rows, cols)}")
+        return n, bad
+
+
     torch.set_num_threads(3)  # more threads than some inputs have rows
     jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
-        extra = [ops_checks(), tile_checks()] if BACKEND == "cpp" else [coiteration_checks()]
+        extra = [ops_checks(), tile_checks(), fusion_checks()] if BACKEND == "cpp" else [coiteration_checks()]
         results = list(pool.map(run, jobs)) + extra
     bad = [b for _, bs in results for b in bs]
     print("checked", sum(n for n, _ in results), "results in", len(jobs), "kernels")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import scorch
 from scorch import SparseTensor
 
-from conftest import assert_matches_dense, compile_ahead, plain_test_job, quarters
+from conftest import assert_matches_dense, compile_ahead, plain_test_job, quarters, is_dense_result
 
 FORMATS = ["csr", "coo", "csc", "dcsr", "dcsc", "ell", "dia", "bsr(2, 3)", "bsc(2, 2)", "dense",
            "(i, j) -> (i + j : compressed, j : dense)", "(i, j) -> (j - i : compressed, i : dense)"]
@@ -43,7 +43,7 @@ def assert_matches_nan(result, expected):
 
 
 def assert_dense_result(r, expected):
-    assert type(r) is torch.Tensor and r.layout == torch.strided, type(r)
+    assert is_dense_result(r), type(r)
     assert_matches_dense(r, expected)
 
 
