@@ -236,6 +236,8 @@ def fused_product(equation, operands):
 # --- the fused kernel ---------------------------------------------------------------------------------------
 
 _FUSED: dict = {}
+_PLANS: dict = {}
+_BINDERS: dict = {}
 _SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")
 
 
@@ -261,11 +263,15 @@ def _prepare(sddmm: SddmmExpr, v):
     from .compiler.codegen import cpp
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
     ones = p.with_values(pattern_ones(p, q.dtype))
-    first = dispatch.row_plan((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), [ones, q, k])
-    last = dispatch.row_plan((("i", "j"), ("j", "k")), ("i", "k"), [ones, v])
-    if first is None or last is None:
+    sig = (p._format, p.shape, p.index_dtype, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    plans = _PLANS.get(sig)
+    if plans is None:  # (planned once per signature: the schedule is not consulted again)
+        first = dispatch.row_plan((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), [ones, q, k])
+        last = dispatch.row_plan((("i", "j"), ("j", "k")), ("i", "k"), [ones, v])
+        plans = _PLANS[sig] = None if first is None or last is None else (first, last)
+    if plans is None:
         return None
-    (plan1, sizes1), (plan3, sizes3) = first, last
+    (plan1, sizes1), (plan3, sizes3) = plans
     key = (id(plan1), id(plan3))
     entry = _FUSED.get(key)
     if entry is None:
@@ -282,15 +288,32 @@ def _prepare(sddmm: SddmmExpr, v):
     nnz = p._values.numel()
     scores = torch.empty(nnz, dtype=q.dtype)
     probs = torch.empty(nnz, dtype=q.dtype)
-    out = torch.zeros(p.shape[0], v.shape[1], dtype=q.dtype)
-    values = {}
-    for n, args in ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
-                    (2, dispatch.arguments(plan3, [ones, v], sizes3, out))):
-        for name, value in args.items():
-            values[maps[n].get(name, f"f{n}_{name}")] = value
-    values.update({"scores": scores, "probs": probs, "out": out, "scale": sddmm.alpha,
-                   "nthreads": torch.get_num_threads()})
-    return fused, compiled, values
+    # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
+    # which would also wake torch's thread pool between the kernels)
+    out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p.shape[0], v.shape[1], dtype=q.dtype)
+    live = {"q": q, "k": k, "v": v, "ones": ones._values, "scores": scores, "probs": probs, "out": out}
+    live.update({f"l{n}{kind}": getattr(st, kind) for n, st in enumerate(p._levels) for kind in ("pos", "crd")
+                 if getattr(st, kind) is not None})
+    binder = _BINDERS.get(sig)
+    if not binder:  # which argument is which tensor, and the values fixed by the signature (sizes, bounds)
+        values = {}
+        for n, args in ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
+                        (2, dispatch.arguments(plan3, [ones, v], sizes3, out))):
+            for name, value in args.items():
+                values[maps[n].get(name, f"f{n}_{name}")] = value
+        values.update({"scores": scores, "probs": probs, "out": out, "scale": sddmm.alpha,
+                       "nthreads": torch.get_num_threads()})
+        if binder is None:
+            by_id = {id(t): name for name, t in live.items()}
+            binder = [("scale", None) if prm.name == "scale" else ("threads", None) if prm.name == "nthreads" else
+                      (by_id.get(id(values[prm.name]), "?"), None) if isinstance(values[prm.name], torch.Tensor)
+                      else (None, values[prm.name]) for prm in fused.params]
+            # (a tensor argument not found among the live ones: no binder, every call takes this path)
+            _BINDERS[sig] = binder if all(name != "?" for name, _ in binder) else False
+        return fused, compiled, values
+    values = [live[name] if name in live else sddmm.alpha if name == "scale" else
+              torch.get_num_threads() if name == "threads" else const for name, const in binder]
+    return fused, compiled, dict(zip((prm.name for prm in fused.params), values))
 
 
 # --- elementwise epilogues on a product's rows ------------------------------------------------------------------

@@ -11,6 +11,7 @@ strided                 dense_nd(n) (only through ``to_torch``)             valu
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 
@@ -58,6 +59,9 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     else:
         if x.layout != torch.strided:
             raise ValueError(f"cannot convert a tensor of layout {x.layout} to a scorch format")
+        rows = _compressed_rows(x, fmt, index_dtype, check)
+        if rows is not None:
+            return rows
         if x.dim() == 2:
             view = SparseTensor(named.dense, x.shape, [LevelStorage(), LevelStorage()], x.detach().reshape(-1),
                                 check=False)
@@ -67,6 +71,29 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
         dims = x.nonzero().T
         vals = x[tuple(dims)]
     levels, values = _storage.pack(fmt, x.shape, dims, vals.detach(), index_dtype)
+    return SparseTensor(fmt, x.shape, levels, values, check=check)
+
+
+def _compressed_rows(x, fmt, index_dtype, check, copy=True):
+    """A dense tensor into ``(i : compressed, j : dense, ...)`` (rows with a nonzero kept whole, as a product
+    with a sparse row index infers): one pass to find the rows, one gather; None for other formats."""
+    from .formats import Compressed, Dense, Var
+    types, exprs = fmt.level_types, fmt.exprs
+    if x.dim() < 2 or not (type(types[0]) is Compressed and types[0].unique and types[0].ordered) or \
+            any(type(t) is not Dense for t in types[1:]) or \
+            [e.dim if isinstance(e, Var) else None for e in exprs] != list(range(x.dim())):
+        return None
+    flat = x.detach().reshape(x.shape[0], x[0].numel() if x.shape[0] else math.prod(x.shape[1:]))
+    nonzero = flat.ne(0).any(1) if flat.dtype == torch.bool or flat.shape[1] == 0 else flat.abs().amax(1) != 0
+    kept = nonzero.nonzero().reshape(-1)  # (a NaN row is kept: NaN != 0)
+    if index_dtype is None:
+        index_dtype = _storage.pick_index_dtype(*x.shape, flat.numel())
+    pos = torch.tensor([0, kept.numel()], dtype=index_dtype, device=x.device)
+    levels = [LevelStorage(pos=pos, crd=kept.to(index_dtype))] + [LevelStorage() for _ in types[1:]]
+    if copy or kept.numel() < flat.shape[0] or not flat.is_contiguous():
+        values = flat.index_select(0, kept).reshape(-1)  # (a copy: the result never shares the caller's memory)
+    else:  # (the caller's tensor is its own to give away)
+        values = flat.reshape(-1)
     return SparseTensor(fmt, x.shape, levels, values, check=check)
 
 

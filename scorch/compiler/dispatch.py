@@ -108,7 +108,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
         r = fusion.fused_product(equation, operands)
         if r is not None:
             return r
-    if any(type(x) is Deferred for x in operands):
+    if Deferred in map(type, operands):
         fused = _substitute(equation, operands)
         if fused is not None:
             kept = format if format is not None else fused[2] or "dense"  # the format the eager call gives
@@ -244,7 +244,13 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
         # the format a kernel would have written: the requested one, else the inferred one
         fmt = named.resolve(format, len(target)) if format is not None else \
             _inferred_format(idx, tuple(target), leaves, r.dtype)
-        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
+        if fmt is None or fmt.is_dense:
+            return r
+        if not r.requires_grad:  # rows kept whole (the usual inferred format): r's memory becomes the values
+            rows = interop._compressed_rows(r.contiguous(), fmt, None, False, copy=False)
+            if rows is not None:
+                return rows
+        return interop.asformat(r, fmt)
     if node.parts is None:
         parts = [(ops[k], inputs[k]) for k in node.leaves]
     else:

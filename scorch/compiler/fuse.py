@@ -100,15 +100,15 @@ def softmax_rows(vtype: str, itype: str) -> L.Kernel:
     ninf = L.Const(float("-inf"), vtype)
     row = L.block(
         L.Decl(peak, ninf),
-        L.For(p, lo, hi, L.block(L.Assign(peak, x, "max"))),
+        L.For(p, lo, hi, L.block(L.Assign(peak, x, "max")), simd=True, reductions=(("max", "peak"),)),
         L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, L.Const(0.0, vtype)))),
         L.Decl(total, L.Const(0.0, vtype)),
         L.For(p, lo, hi, L.block(
             L.Let(e, L.Unary("exp", L.binary("sub", x, peak), vtype)),
             L.Store("y", p, e),
-            L.Assign(total, e, "add"))),
+            L.Assign(total, e, "add")), simd=True, reductions=(("add", "total"),)),
         L.Let(inv, L.binary("div", L.Const(1.0, vtype), total)),
-        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv)))),
+        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=True),
     )
     body = L.block(
         L.Let(p0, L.binary("sub", c0, row_lo)),

@@ -112,6 +112,9 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
         first = next((v for v in idx if v in grouping.rows), None)
         return tuple(p if v == first else v for v in idx if v == first or v not in grouping.rows)
 
+    fast = _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype)
+    if fast is not None:
+        return fast
     # dense operands holding row indices are gathered at the entries' rows; the others are sliced per group
     gathered, sliced = [], []
     for j, (idx, t) in enumerate(zip(inputs, ops)):
@@ -122,37 +125,92 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
             gathered.append((_gather(t, idx, grouping.rows, coords), sub(idx)))
         else:
             sliced.append((t, idx))
-    if gathered:  # the values weigh the first gathered operand
+    if gathered:  # the values weigh the first gathered operand (a gathered copy: weighed in place)
         t, idx = gathered[0]
-        gathered[0] = (t * vals.reshape([-1 if v == p else 1 for v in idx]), idx)
+        w = vals.reshape([-1 if v == p else 1 for v in idx])
+        if torch.is_grad_enabled() and (t.requires_grad or vals.requires_grad):
+            gathered[0] = (t * w, idx)
+        elif not bool((vals == 1).all()):  # (gates of ones, as a one-hot: nothing to weigh)
+            gathered[0] = (t.mul_(w), idx)
     else:
         gathered.append((vals, (p,)))
     keep_p = bool(set(out) & set(grouping.rows))
     res_idx = sub(out) if keep_p else tuple(v for v in out if v not in grouping.group)
+    idx_g = [idx for _, idx in gathered] + [tuple(v for v in idx if v not in grouping.group) for _, idx in sliced]
+    eq = einsum_string(idx_g, res_idx)
+    held = [v for v in out if v in letters]  # the output's dimensions the entries address
+    rest = [v for v in out if v not in letters]
+    # a plain matrix product per group ("pa,ab->pb")
+    mm = keep_p and len(idx_g) == 2 and len(idx_g[0]) == 2 and len(idx_g[1]) == 2 and idx_g[0][0] == p and \
+        idx_g[0][1] == idx_g[1][0] and res_idx == (p, idx_g[1][1])
+    part = None
     parts, firsts = [], []
     for lo, hi in zip(starts[:-1], starts[1:]):
         key = [int(coords[v][lo]) for v in grouping.group]
         ops_g = [t.narrow(idx.index(p), lo, hi - lo) for t, idx in gathered]
         ops_g += [_select(t, idx, grouping.group, key) for t, idx in sliced]
-        idx_g = [idx for _, idx in gathered] + [tuple(v for v in idx if v not in grouping.group) for _, idx in sliced]
-        parts.append(torch.einsum(einsum_string(idx_g, res_idx), *ops_g))
+        # (a plain matrix product: torch.mm, measured faster than einsum's dispatch and than mm(out=) into a slice)
+        parts.append(torch.mm(*ops_g) if mm else torch.einsum(eq, *ops_g))
         firsts.append(lo)
-    held = [v for v in out if v in letters]  # the output's dimensions the entries address
-    rest = [v for v in out if v not in letters]
-    result = torch.zeros([math.prod(sizes[v] for v in held)] + [sizes[v] for v in rest], dtype=dtype,
-                         device=vals.device)
-    if parts:
-        if keep_p:  # one row of the result per entry: scatter-added at the entry's coordinates
+    shape = [math.prod(sizes[v] for v in held)] + [sizes[v] for v in rest]
+    if not firsts:
+        result = torch.zeros(shape, dtype=dtype, device=vals.device)
+    elif keep_p:  # one row of the result per entry: added at the entry's coordinates
+        if part is None:
             part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
             part = part.permute([res_idx.index(v) for v in [p] + rest])
-            at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
-        else:  # one result per group: added at the group's coordinates
-            part = torch.stack([q.permute([res_idx.index(v) for v in rest]) for q in parts])
-            first = torch.tensor(firsts, dtype=torch.long, device=vals.device)
-            at = _linear([coords[v][first] for v in held], [sizes[v] for v in held], len(firsts), vals.device)
-        result = result.index_add(0, at, part)
+        at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
+        if at.numel() == shape[0] and bool((torch.bincount(at, minlength=shape[0]) == 1).all()):
+            # every row of the result exactly once (top-1 gates): a gather in row order, no zero fill
+            result = part.index_select(0, torch.empty_like(at).scatter_(0, at, torch.arange(
+                at.numel(), device=at.device)))
+        else:
+            result = torch.zeros(shape, dtype=dtype, device=vals.device).index_add(0, at, part)
+    else:  # one result per group: added at the group's coordinates
+        part = torch.stack([q.permute([res_idx.index(v) for v in rest]) for q in parts])
+        first = torch.tensor(firsts, dtype=torch.long, device=vals.device)
+        at = _linear([coords[v][first] for v in held], [sizes[v] for v in held], len(firsts), vals.device)
+        result = torch.zeros(shape, dtype=dtype, device=vals.device).index_add(0, at, part)
     shape = [sizes[v] for v in held + rest]
     return result.reshape(shape).permute([(held + rest).index(v) for v in out])
+
+
+def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
+    """The mixture-of-experts form ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` without gradients, group by group
+    in the cache: the group's rows of ``x`` gathered (weighed unless the values are ones), one matrix product with
+    ``W[g]``, the product copied (or added, where rows repeat) into ``y``'s rows while it is still in the cache.
+    None where the einsum has another form."""
+    k = grouping.sparse
+    if len(inputs) != 3 or len(grouping.rows) != 1 or len(grouping.group) != 1:
+        return None
+    (r,), (g,) = grouping.rows, grouping.group
+    others = [j for j in range(3) if j != k]
+    xj = next((j for j in others if r in inputs[j]), None)
+    wj = next((j for j in others if g in inputs[j]), None)
+    if xj is None or wj is None:
+        return None
+    xi, wi = inputs[xj], inputs[wj]
+    if len(xi) != 2 or xi[0] != r or len(wi) != 3 or wi[0] != g or xi[1] != wi[1] or tuple(out) != (r, wi[2]):
+        return None
+    x, w = ops[xj].to(dtype), ops[wj].to(dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or vals.requires_grad):
+        return None
+    letters = inputs[k]
+    rows, keys = dims[letters.index(r)], dims[letters.index(g)]
+    ones = bool((vals == 1).all())
+    unique = rows.numel() == sizes[r] and bool((torch.bincount(rows, minlength=sizes[r]) == 1).all())
+    y = (torch.empty if unique else torch.zeros)(sizes[r], sizes[wi[2]], dtype=dtype, device=x.device)
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        at = rows[lo:hi]
+        xg = x.index_select(0, at)
+        if not ones:
+            xg.mul_(vals[lo:hi, None])
+        prod = torch.mm(xg, w[int(keys[lo])])
+        if unique:
+            y.index_copy_(0, at, prod)
+        else:
+            y.index_add_(0, at, prod)
+    return y
 
 
 def _linear(coords, extents, n, device):

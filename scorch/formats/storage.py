@@ -32,11 +32,12 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
     coords = [e.evaluate(dims) for e in fmt.exprs]
     m = values.numel()
     if m > 1:
-        perm = torch.arange(m, device=values.device)
-        for c in reversed(coords):
-            perm = perm[torch.argsort(c[perm], stable=True)]
-        coords = [c[perm] for c in coords]
-        values = values[perm]
+        if not _in_order(coords):  # (entries of a dense tensor in a row-major format already are)
+            perm = torch.arange(m, device=values.device)
+            for c in reversed(coords):
+                perm = perm[torch.argsort(c[perm], stable=True)]
+            coords = [c[perm] for c in coords]
+            values = values[perm]
         if not fmt.keeps_duplicates:
             new = torch.zeros(m, dtype=torch.bool, device=values.device)
             new[0] = True
@@ -69,6 +70,15 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
         rows = torch.stack([st.crd for st in levels]).unbind(0)
         levels = [LevelStorage(pos=levels[0].pos, crd=rows[0])] + [LevelStorage(crd=r) for r in rows[1:]]
     return tuple(levels), out
+
+
+def _in_order(coords) -> bool:
+    """Whether the entries are already sorted by their level coordinates (lexicographically, ties allowed)."""
+    ok = None
+    for c in reversed(coords):
+        a, b = c[:-1], c[1:]
+        ok = b >= a if ok is None else (b > a) | ((b == a) & ok)
+    return bool(ok.all())
 
 
 def _slots_message(fmt: Format, k, parent_coords, e: SlotsExceeded) -> str:

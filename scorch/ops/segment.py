@@ -13,11 +13,15 @@ import ctypes
 import torch
 
 from ..compiler import runtime
+from ..compiler.codegen.cpp import EXPF
 
 _SOURCE = r"""
 #include <cstdint>
 #include <cmath>
 #include <limits>
+""" + EXPF + r"""
+static inline float scorch_exp(float x) { return scorch_expf(x); }
+static inline double scorch_exp(double x) { return std::exp(x); }
 template <typename T, typename I>
 static void forward(const I* __restrict__ pos, const T* __restrict__ x, T* __restrict__ y, int64_t segments,
                     int64_t log_space, int64_t nthreads) {
@@ -26,10 +30,12 @@ static void forward(const I* __restrict__ pos, const T* __restrict__ x, T* __res
     const int64_t lo = pos[s], hi = pos[s + 1];
     if (lo >= hi) continue;
     T peak = -std::numeric_limits<T>::infinity();
+    #pragma omp simd reduction(max:peak)
     for (int64_t p = lo; p < hi; ++p) peak = x[p] > peak ? x[p] : peak;
     if (!(peak > -std::numeric_limits<T>::infinity())) peak = 0;  // all -inf (or NaN): as torch, NaN out
     T total = 0;
-    for (int64_t p = lo; p < hi; ++p) { const T e = std::exp(x[p] - peak); y[p] = e; total += e; }
+    #pragma omp simd reduction(+:total)
+    for (int64_t p = lo; p < hi; ++p) { const T e = scorch_exp(x[p] - peak); y[p] = e; total += e; }
     if (log_space) {
       const T shift = peak + std::log(total);
       for (int64_t p = lo; p < hi; ++p) y[p] = x[p] - shift;
