@@ -120,8 +120,9 @@ class SoftmaxExpr:
 class _LazySddmm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expr, q, k):
-        ctx.expr = expr
-        ctx.save_for_backward(q, k)
+        if ctx is not None:  # (None: called directly, no gradient needed)
+            ctx.expr = expr
+            ctx.save_for_backward(q, k)
         return deferred.make(expr, (expr.pattern._values.numel(),), q.dtype, q.device)
 
     @staticmethod
@@ -141,7 +142,8 @@ class _LazySddmm(torch.autograd.Function):
 class _LazySoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expr, scores):
-        ctx.expr = expr
+        if ctx is not None:
+            ctx.expr = expr
         return deferred.make(expr, scores.shape, scores.dtype, scores.device)
 
     @staticmethod
@@ -159,8 +161,9 @@ class _FusedAttention(torch.autograd.Function):
         out, p = _attention(expr.scores._expr, v)
         expr.value = p
         probs.fill(p)  # the probabilities are computed: a later use reads them
-        ctx.pattern = attn
-        ctx.save_for_backward(p, v)
+        if ctx is not None:
+            ctx.pattern = attn
+            ctx.save_for_backward(p, v)
         return out
 
     @staticmethod
@@ -172,6 +175,11 @@ class _FusedAttention(torch.autograd.Function):
         dp = _einsum_grad(0, inputs, out, [attn, v], grad) if ctx.needs_input_grad[1] else None
         dv = _einsum_grad(1, inputs, out, [attn, v], grad) if ctx.needs_input_grad[2] else None
         return None, dp, dv
+
+
+def _grad(*tensors) -> bool:
+    """Whether autograd records a graph through these tensors (else the Functions' forwards run directly)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _rows_pos(x):
@@ -193,7 +201,8 @@ def lazy_sddmm(mask, q, kt, alpha):
     k = kt.t().contiguous()
     q = q.contiguous()
     expr = SddmmExpr(mask, q, k, float(alpha))
-    return mask.with_values(_LazySddmm.apply(expr, q, k))
+    lazy = _LazySddmm.apply(expr, q, k) if _grad(q, k) else _LazySddmm.forward(None, expr, q, k)
+    return mask.with_values(lazy)
 
 
 def lazy_softmax(x, dim, dtype, log):
@@ -206,7 +215,8 @@ def lazy_softmax(x, dim, dtype, log):
     pos = _rows_pos(x)
     if pos is None:
         return None
-    return x.with_values(_LazySoftmax.apply(SoftmaxExpr(v, pos), v))
+    expr = SoftmaxExpr(v, pos)
+    return x.with_values(_LazySoftmax.apply(expr, v) if _grad(v) else _LazySoftmax.forward(None, expr, v))
 
 
 def fused_product(equation, operands):
@@ -230,7 +240,10 @@ def fused_product(equation, operands):
     if inputs[1][0] != j or out != (i, inputs[1][1]) or i == j:
         return None
     deferred.check_versions(scores)
-    return _FusedAttention.apply((attn,), probs, v.contiguous())
+    v = v.contiguous()
+    if _grad(probs, v):
+        return _FusedAttention.apply((attn,), probs, v)
+    return _FusedAttention.forward(None, (attn,), probs, v)
 
 
 # --- the fused kernel ---------------------------------------------------------------------------------------
@@ -238,6 +251,15 @@ def fused_product(equation, operands):
 _FUSED: dict = {}
 _PLANS: dict = {}
 _BINDERS: dict = {}
+_SCRATCH = threading.local()
+
+
+def _scratch(n, dtype):
+    """A buffer of at least ``n`` elements of ``dtype``, kept per thread for the fused kernels' intermediates."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(max(n, 1), dtype=dtype)
+    return buf[:n]
 _SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")
 
 
@@ -262,10 +284,11 @@ def _prepare(sddmm: SddmmExpr, v):
     from .compiler import dispatch, fuse, loops as L, runtime
     from .compiler.codegen import cpp
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
-    ones = p.with_values(pattern_ones(p, q.dtype))
+    ones_values = pattern_ones(p, q.dtype)
     sig = (p._format, p.shape, p.index_dtype, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape))
     plans = _PLANS.get(sig)
     if plans is None:  # (planned once per signature: the schedule is not consulted again)
+        ones = p.with_values(ones_values)
         first = dispatch.row_plan((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), [ones, q, k])
         last = dispatch.row_plan((("i", "j"), ("j", "k")), ("i", "k"), [ones, v])
         plans = _PLANS[sig] = None if first is None or last is None else (first, last)
@@ -286,16 +309,17 @@ def _prepare(sddmm: SddmmExpr, v):
                                (plan1, plan3))
     fused, compiled, maps, _ = entry
     nnz = p._values.numel()
-    scores = torch.empty(nnz, dtype=q.dtype)
+    scores = _scratch(nnz, q.dtype)  # (internal to the kernel: one buffer per thread, reused)
     probs = torch.empty(nnz, dtype=q.dtype)
     # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
     # which would also wake torch's thread pool between the kernels)
     out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p.shape[0], v.shape[1], dtype=q.dtype)
-    live = {"q": q, "k": k, "v": v, "ones": ones._values, "scores": scores, "probs": probs, "out": out}
+    live = {"q": q, "k": k, "v": v, "ones": ones_values, "scores": scores, "probs": probs, "out": out}
     live.update({f"l{n}{kind}": getattr(st, kind) for n, st in enumerate(p._levels) for kind in ("pos", "crd")
                  if getattr(st, kind) is not None})
     binder = _BINDERS.get(sig)
     if not binder:  # which argument is which tensor, and the values fixed by the signature (sizes, bounds)
+        ones = p.with_values(ones_values)
         values = {}
         for n, args in ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
                         (2, dispatch.arguments(plan3, [ones, v], sizes3, out))):

@@ -173,6 +173,14 @@ class SparseTensor(torch.Tensor):
 
     def with_values(self, values: torch.Tensor, requires_grad: bool = False) -> "SparseTensor":
         """The same pattern (shared index arrays) with other values."""
+        if not requires_grad and isinstance(values, torch.Tensor) and values.dim() == 1 and \
+                values.device == self._values.device and values.is_contiguous() and not checking_invariants():
+            # the pattern's checks hold already: only the wrapper is made (a hot path of every op)
+            r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=values.dtype,
+                                                    device=values.device)
+            r._format, r._levels, r._values, r._shape = self._format, self._levels, values, self._shape
+            r._index_dtype = self._index_dtype
+            return r
         return SparseTensor(self._format, self.shape, self._levels, values, requires_grad=requires_grad,
                             check=False)
 
