@@ -202,17 +202,12 @@ def einsum(equation, operands):
             bound *= t.numel()
         if bound < MIN_WORK:
             return None
+    from .compiler import dispatch
     try:
         inputs, out = parse(equation, [t.dim() for t in operands])
+        sizes, _ = dispatch._sizes(inputs, operands, "einsum")
     except (ValueError, TypeError):
         return None  # the eager call raises its own error
-    sizes = {}
-    for idx, t in zip(inputs, operands):
-        for v, n in zip(idx, t.shape):
-            if sizes.get(v, 1) == 1:
-                sizes[v] = n
-            elif n not in (1, sizes[v]):
-                return None
     if m == "auto" and math.prod(sizes.values()) < MIN_WORK:
         return None
     dtype = operands[0].dtype

@@ -54,25 +54,23 @@ def compile(fn=None, *, fullgraph=False, dynamic=None, mode=None, backend=None):
                 out = fn(*args, **kwargs)
         finally:
             _region.depth -= 1
-        return _finish(out)
+        _finish(out)
+        return out
 
     return compiled
 
 
 def _finish(out):
-    """Every deferred value among the results computed (SparseTensors' values included)."""
-    if type(out) is Deferred:
-        return out.compute()
+    """Every deferred value among the results computed in place (SparseTensors' values included)."""
     if type(out) is SparseTensor:
-        if type(out._values) is Deferred:
-            out._values.compute()
-        return out
+        out = out._values
     if isinstance(out, (list, tuple)):
-        items = [_finish(o) for o in out]
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    if isinstance(out, dict):
-        return {k: _finish(v) for k, v in out.items()}
-    return out
+        for o in out:
+            _finish(o)
+    elif isinstance(out, dict):
+        _finish(list(out.values()))
+    elif type(out) is Deferred:
+        out.compute()
 
 
 # --- lazy attention ops -------------------------------------------------------------------------------------
@@ -260,6 +258,8 @@ def _scratch(n, dtype):
     if buf is None or buf.dtype != dtype or buf.numel() < n:
         buf = _SCRATCH.buf = torch.empty(max(n, 1), dtype=dtype)
     return buf[:n]
+
+
 _SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")
 
 
@@ -272,8 +272,7 @@ def _attention(sddmm: SddmmExpr, v):
         probs = segment.softmax(sddmm.compute(), _rows_pos(sddmm.pattern))
         return dispatch.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
     fused, compiled, values = prepared
-    compiled(*[values[prm.name].data_ptr() if isinstance(values[prm.name], torch.Tensor) else values[prm.name]
-               for prm in fused.params])
+    _launch(fused, compiled, values)
     return values["out"], values["probs"]
 
 
@@ -418,15 +417,14 @@ deferred._EPILOGUE[0] = epilogue
 _EPILOGUES: dict = {}
 
 
-def epilogue_rows(vtype: str, steps, width: int):
+def epilogue_rows(vtype: str, itype: str, steps, width: int):
     """The steps on each row of a dense ``rows x width`` output ``out``, as the row loop of a CSR product
-    (parameters named as for operand 0); bias vectors are arrays ``bias<k>``, numbers scalars ``num<k>``."""
-    from .compiler import loops as L
+    (``fuse.row_kernel``); bias vectors are arrays ``bias<k>``, numbers scalars ``num<k>``."""
+    from .compiler import fuse, loops as L
     c0, j = L.Var("c0"), L.Var("j")
     at = L.binary("add", L.binary("mul", c0, L.Const(width)), j)
     x = L.Load("out", at, vtype)
-    params = [L.Param("t0_l0_lo", "scalar", "i64"), L.Param("t0_l0_ext", "scalar", "i64"),
-              L.Param("t0_l1_pos", "array", "i32"), L.Param("out", "array", vtype, output=True)]
+    params = [L.Param("out", "array", vtype, output=True)]
     for k, st in enumerate(steps):
         if st[0] == "add" and isinstance(st[1], torch.Tensor):
             params.append(L.Param(f"bias{k}", "array", vtype))
@@ -441,12 +439,14 @@ def epilogue_rows(vtype: str, steps, width: int):
         else:  # sigmoid
             one = L.Const(1.0, vtype)
             x = L.binary("div", one, L.binary("add", one, L.Unary("exp", L.Unary("neg", x, vtype), vtype)))
-    row_lo = L.Var("t0_l0_lo")
     body = L.block(L.For(j, L.Const(0), L.Const(width), L.block(L.Store("out", at, x))))
-    loop = L.For(c0, row_lo, L.binary("add", row_lo, L.Var("t0_l0_ext")), body,
-                 parallel=L.Parallel("nnz", "t0_l1_pos"))
-    params.append(L.Param("nthreads", "scalar", "i64"))
-    return L.Kernel("scorch_epilogue_rows", tuple(params), L.block(loop))
+    return fuse.row_kernel("scorch_epilogue_rows", itype, body, params)
+
+
+def _launch(kernel, compiled, values):
+    """Call a compiled fused kernel with its arguments by parameter name (tensors passed by pointer)."""
+    compiled(*[values[p.name].data_ptr() if isinstance(values[p.name], torch.Tensor) else values[p.name]
+               for p in kernel.params])
 
 
 def _epilogue_kernel(expr: EpilogueExpr):
@@ -461,7 +461,8 @@ def _epilogue_kernel(expr: EpilogueExpr):
     # CSR: the row loop visits every row (an empty row gets its bias too) and row c0 is the output's row c0
     if s.format.name != "csr" or s.dtype != x.dtype or s._values.device.type != "cpu":
         return None
-    plan = dispatch.row_plan(base.inputs, out, [s, x.contiguous()])
+    x = x.contiguous()
+    plan = dispatch.row_plan(base.inputs, out, [s, x])
     if plan is None:
         return None
     plan, sizes = plan
@@ -471,23 +472,18 @@ def _epilogue_kernel(expr: EpilogueExpr):
     key = (id(plan), shape_key, width, it)
     entry = _EPILOGUES.get(key)
     if entry is None:
-        epi = epilogue_rows(vt, expr.steps, width)
-        if it != "i32":
-            epi = L.Kernel(epi.name, tuple(L.Param(p.name, p.kind, it) if p.name == "t0_l1_pos" else p
-                                           for p in epi.params), epi.body)
+        epi = epilogue_rows(vt, it, expr.steps, width)
         shared = {n: n for n in _SHARED}
         maps = ({**shared, "out": "out"}, {**shared, "out": "out"})
         fused = fuse.rows("scorch_product_epilogue", [(plan.lowered.kernel, maps[0]), (epi, maps[1])])
         entry = _EPILOGUES[key] = (fused, runtime.load(cpp.generate(fused), fused.name, cpp.argtypes(fused)), maps)
     fused, compiled, maps = entry
     out = torch.zeros(s.shape[0], width, dtype=x.dtype)
-    values = {maps[0].get(n, f"f0_{n}"): v for n, v in dispatch.arguments(plan, [s, x.contiguous()], sizes,
-                                                                            out).items()}
+    values = {maps[0].get(n, f"f0_{n}"): v for n, v in dispatch.arguments(plan, [s, x], sizes, out).items()}
     for k, st in enumerate(expr.steps):
         if st[0] in ("add", "mul"):
             values[f"f1_bias{k}" if isinstance(st[1], torch.Tensor) else f"f1_num{k}"] = st[1]
     values["nthreads"] = torch.get_num_threads()
-    compiled(*[values[p.name].data_ptr() if isinstance(values[p.name], torch.Tensor) else values[p.name]
-               for p in fused.params])
+    _launch(fused, compiled, values)
     return out
 

@@ -218,7 +218,7 @@ def test_epilogue_under_autograd_runs_op_by_op():
 
 def test_epilogue_kernel_interpreted_matches_compiled():
     from scorch import fusion
-    k = fusion.epilogue_rows("f64", (("add", torch.zeros(3)), ("mul", 2.0), ("relu",), ("sigmoid",)), 3)
+    k = fusion.epilogue_rows("f64", "i32", (("add", torch.zeros(3)), ("mul", 2.0), ("relu",), ("sigmoid",)), 3)
     out = torch.tensor([[-1.0, 0.5, 2.0], [0.0, -3.0, 1.0]], dtype=torch.float64)
     got = out.clone()
     bias = torch.tensor([0.5, -0.5, 0.0], dtype=torch.float64)

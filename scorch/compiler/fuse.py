@@ -96,7 +96,6 @@ def softmax_rows(vtype: str, itype: str) -> L.Kernel:
     lo, hi = L.Var("lo"), L.Var("hi")
     peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
     x = L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
-    row_lo, row_ext = L.Var("t0_l0_lo"), L.Var("t0_l0_ext")
     ninf = L.Const(float("-inf"), vtype)
     row = L.block(
         L.Decl(peak, ninf),
@@ -111,13 +110,21 @@ def softmax_rows(vtype: str, itype: str) -> L.Kernel:
         L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=True),
     )
     body = L.block(
-        L.Let(p0, L.binary("sub", c0, row_lo)),
+        L.Let(p0, L.binary("sub", c0, L.Var("t0_l0_lo"))),
         L.Let(lo, L.Cast(L.Load("t0_l1_pos", p0, itype), i64)),
         L.Let(hi, L.Cast(L.Load("t0_l1_pos", L.binary("add", p0, L.Const(1)), itype), i64)),
         L.If(L.binary("lt", lo, hi), row))
-    loop = L.For(c0, row_lo, L.binary("add", row_lo, row_ext), body, parallel=L.Parallel("nnz", "t0_l1_pos"))
-    params = (L.Param("t0_l0_lo", "scalar", i64), L.Param("t0_l0_ext", "scalar", i64),
-              L.Param("t0_l1_pos", "array", itype), L.Param("x", "array", vtype),
-              L.Param("y", "array", vtype, output=True), L.Param("scale", "scalar", vtype),
-              L.Param("nthreads", "scalar", i64))
-    return L.Kernel("scorch_softmax_rows", params, L.block(loop))
+    return row_kernel("scorch_softmax_rows", itype, body, (
+        L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True), L.Param("scale", "scalar", vtype)))
+
+
+def row_kernel(name: str, itype: str, body: L.Block, params) -> L.Kernel:
+    """A kernel of one parallel loop over a CSR pattern's rows (variable ``c0``, nnz-balanced by ``t0_l1_pos``),
+    as the lowering makes it for operand 0, so that ``rows`` can fuse it with lowered kernels; ``params`` are the
+    body's own besides the pattern's and ``nthreads``."""
+    row_lo = L.Var("t0_l0_lo")
+    loop = L.For(L.Var("c0"), row_lo, L.binary("add", row_lo, L.Var("t0_l0_ext")), body,
+                 parallel=L.Parallel("nnz", "t0_l1_pos"))
+    return L.Kernel(name, (L.Param("t0_l0_lo", "scalar", "i64"), L.Param("t0_l0_ext", "scalar", "i64"),
+                           L.Param("t0_l1_pos", "array", itype)) + tuple(params) +
+                    (L.Param("nthreads", "scalar", "i64"),), L.block(loop))

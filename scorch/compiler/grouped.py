@@ -12,10 +12,10 @@ The contraction planner (``contract.best_path``) costs this against the generate
 per-entry dense work is large and the groups are few (``cost``); ``evaluate`` runs it in torch ops, so autograd
 differentiates it as it stands (the gradients are grouped products too).
 
-Which einsums qualify (``match``): one sparse operand ``S`` with distinct indices, split into group indices ``g``
-(those of ``S`` that the dense operands holding no other index of ``S`` use) and row indices ``r`` (the rest, all
-in the output); every dense operand holds only group indices of ``S`` or only row indices; no group index is an
-output index.
+Which einsums qualify (``match``): one sparse operand ``S`` with distinct indices, split into group indices (held
+by the sliced dense operands) and row indices (held by the gathered ones) so that every dense operand and the
+output hold only one kind; an output holding row indices gets one row per entry (added at the entry's
+coordinates), an output holding group indices one result per group (the rows summed inside the product).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.storage import linear_index
 from .einsum import equation as einsum_string
 
 #: estimated cost of one group (a few torch calls: a slice, a product, a copy), in kernel multiply-adds
@@ -143,7 +144,6 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
     # a plain matrix product per group ("pa,ab->pb")
     mm = keep_p and len(idx_g) == 2 and len(idx_g[0]) == 2 and len(idx_g[1]) == 2 and idx_g[0][0] == p and \
         idx_g[0][1] == idx_g[1][0] and res_idx == (p, idx_g[1][1])
-    part = None
     parts, firsts = [], []
     for lo, hi in zip(starts[:-1], starts[1:]):
         key = [int(coords[v][lo]) for v in grouping.group]
@@ -156,12 +156,10 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
     if not firsts:
         result = torch.zeros(shape, dtype=dtype, device=vals.device)
     elif keep_p:  # one row of the result per entry: added at the entry's coordinates
-        if part is None:
-            part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
-            part = part.permute([res_idx.index(v) for v in [p] + rest])
+        part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
+        part = part.permute([res_idx.index(v) for v in [p] + rest])
         at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
-        if at.numel() == shape[0] and bool((torch.bincount(at, minlength=shape[0]) == 1).all()):
-            # every row of the result exactly once (top-1 gates): a gather in row order, no zero fill
+        if _once_each(at, shape[0]):  # (top-1 gates): a gather in row order, no zero fill
             result = part.index_select(0, torch.empty_like(at).scatter_(0, at, torch.arange(
                 at.numel(), device=at.device)))
         else:
@@ -198,7 +196,7 @@ def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
     letters = inputs[k]
     rows, keys = dims[letters.index(r)], dims[letters.index(g)]
     ones = bool((vals == 1).all())
-    unique = rows.numel() == sizes[r] and bool((torch.bincount(rows, minlength=sizes[r]) == 1).all())
+    unique = _once_each(rows, sizes[r])
     y = (torch.empty if unique else torch.zeros)(sizes[r], sizes[wi[2]], dtype=dtype, device=x.device)
     for lo, hi in zip(starts[:-1], starts[1:]):
         at = rows[lo:hi]
@@ -213,12 +211,16 @@ def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
     return y
 
 
+def _once_each(at, n) -> bool:
+    """Whether the row numbers ``at`` name each of ``n`` rows exactly once (the result needs no zero fill)."""
+    return at.numel() == n and bool((torch.bincount(at, minlength=n) == 1).all())
+
+
 def _linear(coords, extents, n, device):
-    """The row-major linear index of ``n`` coordinates (one tensor per dimension)."""
-    lin = torch.zeros(n, dtype=torch.long, device=device)
-    for c, n in zip(coords, extents):
-        lin = lin * n + c
-    return lin
+    """The row-major linear index of ``n`` coordinates (one tensor per dimension; none: all 0)."""
+    if not coords:
+        return torch.zeros(n, dtype=torch.long, device=device)
+    return linear_index(torch.stack(coords), extents)
 
 
 def _gather(t, idx, rows, coords):

@@ -349,7 +349,8 @@ class _Emitter:
             a, t = self.expr(e.a), CTYPE[e.type]
             return {"neg": f"(-{a})", "abs": f"std::abs({a})", "relu": f"({a} < {t}(0) ? {t}(0) : {a})",
                     "sqrt": f"std::sqrt({a})", "square": f"({a} * {a})", "sin": f"std::sin({a})",
-                    "tanh": f"std::tanh({a})", "exp": f"scorch_expf({a})" if e.type == "f32" else f"std::exp({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
+                    "tanh": f"std::tanh({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
+                    "exp": f"scorch_expf({a})" if e.type == "f32" else f"std::exp({a})",
                     "not": f"(!{a})"}[e.op]
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
