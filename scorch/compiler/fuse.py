@@ -51,7 +51,7 @@ def _locals(stmt) -> set:
             out.add(s.var.name)
             if s.parallel is not None and s.parallel.setup is not None:
                 out |= _locals(s.parallel.setup)
-        elif isinstance(s, (L.LocalArray, L.Alloc)):
+        elif isinstance(s, (L.LocalArray, L.Alloc, L.SumLanes)):
             out.add(s.name)
     return out
 

@@ -93,6 +93,8 @@ class _Interp:
             arr[lo:hi] = np.sort(arr[lo:hi])
         elif isinstance(s, L.LocalArray):
             self.arrays[s.name] = np.full(s.size, self.expr(s.init, env), dtype=NP[s.type])
+        elif isinstance(s, L.SumLanes):
+            self.arrays[s.name] = self.arrays[s.array][:s.size].astype(NP[s.type])
         elif isinstance(s, L.Block):
             inner = dict(env)
             self.block(s, inner)

@@ -169,6 +169,17 @@ class LocalArray(Stmt):
 
 
 @dataclass(frozen=True)
+class SumLanes(Stmt):
+    """A new local array ``name`` holding the totals of the partial sums ``array`` (a ``LocalArray`` with
+    ``sums``), entry by entry: the same values as reading each entry, but all entries at once, so that a renderer
+    can add the lanes of many vectors in one transposed tree (fewer shuffles per entry than one tree each)."""
+    name: str
+    array: str
+    type: str
+    size: int
+
+
+@dataclass(frozen=True)
 class Alloc(Stmt):
     """A workspace of run-time ``size`` elements on the heap, zero-filled; freed at the end of its scope.
     Inside a parallel loop's ``setup`` it is private to each thread."""
@@ -316,6 +327,15 @@ def depends(e, var) -> bool:
         return e.name == var
     return any(depends(c, var) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
                if isinstance(c, Expr))
+
+
+def substitute(e, env: dict):
+    """The expression ``e`` with the variables named in ``env`` replaced by their expressions."""
+    if isinstance(e, Var):
+        return env.get(e.name, e)
+    changes = {f: substitute(getattr(e, f), env) for f in ("index", "a", "b", "cond")
+               if isinstance(getattr(e, f, None), Expr)}
+    return replace(e, **changes) if changes else e
 
 
 def coefficient(e, var):

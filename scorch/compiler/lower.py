@@ -352,8 +352,11 @@ class _Lowering:
     def _dot_tile(self, items, ready, out, index, value):
         """Dot products at the stored entries (SDDMM: ``out[p] = sum_k A[i, k] B[j, k]``) for ``U`` entries at
         once: the innermost loop (over k, contiguous) runs on vectors with one partial sum per entry, so U
-        independent chains hide the multiply-add latency and A's row is loaded once for U entries. The
-        entries left over (fewer than U) run the plain loop. None when the loop nest has another shape."""
+        independent chains hide the multiply-add latency and A's row is loaded once for U entries; U is a
+        vector's lane count, so that the U partial sums are added up together (``SumLanes``: a transposed tree,
+        about 3 shuffles and adds per entry instead of 8: an f32 SDDMM with 32 columns, 4096 rows of 133
+        entries, went from 0.58 to 0.39 ms). The entries left over (fewer than U) take one vector of partial
+        sums each. None when the loop nest has another shape."""
         from .codegen.cpp import VECTOR_BYTES
         ct, rest = self.ct, items[ready + 1:]
         loops = [it for it in rest if it[0] == "for"]
@@ -376,7 +379,7 @@ class _Lowering:
             value = self._value(Mul(tuple(inner_fs)) if len(inner_fs) > 1 else inner_fs[0])
             outer = self._value(Mul(tuple(f for f in fs if f not in inner_fs)) if len(fs) - len(inner_fs) > 1
                                 else next(f for f in fs if f not in inner_fs))
-        U = 4
+        U = lanes  # (as many entries as a vector has lanes: their totals come out as one vector, see SumLanes)
         _, pv, lo, hi, _ = items[P]
         per_entry = items[P + 1:ready + 1] + rest[:-1]  # lets and guards of one entry
         k, base, u = L.Var("e_k"), L.Var("e_base"), L.Var("u")
@@ -388,19 +391,23 @@ class _Lowering:
         accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
             u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
             vector=lanes)
-        total = L.Load(sums, u, ct)
+        total = L.Load("etot", u, ct)
         rest_lets = [it for it in rest[:-1] if it[0] == "let"]
         lets = [it for it in items[P + 1:ready + 1] if it[0] == "let"] + rest_lets
-        write = L.For(u, L.Const(0), L.Const(U), _nest(entry + lets, [
-            L.Store(out, index, total if outer is None else L.Binary("mul", outer, total, ct))]), unroll=True)
+        product = (lambda t: t if outer is None else L.Binary("mul", outer, t, ct))
+        write = _lane_store(entry + lets, u, lanes, out, index, product(total), ct) or L.For(
+            u, L.Const(0), L.Const(U), _nest(entry + lets, [L.Store(out, index, product(total))]), unroll=True)
         blocked = L.For(k, L.Const(0), full, L.block(
             L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(U)))),
-            L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate, write))
-        acc = L.Var("acc", ct)
+            L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate, L.SumLanes("etot", sums, ct, U),
+            write))
+        # the entries left over (fewer than U): one vector of partial sums each
         left = ("for", pv, L.binary("add", lo, L.binary("mul", full, L.Const(U))), hi, None)
+        one = L.For(kloop[1], kloop[2], kloop[3], _nest([it for it in rest[:-1] if it[0] != "let"], [
+            L.Store("esum1", L.Const(0), value, "add")]), vector=lanes)
         plain = _nest([left] + items[P + 1:ready + 1] + rest_lets, [
-            L.Decl(acc, L.Const(0, ct)), _nest([it for it in rest if it[0] != "let"], [L.Assign(acc, value, "add")]),
-            L.Store(out, index, acc if outer is None else L.Binary("mul", outer, acc, ct))])
+            L.LocalArray("esum1", ct, 1, L.Const(0, ct), sums=lanes), one,
+            L.Store(out, index, product(L.Load("esum1", L.Const(0), ct)))])
         self.tile = (U, lanes)
         return [_nest(items[:P], [blocked, plain])]
 
@@ -517,6 +524,30 @@ def _loads(e) -> list:
     if isinstance(e, L.Load):
         return [e.index]
     return [x for c in (getattr(e, f, None) for f in ("a", "b", "cond")) if isinstance(c, L.Expr) for x in _loads(c)]
+
+
+def _lane_store(lets, u, lanes, out, index, value, ct):
+    """``for u in [0, lanes): out[index] = value`` (after ``lets``) as one vector store, the lets inlined, when
+    the index is ``u`` plus a constant offset and the value is arithmetic on ``ct`` loads contiguous in ``u`` (or
+    not depending on it) and scalars; else None."""
+    env = {}
+    for it in lets:
+        env[it[1].name] = L.substitute(it[2], env)
+    index, value = L.substitute(index, env), L.substitute(value, env)
+
+    def plain(e):
+        if isinstance(e, L.Const):
+            return True
+        if isinstance(e, L.Var):
+            return e.name != u.name and e.type == ct
+        if isinstance(e, L.Load):
+            return e.type == ct and L.coefficient(e.index, u.name) in (0, 1)
+        return isinstance(e, L.Binary) and e.op in ("add", "sub", "mul", "div") and e.type == ct \
+            and plain(e.a) and plain(e.b)
+
+    if L.coefficient(index, u.name) != 1 or not plain(value):
+        return None
+    return L.For(u, L.Const(0), L.Const(lanes), L.block(L.Store(out, index, value)), vector=lanes)
 
 
 def _contiguous(index, var) -> bool:

@@ -122,6 +122,14 @@ SCRIPT = textwrap.dedent(r'''
                     n += 1
                     if not close(r, expected):
                         bad.append(f"tile {fmt} {shape} k={k}")
+        for dtype in (torch.float64, torch.float32):  # SDDMM rows of whole dot tiles (8 or 16 entries) and more
+            a = values((3, 300), gen, 0.2)
+            a[1] = 0
+            s = scorch.asformat(a.to(dtype), "csr")
+            x, y = values((300, 32), gen).to(dtype), values((3, 32), gen).to(dtype)
+            n += 1
+            if not close(scorch.einsum("ij,ik,jk->ij", s, y, x), (y @ x.T) * a.to(dtype)):
+                bad.append(f"dot tile {dtype}")
         w = values((48, 32), gen, 0.3)
         for fmt in ("csr", "bsr(16, 16)"):
             p = torch.nn.Parameter(scorch.asformat(w, fmt))

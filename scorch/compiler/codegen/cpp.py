@@ -43,6 +43,29 @@ def _hsum(name, ctype, lanes):
     return "\n".join(lines) + "\n}\n"
 
 
+def _tsum(name, ctype, lanes):
+    """The lane sums of ``lanes`` vectors at once, into ``out[0:lanes]``: a transposed tree. Each level adds
+    pairs of vectors after two two-source shuffles that put the first halves of every entry's partial sums in one
+    vector and the second halves in the other, halving the partial sums per entry and the vectors: lanes - 1
+    adds and twice as many shuffles in all, against about 2 log2(lanes) per vector reduced one by one."""
+    vt = f"scorch_v{name}"
+    lines = [f"static inline void scorch_tsum(const {vt}* v0, {ctype}* out) {{"]
+    count, m, k = lanes, lanes, 0
+    while count > 1:
+        half = m // 2
+        lo = [e * m + j for e in range(lanes // m) for j in range(half)]
+        lo = ", ".join(str(i) for i in lo + [lanes + i for i in lo])
+        hi = [e * m + j + half for e in range(lanes // m) for j in range(half)]
+        hi = ", ".join(str(i) for i in hi + [lanes + i for i in hi])
+        lines.append(f"  {vt} v{k + 1}[{count // 2}];")
+        lines.append(f"  for (int u = 0; u < {count // 2}; ++u) v{k + 1}[u] ="
+                     f" __builtin_shufflevector(v{k}[2 * u], v{k}[2 * u + 1], {lo}) +"
+                     f" __builtin_shufflevector(v{k}[2 * u], v{k}[2 * u + 1], {hi});")
+        count, m, k = count // 2, half, k + 1
+    lines.append(f"  *({vt}u*)out = v{k}[0];")
+    return "\n".join(lines) + "\n}\n"
+
+
 #: bytes of an explicit vector (``For.vector`` loops): one AVX-512 register; GCC splits it where narrower
 VECTOR_BYTES = 64
 
@@ -77,7 +100,8 @@ _HELPERS = {
         f"typedef {t} scorch_v{n} __attribute__((vector_size({VECTOR_BYTES})));\n"
         f"typedef {t} scorch_v{n}u __attribute__((vector_size({VECTOR_BYTES}), aligned({b}), may_alias));\n"
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
-        _hsum(n, t, VECTOR_BYTES // b) for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
+        _hsum(n, t, VECTOR_BYTES // b) + _tsum(n, t, VECTOR_BYTES // b)
+        for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
 struct scorch_buf {
@@ -211,6 +235,17 @@ class _Emitter:
                 raise ValueError(f"partial sums {s.name}: {s.type} in {s.sums} lanes")
             self.sum_arrays.add(s.name)
             return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}] = {{}};"]
+        if isinstance(s, L.SumLanes):
+            n, src = ident(s.name), ident(s.array)
+            if s.array not in self.sum_arrays or s.type not in ("f32", "f64"):
+                raise ValueError(f"lane sums of {s.array}: not partial sums of a float type")
+            lanes = VECTOR_BYTES // (4 if s.type == "f32" else 8)
+            if s.size == lanes:
+                return [f"{pad}{CTYPE[s.type]} {n}[{lanes}] __attribute__((aligned({VECTOR_BYTES})));",
+                        f"{pad}scorch_tsum({src}, {n});"]
+            i = self.fresh("w")
+            return [f"{pad}{CTYPE[s.type]} {n}[{int(s.size)}];",
+                    f"{pad}for (int64_t {i} = 0; {i} < {int(s.size)}; ++{i}) {n}[{i}] = scorch_hsum({src}[{i}]);"]
         if isinstance(s, L.LocalArray) and s.vector:
             n, lanes = ident(s.name), s.vector
             if s.size % lanes or s.type not in ("f32", "f64"):
