@@ -111,7 +111,7 @@ class SoftmaxExpr:
     def compute(self):
         from .ops import segment
         if self.value is None:
-            self.value = segment.softmax(self.scores.compute(), self.pos)
+            self.value = segment.softmax(Deferred.compute(self.scores), self.pos)  # (computed already, or now)
         return self.value
 
 
@@ -156,9 +156,11 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, boxed, probs, v):
         (attn,) = boxed
         expr = probs._expr
-        out, p = _attention(expr.scores._expr, v)
-        expr.value = p
-        probs.fill(p)  # the probabilities are computed: a later use reads them
+        # without a backward, the probabilities are not kept: a later read of them computes them again
+        out, p = _attention(expr.scores._expr, v, keep_probs=ctx is not None)
+        if p is not None:
+            expr.value = p
+            probs.fill(p)  # the probabilities are computed: a later use reads them
         if ctx is not None:
             ctx.pattern = attn
             ctx.save_for_backward(p, v)
@@ -263,9 +265,10 @@ def _scratch(n, dtype):
 _SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")
 
 
-def _attention(sddmm: SddmmExpr, v):
-    """``(out, probs)``: ``softmax_rows(alpha * SDDMM(pattern, q, k)) @ v`` by one fused kernel."""
-    prepared = _prepare(sddmm, v)
+def _attention(sddmm: SddmmExpr, v, keep_probs=True):
+    """``(out, probs)``: ``softmax_rows(alpha * SDDMM(pattern, q, k)) @ v`` by one fused kernel; ``probs`` is None
+    unless ``keep_probs`` (the kernel writes them to a scratch buffer then)."""
+    prepared = _prepare(sddmm, v, keep_probs)
     if prepared is None:  # not one row loop each: op by op
         from .compiler import dispatch
         from .ops import segment
@@ -273,10 +276,10 @@ def _attention(sddmm: SddmmExpr, v):
         return dispatch.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
     fused, compiled, values = prepared
     _launch(fused, compiled, values)
-    return values["out"], values["probs"]
+    return values["out"], values["probs"] if keep_probs else None
 
 
-def _prepare(sddmm: SddmmExpr, v):
+def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     """``(fused kernel IR, compiled kernel, argument values by parameter name)``, or None where the SDDMM or the
     SpMM would not run as one row loop."""
     from ._autograd import pattern_ones
@@ -308,8 +311,9 @@ def _prepare(sddmm: SddmmExpr, v):
                                (plan1, plan3))
     fused, compiled, maps, _ = entry
     nnz = p._values.numel()
-    scores = _scratch(nnz, q.dtype)  # (internal to the kernel: one buffer per thread, reused)
-    probs = torch.empty(nnz, dtype=q.dtype)
+    scratch = _scratch(nnz if keep_probs else 2 * nnz, q.dtype)  # (internal to the kernel: per thread, reused)
+    scores = scratch[:nnz]
+    probs = torch.empty(nnz, dtype=q.dtype) if keep_probs else scratch[nnz:]
     # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
     # which would also wake torch's thread pool between the kernels)
     out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p.shape[0], v.shape[1], dtype=q.dtype)

@@ -58,7 +58,7 @@ def test_the_fused_kernel_runs(monkeypatch):
     from scorch import fusion
     calls = []
     kernel = fusion._attention
-    monkeypatch.setattr(fusion, "_attention", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(fusion, "_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     q, k, v, mask, _ = _case(64, 64, 16, 16, 0.2, torch.float32, torch.int32)
     fused_attention(q, k, v, mask)
     assert calls == [1]
