@@ -8,8 +8,9 @@
    sparse version also with deferral off (``scorch.deferral("off")``: op by op, every expert on every token, then
    the sparse combine). Medians of interleaved repeats; peak memory of each version in a fresh subprocess (peak
    RSS during one run minus the RSS before it, after a warm-up).
-2. **Sparse attention** (sequence 4096, window 64, 2 global tokens, 1 random block of 64; head dim 32): one head's
-   SDDMM -> softmax -> SpMM op by op and under ``scorch.compile`` (one fused kernel), and the sparse
+2. **Sparse attention** (sequence 4096, window 64, 2 global tokens, 1 random block of 64; head dim 32): one head of
+   the sparse transformer app's attention (``apps.sparse_transformer.model.sparse_attention``: SDDMM -> softmax
+   -> SpMM) op by op and under ``scorch.compile`` (one fused kernel), and the sparse
    transformer's attention layer (4 heads, d_model 128, QKV and output projections included) both ways, forward
    under ``no_grad`` and forward + backward.
 3. **Dense-only code**: dense einsums (a small and a large matrix product, a batched product followed by an
@@ -139,16 +140,15 @@ def attention(quick, repeats, threads):
     import torch as T
     import scorch as torch
     from apps import sparse_transformer as app
-    from apps.sparse_transformer import pattern as P
+    from apps.sparse_transformer import model, pattern as P
     n = 1024 if quick else 4096
     crow, col = P.build_pattern(n, 64, 2, 1, 64, 0)
     mask = torch.sparse_csr_tensor(crow, col, T.ones(col.numel()), (n, n))
     g = T.Generator().manual_seed(0)
     q, k, v = (T.randn(n, 32, generator=g) for _ in range(3))
 
-    def head(q, k, v, mask):
-        s = torch.sparse.sampled_addmm(mask, q, k.transpose(0, 1), beta=0.0, alpha=32 ** -0.5)
-        return torch.sparse.mm(torch.sparse.softmax(s, dim=1), v)
+    def head(q, k, v, mask):  # the app's attention of one head: sampled_addmm -> sparse softmax -> sparse mm
+        return model.sparse_attention(torch, q, k, v, mask)
 
     fused = torch.compile(head)
     torch.testing.assert_close(fused(q, k, v, mask), head(q, k, v, mask))

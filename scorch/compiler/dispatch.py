@@ -278,6 +278,21 @@ def _signature(x):
     return (None, x.dtype, x.shape, x.device, x.is_contiguous())
 
 
+def _memory_order(inputs, ops):
+    """Dense operands that are permuted views of contiguous memory (``k.T``, ``x.permute(...)``) read in their
+    memory order: the view permuted back to contiguous and its index letters permuted alike (the same
+    expression), instead of a contiguous copy of the view (which a relayout might then copy back)."""
+    inputs, ops = list(inputs), list(ops)
+    for k, x in enumerate(ops):
+        if type(x) is SparseTensor or type(x) is Deferred or x.dim() < 2 or x.is_contiguous():
+            continue
+        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        y = x.permute(order)
+        if y.is_contiguous():
+            inputs[k], ops[k] = tuple(inputs[k][d] for d in order), y
+    return tuple(inputs), ops
+
+
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
         reduce="sum", relaid=False):
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
@@ -285,6 +300,8 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if (rhs is not None or reduce != "sum") and backend == "cpp" and not explain and needs_grad(ops):
         from .. import _autograd as autograd
         return autograd.run(inputs, out, ops, format=format, name=name, rhs=rhs, scalars=scalars, reduce=reduce)
+    if rhs is None and not all(type(x) is SparseTensor or x.is_contiguous() for x in ops):
+        inputs, ops = _memory_order(inputs, ops)
     sig = (inputs, out, format, rhs, reduce) + tuple(_signature(x) for x in ops)
     fast = _FAST.get(sig)
     if fast is not None and not explain and backend == "cpp":

@@ -48,11 +48,15 @@ _kernel = None
 
 
 def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
-    """A contiguous copy of ``x`` with dimension ``d`` moved last (the others keep their order)."""
+    """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy, or a view where
+    ``x``'s memory already is in that order."""
     global _kernel
+    perm = [k for k in range(x.dim()) if k != d] + [d]
+    view = x.permute(perm)
+    if view.is_contiguous():  # a transposed view (``k.T``) already is that copy's layout: no copy
+        return view
     x = x.contiguous()
     shape = tuple(x.shape)
-    perm = [k for k in range(x.dim()) if k != d] + [d]
     if x.device.type != "cpu":  # torch's own copy kernel on the GPU
         return x.permute(perm).contiguous()
     out = torch.empty([shape[k] for k in perm], dtype=x.dtype)

@@ -33,6 +33,21 @@ def test_sddmm_reads_mat2_through_a_copy():
     torch.testing.assert_close(r.to_dense(), dense * (a @ b))
 
 
+def test_a_transposed_view_is_read_in_its_memory_order():
+    """``k.T`` (a view of a contiguous k) as the SDDMM's mat2: read as k itself, neither copied nor relaid out;
+    3-d permuted views give torch's values too."""
+    g = torch.Generator().manual_seed(1)
+    dense = (torch.rand(400, 500, generator=g) < 0.01) * torch.randn(400, 500, generator=g)
+    s = scorch.asformat(dense, "csr")
+    a, k = torch.randn(400, 16, generator=g), torch.randn(500, 16, generator=g)
+    buf = io.StringIO()
+    scorch.explain("ij,ik,kj->ij", s, a, k.T, file=buf)
+    assert "relayout" not in buf.getvalue()
+    torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, k.T).to_dense(), dense * (a @ k.T))
+    x = torch.randn(3, 500, 4, generator=g).permute(2, 0, 1)  # (4, 3, 500), strides (1, 2000, 4)
+    torch.testing.assert_close(scorch.einsum("ij,abj->abi", s, x), torch.einsum("ij,abj->abi", dense, x))
+
+
 def test_no_copy_when_the_operand_is_large_next_to_the_reads():
     s = scorch.asformat(torch.eye(200)[:, :1] * 0 + torch.eye(200)[:, :1], "csr")  # one stored entry
     b = torch.randn(4, 1)
