@@ -178,10 +178,21 @@ def pending(x) -> bool:
     return type(x) is Deferred
 
 
+#: placeholders of exact-layout deferred values by (shape, dtype, device): never written (anything but a metadata
+#: or layout read computes the value first, and computing replaces the storage), so deferred values of one
+#: shape share one
+_PLACEHOLDERS: dict = {}
+
+
 def make(expr, shape, dtype, device):
     """A ``Deferred`` of ``shape`` computed by ``expr`` (``compute()``, ``operands``, ``exact_layout``)."""
     if expr.exact_layout:  # allocated, never written: untouched pages (CPU) hold no memory
-        placeholder = torch.empty(shape, dtype=dtype, device=device)
+        key = (tuple(shape), dtype, device)
+        placeholder = _PLACEHOLDERS.get(key)
+        if placeholder is None:
+            if len(_PLACEHOLDERS) >= 16:
+                _PLACEHOLDERS.clear()
+            placeholder = _PLACEHOLDERS[key] = torch.empty(shape, dtype=dtype, device=device)
     else:  # one element repeated: no memory on any device (layout reads compute the value)
         placeholder = torch.empty((), dtype=dtype, device=device).expand(shape)
     d = torch.Tensor._make_subclass(Deferred, placeholder)

@@ -25,6 +25,7 @@ import torch
 
 from . import deferred
 from .deferred import Deferred
+from .formats.storage import PatternMemo
 from .sparse_tensor import SparseTensor
 
 
@@ -185,7 +186,8 @@ def _grad(*tensors) -> bool:
 def _rows_pos(x):
     """The row positions of a row-compressed 2-d SparseTensor (CSR-like: softmax along dim 1 by segments)."""
     from .ops.sparse_api import _segments
-    if type(x) is not SparseTensor or x.dim() != 2 or x._values.device.type != "cpu":
+    if type(x) is not SparseTensor or len(x._shape) != 2 or x._levels[-1].pos is None or \
+            x._levels[-1].pos.device.type != "cpu":
         return None
     return _segments(x, 1)
 
@@ -202,7 +204,7 @@ def lazy_sddmm(mask, q, kt, alpha):
     q = q.contiguous()
     expr = SddmmExpr(mask, q, k, float(alpha))
     lazy = _LazySddmm.apply(expr, q, k) if _grad(q, k) else _LazySddmm.forward(None, expr, q, k)
-    return mask.with_values(lazy)
+    return mask._wrap(lazy)  # (lazy: 1-d, contiguous, on the pattern's device)
 
 
 def lazy_softmax(x, dim, dtype, log):
@@ -216,7 +218,7 @@ def lazy_softmax(x, dim, dtype, log):
     if pos is None:
         return None
     expr = SoftmaxExpr(v, pos)
-    return x.with_values(_LazySoftmax.apply(expr, v) if _grad(v) else _LazySoftmax.forward(None, expr, v))
+    return x._wrap(_LazySoftmax.apply(expr, v) if _grad(v) else _LazySoftmax.forward(None, expr, v))
 
 
 def fused_product(equation, operands):
@@ -251,15 +253,19 @@ def fused_product(equation, operands):
 _FUSED: dict = {}
 _PLANS: dict = {}
 _BINDERS: dict = {}
-_SCRATCH = threading.local()
 
 
-def _scratch(n, dtype):
-    """A buffer of at least ``n`` elements of ``dtype``, kept per thread for the fused kernels' intermediates."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < n:
-        buf = _SCRATCH.buf = torch.empty(max(n, 1), dtype=dtype)
-    return buf[:n]
+_LONGEST = PatternMemo(64)
+
+
+def _longest(p) -> int:
+    """The most entries of any row of a CSR ``p`` (kept per pattern: a model reuses its mask)."""
+    n = _LONGEST.get("longest", p._levels)
+    if n is None:
+        pos = p._levels[1].pos
+        n = int((pos[1:] - pos[:-1]).max()) if pos.numel() > 1 else 0
+        _LONGEST.put("longest", p._levels, n)
+    return n
 
 
 _SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")
@@ -267,7 +273,7 @@ _SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1
 
 def _attention(sddmm: SddmmExpr, v, keep_probs=True):
     """``(out, probs)``: ``softmax_rows(alpha * SDDMM(pattern, q, k)) @ v`` by one fused kernel; ``probs`` is None
-    unless ``keep_probs`` (the kernel writes them to a scratch buffer then)."""
+    unless ``keep_probs`` (the kernel keeps a row's probabilities in a row buffer then, as it does the scores)."""
     prepared = _prepare(sddmm, v, keep_probs)
     if prepared is None:  # not one row loop each: op by op
         from .compiler import dispatch
@@ -287,7 +293,7 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     from .compiler.codegen import cpp
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
     ones_values = pattern_ones(p, q.dtype)
-    sig = (p._format, p.shape, p.index_dtype, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    sig = (p._format, p._shape, p._index_dtype, q.dtype, q.shape, k.shape, v.shape)
     plans = _PLANS.get(sig)
     if plans is None:  # (planned once per signature: the schedule is not consulted again)
         ones = p.with_values(ones_values)
@@ -297,49 +303,59 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     if plans is None:
         return None
     (plan1, sizes1), (plan3, sizes3) = plans
-    key = (id(plan1), id(plan3))
+    key = (id(plan1), id(plan3), keep_probs)
     entry = _FUSED.get(key)
     if entry is None:
         vt, it = L.type_of(q.dtype), L.type_of(p.index_dtype)
         shared = {n: n for n in _SHARED}
         maps = ({**shared, "out": "scores"}, {**shared, "x": "scores", "y": "probs", "scale": "scale"},
                 {**shared, "t0_vals": "probs", "out": "out"})
-        fused = fuse.rows("scorch_attention", [(plan1.lowered.kernel, maps[0]),
-                                                (fuse.softmax_rows(vt, it), maps[1]),
+        # without a backward, a row's normalization is applied to the product's output row (one multiply per
+        # output instead of a pass over the row's probabilities)
+        softmax = fuse.softmax_rows(vt, it, normalize=keep_probs)
+        fused = fuse.rows("scorch_attention", [(plan1.lowered.kernel, maps[0]), (softmax, maps[1]),
                                                 (plan3.lowered.kernel, maps[2])])
+        if not keep_probs:
+            fused = fuse.scale_stores(fused, "out", L.Var("inv_f1", vt))
+        # a row's scores (and, without a backward, its probabilities) in a row buffer of each thread; the
+        # SDDMM's sampled values are the pattern's ones
+        fused = fuse.localize(fused, ("scores",) if keep_probs else ("scores", "probs"), it)
+        fused = fuse.constant(fused, "f0_t0_vals", 1.0)
         entry = _FUSED[key] = (fused, runtime.load(cpp.generate(fused), fused.name, cpp.argtypes(fused)), maps,
                                (plan1, plan3))
     fused, compiled, maps, _ = entry
-    nnz = p._values.numel()
-    scratch = _scratch(nnz if keep_probs else 2 * nnz, q.dtype)  # (internal to the kernel: per thread, reused)
-    scores = scratch[:nnz]
-    probs = torch.empty(nnz, dtype=q.dtype) if keep_probs else scratch[nnz:]
+    probs = torch.empty(ones_values.shape, dtype=q.dtype) if keep_probs else None
+    longest = _longest(p)
     # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
     # which would also wake torch's thread pool between the kernels)
-    out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p.shape[0], v.shape[1], dtype=q.dtype)
-    live = {"q": q, "k": k, "v": v, "ones": ones_values, "scores": scores, "probs": probs, "out": out}
+    out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p._shape[0], v.shape[1], dtype=q.dtype)
+    live = {"q": q, "k": k, "v": v, "ones": ones_values, "probs": probs, "out": out, "longest": longest,
+            "scale": sddmm.alpha, "threads": torch.get_num_threads()}
     live.update({f"l{n}{kind}": getattr(st, kind) for n, st in enumerate(p._levels) for kind in ("pos", "crd")
                  if getattr(st, kind) is not None})
-    binder = _BINDERS.get(sig)
+    bkey = sig + (keep_probs,)
+    binder = _BINDERS.get(bkey)
     if not binder:  # which argument is which tensor, and the values fixed by the signature (sizes, bounds)
         ones = p.with_values(ones_values)
+        scores = torch.empty(p._values.numel(), dtype=q.dtype)  # (as the parts' output: only named here)
         values = {}
         for n, args in ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
                         (2, dispatch.arguments(plan3, [ones, v], sizes3, out))):
             for name, value in args.items():
                 values[maps[n].get(name, f"f{n}_{name}")] = value
-        values.update({"scores": scores, "probs": probs, "out": out, "scale": sddmm.alpha,
-                       "nthreads": torch.get_num_threads()})
+        values.update({"probs": probs, "out": out, "scale": sddmm.alpha, "nthreads": live["threads"],
+                       "longest": live["longest"]})
+        values = {prm.name: values[prm.name] for prm in fused.params}
         if binder is None:
-            by_id = {id(t): name for name, t in live.items()}
-            binder = [("scale", None) if prm.name == "scale" else ("threads", None) if prm.name == "nthreads" else
+            by_id = {id(t): name for name, t in live.items() if isinstance(t, torch.Tensor)}
+            fixed = {"scale": "scale", "nthreads": "threads", "longest": "longest"}
+            binder = [(fixed[prm.name], None) if prm.name in fixed else
                       (by_id.get(id(values[prm.name]), "?"), None) if isinstance(values[prm.name], torch.Tensor)
                       else (None, values[prm.name]) for prm in fused.params]
             # (a tensor argument not found among the live ones: no binder, every call takes this path)
-            _BINDERS[sig] = binder if all(name != "?" for name, _ in binder) else False
+            _BINDERS[bkey] = binder if all(name != "?" for name, _ in binder) else False
         return fused, compiled, values
-    values = [live[name] if name in live else sddmm.alpha if name == "scale" else
-              torch.get_num_threads() if name == "threads" else const for name, const in binder]
+    values = [live[name] if name is not None else const for name, const in binder]
     return fused, compiled, dict(zip((prm.name for prm in fused.params), values))
 
 

@@ -175,14 +175,17 @@ class SparseTensor(torch.Tensor):
         """The same pattern (shared index arrays) with other values."""
         if not requires_grad and isinstance(values, torch.Tensor) and values.dim() == 1 and \
                 values.device == self._values.device and values.is_contiguous() and not checking_invariants():
-            # the pattern's checks hold already: only the wrapper is made (a hot path of every op)
-            r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=values.dtype,
-                                                    device=values.device)
-            r._format, r._levels, r._values, r._shape = self._format, self._levels, values, self._shape
-            r._index_dtype = self._index_dtype
-            return r
+            return self._wrap(values)  # the pattern's checks hold already (a hot path of every op)
         return SparseTensor(self._format, self.shape, self._levels, values, requires_grad=requires_grad,
                             check=False)
+
+    def _wrap(self, values: torch.Tensor) -> "SparseTensor":
+        """The same pattern with ``values``, which the caller knows to be 1-d, contiguous and on the pattern's
+        device: only the wrapper is made."""
+        r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=values.dtype, device=values.device)
+        r._format, r._levels, r._values, r._shape = self._format, self._levels, values, self._shape
+        r._index_dtype = self._index_dtype
+        return r
 
     def _map_arrays(self, fn):
         levels = tuple(st.map(fn) for st in self._levels)

@@ -25,8 +25,8 @@ def attention(q, k, v, mask):
 fused_attention = scorch.compile(attention)
 
 
-def _dense_reference(q, k, v, keep):
-    s = (q @ k.T) * q.shape[1] ** -0.5
+def _dense_reference(q, k, v, keep, scale=None):
+    s = (q @ k.T) * (q.shape[1] ** -0.5 if scale is None else scale)
     s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=1).nan_to_num(0.0)  # a row without entries: no output
     return p @ v
@@ -130,19 +130,27 @@ def test_softmax_rows_interpreted_matches_torch():
         torch.testing.assert_close(y[lo:hi], torch.softmax(2.0 * x[lo:hi], 0))
 
 
-def test_fused_kernel_interpreted_matches_compiled():
-    """The fused kernel's IR through the loop-IR interpreter (bounds-checked) gives the compiled kernel's result."""
+@pytest.mark.parametrize("keep_probs", [True, False])
+@pytest.mark.parametrize("shape", [(9, 7, 4, 3, 0.4), (40, 50, 16, 32, 0.6)])  # (the second: whole vector tiles)
+def test_fused_kernel_interpreted_matches_compiled(keep_probs, shape):
+    """The fused kernel's IR through the loop-IR interpreter (bounds-checked: the row buffers too) gives the
+    compiled kernel's result, with the probabilities kept (for a backward) or not (row buffers only, the
+    normalization applied to the output rows)."""
     from scorch import fusion
-    q, k, v, mask, _ = _case(9, 7, 4, 3, 0.4, torch.float64, torch.int32, seed=5)
+    q, k, v, mask, keep = _case(*shape, torch.float64, torch.int32, seed=5)
     sddmm = fusion.SddmmExpr(mask, q, k, 0.5)
-    out, probs = fusion._attention(sddmm, v)
-    fused, _, values = fusion._prepare(sddmm, v)
+    out, probs = fusion._attention(sddmm, v, keep_probs=keep_probs)
+    assert (probs is None) == (not keep_probs)
+    fused, _, values = fusion._prepare(sddmm, v, keep_probs)
     assert [p.name for p in fused.params].count("t0_l1_pos") == 1  # the pattern is one argument
+    assert "scores" not in values and ("probs" in values) == keep_probs  # intermediates in row buffers
     assert len(fused.body.stmts) == 1 and isinstance(fused.body.stmts[0], L.For)  # one row loop
     interp.run(fused, {name: (x.reshape(-1).numpy() if isinstance(x, torch.Tensor) else x)
                        for name, x in values.items()})
     torch.testing.assert_close(values["out"], out)
-    torch.testing.assert_close(values["probs"], probs)
+    torch.testing.assert_close(out, _dense_reference(q, k, v, keep, scale=0.5))
+    if keep_probs:
+        torch.testing.assert_close(values["probs"], probs)
 
 
 def test_rows_refuses_different_row_loops():

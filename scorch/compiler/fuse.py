@@ -87,35 +87,95 @@ def rows(name: str, parts) -> L.Kernel:
     return L.Kernel(name, tuple(params.values()), L.block(replace(first, body=L.block(*bodies))))
 
 
-def softmax_rows(vtype: str, itype: str) -> L.Kernel:
+def _rewrite(node, fn):
+    """``node`` rebuilt bottom-up with ``fn`` applied to every expression and statement in it: ``fn`` returns a
+    replacement, or None to keep the node."""
+    if isinstance(node, tuple):
+        return tuple(_rewrite(n, fn) for n in node)
+    if not is_dataclass(node) or isinstance(node, L.Param):
+        return node
+    changes = {f.name: _rewrite(getattr(node, f.name), fn) for f in fields(node)
+               if isinstance(getattr(node, f.name), (L.Expr, L.Stmt, L.Parallel, tuple))}
+    node = replace(node, **changes) if changes else node
+    return fn(node) or node
+
+
+def constant(kernel: L.Kernel, array: str, value) -> L.Kernel:
+    """``kernel`` with the array parameter ``array`` known to hold ``value`` everywhere (an SDDMM's sampled
+    pattern of ones): its loads become the constant and the parameter goes."""
+    t = next(p.type for p in kernel.params if p.name == array)
+    body = _rewrite(kernel.body, lambda e: L.Const(value, t) if isinstance(e, L.Load) and e.array == array else None)
+    return L.Kernel(kernel.name, tuple(p for p in kernel.params if p.name != array), body)
+
+
+def _reindex(node, arrays: dict, base):
+    """``node`` with every load and store of an array in ``arrays`` (name -> new name) moved to the new name, at
+    its index minus ``base``."""
+    return _rewrite(node, lambda e: replace(e, array=arrays[e.array], index=L.binary("sub", e.index, base))
+                    if isinstance(e, (L.Load, L.Store)) and e.array in arrays else None)
+
+
+def localize(kernel: L.Kernel, arrays, itype: str) -> L.Kernel:
+    """``kernel`` (one parallel loop over a CSR pattern's rows, as ``rows`` makes it) with the intermediates
+    ``arrays``, which row ``i`` writes and reads at its own positions ``pos[i]..pos[i + 1]`` only, in buffers
+    private to each thread of ``longest`` entries (a new parameter: the longest row) indexed from the row's
+    first position, instead of arrays over every position: a row's intermediates stay in L1, and nothing of the
+    size of the pattern is written. The interpreter bounds-checks the buffers."""
+    loop = _row_loop(kernel)
+    types = {p.name: p.type for p in kernel.params}
+    names = {a: f"{a}_row" for a in arrays}
+    base = L.Var("row_base")
+    start = L.Cast(L.Load("t0_l1_pos", L.binary("sub", loop.var, L.Var("t0_l0_lo")), itype), "i64")
+    setup = tuple(L.Alloc(names[a], types[a], L.Var("longest")) for a in arrays)
+    if loop.parallel.setup is not None:
+        setup = loop.parallel.setup.stmts + setup
+    body = L.block(L.Let(base, start), *_reindex(loop.body, names, base).stmts)
+    loop = replace(loop, body=body, parallel=replace(loop.parallel, setup=L.block(*setup)))
+    params = tuple(p for p in kernel.params if p.name not in names) + (L.Param("longest", "scalar", "i64"),)
+    return L.Kernel(kernel.name, params, L.block(loop))
+
+
+def softmax_rows(vtype: str, itype: str, normalize: bool = True) -> L.Kernel:
     """``y[p] = softmax(scale * x[p])`` within each row ``[pos[i], pos[i + 1])`` of a CSR pattern, as the row loop
     the lowering makes for CSR (parameters named as for operand 0: ``t0_l0_lo``, ``t0_l0_ext``, ``t0_l1_pos``).
-    A row whose scaled entries are all -inf (or NaN) gives NaN, as torch's softmax does."""
+    A row whose scaled entries are all -inf (or NaN) gives NaN, as torch's softmax does. ``normalize=False``:
+    ``y`` holds the exponentials only and the row's ``inv`` (a variable of the row body, 0 for an empty row) the
+    factor that normalizes them, for a later part to apply to what it makes of them (``scale_stores``)."""
     i64 = "i64"
     c0, p0, p = L.Var("c0"), L.Var("p0"), L.Var("p")
     lo, hi = L.Var("lo"), L.Var("hi")
     peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
     x = L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
-    ninf = L.Const(float("-inf"), vtype)
+    ninf, zero = L.Const(float("-inf"), vtype), L.Const(0.0, vtype)
     row = L.block(
         L.Decl(peak, ninf),
         L.For(p, lo, hi, L.block(L.Assign(peak, x, "max")), simd=True, reductions=(("max", "peak"),)),
-        L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, L.Const(0.0, vtype)))),
-        L.Decl(total, L.Const(0.0, vtype)),
+        L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, zero))),
+        L.Decl(total, zero),
         L.For(p, lo, hi, L.block(
             L.Let(e, L.Unary("exp", L.binary("sub", x, peak), vtype)),
             L.Store("y", p, e),
             L.Assign(total, e, "add")), simd=True, reductions=(("add", "total"),)),
-        L.Let(inv, L.binary("div", L.Const(1.0, vtype), total)),
-        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=True),
+        L.Assign(inv, L.binary("div", L.Const(1.0, vtype), total)),
+        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=True)
+        if normalize else None,
     )
     body = L.block(
         L.Let(p0, L.binary("sub", c0, L.Var("t0_l0_lo"))),
         L.Let(lo, L.Cast(L.Load("t0_l1_pos", p0, itype), i64)),
         L.Let(hi, L.Cast(L.Load("t0_l1_pos", L.binary("add", p0, L.Const(1)), itype), i64)),
+        L.Decl(inv, zero),
         L.If(L.binary("lt", lo, hi), row))
     return row_kernel("scorch_softmax_rows", itype, body, (
         L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True), L.Param("scale", "scalar", vtype)))
+
+
+def scale_stores(kernel: L.Kernel, array: str, factor: L.Expr) -> L.Kernel:
+    """``kernel`` with every value it stores into ``array`` multiplied by ``factor`` (a row's normalizing factor
+    applied to a product's output row instead of to each entry it read)."""
+    body = _rewrite(kernel.body, lambda s: replace(s, value=L.Binary("mul", s.value, factor, s.value.type))
+                    if isinstance(s, L.Store) and s.array == array else None)
+    return L.Kernel(kernel.name, kernel.params, body)
 
 
 def row_kernel(name: str, itype: str, body: L.Block, params) -> L.Kernel:

@@ -180,9 +180,11 @@ SCRIPT = textwrap.dedent(r'''
             q, k, v = values((rows, 4), gen), values((cols, 4), gen), values((cols, 16), gen)
             s = (q @ k.T * 0.5).masked_fill(~keep, float("-inf"))
             expected = torch.softmax(s, dim=1).nan_to_num(0.0) @ v
-            n += 1
+            n += 2
             if not close(attend(q, k, v, mask), expected):
                 bad.append(f"fused attention {(rows, cols)}")
+            if not close(attend(q.clone().requires_grad_(), k, v, mask).detach(), expected):  # (probabilities kept)
+                bad.append(f"fused attention with a gradient {(rows, cols)}")
             # a product with a bias and relu after it, as one kernel
             b = values((16,), gen)
             n += 1
