@@ -24,6 +24,9 @@ import threading
 import torch
 
 from . import deferred
+from ._autograd import _einsum_grad, pattern_ones
+from .compiler import dispatch, fuse, loops as L, runtime
+from .compiler.codegen import cpp
 from .deferred import Deferred
 from .formats.storage import PatternMemo
 from .sparse_tensor import SparseTensor
@@ -50,10 +53,12 @@ def compile(fn=None, *, fullgraph=False, dynamic=None, mode=None, backend=None):
     @functools.wraps(fn)
     def compiled(*args, **kwargs):
         _region.depth += 1
+        mode = deferred._mode.value
+        deferred._mode.value = "all"  # (as ``with deferred.deferral("all")``, without the context manager's calls)
         try:
-            with deferred.deferral("all"):
-                out = fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
+            deferred._mode.value = mode
             _region.depth -= 1
         _finish(out)
         return out
@@ -84,13 +89,12 @@ class SddmmExpr:
     def __init__(self, pattern, q, k, alpha):
         self.pattern, self.q, self.k, self.alpha = pattern, q, k, alpha
         self.operands = (q, k)
+        self.grad = False  # (whether the scores are an autograd Function's output: set by lazy_sddmm)
 
     def describe(self):
         return "sampled_addmm"
 
     def compute(self):
-        from ._autograd import pattern_ones
-        from .compiler import dispatch
         p = self.pattern
         ones = p.with_values(pattern_ones(p, self.q.dtype))
         return dispatch.einsum("ij,ik,jk->ij", ones, self.q, self.k).values() * self.alpha
@@ -126,7 +130,6 @@ class _LazySddmm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ._autograd import _einsum_grad, pattern_ones
         q, k = ctx.saved_tensors
         p = ctx.expr.pattern
         ones = p.with_values(pattern_ones(p, q.dtype))
@@ -143,7 +146,8 @@ class _LazySoftmax(torch.autograd.Function):
     def forward(ctx, expr, scores):
         if ctx is not None:
             ctx.expr = expr
-        return deferred.make(expr, scores.shape, scores.dtype, scores.device)
+        sddmm = scores._expr  # (the scores' shape and type from their expression: no reads on the deferred value)
+        return deferred.make(expr, sddmm.pattern._values.shape, sddmm.q.dtype, sddmm.q.device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -169,7 +173,6 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ._autograd import _einsum_grad
         p, v = ctx.saved_tensors
         attn = ctx.pattern.with_values(p)
         inputs, out = (("i", "j"), ("j", "k")), ("i", "k")
@@ -196,21 +199,23 @@ def lazy_sddmm(mask, q, kt, alpha):
     """The deferred ``sampled_addmm(mask, q, kt, beta=0, alpha=alpha)``, or None where it is not fused."""
     if not active() or type(mask) is not SparseTensor or _rows_pos(mask) is None:
         return None
-    if q.dtype not in (torch.float32, torch.float64) or kt.dtype != q.dtype or mask.dtype != q.dtype:
+    if q.dtype not in (torch.float32, torch.float64) or kt.dtype != q.dtype or mask._values.dtype != q.dtype:
         return None
     if type(q) is not torch.Tensor or type(kt) is not torch.Tensor or q.dim() != 2 or kt.dim() != 2:
         return None
     k = kt.t().contiguous()
     q = q.contiguous()
     expr = SddmmExpr(mask, q, k, float(alpha))
-    lazy = _LazySddmm.apply(expr, q, k) if _grad(q, k) else _LazySddmm.forward(None, expr, q, k)
-    return mask._wrap(lazy)  # (lazy: 1-d, contiguous, on the pattern's device)
+    expr.grad = _grad(q, k)
+    lazy = _LazySddmm.apply(expr, q, k) if expr.grad else _LazySddmm.forward(None, expr, q, k)
+    return mask._wrap(lazy, q.dtype)  # (lazy: 1-d, contiguous, on the pattern's device)
 
 
 def lazy_softmax(x, dim, dtype, log):
     """The deferred row softmax of lazy SDDMM scores, or None where it is not fused."""
     v = x._values
-    if type(v) is not Deferred or not isinstance(v._expr, SddmmExpr) or log or dtype not in (None, v.dtype):
+    # (metadata from the expression: each read on the deferred value itself is a __torch_function__ call)
+    if type(v) is not Deferred or not isinstance(v._expr, SddmmExpr) or log or dtype not in (None, v._expr.q.dtype):
         return None
     if dim not in (1, -1):
         return None
@@ -218,13 +223,26 @@ def lazy_softmax(x, dim, dtype, log):
     if pos is None:
         return None
     expr = SoftmaxExpr(v, pos)
-    return x._wrap(_LazySoftmax.apply(expr, v) if _grad(v) else _LazySoftmax.forward(None, expr, v))
+    sddmm = v._expr  # (whether v needs a gradient, and its type, from its expression: no reads on v itself)
+    grad = sddmm.grad and torch.is_grad_enabled()
+    return x._wrap(_LazySoftmax.apply(expr, v) if grad else _LazySoftmax.forward(None, expr, v), sddmm.q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _is_row_product(equation) -> bool:
+    """Whether ``equation`` is ``ij,jk->ik`` up to the letters."""
+    from .compiler.einsum import parse
+    try:
+        inputs, out = parse(equation, [2, 2])
+    except (ValueError, TypeError):
+        return False
+    i, j = inputs[0]
+    return inputs[1][0] == j and out == (i, inputs[1][1]) and i != j
 
 
 def fused_product(equation, operands):
     """``einsum(equation, attn, v)`` as the fused attention kernel where ``attn`` holds lazy softmax values of lazy
     SDDMM scores and the product is ``attn @ v``; None otherwise (``attn``'s values are then computed when read)."""
-    from .compiler.einsum import parse
     if len(operands) != 2 or type(operands[0]) is not SparseTensor or type(operands[1]) is not torch.Tensor:
         return None
     attn, v = operands
@@ -232,14 +250,9 @@ def fused_product(equation, operands):
     if type(probs) is not Deferred or not isinstance(probs._expr, SoftmaxExpr):
         return None
     scores = probs._expr.scores
-    if type(scores) is not Deferred or v.dtype != attn.dtype or v.dim() != 2:
+    if type(scores) is not Deferred or v.dtype != scores._expr.q.dtype or v.dim() != 2:
         return None
-    try:
-        inputs, out = parse(equation, [2, 2])
-    except (ValueError, TypeError):
-        return None
-    i, j = inputs[0]
-    if inputs[1][0] != j or out != (i, inputs[1][1]) or i == j:
+    if not _is_row_product(equation):
         return None
     deferred.check_versions(scores)
     v = v.contiguous()
@@ -276,7 +289,6 @@ def _attention(sddmm: SddmmExpr, v, keep_probs=True):
     unless ``keep_probs`` (the kernel keeps a row's probabilities in a row buffer then, as it does the scores)."""
     prepared = _prepare(sddmm, v, keep_probs)
     if prepared is None:  # not one row loop each: op by op
-        from .compiler import dispatch
         from .ops import segment
         probs = segment.softmax(sddmm.compute(), _rows_pos(sddmm.pattern))
         return dispatch.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
@@ -288,9 +300,6 @@ def _attention(sddmm: SddmmExpr, v, keep_probs=True):
 def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     """``(fused kernel IR, compiled kernel, argument values by parameter name)``, or None where the SDDMM or the
     SpMM would not run as one row loop."""
-    from ._autograd import pattern_ones
-    from .compiler import dispatch, fuse, loops as L, runtime
-    from .compiler.codegen import cpp
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
     ones_values = pattern_ones(p, q.dtype)
     sig = (p._format, p._shape, p._index_dtype, q.dtype, q.shape, k.shape, v.shape)
@@ -308,13 +317,17 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     if entry is None:
         vt, it = L.type_of(q.dtype), L.type_of(p.index_dtype)
         shared = {n: n for n in _SHARED}
-        maps = ({**shared, "out": "scores"}, {**shared, "x": "scores", "y": "probs", "scale": "scale"},
+        maps = ({**shared, "out": "scores"}, {**shared, "x": "scores", "y": "probs"},
                 {**shared, "t0_vals": "probs", "out": "out"})
+        # the scores are scaled as they are stored, and their max taken there too (no pass over the row for it);
         # without a backward, a row's normalization is applied to the product's output row (one multiply per
         # output instead of a pass over the row's probabilities)
-        softmax = fuse.softmax_rows(vt, it, normalize=keep_probs)
+        softmax = fuse.softmax_rows(vt, it, normalize=keep_probs, peak_of="smax")
         fused = fuse.rows("scorch_attention", [(plan1.lowered.kernel, maps[0]), (softmax, maps[1]),
                                                 (plan3.lowered.kernel, maps[2])])
+        fused = L.Kernel(fused.name, fused.params + (L.Param("scale", "scalar", vt),), fused.body)
+        fused = fuse.scale_stores(fused, "scores", L.Var("scale", vt))
+        fused = fuse.track_max(fused, "scores", "smax", vt, cpp.VECTOR_BYTES // q.element_size())
         if not keep_probs:
             fused = fuse.scale_stores(fused, "out", L.Var("inv_f1", vt))
         # a row's scores (and, without a backward, its probabilities) in a row buffer of each thread; the
@@ -440,7 +453,6 @@ _EPILOGUES: dict = {}
 def epilogue_rows(vtype: str, itype: str, steps, width: int):
     """The steps on each row of a dense ``rows x width`` output ``out``, as the row loop of a CSR product
     (``fuse.row_kernel``); bias vectors are arrays ``bias<k>``, numbers scalars ``num<k>``."""
-    from .compiler import fuse, loops as L
     c0, j = L.Var("c0"), L.Var("j")
     at = L.binary("add", L.binary("mul", c0, L.Const(width)), j)
     x = L.Load("out", at, vtype)
@@ -471,8 +483,6 @@ def _launch(kernel, compiled, values):
 
 def _epilogue_kernel(expr: EpilogueExpr):
     """The product and its steps as one kernel, or None where the product is not one CSR row loop."""
-    from .compiler import dispatch, fuse, loops as L, runtime
-    from .compiler.codegen import cpp
     base = expr.base
     s, x = base.ops
     (si, xi), out = base.inputs, tuple(base.out)

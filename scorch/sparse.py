@@ -12,7 +12,7 @@ import torch as _torch
 import torch.sparse as _tsparse
 
 from . import _forward
-from .sparse_tensor import _checking
+from .sparse_tensor import SparseTensor, _checking
 
 _LAYOUTS = (_torch.sparse_coo, _torch.sparse_csr, _torch.sparse_csc, _torch.sparse_bsr, _torch.sparse_bsc)
 
@@ -28,10 +28,18 @@ def _view(x):
 
 
 def routed(fn):
-    """``fn`` with torch sparse operands viewed as SparseTensors."""
+    """``fn`` with torch sparse operands viewed as SparseTensors. With a SparseTensor first, scorch's
+    implementation is called as torch's operator would call it (``SparseTensor.__torch_function__``), without
+    the operator's own argument parsing and dispatch (several microseconds a call), unless a
+    ``TorchFunctionMode`` is active (it must see the call)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return fn(*[_view(a) for a in args], **{k: _view(v) for k, v in kwargs.items()})
+        args = [_view(a) for a in args]
+        kwargs = {k: _view(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if args and type(args[0]) is SparseTensor and not _torch._C._is_torch_function_mode_enabled():
+            types = tuple({type(a) for a in (*args, *kwargs.values()) if isinstance(a, _torch.Tensor)})
+            return SparseTensor.__torch_function__(fn, types, tuple(args), kwargs)
+        return fn(*args, **kwargs)
     return call
 
 

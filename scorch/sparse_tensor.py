@@ -179,10 +179,12 @@ class SparseTensor(torch.Tensor):
         return SparseTensor(self._format, self.shape, self._levels, values, requires_grad=requires_grad,
                             check=False)
 
-    def _wrap(self, values: torch.Tensor) -> "SparseTensor":
+    def _wrap(self, values: torch.Tensor, dtype=None) -> "SparseTensor":
         """The same pattern with ``values``, which the caller knows to be 1-d, contiguous and on the pattern's
-        device: only the wrapper is made."""
-        r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=values.dtype, device=values.device)
+        device (and of ``dtype``, where given: a deferred value's metadata reads are calls): only the wrapper is
+        made."""
+        r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=dtype or values.dtype,
+                                                device=self._values.device)
         r._format, r._levels, r._values, r._shape = self._format, self._levels, values, self._shape
         r._index_dtype = self._index_dtype
         return r

@@ -135,20 +135,46 @@ def localize(kernel: L.Kernel, arrays, itype: str) -> L.Kernel:
     return L.Kernel(kernel.name, params, L.block(loop))
 
 
-def softmax_rows(vtype: str, itype: str, normalize: bool = True) -> L.Kernel:
+def track_max(kernel: L.Kernel, array: str, name: str, vtype: str, lanes: int) -> L.Kernel:
+    """``kernel`` (one parallel row loop) with the max of the values each row stores into ``array`` kept in
+    ``name``: partial maxima (one vector, -inf to start with, declared at the top of the row body) that each
+    store into ``array`` also takes part in, so that a later part of the row reads the max (``Load(name, 0)``)
+    instead of making a pass over the values."""
+    loop = _row_loop(kernel)
+    zero = L.Const(0)
+
+    def also_max(node):
+        if not isinstance(node, L.Block):
+            return None
+        stmts = []
+        for st in node.stmts:
+            stmts.append(st)
+            if isinstance(st, L.Store) and st.array == array:
+                stmts.append(L.Store(name, zero, st.value, "max"))
+        return L.Block(tuple(stmts))
+
+    body = L.block(L.LocalArray(name, vtype, 1, L.Const(float("-inf"), vtype), sums=lanes, combine="max"),
+                   _rewrite(loop.body, also_max))
+    return L.Kernel(kernel.name, kernel.params, L.block(replace(loop, body=body)))
+
+
+def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = None) -> L.Kernel:
     """``y[p] = softmax(scale * x[p])`` within each row ``[pos[i], pos[i + 1])`` of a CSR pattern, as the row loop
     the lowering makes for CSR (parameters named as for operand 0: ``t0_l0_lo``, ``t0_l0_ext``, ``t0_l1_pos``).
     A row whose scaled entries are all -inf (or NaN) gives NaN, as torch's softmax does. ``normalize=False``:
     ``y`` holds the exponentials only and the row's ``inv`` (a variable of the row body, 0 for an empty row) the
-    factor that normalizes them, for a later part to apply to what it makes of them (``scale_stores``)."""
+    factor that normalizes them, for a later part to apply to what it makes of them (``scale_stores``).
+    ``peak_of``: the values come scaled already (no ``scale`` parameter), and their max is read from the partial
+    maxima of that name (``track_max``) instead of a pass over them."""
     i64 = "i64"
     c0, p0, p = L.Var("c0"), L.Var("p0"), L.Var("p")
     lo, hi = L.Var("lo"), L.Var("hi")
     peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
-    x = L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
+    x = L.Load("x", p, vtype) if peak_of else L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
     ninf, zero = L.Const(float("-inf"), vtype), L.Const(0.0, vtype)
     row = L.block(
-        L.Decl(peak, ninf),
+        L.Decl(peak, L.Load(peak_of, L.Const(0), vtype)) if peak_of else L.Decl(peak, ninf),
+        None if peak_of else
         L.For(p, lo, hi, L.block(L.Assign(peak, x, "max")), simd=True, reductions=(("max", "peak"),)),
         L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, zero))),
         L.Decl(total, zero),
@@ -167,7 +193,8 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True) -> L.Kernel:
         L.Decl(inv, zero),
         L.If(L.binary("lt", lo, hi), row))
     return row_kernel("scorch_softmax_rows", itype, body, (
-        L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True), L.Param("scale", "scalar", vtype)))
+        L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True)) +
+        (() if peak_of else (L.Param("scale", "scalar", vtype),)))
 
 
 def scale_stores(kernel: L.Kernel, array: str, factor: L.Expr) -> L.Kernel:

@@ -166,6 +166,8 @@ class LocalArray(Stmt):
     vector: int = 0
     sums: int = 0  # held as ``sums``-lane partial sums: a vector loop adds a vector into an entry (its
     #              index not depending on the loop), a read outside vector loops adds the lanes up
+    combine: str = "add"  # of ``sums``: "add", or "max" (partial maxima: stores with op "max", a read takes
+    #                       the lanes' max; a store outside vector loops takes part in every lane)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def rmatmul(b, a):
 
 
 def _check_inner(a, b, da, db, name):
-    if a.shape[da] != b.shape[db]:
+    if shape_of(a)[da] != shape_of(b)[db]:
         raise ValueError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied"
                          f" ({a.shape[da]} != {b.shape[db]})")
 
@@ -168,8 +168,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     if not _is_sparse(input):
         raise ValueError("sampled_addmm: input must be sparse")
     s = dispatch.prepare([input])[0]
-    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[0] != s.shape[0] or mat2.shape[1] != s.shape[1]:
-        raise ValueError(f"sampled_addmm: shapes {tuple(s.shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
+    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[0] != s._shape[0] or mat2.shape[1] != s._shape[1]:
+        raise ValueError(f"sampled_addmm: shapes {tuple(s._shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")
     _check_inner(mat1, mat2, 1, 0, "sampled_addmm")
     if beta == 0 and fusion.active():  # inside scorch.compile: the scores stay lazy, to fuse with what follows

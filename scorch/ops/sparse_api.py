@@ -8,13 +8,15 @@ backward included, comes from torch's own ops.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from .. import fusion
 from ..deferred import Deferred
 from ..formats import Compressed, Dense, Singleton, Var, named, storage
-from ..sparse_tensor import SparseTensor, implements
+from ..sparse_tensor import SparseTensor, implements, shape_of
 from . import segment
 
 
@@ -143,18 +145,20 @@ def _segments(x: SparseTensor, dim: int):
     """The last level's ``pos`` when each of its segments is one softmax group along ``dim``: the last level is
     compressed and stores ``dim``, the levels above store the other dimensions one each, uniquely (CSR with
     dim 1, CSC with dim 0, CSF along its last dimension). Else None."""
-    fmt = x._format
+    return x._levels[-1].pos if _groups_by_last_level(x._format, dim) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _groups_by_last_level(fmt, dim) -> bool:
     expr, last = fmt.levels[-1]
     if fmt.padded or type(last) is not Compressed or not last.unique or not isinstance(expr, Var) \
             or expr.dim != dim:
-        return None
-    if not all(isinstance(e, Var) and type(lvl) in (Dense, Compressed) and lvl.unique for e, lvl in fmt.levels[:-1]):
-        return None
-    return x._levels[-1].pos
+        return False
+    return all(isinstance(e, Var) and type(lvl) in (Dense, Compressed) and lvl.unique for e, lvl in fmt.levels[:-1])
 
 
 def _softmax(x: SparseTensor, dim, dtype, log: bool):
-    n = x.dim()
+    n = len(shape_of(x))
     if not -n <= dim < n:
         raise IndexError(f"softmax: dimension {dim} is out of range for a {n}-d tensor")
     dim %= n

@@ -26,19 +26,23 @@ static inline int omp_get_thread_num() { return 0; }
 """
 
 
-def _hsum(name, ctype, lanes):
-    """The sum of a vector's lanes by halving (a tree: log2(lanes) dependent adds, not lanes)."""
-    lines = [f"static inline {ctype} scorch_hsum(scorch_v{name} v0) {{"]
+def _hsum(name, ctype, lanes, op="sum"):
+    """The sum (``op="max"``: the max) of a vector's lanes by halving (a tree: log2(lanes) dependent steps)."""
+    lines = [f"static inline {ctype} scorch_h{op}(scorch_v{name} v0) {{"]
+    join = (lambda a, b: f"{a} + {b}") if op == "sum" else (lambda a, b: f"({a} > {b} ? {a} : {b})")
     width, k = lanes, 0
     while width > 1:
         half = width // 2
         lo = ", ".join(str(i) for i in range(half))
         hi = ", ".join(str(i) for i in range(half, width))
         t = f"scorch_h{name}_{half}"
-        lines.append(f"  typedef {ctype} {t} __attribute__((vector_size({half * (4 if name == 'f32' else 8)})));")
-        lines.append(f"  const {t} v{k + 1} = __builtin_shufflevector(v{k}, v{k}, {lo}) +"
-                     f" __builtin_shufflevector(v{k}, v{k}, {hi});" if half > 1 else
-                     f"  return v{k}[0] + v{k}[1];")
+        if half > 1:
+            lines.append(f"  typedef {ctype} {t} __attribute__((vector_size({half * (4 if name == 'f32' else 8)})));")
+            lines.append(f"  const {t} a{k} = __builtin_shufflevector(v{k}, v{k}, {lo}),"
+                         f" b{k} = __builtin_shufflevector(v{k}, v{k}, {hi});")
+            lines.append(f"  const {t} v{k + 1} = {join(f'a{k}', f'b{k}')};")
+        else:
+            lines.append(f"  return {join(f'v{k}[0]', f'v{k}[1]')};")
         width, k = half, k + 1
     return "\n".join(lines) + "\n}\n"
 
@@ -100,7 +104,7 @@ _HELPERS = {
         f"typedef {t} scorch_v{n} __attribute__((vector_size({VECTOR_BYTES})));\n"
         f"typedef {t} scorch_v{n}u __attribute__((vector_size({VECTOR_BYTES}), aligned({b}), may_alias));\n"
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
-        _hsum(n, t, VECTOR_BYTES // b) + _tsum(n, t, VECTOR_BYTES // b)
+        _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
@@ -198,7 +202,8 @@ class _Emitter:
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.vec_arrays = set()  # local arrays held as vectors
-        self.sum_arrays = set()  # local arrays held as vector partial sums
+        self.sum_arrays = {}  # local arrays held as vector partial results: name -> "add" or "max"
+        self.sum_types = {}
 
     def fresh(self, base):
         self.n += 1
@@ -218,10 +223,18 @@ class _Emitter:
             return [f"{pad}{CTYPE[s.var.type]} {ident(s.var.name)} = {self.expr(s.value)};"]
         if isinstance(s, L.Assign):
             return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
-        if isinstance(s, L.Store) and self.vec and s.array in self.sum_arrays:
-            if s.op != "add":
-                raise ValueError(f"partial sums {s.array} only take additions")
-            return [f"{pad}{ident(s.array)}[{self.expr(s.index)}] += {self.expr(s.value)};"]
+        if isinstance(s, L.Store) and s.array in self.sum_arrays:
+            combine = self.sum_arrays[s.array]
+            target, value = f"{ident(s.array)}[{self.expr(s.index)}]", self.expr(s.value)
+            if s.op != combine:
+                raise ValueError(f"partial {combine}s {s.array} only take {combine}")
+            if combine == "add":
+                if not self.vec:
+                    raise ValueError(f"partial sums {s.array} are added to in vector loops only")
+                return [f"{pad}{target} += {value};"]
+            vt = f"scorch_v{self.sum_types[s.array]}"
+            value = value if self.vec else f"{vt}{{}} + ({value})"  # (a scalar takes part in every lane)
+            return [f"{pad}{{ const {vt} u_ = {value}; {target} = u_ > {target} ? u_ : {target}; }}"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
@@ -233,11 +246,18 @@ class _Emitter:
             n = ident(s.name)
             if s.type not in ("f32", "f64") or s.sums != VECTOR_BYTES // (4 if s.type == "f32" else 8):
                 raise ValueError(f"partial sums {s.name}: {s.type} in {s.sums} lanes")
-            self.sum_arrays.add(s.name)
-            return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}] = {{}};"]
+            if s.combine not in ("add", "max"):
+                raise ValueError(f"partial results {s.name}: unknown combination {s.combine!r}")
+            self.sum_arrays[s.name], self.sum_types[s.name] = s.combine, s.type
+            if isinstance(s.init, L.Const) and s.init.value == 0:
+                return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}] = {{}};"]
+            i = self.fresh("w")
+            return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}];",
+                    f"{pad}for (int64_t {i} = 0; {i} < {int(s.size)}; ++{i}) {n}[{i}] = scorch_v{s.type}{{}} +"
+                    f" {self.expr(s.init)};"]
         if isinstance(s, L.SumLanes):
             n, src = ident(s.name), ident(s.array)
-            if s.array not in self.sum_arrays or s.type not in ("f32", "f64"):
+            if self.sum_arrays.get(s.array) != "add" or s.type not in ("f32", "f64"):
                 raise ValueError(f"lane sums of {s.array}: not partial sums of a float type")
             lanes = VECTOR_BYTES // (4 if s.type == "f32" else 8)
             if s.size == lanes:
@@ -370,7 +390,8 @@ class _Emitter:
             if e.array in self.sum_arrays:
                 if self.vec:
                     raise ValueError(f"partial sums {e.array} are read after the vector loop")
-                return f"scorch_hsum({ident(e.array)}[{self.expr(e.index)}])"
+                op = "sum" if self.sum_arrays[e.array] == "add" else "max"
+                return f"scorch_h{op}({ident(e.array)}[{self.expr(e.index)}])"
             if self.vec and L.depends(e.index, self.vec[0]):
                 return self.vector_ref(e.array, e.index, const=True)
             return f"{ident(e.array)}[{self.expr(e.index)}]"
