@@ -163,9 +163,18 @@ def _merge_shared_patterns(inputs, ops):
         if j is None:
             k += 1
             continue
-        ops[k] = a.with_values(a._values * ops[j]._values)
+        b = ops[j]._values
+        # (one of them the pattern's ones, as an SDDMM's sampled operand: the other's values as they are)
+        ops[k] = a.with_values(b if _is_pattern_ones(a._values) and b.dtype == a._values.dtype else
+                               a._values if _is_pattern_ones(b) and a._values.dtype == b.dtype else a._values * b)
         del ops[j], inputs[j]
     return inputs, ops
+
+
+def _is_pattern_ones(t) -> bool:
+    """Whether ``t`` is (a whole view of) the ones ``pattern_ones`` keeps, unmodified."""
+    kept = _ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
+    return kept is not None and kept[0]._version == kept[1] and t.data_ptr() == kept[0].data_ptr()
 
 
 def pattern_ones(x: SparseTensor, dtype):

@@ -127,7 +127,7 @@ _PERMUTATIONS = _storage.PatternMemo(64)
 
 
 def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
-    from .compiler import dispatch
+    from .compiler import dispatch, relayout
     extra = (x._format, fmt, index_dtype, tuple(x._shape))
     entry = _PERMUTATIONS.get(extra, x._levels)
     if entry is None:
@@ -156,7 +156,7 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
         if len(levels) != 2 and perm.numel():  # whole blocks
             vals = torch.index_select(src.view(perm.numel(), -1), 0, perm).reshape(-1)
         else:
-            vals = torch.index_select(src, 0, perm)
+            vals = relayout.gather(src, perm)
         _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._values), x._values._version, vals,
                                                             vals._version)))
     return SparseTensor(fmt, x._shape, levels, vals, check=False)

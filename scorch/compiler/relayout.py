@@ -46,6 +46,45 @@ extern "C" void scorch_transpose(const void* src, void* dst, int64_t batch, int6
 """
 _kernel = None
 
+_GATHER_SOURCE = r"""
+#include <cstdint>
+template <typename T, typename I>
+static void gather(const T* __restrict__ src, const I* __restrict__ index, T* __restrict__ dst, int64_t n,
+                   int64_t nthreads) {
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[index[i]];
+}
+extern "C" void scorch_gather(const void* src, const void* index, void* dst, int64_t n, int64_t itemsize,
+                              int64_t index_size, int64_t nthreads) {
+  if (index_size == 4) {
+    if (itemsize == 8) gather((const int64_t*)src, (const int32_t*)index, (int64_t*)dst, n, nthreads);
+    else gather((const int32_t*)src, (const int32_t*)index, (int32_t*)dst, n, nthreads);
+  } else {
+    if (itemsize == 8) gather((const int64_t*)src, (const int64_t*)index, (int64_t*)dst, n, nthreads);
+    else gather((const int32_t*)src, (const int64_t*)index, (int32_t*)dst, n, nthreads);
+  }
+}
+"""
+_gather_kernel = None
+
+
+def gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src[index]`` for a 1-d contiguous CPU ``src`` of 4- or 8-byte elements and an int32/int64 ``index`` whose
+    entries the caller guarantees in range (a permutation scorch made): one parallel loop, where
+    ``torch.index_select`` measured 4-5x slower on a 543k-entry pattern's values. Other inputs: index_select."""
+    global _gather_kernel
+    if src.device.type != "cpu" or index.device.type != "cpu" or src.dim() != 1 or not src.is_contiguous() or \
+            not index.is_contiguous() or src.element_size() not in (4, 8) or src.is_complex() or \
+            index.dtype not in (torch.int32, torch.int64) or index.numel() < 2 ** 14:
+        return torch.index_select(src, 0, index)
+    if _gather_kernel is None:
+        _gather_kernel = runtime.load(_GATHER_SOURCE, "scorch_gather",
+                                      [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4)
+    out = torch.empty(index.shape, dtype=src.dtype)
+    _gather_kernel(src.data_ptr(), index.data_ptr(), out.data_ptr(), index.numel(), src.element_size(),
+                   index.element_size(), torch.get_num_threads())
+    return out
+
 
 def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy, or a view where

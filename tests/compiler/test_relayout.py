@@ -63,3 +63,13 @@ def _sched(s, b):
     from scorch.compiler.schedule import schedule
     asg = Assignment(("i", "k"), to_index_notation((("i", "j"), ("k", "j"))), (_type(s), _type(b)), "sum", None)
     return schedule(asg, infer(asg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [0, 5, 40000])
+def test_gather_matches_index_select(dtype, index_dtype, n):
+    g = torch.Generator().manual_seed(n)
+    src = (torch.randn(n + 3, generator=g) * 100).to(dtype)
+    index = torch.randint(0, n + 3, (n,), generator=g).to(index_dtype)
+    assert torch.equal(relayout.gather(src, index), torch.index_select(src, 0, index))
