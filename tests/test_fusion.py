@@ -233,3 +233,29 @@ def test_epilogue_kernel_interpreted_matches_compiled():
     interp.run(k, {"t0_l0_lo": 0, "t0_l0_ext": 2, "t0_l1_pos": torch.tensor([0, 1, 2], dtype=torch.int32).numpy(),
                    "out": got.reshape(-1).numpy(), "bias0": bias.numpy(), "num1": 2.0, "nthreads": 1})
     torch.testing.assert_close(got, torch.sigmoid(torch.relu((out + bias) * 2.0)))
+
+
+def test_repeated_calls_reuse_the_prepared_call_until_the_pattern_changes():
+    """A second call on the same mask takes the prepared call (``fusion._READY``); a pattern modified in place
+    (other columns, then other row lengths: the longest row grows) is prepared again and still right."""
+    from scorch import fusion
+    q, k, v, mask, keep = _case(30, 40, 16, 16, 0.3, torch.float32, torch.int64, seed=9)
+    first = fused_attention(q, k, v, mask)
+    assert any(key[0] == id(mask.levels[1].pos) for key in fusion._READY)
+    torch.testing.assert_close(fused_attention(q, k, v, mask), first)
+    pos, crd = mask.levels[1].pos, mask.levels[1].crd
+    # every row's entries moved to the first columns (still sorted, unique): the same lengths
+    for i in range(30):
+        a, b = int(pos[i]), int(pos[i + 1])
+        crd[a:b] = torch.arange(b - a)
+    keep = torch.zeros(30, 40, dtype=torch.bool)
+    for i in range(30):
+        keep[i, :int(pos[i + 1] - pos[i])] = True
+    torch.testing.assert_close(fused_attention(q, k, v, mask), _dense_reference(q, k, v, keep))
+    # all entries to the first rows, up to 40 a row: the longest row changes
+    nnz = int(pos[-1])
+    counts = torch.tensor([min(40, max(0, nnz - 40 * i)) for i in range(30)])
+    pos[1:] = torch.cumsum(counts, 0)
+    crd[:] = torch.cat([torch.arange(int(c)) for c in counts])
+    keep = torch.arange(40)[None, :] < counts[:, None]
+    torch.testing.assert_close(fused_attention(q, k, v, mask), _dense_reference(q, k, v, keep))
