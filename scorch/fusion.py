@@ -127,10 +127,13 @@ class _LazySddmm(torch.autograd.Function):
         if ctx is not None:  # (None: called directly, no gradient needed)
             ctx.expr = expr
             ctx.save_for_backward(q, k)
+            ctx.set_materialize_grads(False)  # (no gradient: the fused backward took the path to q and k)
         return deferred.make(expr, (expr.pattern._values.numel(),), q.dtype, q.device)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
         q, k = ctx.saved_tensors
         p = ctx.expr.pattern
         ones = p.with_values(pattern_ones(p, q.dtype))
@@ -147,19 +150,29 @@ class _LazySoftmax(torch.autograd.Function):
     def forward(ctx, expr, scores):
         if ctx is not None:
             ctx.expr = expr
+            ctx.set_materialize_grads(False)
         sddmm = scores._expr  # (the scores' shape and type from their expression: no reads on the deferred value)
         return deferred.make(expr, sddmm.pattern._values.shape, sddmm.q.dtype, sddmm.q.device)
 
     @staticmethod
     def backward(ctx, grad):
         from .ops import segment
+        if grad is None:
+            return None, None
         y = ctx.expr.compute()
         return None, segment.softmax_backward(y, grad, ctx.expr.pos)
 
 
 class _FusedAttention(torch.autograd.Function):
+    """``softmax(alpha * SDDMM(pattern, q, k)) @ v`` from lazy probabilities. Its inputs are the probabilities,
+    ``v``, and ``q`` and ``k`` too: the backward goes to ``q`` and ``k`` directly (the scores' gradient and ``dq``
+    by one fused kernel, ``dk`` and ``dv`` by transposed products), giving the probabilities no gradient, so that
+    the lazy softmax and SDDMM nodes do nothing. Where the probabilities are used elsewhere too, their other
+    gradients still reach ``q`` and ``k`` through those nodes. A backward that records a graph (double
+    backward) goes op by op: the gradient of the probabilities, through the lazy nodes."""
+
     @staticmethod
-    def forward(ctx, boxed, probs, v):
+    def forward(ctx, boxed, probs, v, q, k):
         (attn,) = boxed
         expr = probs._expr
         # without a backward, the probabilities are not kept: a later read of them computes them again
@@ -168,18 +181,29 @@ class _FusedAttention(torch.autograd.Function):
             expr.value = p
             probs.fill(p)  # the probabilities are computed: a later use reads them
         if ctx is not None:
-            ctx.pattern = attn
-            ctx.save_for_backward(p, v)
+            ctx.pattern, ctx.alpha = attn, expr.scores._expr.alpha
+            ctx.save_for_backward(p, v, q, k)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        p, v = ctx.saved_tensors
+        p, v, q, k = ctx.saved_tensors
         attn = ctx.pattern.with_values(p)
         inputs, out = (("i", "j"), ("j", "k")), ("i", "k")
-        dp = _einsum_grad(0, inputs, out, [attn, v], grad) if ctx.needs_input_grad[1] else None
         dv = _einsum_grad(1, inputs, out, [attn, v], grad) if ctx.needs_input_grad[2] else None
-        return None, dp, dv
+        done = None
+        if not torch.is_grad_enabled() and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
+            done = _attention_backward(ctx.pattern, p, grad, v, k, ctx.alpha)
+        if done is None:  # op by op, through the lazy softmax and SDDMM
+            dp = _einsum_grad(0, inputs, out, [attn, v], grad) if ctx.needs_input_grad[1] else None
+            return None, dp, dv, None, None
+        ds, dq = done
+        dk = None
+        if ctx.needs_input_grad[4]:
+            pattern = ctx.pattern
+            ops = [pattern.with_values(pattern_ones(pattern, q.dtype)), q, k]
+            dk = _einsum_grad(2, (("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), ops, pattern.with_values(ds))
+        return None, None, dv, dq if ctx.needs_input_grad[3] else None, dk
 
 
 def _grad(*tensors) -> bool:
@@ -257,9 +281,10 @@ def fused_product(equation, operands):
         return None
     deferred.check_versions(scores)
     v = v.contiguous()
+    sddmm = scores._expr
     if _grad(probs, v):
-        return _FusedAttention.apply((attn,), probs, v)
-    return _FusedAttention.forward(None, (attn,), probs, v)
+        return _FusedAttention.apply((attn,), probs, v, sddmm.q, sddmm.k)
+    return _FusedAttention.forward(None, (attn,), probs, v, sddmm.q, sddmm.k)
 
 
 # --- the fused kernel ---------------------------------------------------------------------------------------
@@ -353,12 +378,7 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
     ones_values = pattern_ones(p, q.dtype)
     sig = (p._format, p._shape, p._index_dtype, q.dtype, q.shape, k.shape, v.shape)
-    plans = _PLANS.get(sig)
-    if plans is None:  # (planned once per signature: the schedule is not consulted again)
-        ones = p.with_values(ones_values)
-        first = dispatch.row_plan((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), [ones, q, k])
-        last = dispatch.row_plan((("i", "j"), ("j", "k")), ("i", "k"), [ones, v])
-        plans = _PLANS[sig] = None if first is None or last is None else (first, last)
+    plans = _row_plans(sig, p, q.dtype, (q, k), (v,))
     if plans is None:
         return None
     (plan1, sizes1), (plan3, sizes3) = plans
@@ -420,6 +440,68 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
         return fused, compiled, values
     values = [live[name] if name is not None else const for name, const in binder]
     return fused, compiled, dict(zip((prm.name for prm in fused.params), values))
+
+
+def _row_plans(sig, pattern, dtype, first_ops, last_ops):
+    """The row plans (``dispatch.row_plan``, cached by ``sig``) of an SDDMM ``ij,ik,jk->ij`` on ``first_ops`` and
+    an SpMM ``ij,jk->ik`` on ``last_ops`` (each after the pattern's ones), or None where either is not one row
+    loop."""
+    plans = _PLANS.get(sig)
+    if plans is None:  # (planned once per signature: the schedule is not consulted again)
+        ones = pattern.with_values(pattern_ones(pattern, dtype))
+        first = dispatch.row_plan((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), [ones, *first_ops])
+        last = dispatch.row_plan((("i", "j"), ("j", "k")), ("i", "k"), [ones, *last_ops])
+        plans = _PLANS[sig] = None if first is None or last is None else (first, last)
+    return plans
+
+
+def _attention_backward(pattern, p, g, v, k, alpha):
+    """``(ds, dq)`` of the attention's backward from the probabilities ``p`` and the output's gradient ``g``: the
+    scores' gradient ``ds = alpha * softmax_backward(p, SDDMM(pattern, g, v))`` and ``dq = ds @ k``, by one fused
+    kernel (a row's ``g @ v^T`` in a row buffer); None where the parts are not one row loop each."""
+    prepared = _prepare_backward(pattern, p, g, v, k, alpha)
+    if prepared is None:
+        return None
+    _launch(*prepared)
+    return prepared[2]["ds"], prepared[2]["dq"]
+
+
+def _prepare_backward(pattern, p, g, v, k, alpha):
+    """``(fused kernel IR, compiled kernel, argument values by parameter name)`` of ``_attention_backward``."""
+    dtype = p.dtype
+    if dtype not in (torch.float32, torch.float64) or g.dtype != dtype or g.device.type != "cpu":
+        return None
+    g = g.contiguous()
+    sig = ("backward", pattern._format, pattern._shape, pattern._index_dtype, dtype, g.shape, v.shape, k.shape)
+    plans = _row_plans(sig, pattern, dtype, (g, v), (k,))
+    if plans is None:
+        return None
+    (plan1, sizes1), (plan3, sizes3) = plans
+    key = ("backward", id(plan1), id(plan3))
+    entry = _FUSED.get(key)
+    if entry is None:
+        vt, it = L.type_of(dtype), L.type_of(pattern._index_dtype)
+        shared = {n: n for n in _SHARED}
+        maps = ({**shared, "out": "dp"}, {**shared, "y": "probs", "g": "dp", "dx": "ds", "scale": "scale"},
+                {**shared, "t0_vals": "ds", "out": "dq"})
+        fused = fuse.rows("scorch_attention_backward", [(plan1.lowered.kernel, maps[0]),
+                                                         (fuse.softmax_backward_rows(vt, it), maps[1]),
+                                                         (plan3.lowered.kernel, maps[2])])
+        fused = fuse.constant(fuse.localize(fused, ("dp",), it), "f0_t0_vals", 1.0)
+        entry = _FUSED[key] = (fused, runtime.load(cpp.generate(fused), fused.name, cpp.argtypes(fused)), maps)
+    fused, compiled, maps = entry
+    ones = pattern.with_values(pattern_ones(pattern, dtype))
+    ds = torch.empty(p.shape, dtype=dtype)
+    dq = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(pattern._shape[0], k.shape[1],
+                                                                              dtype=dtype)
+    values = {}
+    for n, args in ((0, dispatch.arguments(plan1, [ones, g, v], sizes1, ds)),
+                    (2, dispatch.arguments(plan3, [ones, k], sizes3, dq))):
+        for name, value in args.items():
+            values[maps[n].get(name, f"f{n}_{name}")] = value
+    values.update({"probs": p, "ds": ds, "dq": dq, "scale": alpha, "nthreads": torch.get_num_threads(),
+                   "longest": _longest(pattern)})
+    return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
 
 
 # --- elementwise epilogues on a product's rows ------------------------------------------------------------------

@@ -84,17 +84,68 @@ def test_lazy_values_used_elsewhere_fall_back():
         torch.testing.assert_close(g, w)
 
 
-def test_fused_gradients():
-    q, k, v, mask, keep = _case(24, 18, 6, 5, 0.4, torch.float64, torch.int32, seed=3)
+@pytest.mark.parametrize("shape", [(24, 18, 6, 5, 0.4), (40, 50, 16, 32, 0.6), (5, 7, 8, 8, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_gradients(shape, dtype, monkeypatch):
+    """The backward: the scores' gradient and dq by the fused backward kernel, dk and dv by transposed products
+    (the lazy softmax and SDDMM nodes get no gradient and do nothing); against dense torch."""
+    from scorch import fusion
+    used = []
+    kernel = fusion._attention_backward
+    monkeypatch.setattr(fusion, "_attention_backward", lambda *a: used.append(1) or kernel(*a))
+    q, k, v, mask, keep = _case(*shape, dtype, torch.int32, seed=3)
     for t in (q, k, v):
         t.requires_grad_(True)
-    w = torch.randn(24, 5, dtype=torch.float64)
+    w = torch.randn(shape[0], shape[3], dtype=dtype)
     (fused_attention(q, k, v, mask) * w).sum().backward()
+    assert used == [1]
     got = [t.grad.clone() for t in (q, k, v)]
     refs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     (_dense_reference(*refs, keep) * w).sum().backward()
     for g, r in zip(got, refs):
         torch.testing.assert_close(g, r.grad)
+
+
+def test_gradients_when_the_probabilities_are_used_elsewhere_too():
+    """The probabilities returned and in the loss too: their gradient goes through the lazy softmax and SDDMM
+    nodes and adds to the fused backward's; double backward (a graph of the backward) goes op by op."""
+    q, k, v, mask, keep = _case(20, 16, 8, 4, 0.5, torch.float64, torch.int64, seed=4)
+
+    def both(q, k, v, mask):
+        a = torch.sparse.softmax(torch.sparse.sampled_addmm(mask, q, k.T, beta=0.0, alpha=0.5), dim=1)
+        return a @ v, a
+
+    qs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, a = scorch.compile(both)(*qs, mask)
+    ((out ** 2).sum() + (a.values() ** 3).sum()).backward()
+    refs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out_r, a_r = both(*refs, mask)
+    ((out_r ** 2).sum() + (a_r.values() ** 3).sum()).backward()
+    for g, r in zip(qs, refs):
+        torch.testing.assert_close(g.grad, r.grad)
+    qs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = scorch.compile(both)(*qs, mask)
+    (gq,) = torch.autograd.grad((out ** 2).sum(), qs[0], create_graph=True)
+    (gq_r,) = torch.autograd.grad((both(*refs, mask)[0] ** 2).sum(), refs[0], create_graph=True)
+    torch.testing.assert_close(gq, gq_r)
+
+
+def test_fused_backward_kernel_interpreted_matches_compiled():
+    from scorch import fusion
+    q, k, v, mask, keep = _case(40, 50, 16, 32, 0.6, torch.float64, torch.int32, seed=6)
+    p = fusion._attention(fusion.SddmmExpr(mask, q, k, 0.25), v)[1]
+    g = torch.randn(40, 32, dtype=torch.float64)
+    ds, dq = fusion._attention_backward(mask, p, g, v, k, 0.25)
+    dp = (g @ v.T)[keep]  # the op-by-op gradients
+    ds_ref = scorch.ops.segment.softmax_backward(p, dp, mask.levels[1].pos) * 0.25
+    torch.testing.assert_close(ds, ds_ref)
+    torch.testing.assert_close(dq, mask.with_values(ds_ref).to_dense() @ k)
+    fused, _, values = fusion._prepare_backward(mask, p, g, v, k, 0.25)
+    assert "dp" not in values  # (a row's g @ v^T in a row buffer)
+    interp.run(fused, {name: (x.reshape(-1).numpy() if isinstance(x, torch.Tensor) else x)
+                       for name, x in values.items()})
+    torch.testing.assert_close(values["ds"], ds)
+    torch.testing.assert_close(values["dq"], dq)
 
 
 def test_compile_as_decorator_and_outputs():

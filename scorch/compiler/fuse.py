@@ -166,9 +166,7 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = 
     factor that normalizes them, for a later part to apply to what it makes of them (``scale_stores``).
     ``peak_of``: the values come scaled already (no ``scale`` parameter), and their max is read from the partial
     maxima of that name (``track_max``) instead of a pass over them."""
-    i64 = "i64"
-    c0, p0, p = L.Var("c0"), L.Var("p0"), L.Var("p")
-    lo, hi = L.Var("lo"), L.Var("hi")
+    p, lo, hi = L.Var("p"), L.Var("lo"), L.Var("hi")
     peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
     x = L.Load("x", p, vtype) if peak_of else L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
     ninf, zero = L.Const(float("-inf"), vtype), L.Const(0.0, vtype)
@@ -186,15 +184,36 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = 
         L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=True)
         if normalize else None,
     )
-    body = L.block(
-        L.Let(p0, L.binary("sub", c0, L.Var("t0_l0_lo"))),
-        L.Let(lo, L.Cast(L.Load("t0_l1_pos", p0, itype), i64)),
-        L.Let(hi, L.Cast(L.Load("t0_l1_pos", L.binary("add", p0, L.Const(1)), itype), i64)),
-        L.Decl(inv, zero),
-        L.If(L.binary("lt", lo, hi), row))
-    return row_kernel("scorch_softmax_rows", itype, body, (
+    return row_kernel("scorch_softmax_rows", itype, _csr_row(itype, row, L.Decl(inv, zero)), (
         L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True)) +
         (() if peak_of else (L.Param("scale", "scalar", vtype),)))
+
+
+def softmax_backward_rows(vtype: str, itype: str) -> L.Kernel:
+    """``dx[p] = scale * y[p] * (g[p] - sum of y * g over the row)``: the gradient of the row softmax's input (times
+    ``scale``) from its output ``y`` and the output's gradient ``g``, as a CSR row loop like ``softmax_rows``."""
+    p, lo, hi, t = L.Var("p"), L.Var("lo"), L.Var("hi"), L.Var("t", vtype)
+    y, g = L.Load("y", p, vtype), L.Load("g", p, vtype)
+    row = L.block(
+        L.Decl(t, L.Const(0.0, vtype)),
+        L.For(p, lo, hi, L.block(L.Assign(t, L.binary("mul", y, g), "add")), simd=True, reductions=(("add", "t"),)),
+        L.For(p, lo, hi, L.block(L.Store("dx", p, L.binary("mul", L.binary("mul", L.Var("scale", vtype), y),
+                                                              L.binary("sub", g, t)))), simd=True))
+    return row_kernel("scorch_softmax_backward_rows", itype, _csr_row(itype, row), (
+        L.Param("y", "array", vtype), L.Param("g", "array", vtype), L.Param("dx", "array", vtype, output=True),
+        L.Param("scale", "scalar", vtype)))
+
+
+def _csr_row(itype: str, row: L.Block, *before) -> L.Block:
+    """The body of a CSR row loop (row variable ``c0``) running ``row`` on the row's positions ``[lo, hi)``
+    when it has any, after the statements ``before``."""
+    c0, p0, lo, hi = L.Var("c0"), L.Var("p0"), L.Var("lo"), L.Var("hi")
+    return L.block(
+        L.Let(p0, L.binary("sub", c0, L.Var("t0_l0_lo"))),
+        L.Let(lo, L.Cast(L.Load("t0_l1_pos", p0, itype), "i64")),
+        L.Let(hi, L.Cast(L.Load("t0_l1_pos", L.binary("add", p0, L.Const(1)), itype), "i64")),
+        *before,
+        L.If(L.binary("lt", lo, hi), row))
 
 
 def scale_stores(kernel: L.Kernel, array: str, factor: L.Expr) -> L.Kernel:

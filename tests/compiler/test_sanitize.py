@@ -183,8 +183,17 @@ SCRIPT = textwrap.dedent(r'''
             n += 2
             if not close(attend(q, k, v, mask), expected):
                 bad.append(f"fused attention {(rows, cols)}")
-            if not close(attend(q.clone().requires_grad_(), k, v, mask).detach(), expected):  # (probabilities kept)
+            qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+            got = attend(qg, kg, v, mask)  # (probabilities kept), then the fused backward kernel
+            if not close(got.detach(), expected):
                 bad.append(f"fused attention with a gradient {(rows, cols)}")
+            got.sum().backward()
+            qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+            s_r = (qr @ kr.T * 0.5).masked_fill(~keep, float("-inf"))
+            (torch.softmax(s_r, dim=1).nan_to_num(0.0) @ v).sum().backward()
+            n += 1
+            if not (close(qg.grad, qr.grad) and close(kg.grad, kr.grad)):
+                bad.append(f"fused attention backward {(rows, cols)}")
             # a product with a bias and relu after it, as one kernel
             b = values((16,), gen)
             n += 1
