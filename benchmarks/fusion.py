@@ -10,9 +10,9 @@
    RSS during one run minus the RSS before it, after a warm-up).
 2. **Sparse attention** (sequence 4096, window 64, 2 global tokens, 1 random block of 64; head dim 32): one head of
    the sparse transformer app's attention (``apps.sparse_transformer.model.sparse_attention``: SDDMM -> softmax
-   -> SpMM) op by op and under ``scorch.compile`` (one fused kernel), and the sparse
-   transformer's attention layer (4 heads, d_model 128, QKV and output projections included) both ways, forward
-   under ``no_grad`` and forward + backward.
+   -> SpMM) op by op and under ``scorch.compile`` (one fused kernel), forward under ``no_grad`` and forward +
+   backward to q, k and v (a fused backward kernel), and the sparse transformer's attention layer (4 heads,
+   d_model 128, QKV and output projections included) both ways, forward and forward + backward.
 3. **Dense-only code**: dense einsums (a small and a large matrix product, a batched product followed by an
    elementwise op) with deferral ``auto`` (the default) against ``off``: what deferral costs code that never meets
    a sparse operand.
@@ -152,9 +152,18 @@ def attention(quick, repeats, threads):
 
     fused = torch.compile(head)
     torch.testing.assert_close(fused(q, k, v, mask), head(q, k, v, mask))
-    with T.no_grad():
+    with T.no_grad():  # (a head takes about a millisecond: many interleaved repeats, for a steady median)
         ops = _interleaved({"op by op": lambda: head(q, k, v, mask), "fused": lambda: fused(q, k, v, mask)},
-                           repeats * 3)
+                           repeats * 40)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    grad = T.randn(n, 32, generator=g)
+
+    def train(f):
+        for t in leaves:
+            t.grad = None
+        f(*leaves, mask).backward(grad)
+
+    both = _interleaved({"op by op": lambda: train(head), "fused": lambda: train(fused)}, repeats * 8)
     layer = {}
     for rnd in range(2):  # two rounds, alternating, so that load changes hit both
         for fuse in (False, True):
@@ -162,7 +171,7 @@ def attention(quick, repeats, threads):
                                    fuse=fuse)
             layer.setdefault(fuse, []).append(r)
     lay = {f: {m: statistics.median(r[m] for r in rs) for m in ("fwd_s", "fwd_bwd_s")} for f, rs in layer.items()}
-    return {"n": n, "nnz": int(crow[-1]), "head": ops, "layer": lay}
+    return {"n": n, "nnz": int(crow[-1]), "head": ops, "head_bwd": both, "layer": lay}
 
 
 # --- 3. dense-only overhead -------------------------------------------------------------------------------------
@@ -206,11 +215,13 @@ def report(m, a, d, threads, quick) -> str:
              "| gates | ms (median) | speedup vs dense gates | peak MiB above the inputs during one run |",
              "| --- | ---: | ---: | ---: |"]
     lines += [f"| {k} | {t:.1f} | {x:.1f}x | {p:.0f} |" for k, t, x, p in m["rows"]]
-    h, lay = a["head"], a["layer"]
+    h, hb, lay = a["head"], a["head_bwd"], a["layer"]
     lines += ["", f"### Sparse attention, sequence {a['n']}, window 64 ({a['nnz']:,} entries), head dim 32", "",
               "| what | op by op | fused (scorch.compile) | speedup |", "| --- | ---: | ---: | ---: |",
               f"| one head, forward (SDDMM -> softmax -> SpMM) | {h['op by op'] * 1e3:.2f} ms | {h['fused'] * 1e3:.2f} ms"
               f" | {h['op by op'] / h['fused']:.2f}x |",
+              f"| one head, forward + backward (to q, k, v) | {hb['op by op'] * 1e3:.2f} ms |"
+              f" {hb['fused'] * 1e3:.2f} ms | {hb['op by op'] / hb['fused']:.2f}x |",
               f"| attention layer (4 heads, projections included), forward | {lay[False]['fwd_s'] * 1e3:.1f} ms |"
               f" {lay[True]['fwd_s'] * 1e3:.1f} ms | {lay[False]['fwd_s'] / lay[True]['fwd_s']:.2f}x |",
               f"| attention layer, forward + backward | {lay[False]['fwd_bwd_s'] * 1e3:.1f} ms |"

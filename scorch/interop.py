@@ -84,7 +84,10 @@ def _compressed_rows(x, fmt, index_dtype, check, copy=True):
             [e.dim if isinstance(e, Var) else None for e in exprs] != list(range(x.dim())):
         return None
     flat = x.detach().reshape(x.shape[0], x[0].numel() if x.shape[0] else math.prod(x.shape[1:]))
-    nonzero = flat.ne(0).any(1) if flat.dtype == torch.bool or flat.shape[1] == 0 else flat.abs().amax(1) != 0
+    if flat.dtype == torch.bool or flat.dtype.is_complex or flat.shape[1] == 0:
+        nonzero = flat.ne(0).any(1)
+    else:  # (two reductions, no temporary of x's size: abs() would allocate one, each page a fault)
+        nonzero = (flat.amax(1) != 0) | (flat.amin(1) != 0)
     kept = nonzero.nonzero().reshape(-1)  # (a NaN row is kept: NaN != 0)
     if index_dtype is None:
         index_dtype = _storage.pick_index_dtype(*x.shape, flat.numel())

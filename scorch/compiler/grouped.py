@@ -198,12 +198,17 @@ def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
     ones = bool((vals == 1).all())
     unique = _once_each(rows, sizes[r])
     y = (torch.empty if unique else torch.zeros)(sizes[r], sizes[wi[2]], dtype=dtype, device=x.device)
+    # one buffer each for the gathered rows and their product, reused group after group (no allocation per
+    # group: a large one is fresh pages from the system, each page a fault)
+    most = max((hi - lo for lo, hi in zip(starts[:-1], starts[1:])), default=0)
+    xbuf = torch.empty(most, x.shape[1], dtype=dtype, device=x.device)
+    pbuf = torch.empty(most, sizes[wi[2]], dtype=dtype, device=x.device)
     for lo, hi in zip(starts[:-1], starts[1:]):
         at = rows[lo:hi]
-        xg = x.index_select(0, at)
+        xg = torch.index_select(x, 0, at, out=xbuf[:hi - lo])
         if not ones:
             xg.mul_(vals[lo:hi, None])
-        prod = torch.mm(xg, w[int(keys[lo])])
+        prod = torch.mm(xg, w[int(keys[lo])], out=pbuf[:hi - lo])
         if unique:
             y.index_copy_(0, at, prod)
         else:
