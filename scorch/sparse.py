@@ -12,7 +12,7 @@ import torch as _torch
 import torch.sparse as _tsparse
 
 from . import _forward
-from .sparse_tensor import SparseTensor, _checking
+from .sparse_tensor import IMPLEMENTATIONS, SparseTensor, _checking
 
 _LAYOUTS = (_torch.sparse_coo, _torch.sparse_csr, _torch.sparse_csc, _torch.sparse_bsr, _torch.sparse_bsc)
 
@@ -36,7 +36,8 @@ def routed(fn):
     def call(*args, **kwargs):
         args = [_view(a) for a in args]
         kwargs = {k: _view(v) for k, v in kwargs.items()} if kwargs else kwargs
-        if args and type(args[0]) is SparseTensor and not _torch._C._is_torch_function_mode_enabled():
+        if args and type(args[0]) is SparseTensor and fn in IMPLEMENTATIONS and \
+                not _torch._C._is_torch_function_mode_enabled():
             types = tuple({type(a) for a in (*args, *kwargs.values()) if isinstance(a, _torch.Tensor)})
             return SparseTensor.__torch_function__(fn, types, tuple(args), kwargs)
         return fn(*args, **kwargs)

@@ -156,3 +156,22 @@ def test_asformat_returns_the_same_tensor_when_nothing_changes():
     assert scorch.asformat(s, scorch.formats.csr, index_dtype=torch.int32) is s
     assert scorch.asformat(s, "csr", index_dtype=torch.int64).index_dtype == torch.int64
     assert torch.equal(s.asformat("csc").to_dense(), X)
+
+
+def test_scorch_sparse_calls_go_straight_to_scorch_unless_a_torch_function_mode_is_active():
+    """``scorch.sparse.mm`` on a SparseTensor calls scorch's implementation directly; under a TorchFunctionMode the
+    call goes through torch's operator, so the mode sees it."""
+    from torch.overrides import TorchFunctionMode
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    s = scorch.asformat(torch.eye(3), "csr")
+    torch.testing.assert_close(scorch.sparse.mm(s, torch.ones(3, 2)), torch.ones(3, 2))
+    with Spy():
+        r = scorch.sparse.mm(s, torch.ones(3, 2))
+    assert torch.sparse.mm in seen
+    torch.testing.assert_close(r, torch.ones(3, 2))
