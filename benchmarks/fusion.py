@@ -13,9 +13,9 @@
    -> SpMM) op by op and under ``scorch.compile`` (one fused kernel), forward under ``no_grad`` and forward +
    backward to q, k and v (a fused backward kernel), and the sparse transformer's attention layer (4 heads,
    d_model 128, QKV and output projections included) both ways, forward and forward + backward.
-3. **Dense-only code**: dense einsums (a small and a large matrix product, a batched product followed by an
-   elementwise op) with deferral ``auto`` (the default) against ``off``: what deferral costs code that never meets
-   a sparse operand.
+3. **Dense-only code**: dense einsums (matrix products below the automatic threshold and at it, a batched product
+   at it followed by an elementwise op) with deferral ``auto`` (the default) against ``off``: what deferral costs
+   code that never meets a sparse operand.
 
 ``--write`` replaces the "Fusion" section of ``benchmarks/RESULTS.md``.
 """
@@ -182,11 +182,15 @@ def dense_overhead(quick, repeats):
     g = T.Generator().manual_seed(0)
     a64, b64 = T.randn(64, 64, generator=g), T.randn(64, 64, generator=g)
     a1k, b1k = T.randn(1024, 1024, generator=g), T.randn(1024, 1024, generator=g)
-    xb, wb = T.randn(32, 256, 256, generator=g), T.randn(32, 256, 256, generator=g)
+    a2k, b2k = T.randn(2048, 2048, generator=g), T.randn(2048, 1024, generator=g)
+    xb, wb = T.randn(64, 512, 512, generator=g), T.randn(64, 512, 256, generator=g)
     cases = {
         "ij,jk->ik, 64x64 (not deferred: below the threshold)": lambda: scorch.einsum("ij,jk->ik", a64, b64) + 1,
-        "ij,jk->ik, 1024x1024, then + 1": lambda: scorch.einsum("ij,jk->ik", a1k, b1k) + 1,
-        "bij,bjk->bik, 32x256x256, then relu": lambda: T.relu(scorch.einsum("bij,bjk->bik", xb, wb)),
+        "ij,jk->ik, 1024^3, then + 1 (not deferred: below the threshold)":
+            lambda: scorch.einsum("ij,jk->ik", a1k, b1k) + 1,
+        "ij,jk->ik, 2048x2048x1024 (2^32, the smallest deferred), then + 1":
+            lambda: scorch.einsum("ij,jk->ik", a2k, b2k) + 1,
+        "bij,bjk->bik, 64x512x512x256 (2^32), then relu": lambda: T.relu(scorch.einsum("bij,bjk->bik", xb, wb)),
     }
     out = []
     for name, fn in cases.items():
@@ -198,7 +202,7 @@ def dense_overhead(quick, repeats):
             with scorch.deferral("auto"):
                 return fn()
 
-        reps = repeats * (40 if "64x64" in name else 4)
+        reps = repeats * (40 if "64x64" in name else 2)
         t = _interleaved({"off": off, "auto": auto}, reps)
         out.append((name, t["off"] * 1e6, t["auto"] * 1e6, t["auto"] / t["off"]))
     return out

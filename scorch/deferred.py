@@ -18,7 +18,9 @@ called, and anything the check cannot vouch for runs eagerly. An operand modifie
 the computation of its value is detected (``_version``) and raises, as autograd does for its saved tensors.
 
 Which einsums are deferred (``mode``): ``"auto"`` (the default) defers all-dense einsums of at least ``MIN_WORK``
-multiply-adds, whose run time makes the few microseconds of bookkeeping unmeasurable; ``"all"`` defers every
+multiply-adds, whose run time makes the bookkeeping unmeasurable (a deferral costs 15 us in a tight loop, but
+40-140 us right after a large kernel, when the code it runs is out of the caches: 5% of a 512^3 product, 1% of a
+2^31 one, below measurement from 2^32); ``"all"`` defers every
 all-dense einsum (the test suite runs with it, to show deferral is invisible); ``"off"`` none. The environment
 variable ``SCORCH_DEFER`` sets the initial mode; ``scorch.deferral(mode)`` changes it within a ``with`` block.
 
@@ -30,6 +32,7 @@ directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -43,7 +46,7 @@ from .compiler.einsum import parse
 MODES = ("auto", "all", "off")
 
 #: an all-dense einsum doing at least this many multiply-adds is deferred in the ``auto`` mode
-MIN_WORK = 1 << 26
+MIN_WORK = 1 << 32
 
 
 class _Mode(threading.local):
@@ -178,23 +181,24 @@ def pending(x) -> bool:
     return type(x) is Deferred
 
 
-#: placeholders of exact-layout deferred values by (shape, dtype, device): never written (anything but a metadata
-#: or layout read computes the value first, and computing replaces the storage), so deferred values of one
-#: shape share one
+#: placeholders of deferred values by (shape, dtype, device, exact layout): never written (anything but a
+#: metadata or layout read computes the value first, and computing replaces the storage), so deferred values of
+#: one shape share one
 _PLACEHOLDERS: dict = {}
 
 
 def make(expr, shape, dtype, device):
     """A ``Deferred`` of ``shape`` computed by ``expr`` (``compute()``, ``operands``, ``exact_layout``)."""
-    if expr.exact_layout:  # allocated, never written: untouched pages (CPU) hold no memory
-        key = (tuple(shape), dtype, device)
-        placeholder = _PLACEHOLDERS.get(key)
-        if placeholder is None:
-            if len(_PLACEHOLDERS) >= 16:
-                _PLACEHOLDERS.clear()
-            placeholder = _PLACEHOLDERS[key] = torch.empty(shape, dtype=dtype, device=device)
-    else:  # one element repeated: no memory on any device (layout reads compute the value)
-        placeholder = torch.empty((), dtype=dtype, device=device).expand(shape)
+    key = (tuple(shape), dtype, device, expr.exact_layout)
+    placeholder = _PLACEHOLDERS.get(key)  # (each torch call here costs 10-25 us right after a large kernel)
+    if placeholder is None:
+        if len(_PLACEHOLDERS) >= 32:
+            _PLACEHOLDERS.clear()
+        if expr.exact_layout:  # allocated, never written: untouched pages (CPU) hold no memory
+            placeholder = torch.empty(shape, dtype=dtype, device=device)
+        else:  # one element repeated: no memory on any device (layout reads compute the value)
+            placeholder = torch.empty((), dtype=dtype, device=device).expand(shape)
+        _PLACEHOLDERS[key] = placeholder
     d = torch.Tensor._make_subclass(Deferred, placeholder)
     d._expr = expr
     d._versions = tuple(t._version for t in expr.operands)
@@ -213,21 +217,34 @@ def einsum(equation, operands):
             bound *= t.numel()
         if bound < MIN_WORK:
             return None
-    from .compiler import dispatch
-    try:
-        inputs, out = parse(equation, [t.dim() for t in operands])
-        sizes, _ = dispatch._sizes(inputs, operands, "einsum")
-    except (ValueError, TypeError):
+    planned = _planned(equation, tuple(t.shape for t in operands))
+    if planned is None:
         return None  # the eager call raises its own error
-    if m == "auto" and math.prod(sizes.values()) < MIN_WORK:
+    inputs, out, shape, work = planned
+    if m == "auto" and work < MIN_WORK:
         return None
-    dtype = operands[0].dtype
+    dtype, device = operands[0].dtype, operands[0].device
     for t in operands[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
-    if len({t.device for t in operands}) != 1 or any(t.layout != torch.strided for t in operands):
+        if t.device != device:
+            return None
+    if any(t.layout != torch.strided for t in operands):
         return None
     compute_all(operands)
-    return _defer(inputs, out, operands, None, [sizes[v] for v in out], dtype)
+    return _defer(inputs, out, operands, None, shape, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _planned(equation, shapes):
+    """``(inputs, out, output shape, multiply-adds)`` of an einsum on operands of these shapes (cached: a model
+    repeats its einsums), or None where the eager call would raise."""
+    from .compiler import dispatch
+    try:
+        inputs, out = parse(equation, [len(s) for s in shapes])
+        sizes, _ = dispatch._sizes(inputs, [torch.empty(s, device="meta") for s in shapes], "einsum")
+    except (ValueError, TypeError):
+        return None
+    return inputs, out, [sizes[v] for v in out], math.prod(sizes.values())
 
 
 def product(equation, operands, format):
