@@ -6,15 +6,19 @@ pattern with deferred values (the SDDMM not run), ``softmax(scores, dim=1)`` of 
 and the product of those probabilities with a dense ``v`` (``torch.sparse.mm``, ``@``, ``einsum("ij,jk->ik")``)
 runs one fused kernel: per row, the scores, their softmax and the row of the output, in one pass over the
 pattern (``compiler/fuse.py``: the SDDMM's and the SpMM's row loops, as lowered for the CPU, and the row softmax,
-under one parallel row loop). The probabilities the kernel computes fill the deferred ones, so a later use of them
-(or the backward pass) does not compute them again.
+under one parallel row loop; a row's scores in a row buffer, their max taken as they are stored). With a backward
+to come, the probabilities the kernel computes fill the deferred ones; without one they stay in a row buffer too
+(a later read of them computes them again, op by op).
 
 Anything else that touches a lazy value computes it as the unfused op would have: the fallback is the eager
 path, op by op, and the same values. On leaving the function every deferred value among its results is computed.
 
 Autograd: the lazy SDDMM and softmax are autograd Functions (backward: the SDDMM's gradients as einsums through the
-compiler, the row softmax's backward kernel); the fused kernel's backward gives the probabilities' gradient (an
-SDDMM on the pattern) and ``v``'s (``P^T @ dO``). The backward is not fused.
+compiler, the row softmax's backward kernel), used where their values are used otherwise. The fused product is an
+autograd Function of the probabilities, ``v``, ``q`` and ``k``: its backward runs one fused kernel for the scores'
+gradient and ``dq`` (the output gradient's SDDMM with ``v``, the softmax backward, the SpMM with ``k``), then
+``dk`` and ``dv`` as transposed products, and gives the probabilities no gradient (a graph-recording backward
+gives theirs instead, through the lazy nodes).
 """
 from __future__ import annotations
 

@@ -12,7 +12,11 @@ prefix of their part. Local names (variables, workspaces) get a suffix of their 
 which all parts share. The parts' row loops must agree (bounds and parallel schedule, after the renaming):
 ``rows`` raises ``ValueError`` otherwise, and the caller runs the kernels one by one.
 
-``softmax_rows`` is the row softmax as loop IR, so that it can be one of the parts.
+``softmax_rows`` (and ``softmax_backward_rows``) is the row softmax as loop IR, so that it can be one of the parts.
+Passes over a fused kernel use what only the fused kernel knows: ``localize`` moves intermediates that a row
+writes and reads itself into per-thread row buffers, ``constant`` folds in an array known to be constant (a
+pattern's ones), ``scale_stores`` multiplies what is stored into an array (a scale, a row's normalization),
+``track_max`` keeps the max of the values stored into an array as partial maxima, for a later part to read.
 """
 from __future__ import annotations
 
