@@ -170,15 +170,27 @@ def test_errors_inside_compile_are_the_eager_ones():
     assert str(eager.value) == str(fused.value)
 
 
-def test_softmax_rows_interpreted_matches_torch():
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_rows_interpreted_matches_torch(log):
+    """The row softmax and its backward as loop IR (log-space too), through the interpreter, against torch."""
     pos = torch.tensor([0, 3, 3, 4, 8], dtype=torch.int32)
     x = torch.randn(8, dtype=torch.float64)
     y = torch.zeros(8, dtype=torch.float64)
-    kernel = fuse.softmax_rows("f64", "i32")
+    kernel = fuse.softmax_rows("f64", "i32", log=log)
     interp.run(kernel, {"t0_l0_lo": 0, "t0_l0_ext": 4, "t0_l1_pos": pos.numpy(), "x": x.numpy(), "y": y.numpy(),
                         "scale": 2.0, "nthreads": 1})
+    g, dx = torch.randn(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+    interp.run(fuse.softmax_backward_rows("f64", "i32", log=log), {
+        "t0_l0_lo": 0, "t0_l0_ext": 4, "t0_l1_pos": pos.numpy(), "y": y.numpy(), "g": g.numpy(), "dx": dx.numpy(),
+        "scale": 2.0, "nthreads": 1})
+    f = torch.log_softmax if log else torch.softmax
     for lo, hi in zip(pos[:-1].tolist(), pos[1:].tolist()):
-        torch.testing.assert_close(y[lo:hi], torch.softmax(2.0 * x[lo:hi], 0))
+        xs = x[lo:hi].clone().requires_grad_(True)
+        out = f(2.0 * xs, 0)
+        torch.testing.assert_close(y[lo:hi], out.detach())
+        if hi > lo:
+            out.backward(g[lo:hi])
+            torch.testing.assert_close(dx[lo:hi], xs.grad)
 
 
 @pytest.mark.parametrize("keep_probs", [True, False])

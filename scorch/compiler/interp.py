@@ -185,6 +185,8 @@ def _unary(op, a, t):
         return np.tanh(a)
     if op == "exp":
         return np.exp(a)
+    if op == "log":
+        return np.log(a)
     if op == "sign":
         return (a > 0) - (a < 0)
     if op == "not":

@@ -56,7 +56,7 @@ BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "lt", "le
           "and", "or")
 #: unary maps; every one but ``not`` and ``exp`` maps 0 to 0, so it may run on stored values only (``exp`` serves
 #: kernels built as loop IR, such as ``fuse.softmax_rows``, never the lowering of an index expression)
-UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not", "exp")
+UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not", "exp", "log")
 
 
 @dataclass(frozen=True)

@@ -4,95 +4,35 @@ its columns, of any format whose last level is compressed and stores the softmax
 no sort, one pass for the maximum, one for the sum, one to normalize, parallel over segments.
 
 The backward pass is a kernel too: ``dx = y * (dy - sum(dy * y))`` (softmax) or ``dx = dy - exp(y) * sum(dy)``
-(log-softmax), per segment.
+(log-softmax), per segment. Both are loop IR (``compiler/fuse.py``: ``softmax_rows``, ``softmax_backward_rows``),
+the kernels ``scorch.compile`` fuses into sparse attention, generated and compiled like the others (each segment
+a row of a CSR-like row loop, balanced over threads by entries).
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from ..compiler import runtime
-from ..compiler.codegen.cpp import EXPF
+from ..compiler import fuse, loops as L, runtime
+from ..compiler.codegen import cpp
 
-_SOURCE = r"""
-#include <cstdint>
-#include <cmath>
-#include <limits>
-""" + EXPF + r"""
-static inline float scorch_exp(float x) { return scorch_expf(x); }
-static inline double scorch_exp(double x) { return std::exp(x); }
-template <typename T, typename I>
-static void forward(const I* __restrict__ pos, const T* __restrict__ x, T* __restrict__ y, int64_t segments,
-                    int64_t log_space, int64_t nthreads) {
-  #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 64)
-  for (int64_t s = 0; s < segments; ++s) {
-    const int64_t lo = pos[s], hi = pos[s + 1];
-    if (lo >= hi) continue;
-    T peak = -std::numeric_limits<T>::infinity();
-    #pragma omp simd reduction(max:peak)
-    for (int64_t p = lo; p < hi; ++p) peak = x[p] > peak ? x[p] : peak;
-    if (!(peak > -std::numeric_limits<T>::infinity())) peak = 0;  // all -inf (or NaN): as torch, NaN out
-    T total = 0;
-    #pragma omp simd reduction(+:total)
-    for (int64_t p = lo; p < hi; ++p) { const T e = scorch_exp(x[p] - peak); y[p] = e; total += e; }
-    if (log_space) {
-      const T shift = peak + std::log(total);
-      for (int64_t p = lo; p < hi; ++p) y[p] = x[p] - shift;
-    } else {
-      const T inv = T(1) / total;
-      for (int64_t p = lo; p < hi; ++p) y[p] *= inv;
-    }
-  }
-}
-template <typename T, typename I>
-static void backward(const I* __restrict__ pos, const T* __restrict__ y, const T* __restrict__ dy,
-                     T* __restrict__ dx, int64_t segments, int64_t log_space, int64_t nthreads) {
-  #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 64)
-  for (int64_t s = 0; s < segments; ++s) {
-    const int64_t lo = pos[s], hi = pos[s + 1];
-    T acc = 0;
-    if (log_space) {
-      for (int64_t p = lo; p < hi; ++p) acc += dy[p];
-      for (int64_t p = lo; p < hi; ++p) dx[p] = dy[p] - std::exp(y[p]) * acc;
-    } else {
-      for (int64_t p = lo; p < hi; ++p) acc += dy[p] * y[p];
-      for (int64_t p = lo; p < hi; ++p) dx[p] = y[p] * (dy[p] - acc);
-    }
-  }
-}
-extern "C" void scorch_segment_softmax(const void* pos, const void* x, void* y, int64_t segments, int64_t log_space,
-                                       int64_t dbl, int64_t wide, int64_t nthreads) {
-  if (dbl) {
-    if (wide) forward((const int64_t*)pos, (const double*)x, (double*)y, segments, log_space, nthreads);
-    else forward((const int32_t*)pos, (const double*)x, (double*)y, segments, log_space, nthreads);
-  } else {
-    if (wide) forward((const int64_t*)pos, (const float*)x, (float*)y, segments, log_space, nthreads);
-    else forward((const int32_t*)pos, (const float*)x, (float*)y, segments, log_space, nthreads);
-  }
-}
-extern "C" void scorch_segment_softmax_backward(const void* pos, const void* y, const void* dy, void* dx,
-                                                int64_t segments, int64_t log_space, int64_t dbl, int64_t wide,
-                                                int64_t nthreads) {
-  if (dbl) {
-    if (wide) backward((const int64_t*)pos, (const double*)y, (const double*)dy, (double*)dx, segments, log_space, nthreads);
-    else backward((const int32_t*)pos, (const double*)y, (const double*)dy, (double*)dx, segments, log_space, nthreads);
-  } else {
-    if (wide) backward((const int64_t*)pos, (const float*)y, (const float*)dy, (float*)dx, segments, log_space, nthreads);
-    else backward((const int32_t*)pos, (const float*)y, (const float*)dy, (float*)dx, segments, log_space, nthreads);
-  }
-}
-"""
 _kernels: dict = {}
-_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-def _kernel(name):
-    k = _kernels.get(name)
-    if k is None:
-        args = [_P] * (3 if name == "scorch_segment_softmax" else 4) + [_I] * 5
-        k = _kernels[name] = runtime.load(_SOURCE, name, args)
-    return k
+def _run(backward: bool, log_space: bool, pos, **arrays):
+    """The row softmax kernel (``fuse.softmax_rows``, or ``fuse.softmax_backward_rows``: loop IR, the same that
+    ``scorch.compile`` fuses into attention) over the segments of ``pos``, on ``arrays`` by parameter name."""
+    vtype, itype = L.type_of(next(iter(arrays.values())).dtype), L.type_of(pos.dtype)
+    key = (backward, log_space, vtype, itype)
+    entry = _kernels.get(key)
+    if entry is None:
+        kernel = (fuse.softmax_backward_rows(vtype, itype, log=log_space) if backward else
+                  fuse.softmax_rows(vtype, itype, log=log_space))
+        entry = _kernels[key] = (kernel, runtime.load(cpp.generate(kernel), kernel.name, cpp.argtypes(kernel)))
+    kernel, compiled = entry
+    values = {"t0_l0_lo": 0, "t0_l0_ext": pos.numel() - 1, "t0_l1_pos": pos, "scale": 1.0,
+              "nthreads": torch.get_num_threads(), **arrays}
+    compiled(*[values[p.name].data_ptr() if isinstance(values[p.name], torch.Tensor) else values[p.name]
+               for p in kernel.params])
 
 
 SUPPORTED = (torch.float32, torch.float64)
@@ -116,9 +56,7 @@ class SegmentSoftmax(torch.autograd.Function):
             return y
         _check(pos, values)
         y = torch.empty_like(values)
-        _kernel("scorch_segment_softmax")(pos.data_ptr(), values.data_ptr(), y.data_ptr(), pos.numel() - 1,
-                                          int(log_space), int(values.dtype == torch.float64),
-                                          int(pos.dtype == torch.int64), torch.get_num_threads())
+        _run(False, log_space, pos.contiguous(), x=values, y=y)
         ctx.save_for_backward(y, pos)
         ctx.log_space = log_space
         return y
@@ -135,9 +73,7 @@ def softmax_backward(y, dy, pos, log_space=False):
         return _backward_ops(y, dy, pos, log_space)
     dy = dy.contiguous()
     dx = torch.empty_like(y)
-    _kernel("scorch_segment_softmax_backward")(pos.data_ptr(), y.data_ptr(), dy.data_ptr(), dx.data_ptr(),
-                                               pos.numel() - 1, int(log_space), int(y.dtype == torch.float64),
-                                               int(pos.dtype == torch.int64), torch.get_num_threads())
+    _run(True, log_space, pos.contiguous(), y=y.contiguous(), g=dy, dx=dx)
     return dx
 
 

@@ -95,6 +95,17 @@ SCRIPT = textwrap.dedent(r'''
                     n += 1
                     if not close(r, expected):
                         bad.append(f"op on {fmt} {shape}")
+                if fmt == "csr":  # the row softmax kernels (loop IR), forward and backward, log-space too
+                    from scorch.ops import segment
+                    pos = s.levels[1].pos
+                    for log in (False, True):
+                        vals = s.values().clone().requires_grad_()
+                        y = segment.softmax(vals, pos, log)
+                        y.backward(torch.ones_like(y))
+                        n += 1
+                        if not (close(y.detach(), segment._forward_ops(vals.detach(), pos, log)) and close(
+                                vals.grad, segment._backward_ops(y.detach(), torch.ones_like(y), pos, log))):
+                            bad.append(f"segment softmax {shape} log={log}")
         # S @ S with rows of hundreds of entries: the radix sort of the touched list
         a, b = values((6, 300), gen, 0.5), values((300, 300), gen, 0.5)
         n += 1

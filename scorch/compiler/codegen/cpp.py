@@ -148,7 +148,8 @@ static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
 def _includes(body: str) -> str:
     """Only the headers and helpers the kernel uses: each standard header costs compile time."""
     inc = []
-    if any(f"std::{f}" in body for f in ("abs", "sqrt", "sin", "tanh", "exp")) or "NAN" in body or "INFINITY" in body:
+    if any(f"std::{f}" in body for f in ("abs", "sqrt", "sin", "tanh", "exp", "log")) or "NAN" in body or \
+            "INFINITY" in body:
         inc.append("#include <cmath>\n")
     inc += [text for name, text in _HELPERS.items() if name in body]
     return "".join(inc)
@@ -406,7 +407,7 @@ class _Emitter:
             return {"neg": f"(-{a})", "abs": f"std::abs({a})", "relu": f"({a} < {t}(0) ? {t}(0) : {a})",
                     "sqrt": f"std::sqrt({a})", "square": f"({a} * {a})", "sin": f"std::sin({a})",
                     "tanh": f"std::tanh({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
-                    "exp": f"scorch_expf({a})" if e.type == "f32" else f"std::exp({a})",
+                    "exp": f"scorch_expf({a})" if e.type == "f32" else f"std::exp({a})", "log": f"std::log({a})",
                     "not": f"(!{a})"}[e.op]
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"

@@ -496,11 +496,11 @@ class _Emitter(cpp._Emitter):
     def expr(self, e):
         if isinstance(e, L.Load):
             return f"{ident(e.array)}[{self.index(e.array, e.index)}]"
-        if isinstance(e, L.Unary) and e.op in ("abs", "sqrt", "sin", "tanh", "exp"):
+        if isinstance(e, L.Unary) and e.op in ("abs", "sqrt", "sin", "tanh", "exp", "log"):
             a, t = self.expr(e.a), CTYPE[e.type]
             if e.type == "f32":
                 return {"abs": f"fabsf({a})", "sqrt": f"sqrtf({a})", "sin": f"sinf({a})", "tanh": f"tanhf({a})",
-                        "exp": f"expf({a})"}[e.op]
+                        "exp": f"expf({a})", "log": f"logf({a})"}[e.op]
             if e.op == "abs" and e.type != "f64":
                 return f"(({a}) < {t}(0) ? -({a}) : ({a}))"
             f = {"abs": "fabs"}.get(e.op, e.op)
