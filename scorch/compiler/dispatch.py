@@ -315,14 +315,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     fmt = None if format is None else named.resolve(format, len(out))
     types = tuple(_type(x) for x in ops)
     key = (inputs, out, types, broadcast, fmt, rhs, reduce)
-    planned = _PLANNED.get(key)
-    if planned is None:
-        asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
-        output = infer(asg)
-        n = sum(t.sparse for t in types)
-        sched0 = schedule(asg, _lowerable(asg, output)) if n == 1 else None
-        planned = _PLANNED[key] = (asg, output, sched0, n)
-    asg, output, sched0, n_sparse = planned
+    asg, output, sched0, n_sparse = _planned(key)
     if n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
     if n_sparse > 1:
@@ -336,7 +329,6 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         if explain:
             print(plan.explain())
         return result
-    plan_key = key
     if sched0.parallel != "level0" and (_threads(backend) > 1 or sched0.outer):
         k = sched0.driver.operand
         alt = _transposed_for_parallel(asg, sched0, ops[k], sizes, _threads(backend))
@@ -370,13 +362,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         inputs, ops = relayout.apply(moves, inputs, ops)
         return run(inputs, out, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
                    reduce=reduce, relaid=True)
-    if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
-        plan_key = key + (sizes[sched0.inner[-1]],)
-    plan_key += (_target(backend),)
-    plan = _COMPILED.get(plan_key)
-    if plan is None:
-        plan = _compile(asg, output, sizes, broadcast, backend)
-        _COMPILED[plan_key] = plan
+    plan, plan_key = _compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
     if backend == "cpp" and prepared_ok and len(_FAST) < 4096:
         _FAST[sig] = _prepared_call(plan, sizes, dtype)
     if plan.library_call is not None and rhs is None and library.ENABLED:
@@ -394,28 +380,46 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     return result
 
 
+def _planned(key):
+    """``(assignment, inferred output, schedule, sparse operand count)`` of an einsum by ``run``'s key (cached);
+    the schedule only for one sparse operand."""
+    planned = _PLANNED.get(key)
+    if planned is None:
+        inputs, out, types, _, fmt, rhs, reduce = key
+        asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
+        output = infer(asg)
+        n = sum(t.sparse for t in types)
+        sched0 = schedule(asg, _lowerable(asg, output)) if n == 1 else None
+        planned = _PLANNED[key] = (asg, output, sched0, n)
+    return planned
+
+
+def _compiled_plan(key, asg, output, sched0, sizes, broadcast, backend):
+    """``(plan, plan key)``: the kernel of one sparse operand's schedule, compiled once per key, the innermost
+    dense extent (where small enough to be compiled in) and the target."""
+    plan_key = key
+    if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
+        plan_key = key + (sizes[sched0.inner[-1]],)
+    plan_key += (_target(backend),)
+    plan = _COMPILED.get(plan_key)
+    if plan is None:
+        plan = _COMPILED[plan_key] = _compile(asg, output, sizes, broadcast, backend)
+    return plan, plan_key
+
+
 def row_plan(inputs, out, ops, backend="cpp"):
     """``(plan, sizes)``: the compiled plan of an einsum with one sparse operand whose kernel loops over that
     operand's rows in parallel, exactly as ``run`` would compile it, for fusion with other row kernels
     (``fuse.rows``); None where ``run`` would first transpose, relayout or permute, or not loop over rows."""
     sizes, broadcast = _sizes(inputs, ops, "einsum")
-    types = tuple(_type(x) for x in ops)
-    key = (inputs, out, types, broadcast, None, None, "sum")
-    asg = Assignment(out, to_index_notation(inputs), types, "sum", None)
-    output = infer(asg)
-    if sum(t.sparse for t in types) != 1 or broadcast:
+    key = (inputs, out, tuple(_type(x) for x in ops), broadcast, None, None, "sum")
+    asg, output, sched0, n_sparse = _planned(key)
+    if n_sparse != 1 or broadcast:
         return None
-    sched0 = schedule(asg, _lowerable(asg, output))
     if sched0.parallel != "level0" or relayout.output_order(out, sched0, output) is not None or \
             relayout.plan(inputs, ops, sched0, sizes, broadcast):
         return None
-    if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
-        key += (sizes[sched0.inner[-1]],)
-    key += (_target(backend),)
-    plan = _COMPILED.get(key)
-    if plan is None:
-        plan = _COMPILED[key] = _compile(asg, output, sizes, broadcast, backend)
-    return plan, sizes
+    return _compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)[0], sizes
 
 
 def arguments(plan: Plan, ops, sizes, out_arr, backend="cpp") -> dict:
