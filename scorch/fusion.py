@@ -86,6 +86,21 @@ def _finish(out):
 
 # --- lazy attention ops -------------------------------------------------------------------------------------
 
+#: the SDDMM (values at the pattern's entries) and the product of a sparse matrix with a dense one, as letters
+_SDDMM = ((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"))
+_PRODUCT = ((("i", "j"), ("j", "k")), ("i", "k"))
+
+
+def _ones(pattern, dtype):
+    """The pattern with ones at its entries: the sampled operand of an SDDMM whose mask's values are ignored."""
+    return pattern.with_values(pattern_ones(pattern, dtype))
+
+
+def _sddmm_grad(which, pattern, q, k, grad_values):
+    """The gradient of ``q`` (``which`` 1) or ``k`` (2) of ``SDDMM(pattern, q, k)`` from its values' gradient."""
+    return _einsum_grad(which, *_SDDMM, [_ones(pattern, q.dtype), q, k], pattern.with_values(grad_values))
+
+
 class SddmmExpr:
     """``alpha * (q @ k^T)`` at the stored entries of a row-compressed ``pattern``, as values."""
     exact_layout = True
@@ -100,9 +115,7 @@ class SddmmExpr:
         return "sampled_addmm"
 
     def compute(self):
-        p = self.pattern
-        ones = p.with_values(pattern_ones(p, self.q.dtype))
-        return dispatch.einsum("ij,ik,jk->ij", ones, self.q, self.k).values() * self.alpha
+        return dispatch.einsum("ij,ik,jk->ij", _ones(self.pattern, self.q.dtype), self.q, self.k).values() * self.alpha
 
 
 class SoftmaxExpr:
@@ -139,13 +152,9 @@ class _LazySddmm(torch.autograd.Function):
         if grad is None:
             return None, None, None
         q, k = ctx.saved_tensors
-        p = ctx.expr.pattern
-        ones = p.with_values(pattern_ones(p, q.dtype))
-        gout = p.with_values(grad * ctx.expr.alpha)
-        inputs, out = (("i", "j"), ("i", "k"), ("j", "k")), ("i", "j")
-        ops = [ones, q, k]
-        dq = _einsum_grad(1, inputs, out, ops, gout) if ctx.needs_input_grad[1] else None
-        dk = _einsum_grad(2, inputs, out, ops, gout) if ctx.needs_input_grad[2] else None
+        p, ds = ctx.expr.pattern, grad * ctx.expr.alpha
+        dq = _sddmm_grad(1, p, q, k, ds) if ctx.needs_input_grad[1] else None
+        dk = _sddmm_grad(2, p, q, k, ds) if ctx.needs_input_grad[2] else None
         return None, dq, dk
 
 
@@ -193,20 +202,15 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad):
         p, v, q, k = ctx.saved_tensors
         attn = ctx.pattern.with_values(p)
-        inputs, out = (("i", "j"), ("j", "k")), ("i", "k")
-        dv = _einsum_grad(1, inputs, out, [attn, v], grad) if ctx.needs_input_grad[2] else None
+        dv = _einsum_grad(1, *_PRODUCT, [attn, v], grad) if ctx.needs_input_grad[2] else None
         done = None
         if not torch.is_grad_enabled() and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
             done = _attention_backward(ctx.pattern, p, grad, v, k, ctx.alpha)
         if done is None:  # op by op, through the lazy softmax and SDDMM
-            dp = _einsum_grad(0, inputs, out, [attn, v], grad) if ctx.needs_input_grad[1] else None
+            dp = _einsum_grad(0, *_PRODUCT, [attn, v], grad) if ctx.needs_input_grad[1] else None
             return None, dp, dv, None, None
         ds, dq = done
-        dk = None
-        if ctx.needs_input_grad[4]:
-            pattern = ctx.pattern
-            ops = [pattern.with_values(pattern_ones(pattern, q.dtype)), q, k]
-            dk = _einsum_grad(2, (("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), ops, pattern.with_values(ds))
+        dk = _sddmm_grad(2, ctx.pattern, q, k, ds) if ctx.needs_input_grad[4] else None
         return None, None, dv, dq if ctx.needs_input_grad[3] else None, dk
 
 
@@ -295,7 +299,21 @@ def fused_product(equation, operands):
 
 _FUSED: dict = {}
 _PLANS: dict = {}
-_BINDERS: dict = {}
+
+
+def _compiled(key, build):
+    """``(kernel IR, compiled kernel)`` of the fused kernel ``build()`` makes, built and compiled once per ``key``."""
+    entry = _FUSED.get(key)
+    if entry is None:
+        kernel = build()
+        entry = _FUSED[key] = (kernel, runtime.load(cpp.generate(kernel), kernel.name, cpp.argtypes(kernel)))
+    return entry
+
+
+def _part_values(maps, parts):
+    """The fused kernel's argument values from its parts' (``(part number, arguments by the part's parameter
+    names)``), renamed as ``fuse.rows`` renames them (``maps``; the others get the part's prefix)."""
+    return {maps[n].get(name, f"f{n}_{name}"): value for n, args in parts for name, value in args.items()}
 
 
 _LONGEST = PatternMemo(64)
@@ -311,8 +329,11 @@ def _longest(p) -> int:
     return n
 
 
-_SHARED = ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")
-
+_SHARED = {n: n for n in ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")}
+_ATTENTION_MAPS = ({**_SHARED, "out": "scores"}, {**_SHARED, "x": "scores", "y": "probs"},
+                   {**_SHARED, "t0_vals": "probs", "out": "out"})
+_BACKWARD_MAPS = ({**_SHARED, "out": "dp"}, {**_SHARED, "y": "probs", "g": "dp", "dx": "ds", "scale": "scale"},
+                  {**_SHARED, "t0_vals": "ds", "out": "dq"})
 
 #: prepared calls of fused attention kernels by (pattern arrays' identity, format, shapes, dtype, keep_probs)
 _READY: dict = {}
@@ -321,13 +342,34 @@ _READY: dict = {}
 class _Ready:
     """A fused attention kernel's call for one pattern (its index arrays, while unmodified) and one signature:
     the arguments fixed by them (sizes, bounds, the longest row) bound once, the tensors' pointers filled in per
-    call, so that a repeated call skips the planning lookups of ``_prepare``."""
+    call, so that a repeated call skips ``_prepare``'s planning lookups and argument building."""
 
-    def __init__(self, compiled, binder, st, longest, zero_out, keep_probs):
-        self.compiled, self.longest, self.zero_out, self.keep_probs = compiled, longest, zero_out, keep_probs
-        self.template = [const for _, const in binder]
-        self.slots = [(i, name) for i, (name, _) in enumerate(binder) if name is not None]
+    def __init__(self, compiled, template, slots, st, zero_out, keep_probs):
+        self.compiled, self.template, self.slots = compiled, template, slots
+        self.zero_out, self.keep_probs = zero_out, keep_probs
         self.arrays = (weakref.ref(st.pos), st.pos._version, weakref.ref(st.crd), st.crd._version)
+
+    @staticmethod
+    def binding(kernel, values, tensors):
+        """``(template, slots)``: the kernel's arguments with the per-call ones left out (``slots``: their places
+        and names), found by the identity of the first call's ``tensors`` (name -> tensor) among ``values``; None
+        where that is ambiguous (one tensor in two roles, ``v`` being ``q``: a later call may pass two) or an
+        argument is none of them."""
+        names = {}
+        for name, t in tensors.items():
+            if t is not None and names.setdefault(id(t), name) != name:
+                return None
+        per_call = {"scale": "scale", "nthreads": "threads"}
+        template, slots = [], []
+        for i, prm in enumerate(kernel.params):
+            value = values[prm.name]
+            name = per_call.get(prm.name) or (names.get(id(value), "?") if isinstance(value, torch.Tensor) else None)
+            if name == "?":
+                return None
+            template.append(None if name else value)
+            if name:
+                slots.append((i, name))
+        return template, slots
 
     def __call__(self, sddmm, v):
         """``(out, probs)``, or None where the pattern's arrays changed since (``_prepare`` serves then)."""
@@ -339,8 +381,8 @@ class _Ready:
             return None
         probs = torch.empty(p._values.shape, dtype=q.dtype) if self.keep_probs else None
         out = (torch.zeros if self.zero_out else torch.empty)(p._shape[0], v.shape[1], dtype=q.dtype)
-        live = {"q": q, "k": sddmm.k, "v": v, "probs": probs, "out": out, "l1pos": st.pos, "l1crd": st.crd,
-                "scale": sddmm.alpha, "threads": torch.get_num_threads(), "longest": self.longest}
+        live = {"q": q, "k": sddmm.k, "v": v, "probs": probs, "out": out, "pos": st.pos, "crd": st.crd,
+                "scale": sddmm.alpha, "threads": torch.get_num_threads()}
         args = list(self.template)
         for i, name in self.slots:
             x = live[name]
@@ -366,37 +408,39 @@ def _attention(sddmm: SddmmExpr, v, keep_probs=True):
         return dispatch.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
     fused, compiled, values = prepared
     _launch(fused, compiled, values)
-    sig = (p._format, p._shape, p._index_dtype, q.dtype, q.shape, sddmm.k.shape, v.shape)
-    binder = _BINDERS.get(sig + (keep_probs,))
-    if binder and len(p._levels) == 2 and p._levels[0].pos is None and st.crd is not None:  # (CSR's arrays)
+    bound = _Ready.binding(fused, values, {"q": q, "k": sddmm.k, "v": v, "probs": values.get("probs"),
+                                           "out": values["out"], "pos": st.pos, "crd": st.crd})
+    if bound is not None and len(p._levels) == 2 and p._levels[0].pos is None and st.crd is not None:  # (CSR)
         if len(_READY) >= 64:
             _READY.clear()
-        zero_out = not _PLANS[sig][1][0].lowered.writes_every_output
-        _READY[key] = _Ready(compiled, binder, st, values["longest"], zero_out, keep_probs)
+        zero_out = not _PLANS[_signature(sddmm, v)][1][0].lowered.writes_every_output
+        _READY[key] = _Ready(compiled, *bound, st, zero_out, keep_probs)
     return values["out"], values["probs"] if keep_probs else None
+
+
+def _signature(sddmm, v):
+    """What the fused attention kernel's plans depend on: the pattern's format, shape and index type, the dense
+    operands' type and shapes."""
+    p, q = sddmm.pattern, sddmm.q
+    return (p._format, p._shape, p._index_dtype, q.dtype, q.shape, sddmm.k.shape, v.shape)
 
 
 def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     """``(fused kernel IR, compiled kernel, argument values by parameter name)``, or None where the SDDMM or the
     SpMM would not run as one row loop."""
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
-    ones_values = pattern_ones(p, q.dtype)
-    sig = (p._format, p._shape, p._index_dtype, q.dtype, q.shape, k.shape, v.shape)
-    plans = _row_plans(sig, p, q.dtype, (q, k), (v,))
+    plans = _row_plans(_signature(sddmm, v), p, q.dtype, (q, k), (v,))
     if plans is None:
         return None
     (plan1, sizes1), (plan3, sizes3) = plans
-    key = (id(plan1), id(plan3), keep_probs)
-    entry = _FUSED.get(key)
-    if entry is None:
-        vt, it = L.type_of(q.dtype), L.type_of(p.index_dtype)
-        shared = {n: n for n in _SHARED}
-        maps = ({**shared, "out": "scores"}, {**shared, "x": "scores", "y": "probs"},
-                {**shared, "t0_vals": "probs", "out": "out"})
+    vt, it = L.type_of(q.dtype), L.type_of(p.index_dtype)
+
+    def build():
         # the scores are scaled as they are stored, and their max taken there too (no pass over the row for it);
         # without a backward, a row's normalization is applied to the product's output row (one multiply per
         # output instead of a pass over the row's probabilities)
         softmax = fuse.softmax_rows(vt, it, normalize=keep_probs, peak_of="smax")
+        maps = _ATTENTION_MAPS
         fused = fuse.rows("scorch_attention", [(plan1.lowered.kernel, maps[0]), (softmax, maps[1]),
                                                 (plan3.lowered.kernel, maps[2])])
         fused = L.Kernel(fused.name, fused.params + (L.Param("scale", "scalar", vt),), fused.body)
@@ -407,43 +451,20 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
         # a row's scores (and, without a backward, its probabilities) in a row buffer of each thread; the
         # SDDMM's sampled values are the pattern's ones
         fused = fuse.localize(fused, ("scores",) if keep_probs else ("scores", "probs"), it)
-        fused = fuse.constant(fused, "f0_t0_vals", 1.0)
-        entry = _FUSED[key] = (fused, runtime.load(cpp.generate(fused), fused.name, cpp.argtypes(fused)), maps,
-                               (plan1, plan3))
-    fused, compiled, maps, _ = entry
-    probs = torch.empty(ones_values.shape, dtype=q.dtype) if keep_probs else None
-    longest = _longest(p)
+        return fuse.constant(fused, "f0_t0_vals", 1.0)
+
+    fused, compiled = _compiled((id(plan1), id(plan3), keep_probs), build)
+    ones = _ones(p, q.dtype)
+    probs = torch.empty(ones._values.shape, dtype=q.dtype) if keep_probs else None
     # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
     # which would also wake torch's thread pool between the kernels)
     out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p._shape[0], v.shape[1], dtype=q.dtype)
-    live = {"q": q, "k": k, "v": v, "ones": ones_values, "probs": probs, "out": out, "longest": longest,
-            "scale": sddmm.alpha, "threads": torch.get_num_threads()}
-    live.update({f"l{n}{kind}": getattr(st, kind) for n, st in enumerate(p._levels) for kind in ("pos", "crd")
-                 if getattr(st, kind) is not None})
-    bkey = sig + (keep_probs,)
-    binder = _BINDERS.get(bkey)
-    if not binder:  # which argument is which tensor, and the values fixed by the signature (sizes, bounds)
-        ones = p.with_values(ones_values)
-        scores = torch.empty(p._values.numel(), dtype=q.dtype)  # (as the parts' output: only named here)
-        values = {}
-        for n, args in ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
-                        (2, dispatch.arguments(plan3, [ones, v], sizes3, out))):
-            for name, value in args.items():
-                values[maps[n].get(name, f"f{n}_{name}")] = value
-        values.update({"probs": probs, "out": out, "scale": sddmm.alpha, "nthreads": live["threads"],
-                       "longest": live["longest"]})
-        values = {prm.name: values[prm.name] for prm in fused.params}
-        if binder is None:
-            by_id = {id(t): name for name, t in live.items() if isinstance(t, torch.Tensor)}
-            fixed = {"scale": "scale", "nthreads": "threads", "longest": "longest"}
-            binder = [(fixed[prm.name], None) if prm.name in fixed else
-                      (by_id.get(id(values[prm.name]), "?"), None) if isinstance(values[prm.name], torch.Tensor)
-                      else (None, values[prm.name]) for prm in fused.params]
-            # (a tensor argument not found among the live ones: no binder, every call takes this path)
-            _BINDERS[bkey] = binder if all(name != "?" for name, _ in binder) else False
-        return fused, compiled, values
-    values = [live[name] if name is not None else const for name, const in binder]
-    return fused, compiled, dict(zip((prm.name for prm in fused.params), values))
+    scores = torch.empty(0, dtype=q.dtype)  # (the SDDMM part's output: a row buffer in the kernel, only named here)
+    values = _part_values(_ATTENTION_MAPS, ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
+                                            (2, dispatch.arguments(plan3, [ones, v], sizes3, out))))
+    values.update({"probs": probs, "out": out, "scale": sddmm.alpha, "nthreads": torch.get_num_threads(),
+                   "longest": _longest(p)})
+    return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
 
 
 def _row_plans(sig, pattern, dtype, first_ops, last_ops):
@@ -452,9 +473,9 @@ def _row_plans(sig, pattern, dtype, first_ops, last_ops):
     loop."""
     plans = _PLANS.get(sig)
     if plans is None:  # (planned once per signature: the schedule is not consulted again)
-        ones = pattern.with_values(pattern_ones(pattern, dtype))
-        first = dispatch.row_plan((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"), [ones, *first_ops])
-        last = dispatch.row_plan((("i", "j"), ("j", "k")), ("i", "k"), [ones, *last_ops])
+        ones = _ones(pattern, dtype)
+        first = dispatch.row_plan(*_SDDMM, [ones, *first_ops])
+        last = dispatch.row_plan(*_PRODUCT, [ones, *last_ops])
         plans = _PLANS[sig] = None if first is None or last is None else (first, last)
     return plans
 
@@ -481,28 +502,22 @@ def _prepare_backward(pattern, p, g, v, k, alpha):
     if plans is None:
         return None
     (plan1, sizes1), (plan3, sizes3) = plans
-    key = ("backward", id(plan1), id(plan3))
-    entry = _FUSED.get(key)
-    if entry is None:
-        vt, it = L.type_of(dtype), L.type_of(pattern._index_dtype)
-        shared = {n: n for n in _SHARED}
-        maps = ({**shared, "out": "dp"}, {**shared, "y": "probs", "g": "dp", "dx": "ds", "scale": "scale"},
-                {**shared, "t0_vals": "ds", "out": "dq"})
+    vt, it = L.type_of(dtype), L.type_of(pattern._index_dtype)
+
+    def build():
+        maps = _BACKWARD_MAPS
         fused = fuse.rows("scorch_attention_backward", [(plan1.lowered.kernel, maps[0]),
                                                          (fuse.softmax_backward_rows(vt, it), maps[1]),
                                                          (plan3.lowered.kernel, maps[2])])
-        fused = fuse.constant(fuse.localize(fused, ("dp",), it), "f0_t0_vals", 1.0)
-        entry = _FUSED[key] = (fused, runtime.load(cpp.generate(fused), fused.name, cpp.argtypes(fused)), maps)
-    fused, compiled, maps = entry
-    ones = pattern.with_values(pattern_ones(pattern, dtype))
+        return fuse.constant(fuse.localize(fused, ("dp",), it), "f0_t0_vals", 1.0)
+
+    fused, compiled = _compiled(("backward", id(plan1), id(plan3)), build)
+    ones = _ones(pattern, dtype)
     ds = torch.empty(p.shape, dtype=dtype)
     dq = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(pattern._shape[0], k.shape[1],
                                                                               dtype=dtype)
-    values = {}
-    for n, args in ((0, dispatch.arguments(plan1, [ones, g, v], sizes1, ds)),
-                    (2, dispatch.arguments(plan3, [ones, k], sizes3, dq))):
-        for name, value in args.items():
-            values[maps[n].get(name, f"f{n}_{name}")] = value
+    values = _part_values(_BACKWARD_MAPS, ((0, dispatch.arguments(plan1, [ones, g, v], sizes1, ds)),
+                                           (2, dispatch.arguments(plan3, [ones, k], sizes3, dq))))
     values.update({"probs": p, "ds": ds, "dq": dq, "scale": alpha, "nthreads": torch.get_num_threads(),
                    "longest": _longest(pattern)})
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
@@ -583,8 +598,6 @@ def epilogue(func, args, kwargs):
 
 deferred._EPILOGUE[0] = epilogue
 
-_EPILOGUES: dict = {}
-
 
 def epilogue_rows(vtype: str, itype: str, steps, width: int):
     """The steps on each row of a dense ``rows x width`` output ``out``, as the row loop of a CSR product
@@ -635,17 +648,12 @@ def _epilogue_kernel(expr: EpilogueExpr):
     width = sizes[base.out[1]]
     vt, it = L.type_of(x.dtype), L.type_of(s.index_dtype)
     shape_key = tuple(st[0] + ("v" if len(st) > 1 and isinstance(st[1], torch.Tensor) else "") for st in expr.steps)
-    key = (id(plan), shape_key, width, it)
-    entry = _EPILOGUES.get(key)
-    if entry is None:
-        epi = epilogue_rows(vt, it, expr.steps, width)
-        shared = {n: n for n in _SHARED}
-        maps = ({**shared, "out": "out"}, {**shared, "out": "out"})
-        fused = fuse.rows("scorch_product_epilogue", [(plan.lowered.kernel, maps[0]), (epi, maps[1])])
-        entry = _EPILOGUES[key] = (fused, runtime.load(cpp.generate(fused), fused.name, cpp.argtypes(fused)), maps)
-    fused, compiled, maps = entry
+    maps = ({**_SHARED, "out": "out"}, {**_SHARED, "out": "out"})
+    fused, compiled = _compiled(("epilogue", id(plan), shape_key, width, it), lambda: fuse.rows(
+        "scorch_product_epilogue", [(plan.lowered.kernel, maps[0]), (epilogue_rows(vt, it, expr.steps, width),
+                                                                       maps[1])]))
     out = torch.zeros(s.shape[0], width, dtype=x.dtype)
-    values = {maps[0].get(n, f"f0_{n}"): v for n, v in dispatch.arguments(plan, [s, x], sizes, out).items()}
+    values = _part_values(maps, ((0, dispatch.arguments(plan, [s, x], sizes, out)),))
     for k, st in enumerate(expr.steps):
         if st[0] in ("add", "mul"):
             values[f"f1_bias{k}" if isinstance(st[1], torch.Tensor) else f"f1_num{k}"] = st[1]

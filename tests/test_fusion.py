@@ -322,3 +322,12 @@ def test_repeated_calls_reuse_the_prepared_call_until_the_pattern_changes():
     crd[:] = torch.cat([torch.arange(int(c)) for c in counts])
     keep = torch.arange(40)[None, :] < counts[:, None]
     torch.testing.assert_close(fused_attention(q, k, v, mask), _dense_reference(q, k, v, keep))
+
+
+def test_a_tensor_in_two_roles_does_not_bind_later_calls():
+    """A first call passing ``q`` as ``v`` too must not make later calls (same shapes, other tensors) read ``q`` for
+    ``v``: the prepared call binds arguments by the first call's tensors only where each plays one role."""
+    q, k, v, mask, keep = _case(40, 40, 16, 16, 0.5, torch.float32, torch.int64, seed=12)
+    torch.testing.assert_close(fused_attention(q, k, q, mask), _dense_reference(q, k, q, keep))
+    torch.testing.assert_close(fused_attention(q, k, v, mask), _dense_reference(q, k, v, keep))
+    torch.testing.assert_close(fused_attention(k, q, v, mask), _dense_reference(k, q, v, keep))
