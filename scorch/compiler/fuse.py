@@ -27,22 +27,15 @@ from . import loops as L
 
 def rename(node, names: dict):
     """``node`` (an expression or statement) with variables and arrays renamed by ``names`` (name -> name)."""
-    if isinstance(node, L.Var):
-        return replace(node, name=names.get(node.name, node.name))
-    if isinstance(node, tuple):
-        return tuple(rename(n, names) for n in node)
-    if not is_dataclass(node) or isinstance(node, L.Param):
-        return node
-    changes = {}
-    for f in fields(node):
-        v = getattr(node, f.name)
-        if f.name in ("array", "name", "pos", "scratch") and isinstance(v, str):
-            changes[f.name] = names.get(v, v)
-        elif f.name == "reductions":
-            changes[f.name] = tuple((op, names.get(n, n)) for op, n in v)
-        elif isinstance(v, (L.Expr, L.Stmt, L.Parallel, tuple)) or is_dataclass(v):
-            changes[f.name] = rename(v, names)
-    return replace(node, **changes)
+    def renamed(e):
+        if isinstance(e, L.Var):
+            return replace(e, name=names.get(e.name, e.name))
+        changes = {f: names.get(getattr(e, f), getattr(e, f)) for f in ("array", "name", "pos", "scratch")
+                   if isinstance(getattr(e, f, None), str)}
+        if hasattr(e, "reductions"):
+            changes["reductions"] = tuple((op, names.get(n, n)) for op, n in e.reductions)
+        return replace(e, **changes) if changes else None
+    return _rewrite(node, renamed)
 
 
 def _locals(stmt) -> set:
