@@ -203,8 +203,7 @@ class _Emitter:
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.vec_arrays = set()  # local arrays held as vectors
-        self.sum_arrays = {}  # local arrays held as vector partial results: name -> "add" or "max"
-        self.sum_types = {}
+        self.sum_arrays = {}  # local arrays held as vector partial results: name -> ("add" or "max", type)
 
     def fresh(self, base):
         self.n += 1
@@ -225,7 +224,7 @@ class _Emitter:
         if isinstance(s, L.Assign):
             return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
         if isinstance(s, L.Store) and s.array in self.sum_arrays:
-            combine = self.sum_arrays[s.array]
+            combine, t = self.sum_arrays[s.array]
             target, value = f"{ident(s.array)}[{self.expr(s.index)}]", self.expr(s.value)
             if s.op != combine:
                 raise ValueError(f"partial {combine}s {s.array} only take {combine}")
@@ -233,7 +232,7 @@ class _Emitter:
                 if not self.vec:
                     raise ValueError(f"partial sums {s.array} are added to in vector loops only")
                 return [f"{pad}{target} += {value};"]
-            vt = f"scorch_v{self.sum_types[s.array]}"
+            vt = f"scorch_v{t}"
             value = value if self.vec else f"{vt}{{}} + ({value})"  # (a scalar takes part in every lane)
             return [f"{pad}{{ const {vt} u_ = {value}; {target} = u_ > {target} ? u_ : {target}; }}"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
@@ -249,16 +248,13 @@ class _Emitter:
                 raise ValueError(f"partial sums {s.name}: {s.type} in {s.sums} lanes")
             if s.combine not in ("add", "max"):
                 raise ValueError(f"partial results {s.name}: unknown combination {s.combine!r}")
-            self.sum_arrays[s.name], self.sum_types[s.name] = s.combine, s.type
+            self.sum_arrays[s.name] = (s.combine, s.type)
             if isinstance(s.init, L.Const) and s.init.value == 0:
                 return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}] = {{}};"]
-            i = self.fresh("w")
-            return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}];",
-                    f"{pad}for (int64_t {i} = 0; {i} < {int(s.size)}; ++{i}) {n}[{i}] = scorch_v{s.type}{{}} +"
-                    f" {self.expr(s.init)};"]
+            return self.vector_array(n, s.type, int(s.size), s.init, pad)
         if isinstance(s, L.SumLanes):
             n, src = ident(s.name), ident(s.array)
-            if self.sum_arrays.get(s.array) != "add" or s.type not in ("f32", "f64"):
+            if self.sum_arrays.get(s.array, ("",))[0] != "add" or s.type not in ("f32", "f64"):
                 raise ValueError(f"lane sums of {s.array}: not partial sums of a float type")
             lanes = VECTOR_BYTES // (4 if s.type == "f32" else 8)
             if s.size == lanes:
@@ -272,10 +268,7 @@ class _Emitter:
             if s.size % lanes or s.type not in ("f32", "f64"):
                 raise ValueError(f"vector workspace {s.name}: {s.size} {s.type} entries in vectors of {lanes}")
             self.vec_arrays.add(s.name)
-            i = self.fresh("w")
-            return [f"{pad}scorch_v{s.type} {n}[{s.size // lanes}];",
-                    f"{pad}for (int64_t {i} = 0; {i} < {s.size // lanes}; ++{i}) {n}[{i}] = "
-                    f"scorch_v{s.type}{{}} + {self.expr(s.init)};"]
+            return self.vector_array(n, s.type, s.size // lanes, s.init, pad)
         if isinstance(s, L.LocalArray):
             n, t = ident(s.name), CTYPE[s.type]
             i = self.fresh("w")
@@ -304,6 +297,12 @@ class _Emitter:
         if isinstance(s, L.Block):
             return [f"{pad}{{"] + self.block(s, d + 1) + [f"{pad}}}"]
         raise TypeError(f"unknown statement {type(s).__name__}")
+
+    def vector_array(self, n, t, count, init, pad):
+        """The declaration of ``count`` vectors ``n``, each lane set to ``init``."""
+        i = self.fresh("w")
+        return [f"{pad}scorch_v{t} {n}[{count}];",
+                f"{pad}for (int64_t {i} = 0; {i} < {count}; ++{i}) {n}[{i}] = scorch_v{t}{{}} + {self.expr(init)};"]
 
     def loop(self, s, d):
         pad, v = "  " * d, ident(s.var.name)
@@ -391,7 +390,7 @@ class _Emitter:
             if e.array in self.sum_arrays:
                 if self.vec:
                     raise ValueError(f"partial sums {e.array} are read after the vector loop")
-                op = "sum" if self.sum_arrays[e.array] == "add" else "max"
+                op = "sum" if self.sum_arrays[e.array][0] == "add" else "max"
                 return f"scorch_h{op}({ident(e.array)}[{self.expr(e.index)}])"
             if self.vec and L.depends(e.index, self.vec[0]):
                 return self.vector_ref(e.array, e.index, const=True)
