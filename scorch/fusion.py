@@ -30,7 +30,7 @@ import torch
 
 from . import deferred
 from ._autograd import _einsum_grad, pattern_ones
-from .compiler import dispatch, fuse, loops as L, runtime
+from .compiler import dispatch, fuse, loops as L
 from .compiler.codegen import cpp
 from .deferred import Deferred
 from .formats.storage import PatternMemo
@@ -306,7 +306,7 @@ def _compiled(key, build):
     entry = _FUSED.get(key)
     if entry is None:
         kernel = build()
-        entry = _FUSED[key] = (kernel, runtime.load(cpp.generate(kernel), kernel.name, cpp.argtypes(kernel)))
+        entry = _FUSED[key] = (kernel, cpp.load(kernel))
     return entry
 
 
@@ -407,7 +407,7 @@ def _attention(sddmm: SddmmExpr, v, keep_probs=True):
         probs = segment.softmax(sddmm.compute(), _rows_pos(sddmm.pattern))
         return dispatch.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
     fused, compiled, values = prepared
-    _launch(fused, compiled, values)
+    cpp.call(fused, compiled, values)
     bound = _Ready.binding(fused, values, {"q": q, "k": sddmm.k, "v": v, "probs": values.get("probs"),
                                            "out": values["out"], "pos": st.pos, "crd": st.crd})
     if bound is not None and len(p._levels) == 2 and p._levels[0].pos is None and st.crd is not None:  # (CSR)
@@ -487,7 +487,7 @@ def _attention_backward(pattern, p, g, v, k, alpha):
     prepared = _prepare_backward(pattern, p, g, v, k, alpha)
     if prepared is None:
         return None
-    _launch(*prepared)
+    cpp.call(*prepared)
     return prepared[2]["ds"], prepared[2]["dq"]
 
 
@@ -624,12 +624,6 @@ def epilogue_rows(vtype: str, itype: str, steps, width: int):
     return fuse.row_kernel("scorch_epilogue_rows", itype, body, params)
 
 
-def _launch(kernel, compiled, values):
-    """Call a compiled fused kernel with its arguments by parameter name (tensors passed by pointer)."""
-    compiled(*[values[p.name].data_ptr() if isinstance(values[p.name], torch.Tensor) else values[p.name]
-               for p in kernel.params])
-
-
 def _epilogue_kernel(expr: EpilogueExpr):
     """The product and its steps as one kernel, or None where the product is not one CSR row loop."""
     base = expr.base
@@ -658,6 +652,6 @@ def _epilogue_kernel(expr: EpilogueExpr):
         if st[0] in ("add", "mul"):
             values[f"f1_bias{k}" if isinstance(st[1], torch.Tensor) else f"f1_num{k}"] = st[1]
     values["nthreads"] = torch.get_num_threads()
-    _launch(fused, compiled, values)
+    cpp.call(fused, compiled, values)
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler import fuse, loops as L, runtime
+from ..compiler import fuse, loops as L
 from ..compiler.codegen import cpp
 
 _kernels: dict = {}
@@ -27,12 +27,9 @@ def _run(backward: bool, log_space: bool, pos, **arrays):
     if entry is None:
         kernel = (fuse.softmax_backward_rows(vtype, itype, log=log_space) if backward else
                   fuse.softmax_rows(vtype, itype, log=log_space))
-        entry = _kernels[key] = (kernel, runtime.load(cpp.generate(kernel), kernel.name, cpp.argtypes(kernel)))
-    kernel, compiled = entry
-    values = {"t0_l0_lo": 0, "t0_l0_ext": pos.numel() - 1, "t0_l1_pos": pos, "scale": 1.0,
-              "nthreads": torch.get_num_threads(), **arrays}
-    compiled(*[values[p.name].data_ptr() if isinstance(values[p.name], torch.Tensor) else values[p.name]
-               for p in kernel.params])
+        entry = _kernels[key] = (kernel, cpp.load(kernel))
+    cpp.call(*entry, {"t0_l0_lo": 0, "t0_l0_ext": pos.numel() - 1, "t0_l1_pos": pos, "scale": 1.0,
+                      "nthreads": torch.get_num_threads(), **arrays})
 
 
 SUPPORTED = (torch.float32, torch.float64)

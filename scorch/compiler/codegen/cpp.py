@@ -10,6 +10,7 @@ import ctypes
 import re
 
 from .. import loops as L
+from .. import runtime
 
 CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -159,6 +160,16 @@ def ident(name: str) -> str:
     if not _IDENT.match(name):
         raise ValueError(f"refusing to emit identifier {name!r}")
     return name
+
+
+def load(kernel: L.Kernel):
+    """``kernel`` generated and compiled (``runtime.load``: built once, then loaded from the disk cache)."""
+    return runtime.load(generate(kernel), kernel.name, argtypes(kernel))
+
+
+def call(kernel: L.Kernel, compiled, values: dict) -> None:
+    """Run ``compiled`` (``load(kernel)``) on ``values`` by ``kernel``'s parameter names, tensors by pointer."""
+    compiled(*[v.data_ptr() if hasattr(v, "data_ptr") else v for v in (values[p.name] for p in kernel.params)])
 
 
 def argtypes(kernel: L.Kernel) -> list:
