@@ -368,16 +368,10 @@ class _Lowering:
         if copies == 1 or f is None or kept[f][4] is not None:
             return 1, _nest(kept, [accumulate()])
         _, pv, lo, hi, _ = kept[f]
-        per_entry = kept[f + 1:]
-        k, base, e = L.Var("g_k"), L.Var("g_base"), L.Var("g")
-        full = L.binary("div", L.binary("sub", hi, lo), L.Const(copies))
-        groups = L.For(k, L.Const(0), full, L.block(
-            L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(copies)))),
-            L.For(e, L.Const(0), L.Const(copies), _nest(
-                [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)]), unroll=True)))
-        left = _nest([("for", pv, L.binary("add", lo, L.binary("mul", full, L.Const(copies))), hi, None)] + per_entry,
-                     [accumulate()])
-        return copies, _nest(kept[:f], [groups, left])
+        per_entry, e = kept[f + 1:], L.Var("g")
+        groups, left = _in_groups(lo, hi, copies, "g", lambda base: [L.For(e, L.Const(0), L.Const(copies), _nest(
+            [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)]), unroll=True)])
+        return copies, _nest(kept[:f], [groups, _nest([("for", pv, left, hi, None)] + per_entry, [accumulate()])])
 
     def _dot_tile(self, items, ready, out, index, value):
         """Dot products at the stored entries (SDDMM: ``out[p] = sum_k A[i, k] B[j, k]``) for ``U`` entries at
@@ -412,27 +406,25 @@ class _Lowering:
         U = lanes  # (as many entries as a vector has lanes: their totals come out as one vector, see SumLanes)
         _, pv, lo, hi, _ = items[P]
         per_entry = items[P + 1:ready + 1] + rest[:-1]  # lets and guards of one entry
-        k, base, u = L.Var("e_k"), L.Var("e_base"), L.Var("u")
-        count = L.binary("sub", hi, lo)
-        full = L.binary("div", count, L.Const(U))
-        sums = "esum"
-        entry = [("let", pv, L.binary("add", base, u))]
-        kloop = loops[0]
-        accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
-            u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
-            vector=lanes)
-        total = L.Load("etot", u, ct)
+        u, sums, kloop = L.Var("u"), "esum", loops[0]
         rest_lets = [it for it in rest[:-1] if it[0] == "let"]
         lets = [it for it in items[P + 1:ready + 1] if it[0] == "let"] + rest_lets
         product = (lambda t: t if outer is None else L.Binary("mul", outer, t, ct))
-        write = _lane_store(entry + lets, u, lanes, out, index, product(total), ct) or L.For(
-            u, L.Const(0), L.Const(U), _nest(entry + lets, [L.Store(out, index, product(total))]), unroll=True)
-        blocked = L.For(k, L.Const(0), full, L.block(
-            L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(U)))),
-            L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate, L.SumLanes("etot", sums, ct, U),
-            write))
+
+        def block_of_entries(base):
+            entry = [("let", pv, L.binary("add", base, u))]
+            accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
+                u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
+                vector=lanes)
+            total = product(L.Load("etot", u, ct))
+            write = _lane_store(entry + lets, u, lanes, out, index, total, ct) or L.For(
+                u, L.Const(0), L.Const(U), _nest(entry + lets, [L.Store(out, index, total)]), unroll=True)
+            return [L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate,
+                    L.SumLanes("etot", sums, ct, U), write]
+
+        blocked, start = _in_groups(lo, hi, U, "e", block_of_entries)
         # the entries left over (fewer than U): one vector of partial sums each
-        left = ("for", pv, L.binary("add", lo, L.binary("mul", full, L.Const(U))), hi, None)
+        left = ("for", pv, start, hi, None)
         one = L.For(kloop[1], kloop[2], kloop[3], _nest([it for it in rest[:-1] if it[0] != "let"], [
             L.Store("esum1", L.Const(0), value, "add")]), vector=lanes)
         plain = _nest([left] + items[P + 1:ready + 1] + rest_lets, [
@@ -554,6 +546,17 @@ def _loads(e) -> list:
     if isinstance(e, L.Load):
         return [e.index]
     return [x for c in (getattr(e, f, None) for f in ("a", "b", "cond")) if isinstance(c, L.Expr) for x in _loads(c)]
+
+
+def _in_groups(lo, hi, size, name, body):
+    """``(loop, start)``: a loop over the whole groups of ``size`` in ``[lo, hi)`` running ``body(base)`` (a list of
+    statements; ``base`` the group's first position, ``<name>_base``), and the first position past the last whole
+    group (the entries left over, for the caller's loop)."""
+    k, base = L.Var(f"{name}_k"), L.Var(f"{name}_base")
+    full = L.binary("div", L.binary("sub", hi, lo), L.Const(size))
+    loop = L.For(k, L.Const(0), full, L.block(L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(size)))),
+                                               *body(base)))
+    return loop, L.binary("add", lo, L.binary("mul", full, L.Const(size)))
 
 
 def _lane_store(lets, u, lanes, out, index, value, ct):
