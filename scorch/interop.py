@@ -235,6 +235,8 @@ def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
             fmt = (named.bsr if layout == torch.sparse_bsr else named.bsc)(bh, bw)
             vals = vals.reshape(-1)
         levels = [LevelStorage()] + [LevelStorage(pos=pos, crd=crd)] + [LevelStorage()] * (len(fmt.levels) - 2)
+    # torch keeps int32 crow indices beside int64 column indices when invariants are not checked
+    levels = _storage.uniform_index_dtype(levels)
     return SparseTensor(fmt, t.shape, levels, vals, requires_grad=t.requires_grad and t.is_leaf, check=check)
 
 

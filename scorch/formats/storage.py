@@ -238,10 +238,33 @@ def validate(fmt: Format, shape, levels, values) -> None:
     _VALIDATED.put(extra, levels, True)
 
 
+def index_dtypes(levels) -> set:
+    """The dtypes of the index arrays of ``levels``."""
+    return {a.dtype for st in levels for a in st.arrays().values()}
+
+
+def uniform_index_dtype(levels) -> tuple:
+    """``levels`` with one index dtype for all arrays: int64 when any integer array is int64 (a widening, so
+    every value fits), else the arrays as they are. Kernels are specialized on one index type per tensor and
+    read every array of it with that width: an int32 ``crd`` read as int64 runs past its end, an int64 ``pos``
+    read as int32 gives wrong positions. Non-integer arrays are left for ``validate`` to reject."""
+    levels = tuple(levels)
+    if {torch.int32, torch.int64} <= index_dtypes(levels):
+        widen = (lambda a: a.to(torch.int64) if a.dtype == torch.int32 else a)
+        levels = tuple(st.map(widen) for st in levels)
+    return levels
+
+
 def _validate(fmt: Format, shape, levels, values) -> None:
     bounds = fmt.level_bounds(shape)
     if len(levels) != len(fmt.levels):
         raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
+    if {torch.int32, torch.int64} <= index_dtypes(levels):
+        found = ", ".join(f"level {k} {name}: {a.dtype}" for k, st in enumerate(levels)
+                          for name, a in st.arrays().items())
+        raise ValueError(f"format {fmt.name or fmt}: the index arrays mix int32 and int64 ({found}); all index"
+                         " arrays of a tensor must have one dtype: convert them, e.g. with .long(), or build the"
+                         " tensor with scorch's constructors, which widen them to int64")
     parent = torch.zeros(1, dtype=torch.int64, device=values.device)
     count, group = 1, torch.zeros(1, dtype=torch.int64, device=values.device)
     for k, ((lo, hi), lvl, st) in enumerate(zip(bounds, fmt.level_types, levels)):
