@@ -110,3 +110,39 @@ def test_mixed_index_widths_in_other_compressed_constructors(ctor, pos_name):
     assert S.index_dtype == I64 and {a.dtype for st in S.levels for a in st.arrays().values()} == {I64}
     t = getattr(torch, ctor)(torch.tensor([0, 1, 2, 3]), torch.tensor([2, 0, 1]), vals, (3, 3), check_invariants=True)
     assert_matches_dense(S @ torch.eye(3), t.to_dense() @ torch.eye(3))
+
+
+# --- absurd sizes in a format ------------------------------------------------------------------------------------
+
+HUGE = "99999999999999999999"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: scorch.Format(f"(i, j) -> (i : dense, j : fixed({HUGE}))"),
+    lambda: scorch.Format("(i, j) -> (i / 4611686018427387904 : dense, j : compressed, i % 4611686018427387904 : dense)"),
+    lambda: scorch.Format("(i, j) -> (i / 2147483648 : dense, j : compressed, i % 2147483648 : dense)"),
+    lambda: scorch.Format(f"bsr({HUGE}, 2)"),
+    lambda: scorch.Format(f"nm(2, {HUGE})"),
+    lambda: named.bsr(10**20, 2),
+    lambda: named.bsc(2, 10**20),
+    lambda: named.nm(1, 2**31),
+    lambda: scorch.asformat(torch.eye(4), f"bsr({HUGE}, 2)"),
+    lambda: scorch.asformat(torch.eye(4), f"fixed({HUGE})"),
+    lambda: scorch.asformat(torch.eye(4), f"(i, j) -> (i : dense, j : fixed({HUGE}))"),
+    lambda: scorch.asformat(torch.eye(4), f"(i, j) -> (i / {HUGE} : dense, j : compressed, i % {HUGE} : dense)"),
+])
+def test_absurd_format_sizes_are_rejected_by_the_parser(make):
+    """They raised OverflowError/TypeError late (allocating the storage) or were accepted."""
+    with pytest.raises(ValueError, match=r"format|2\*\*31"):
+        make()
+
+
+def test_format_limits_and_names():
+    from scorch.formats import Div, Fixed, Mod
+    for bad in (lambda: Div(0, 2**31), lambda: Mod(0, 0), lambda: Fixed(slots=2**31)):
+        with pytest.raises(ValueError, match="2\\*\\*31"):
+            bad()
+    # the largest allowed sizes parse; Format takes a name as resolve does
+    assert scorch.Format("(i, j) -> (i / 2147483647 : dense, j : compressed, i % 2147483647 : dense)").ndim == 2
+    assert scorch.Format("bsr(2, 3)") == named.bsr(2, 3) and scorch.Format("csr") == named.csr
+    assert scorch.Format("nm(2, 4)") == named.nm(2, 4)

@@ -9,6 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+#: The largest block size or number of slots a format may name. Kernels index with int32 or int64 and a block
+#: or slot count multiplies into positions, so a larger one could only overflow (or allocate absurdly) later.
+MAX_SIZE = 2**31 - 1
+
+
+def check_size(n, what: str, spec) -> int:
+    """``n`` as a block size or slot count: a positive int up to ``MAX_SIZE``, else ``ValueError`` naming the
+    format ``spec`` (or ``TypeError`` for a non-integer)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"format {spec}: {what} must be integers, got {n!r}")
+    if not 0 < n <= MAX_SIZE:
+        raise ValueError(f"format {spec}: {what} must be positive integers no larger than 2**31 - 1, got {n}")
+    return n
+
+
 def dim_name(d: int) -> str:
     """The canonical name of dimension ``d`` in rendered formats: i, j, k, l, m, n, then d6, d7..."""
     return "ijklmn"[d] if d < 6 else f"d{d}"
@@ -64,6 +79,9 @@ class Div(CoordExpr):
     dim: int
     block: int
 
+    def __post_init__(self):
+        check_size(self.block, "block sizes", f"level {dim_name(self.dim)} / {self.block}")
+
     def dims(self):
         return (self.dim,)
 
@@ -83,6 +101,9 @@ class Mod(CoordExpr):
 
     dim: int
     block: int
+
+    def __post_init__(self):
+        check_size(self.block, "block sizes", f"level {dim_name(self.dim)} % {self.block}")
 
     def dims(self):
         return (self.dim,)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from .expr import Add, CoordExpr, Div, Mod, Sub, Var, dim_name, solve_inverse
+from .expr import MAX_SIZE, Add, CoordExpr, Div, Mod, Sub, Var, dim_name, solve_inverse
 from .levels import LEVEL_TYPES, Compressed, Dense, Level, Singleton
 
 _TOKEN = re.compile(r"\s*(?:(?P<arrow>->)|(?P<op>//|[(),:/%+\-])|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<int>\d+)|(?P<bad>\S))")
@@ -27,13 +27,17 @@ _BOUNDS: dict = {}  # (format, shape) -> level bounds: computed on every kernel 
 
 class Format:
     """An immutable storage format. Build it from text, ``Format("(i, j) -> (i : dense, j : compressed)")``,
-    or from parts, ``Format.from_levels(ndim, [(Var(0), Dense()), (Var(1), Compressed())])``."""
+    a name (``Format("bsr(2, 2)")``, 2-d for the n-d names), or from parts, ``Format.from_levels(ndim, [(Var(0), Dense()), (Var(1), Compressed())])``."""
 
     __slots__ = ("ndim", "levels", "_inverse", "_hash")
 
     def __init__(self, text: str | "Format"):
         if isinstance(text, Format):
             ndim, levels = text.ndim, text.levels
+        elif isinstance(text, str) and "->" not in text and text.strip()[:1].isalpha():
+            from .named import resolve  # a name: Format("csr"), Format("bsr(2, 2)")
+            named = resolve(text)
+            ndim, levels = named.ndim, named.levels
         elif isinstance(text, str):
             ndim, levels = _Parser(text).parse()
         else:
@@ -227,8 +231,8 @@ class _Parser:
         if op[1] in ("/", "//", "%"):
             self.i += 1
             _, num, col = self.take("int", what="a block size (a positive integer)")
-            if int(num) <= 0:
-                self.fail("the block size must be a positive integer", col)
+            if not 0 < int(num) <= MAX_SIZE:
+                self.fail(f"the block size must be a positive integer no larger than 2**31 - 1, got {num}", col)
             expr = (Mod if op[1] == "%" else Div)(a, int(num))
         elif op[1] in ("+", "-"):
             self.i += 1
@@ -249,8 +253,8 @@ class _Parser:
             while True:
                 if self.peek()[0] == "int" and "slots" in getattr(cls, "__dataclass_fields__", {}):
                     _, num, col = self.take("int")
-                    if int(num) <= 0 or "slots" in props:
-                        self.fail(f"a {tname} level takes one positive number of slots", col)
+                    if not 0 < int(num) <= MAX_SIZE or "slots" in props:
+                        self.fail(f"a {tname} level takes one positive number of slots, no larger than 2**31 - 1", col)
                     props["slots"] = int(num)
                     if self.peek()[1] == ")":
                         break

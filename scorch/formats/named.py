@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import re
 
-from .expr import Div, Mod, Sub, Var
+from .expr import Div, Mod, Sub, Var, check_size
 from .format import Format
 from .levels import Compressed, Dense, Fixed, Singleton
 
@@ -34,13 +34,20 @@ def csf(ndim: int) -> Format:
     return Format.from_levels(ndim, [(Var(d), Compressed()) for d in range(ndim)])
 
 
+def _check_block(name, bh, bw):
+    for n in (bh, bw):
+        check_size(n, "block sizes", f"{name}({bh}, {bw})")
+
+
 def bsr(bh: int, bw: int) -> Format:
     """Block CSR with ``bh x bw`` blocks, each stored dense and row-major (torch's BSR layout)."""
+    _check_block("bsr", bh, bw)
     return Format(f"(i, j) -> (i / {bh} : dense, j / {bw} : compressed, i % {bh} : dense, j % {bw} : dense)")
 
 
 def bsc(bh: int, bw: int) -> Format:
     """Block CSC with ``bh x bw`` blocks, each stored dense and row-major (torch's BSC layout)."""
+    _check_block("bsc", bh, bw)
     return Format(f"(i, j) -> (j / {bw} : dense, i / {bh} : compressed, i % {bh} : dense, j % {bw} : dense)")
 
 
@@ -55,10 +62,8 @@ def nm(n: int, m: int) -> Format:
 
 
 def _check_nm(n, m, spec):
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in (n, m)):
-        raise TypeError(f"format {spec!r}: n and m must be integers")
-    if n <= 0 or m <= 0:
-        raise ValueError(f"format {spec!r}: n and m must be positive")
+    for x in (n, m):
+        check_size(x, "n and m", repr(spec))
     if n > m:
         raise ValueError(f"format {spec!r}: n ({n}) cannot exceed the group size m ({m}); n:m stores n of every m")
 
@@ -137,10 +142,7 @@ def _from_string(spec, ndim):
     if name in _BLOCKED:
         if a is None:
             raise ValueError(f"format {name!r} needs a block size, e.g. '{name}(2, 2)'")
-        bh, bw = int(a), int(b if b is not None else a)
-        if bh <= 0 or bw <= 0:
-            raise ValueError(f"format {spec!r}: block sizes must be positive")
-        return _BLOCKED[name](bh, bw)
+        return _BLOCKED[name](int(a), int(b if b is not None else a))  # (which checks the sizes)
     if a is not None:
         raise ValueError(f"format {name!r} takes no arguments, got {spec!r}")
     if name in _BY_NDIM:

@@ -43,8 +43,9 @@ class Fixed(Level):
 
     def __post_init__(self):
         if self.slots is not None and (isinstance(self.slots, bool) or not isinstance(self.slots, int)
-                                       or self.slots <= 0):
-            raise ValueError(f"a fixed level's number of slots must be a positive integer, got {self.slots!r}")
+                                       or not 0 < self.slots <= 2**31 - 1):
+            raise ValueError(f"a fixed level's number of slots must be a positive integer no larger than 2**31 - 1, got"
+                             f" {self.slots!r}")
 
     def props_text(self):
         return "" if self.slots is None else f"({self.slots})"
