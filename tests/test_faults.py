@@ -146,3 +146,48 @@ def test_format_limits_and_names():
     assert scorch.Format("(i, j) -> (i / 2147483647 : dense, j : compressed, i % 2147483647 : dense)").ndim == 2
     assert scorch.Format("bsr(2, 3)") == named.bsr(2, 3) and scorch.Format("csr") == named.csr
     assert scorch.Format("nm(2, 4)") == named.nm(2, 4)
+
+
+# --- NaN in max/min reductions ------------------------------------------------------------------------------------
+
+NAN = float("nan")
+
+
+def _same(got, expected):
+    got = got.to_dense() if isinstance(got, SparseTensor) else got
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (got, expected)
+    assert torch.equal(torch.isnan(got), torch.isnan(expected)), (got, expected)
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(expected)), (got, expected)
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "csc", "ell", "nm(2, 4)", "bsr(1, 2)", "dia"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_min_propagate_nan(fmt, dtype):
+    """amax/amin dropped a stored NaN (``[[0, nan, 0]]`` gave 0); torch gives nan. max/min/argmax/argmin too."""
+    d = torch.tensor([[0, NAN, 0, 0], [1., 2, 0, -3 if fmt != "nm(2, 4)" else 0], [0, 0, 0, 0]], dtype=dtype)
+    S = scorch.asformat(d, fmt)
+    for f in ("amax", "amin"):
+        for kw in ({}, {"dim": 1}, {"dim": 0}, {"dim": (0, 1)}, {"dim": 1, "keepdim": True}):
+            _same(getattr(torch, f)(S, **kw), getattr(torch, f)(d, **kw))
+            _same(getattr(S, f)(**kw), getattr(d, f)(**kw))
+    for f in ("max", "min"):
+        _same(getattr(torch, f)(S), getattr(torch, f)(d))
+        for dim in (0, 1):
+            for got, expected in zip(getattr(torch, f)(S, dim), getattr(torch, f)(d, dim)):
+                _same(got, expected)
+    for f in ("argmax", "argmin"):
+        _same(getattr(torch, f)(S), getattr(torch, f)(d))
+        _same(getattr(torch, f)(S, 1), getattr(torch, f)(d, 1))
+    _same(torch.amax(scorch.asformat(torch.tensor([[0, NAN, 0]], dtype=dtype), fmt if fmt not in (
+        "nm(2, 4)",) else "csr")), torch.tensor(NAN, dtype=dtype))
+
+
+def test_amax_with_nan_keeps_gradients_elsewhere():
+    d = torch.tensor([[0, NAN, 0], [1., 5, 0]], dtype=torch.float64)
+    S = scorch.asformat(d, "csr").requires_grad_()
+    out = torch.amax(S, dim=1)
+    _same(out.detach(), torch.tensor([NAN, 5.], dtype=torch.float64))
+    out[1].backward()
+    D = d.clone().requires_grad_()
+    torch.amax(D, dim=1)[1].backward()
+    assert torch.equal(S.grad.to_dense()[1], D.grad[1])  # (torch's row 0 is 0/0: no entry equals its nan)
