@@ -98,7 +98,7 @@ def _propagate_nan(r, x: SparseTensor, src: str, out: str):
     """``r`` (the max/min of ``x`` reduced from ``src`` to ``out`` letters) with NaN wherever a reduced group
     stores a NaN, as torch's amax/amin propagate it (the compiled reduction's comparisons skip NaN). Costs one
     ``isnan`` over the stored values when there is none."""
-    vals = x._values.detach()
+    vals = x.values().detach()
     if not vals.is_floating_point():
         return r
     nan = torch.isnan(vals)
