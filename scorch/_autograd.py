@@ -30,7 +30,7 @@ def needs_grad(operands) -> bool:
         return False
     for x in operands:
         if type(x) is SparseTensor:
-            if x._values.requires_grad:
+            if x._vals.requires_grad:
                 return True
         elif isinstance(x, torch.Tensor) and x.requires_grad:
             return True
@@ -60,7 +60,7 @@ class _Spec:
 
 
 def _tensors(operands):
-    return [x._values if type(x) is SparseTensor else x for x in operands]
+    return [x._vals if type(x) is SparseTensor else x for x in operands]
 
 
 class _Einsum(torch.autograd.Function):
@@ -70,7 +70,7 @@ class _Einsum(torch.autograd.Function):
         r = dispatch.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
-            r = r._values
+            r = r._vals
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
         # an output that is one of the inputs (an identity einsum returns its operand) must be a new tensor
@@ -115,7 +115,7 @@ def _einsum_grad(k, inputs, out, ops, gout):
         # gradient at the entry's output coordinates; no kernel needed
         return values_at(gout, x, target, tuple(out))
     if type(x) is SparseTensor:
-        pattern = x.with_values(pattern_ones(x, gout._values.dtype if type(gout) is SparseTensor else gout.dtype))
+        pattern = x.with_values(pattern_ones(x, gout._vals.dtype if type(gout) is SparseTensor else gout.dtype))
         repeated = len(uniq) < len(target)
         eq = einsum_string([target] + g_inputs, uniq)
         r = dispatch.einsum(eq, pattern, *g_ops, format=None if repeated else x._format)
@@ -145,7 +145,7 @@ def _einsum_grad(k, inputs, out, ops, gout):
 
 def _shares_arrays(a: SparseTensor, b: SparseTensor) -> bool:
     """The same pattern by construction: the same format and shape over the very same index arrays."""
-    if a._format != b._format or a._shape != b._shape or a._values.shape != b._values.shape:
+    if a._format != b._format or a._shape != b._shape or a._vals.shape != b._vals.shape:
         return False
     return a._levels is b._levels or all(
         p is q for x, y in zip(a._levels, b._levels) for p, q in ((x.pos, y.pos), (x.crd, y.crd)))
@@ -163,10 +163,10 @@ def _merge_shared_patterns(inputs, ops):
         if j is None:
             k += 1
             continue
-        b = ops[j]._values
+        b = ops[j]._vals
         # (one of them the pattern's ones, as an SDDMM's sampled operand: the other's values as they are)
-        ops[k] = a.with_values(b if _is_pattern_ones(a._values) and b.dtype == a._values.dtype else
-                               a._values if _is_pattern_ones(b) and a._values.dtype == b.dtype else a._values * b)
+        ops[k] = a.with_values(b if _is_pattern_ones(a._vals) and b.dtype == a._vals.dtype else
+                               a._vals if _is_pattern_ones(b) and a._vals.dtype == b.dtype else a._vals * b)
         del ops[j], inputs[j]
     return inputs, ops
 
@@ -181,7 +181,7 @@ def pattern_ones(x: SparseTensor, dtype):
     """Ones at ``x``'s stored positions (the values of its pattern). In a format with a padded level, padding
     and stored zeros cannot be told apart: both are 0 (a gradient there would turn padding into an entry, an
     SDDMM there would too)."""
-    v = x._values
+    v = x._vals
     if x._format.padded:
         return (v != 0).to(dtype)
     key = (v.numel(), dtype, v.device)
@@ -205,11 +205,11 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
     takes only its diagonal. A result that shares ``x``'s index arrays gives its values directly."""
     if r_letters is None and type(r) is SparseTensor and r._format == x._format and r._shape == x._shape and all(
             a is b for a, b in zip(r._levels, x._levels)):
-        return r._values
+        return r._vals
     from .formats import storage
     letters = tuple(letters) if letters is not None else tuple("abcdefghijklmnopqrstuvwxyz"[:x.dim()])
     uniq = tuple(dict.fromkeys(letters))
-    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
+    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._vals)
     first = [letters.index(v) for v in (uniq if r_letters is None else r_letters)]
     diagonal = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
     for d, v in enumerate(letters):  # a repeated index: only the diagonal
@@ -217,12 +217,12 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
     if not bool(diagonal.all()):
         dims, leaf = dims[:, diagonal], leaf[diagonal]
     coords = dims[first]
-    dtype = r._values.dtype if type(r) is SparseTensor else r.dtype
-    out = torch.zeros(x._values.shape, dtype=dtype, device=x._values.device)
+    dtype = r._vals.dtype if type(r) is SparseTensor else r.dtype
+    out = torch.zeros(x._vals.shape, dtype=dtype, device=x._vals.device)
     if leaf.numel() == 0:
-        return out + 0 * (r._values.sum() if type(r) is SparseTensor else r.sum())  # keeps the graph
+        return out + 0 * (r._vals.sum() if type(r) is SparseTensor else r.sum())  # keeps the graph
     if type(r) is SparseTensor:
-        got = storage.lookup(r._format, r._shape, r._levels, r._values, coords)
+        got = storage.lookup(r._format, r._shape, r._levels, r._vals, coords)
     else:
         got = r[tuple(coords)]
     return out.index_put((leaf,), got, accumulate=True)
@@ -240,7 +240,7 @@ class _Run(torch.autograd.Function):
         r = dispatch.run(spec.inputs, spec.out, spec.operands(tensors), format=spec.format, **kwargs)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
-            r = r._values
+            r = r._vals
         ctx.spec, ctx.kwargs = spec, kwargs
         ctx.save_for_backward(*tensors, r)
         return r
@@ -300,10 +300,10 @@ def _extremum_grad(src, out, x, r, gout):
     from .formats import storage
     r = r.to_dense() if type(r) is SparseTensor else r
     g = gout.to_dense() if type(gout) is SparseTensor else gout
-    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
+    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._vals)
     keep = [src.index(v) for v in out]
     cell = tuple(dims[d] for d in keep)
-    vals = x._values[leaf]
+    vals = x._vals[leaf]
     tie = (vals == r[cell]).to(g.dtype)
     # ties per output cell: stored ones, plus the implicit zeros when the extremum is 0
     stored = torch.zeros(r.shape, dtype=g.dtype, device=g.device).index_put(cell, torch.ones_like(tie), accumulate=True)
@@ -314,7 +314,7 @@ def _extremum_grad(src, out, x, r, gout):
             reduced *= n
     ties = ties + torch.where(r == 0, reduced - stored, torch.zeros_like(stored))
     share = (g / ties.clamp(min=1))[cell] * tie
-    return torch.zeros(x._values.shape, dtype=g.dtype, device=g.device).index_put((leaf,), share, accumulate=True)
+    return torch.zeros(x._vals.shape, dtype=g.dtype, device=g.device).index_put((leaf,), share, accumulate=True)
 
 
 # --- format conversion ------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ class _Convert(torch.autograd.Function):
         spec.result = (r._format, r._shape, r._levels)
         ctx.spec = spec
         ctx.save_for_backward(t)
-        return r._values.view_as(r._values) if r._values is t else r._values
+        return r._vals.view_as(r._vals) if r._vals is t else r._vals
 
     @staticmethod
     def backward(ctx, grad):

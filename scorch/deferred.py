@@ -140,7 +140,7 @@ class EinsumExpr:
 
     def __init__(self, inputs, out, operands, format=None):
         self.inputs, self.out, self.ops, self.format = inputs, out, tuple(operands), format
-        self.operands = tuple(x._values if type(x) is _sparse_tensor.SparseTensor else x for x in operands)
+        self.operands = tuple(x._vals if type(x) is _sparse_tensor.SparseTensor else x for x in operands)
         self.dense = not any(type(x) is _sparse_tensor.SparseTensor for x in operands)
 
     def describe(self):
@@ -252,7 +252,7 @@ def product(equation, operands, format):
     only (and so inside ``scorch.compile``); None otherwise. Where the product's checks would fail, None: the
     eager call raises its own error."""
     if _mode.value != "all" or len(operands) != 2 or any(
-            type(x) is Deferred or (type(x) is _sparse_tensor.SparseTensor and type(x._values) is Deferred)
+            type(x) is Deferred or (type(x) is _sparse_tensor.SparseTensor and type(x._vals) is Deferred)
             for x in operands):
         return None  # (a deferred operand is substituted by the product instead; lazy values fuse with it)
     from .compiler import dispatch

@@ -74,7 +74,7 @@ def compile(fn=None, *, fullgraph=False, dynamic=None, mode=None, backend=None):
 def _finish(out):
     """Every deferred value among the results computed in place (SparseTensors' values included)."""
     if type(out) is SparseTensor:
-        out = out._values
+        out = out._vals
     if isinstance(out, (list, tuple)):
         for o in out:
             _finish(o)
@@ -145,7 +145,7 @@ class _LazySddmm(torch.autograd.Function):
             ctx.expr = expr
             ctx.save_for_backward(q, k)
             ctx.set_materialize_grads(False)  # (no gradient: the fused backward took the path to q and k)
-        return deferred.make(expr, (expr.pattern._values.numel(),), q.dtype, q.device)
+        return deferred.make(expr, (expr.pattern._vals.numel(),), q.dtype, q.device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -165,7 +165,7 @@ class _LazySoftmax(torch.autograd.Function):
             ctx.expr = expr
             ctx.set_materialize_grads(False)
         sddmm = scores._expr  # (the scores' shape and type from their expression: no reads on the deferred value)
-        return deferred.make(expr, sddmm.pattern._values.shape, sddmm.q.dtype, sddmm.q.device)
+        return deferred.make(expr, sddmm.pattern._vals.shape, sddmm.q.dtype, sddmm.q.device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -232,7 +232,7 @@ def lazy_sddmm(mask, q, kt, alpha):
     """The deferred ``sampled_addmm(mask, q, kt, beta=0, alpha=alpha)``, or None where it is not fused."""
     if not active() or type(mask) is not SparseTensor or _rows_pos(mask) is None:
         return None
-    if q.dtype not in (torch.float32, torch.float64) or kt.dtype != q.dtype or mask._values.dtype != q.dtype:
+    if q.dtype not in (torch.float32, torch.float64) or kt.dtype != q.dtype or mask._vals.dtype != q.dtype:
         return None
     if type(q) is not torch.Tensor or type(kt) is not torch.Tensor or q.dim() != 2 or kt.dim() != 2:
         return None
@@ -246,7 +246,7 @@ def lazy_sddmm(mask, q, kt, alpha):
 
 def lazy_softmax(x, dim, dtype, log):
     """The deferred row softmax of lazy SDDMM scores, or None where it is not fused."""
-    v = x._values
+    v = x._vals
     # (metadata from the expression: each read on the deferred value itself is a __torch_function__ call)
     if type(v) is not Deferred or not isinstance(v._expr, SddmmExpr) or log or dtype not in (None, v._expr.q.dtype):
         return None
@@ -279,7 +279,7 @@ def fused_product(equation, operands):
     if len(operands) != 2 or type(operands[0]) is not SparseTensor or type(operands[1]) is not torch.Tensor:
         return None
     attn, v = operands
-    probs = attn._values
+    probs = attn._vals
     if type(probs) is not Deferred or not isinstance(probs._expr, SoftmaxExpr):
         return None
     scores = probs._expr.scores
@@ -379,7 +379,7 @@ class _Ready:
         if pos_ref() is not st.pos or crd_ref() is not st.crd or st.pos._version != pos_version or \
                 st.crd._version != crd_version:
             return None
-        probs = torch.empty(p._values.shape, dtype=q.dtype) if self.keep_probs else None
+        probs = torch.empty(p._vals.shape, dtype=q.dtype) if self.keep_probs else None
         out = (torch.zeros if self.zero_out else torch.empty)(p._shape[0], v.shape[1], dtype=q.dtype)
         live = {"q": q, "k": sddmm.k, "v": v, "probs": probs, "out": out, "pos": st.pos, "crd": st.crd,
                 "scale": sddmm.alpha, "threads": torch.get_num_threads()}
@@ -455,7 +455,7 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
 
     fused, compiled = _compiled((id(plan1), id(plan3), keep_probs), build)
     ones = _ones(p, q.dtype)
-    probs = torch.empty(ones._values.shape, dtype=q.dtype) if keep_probs else None
+    probs = torch.empty(ones._vals.shape, dtype=q.dtype) if keep_probs else None
     # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
     # which would also wake torch's thread pool between the kernels)
     out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p._shape[0], v.shape[1], dtype=q.dtype)
@@ -632,7 +632,7 @@ def _epilogue_kernel(expr: EpilogueExpr):
     if len(si) != 2 or len(xi) != 2 or si[1] != xi[0] or out != (si[0], xi[1]) or si[0] == si[1]:
         return None
     # CSR: the row loop visits every row (an empty row gets its bias too) and row c0 is the output's row c0
-    if s.format.name != "csr" or s.dtype != x.dtype or s._values.device.type != "cpu":
+    if s.format.name != "csr" or s.dtype != x.dtype or s._vals.device.type != "cpu":
         return None
     x = x.contiguous()
     plan = dispatch.row_plan(base.inputs, out, [s, x])

@@ -141,26 +141,26 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
             return None
         else:
             src, target, inner = x, fmt, None
-        positions = src.with_values(torch.arange(src._values.numel(), dtype=torch.float64, device=src.device))
+        positions = src.with_values(torch.arange(src._vals.numel(), dtype=torch.float64, device=src.device))
         moved = dispatch.convert(positions, target, index_dtype)
         if moved is None:
             return None
-        perm = moved._values.to(torch.int32 if x.nnz < 2 ** 31 else torch.int64)  # index_select takes either
+        perm = moved._vals.to(torch.int32 if x.nnz < 2 ** 31 else torch.int64)  # index_select takes either
         levels = moved._levels if inner is None else (LevelStorage(), moved._levels[1]) + tuple(inner)
         entry = (levels, perm)
         _PERMUTATIONS.put(extra, x._levels, entry)
     levels, perm = entry[:2]
-    src = x._values.detach()
+    src = x._vals.detach()
     last = entry[2] if len(entry) > 2 else None  # the last values moved: the same values ask again (a weight
-    if last is not None and last[0]() is x._values and (last[1], last[3]) == (  # read transposed by several
-            x._values._version, last[2]._version):                                 # calls)
+    if last is not None and last[0]() is x._vals and (last[1], last[3]) == (  # read transposed by several
+            x._vals._version, last[2]._version):                                 # calls)
         vals = last[2]
     else:
         if len(levels) != 2 and perm.numel():  # whole blocks
             vals = torch.index_select(src.view(perm.numel(), -1), 0, perm).reshape(-1)
         else:
             vals = relayout.gather(src, perm)
-        _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._values), x._values._version, vals,
+        _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), x._vals._version, vals,
                                                             vals._version)))
     return SparseTensor(fmt, x._shape, levels, vals, check=False)
 
@@ -196,7 +196,7 @@ def converted_already(x, fmt) -> bool:
 
 
 def _versions(s: SparseTensor):
-    return (s._values._version,) + tuple(a._version for st in s._levels for a in st.arrays().values())
+    return (s._vals._version,) + tuple(a._version for st in s._levels for a in st.arrays().values())
 
 
 def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
@@ -309,7 +309,7 @@ def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariant
     given = [a for a in args if isinstance(a, torch.Tensor)]
     s._levels = tuple(st.map(lambda a: _same_array(a, given)) for st in s._levels)
     if check or checking_invariants():
-        _storage.validate(s._format, s._shape, s._levels, s._values)
+        _storage.validate(s._format, s._shape, s._levels, s._vals)
     if isinstance(values, torch.Tensor) and needs_grad([values]):
         # values computed by a graph (attention scores, ...): the result's values are that graph's output
         s = s.with_values(values.to(dtype=s.dtype, device=s.device).reshape(-1))

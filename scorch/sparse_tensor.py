@@ -67,7 +67,7 @@ class SparseTensor(torch.Tensor):
 
     _format: Format
     _levels: tuple
-    _values: torch.Tensor
+    _vals: torch.Tensor  # the stored values (``values()`` returns them; torch's ``_values()`` too)
     _shape: torch.Size  # the same as .shape, readable without __torch_function__ (hot paths use it)
 
     @staticmethod
@@ -96,7 +96,7 @@ class SparseTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=values.dtype, device=values.device)
         if requires_grad and not values.requires_grad:
             values = (values if values.is_leaf else values.detach()).requires_grad_()
-        r._format, r._levels, r._values, r._shape = fmt, levels, values, shape
+        r._format, r._levels, r._vals, r._shape = fmt, levels, values, shape
         r._index_dtype = next((a.dtype for st in levels for a in (st.pos, st.crd) if a is not None), torch.int64)
         return r
 
@@ -133,7 +133,7 @@ class SparseTensor(torch.Tensor):
 
     def values(self) -> torch.Tensor:
         """The 1-d array of stored values, one per stored position (padding included)."""
-        return self._values
+        return self._vals
 
     @property
     def layout(self) -> torch.layout:
@@ -156,7 +156,7 @@ class SparseTensor(torch.Tensor):
     @property
     def nnz(self) -> int:
         """The number of stored values (explicit zeros and padding included)."""
-        return self._values.numel()
+        return self._vals.numel()
 
     def _nnz(self) -> int:
         """The number of stored values."""
@@ -174,7 +174,7 @@ class SparseTensor(torch.Tensor):
     def with_values(self, values: torch.Tensor, requires_grad: bool = False) -> "SparseTensor":
         """The same pattern (shared index arrays) with other values."""
         if not requires_grad and isinstance(values, torch.Tensor) and values.dim() == 1 and \
-                values.device == self._values.device and values.is_contiguous() and not checking_invariants():
+                values.device == self._vals.device and values.is_contiguous() and not checking_invariants():
             return self._wrap(values)  # the pattern's checks hold already (a hot path of every op)
         return SparseTensor(self._format, self.shape, self._levels, values, requires_grad=requires_grad,
                             check=False)
@@ -184,32 +184,32 @@ class SparseTensor(torch.Tensor):
         device (and of ``dtype``, where given: a deferred value's metadata reads are calls): only the wrapper is
         made."""
         r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=dtype or values.dtype,
-                                                device=self._values.device)
-        r._format, r._levels, r._values, r._shape = self._format, self._levels, values, self._shape
+                                                device=self._vals.device)
+        r._format, r._levels, r._vals, r._shape = self._format, self._levels, values, self._shape
         r._index_dtype = self._index_dtype
         return r
 
     def _map_arrays(self, fn):
         levels = tuple(st.map(fn) for st in self._levels)
-        return SparseTensor(self._format, self.shape, levels, fn(self._values), check=False)
+        return SparseTensor(self._format, self.shape, levels, fn(self._vals), check=False)
 
     # --- autograd: the graph lives on the values ---------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        return self._values.requires_grad
+        return self._vals.requires_grad
 
     @requires_grad.setter
     def requires_grad(self, flag: bool):
-        self._values.requires_grad_(flag)
+        self._vals.requires_grad_(flag)
 
     def requires_grad_(self, requires_grad: bool = True) -> "SparseTensor":
-        self._values.requires_grad_(requires_grad)
+        self._vals.requires_grad_(requires_grad)
         return self
 
     @property
     def grad(self):
         """The gradient on this tensor's pattern (a SparseTensor sharing its index arrays), or None."""
-        g = self._values.grad
+        g = self._vals.grad
         if g is None:
             return None
         out = SparseTensor(self._format, self._shape, self._levels, g, check=False)
@@ -219,35 +219,35 @@ class SparseTensor(torch.Tensor):
     @grad.setter
     def grad(self, g):
         if g is None:
-            self._values.grad = None
+            self._vals.grad = None
             return
-        if type(g) is not SparseTensor or g._shape != self._shape or g._values.shape != self._values.shape:
+        if type(g) is not SparseTensor or g._shape != self._shape or g._vals.shape != self._vals.shape:
             raise ValueError("the grad of a SparseTensor must be a SparseTensor with the same shape and pattern")
-        self._values.grad = g._values
+        self._vals.grad = g._vals
 
     @property
     def grad_fn(self):
-        return self._values.grad_fn
+        return self._vals.grad_fn
 
     @property
     def is_leaf(self) -> bool:
-        return self._values.is_leaf
+        return self._vals.is_leaf
 
     def retain_grad(self):
-        self._values.retain_grad()
+        self._vals.retain_grad()
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         if gradient is not None:
-            gradient = gradient._values if type(gradient) is SparseTensor else gradient
+            gradient = gradient._vals if type(gradient) is SparseTensor else gradient
         elif self.numel() != 1:
             raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        self._values.backward(gradient if gradient is not None else torch.ones_like(self._values), retain_graph,
+        self._vals.backward(gradient if gradient is not None else torch.ones_like(self._vals), retain_graph,
                               create_graph, inputs)
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
         """The dense tensor (differentiable: the gradient reaches the stored values)."""
-        out = _storage.to_dense(self._format, self.shape, self._levels, self._values)
+        out = _storage.to_dense(self._format, self.shape, self._levels, self._vals)
         return out if dtype is None else out.to(dtype)
 
     def to_torch(self) -> torch.Tensor:
@@ -267,7 +267,7 @@ class SparseTensor(torch.Tensor):
         if device is not None and torch.device(device) != self.device:
             out = out._map_arrays(lambda a: a.to(device, non_blocking=non_blocking))
         if dtype is not None and dtype != self.dtype:
-            out = out.with_values(out._values.to(dtype))
+            out = out.with_values(out._vals.to(dtype))
         if copy and out is self:
             out = self.clone()
         return out
@@ -278,7 +278,7 @@ class SparseTensor(torch.Tensor):
 
     def detach(self) -> "SparseTensor":
         """The same arrays with detached values."""
-        return SparseTensor(self._format, self.shape, self._levels, self._values.detach(), check=False)
+        return SparseTensor(self._format, self.shape, self._levels, self._vals.detach(), check=False)
 
     def cpu(self):
         """On the CPU, as ``to('cpu')``."""
@@ -300,7 +300,7 @@ class SparseTensor(torch.Tensor):
 
     def check_invariants(self) -> "SparseTensor":
         """Validate the storage; raise ``ValueError`` naming the level and position of a violation."""
-        _storage.validate(self._format, self.shape, self._levels, self._values)
+        _storage.validate(self._format, self.shape, self._levels, self._vals)
         return self
 
     # --- display -----------------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ class SparseTensor(torch.Tensor):
         rows, cols = (1, self.shape[0]) if self.dim() == 1 else tuple(self.shape)
         if rows > max_rows or cols > max_cols:
             return ""
-        dims, vals = _storage.unpack(self._format, self.shape, self._levels, self._values)
+        dims, vals = _storage.unpack(self._format, self.shape, self._levels, self._vals)
         grid = [["."] * cols for _ in range(rows)]
         r = [0] * vals.numel() if self.dim() == 1 else dims[0].tolist()
         for i, j, v in zip(r, dims[-1].tolist(), (vals != 0).tolist()):
@@ -335,7 +335,7 @@ class SparseTensor(torch.Tensor):
     def __reduce_ex__(self, proto):
         """Pickling (``torch.save``): format text, shape, arrays and values; validated when loaded."""
         return (_rebuild, (str(self._format), tuple(self.shape),
-                           tuple((st.pos, st.crd) for st in self._levels), self._values.detach(), self.requires_grad,
+                           tuple((st.pos, st.crd) for st in self._levels), self._vals.detach(), self.requires_grad,
                            bool(getattr(self, "_is_param", False))))
 
 
@@ -353,11 +353,11 @@ def shape_of(x) -> torch.Size:
 
 
 def dtype_of(x) -> torch.dtype:
-    return x._values.dtype if type(x) is SparseTensor else x.dtype
+    return x._vals.dtype if type(x) is SparseTensor else x.dtype
 
 
 def device_of(x) -> torch.device:
-    return x._values.device if type(x) is SparseTensor else x.device
+    return x._vals.device if type(x) is SparseTensor else x.device
 
 
 def _rebuild(fmt, shape, levels, values, requires_grad, is_param=False):

@@ -74,7 +74,7 @@ class Plan:
 
 def _type(x) -> TensorType:
     if type(x) is SparseTensor:
-        return TensorType(len(x._shape), x._values.dtype, x._format, x.index_dtype, x._values.device.type)
+        return TensorType(len(x._shape), x._vals.dtype, x._format, x.index_dtype, x._vals.device.type)
     return TensorType(x.dim(), x.dtype, None, None, x.device.type)
 
 
@@ -102,7 +102,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
-    if operands and type(operands[0]) is SparseTensor and type(operands[0]._values) is Deferred and \
+    if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is Deferred and \
             format in (None, "dense") and not explain and backend == "cpp":
         from .. import fusion  # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
         r = fusion.fused_product(equation, operands)
@@ -273,7 +273,7 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
 def _signature(x):
     """What a repeated call must match to reuse a prepared call: format, dtypes and shape."""
     if type(x) is SparseTensor:
-        v = x._values
+        v = x._vals
         return (x._format, v.dtype, x._index_dtype, x._shape, v.device)
     return (None, x.dtype, x.shape, x.device, x.is_contiguous())
 
@@ -819,7 +819,7 @@ def _prepared_call(plan: Plan, sizes, dtype):
         for n, op, lvl, what in dynamic:
             x = ops[op]
             args[n] = (x._levels[lvl].pos if what == 0 else x._levels[lvl].crd if what == 1 else
-                       x._values if what == 2 else x).data_ptr()
+                       x._vals if what == 2 else x).data_ptr()
         if m:
             s = ops[k_drv]
             _, counts = _level_info(s)
@@ -856,7 +856,7 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
                 f" workspace of {cells * dtype.itemsize / 2**20:.0f} MiB; direct assembly of this output is not"
                 " supported yet (ask for another format=)")
     red = asg.reduce
-    dev = s._values.device
+    dev = s._vals.device
     if red == "sum":
         alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
         out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
@@ -898,7 +898,7 @@ def _arg(a, ops, info, sizes, scalars, out_arr, backend="cpp"):
     if k in ("pos", "crd"):
         return getattr(ops[a.operand]._levels[a.level], k)
     if k == "values":
-        return ops[a.operand]._values
+        return ops[a.operand]._vals
     if k == "dense":
         return ops[a.operand]
     if k in ("lo", "extent", "width"):

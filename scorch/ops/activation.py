@@ -71,7 +71,7 @@ def _entries(x: SparseTensor):
     """``(dims, values)`` of the entries, each once: duplicates summed; padding and positions outside the shape
     dropped (in a padded format a stored zero reads as an implicit one: the same value)."""
     x = _coalesced(x)
-    return storage.unpack(x._format, x._shape, x._levels, x._values)
+    return storage.unpack(x._format, x._shape, x._levels, x._vals)
 
 
 _linear = storage.linear_index
@@ -87,13 +87,13 @@ def _lookup(table: SparseTensor, dims: torch.Tensor, valid: torch.Tensor) -> tor
     """``table``'s value at each coordinate of ``dims`` (0 / False where nothing is stored or not ``valid``);
     differentiable in ``table``'s values."""
     dims = torch.where(valid, dims, torch.zeros((), dtype=dims.dtype, device=dims.device))
-    got = storage.lookup(table._format, table._shape, table._levels, table._values, dims)
+    got = storage.lookup(table._format, table._shape, table._levels, table._vals, dims)
     return torch.where(valid, got, torch.zeros((), dtype=got.dtype, device=got.device))
 
 
 def _scatter_positions(x: SparseTensor, leaf, vals):
     """A values array for ``x``'s stored positions: ``vals`` at ``leaf``, 0 at the positions not listed."""
-    out = torch.zeros(x._values.shape, dtype=vals.dtype, device=vals.device)
+    out = torch.zeros(x._vals.shape, dtype=vals.dtype, device=vals.device)
     return out.index_put((leaf,), vals)
 
 
@@ -135,14 +135,14 @@ def _unary(name: str, func, linear: bool = False, doc: str = _DOC_KEEPS):
             if why:
                 raise NotImplementedError(f"scorch: in-place {name} on a sparse tensor ({_desc(x)}): {why}; use the"
                                           " out-of-place form")
-            func(x._values, *args, **kwargs)
+            func(x._vals, *args, **kwargs)
             return x
         if not keeps_zero:
             _stats.record_densify(name, _desc(x))
             return func(x.to_dense(), *args, **kwargs)
         if not linear:
             x = _coalesced(x)
-        return x.with_values(func(x._values, *args, **kwargs))
+        return x.with_values(func(x._vals, *args, **kwargs))
     apply.__name__ = apply.__qualname__ = getattr(func, "__name__", name.rsplit(".", 1)[-1])
     apply.__doc__ = doc.format(name=name)
     return apply
@@ -215,10 +215,10 @@ def _dropout(x, p, training, inplace, name):
         if x._format.keeps_duplicates:
             raise NotImplementedError(f"scorch: in-place {name} on uncoalesced COO ({_desc(x)}): each entry must be"
                                       " dropped as a whole, so duplicates must be summed first (x.coalesce())")
-        torch.dropout_(x._values, p, True)  # padding is 0 and stays 0
+        torch.dropout_(x._vals, p, True)  # padding is 0 and stays 0
         return x
     x = _coalesced(x)
-    return x.with_values(torch.dropout(x._values, p, True))
+    return x.with_values(torch.dropout(x._vals, p, True))
 
 
 @_register(F.dropout)
@@ -279,7 +279,7 @@ def _compare(op_name):
             _stats.record_densify(name, _desc(x))
             return op(x.to_dense(), other)
         x = _coalesced(x)
-        return x.with_values(op(x._values, other))  # padding: op(0, c) is False, stored as 0
+        return x.with_values(op(x._vals, other))  # padding: op(0, c) is False, stored as 0
     apply.__name__ = apply.__qualname__ = op_name
     apply.__doc__ = (f"{name} with a scalar: where op(0, c) is False a sparse bool result on the operand's pattern"
                      " (duplicates summed first), else the dense result, counted by scorch.stats().")
@@ -362,7 +362,7 @@ def _where_sparse_mask(mask: SparseTensor, x, y):
     dtype = _where_dtype(x, y)
     mask = _coalesced(mask)
     leaf, dims, inside = storage.coordinates(mask._format, shape, mask._levels)
-    chosen = mask._values[leaf] & inside
+    chosen = mask._vals[leaf] & inside
     if isinstance(x, SparseTensor):
         picked = _lookup(x, dims, inside)
     elif isinstance(x, torch.Tensor):
@@ -382,7 +382,7 @@ def _where_dense_mask(mask: torch.Tensor, x: SparseTensor, y):
     dtype = _where_dtype(x, y)
     leaf, dims, inside = storage.coordinates(x._format, shape, x._levels)
     keep = (mask.expand(shape)[_clamped(dims, inside, shape)] if leaf.numel() else mask.new_zeros(0)) & inside
-    vals = torch.where(keep, x._values[leaf], y).to(dtype)
+    vals = torch.where(keep, x._vals[leaf], y).to(dtype)
     return x.with_values(_scatter_positions(x, leaf, vals))  # duplicates are masked alike: linear
 
 
@@ -398,7 +398,7 @@ def _nonzero_tuple(mask):
 def _true_coordinates(mask: SparseTensor):
     """The coordinates (``(ndim, K)``) of a sparse bool mask's True entries."""
     leaf, dims, inside = storage.coordinates(mask._format, mask._shape, mask._levels)
-    return dims[:, mask._values[leaf] & inside]
+    return dims[:, mask._vals[leaf] & inside]
 
 
 def _masked_fill(input, mask, value, inplace):
@@ -428,11 +428,11 @@ def _masked_fill(input, mask, value, inplace):
                 raise RuntimeError(f"{name}: the mask of shape {tuple(mask.shape)} does not broadcast to the input's"
                                    f" shape {tuple(shape)}")
             hit = (mask.expand(shape)[_clamped(dims, inside, shape)] if leaf.numel() else mask.new_zeros(0)) & inside
-        at = torch.zeros(input._values.shape, dtype=torch.bool, device=hit.device).index_put((leaf,), hit)
+        at = torch.zeros(input._vals.shape, dtype=torch.bool, device=hit.device).index_put((leaf,), hit)
         if inplace:
-            input._values.masked_fill_(at, 0)  # zeroing keeps padding 0
+            input._vals.masked_fill_(at, 0)  # zeroing keeps padding 0
             return input
-        return input.with_values(input._values.masked_fill(at, 0))
+        return input.with_values(input._vals.masked_fill(at, 0))
     raise NotImplementedError(
         f"scorch: {name}(input={_kind(input)}, mask={_kind(mask)}, value={_kind(value)}) is not supported: the sparse"
         " forms are masked_fill(dense, sparse_mask, v) (dense result) and masked_fill(S, mask, 0) (S's pattern); a"

@@ -22,7 +22,7 @@ from ..sparse_tensor import SparseTensor, implements
 def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
     if a._levels is b._levels:
         return True
-    if a._format != b._format or a._shape != b._shape or a._values.shape != b._values.shape:
+    if a._format != b._format or a._shape != b._shape or a._vals.shape != b._vals.shape:
         return False
     for x, y in zip(a._levels, b._levels):
         for p, q in ((x.pos, y.pos), (x.crd, y.crd)):
@@ -37,7 +37,7 @@ def _values(x, like: SparseTensor, name: str):
         if not same_pattern(x, like):
             raise ValueError(f"scorch: {name} of SparseTensors with different patterns (in-place ops keep the"
                              " pattern; use out-of-place ops, whose result pattern is the union)")
-        return x._values
+        return x._vals
     if isinstance(x, numbers.Number) or (isinstance(x, torch.Tensor) and x.dim() == 0):
         return x
     raise NotImplementedError(f"scorch: {name} of a SparseTensor with a dense tensor of shape {tuple(x.shape)}"
@@ -56,7 +56,7 @@ def _inplace(method):
         args = [_values(a, self, name) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number) else a
                 for a in args]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        getattr(self._values, name)(*args, **kwargs)
+        getattr(self._vals, name)(*args, **kwargs)
         return self
     op.__name__ = name
     op.__doc__ = (f"``{name}`` on the stored values, in place: the pattern is fixed, sparse operands must share"
@@ -81,20 +81,20 @@ def copy_(self, src, non_blocking=False):
         if src._shape != self._shape:
             raise ValueError(f"copy_: shapes {tuple(src._shape)} and {tuple(self._shape)} differ")
         from ..interop import asformat
-        src = asformat(src.to(self._values.device), self._format)  # the destination keeps its format
-        grad = self._values.requires_grad
+        src = asformat(src.to(self._vals.device), self._format)  # the destination keeps its format
+        grad = self._vals.requires_grad
         self._format, self._levels = src._format, tuple(st.map(torch.clone) for st in src._levels)
         self._index_dtype = src._index_dtype
-        self._values = src._values.detach().to(self._values.dtype, copy=True).requires_grad_(grad)
+        self._vals = src._vals.detach().to(self._vals.dtype, copy=True).requires_grad_(grad)
         self.__dict__.pop("_conversions", None)  # conversions kept for the old pattern
         return self
-    self._values.copy_(_values(src, self, "copy_"), non_blocking)
+    self._vals.copy_(_values(src, self, "copy_"), non_blocking)
     return self
 
 
 def _like(fill):
     def like(x, dtype=None, *, layout=None, device=None, requires_grad=False, memory_format=None, **kw):
-        v = x._values
+        v = x._vals
         vals = fill(v, dtype) if device is None else fill(v, dtype).to(device)
         s = SparseTensor(x._format, x._shape, x._levels if device is None else
                          tuple(st.map(lambda a: a.to(device)) for st in x._levels), vals, check=False)

@@ -56,7 +56,7 @@ def _prod(xs) -> int:
 def _entries(x: SparseTensor):
     """``(dims, vals)``: the ``(ndim, M)`` int64 coordinates and the values (gathered from ``x.values()``, so
     differentiable) of ``x``'s stored entries, padding dropped."""
-    return storage.unpack(x._format, x._shape, x._levels, x._values)
+    return storage.unpack(x._format, x._shape, x._levels, x._vals)
 
 
 def _coo(rows, vals, shape, duplicates: bool, op: str) -> SparseTensor:
@@ -319,7 +319,7 @@ def _cat_compressed(xs, fmt, shape, dtype) -> SparseTensor:
         pos.append(st.pos[1:].to(index_dtype) + nnz)
         crd.append(st.crd.to(index_dtype))
         nnz += t.nnz
-    vals = torch.cat([t._values.to(dtype) for t in xs])
+    vals = torch.cat([t._vals.to(dtype) for t in xs])
     levels = [LevelStorage(), LevelStorage(pos=torch.cat(pos), crd=torch.cat(crd))]
     return SparseTensor(fmt, shape, levels, vals, check=False)
 
@@ -411,4 +411,4 @@ def _select_compressed(x: SparseTensor, idx, shape) -> SparseTensor:
     src = first[seg] + (torch.arange(total, device=device) - new_pos[:-1][seg])
     index_dtype = storage.pick_index_dtype(total, *shape)
     levels = [LevelStorage(), LevelStorage(pos=new_pos.to(index_dtype), crd=st.crd[src].to(index_dtype))]
-    return SparseTensor(x._format, shape, levels, x._values[src], check=False)
+    return SparseTensor(x._format, shape, levels, x._vals[src], check=False)

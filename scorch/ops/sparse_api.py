@@ -164,17 +164,17 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     dim %= n
     if x._format.keeps_duplicates:
         x = coalesce(x)
-    if type(x._values) is Deferred:  # lazy scores inside scorch.compile: the softmax stays lazy too
+    if type(x._vals) is Deferred:  # lazy scores inside scorch.compile: the softmax stays lazy too
         lazy = fusion.lazy_softmax(x, dim, dtype, log)
         if lazy is not None:
             return lazy
-    v = x._values if dtype is None else x._values.to(dtype)
+    v = x._vals if dtype is None else x._vals.to(dtype)
     if not v.dtype.is_floating_point:
         raise TypeError(f"softmax: expected a floating point SparseTensor, got {v.dtype}")
     pos = _segments(x, dim)
     if pos is not None and v.dtype in segment.SUPPORTED and v.device.type == "cpu":
         return x.with_values(segment.softmax(v, pos, log))
-    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._values)
+    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._vals)
     others = [d for d in range(n) if d != dim]
     key = storage.linear_index(dims[others], [x._shape[d] for d in others])
     groups, inv = torch.unique(key, return_inverse=True)
