@@ -12,6 +12,13 @@ Caches, fastest first:
   for). Files are written to a unique temporary name and ``os.replace``d into place, so concurrent processes
   never see a half-written file, and a cached ``.so`` that is damaged is deleted and rebuilt, never loaded.
 
+Every cached library is verified before it is used, and rebuilt otherwise: its file ends with a trailer holding
+a sha256 of the key and the library's bytes (written at build time: a zeroed or altered body, or another
+entry's library copied over this one, fails the check before ``dlopen``), and it exports
+``scorch_kernel_stamp()``, which returns the key it was built for (checked after ``dlopen``, before any kernel
+runs). A cache directory that cannot be written falls back to a private temporary one for the process, with one
+warning naming ``SCORCH_CACHE_DIR``.
+
 Toolchains (``load(..., toolchain=)``): ``"cxx"`` builds C++ with the host compiler; ``"nvcc"`` builds CUDA source
 (``codegen.cuda``) for one GPU architecture (``arch="sm_90"``); ``"emulate"`` builds the same CUDA source with the
 host compiler and ``-DSCORCH_EMULATE``, so that it runs on the CPU (tests without a GPU). :func:`ptx` compiles CUDA
@@ -36,12 +43,14 @@ import struct
 import subprocess
 import sys
 import threading
+import tempfile
 import time
+import warnings
 
 __all__ = ["CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "nvcc", "ptx", "sanitizer_env"]
 
 # Bump when the layout of the cache or the meaning of a key changes: old entries are then simply ignored.
-CACHE_VERSION = "v1"
+CACHE_VERSION = "v2"  # v2: entries carry a verified trailer and a key stamp
 
 _BASE_FLAGS = ("-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # -fno-loop-unroll-and-jam: GCC 12 jams two iterations of a sparse loop around a dense inner loop and then
@@ -65,6 +74,13 @@ _targets: dict[tuple, tuple] = {}          # (source, environment) -> what _targ
 _which: dict[tuple[str, str], str] = {}     # ($CXX, $PATH) -> resolved compiler path
 _versions: dict[str, str] = {}               # compiler path -> `--version` output
 _cpu: str | None = None
+_writable: dict[pathlib.Path, pathlib.Path] = {}  # configured cache folder -> the folder used (itself or a fallback)
+
+#: the function every library exports, returning the key it was built for
+STAMP_SYMBOL = "scorch_kernel_stamp"
+# the trailer appended to every cached library: this marker, then sha256(key, body) (32 bytes)
+_TRAILER_MARK = b"\0scorch-kernel-cache-trailer\0"
+_TRAILER_SIZE = len(_TRAILER_MARK) + 32
 _asan_loaded: bool | None = None
 
 
@@ -191,18 +207,23 @@ def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str 
         os.makedirs(path.parent, exist_ok=True)
 
         origin, seconds = "disk", 0.0
-        lib = _load_cached(so_path)
+        key = path.stem
+        stamped = source + _stamp_source(key)
+        lib = _load_cached(so_path, key)
         if lib is None:
-            if not cpp_path.exists() or cpp_path.read_text(encoding="utf-8") != source:
-                _write_atomic(cpp_path, source)
-            seconds = _compile(cxx, flag_set, cpp_path, so_path)
+            if not cpp_path.exists() or cpp_path.read_text(encoding="utf-8") != stamped:
+                _write_atomic(cpp_path, stamped)
+            seconds = _compile(cxx, flag_set, cpp_path, so_path, key)
             origin = "compiled"
             try:
-                lib = ctypes.CDLL(so_path)
+                lib = _open_verified(so_path, key, fresh=so_path in _opened)
             except OSError as e:
                 raise CompileError(f"scorch: compiled {cpp_path} but cannot load {so_path}: {e}", cpp_path) from e
+            if lib is None:
+                raise CompileError(f"scorch: compiled {cpp_path} but {so_path} does not verify (another process"
+                                   " replaced it?)", cpp_path)
         elif not cpp_path.exists():  # keep the source beside the binary for debugging
-            _write_atomic(cpp_path, source)
+            _write_atomic(cpp_path, stamped)
         with _lock:
             _libs[so_path] = lib
         return _kernel(lib, symbol, argtypes, restype, path, cpp_path, origin, seconds)
@@ -242,7 +263,7 @@ def _target(source: str, toolchain: str = "cxx", arch: str = "") \
         cxx, flag_set, suffix = nvcc(), _NVCC_FLAGS + _arch_flags(arch), ".cu"
     else:
         raise ValueError(f"scorch: unknown toolchain {toolchain!r} (cxx, nvcc, emulate)")
-    path = cache_dir() / (_key(source, cxx, flag_set) + ".so")
+    path = _usable(cache_dir()) / (_key(source, cxx, flag_set) + ".so")
     return str(path), path, path.with_suffix(suffix), cxx, flag_set
 
 
@@ -251,7 +272,7 @@ def ptx(source: str, arch: str) -> str:
     Raises ``CompileError`` with nvcc's messages if it does not compile."""
     cc = nvcc()
     flag_set = ("-std=c++17", "--ptx", f"-arch=compute_{_arch_number(arch)}")
-    path = cache_dir() / "ptx" / (_key(source, cc, flag_set) + ".ptx")
+    path = _usable(cache_dir()) / "ptx" / (_key(source, cc, flag_set) + ".ptx")
     if path.exists():
         return path.read_text(encoding="utf-8")
     os.makedirs(path.parent, exist_ok=True)
@@ -337,7 +358,9 @@ def _unlink(path: str | os.PathLike) -> None:
         pass
 
 
-def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_path: str) -> float:
+def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_path: str, key: str | None = None) \
+        -> float:
+    """Build ``cpp_path`` into ``so_path``; with a ``key``, the library gets the verified cache trailer."""
     tmp = _tmp_name(so_path)
     command = (cxx, *flag_set, "-o", tmp, str(cpp_path))
     start = time.perf_counter()
@@ -350,26 +373,119 @@ def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_pat
                 output[:_MAX_MESSAGE] + f"\n... ({len(output) - _MAX_MESSAGE} more characters)")
             raise CompileError(f"scorch: failed to compile {cpp_path} (exit {run.returncode}):\n"
                                f"$ {' '.join(command)}\n{shown}", cpp_path, command, output)
+        if key is not None:
+            with open(tmp, "rb") as f:
+                body = f.read()
+            with open(tmp, "ab") as f:
+                f.write(_TRAILER_MARK + _digest(key, body))
         os.replace(tmp, so_path)  # atomic: other processes see the old file, none, or the whole new one
     finally:
         _unlink(tmp)
     return seconds
 
 
-def _load_cached(so_path: str) -> ctypes.CDLL | None:
-    """The cached library at ``so_path``, or None if absent; a damaged file is deleted (and None returned)."""
+def _load_cached(so_path: str, key: str) -> ctypes.CDLL | None:
+    """The cached library at ``so_path`` built for ``key``, or None if absent; a file that is damaged or was not
+    built for ``key`` is deleted (and None returned), never run."""
     try:
-        reason = _elf_damage(so_path)
+        reason = _trailer_damage(so_path, key) or _elf_damage(so_path)
     except FileNotFoundError:
         return None
     if reason is None:
         try:
-            return ctypes.CDLL(so_path)
-        except OSError as e:
-            reason = str(e)
+            lib = _open_verified(so_path, key, fresh=False)
+            if lib is not None:
+                return lib
+        except OSError:
+            pass
     # Never trust it; the caller rebuilds. Deleting (not truncating) leaves any process that mapped it intact.
     _unlink(so_path)
     return None
+
+
+_opened: set = set()  # paths dlopen'ed by this process whose library failed its stamp check
+
+
+def _open_verified(so_path: str, key: str, fresh: bool) -> ctypes.CDLL | None:
+    """``dlopen`` the library and check its stamp is ``key``; None (the library closed) if it is not.
+    ``fresh``: load through a new file name, since the dynamic loader would hand back a library already loaded
+    under this path (one that failed its check, and that it may be unable to unload)."""
+    path, copy = so_path, None
+    if fresh:
+        copy = _tmp_name(so_path)
+        shutil.copyfile(so_path, copy)
+        path = copy
+    try:
+        lib = ctypes.CDLL(path)
+    finally:
+        if copy is not None:
+            _unlink(copy)  # the mapping stays valid
+    try:
+        stamp = lib[STAMP_SYMBOL]
+        stamp.restype = ctypes.c_char_p
+        stamp.argtypes = []
+        ok = stamp() == key.encode()
+    except AttributeError:
+        ok = False
+    if not ok:
+        _opened.add(so_path)
+        _dlclose(lib)
+        return None
+    return lib
+
+
+def _dlclose(lib) -> None:
+    try:
+        import _ctypes
+        _ctypes.dlclose(lib._handle)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
+def _stamp_source(key: str) -> str:
+    """The C++ appended to every cached kernel's source: a function returning the kernel's key."""
+    return f'\nextern "C" const char* {STAMP_SYMBOL}(void) {{ return "{key}"; }}\n'
+
+
+def _digest(key: str, body: bytes) -> bytes:
+    """The trailer's hash: of the key and the library, so another entry's library (and trailer) fails."""
+    h = hashlib.sha256()
+    h.update(key.encode() + b"\0")
+    h.update(body)
+    return h.digest()
+
+
+def _trailer_damage(path: str, key: str) -> str | None:
+    """Why the file at ``path`` is not the library built for ``key`` (its trailer's hash), or None."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < _TRAILER_SIZE or data[-_TRAILER_SIZE:-32] != _TRAILER_MARK:
+        return "no cache trailer"
+    if data[-32:] != _digest(key, data[:-_TRAILER_SIZE]):
+        return "content does not match its hash"
+    return None
+
+
+def _usable(folder: pathlib.Path) -> pathlib.Path:
+    """``folder``, created, if this process can write there; else a private temporary folder for the process,
+    with one warning naming ``SCORCH_CACHE_DIR`` (a read-only home or cache must not stop the program)."""
+    used = _writable.get(folder)
+    if used is None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = _tmp_name(folder / "probe")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+            used = folder
+        except OSError as e:
+            used = pathlib.Path(tempfile.mkdtemp(prefix="scorch-cache-")) / CACHE_VERSION
+            os.makedirs(used, exist_ok=True)
+            warnings.warn(f"scorch: the kernel cache {folder} is not writable ({e.strerror or e}); compiled kernels"
+                          f" are kept in {used} for this process only. Set SCORCH_CACHE_DIR to a writable folder to"
+                          " keep them across runs", RuntimeWarning, stacklevel=3)
+        _writable[folder] = used
+    return used
 
 
 def _elf_damage(path: str) -> str | None:
