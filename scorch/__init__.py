@@ -22,10 +22,13 @@ from .rearrange import rearrange  # noqa: E402
 from .deferred import deferral  # noqa: E402
 from .fusion import compile  # noqa: E402
 from .nn.schedule import schedule  # noqa: E402
-from ._stats import DensifyWarning, reset_stats, stats  # noqa: E402
+from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,  # noqa: E402
+                     stats, strict)
 
 spmm = sparse.routed(_torch.spmm)  # a sparse-only function: torch sparse operands run through scorch too
 
-__version__ = "0.1.0"
+# ``__version__`` is torch's (forwarded below): version gates in torch code (``torch.__version__ >= "2.0"``) must
+# see the torch they run on; scorch's own version is ``__scorch_version__``
+__scorch_version__ = "0.1.0"
 
 __getattr__, __dir__ = _forward.forward(globals(), _torch)

@@ -8,6 +8,7 @@ format, never a silent densify.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import torch
@@ -109,17 +110,40 @@ class SparseTensor(torch.Tensor):
             if _DEFERRED[0] in types and not getattr(impl, "fuses", False):
                 _DEFERRED[1](args)  # deferred dense operands are computed, except for products that fuse them
                 _DEFERRED[1](kwargs.values())
-            return impl(*args, **kwargs)
-        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+            try:
+                return impl(*args, **kwargs)
+            except NoSparseRule as why:  # no sparse rule for these particular arguments
+                return dense_fallback(func, args, kwargs, why)
+        if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        raise NotImplementedError(f"scorch: {_op_name(func)} is not implemented for sparse operands"
-                                  f" ({_describe(args, kwargs)})")
+        if getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+            try:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            except _ReachedDispatch:  # an attribute computed by an op (x.mT, x.real...): on the dense form
+                if func.__name__ != "__get__":
+                    raise
+        if _DEFERRED[0] in types:
+            _DEFERRED[1](args)
+            _DEFERRED[1](kwargs.values())
+        return dense_fallback(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(f"scorch: {func} reached torch's dispatcher with a sparse operand"
-                                  f" ({_describe(args, kwargs or {})}); scorch has no implementation for it")
+        # reached below autograd (torch internals that skip __torch_function__): without a gradient to lose, the
+        # op runs on the dense form as a fallback; with one, the dense result would not reach the stored values
+        kwargs = kwargs or {}
+        sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
+        if torch.is_grad_enabled() and any(x._vals.requires_grad for x in sparse):
+            raise _ReachedDispatch(f"scorch: {func} reached torch's dispatcher with a sparse operand that requires"
+                                   f" grad ({_describe(args, kwargs)}); scorch has no implementation for it")
+        if func._schema.is_mutable and any(type(a) is SparseTensor for a, arg in zip(args, func._schema.arguments)
+                                           if arg.alias_info is not None and arg.alias_info.is_write):
+            raise _ReachedDispatch(f"scorch: {func} would write into a sparse tensor ({_describe(args, kwargs)})"
+                                   " in place, and scorch has no implementation for it")
+        with torch.no_grad():
+            return dense_fallback(func, args, kwargs)
 
     # --- storage ---------------------------------------------------------------------------------------------
     @property
@@ -161,6 +185,15 @@ class SparseTensor(torch.Tensor):
     def _nnz(self) -> int:
         """The number of stored values."""
         return self.nnz
+
+    def sparse_dim(self) -> int:
+        """As torch: the number of dimensions the index arrays address (every dimension: a scorch format
+        stores no dense trailing dimensions)."""
+        return len(self._shape)
+
+    def dense_dim(self) -> int:
+        """As torch: the number of dense trailing dimensions of each stored value (none)."""
+        return 0
 
     @property
     def index_dtype(self) -> torch.dtype:
@@ -276,6 +309,20 @@ class SparseTensor(torch.Tensor):
         """A copy of the index arrays and values, in the same format."""
         return self._map_arrays(torch.clone)
 
+    def __deepcopy__(self, memo) -> "SparseTensor":
+        """A copy of the index arrays and values (a leaf, requiring grad as this one does; a parameter stays one)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        out = SparseTensor(self._format, self._shape, tuple(st.map(torch.clone) for st in self._levels),
+                           self._vals.detach().clone(), requires_grad=self._vals.requires_grad, check=False)
+        for flag in ("_is_param", "_pattern_grad"):
+            if getattr(self, flag, False):
+                setattr(out, flag, True)
+        if self._vals.grad is not None:
+            out._vals.grad = self._vals.grad.clone()
+        memo[id(self)] = out
+        return out
+
     def detach(self) -> "SparseTensor":
         """The same arrays with detached values."""
         return SparseTensor(self._format, self.shape, self._levels, self._vals.detach(), check=False)
@@ -384,12 +431,83 @@ def _op_name(func) -> str:
 
 
 def _describe(args, kwargs) -> str:
-    found = []
-    for a in list(args) + list(kwargs.values()):
-        for x in (a if isinstance(a, (list, tuple)) else [a]):
-            if isinstance(x, SparseTensor):
-                found.append(f"{short_name(x._format)} {tuple(x.shape)}")
+    found = [f"{short_name(x._format)} {tuple(x._shape)}" for x in _flat((args, kwargs)) if type(x) is SparseTensor]
     return "format " + ", ".join(found) if found else "sparse operand"
+
+
+def _flat(obj):
+    """The leaves of ``obj``, nested lists, tuples and dicts opened."""
+    if isinstance(obj, (list, tuple)):
+        for a in obj:
+            yield from _flat(a)
+    elif isinstance(obj, dict):
+        for a in obj.values():
+            yield from _flat(a)
+    else:
+        yield obj
+
+
+def _densified(obj):
+    """``obj`` with every SparseTensor (in nested lists, tuples and dicts too) replaced by its differentiable dense
+    form."""
+    if type(obj) is SparseTensor:
+        return obj.to_dense()
+    if isinstance(obj, (list, tuple)) and any(type(x) is SparseTensor for x in _flat(obj)):
+        items = [_densified(a) for a in obj]
+        return items if type(obj) is list else tuple(items) if type(obj) is tuple else type(obj)(*items)
+    if isinstance(obj, dict) and any(type(x) is SparseTensor for x in _flat(obj)):
+        return {k: _densified(v) for k, v in obj.items()}
+    return obj
+
+
+class NoSparseRule(NotImplementedError):
+    """Raised by an implementation that has no sparse rule for the arguments it got: the op then runs on the dense
+    form (``dense_fallback``)."""
+
+
+class _ReachedDispatch(NotImplementedError):
+    """An op reached torch's dispatcher with a sparse operand, where no dense fallback can run."""
+
+
+# in-place dunders: they write into their first argument
+_INPLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                              "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                              "__imatmul__", "__setitem__"})
+# ops whose dense form would answer about a temporary, not about the sparse tensor
+_NO_FALLBACK = {torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tensor.storage,
+                torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.storage_offset,
+                torch.Tensor.stride, torch.Tensor.share_memory_, torch.Tensor.is_shared, torch.Tensor.is_pinned,
+                torch.Tensor.pin_memory}
+
+
+def _writes_sparse(func, args, kwargs) -> bool:
+    """Whether ``func`` writes into a sparse argument (an in-place method on it, or ``out=`` it)."""
+    if any(type(x) is SparseTensor for x in _flat(kwargs.get("out"))):
+        return True
+    name = getattr(func, "__name__", "")
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    return inplace and bool(args) and type(args[0]) is SparseTensor
+
+
+def dense_fallback(func, args, kwargs, why: Exception | None = None):
+    """Run ``func`` on the dense form of every sparse argument (``to_dense()``, differentiable: gradients reach
+    the stored values) and return torch's own result; counted and warned about once per op (``scorch.stats()``),
+    an error in strict mode (``scorch.strict()``) or over the memory limit (``scorch.set_fallback_limit``).
+    An op that would write into a sparse argument raises: a sparse tensor cannot become dense in place."""
+    from . import _stats
+    name = _op_name(func)
+    sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
+    detail = _describe(args, kwargs) + (f": {why}" if why is not None and str(why) else "")
+    if _writes_sparse(func, args, kwargs):
+        raise NotImplementedError(f"scorch: {name} would write its result into a sparse tensor ({detail}) in place,"
+                                  " and scorch has no sparse rule for it here: a sparse tensor cannot become dense in"
+                                  " place; use the out-of-place form, or x.to_dense() first")
+    if func in _NO_FALLBACK:
+        raise NotImplementedError(f"scorch: {name} of a sparse tensor ({detail}): it has no dense storage to answer"
+                                  " about (its arrays are x.values() and x.levels)")
+    nbytes = sum(math.prod(x._shape) * x._vals.element_size() for x in sparse)
+    _stats.record_fallback(name, detail, nbytes)
+    return func(*_densified(args), **_densified(kwargs))
 
 
 # torch.* spellings of the methods SparseTensor defines
@@ -397,8 +515,10 @@ def _method(name):
     return functools.wraps(getattr(SparseTensor, name))(lambda self, *a, **k: getattr(SparseTensor, name)(self, *a, **k))
 
 
-for _name in ("to_dense", "values", "clone", "detach", "to", "cpu", "double", "float", "_nnz"):
+for _name in ("to_dense", "values", "clone", "detach", "to", "cpu", "double", "float", "_nnz", "sparse_dim",
+              "dense_dim", "__deepcopy__"):
     IMPLEMENTATIONS[getattr(torch.Tensor, _name)] = _method(_name)
+IMPLEMENTATIONS[torch.Tensor._values] = _method("values")
 IMPLEMENTATIONS[torch.clone] = _method("clone")
 IMPLEMENTATIONS[torch.detach] = _method("detach")
 IMPLEMENTATIONS[torch.Tensor.__repr__] = _method("__repr__")

@@ -91,15 +91,16 @@ def test_pickle_and_torch_save_round_trip(tmp_path):
     assert isinstance(r, SparseTensor) and torch.equal(r.to_dense(), X)
 
 
-def test_unimplemented_ops_name_the_op_and_format():
+def test_strict_mode_names_the_unimplemented_op_and_format():
     s = scorch.asformat(X, "csr")
-    with pytest.raises(NotImplementedError, match=r"torch\.cumprod is not implemented for sparse operands"
-                                                  r" \(format csr \(3, 4\)\)"):
-        torch.cumprod(s, 0)
-    with pytest.raises(NotImplementedError, match=r"Tensor\.cumsum is not implemented.*format csr"):
-        s.cumsum(0)
-    with pytest.raises(NotImplementedError, match="format dia"):
-        torch.sort(scorch.asformat(X, "dia"))
+    with scorch.strict():
+        with pytest.raises(scorch.DensifyError, match=r"torch\.cumprod has no sparse rule for these operands"
+                                                      r" \(format csr \(3, 4\)\)"):
+            torch.cumprod(s, 0)
+        with pytest.raises(NotImplementedError, match=r"Tensor\.cumsum has no sparse rule.*format csr"):
+            s.cumsum(0)
+        with pytest.raises(NotImplementedError, match="format dia"):
+            torch.sort(scorch.asformat(X, "dia"))
 
 
 def test_construction_validates_by_default():

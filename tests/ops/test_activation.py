@@ -285,18 +285,20 @@ def test_densification_warns_once_per_op_and_counts_every_call():
     assert found[0].filename == __file__  # points at the caller, not into scorch
     st = _stats.stats()
     assert st == {"densified": {"torch.sigmoid": 6, "torch.exp": 1, "torch.nn.functional.softplus": 1,
-                                "torch.gt": 1}}
+                                "torch.gt": 1}, "fallback": {}}
     st["densified"]["torch.exp"] = 100  # a copy
     assert _stats.stats()["densified"]["torch.exp"] == 1
     _stats.reset_stats()
-    assert _stats.stats() == {"densified": {}}
+    assert _stats.stats() == {"densified": {}, "fallback": {}}
     with pytest.warns(_stats.DensifyWarning, match="torch.sigmoid"):
         torch.sigmoid(s)  # warned again after a reset
     with warnings.catch_warnings():
         warnings.simplefilter("error", _stats.DensifyWarning)
         torch.sigmoid(s)  # but only once
         torch.erf(s)  # zero-preserving: no warning
-    assert _stats.stats() == {"densified": {"torch.sigmoid": 2}}
+    assert _stats.stats() == {"densified": {"torch.sigmoid": 2}, "fallback": {}}
+    with scorch.strict(), pytest.raises(scorch.DensifyError, match="torch.sigmoid.*strict"):
+        torch.sigmoid(s)  # strict mode: densifying raises
     assert issubclass(_stats.DensifyWarning, UserWarning)
 
 

@@ -512,13 +512,3 @@ def test_sparse_sparse_shape_mismatch():
     with pytest.raises(ValueError):
         s1 @ s2
 
-
-def test_unimplemented_op_names_the_op():
-    """An op scorch has no sparse implementation for raises NotImplementedError naming it, never densifies."""
-    s, _ = sparse((5, 7), "csr", seed=49)
-    with pytest.raises(NotImplementedError, match="cumsum"):
-        torch.cumsum(s, 0)
-    with pytest.raises(NotImplementedError, match="logcumsumexp"):
-        torch.logcumsumexp(s, 0)
-    with pytest.raises(NotImplementedError, match="argsort"):
-        torch.argsort(s, 1)
