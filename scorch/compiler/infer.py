@@ -18,8 +18,14 @@ The output is then:
    transposed format: ``"ij->ji"`` of CSR is CSC, sharing the arrays;
 3. a prefix of the driver's levels when the output indices are exactly the ones those levels store:
    ``"ij->i"`` of DCSR is ``(i : compressed)``, sharing level 0;
-4. otherwise one level per output index, in the first sparse operand's level order (so the loops stay
-   concordant): ``compressed`` for sparse indices, ``dense`` for the others (CSC + CSC is CSC).
+4. dense when a dense operand (one with an index) is a factor and the output sums over an index of a sparse
+   operand: the stored pattern projected onto fewer indices covers (nearly) every remaining coordinate (the rows
+   of a matrix with a nonzero are nearly all rows), and the dense operand fills each such coordinate's fiber, so
+   a sparse result would store a dense tensor with index arrays besides: COO ``"ij,jk->ik"`` (SpMM), the mixture
+   of experts' ``"bnd,bn->bd"`` with one-hot gates. PyTorch's convention (sparse x dense -> dense) says the same;
+5. otherwise one level per output index, in the first sparse operand's level order (so the loops stay
+   concordant): ``compressed`` for sparse indices, ``dense`` for the others (CSC + CSC is CSC; COO
+   ``"ij,jd->ijd"``, every stored entry times a dense row, keeps the pattern whole: COO with a dense level).
 
 ``format=`` on the call overrides all of this.
 """
@@ -101,6 +107,14 @@ def remap(fmt: Format, access: Access, out, levels: int) -> Format:
     return Format.from_levels(len(out), [(e.renumber(new), lvl) for e, lvl in fmt.levels[:levels]])
 
 
+def projected_by_dense_factor(asg: Assignment) -> bool:
+    """Rule 4: a dense operand with an index takes part, and the output sums over an index of a sparse operand
+    (so the result's pattern would be a projection of the stored one, each of its coordinates a dense fiber)."""
+    accesses = asg.rhs.accesses()
+    dense = any(not asg.operands[a.operand].sparse and a.indices for a in accesses)
+    return dense and any(asg.operands[a.operand].sparse and not set(a.indices) <= set(asg.out) for a in accesses)
+
+
 def infer(asg: Assignment) -> OutputFormat:
     if asg.out_format is not None:
         f = asg.out_format
@@ -129,6 +143,8 @@ def _inferred(asg: Assignment) -> OutputFormat:
                 return OutputFormat(None, m, "dense: the driver's dense prefix")
             rule = "the driver's pattern" if m == len(fmt.levels) else f"the driver's first {m} level(s)"
             return OutputFormat(out, m, rule)
+    if projected_by_dense_factor(asg):
+        return OutputFormat(None, 0, "dense: a dense factor over a projected pattern")
     # levels in the first sparse operand's level order (so its loops stay concordant), then the rest
     first = next((a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse), None)
     order = []

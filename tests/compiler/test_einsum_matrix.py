@@ -246,8 +246,9 @@ DOCUMENTED = {
     ("ij->i", "csr"): None,         # dense
     ("ij->j", "csr"): "(i) -> (i : compressed)",
     ("ij,jk->ik", "csr"): None,
-    ("ij,jk->ik", "coo"): "(i, j) -> (i : compressed, j : dense)",
-    ("ij,jk->ik", "csc"): "(i, j) -> (i : compressed, j : dense)",
+    ("ij,jk->ik", "coo"): None,     # rule 4: a dense factor over a projected pattern
+    ("ij,jk->ik", "csc"): None,
+    ("ij,j->i", "dcsr"): "(i) -> (i : compressed)",  # rule 3 comes first: the driver's level 0
     ("ij,ik,jk->ij", "csr"): "csr",
     ("ijk->ij", "csf"): "(i, j) -> (i : compressed, j : compressed)",
 }
@@ -257,9 +258,18 @@ def check_format(case: Case, fmt: str, s: SparseTensor, result):
     """The result's kind and format as the inference rules say, and its storage invariants."""
     out, src = case.out, case.sletters
     expect_sparse = bool(sparse_letters(s.format, src) & set(out))
-    assert isinstance(result, SparseTensor) == expect_sparse, \
-        (f"rule 1: the output is sparse iff an output index is sparse; got {type(result).__name__}"
-         f"{' ' + str(result.format) if isinstance(result, SparseTensor) else ''}")
+    # rule 4: a dense operand with an index, and the output sums over a sparse operand's index (the pattern is
+    # projected): dense, unless rule 3 keeps a prefix of the driver's levels (sharing its first level)
+    projected = any(j != case.sparse and case.inputs[j] for j in range(len(case.inputs))) and \
+        not set(src) <= set(out)
+    if projected and isinstance(result, SparseTensor):
+        assert s.levels[0].crd is not None and result.levels[0].crd.data_ptr() == s.levels[0].crd.data_ptr(), \
+            f"rule 4: a dense factor over a projected pattern is dense, unless rule 3; got {result.format}"
+    else:
+        assert isinstance(result, SparseTensor) == (expect_sparse and not projected), \
+            (f"rules 1 and 4: the output is sparse iff an output index is sparse and the pattern is not projected"
+             f" by a dense factor; got {type(result).__name__}"
+             f"{' ' + str(result.format) if isinstance(result, SparseTensor) else ''}")
     if (case.eq, fmt) in DOCUMENTED:
         want = DOCUMENTED[(case.eq, fmt)]
         if want is None:

@@ -13,6 +13,10 @@ B = torch.randn(6, 5) * (torch.rand(6, 5) < 0.5)
 C = torch.randn(5, 4) * (torch.rand(5, 4) < 0.5)
 X, Y = torch.randn(5, 3), torch.randn(6, 3)
 VEC = Format("(i) -> (i : compressed)")
+# one-hot gates of 6 tokens over 4 experts (token 2 has none), expert outputs and weights
+G = torch.nn.functional.one_hot(torch.tensor([1, 3, 0, 0, 2, 1]), 4).float()
+G[2] = 0
+Y3, E3 = torch.randn(6, 4, 3), torch.randn(4, 3, 2)
 
 
 def s(x, f):
@@ -21,7 +25,16 @@ def s(x, f):
 
 CASES = [
     ("ij,jk->ik", lambda: (s(A, "csr"), X), None, A @ X),
-    ("ij,jk->ik", lambda: (s(A, "coo"), X), Format("(i, k) -> (i : compressed, k : dense)"), A @ X),
+    ("ij,jk->ik", lambda: (s(A, "coo"), X), None, A @ X),
+    ("ij,jk->ik", lambda: (s(A, "csc"), X), None, A @ X),
+    ("ij,jk->ik", lambda: (s(A, "dcsr"), X), None, A @ X),
+    ("ij,j->i", lambda: (s(A, "coo"), X[:, 0]), None, A @ X[:, 0]),
+    ("bnd,bn->bd", lambda: (Y3, s(G, "coo")), None, torch.einsum("bnd,bn->bd", Y3, G)),
+    ("bd,ndh,bn->bh", lambda: (Y, E3, s(G, "coo")), None, torch.einsum("bd,ndh,bn->bh", Y, E3, G)),
+    ("ij,jd->ijd", lambda: (s(A, "coo"), X), Format("(i, j, d) -> (i : compressed, j : compressed, d : dense)"),
+     A[:, :, None] * X[None]),
+    ("ij,->i", lambda: (s(A, "coo"), torch.tensor(2.)), VEC, 2 * A.sum(1)),
+    ("ij,j->i", lambda: (s(A, "dcsr"), X[:, 0]), VEC, A @ X[:, 0]),
     ("ij,ik,jk->ij", lambda: (s(A, "csr"), Y, X), scorch.formats.csr, A * (Y @ X.T)),
     ("ij->ji", lambda: (s(A, "csr"),), scorch.formats.csc, A.T),
     ("ij->i", lambda: (s(A, "dcsr"),), VEC, A.sum(1)),
@@ -76,3 +89,8 @@ def test_explain_names_the_rule():
     text = scorch.explain("ij->ji", s(A, "csr"), file=open("/dev/null", "w"))
     assert "output:       csc  [rule: the driver's pattern]" in text
     assert "loop order:" in text and "extern \"C\"" in text
+
+
+def test_explain_names_the_projection_rule():
+    text = scorch.explain("ij,jk->ik", s(A, "coo"), X, file=open("/dev/null", "w"))
+    assert "rule: dense: a dense factor over a projected pattern" in text
