@@ -20,7 +20,10 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import os
 import pathlib
+import pickle
+import subprocess
 import sys
 import types
 import warnings
@@ -41,6 +44,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The torch modules scorch shadows with its own; every other ``torch.X`` is the same object under both.
 SHADOWED = ("torch", "torch.nn", "torch.nn.functional", "torch.sparse")
+TORCH_MODULES = {name: importlib.import_module(name) for name in SHADOWED}
 TOLERANCE = dict(rtol=1e-7, atol=1e-9)  # every case runs in float64
 
 
@@ -48,21 +52,23 @@ def _scorch_module(torch_name):
     return importlib.import_module("scorch" + torch_name[len("torch"):])
 
 
+def _package_modules(package):
+    return {name: m for name, m in sys.modules.items() if name == package or name.startswith(package + ".")}
+
+
 def _pop_package(package):
     """Remove ``package`` and its submodules from sys.modules; return what was removed."""
-    return {name: sys.modules.pop(name) for name in list(sys.modules)
-            if name == package or name.startswith(package + ".")}
+    return {name: sys.modules.pop(name) for name in _package_modules(package)}
 
 
 @contextlib.contextmanager
 def torch_is_scorch():
     """Within the block, ``import torch`` (and the shadowed submodules) gives scorch's modules."""
-    saved = {name: sys.modules[name] for name in SHADOWED}
     sys.modules.update({name: _scorch_module(name) for name in SHADOWED})
     try:
         yield
     finally:
-        sys.modules.update(saved)
+        sys.modules.update(TORCH_MODULES)
 
 
 @functools.cache
@@ -70,11 +76,20 @@ def load(package, alias):
     """The package's modules (name -> module), imported as installed (``alias=False``) or fresh with torch
     replaced by scorch. The plain import comes first, so the package's dependencies (einops, einx...) are
     loaded once, with torch; only the package's own files are imported again under the alias, and
-    sys.modules is left as it was."""
-    imports = CASES[package].imports or (package,)
+    sys.modules is left as it was. A ``fresh_process`` case is imported under the alias only in a child
+    process (``_child``), where the alias stays for good, as in a program that installed it first."""
+    case = CASES[package]
+    imports = case.imports or (package,)
+    if alias and case.fresh_process:
+        assert os.environ.get(CHILD) == package, f"{package} is imported under the alias in a child process only"
+        assert package not in sys.modules, f"{package} was imported before the alias"
+        sys.modules.update({name: _scorch_module(name) for name in SHADOWED})
+        for name in imports:
+            importlib.import_module(name)
+        return _package_modules(package)
     plain = [importlib.import_module(name) for name in imports][0]
     if not alias:
-        return {name: m for name, m in sys.modules.items() if name == package or name.startswith(package + ".")}
+        return _package_modules(package)
     before = _pop_package(package)
     try:
         with torch_is_scorch():
@@ -90,7 +105,7 @@ def load(package, alias):
 def assert_bound_to_scorch(modules):
     """No module-level name in the package's files is torch's own module where scorch has one; at least one
     is scorch's."""
-    real = {id(sys.modules[name]): name for name in SHADOWED}
+    real = {id(m): name for name, m in TORCH_MODULES.items()}
     ours = {id(_scorch_module(name)) for name in SHADOWED}
     seen_ours = False
     for mod_name, mod in modules.items():
@@ -109,7 +124,9 @@ class Case:
     module: the package and ``imports``, the modules to import where the package's ``__init__`` does not);
     ``inputs()`` gives the call's (args, kwargs), dense, float64 where floating; ``sparsify(model, args,
     kwargs)`` puts the natural sparse operand in (it may wrap one of the model's modules); ``sparse_ops``: the
-    torch functions that must then reach scorch with a SparseTensor operand ("a|b": either one)."""
+    torch functions (or scorch's own, called directly: "scorch.einsum") that must then reach scorch with a
+    sparse operand ("a|b": either one); ``fresh_process``: a package that cannot be imported twice in one
+    process (it registers names globally) runs under the alias in a child process."""
     package: str
     requirement: str
     build: Callable
@@ -117,6 +134,7 @@ class Case:
     sparsify: Callable | None = None
     sparse_ops: tuple = ()
     imports: tuple = ()
+    fresh_process: bool = False
 
 
 def _gen(seed=0):
@@ -208,6 +226,31 @@ def _gt_inputs():
     return (nodes,), {"adj_mat": _adjacency(7, 0.3, 2)[None], "mask": torch.ones(1, 7, dtype=torch.bool)}
 
 
+# PyTorch Geometric: a two-layer GCN (``torch_geometric.nn.models.GCN``); its edge_index, and as the sparse
+# operand the (symmetric) adjacency itself, CSR, which GCNConv normalizes and multiplies (torch.sparse.mm).
+# PyG registers names globally at import (datapipes), so it is imported under the alias in a child process.
+
+def _gcn_build(m):
+    return m["torch_geometric.nn"].models.GCN(in_channels=6, hidden_channels=8, num_layers=2, out_channels=3)
+
+
+def _symmetric_adjacency(n, p, seed):
+    a = torch.rand(n, n, generator=_gen(seed)) < p
+    return (a | a.T) & ~torch.eye(n, dtype=torch.bool)
+
+
+def _gcn_inputs():
+    return (torch.randn(12, 6, generator=_gen(), dtype=torch.float64),
+            _symmetric_adjacency(12, 0.2, 3).nonzero().T.contiguous()), {}
+
+
+def _gcn_sparsify(model, args, kwargs):
+    x, edge_index = args
+    adjacency = torch.zeros(x.shape[0], x.shape[0], dtype=x.dtype)
+    adjacency[edge_index[1], edge_index[0]] = 1.0  # adj_t: a row per target node
+    return (x, scorch.asformat(adjacency, "csr")), kwargs
+
+
 # torchfm: DeepFM on categorical fields (an index per field; no natural sparse operand: dense only).
 
 def _fm_build(m):
@@ -229,14 +272,23 @@ CASES = {
                            _sparse_kwarg("attn_mask", "csr"), ("torch.Tensor.__invert__",)),
     "graph_transformer_pytorch": Case("graph_transformer_pytorch", "graph-transformer-pytorch==0.1.1", _gt_build,
                                       _gt_inputs, _sparse_kwarg("adj_mat", "coo"), ("torch.Tensor.long",)),
+    "torch_geometric": Case("torch_geometric", "torch_geometric", _gcn_build, _gcn_inputs, _gcn_sparsify,
+                            ("scorch.sparse.mm|torch.sparse.mm|torch.matmul",), imports=("torch_geometric.nn",),
+                            fresh_process=True),
     "torchfm": Case("torchfm", "torchfm==0.7.0", _fm_build, _fm_inputs, imports=("torchfm.model.dfm",)),
 }
 
-# (package, "dense" | "sparse") -> (the exception scorch raises now, the op). Remove an entry when it XPASSes.
+# (package, "loaded" | "dense" | "sparse") -> (the exception scorch raises now, the op). Remove an entry when it XPASSes.
 MISSING: dict = {
-    ("fast_gat", "sparse"): (NotImplementedError, "Tensor.__invert__ (~) of a sparse bool adjacency"),
-    ("x_transformers", "sparse"): (NotImplementedError, "Tensor.__invert__ (~) of a sparse bool attention mask"),
-    ("graph_transformer_pytorch", "sparse"): (NotImplementedError, "Tensor.long of a sparse bool adjacency"),
+    # Importing PyG under the alias stops at `aten = torch.ops.aten` (torch_geometric/index.py): torch.ops is
+    # scorch.ops, scorch's own package, which does not forward to torch.ops as scorch.compiler does to
+    # torch.compiler; past it, at `import torch._dynamo` (torch_geometric/isinstance.py): a torch submodule not
+    # yet imported is not found under a torch that is scorch. The sparse run then stops at
+    # `torch.sparse_csr_tensor(crow_indices=..., col_indices=..., values=..., size=...)` (keyword arguments).
+    ("torch_geometric", "loaded"): ((AttributeError, ModuleNotFoundError), "torch.ops.aten; import torch._dynamo"),
+    ("torch_geometric", "dense"): ((AttributeError, ModuleNotFoundError), "torch.ops.aten; import torch._dynamo"),
+    ("torch_geometric", "sparse"): ((AttributeError, ModuleNotFoundError, TypeError),
+                                    "torch.ops.aten; import torch._dynamo; sparse_csr_tensor(crow_indices=...)"),
 }
 
 
@@ -256,10 +308,11 @@ def _is_sparse(t):
 
 
 @contextlib.contextmanager
-def record_scorch_calls(functions, modules):
-    """Counts the calls, with a sparse operand, of scorch's own functions (``scorch.einsum`` is called directly,
-    so ``SparseTensor.__torch_function__`` never sees it): each is replaced by a counting wrapper in scorch's
-    namespace and wherever the package's modules bound it (``from torch import einsum``)."""
+def record_scorch_calls(paths, modules):
+    """Counts the calls, with a sparse operand, of scorch's own functions named by ``paths`` ("scorch.einsum",
+    "scorch.sparse.mm": called directly, so ``SparseTensor.__torch_function__`` never sees them): each is
+    replaced by a counting wrapper in its own module and wherever the package's modules bound it
+    (``from torch import einsum``). Yields a Counter keyed by the functions themselves."""
     import collections
     seen = collections.Counter()
     patched = []
@@ -273,9 +326,10 @@ def record_scorch_calls(functions, modules):
             return function(*args, **kwargs)
         return counting
 
-    spies = {id(f): spy(f) for f in functions}
+    spies = {id(_resolve(path)): spy(_resolve(path)) for path in paths}
+    owners = [_resolve(path.rpartition(".")[0]) for path in paths]
     try:
-        for mod in (scorch, *modules):
+        for mod in (*owners, *modules):
             for attr, value in list(vars(mod).items()):
                 if id(value) in spies:
                     patched.append((mod, attr, value))
@@ -303,13 +357,13 @@ def _float_leaves(args, kwargs):
     return leaves
 
 
-def run_case(case, alias, sparse=False):
-    """Build the case's model with the package loaded as installed or under the alias, with the reference
-    weights, and run it once forward and backward (a fixed random weighting of every output, so that no
+def run_case(case, alias, state, sparse=False):
+    """Build the case's model with the package loaded as installed or under the alias, give it the weights
+    ``state``, and run it once forward and backward (a fixed random weighting of every output, so that no
     gradient is trivially uniform). Returns (outputs, parameter gradients by name, input gradients)."""
     torch.manual_seed(0)
     model = case.build(load(case.package, alias)).double()
-    model.load_state_dict(reference_state(case.package))
+    model.load_state_dict(state)
     args, kwargs = case.inputs()
     leaves = _float_leaves(args, kwargs)
     if sparse:
@@ -337,7 +391,70 @@ def reference_state(package):
 
 @functools.cache
 def reference(package):
-    return run_case(CASES[package], alias=False)
+    return run_case(CASES[package], False, reference_state(package))
+
+
+def scorch_run(name, state, sparse):
+    """The case with its package under the alias (after checking that the package's files bound scorch),
+    with the natural sparse operand if ``sparse`` (then checking that the case's sparse ops reached scorch)."""
+    case = CASES[name]
+    modules = load(name, True)
+    assert_bound_to_scorch(modules)
+    if not sparse:
+        return run_case(case, True, state)
+    wanted = [alt for op in case.sparse_ops for alt in op.split("|") if alt.startswith("scorch.")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)  # a dense fallback is allowed; it is still right
+        with record_sparse_ops() as seen, record_scorch_calls(wanted, modules.values()) as called:
+            got = run_case(case, True, state, sparse=True)
+    seen.update(called)
+    for op in case.sparse_ops:
+        assert any(seen[_resolve(alt)] for alt in op.split("|")), f"{op} never reached scorch with a sparse operand"
+    return got
+
+
+CHILD = "SCORCH_TEST_PACKAGE_CHILD"
+
+
+def _child(name, state_path, out_path):
+    """In a child process: the case's package imported under the alias, then its runs under scorch (dense,
+    sparse); each outcome ("ok", value) or ("error", exception) saved to ``out_path``."""
+    state = torch.load(state_path)
+    outcomes = {}
+    for part, run in (("loaded", lambda: assert_bound_to_scorch(load(name, True))),
+                      ("dense", lambda: scorch_run(name, state, sparse=False)),
+                      ("sparse", lambda: scorch_run(name, state, sparse=True))):
+        try:
+            outcomes[part] = ("ok", run())
+        except Exception as exc:  # handed to the parent, which raises it in the test it belongs to
+            outcomes[part] = ("error", exc)
+    torch.save(outcomes, out_path)
+
+
+@functools.cache
+def _fresh_outcomes(name, tmp):
+    """The child process's outcomes for a ``fresh_process`` case (one child per session)."""
+    state_path, out_path = tmp / f"{name}-state.pt", tmp / f"{name}-outcomes.pt"
+    torch.save(reference_state(name), state_path)
+    here = pathlib.Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; import test_packages; "
+            f"test_packages._child({name!r}, {str(state_path)!r}, {str(out_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, CHILD: name}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out_path, weights_only=False)
+
+
+def scorch_outcome(name, part, tmp_path_factory):
+    """The case's ``part`` ("loaded", "dense", "sparse") under scorch: its value, or its exception raised."""
+    if CASES[name].fresh_process:
+        kind, value = _fresh_outcomes(name, tmp_path_factory.getbasetemp())[part]
+        if kind == "error":
+            raise value
+        return value
+    if part == "loaded":
+        return assert_bound_to_scorch(load(name, True))
+    return scorch_run(name, reference_state(name), sparse=part == "sparse")
 
 
 def assert_same_run(got, want):
@@ -369,33 +486,25 @@ def _params(kind):
     return out
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_loaded_under_alias(name):
-    """The package's own files bind scorch, and the plain import is untouched."""
-    aliased, plain = load(name, True), load(name, False)
-    assert set(aliased) == set(plain)
-    assert all(aliased[m] is not plain[m] for m in plain)
-    assert_bound_to_scorch(aliased)
-    assert sys.modules[name] is plain[name] and sys.modules["torch"] is torch
+@pytest.mark.parametrize("name", _params("loaded"))
+def test_loaded_under_alias(name, tmp_path_factory):
+    """The package's own files bind scorch, and (imported in this process) the plain import is untouched."""
+    scorch_outcome(name, "loaded", tmp_path_factory)
+    if not CASES[name].fresh_process:
+        aliased, plain = load(name, True), load(name, False)
+        assert set(aliased) == set(plain)
+        assert all(aliased[m] is not plain[m] for m in plain)
+        assert sys.modules[name] is plain[name] and sys.modules["torch"] is torch
 
 
 @pytest.mark.parametrize("name", _params("dense"))
-def test_dense_under_alias(name):
-    assert_same_run(run_case(CASES[name], alias=True), reference(name))
+def test_dense_under_alias(name, tmp_path_factory):
+    assert_same_run(scorch_outcome(name, "dense", tmp_path_factory), reference(name))
 
 
 @pytest.mark.parametrize("name", _params("sparse"))
-def test_sparse_operand(name):
-    case = CASES[name]
-    wanted = [_resolve(alt) for op in case.sparse_ops for alt in op.split("|") if alt.startswith("scorch.")]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", scorch.DensifyWarning)  # a dense fallback is allowed; it is still right
-        with record_sparse_ops() as seen, record_scorch_calls(wanted, load(name, True).values()) as called:
-            got = run_case(case, alias=True, sparse=True)
-    seen.update(called)
-    for op in case.sparse_ops:
-        assert any(seen[_resolve(alt)] for alt in op.split("|")), f"{op} never reached scorch with a sparse operand"
-    assert_same_run(got, reference(name))
+def test_sparse_operand(name, tmp_path_factory):
+    assert_same_run(scorch_outcome(name, "sparse", tmp_path_factory), reference(name))
 
 
 def test_pinned_and_named():
