@@ -136,6 +136,39 @@ def test_sparse_product_with_autograd():
     torch.testing.assert_close(g.grad.to_dense(), gr.grad * gates)
 
 
+def _graph_nodes(fn):
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo += [g for g, _ in f.next_functions]
+    return seen
+
+
+def test_model_parameters_are_deferred_and_trained_through_the_sparse_product():
+    """The experts as an nn.Parameter (a model's weights): the experts' product is deferred all the same, the
+    loss's graph reaches the Parameter through the combined sparse product only (no dense product of every
+    expert, forward or backward), and the gradient and an optimizer step are torch's."""
+    x, E, gates = _moe(torch.float64)
+    target = torch.randn(x.shape[0], E.shape[2], dtype=torch.float64)
+    W = torch.nn.Parameter(E.clone())
+    y_experts = scorch.einsum("bnd,ndh->bnh", scorch.rearrange(x, "bd->bnd", n=4), W)
+    assert pending(y_experts)
+    y = scorch.einsum("bnh,bn->bh", y_experts, gates.to_sparse())
+    assert type(y) is torch.Tensor  # (rule 4: dense)
+    loss = torch.nn.functional.mse_loss(y, target)
+    assert y_experts.grad_fn not in _graph_nodes(loss.grad_fn)
+    opt = torch.optim.SGD([W], lr=0.5)
+    loss.backward()
+    opt.step()
+    Wr = E.clone().requires_grad_(True)
+    torch.nn.functional.mse_loss(torch.einsum("bd,ndh,bn->bh", x, Wr, gates.double()), target).backward()
+    torch.testing.assert_close(W.grad, Wr.grad)
+    torch.testing.assert_close(W.detach(), E - 0.5 * Wr.grad)
+    assert pending(y_experts)  # never needed
+
+
 def test_matmul_with_a_sparse_operand_substitutes():
     a, b = _pair()
     s = scorch.asformat(torch.eye(5, dtype=torch.float64), "csr")

@@ -11,13 +11,17 @@ from ..formats import Mod
 from ..sparse_tensor import SparseTensor, implements, shape_of
 
 
+#: operand types an all-dense einsum may defer (a model's weights are Parameters)
+_DEFERRABLE = (torch.Tensor, torch.nn.Parameter, Deferred)
+
+
 @implements(torch.einsum)
 def einsum(equation, *operands, format=None):
     """``torch.einsum`` over any mix of dense and sparse operands (``format=`` sets the output format).
     A large all-dense einsum may return a deferred result (``scorch.deferred``)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
-    if format is None and all(type(x) is torch.Tensor or type(x) is Deferred for x in operands) and operands:
+    if format is None and all(type(x) in _DEFERRABLE for x in operands) and operands:
         d = deferred.einsum(equation, operands)
     else:
         d = deferred.product(equation, operands, format)
