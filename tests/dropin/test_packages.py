@@ -1,15 +1,18 @@
 """Third-party model packages from the registry, run unchanged with ``torch`` replaced by ``scorch``.
 
-Each package (a test extra in pyproject.toml, pinned) is imported twice: as installed (plain torch), and fresh
-with ``sys.modules['torch']`` (and ``torch.nn``, ``torch.nn.functional``, ``torch.sparse``) set to scorch's
-modules, so that every ``import torch`` / ``from torch import nn, einsum`` / ``import torch.nn.functional as F``
-in the package's own files binds scorch (checked). The same model (same weights: the state_dict is copied) then
-runs under both, forward and backward, and the outputs and every gradient must match:
+Each package (in the dev extra of pyproject.toml) is imported twice: as installed (plain torch), and fresh with
+``sys.modules['torch']`` (and ``torch.nn``, ``torch.nn.functional``, ``torch.sparse``) set to scorch's modules,
+so that every ``import torch`` / ``from torch import nn, einsum`` / ``import torch.nn.functional as F`` in the
+package's own files binds scorch (checked). A package that cannot be imported twice in one process (PyTorch
+Geometric registers names globally) is imported under the alias in a child process that installs the alias
+first. The same model (same weights: the state_dict is copied) then runs under both, forward and backward, in
+float64, and the outputs and every gradient must match:
 
 - ``test_dense_under_alias``: the inputs as they are: the alias alone changes nothing.
 - ``test_sparse_operand``: the model's natural sparse operand (the MoE gate, the attention mask, the graph's
-  adjacency) is a ``scorch.SparseTensor``; the listed torch functions must have reached
-  ``SparseTensor.__torch_function__`` (no silent dense path).
+  adjacency) is a ``scorch.SparseTensor``; the case's sparse ops must have reached scorch with a sparse
+  operand (through ``SparseTensor.__torch_function__``, or scorch's own ``einsum``/``sparse.mm`` called
+  directly): no silent dense path. A dense fallback (``scorch.DensifyWarning``) is allowed: it is right too.
 
 A case that scorch cannot run yet is a strict xfail naming the op that is missing (``MISSING``): it turns
 into a failure (XPASS) once scorch implements it, and the mark is then removed.
@@ -22,7 +25,6 @@ import functools
 import importlib
 import os
 import pathlib
-import pickle
 import subprocess
 import sys
 import types
@@ -218,7 +220,8 @@ def _xt_inputs():
 # edge feature; the adjacency is a COO SparseTensor.
 
 def _gt_build(m):
-    return m["graph_transformer_pytorch"].GraphTransformer(dim=8, depth=1, dim_head=4, heads=2, accept_adjacency_matrix=True)
+    return m["graph_transformer_pytorch"].GraphTransformer(dim=8, depth=1, dim_head=4, heads=2,
+                                                           accept_adjacency_matrix=True)
 
 
 def _gt_inputs():
@@ -278,7 +281,8 @@ CASES = {
     "torchfm": Case("torchfm", "torchfm==0.7.0", _fm_build, _fm_inputs, imports=("torchfm.model.dfm",)),
 }
 
-# (package, "loaded" | "dense" | "sparse") -> (the exception scorch raises now, the op). Remove an entry when it XPASSes.
+# (package, "loaded" | "dense" | "sparse") -> (the exception(s) scorch raises now, the op). Remove an entry when
+# its test XPASSes.
 MISSING: dict = {
     # Importing PyG under the alias stops at `aten = torch.ops.aten` (torch_geometric/index.py): torch.ops is
     # scorch.ops, scorch's own package, which does not forward to torch.ops as scorch.compiler does to
@@ -379,8 +383,9 @@ def run_case(case, alias, state, sparse=False):
 
 
 def _unwrapped(name):
-    """Parameter names of a model whose gate was wrapped (``gate.inner.w``) as in the plain model."""
-    return name.replace(".inner.", ".")
+    """Parameter names of a model whose gate was wrapped (``gate.inner.w``, ``SparseGate``) as in the plain
+    model."""
+    return name.replace("gate.inner.", "gate.")
 
 
 @functools.cache
@@ -505,6 +510,17 @@ def test_dense_under_alias(name, tmp_path_factory):
 @pytest.mark.parametrize("name", _params("sparse"))
 def test_sparse_operand(name, tmp_path_factory):
     assert_same_run(scorch_outcome(name, "sparse", tmp_path_factory), reference(name))
+
+
+def test_checks_can_fail():
+    """The checks are not vacuous: the plain import does not pass for one under the alias, and a run whose
+    weights differ in one entry does not pass for the reference."""
+    with pytest.raises(AssertionError, match="not scorch's"):
+        assert_bound_to_scorch(load("fast_gat", False))
+    state = {k: v.clone() for k, v in reference_state("fast_gat").items()}
+    next(iter(state.values())).view(-1)[0] += 1e-6
+    with pytest.raises(AssertionError):
+        assert_same_run(run_case(CASES["fast_gat"], False, state), reference("fast_gat"))
 
 
 def test_pinned_and_named():
