@@ -42,3 +42,42 @@ def reference(torch):
     y_experts = torch.einsum("bnd,ndh->bnh", x_dispatch, E)
     y = torch.einsum("bnd,bn->bd", y_experts, gates.to(y_experts.dtype))
     return {"x": x, "y_experts": y_experts, "y": y}
+
+
+# the program followed by what a model does with its output: a loss, backward() and an optimizer step (the experts
+# a Parameter); under scorch it must run with no warning and no dense fallback
+TRAINING = PROGRAM.replace("E = torch.randn(N_experts, D_in, D_out)",
+                           "E = torch.nn.Parameter(torch.randn(N_experts, D_in, D_out))") + '''\
+target = torch.randn(B, D_out)
+opt = torch.optim.SGD([E], lr=0.1, momentum=0.9)
+loss = F.mse_loss(y, target)
+loss.backward()
+grad = E.grad.clone()
+opt.step()
+'''
+
+
+def train(torch):
+    """The training step under scorch (``torch`` is scorch here)."""
+    torch.manual_seed(0)
+    ns = {}
+    exec(compile(TRAINING, "issue_moe_training", "exec"), ns)
+    return {"y": ns["y"], "loss": ns["loss"], "grad": ns["grad"], "E": ns["E"]}
+
+
+def train_reference(torch):
+    """The same step under plain torch, dense gates."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    B, D_in, D_out, N_experts = 64, 32, 16, 8
+    x = torch.randn(B, D_in)
+    E = torch.nn.Parameter(torch.randn(N_experts, D_in, D_out))
+    gates = F.one_hot(torch.rand(B, N_experts).argmax(1), N_experts)
+    y = torch.einsum("bnd,bn->bd", torch.einsum("bd,ndh->bnh", x, E), gates.to(E.dtype))
+    target = torch.randn(B, D_out)
+    opt = torch.optim.SGD([E], lr=0.1, momentum=0.9)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    grad = E.grad.clone()
+    opt.step()
+    return {"y": y, "loss": loss, "grad": grad, "E": E}
