@@ -127,7 +127,8 @@ class Case:
     ``inputs()`` gives the call's (args, kwargs), dense, float64 where floating; ``sparsify(model, args,
     kwargs)`` puts the natural sparse operand in (it may wrap one of the model's modules); ``sparse_ops``: the
     torch functions (or scorch's own, called directly: "scorch.einsum") that must then reach scorch with a
-    sparse operand ("a|b": either one); ``fresh_process``: a package that cannot be imported twice in one
+    sparse operand ("a|b": either one); ``no_fallback``: the sparse run may not densify nor fall back to the
+    dense form (``scorch.stats()`` unchanged); ``fresh_process``: a package that cannot be imported twice in one
     process (it registers names globally) runs under the alias in a child process."""
     package: str
     requirement: str
@@ -136,6 +137,7 @@ class Case:
     sparsify: Callable | None = None
     sparse_ops: tuple = ()
     imports: tuple = ()
+    no_fallback: bool = False
     fresh_process: bool = False
 
 
@@ -268,7 +270,7 @@ def _fm_inputs():
 
 CASES = {
     "mixture_of_experts": Case("mixture_of_experts", "mixture-of-experts==0.2.3", _moe_build, _moe_inputs,
-                               _moe_sparsify, ("scorch.einsum",)),
+                               _moe_sparsify, ("scorch.einsum",), no_fallback=True),
     "fast_gat": Case("fast_gat", "fast-gat==0.2.0", _gat_build, _gat_inputs, _sparse_arg(1, "csr"),
                      ("torch.Tensor.__invert__",)),
     "x_transformers": Case("x_transformers", "x-transformers==2.31.10", _xt_build, _xt_inputs,
@@ -408,6 +410,7 @@ def scorch_run(name, state, sparse):
     if not sparse:
         return run_case(case, True, state)
     wanted = [alt for op in case.sparse_ops for alt in op.split("|") if alt.startswith("scorch.")]
+    before = scorch.stats()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", scorch.DensifyWarning)  # a dense fallback is allowed; it is still right
         with record_sparse_ops() as seen, record_scorch_calls(wanted, modules.values()) as called:
@@ -415,6 +418,11 @@ def scorch_run(name, state, sparse):
     seen.update(called)
     for op in case.sparse_ops:
         assert any(seen[_resolve(alt)] for alt in op.split("|")), f"{op} never reached scorch with a sparse operand"
+    if case.no_fallback:
+        after = scorch.stats()
+        dense_ops = {(kind, op) for kind, ops in after.items() for op, n in ops.items()
+                     if n > before.get(kind, {}).get(op, 0)}
+        assert not dense_ops, f"the sparse run went dense: {sorted(dense_ops)}"
     return got
 
 
