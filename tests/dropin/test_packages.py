@@ -74,16 +74,17 @@ def torch_is_scorch():
 
 
 @functools.cache
-def load(package, alias):
-    """The package's modules (name -> module), imported as installed (``alias=False``) or fresh with torch
+def load(case_name, alias):
+    """The case's package's modules (name -> module), imported as installed (``alias=False``) or fresh with torch
     replaced by scorch. The plain import comes first, so the package's dependencies (einops, einx...) are
     loaded once, with torch; only the package's own files are imported again under the alias, and
     sys.modules is left as it was. A ``fresh_process`` case is imported under the alias only in a child
     process (``_child``), where the alias stays for good, as in a program that installed it first."""
-    case = CASES[package]
+    case = CASES[case_name]
+    package = case.package
     imports = case.imports or (package,)
     if alias and case.fresh_process:
-        assert os.environ.get(CHILD) == package, f"{package} is imported under the alias in a child process only"
+        assert os.environ.get(CHILD) == case_name, f"{package} is imported under the alias in a child process only"
         assert package not in sys.modules, f"{package} was imported before the alias"
         sys.modules.update({name: _scorch_module(name) for name in SHADOWED})
         for name in imports:
@@ -125,8 +126,8 @@ class Case:
     """One model of one package. ``build(modules)`` makes the model from the package's modules (name ->
     module: the package and ``imports``, the modules to import where the package's ``__init__`` does not);
     ``inputs()`` gives the call's (args, kwargs), dense, float64 where floating; ``sparsify(model, args,
-    kwargs)`` puts the natural sparse operand in (it may wrap one of the model's modules); ``sparse_ops``: the
-    torch functions (or scorch's own, called directly: "scorch.einsum") that must then reach scorch with a
+    kwargs)`` puts the natural sparse operand in (it may wrap the forward of one of the model's modules);
+    ``sparse_ops``: the torch functions (or scorch's own, called directly: "scorch.einsum") that must then reach scorch with a
     sparse operand ("a|b": either one); ``no_fallback``: the sparse run may not densify nor fall back to the
     dense form (``scorch.stats()`` unchanged); ``fresh_process``: a package that cannot be imported twice in one
     process (it registers names globally) runs under the alias in a child process."""
@@ -148,17 +149,17 @@ def _gen(seed=0):
 # mixture-of-experts (lucidrains): top-2 gating; the gate's dispatch and combine tensors (batch, group,
 # experts, capacity: at most 2 nonzeros per token) are the sparse operand of the two einsums around the experts.
 
-class SparseGate(torch.nn.Module):
-    """Wraps the package's own gating module: its dispatch and combine tensors come back as COO
-    SparseTensors (differentiable: the combine tensor's gradient reaches the gate's weights)."""
+def sparse_gate(gate):
+    """The package's own gating module, its dispatch and combine tensors returned as COO SparseTensors
+    (differentiable: the combine tensor's gradient reaches the gate's weights). Only this instance's forward is
+    wrapped: the model's modules and parameter names stay as they are."""
+    dense_forward = gate.forward
 
-    def __init__(self, gate):
-        super().__init__()
-        self.inner = gate
-
-    def forward(self, *args, **kwargs):
-        dispatch, combine, loss = self.inner(*args, **kwargs)
+    def forward(*args, **kwargs):
+        dispatch, combine, loss = dense_forward(*args, **kwargs)
         return scorch.asformat(dispatch, "coo"), scorch.asformat(combine, "coo"), loss
+
+    gate.forward = forward
 
 
 def _moe_build(m):
@@ -170,7 +171,17 @@ def _moe_inputs():
 
 
 def _moe_sparsify(model, args, kwargs):
-    model.gate = SparseGate(model.gate)
+    sparse_gate(model.gate)
+    return args, kwargs
+
+
+def _hierarchical_moe_build(m):
+    return m["mixture_of_experts"].HeirarchicalMoE(dim=8, num_experts=(2, 3), hidden_dim=16)
+
+
+def _hierarchical_moe_sparsify(model, args, kwargs):
+    sparse_gate(model.gate_outer)
+    sparse_gate(model.gate_inner)
     return args, kwargs
 
 
@@ -271,6 +282,9 @@ def _fm_inputs():
 CASES = {
     "mixture_of_experts": Case("mixture_of_experts", "mixture-of-experts==0.2.3", _moe_build, _moe_inputs,
                                _moe_sparsify, ("scorch.einsum",), no_fallback=True),
+    "mixture_of_experts_hierarchical": Case("mixture_of_experts", "mixture-of-experts==0.2.3",
+                                            _hierarchical_moe_build, _moe_inputs, _hierarchical_moe_sparsify,
+                                            ("scorch.einsum",)),
     "fast_gat": Case("fast_gat", "fast-gat==0.2.0", _gat_build, _gat_inputs, _sparse_arg(1, "csr"),
                      ("torch.Tensor.__invert__",)),
     "x_transformers": Case("x_transformers", "x-transformers==2.31.10", _xt_build, _xt_inputs,
@@ -286,6 +300,10 @@ CASES = {
 # (package, "loaded" | "dense" | "sparse") -> (the exception(s) scorch raises now, the op). Remove an entry when
 # its test XPASSes.
 MISSING: dict = {
+    # `mask_1 *= equals_one_mask[..., None]` (Top2Gating with the outer gate's importance, which the sparse
+    # combine tensor makes sparse): dense.mul_(sparse), which torch computes, raises "mul_ into a dense tensor
+    # from a SparseTensor; use to_dense()"
+    ("mixture_of_experts_hierarchical", "sparse"): (NotImplementedError, "dense.mul_(SparseTensor)"),
     # Importing PyG under the alias stops at `aten = torch.ops.aten` (torch_geometric/index.py): torch.ops is
     # scorch.ops, scorch's own package, which does not forward to torch.ops as scorch.compiler does to
     # torch.compiler; past it, at `import torch._dynamo` (torch_geometric/isinstance.py): a torch submodule not
@@ -363,12 +381,13 @@ def _float_leaves(args, kwargs):
     return leaves
 
 
-def run_case(case, alias, state, sparse=False):
+def run_case(name, alias, state, sparse=False):
     """Build the case's model with the package loaded as installed or under the alias, give it the weights
     ``state``, and run it once forward and backward (a fixed random weighting of every output, so that no
     gradient is trivially uniform). Returns (outputs, parameter gradients by name, input gradients)."""
+    case = CASES[name]
     torch.manual_seed(0)
-    model = case.build(load(case.package, alias)).double()
+    model = case.build(load(name, alias)).double()
     model.load_state_dict(state)
     args, kwargs = case.inputs()
     leaves = _float_leaves(args, kwargs)
@@ -380,25 +399,18 @@ def run_case(case, alias, state, sparse=False):
     loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in outputs)
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
-    return ([t.detach() for t in outputs], {_unwrapped(n): v for n, v in grads.items()},
-            [leaf.grad for leaf in leaves])
-
-
-def _unwrapped(name):
-    """Parameter names of a model whose gate was wrapped (``gate.inner.w``, ``SparseGate``) as in the plain
-    model."""
-    return name.replace("gate.inner.", "gate.")
+    return [t.detach() for t in outputs], grads, [leaf.grad for leaf in leaves]
 
 
 @functools.cache
-def reference_state(package):
+def reference_state(name):
     torch.manual_seed(0)
-    return {k: v.double() for k, v in CASES[package].build(load(package, False)).state_dict().items()}
+    return {k: v.double() for k, v in CASES[name].build(load(name, False)).state_dict().items()}
 
 
 @functools.cache
-def reference(package):
-    return run_case(CASES[package], False, reference_state(package))
+def reference(name):
+    return run_case(name, False, reference_state(name))
 
 
 def scorch_run(name, state, sparse):
@@ -408,13 +420,13 @@ def scorch_run(name, state, sparse):
     modules = load(name, True)
     assert_bound_to_scorch(modules)
     if not sparse:
-        return run_case(case, True, state)
+        return run_case(name, True, state)
     wanted = [alt for op in case.sparse_ops for alt in op.split("|") if alt.startswith("scorch.")]
     before = scorch.stats()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", scorch.DensifyWarning)  # a dense fallback is allowed; it is still right
         with record_sparse_ops() as seen, record_scorch_calls(wanted, modules.values()) as called:
-            got = run_case(case, True, state, sparse=True)
+            got = run_case(name, True, state, sparse=True)
     seen.update(called)
     for op in case.sparse_ops:
         assert any(seen[_resolve(alt)] for alt in op.split("|")), f"{op} never reached scorch with a sparse operand"
@@ -507,7 +519,8 @@ def test_loaded_under_alias(name, tmp_path_factory):
         aliased, plain = load(name, True), load(name, False)
         assert set(aliased) == set(plain)
         assert all(aliased[m] is not plain[m] for m in plain)
-        assert sys.modules[name] is plain[name] and sys.modules["torch"] is torch
+        package = CASES[name].package
+        assert sys.modules[package] is plain[package] and sys.modules["torch"] is torch
 
 
 @pytest.mark.parametrize("name", _params("dense"))
@@ -528,7 +541,7 @@ def test_checks_can_fail():
     state = {k: v.clone() for k, v in reference_state("fast_gat").items()}
     next(iter(state.values())).view(-1)[0] += 1e-6
     with pytest.raises(AssertionError):
-        assert_same_run(run_case(CASES["fast_gat"], False, state), reference("fast_gat"))
+        assert_same_run(run_case("fast_gat", False, state), reference("fast_gat"))
 
 
 def test_pinned_and_named():
