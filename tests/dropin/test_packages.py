@@ -127,10 +127,10 @@ class Case:
     module: the package and ``imports``, the modules to import where the package's ``__init__`` does not);
     ``inputs()`` gives the call's (args, kwargs), dense, float64 where floating; ``sparsify(model, args,
     kwargs)`` puts the natural sparse operand in (it may wrap the forward of one of the model's modules);
-    ``sparse_ops``: the torch functions (or scorch's own, called directly: "scorch.einsum") that must then reach scorch with a
-    sparse operand ("a|b": either one); ``no_fallback``: the sparse run may not densify nor fall back to the
-    dense form (``scorch.stats()`` unchanged); ``fresh_process``: a package that cannot be imported twice in one
-    process (it registers names globally) runs under the alias in a child process."""
+    ``sparse_ops``: the torch functions (or scorch's own, called directly: "scorch.einsum") that must then
+    reach scorch with a sparse operand ("a|b": either one); ``no_fallback``: the sparse run may not densify
+    nor fall back to the dense form (``scorch.stats()`` unchanged); ``fresh_process``: a package that cannot be
+    imported twice in one process (it registers names globally) runs under the alias in a child process."""
     package: str
     requirement: str
     build: Callable
