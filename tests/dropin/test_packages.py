@@ -27,6 +27,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import traceback
 import types
 import warnings
 from typing import Callable
@@ -297,7 +298,7 @@ CASES = {
     "torchfm": Case("torchfm", "torchfm==0.7.0", _fm_build, _fm_inputs, imports=("torchfm.model.dfm",)),
 }
 
-# (package, "loaded" | "dense" | "sparse") -> (the exception(s) scorch raises now, the op). Remove an entry when
+# (case, "loaded" | "dense" | "sparse") -> (the exception(s) scorch raises now, the op). Remove an entry when
 # its test XPASSes.
 MISSING: dict = {
     # `mask_1 *= equals_one_mask[..., None]` (Top2Gating with the outer gate's importance, which the sparse
@@ -443,15 +444,21 @@ CHILD = "SCORCH_TEST_PACKAGE_CHILD"
 
 def _child(name, state_path, out_path):
     """In a child process: the case's package imported under the alias, then its runs under scorch (dense,
-    sparse); each outcome ("ok", value) or ("error", exception) saved to ``out_path``."""
+    sparse); each outcome ("ok", value) or ("error", exception) saved to ``out_path``. An import that failed
+    is every part's outcome (a second import would meet the first one's half-initialized modules)."""
     state = torch.load(state_path)
     outcomes = {}
     for part, run in (("loaded", lambda: assert_bound_to_scorch(load(name, True))),
                       ("dense", lambda: scorch_run(name, state, sparse=False)),
                       ("sparse", lambda: scorch_run(name, state, sparse=True))):
+        if outcomes.get("loaded", ("ok",))[0] == "error":
+            outcomes[part] = outcomes["loaded"]
+            continue
         try:
             outcomes[part] = ("ok", run())
         except Exception as exc:  # handed to the parent, which raises it in the test it belongs to
+            if hasattr(exc, "add_note"):  # Python 3.11+: the child's traceback goes along
+                exc.add_note("in the child process:\n" + traceback.format_exc())
             outcomes[part] = ("error", exc)
     torch.save(outcomes, out_path)
 
