@@ -247,8 +247,10 @@ def to_torch(s: SparseTensor) -> torch.Tensor:
     needs one int64 ``(ndim, nnz)`` tensor; scorch's own COO is built that way only for int64).
     """
     fmt, lv, vals = s.format, s.levels, s.values()
-    if fmt.is_dense:
+    if _storage.row_major(fmt):
         return vals.reshape(s.shape)
+    if fmt.is_dense:  # another order of the positions (a transposed dense format)
+        return s.to_dense()
     n = fmt.ndim
     if fmt in (named.coo_nd(n), named.coo_nd(n, coalesced=False)):
         idx = _rows_as_matrix([st.crd for st in lv])

@@ -191,3 +191,164 @@ def test_amax_with_nan_keeps_gradients_elsewhere():
     D = d.clone().requires_grad_()
     torch.amax(D, dim=1)[1].backward()
     assert torch.equal(S.grad.to_dense()[1], D.grad[1])  # (torch's row 0 is 0/0: no entry equals its nan)
+
+
+# --- optimizers on padded formats (nm, ell) -------------------------------------------------------------------------
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("fmt", ["nm(2, 4)", "ell"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_optimizers_on_padded_weights(fmt, opt):
+    """``opt.step()`` raised at lerp_/add_/mul_ on nm and ell parameters. Now a few steps match the same optimizer
+    on the dense weight masked to the pattern, and the padding stays zero."""
+    from scorch.nn.sparsify import NM
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    w = NM(2, 4)(w)  # 2:4 pruned, so that it fits nm(2, 4)
+    w[1] = 0  # an empty row: padding only
+    w[2, :4] = torch.tensor([0., 0, 0, 1.5])  # a group with one entry (ambiguous padding at offset 0)
+    mask = w != 0
+    S = scorch.asformat(w, fmt).requires_grad_()
+    padding = S.values().detach() == 0
+    assert padding.any()
+    D = w.clone().requires_grad_()
+    opt_s, opt_d = OPTIMIZERS[opt]([S]), OPTIMIZERS[opt]([D])
+    x = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    target = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    for _ in range(4):
+        for o, weight in ((opt_s, S), (opt_d, D)):
+            o.zero_grad()
+            y = torch.nn.functional.linear(x, weight if weight is S else weight * mask)
+            ((y - target) ** 2).mean().backward()
+            o.step()
+    assert torch.equal(S.values().detach()[padding], torch.zeros(int(padding.sum()), dtype=torch.float64))
+    torch.testing.assert_close(S.detach().to_dense(), D.detach() * mask)
+    assert not torch.equal(S.detach().to_dense(), w)  # it trained
+
+
+@pytest.mark.parametrize("fmt", ["nm(2, 4)", "ell"])
+def test_inplace_ops_keep_padding_zero(fmt):
+    d = torch.tensor([[1., 0, 0, 0, 0, 0, 0, -2], [0, 0, 3, 0, 0, 5, 6, 0], [0, 0, 0, 0, 0, 0, 0, 0]])
+    S = scorch.asformat(d, fmt)
+    padding = S.values() == 0
+    S.mul_(2).add_(1.0).sub_(0.5).clamp_(min=-10)
+    S.addcmul_(S, S, value=0.5).lerp_(torch.zeros_like(S), 0.25)
+    expected = 2 * d + 0.5
+    expected = torch.where(d != 0, expected + 0.5 * expected * expected, 0) * 0.75
+    assert not S.values()[padding].any()
+    assert_matches_dense(S, expected)
+    S.zero_()
+    assert not S.values().any()
+
+
+# --- in-place ops with another pattern -----------------------------------------------------------------------------
+
+PATTERN_A = torch.tensor([[1., 0, 2, 0], [0, 0, 3, 0], [0, 0, 0, 0]])
+PATTERN_B = torch.tensor([[0., 4, 2, 0], [5, 0, 0, 0], [0, 0, 0, 7]])
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "csc", "dcsr", "ell"])
+@pytest.mark.parametrize("other_fmt", ["csr", "coo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inplace_ops_with_another_pattern(fmt, other_fmt, dtype):
+    """``S.add_(S2)`` with S2's pattern different raised ValueError; torch allows it for sparse tensors. The result
+    takes the union pattern (as torch) and stays in S's format."""
+    a, b = PATTERN_A.to(dtype), PATTERN_B.to(dtype)
+    cases = [
+        (lambda s, o: s.add_(o), a + b), (lambda s, o: s.add_(o, alpha=2), a + 2 * b),
+        (lambda s, o: s.sub_(o), a - b), (lambda s, o: s.mul_(o), a * b),
+        (lambda s, o: s.lerp_(o, 0.25), a + 0.25 * (b - a)), (lambda s, o: s.addcmul_(o, o, value=2), a + 2 * b * b),
+    ]
+    for apply, expected in cases:
+        S, O = scorch.asformat(a, fmt), scorch.asformat(b, other_fmt)
+        out = apply(S, O)
+        assert out is S and S.format == scorch.asformat(a, fmt).format
+        assert_matches_dense(S, expected)
+        assert_matches_dense(O, b)  # the operand is unchanged
+    S = scorch.asformat(a, fmt)
+    S += scorch.asformat(b, other_fmt)
+    assert_matches_dense(S, a + b)
+
+
+def test_inplace_ops_with_another_pattern_errors():
+    S, O = scorch.asformat(PATTERN_A, "csr"), scorch.asformat(PATTERN_B, "csr")
+    with pytest.raises(ValueError, match="div_ of SparseTensors with different patterns"):
+        S.div_(O)
+    with pytest.raises(ValueError, match="shapes"):
+        S.add_(scorch.asformat(torch.ones(2, 2), "csr"))
+    N = scorch.asformat(torch.tensor([[1., 0, 0, 2]]), "nm(2, 4)")
+    with pytest.raises(ValueError, match="nm"):  # the union does not fit the format
+        N.add_(scorch.asformat(torch.tensor([[0., 3, 0, 0]]), "csr"))
+    assert_matches_dense(S, PATTERN_A)
+
+
+def test_inplace_op_with_another_pattern_on_a_parameter_trains():
+    """A sparse parameter whose gradient is added in place by a hand-written update, pattern-changing included."""
+    W = scorch.asformat(PATTERN_A.double(), "csr").requires_grad_()
+    with torch.no_grad():
+        W.add_(scorch.asformat(PATTERN_B.double(), "coo"), alpha=0.5)
+    assert W.requires_grad and W.is_leaf
+    (W @ torch.ones(4, dtype=torch.float64)).sum().backward()
+    assert_matches_dense(W.grad, torch.where((PATTERN_A + PATTERN_B) != 0, 1., 0.).double())
+
+
+# --- transpose and permute are views ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["csr", "csc", "coo", "dcsr", "ell", "dia", "bsr(1, 2)", "nm(2, 4)"])
+def test_transpose_is_a_view_sharing_values(fmt):
+    """``T = S.t(); T.mul_(2)`` left S unchanged: t() copied. Now t/T/transpose/permute share the index arrays and
+    values, both ways, as torch's views do."""
+    d = torch.tensor([[1., 0, 0, -2], [0, 0, 3, 0], [0, 4, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    S = scorch.asformat(d, fmt)
+    for view in (lambda s: s.t(), lambda s: s.T, lambda s: torch.transpose(s, 0, 1), lambda s: s.permute(1, 0),
+                 lambda s: torch.t(s), lambda s: s.transpose(-1, -2)):
+        T = view(S)
+        assert T.values() is S.values()
+        assert all(a is b for x, y in zip(T.levels, S.levels) for a, b in zip(x.arrays().values(),
+                                                                            y.arrays().values()))
+        assert_matches_dense(T, S.to_dense().t())
+        T.mul_(2)
+        assert_matches_dense(S, 2 * d)
+        S.mul_(0.5)
+        assert_matches_dense(T, d.t())
+        assert_matches_dense(T @ torch.arange(3., 7., dtype=torch.float64), d.t() @ torch.arange(3., 7., dtype=torch.float64))
+    assert_matches_dense(S.t().t(), d)
+
+
+def test_permute_is_a_view_in_3d():
+    x = torch.tensor([[[1., 0], [0, 2]], [[0, 0], [3, 0]], [[0, 4], [0, 0]]])
+    for fmt in ("csf", "coo"):
+        S = scorch.asformat(x, fmt)
+        for dims in ((2, 0, 1), (1, 2, 0), (0, 2, 1), (-1, 0, 1)):
+            P = S.permute(*dims)
+            assert P.values() is S.values()
+            assert_matches_dense(P, x.permute(*dims))
+            assert_matches_dense(torch.einsum("abc->b", P), x.permute(*dims).sum((0, 2)))
+        S.permute(2, 1, 0).add_(1.0)
+        assert_matches_dense(S, torch.where(x != 0, x + 1, 0))
+    assert S.permute(0, 1, 2) is S
+    with pytest.raises(ValueError, match="permutation"):
+        S.permute(0, 0, 1)
+
+
+def test_transposed_view_gradients():
+    d = torch.tensor([[1., 0, 2], [0, 3, 0]], dtype=torch.float64)
+    S = scorch.asformat(d, "csr").requires_grad_()
+    D = d.clone().requires_grad_()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    (S.t() @ x).pow(2).sum().backward()
+    (D.t() @ x).pow(2).sum().backward()
+    assert not S.t().is_leaf
+    assert_matches_dense(S.grad, D.grad * (d != 0))
+    with pytest.raises(RuntimeError):  # as torch: in place on a view of a leaf that requires grad
+        S.t().mul_(2)
+    with torch.no_grad():
+        S.t().mul_(2)  # (an optimizer's update through a view)
+    assert_matches_dense(S.detach(), 2 * d)

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from .expr import dim_name
+from .expr import Var, dim_name
 from .format import Format
 from .levels import LevelStorage, Singleton
 from .levels.fixed import SlotsExceeded
@@ -183,8 +183,13 @@ def lookup(fmt: Format, shape, levels, values, dims: torch.Tensor) -> torch.Tens
     return torch.where(hit, evals[at], torch.zeros((), dtype=evals.dtype, device=values.device))
 
 
+def row_major(fmt: Format) -> bool:
+    """Whether ``fmt`` stores every position in row-major order (``dense_nd``): its values are the dense tensor."""
+    return fmt.is_dense and all(type(e) is Var and e.dim == k for k, e in enumerate(fmt.exprs))
+
+
 def to_dense(fmt: Format, shape, levels, values):
-    if fmt.is_dense:
+    if row_major(fmt):
         return values.reshape(shape)
     dims, vals = unpack(fmt, shape, levels, values)
     out = torch.zeros(tuple(shape), dtype=values.dtype, device=values.device)

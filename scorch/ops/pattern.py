@@ -1,11 +1,19 @@
 """Ops on a fixed pattern: in-place arithmetic and ``*_like`` constructors, as optimizers use them.
 
-A SparseTensor's pattern (its index arrays) is fixed; in-place ops update its stored values. Every sparse
-operand of such an op must have the same pattern (the gradient of a sparse parameter, its optimizer state
-made by ``zeros_like``, and the parameter itself share their index arrays, so the check is an identity test
-in the common case). Scalars apply to the stored values: ``S.add_(eps)`` adds ``eps`` to each stored value,
-which is what ``torch.optim.Adam``'s ``denom.add_(eps)`` needs; an out-of-place ``S + c`` (c != 0) stays an
-error, since its result would be dense.
+In-place ops update a SparseTensor's stored values where every sparse operand has its pattern (the gradient
+of a sparse parameter, its optimizer state made by ``zeros_like``, and the parameter itself share their index
+arrays, so the check is an identity test in the common case). Scalars apply to the stored values:
+``S.add_(eps)`` adds ``eps`` to each stored value, which is what ``torch.optim.Adam``'s ``denom.add_(eps)``
+needs; an out-of-place ``S + c`` (c != 0) stays an error, since its result would be dense.
+
+A sparse operand with another pattern (``S.add_(S2)``, as torch allows for sparse tensors): the result, whose
+pattern is the union (the intersection for ``mul_``), is computed out of place and replaces ``S``'s arrays, in
+``S``'s format (add_, sub_, mul_, lerp_, addcmul_ and their operators; other ops raise a ValueError). Views of
+``S`` taken before (``S.t()``) keep the old arrays, as torch's sparse tensors reallocate in that case too.
+
+Formats with padding (``nm(n, m)``, ``ell``): a position that holds 0 in ``S`` and in every sparse operand
+holds 0 after the op (padding, and a stored zero, which such formats cannot tell from padding, stay zero:
+``S.add_(1.0)`` adds to the entries only). Gradients are 0 at padding, so optimizer steps keep it zero.
 
 ``torch.optim`` SGD (with momentum and nesterov), Adam and AdamW run on SparseTensor parameters through these
 ops and update the values in place; ``load_state_dict`` copies into a sparse parameter with ``copy_``.
@@ -44,19 +52,39 @@ def _values(x, like: SparseTensor, name: str):
                               " (in place, the result could not keep the sparse pattern)")
 
 
+# in-place ops with a sparse operand of another pattern: the out-of-place result that replaces the storage
+_OUT_OF_PLACE = {
+    "add_": lambda s, other, alpha=1: torch.add(s, other, alpha=alpha),
+    "sub_": lambda s, other, alpha=1: torch.sub(s, other, alpha=alpha),
+    "mul_": lambda s, other: torch.mul(s, other),
+    "lerp_": lambda s, end, weight: s + (end - s) * weight,
+    "addcmul_": lambda s, t1, t2, value=1: s + t1 * t2 * value,
+}
+for _op, _same in (("__iadd__", "add_"), ("__isub__", "sub_"), ("__imul__", "mul_")):
+    _OUT_OF_PLACE[_op] = _OUT_OF_PLACE[_same]
+
+
 def _inplace(method):
     name = method.__name__
 
     def op(self, *args, **kwargs):
         if not isinstance(self, SparseTensor):
             raise NotImplementedError(f"scorch: {name} into a dense tensor from a SparseTensor; use to_dense()")
+        sparse = [a for a in (*args, *kwargs.values()) if isinstance(a, SparseTensor)]
+        if any(not same_pattern(a, self) for a in sparse):
+            return _with_new_pattern(self, name, args, kwargs)
+        # formats with padding: what is 0 in self and in every sparse operand stays 0
+        zero = None
         if self._format.padded and name != "zero_":
-            raise NotImplementedError(f"scorch: {name} on format {self._format.name or self._format}: its padding"
-                                      " must stay zero, which in-place arithmetic does not keep yet")
+            zero = self._vals == 0
+            for a in sparse:
+                zero &= a._vals == 0
         args = [_values(a, self, name) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number) else a
                 for a in args]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         getattr(self._vals, name)(*args, **kwargs)
+        if zero is not None:
+            self._vals.masked_fill_(zero, 0)
         return self
     op.__name__ = name
     op.__doc__ = (f"``{name}`` on the stored values, in place: the pattern is fixed, sparse operands must share"
@@ -72,6 +100,35 @@ for _m in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor
     _inplace(_m)
 
 
+def _with_new_pattern(self: SparseTensor, name, args, kwargs):
+    """``self.<name>(*args, **kwargs)`` where a sparse operand has another pattern: computed out of place, the
+    result replaces ``self``'s arrays (in ``self``'s format)."""
+    compute = _OUT_OF_PLACE.get(name)
+    if compute is None:
+        raise ValueError(f"scorch: {name} of SparseTensors with different patterns is not supported in place"
+                         f" (supported: {', '.join(sorted(_OUT_OF_PLACE))}); use the out-of-place op")
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, SparseTensor) and a._shape != self._shape:
+            raise ValueError(f"scorch: {name}: shapes {tuple(self._shape)} and {tuple(a._shape)} differ (an"
+                             " in-place op keeps its tensor's shape)")
+    with torch.no_grad():
+        result = compute(self.detach(), *args, **kwargs)  # (dense for some mixes of formats: its nonzeros)
+    _replace_storage(self, result, fresh=True)
+    return self
+
+
+def _replace_storage(self: SparseTensor, src: torch.Tensor, fresh: bool) -> None:
+    """Give ``self`` the pattern and values of ``src`` in ``self``'s format, dtype, device and grad flag; the
+    arrays are copied unless ``fresh`` (``src`` is a result nothing else holds)."""
+    from ..interop import asformat
+    src = asformat(src.to(self._vals.device), self._format)  # the destination keeps its format
+    grad = self._vals.requires_grad
+    self._levels = src._levels if fresh else tuple(st.map(torch.clone) for st in src._levels)
+    self._index_dtype = src._index_dtype
+    self._vals = src._vals.detach().to(self._vals.dtype, copy=not fresh).requires_grad_(grad)
+    self.__dict__.pop("_conversions", None)  # conversions kept for the old pattern
+
+
 @implements(torch.Tensor.copy_)
 def copy_(self, src, non_blocking=False):
     """Values from ``src``; a SparseTensor of another pattern (``load_state_dict``) replaces the pattern."""
@@ -80,13 +137,7 @@ def copy_(self, src, non_blocking=False):
     if isinstance(src, SparseTensor) and not same_pattern(src, self):
         if src._shape != self._shape:
             raise ValueError(f"copy_: shapes {tuple(src._shape)} and {tuple(self._shape)} differ")
-        from ..interop import asformat
-        src = asformat(src.to(self._vals.device), self._format)  # the destination keeps its format
-        grad = self._vals.requires_grad
-        self._format, self._levels = src._format, tuple(st.map(torch.clone) for st in src._levels)
-        self._index_dtype = src._index_dtype
-        self._vals = src._vals.detach().to(self._vals.dtype, copy=True).requires_grad_(grad)
-        self.__dict__.pop("_conversions", None)  # conversions kept for the old pattern
+        _replace_storage(self, src, fresh=False)
         return self
     self._vals.copy_(_values(src, self, "copy_"), non_blocking)
     return self

@@ -1,25 +1,51 @@
-"""Transposition and permutation: a sparse tensor's arrays under another format (no copy)."""
+"""Transposition and permutation: views, a sparse tensor's arrays under another format (no copy).
+
+``S.t()`` of a CSR matrix is the CSC matrix on the same arrays, as torch's is: every format's transpose is a
+format (the levels keep their order and types, each level's coordinate expression names the permuted
+dimensions), so a permutation never copies. The view shares the index arrays and the values with ``S``: an
+in-place op on either changes both, as with torch's views. Where ``S``'s values require grad, the view's
+values are a ``view_as`` of them, so autograd records the view (and refuses an in-place op on a view of a
+leaf, as torch does). A dense-format tensor's permutation is torch's strided view of its values."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
-from ..compiler import dispatch
+from ..formats import Format
+from ..formats import storage
 from ..sparse_tensor import SparseTensor, implements
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 @implements(torch.permute, torch.Tensor.permute)
 def permute(x: SparseTensor, *dims):
-    """The same arrays under the permuted format when the levels allow it, else a conversion (an einsum)."""
+    """The same arrays (and values) under the permuted format: a view."""
     if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
         dims = tuple(dims[0])
     n = x.dim()
     dims = tuple(d % n if -n <= d < n else _bad_dim(d, n) for d in dims)
     if sorted(dims) != list(range(n)):
         raise ValueError(f"permute: {dims} is not a permutation of the {n} dimensions")
-    src = _LETTERS[:n]
-    return dispatch.einsum(f"{src}->{''.join(src[d] for d in dims)}", x)
+    if dims == tuple(range(n)):
+        return x
+    values = x.values()
+    if storage.row_major(x.format):  # a dense format: torch's own view of the values
+        return values.reshape(x.shape).permute(dims)
+    view = SparseTensor(permuted_format(x.format, dims), [x.shape[d] for d in dims], x.levels,
+                        values.view_as(values) if values.requires_grad else values, check=False)
+    if getattr(x, "_pattern_grad", False):
+        view._pattern_grad = True
+    return view
+
+
+@functools.lru_cache(maxsize=256)
+def permuted_format(fmt: Format, dims: tuple) -> Format:
+    """``fmt`` for the tensor whose dimension ``k`` is dimension ``dims[k]`` of ``fmt``'s: the same levels, each
+    coordinate expression over the renumbered dimensions."""
+    new = [0] * len(dims)
+    for k, d in enumerate(dims):
+        new[d] = k
+    return Format.from_levels(fmt.ndim, [(e.renumber(new), lvl) for e, lvl in fmt.levels])
 
 
 def _bad_dim(d, n):
