@@ -7,14 +7,15 @@ need gradients runs as a ``torch.autograd.Function`` whose inputs are those tens
 result, or the values of the sparse result (the Function re-wraps them with the result's index arrays).
 
 The derivative of an einsum with respect to an operand is an einsum, run through the same compiler:
-- dense operand ``k``: ``grad_k = einsum(out, others -> k)``, expanded along indices only ``k`` has, put on
-  the diagonal for repeated indices (``"ii"``), summed over broadcast dimensions;
+- dense operand ``k``: ``grad_k = einsum(out, others -> k)``, expanded along indices only ``k`` has, summed
+  over broadcast dimensions;
 - sparse operand ``k``: the same einsum with ``k``'s pattern (ones at its stored positions) as one more
   factor and ``k``'s format as the output format. The pattern drives the loops, so only stored positions are
   computed (for ``S @ X``: ``grad_S`` is the SDDMM ``P * (G @ X^T)``) and the result shares ``k``'s index
   arrays; its values are the gradient of ``k``'s values. Never densified.
 Backward calls the differentiable einsum, so double backward works where the forward's ops are linear in
-each operand (every einsum is).
+each operand (every einsum is). No operand here repeats a letter (``"ii"``): ``dispatch.einsum`` replaces such
+an operand by its diagonal first (``ops/diagonal.py``), and the diagonal's own gradient puts it back.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class _Einsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *tensors):
         from .compiler import dispatch
-        r = dispatch.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
+        with dispatch.structural_results():  # (every entry of the result gets its gradient)
+            r = dispatch.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
             r = r._vals
@@ -105,24 +107,21 @@ def _einsum_grad(k, inputs, out, ops, gout):
     from .compiler import dispatch
     target = inputs[k]
     x = ops[k]
-    uniq = tuple(dict.fromkeys(target))
     others = [j for j in range(len(ops)) if j != k]
     g_inputs = [tuple(out)] + [inputs[j] for j in others]
     g_ops = [gout] + [ops[j] for j in others]
     g_inputs, g_ops = _merge_shared_patterns(g_inputs, g_ops)
     if type(x) is SparseTensor and not others:
-        # a unary einsum (permutation, sums, diagonal): each stored entry's gradient is the output
+        # a unary einsum (permutation, sums): each stored entry's gradient is the output
         # gradient at the entry's output coordinates; no kernel needed
         return values_at(gout, x, target, tuple(out))
     if type(x) is SparseTensor:
         pattern = x.with_values(pattern_ones(x, gout._vals.dtype if type(gout) is SparseTensor else gout.dtype))
-        repeated = len(uniq) < len(target)
-        eq = einsum_string([target] + g_inputs, uniq)
-        r = dispatch.einsum(eq, pattern, *g_ops, format=None if repeated else x._format)
-        return values_at(r, x, target)
+        r = dispatch.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=x._format)
+        return values_at(r, x)
     sizes, _ = dispatch._sizes(inputs, ops, "einsum")
     present = {v for idx in g_inputs for v in idx}
-    have = tuple(v for v in uniq if v in present)
+    have = tuple(v for v in target if v in present)
     if any(type(t) is SparseTensor for t in g_ops):
         r = dispatch.einsum(einsum_string(g_inputs, have), *g_ops, format="dense" if have else None)
     else:
@@ -130,14 +129,7 @@ def _einsum_grad(k, inputs, out, ops, gout):
     if type(r) is SparseTensor:
         r = r.to_dense()
     # indices only this operand has: the gradient is constant along them
-    full = r.reshape([sizes[v] if v in have else 1 for v in uniq]).expand([sizes[v] for v in uniq])
-    if len(uniq) < len(target):  # repeated indices: the gradient lives on the diagonal
-        g = torch.zeros([sizes[v] for v in target], dtype=full.dtype, device=full.device)
-        strides = [0] * len(uniq)
-        for d, v in enumerate(target):
-            strides[uniq.index(v)] += g.stride(d)
-        g.as_strided([sizes[v] for v in uniq], strides).copy_(full)
-        full = g
+    full = r.reshape([sizes[v] if v in have else 1 for v in target]).expand([sizes[v] for v in target])
     if tuple(full.shape) != tuple(x.shape):  # broadcast dimensions of size 1
         full = full.sum_to_size(x.shape)
     return full
@@ -200,23 +192,16 @@ _ONES: dict = {}
 
 def values_at(r, x: SparseTensor, letters=None, r_letters=None):
     """The values of ``r`` (dense or sparse) at every stored position of ``x``, aligned with ``x.values()``;
-    0 at padding and where ``r`` has no entry. ``letters`` name ``x``'s dimensions (default: distinct), and
-    ``r_letters`` ``r``'s (default: ``x``'s unique letters in first-seen order); a letter repeated in ``x``
-    takes only its diagonal. A result that shares ``x``'s index arrays gives its values directly."""
+    0 at padding and where ``r`` has no entry. ``r_letters`` name ``r``'s dimensions by ``x``'s ``letters``
+    (distinct; default: ``r`` is indexed as ``x``). A result that shares ``x``'s index arrays gives its values
+    directly."""
     if r_letters is None and type(r) is SparseTensor and r._format == x._format and r._shape == x._shape and all(
             a is b for a, b in zip(r._levels, x._levels)):
         return r._vals
     from .formats import storage
-    letters = tuple(letters) if letters is not None else tuple("abcdefghijklmnopqrstuvwxyz"[:x.dim()])
-    uniq = tuple(dict.fromkeys(letters))
-    leaf, dims = storage.entries(x._format, x._shape, x._levels, x._vals)
-    first = [letters.index(v) for v in (uniq if r_letters is None else r_letters)]
-    diagonal = torch.ones(leaf.numel(), dtype=torch.bool, device=leaf.device)
-    for d, v in enumerate(letters):  # a repeated index: only the diagonal
-        diagonal &= dims[d] == dims[letters.index(v)]
-    if not bool(diagonal.all()):
-        dims, leaf = dims[:, diagonal], leaf[diagonal]
-    coords = dims[first]
+    leaf, coords = storage.entries(x._format, x._shape, x._levels, x._vals)
+    if r_letters is not None:
+        coords = coords[[tuple(letters).index(v) for v in r_letters]]
     dtype = r._vals.dtype if type(r) is SparseTensor else r.dtype
     out = torch.zeros(x._vals.shape, dtype=dtype, device=x._vals.device)
     if leaf.numel() == 0:
@@ -261,7 +246,7 @@ class _Run(torch.autograd.Function):
                 grads.append(None)
                 continue
             c = coef[k]
-            g = values_at(gout, x, spec.inputs[k]) if type(x) is SparseTensor else (
+            g = values_at(gout, x) if type(x) is SparseTensor else (
                 gout.to_dense() if type(gout) is SparseTensor else gout)
             grads.append(g if c == 1 else g * c)
         return tuple(grads)

@@ -6,6 +6,9 @@ repeated call costs a dictionary look-up, a few size computations and the ctypes
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -113,6 +116,14 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
         if fused is not None:
             kept = format if format is not None else fused[2] or "dense"  # the format the eager call gives
             return einsum(fused[0], *fused[1], format=kept, explain=explain, backend=backend)
+    if not any(isinstance(x, torch.Tensor) and (isinstance(x, SparseTensor) or x.layout != torch.strided)
+               for x in operands):  # torch computes, and differentiates, dense einsums itself
+        r = torch.einsum(equation, *prepare(operands))
+        fmt = None if format is None else named.resolve(format, r.dim())
+        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
+    early = _diagonals_and_sums(equation, operands, explain)
+    if early is not None:
+        return einsum(early[0], *early[1], format=format, explain=explain, backend=backend)
     if needs_grad(operands) and not explain and backend == "cpp":
         from .. import _autograd as autograd
         return autograd.einsum(equation, operands, format)
@@ -125,8 +136,6 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     else:
         sig = None
     ops = prepare(operands)
-    if format is None and not any(type(x) is SparseTensor for x in ops):
-        return torch.einsum(equation, *ops)
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
     name = f"einsum({equation!r})"
     if any(type(x) is torch.Tensor and 0 in x.stride() for x in ops):
@@ -145,6 +154,58 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     return result
 
 
+def _diagonals_and_sums(equation, operands, explain=False):
+    """``(equation, operands)`` of the same einsum with every operand that repeats a letter (``"ii"``) replaced by
+    its diagonal (``ops.diagonal``) and, where there are several operands, the letters only one operand has and
+    the output has not summed out of it first (as torch does); None when there is nothing to do. This is the one
+    place repeated letters are treated: nothing below (contraction paths, schedules, kernels, gradients) meets a
+    letter repeated within an operand, and the diagonals are differentiable, so gradients flow through them."""
+    if not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in operands):
+        return None  # (the call refuses the operand: prepare)
+    steps = _early_steps(equation, tuple(len(shape_of(x)) if isinstance(x, torch.Tensor) else 0 for x in operands))
+    if steps is None:
+        return None
+    from ..ops.diagonal import check_sizes, diagonal
+    eq, per_operand = steps
+    ops = []
+    for k, (x, (letters, uniq, kept)) in enumerate(zip(prepare(operands), per_operand)):
+        if uniq != letters:
+            check_sizes(letters, x, k, f"einsum({equation!r})")
+            x = diagonal(x, letters)
+            if explain:
+                print(f"diagonal:     T{k} ({''.join(letters)}) replaced by its diagonal ({''.join(uniq)})")
+        if kept != uniq:
+            gone = [d for d, v in enumerate(uniq) if v not in kept]
+            if explain:
+                print(f"sum:          T{k} summed over {''.join(uniq[d] for d in gone)} first: no other operand"
+                      " and not the output has it")
+            if type(x) is SparseTensor:
+                x = einsum(einsum_string([uniq], kept), x, explain=explain)
+            else:
+                x = x.sum(gone, dtype=x.dtype)  # (torch's sum of integers would widen them)
+        ops.append(x)
+    return eq, ops
+
+
+@functools.lru_cache(maxsize=1024)
+def _early_steps(equation, ndims):
+    """``(equation, steps)``: per operand ``(letters, distinct letters, letters kept after the early sums)`` and
+    the equation over the kept letters (``_diagonals_and_sums``); None where no step changes anything."""
+    inputs, out = parse(equation, ndims)
+    holders = {}
+    for idx in inputs:
+        for v in set(idx):
+            holders[v] = holders.get(v, 0) + 1
+    steps = []
+    for idx in inputs:
+        uniq = tuple(dict.fromkeys(idx))
+        kept = uniq if len(inputs) < 2 else tuple(v for v in uniq if v in out or holders[v] > 1)
+        steps.append((idx, uniq, kept))
+    if all(kept == idx for idx, _, kept in steps):
+        return None
+    return einsum_string([kept for _, _, kept in steps], out), tuple(steps)
+
+
 def _inferred_format(inputs, out, ops, dtype):
     """The output format inferred for one kernel over ``ops`` (None: dense)."""
     types = tuple(_type(_cast(x, dtype)) if type(x) is SparseTensor else TensorType(x.dim(), dtype, None, None,
@@ -154,14 +215,15 @@ def _inferred_format(inputs, out, ops, dtype):
 
 def dense_result(equation, ops, format):
     """``(inputs, out, shape, dtype)`` of an einsum over ``ops`` (one or two operands, a sparse one among them)
-    whose result is a dense tensor, checked as the call checks it; None where the result would be sparse or the
-    einsum has more operands."""
-    inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
+    whose result is a dense tensor, checked as the call checks it; None where the result would be sparse, the
+    einsum has more operands, or the call would first take diagonals or sums (``_diagonals_and_sums``)."""
+    ndims = tuple(len(shape_of(x)) for x in ops)
+    inputs, out = parse(equation, ndims)
     name = f"einsum({equation!r})"
     sizes, _ = _sizes(inputs, ops, name)
     dtype = _result_dtype(ops, name)
     _backend(ops, "cpp", name)
-    if len(ops) > 2:
+    if len(ops) > 2 or _early_steps(equation, ndims) is not None:
         return None
     if format is not None:
         if not named.resolve(format, len(out)).is_dense:
@@ -198,7 +260,7 @@ def _unbroadcast(inputs, ops):
     not repeat the work along it."""
     new_inputs, new_ops = [], []
     for k, (idx, x) in enumerate(zip(inputs, ops)):
-        if type(x) is torch.Tensor and len(set(idx)) == len(idx):
+        if type(x) is torch.Tensor:
             for d in reversed(range(x.dim())):
                 v = idx[d]
                 if x.stride(d) == 0 and x.shape[d] > 1 and any(v in i for j, i in enumerate(inputs) if j != k):
@@ -322,9 +384,13 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         if reduce != "sum":
             raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
                                       " supported yet")
-        plan = _COMPILED.get(key + (_target(backend),))
-        if plan is None:
-            plan = _COMPILED[key + (_target(backend),)] = _compile_coiteration(asg, output, broadcast, backend)
+        plan = _coiteration_plan(key + (_target(backend),), asg, output, broadcast, backend)
+        if plan.schedule.transposed:
+            # no loop order suits every sparse operand: which to transpose is chosen by their sizes (the
+            # conversions' cost), kept per power of two of each nnz
+            nnz = tuple(float(x.nnz) if type(x) is SparseTensor else 0.0 for x in ops)
+            plan = _coiteration_plan(key + (_target(backend), tuple(int(n).bit_length() for n in nnz)), asg, output,
+                                     broadcast, backend, nnz)
         result = _call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
         if explain:
             print(plan.explain())
@@ -386,6 +452,9 @@ def _planned(key):
     planned = _PLANNED.get(key)
     if planned is None:
         inputs, out, types, _, fmt, rhs, reduce = key
+        if any(len(set(idx)) != len(idx) for idx in inputs):  # (an internal caller's mistake, not the user's)
+            raise ValueError(f"scorch: {inputs} repeats a letter within an operand; kernels take distinct letters"
+                             " (einsum takes the diagonal first: ops/diagonal.py)")
         asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
         output = infer(asg)
         n = sum(t.sparse for t in types)
@@ -461,10 +530,7 @@ def _transposed_for_parallel(asg, sched, x, sizes, threads):
         work *= sizes[v]
     # the same level types in the new order, made unique (COO's repeated rows would race again)
     types = unique_levels(fmt.level_types)
-    try:
-        alt = Format.from_levels(fmt.ndim, [(fmt.exprs[k], lvl) for k, lvl in zip(order, types)])
-    except ValueError:  # a repeated index ("ii"): the reordered levels would not determine the dimensions
-        return None
+    alt = Format.from_levels(fmt.ndim, [(fmt.exprs[k], lvl) for k, lvl in zip(order, types)])
     if alt == fmt:
         return None
     if interop.converted_already(x, alt):  # a constant operand (features, an adjacency) converts once
@@ -628,9 +694,16 @@ class CoPlan:
         return "\n".join(lines)
 
 
-def _compile_coiteration(asg, output, broadcast, backend="cpp") -> CoPlan:
+def _coiteration_plan(key, asg, output, broadcast, backend, weights=None) -> CoPlan:
+    plan = _COMPILED.get(key)
+    if plan is None:
+        plan = _COMPILED[key] = _compile_coiteration(asg, output, broadcast, backend, weights)
+    return plan
+
+
+def _compile_coiteration(asg, output, broadcast, backend="cpp", weights=None) -> CoPlan:
     from .schedule import schedule_coiteration
-    cs = schedule_coiteration(asg, output)
+    cs = schedule_coiteration(asg, output, weights)
     ops = list(asg.operands)
     for k, f in cs.reformat:
         t = ops[k]
@@ -839,7 +912,44 @@ def _prepared_call(plan: Plan, sizes, dtype):
     return call
 
 
-def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
+class _Structural(threading.local):
+    on = False
+
+
+#: set while a differentiable einsum computes its result (``structural_results``)
+_STRUCTURAL = _Structural()
+
+
+@contextlib.contextmanager
+def structural_results():
+    """Within this block a sparse result assembled from a dense workspace keeps every entry the operands'
+    patterns produce, numerically zero or not (an entry of a stored zero, or of a zero in a dense operand):
+    gradients flow to exactly the stored entries of a result, so a dropped zero would lose its gradient
+    (``_autograd`` computes differentiable einsums in this block). Outside it such zeros are left out."""
+    before = _STRUCTURAL.on
+    _STRUCTURAL.on = True
+    try:
+        yield
+    finally:
+        _STRUCTURAL.on = before
+
+
+def _structural(plan: Plan, ops, sizes, dtype, scalars, backend, out_arr):
+    """``out_arr`` (the dense workspace of ``plan``'s result) in the result's format, keeping the entries where the
+    kernel run on the patterns (ones at every stored position, ones for dense operands: no cancellation) is
+    nonzero."""
+    from .._autograd import pattern_ones
+    from ..formats import storage
+    ones = [x.with_values(pattern_ones(x, dtype)) if type(x) is SparseTensor else torch.ones_like(x) for x in ops]
+    reach = _call(plan, ones, sizes, dtype, {v: 1 for v in scalars}, backend, raw=True)
+    dims = reach.nonzero().T
+    fmt, shape = plan.output.format, tuple(out_arr.shape)
+    levels, values = storage.pack(fmt, shape, dims, out_arr[tuple(dims)])
+    return SparseTensor(fmt, shape, levels, values, check=False)
+
+
+def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
+    """Run ``plan``'s kernel on ``ops``: the result, or (``raw``) the array the kernel wrote."""
     asg, out = plan.asg, plan.output
     s = ops[plan.schedule.driver.operand]
     info, counts = _level_info(s)
@@ -882,12 +992,16 @@ def _call(plan: Plan, ops, sizes, dtype, scalars, backend="cpp"):
         zero = torch.zeros((), dtype=dtype, device=dev)
         implicit = counted.reshape(out_arr.shape) < reduced  # an implicit zero takes part in the max/min
         out_arr = torch.where(implicit, (torch.maximum if red == "max" else torch.minimum)(out_arr, zero), out_arr)
+    if raw:
+        return out_arr
     if written.shared_levels and out.format is not None:
         m = written.shared_levels
         return SparseTensor(out.format, out_shape, s.levels[:m], out_arr, check=False)
     if written.shared_levels:
         return out_arr.reshape(out_shape)
     if out.format is not None:
+        if _STRUCTURAL.on and red == "sum":
+            return _structural(plan, ops, sizes, dtype, scalars, backend, out_arr)
         return interop.asformat(out_arr, out.format)
     return out_arr
 

@@ -185,10 +185,7 @@ class _Lowering:
                 items.append(("if", L.binary("lt", d, n)))  # padding of a partial block
             elif rec.kind != "level":
                 items.append(("if", L.binary("and", L.binary("ge", d, L.Const(0)), L.binary("lt", d, n))))
-            if v in self.bound:
-                items.append(("if", L.binary("eq", d, self.bound[v])))  # repeated index: the diagonal
-            else:
-                self.bound[v] = d
+            self.bound[v] = d  # (no letter repeats within an operand: dispatch.einsum took the diagonal)
         return items
 
     # --- the output ------------------------------------------------------------------------------------

@@ -116,8 +116,7 @@ def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
 def plan(inputs, ops, sched, sizes, broadcast):
     """``(operand, dimension)`` pairs to move last before the kernel of ``sched`` runs, or ``()``: dense
     operands that the innermost loop reads along another dimension, when copying them costs less than
-    ``COPY_FRACTION`` of the reads. A copy is kept out when its dimension is repeated in the operand
-    (``"ii"``) or broadcast."""
+    ``COPY_FRACTION`` of the reads. A copy is kept out when its dimension is broadcast."""
     if not sched.inner:
         return ()
     v = sched.inner[-1]
@@ -127,8 +126,8 @@ def plan(inputs, ops, sched, sizes, broadcast):
         reads *= sizes[w]
     moves = []
     for k, (idx, x) in enumerate(zip(inputs, ops)):
-        if not isinstance(x, torch.Tensor) or hasattr(x, "_format") or x.layout != torch.strided or v not in idx or idx[-1] == v \
-                or idx.count(v) > 1:
+        if not isinstance(x, torch.Tensor) or hasattr(x, "_format") or x.layout != torch.strided or v not in idx or \
+                idx[-1] == v:
             continue
         d = idx.index(v)
         if (k, d) in broadcast or x.numel() > COPY_FRACTION * reads:

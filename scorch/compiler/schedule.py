@@ -96,6 +96,7 @@ class CoSchedule:
     parallel: bool
     balance: Optional[tuple]
     why: str
+    transposed: tuple = ()  # operands transposed because no loop order is concordant with all (their costs chose)
 
     def describe(self, asg: Assignment) -> str:
         return " -> ".join(self.order)
@@ -138,13 +139,12 @@ def _topological(vars_, constraints, priority):
     return tuple(order)
 
 
-def schedule_coiteration(asg: Assignment, out: OutputFormat) -> CoSchedule:
+def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> CoSchedule:
+    """The co-iteration schedule. Where no loop order is concordant with every sparse operand, the operands whose
+    levels the order does not follow are transposed first: the set of least estimated cost, ``weights[k]`` the
+    cost of converting operand ``k`` (its nnz; default 1 each), ties going to transposing later operands."""
     from ..formats import Format
     sparse = [a for a in _accesses(asg) if asg.operands[a.operand].sparse]
-    for a in sparse:
-        if len(set(a.indices)) != len(a.indices):
-            raise NotImplementedError("scorch: repeated indices on a sparse operand that is co-iterated with"
-                                      " another sparse operand are not supported yet")
     fmts = {a.operand: asg.operands[a.operand].format for a in sparse}
     reformat = {k: _coiterable_version(f) for k, f in fmts.items() if not coiterable(f)}
     fmts.update(reformat)
@@ -155,30 +155,27 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat) -> CoSchedule:
             return (2, asg.indices.index(v))  # dense-only indices innermost
         return (0, asg.out.index(v)) if v in asg.out else (1, asg.indices.index(v))
 
-    def constraints(skip=()):
+    def constraints(followed):
         cs = []
-        for a in sparse:
-            if a.operand in skip:
-                continue
+        for a in followed:
             vs = _level_vars(fmts[a.operand], a)
             cs += list(zip(vs, vs[1:]))
         return cs
 
-    order = _topological(asg.indices, constraints(), priority)
+    followed = _followed(sparse, lambda kept: _topological(asg.indices, constraints(kept), priority) is not None,
+                         weights)
+    order = _topological(asg.indices, constraints(followed), priority)
     why = "concordant with every sparse operand"
-    if order is None:
-        # transpose the last sparse operand to follow the others (a format conversion of its nnz entries)
-        victim = sparse[-1]
-        order = _topological(asg.indices, constraints(skip=(victim.operand,)), priority)
-        if order is None:
-            raise NotImplementedError("scorch: no loop order is concordant with the sparse operands")
+    moved = [a for a in sparse if a not in followed]
+    for victim in moved:  # each transposed to follow the loop order (a format conversion of its nnz entries)
         f = fmts[victim.operand]
-        vs = _level_vars(f, victim)
-        new_vars = sorted(vs, key=order.index)
+        new_vars = sorted(_level_vars(f, victim), key=order.index)
         fmt = Format.from_levels(f.ndim, [(Var(victim.indices.index(v)), lvl)
                                           for v, (_, lvl) in zip(new_vars, f.levels)])
         reformat[victim.operand] = fmts[victim.operand] = fmt
-        why = f"T{victim.operand} transposed to follow the other operands' level order"
+    if moved:
+        why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed to follow the other operands' level order"
+               " (no loop order is concordant with all; the least costly conversions)")
     reformat = tuple(sorted(reformat.items()))
     if out.format is None:
         mode, row, ws = "dense", None, ()
@@ -196,7 +193,27 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat) -> CoSchedule:
                     isinstance(f.level_types[1], Compressed) and a.indices[f.exprs[0].dim] == order[0]:
                 balance = (a.operand, 1)
                 break
-    return CoSchedule(order, reformat, mode, row, ws, parallel, balance, why)
+    return CoSchedule(order, reformat, mode, row, ws, parallel, balance, why, tuple(a.operand for a in moved))
+
+
+def _followed(sparse, acyclic, weights=None):
+    """The sparse accesses whose level order the loops follow: of the sets with a loop order concordant with all
+    of them (``acyclic``), the one leaving the least weight to transpose. Exhaustive over subsets for a few
+    operands, greedy (heaviest first) beyond."""
+    import itertools
+    w = {a.operand: (1.0 if weights is None else float(weights[a.operand])) for a in sparse}
+    if acyclic(sparse):
+        return sparse
+    if len(sparse) <= 10:
+        subsets = [c for r in range(len(sparse) - 1, -1, -1) for c in itertools.combinations(sparse, r)]
+        # least transposed weight first; then fewer conversions; then the earlier operands kept
+        subsets.sort(key=lambda c: (sum(w[a.operand] for a in sparse if a not in c), len(sparse) - len(c)))
+        return list(next(c for c in subsets if acyclic(list(c))))
+    kept = []
+    for a in sorted(sparse, key=lambda a: -w[a.operand]):
+        if acyclic(kept + [a]):
+            kept.append(a)
+    return kept
 
 
 def _accesses(asg):
