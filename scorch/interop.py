@@ -2,6 +2,7 @@
 
 torch layout            scorch format                                       shared arrays
 sparse_coo (N-d)        coo_nd(n) (uncoalesced variant if not coalesced)    indices rows, values
+sparse_coo (hybrid)     coo_nd(n, dense_dim=k): dense trailing levels       indices rows, values (flat)
 sparse_csr              csr                                                 crow/col indices, values
 sparse_csc              csc                                                 ccol/row indices, values
 sparse_bsr (bh, bw)     bsr(bh, bw)                                         crow/col indices, values (flat)
@@ -208,15 +209,19 @@ def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
         raise ValueError(f"from_torch takes a torch sparse tensor, got layout {layout}; use scorch.asformat"
                          " to convert a dense tensor")
     if layout == torch.sparse_coo:
-        if t.dense_dim() or t.sparse_dim() != t.dim():
-            raise NotImplementedError(f"scorch: hybrid COO tensors (dense_dim={t.dense_dim()}) are not supported")
+        sparse_dim, dense_dim = t.sparse_dim(), t.dense_dim()
+        if sparse_dim == 0:
+            raise NotImplementedError(f"scorch: a COO tensor with no sparse dimension (sparse_dim=0, shape"
+                                      f" {tuple(t.shape)}) has no scorch format; use its dense form")
         idx, vals = t._indices(), t._values()
         if t.requires_grad and t.is_coalesced():  # ``values()`` carries the graph (``_values()`` does not)
             vals = t.values()
+        vals = vals.reshape(-1)  # hybrid: each entry's dense block, row-major, as the dense levels store it
         coalesced = t.is_coalesced()
-        pos = torch.tensor([0, vals.numel()], dtype=idx.dtype, device=idx.device)
-        levels = [LevelStorage(pos=pos, crd=idx[0])] + [LevelStorage(crd=idx[d]) for d in range(1, t.dim())]
-        fmt = named.coo_nd(t.dim(), coalesced=coalesced)
+        pos = torch.tensor([0, idx.shape[1]], dtype=idx.dtype, device=idx.device)
+        levels = ([LevelStorage(pos=pos, crd=idx[0])] + [LevelStorage(crd=idx[d]) for d in range(1, sparse_dim)]
+                  + [LevelStorage()] * dense_dim)
+        fmt = named.coo_nd(t.dim(), coalesced=coalesced, dense_dim=dense_dim)
     else:
         if t.dim() != 2 or t.dense_dim():
             raise NotImplementedError(f"scorch: batched or hybrid {layout} tensors are not supported"
@@ -251,11 +256,13 @@ def to_torch(s: SparseTensor) -> torch.Tensor:
         return vals.reshape(s.shape)
     if fmt.is_dense:  # another order of the positions (a transposed dense format)
         return s.to_dense()
-    n = fmt.ndim
-    if fmt in (named.coo_nd(n), named.coo_nd(n, coalesced=False)):
-        idx = _rows_as_matrix([st.crd for st in lv])
-        return torch.sparse_coo_tensor(idx, vals, s.shape, is_coalesced=fmt == named.coo_nd(n),
-                                       check_invariants=False)
+    coo = named.hybrid_coo_dims(fmt)
+    if coo is not None:
+        dense_dim, coalesced = coo
+        sparse_dim = fmt.ndim - dense_dim
+        idx = _rows_as_matrix([st.crd for st in lv[:sparse_dim]])
+        return torch.sparse_coo_tensor(idx, vals.reshape(idx.shape[1], *s.shape[sparse_dim:]), s.shape,
+                                       is_coalesced=coalesced, check_invariants=False)
     kw = dict(size=s.shape, check_invariants=False)
     if fmt in (named.csr, named.csc):
         with _quiet_beta():
@@ -299,6 +306,7 @@ def _quiet_beta():
 # The arrays come from the user, so they are validated by scorch (clear errors naming level and position)
 # unless check_invariants=False is passed explicitly.
 def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants, **extra):
+    extra = {k: v for k, v in extra.items() if v is not None}  # (torch's defaults)
     with _quiet_beta():
         try:
             t = torch_fn(*args, dtype=dtype, device=device, check_invariants=False, **extra)
@@ -326,19 +334,39 @@ def _same_array(a, given):
     return a
 
 
-def sparse_coo_tensor(indices, values, size=None, *, dtype=None, device=None, requires_grad=False,
-                      check_invariants=None, is_coalesced=None):
-    """As ``torch.sparse_coo_tensor``, returning a SparseTensor (COO, uncoalesced unless said otherwise)."""
-    args = (indices, values) if size is None else (indices, values, size)
+def sparse_coo_tensor(indices=None, values=None, size=None, *, dtype=None, device=None, pin_memory=None,
+                      requires_grad=False, check_invariants=None, is_coalesced=None):
+    """As ``torch.sparse_coo_tensor``, returning a SparseTensor (COO, uncoalesced unless said otherwise), with all
+    of torch's arguments. ``sparse_coo_tensor(size)`` (or ``size=``) is an empty tensor; values with trailing
+    dimensions (``(nnz, *dense sizes)``) give a hybrid COO tensor: dense levels under the sparse ones."""
+    if values is None:  # torch's sparse_coo_tensor(size) form
+        if indices is not None and size is not None:
+            raise TypeError("sparse_coo_tensor() takes indices and values, or only a size")
+        size = indices if size is None else size
+        if size is None:
+            raise TypeError("sparse_coo_tensor() needs indices and values, or a size")
+        args = (size,)
+    else:
+        args = (indices, values) if size is None else (indices, values, size)
     return _build(torch.sparse_coo_tensor, args, values, dtype, device, requires_grad, check_invariants,
-                  is_coalesced=is_coalesced)
+                  pin_memory=pin_memory, is_coalesced=is_coalesced)
+
+
+def sparse_compressed_tensor(compressed_indices, plain_indices, values, size=None, *, dtype=None, layout=None,
+                             device=None, pin_memory=False, requires_grad=False, check_invariants=None):
+    """As ``torch.sparse_compressed_tensor`` (``layout`` one of sparse_csr, sparse_csc, sparse_bsr, sparse_bsc),
+    returning a scorch SparseTensor that shares its arrays (validated unless ``check_invariants=False``)."""
+    args = (compressed_indices, plain_indices, values) + (() if size is None else (size,))
+    return _build(torch.sparse_compressed_tensor, args, values, dtype, device, requires_grad, check_invariants,
+                  layout=layout, pin_memory=pin_memory)
 
 
 def _compressed_ctor(torch_fn):
-    def ctor(compressed_indices, plain_indices, values, size=None, *, dtype=None, device=None,
+    def ctor(compressed_indices, plain_indices, values, size=None, *, dtype=None, device=None, pin_memory=False,
              requires_grad=False, check_invariants=None):
         args = (compressed_indices, plain_indices, values) + (() if size is None else (size,))
-        return _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants)
+        return _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants,
+                      pin_memory=pin_memory)
     ctor.__name__ = torch_fn.__name__
     ctor.__doc__ = (f"As ``torch.{torch_fn.__name__}``, returning a scorch SparseTensor that shares its arrays"
                     " (validated unless ``check_invariants=False``).")

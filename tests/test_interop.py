@@ -12,6 +12,7 @@ import torch
 
 import scorch
 from scorch.formats import named
+from conftest import assert_matches_dense
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*Sparse invariant checks are implicitly disabled"),
               pytest.mark.filterwarnings("ignore:.*support is in beta state")]
@@ -436,8 +437,30 @@ def _batched_and_hybrid():
     }
 
 
-BATCHED_AND_HYBRID = ["batched csr", "batched csc", "batched bsr", "batched bsc", "hybrid csr", "hybrid bsr",
-                      "hybrid coo", "hybrid coo 1"]
+BATCHED_AND_HYBRID = ["batched csr", "batched csc", "batched bsr", "batched bsc", "hybrid csr", "hybrid bsr"]
+
+
+@pytest.mark.parametrize("name", ["hybrid coo", "hybrid coo 1"])
+@pytest.mark.parametrize("coalesced", [True, False])
+def test_hybrid_coo_from_torch_and_back(name, coalesced):
+    """Hybrid COO (dense trailing dimensions) is COO with dense levels under the sparse ones: from_torch shares the
+    indices and values, to_torch gives the same hybrid layout back, ops and conversions see the dense tensor."""
+    t = _batched_and_hybrid()[name]
+    if not coalesced:
+        t = torch.sparse_coo_tensor(t._indices().flip(1), t._values().flip(0), t.shape)
+    x = t.to_dense()
+    S = scorch.from_torch(t)
+    assert S.values().data_ptr() == t._values().data_ptr()
+    assert_matches_dense(S, x)
+    back = S.to_torch()
+    assert back.layout == torch.sparse_coo and back.dense_dim() == t.dense_dim() and back.is_coalesced() == coalesced
+    assert torch.equal(back.to_dense(), x)
+    for fmt in ("csf", "coo", S.format):
+        assert_matches_dense(scorch.asformat(S, fmt), x)
+        assert_matches_dense(scorch.asformat(x, S.format, check=True), x)
+    assert_matches_dense(scorch.asformat(scorch.asformat(x, "csf"), S.format), x)
+    assert_matches_dense(torch.einsum("ijk,k->ij", S, torch.ones(x.shape[2])), x.sum(-1))
+    assert_matches_dense(S * 2, 2 * x)
 
 
 @pytest.mark.parametrize("name", BATCHED_AND_HYBRID)
@@ -582,3 +605,68 @@ def test_asformat_argument_errors():
         scorch.asformat(_matrix(), "csr", index_dtype=torch.int16)
     with pytest.raises(ValueError):
         scorch.asformat(_matrix((3, 4, 5)), "csr")  # a 2-d format for a 3-d tensor
+
+
+# --- the torch-signature constructors, with every torch argument --------------------------------------------------
+
+_IDX = [[0, 1, 1], [2, 0, 2]]
+CONSTRUCTOR_CASES = {
+    "coo size only": ("sparse_coo_tensor", (), dict(size=(2, 3))),
+    "coo size positional": ("sparse_coo_tensor", ((2, 3),), {}),
+    "coo size only float64": ("sparse_coo_tensor", (), dict(size=(2, 3), dtype=torch.float64)),
+    "coo lists, size inferred": ("sparse_coo_tensor", (_IDX, [1, 2, 3]), {}),
+    "coo int to float64, grad": ("sparse_coo_tensor", (_IDX, [1, 2, 3], (2, 4)),
+                                 dict(dtype=torch.float64, requires_grad=True)),
+    "coo all keywords": ("sparse_coo_tensor", (torch.tensor(_IDX), torch.tensor([1., 2, 3])),
+                         dict(size=(3, 3), dtype=torch.float32, device="cpu", pin_memory=False, requires_grad=False,
+                              check_invariants=True, is_coalesced=True)),
+    "coo unchecked": ("sparse_coo_tensor", (torch.tensor(_IDX), torch.tensor([1., 2, 3]), (2, 3)),
+                      dict(check_invariants=False)),
+    "coo empty": ("sparse_coo_tensor", (torch.zeros(2, 0, dtype=torch.long), torch.zeros(0), (2, 3)), {}),
+    "coo hybrid": ("sparse_coo_tensor", (torch.tensor([[0, 2]]), torch.arange(6.).reshape(2, 3)), {}),
+    "coo hybrid 3-d": ("sparse_coo_tensor", (torch.tensor(_IDX), torch.arange(6.).reshape(3, 2), (2, 3, 2)),
+                       dict(dtype=torch.float64, is_coalesced=True)),
+    "csr size inferred": ("sparse_csr_tensor", ([0, 1, 3], [1, 0, 2], [1., 2, 3]), {}),
+    "csr all keywords": ("sparse_csr_tensor", (torch.tensor([0, 1, 3], dtype=torch.int32),
+                                               torch.tensor([1, 0, 2], dtype=torch.int32), torch.tensor([1, 2, 3])),
+                         dict(size=(2, 4), dtype=torch.float64, device="cpu", pin_memory=False, requires_grad=True,
+                              check_invariants=True)),
+    "csc": ("sparse_csc_tensor", ([0, 2, 2, 3], [0, 1, 1], [1., 2, 3], (2, 3)), dict(dtype=torch.float64)),
+    "bsr": ("sparse_bsr_tensor", ([0, 1, 1], [1], torch.arange(4.).reshape(1, 2, 2), (4, 4)),
+            dict(pin_memory=False)),
+    "bsc": ("sparse_bsc_tensor", ([0, 1], [1], torch.arange(4.).reshape(1, 2, 2)), dict(requires_grad=True)),
+}
+for _layout in ("csr", "csc", "bsr", "bsc"):
+    _name, _args, _kw = CONSTRUCTOR_CASES["csc" if _layout == "csc" else _layout if _layout != "csr" else
+                                          "csr size inferred"]
+    CONSTRUCTOR_CASES[f"compressed {_layout}"] = ("sparse_compressed_tensor", _args,
+                                                  dict(_kw, layout=getattr(torch, f"sparse_{_layout}")))
+
+
+@pytest.mark.parametrize("case", list(CONSTRUCTOR_CASES))
+def test_constructors_take_every_torch_argument(case):
+    """``scorch.sparse_coo_tensor(size=(2, 3))`` raised TypeError, as did pin_memory, hybrid values and
+    sparse_compressed_tensor; each now gives what torch gives (shape, dtype, values, requires_grad)."""
+    name, args, kwargs = CONSTRUCTOR_CASES[case]
+    expected = getattr(torch, name)(*args, **kwargs)
+    got = getattr(scorch.interop, name)(*args, **kwargs)
+    assert isinstance(got, scorch.SparseTensor)
+    assert got.shape == expected.shape and got.requires_grad == expected.requires_grad
+    assert_matches_dense(got.detach(), expected.detach().to_dense())
+    assert got.layout == expected.layout
+    if name == "sparse_coo_tensor" and "size" not in kwargs and len(args) > 1:
+        assert got.to_torch().dense_dim() == expected.dense_dim()
+    if got.requires_grad:  # gradients reach the stored values
+        got.to_dense().sum().backward()
+        assert torch.equal(got.grad.values(), torch.ones_like(got.values()))
+
+
+def test_constructor_errors():
+    with pytest.raises(TypeError, match="indices and values, or a size"):
+        scorch.sparse_coo_tensor()
+    with pytest.raises(ValueError, match="level 1"):
+        scorch.sparse_csr_tensor([0, 2, 1], [0, 1], [1., 2], (2, 2))  # pos decreases
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        scorch.sparse_csr_tensor([0, 1], [0], torch.ones(1, 3), (1, 2))  # hybrid CSR
+    with pytest.raises(ValueError):
+        scorch.interop.sparse_compressed_tensor([0, 1], [0], [1.], (1, 2))  # no layout

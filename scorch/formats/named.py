@@ -17,16 +17,35 @@ def dense_nd(ndim: int) -> Format:
     return Format.from_levels(ndim, [(Var(d), Dense()) for d in range(ndim)])
 
 
-def coo_nd(ndim: int, coalesced: bool = True) -> Format:
+@functools.lru_cache(maxsize=128)
+def coo_nd(ndim: int, coalesced: bool = True, dense_dim: int = 0) -> Format:
     """N-d COO: a non-unique compressed level for the first dimension, singletons for the rest.
-    ``coalesced=False`` gives the unsorted form with duplicates that torch's uncoalesced COO has."""
+    ``coalesced=False`` gives the unsorted form with duplicates that torch's uncoalesced COO has.
+    ``dense_dim``: the last ``dense_dim`` dimensions are dense levels under each entry (torch's hybrid COO,
+    ``sparse_dim = ndim - dense_dim``; its values ``(nnz, *dense sizes)`` are the flat values here)."""
+    sparse = ndim - dense_dim
+    if not 0 < sparse <= ndim:
+        raise ValueError(f"a COO format needs at least one sparse dimension: ndim={ndim}, dense_dim={dense_dim}")
     if coalesced:
-        first = Compressed(unique=ndim == 1)
-        rest = [Singleton(unique=d == ndim - 1) for d in range(1, ndim)]
+        first = Compressed(unique=sparse == 1)
+        rest = [Singleton(unique=d == sparse - 1) for d in range(1, sparse)]
     else:
         first = Compressed(unique=False, ordered=False)
-        rest = [Singleton(unique=False, ordered=False) for _ in range(1, ndim)]
+        rest = [Singleton(unique=False, ordered=False) for _ in range(1, sparse)]
+    rest += [Dense() for _ in range(dense_dim)]
     return Format.from_levels(ndim, [(Var(0), first)] + [(Var(d), lv) for d, lv in enumerate(rest, 1)])
+
+
+def hybrid_coo_dims(fmt: Format):
+    """``(dense_dim, coalesced)`` when ``fmt`` is a COO format (``coo_nd``, hybrid or not), else None."""
+    n = fmt.ndim
+    dense = 0
+    while dense < n - 1 and isinstance(fmt.level_types[n - 1 - dense], Dense):
+        dense += 1
+    for coalesced in (True, False):
+        if len(fmt.levels) == n and coo_nd(n, coalesced, dense) == fmt:
+            return dense, coalesced
+    return None
 
 
 def csf(ndim: int) -> Format:
@@ -181,7 +200,11 @@ def block_size(fmt: Format):
 
 
 def short_name(fmt: Format) -> str:
-    """The name for display: the format's name, ``coo (uncoalesced)``, or its text."""
-    if fmt == coo_nd(fmt.ndim, coalesced=False):
-        return "coo (uncoalesced)"
+    """The name for display: the format's name, ``coo (uncoalesced)``, ``coo (hybrid, dense_dim=k)``, or its
+    text."""
+    coo = hybrid_coo_dims(fmt)
+    if coo is not None and coo != (0, True):
+        dense, coalesced = coo
+        return "coo (" + ", ".join(([] if coalesced else ["uncoalesced"]) + (
+            [f"hybrid, dense_dim={dense}"] if dense else [])) + ")"
     return name_of(fmt) or str(fmt)

@@ -11,7 +11,7 @@ import torch
 
 from .expr import Var, dim_name
 from .format import Format
-from .levels import LevelStorage, Singleton
+from .levels import Dense, LevelStorage, Singleton
 from .levels.fixed import SlotsExceeded
 
 INT32_MAX = 2**31 - 1
@@ -31,6 +31,7 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
     bounds = fmt.level_bounds(shape)
     coords = [e.evaluate(dims) for e in fmt.exprs]
     m = values.numel()
+    split = _dense_tail(fmt)
     if m > 1:
         if not _in_order(coords):  # (entries of a dense tensor in a row-major format already are)
             perm = torch.arange(m, device=values.device)
@@ -38,7 +39,7 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
                 perm = perm[torch.argsort(c[perm], stable=True)]
             coords = [c[perm] for c in coords]
             values = values[perm]
-        if not fmt.keeps_duplicates:
+        if not fmt.keeps_duplicates or split is not None:  # (a dense tail stores a position once)
             new = torch.zeros(m, dtype=torch.bool, device=values.device)
             new[0] = True
             for c in coords:
@@ -49,9 +50,21 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
                 summed.index_add_(0, group, values.to(summed.dtype))
                 values = summed.to(values.dtype) if values.dtype != torch.bool else summed > 0
                 coords = [c[new] for c in coords]
-    parent = torch.zeros(values.numel(), dtype=torch.int64, device=values.device)
+    entry_group = None
+    if split is not None and values.numel():
+        # the levels above the dense tail store each distinct prefix once; the tail gives each a dense block
+        first = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+        first[0] = True
+        for c in coords[:split]:
+            first[1:] |= c[1:] != c[:-1]
+        entry_group = torch.cumsum(first.long(), 0) - 1
+        coords = [c[first] for c in coords[:split]] + coords[split:]
+    parent = torch.zeros(values.numel() if entry_group is None else int(entry_group[-1]) + 1, dtype=torch.int64,
+                         device=values.device)
     count, levels, largest = 1, [], [m]
     for k, ((lo, hi), lvl, c) in enumerate(zip(bounds, fmt.level_types, coords)):
+        if k == split and entry_group is not None:
+            parent = parent[entry_group]
         try:
             st, parent, count = lvl.assemble(parent, count, c, lo, hi)
         except SlotsExceeded as e:
@@ -65,11 +78,24 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
     elif max(abs(x) for x in largest) >= INT32_MAX and index_dtype == torch.int32:
         raise ValueError("index_dtype=int32 cannot address this tensor: sizes exceed 2**31 - 1")
     levels = [st.map(lambda a: a.to(index_dtype)) for st in levels]
-    if len(levels) > 1 and all(type(lvl) is Singleton for lvl in fmt.level_types[1:]):
+    rows = len(levels) if split is None else split
+    if rows > 1 and all(type(lvl) is Singleton for lvl in fmt.level_types[1:rows]):
         # COO: the coordinate arrays are the rows of one (ndim, nnz) matrix, as torch's COO indices are
-        rows = torch.stack([st.crd for st in levels]).unbind(0)
-        levels = [LevelStorage(pos=levels[0].pos, crd=rows[0])] + [LevelStorage(crd=r) for r in rows[1:]]
+        crd = torch.stack([st.crd for st in levels[:rows]]).unbind(0)
+        levels = ([LevelStorage(pos=levels[0].pos, crd=crd[0])] + [LevelStorage(crd=r) for r in crd[1:]]
+                  + levels[rows:])
     return tuple(levels), out
+
+
+def _dense_tail(fmt: Format):
+    """The index of the first of the trailing dense levels (one coordinate each) when a level above them may
+    repeat a coordinate (hybrid COO), else None: such levels must store each distinct prefix once."""
+    k = len(fmt.levels)
+    while k > 0 and type(fmt.level_types[k - 1]) is Dense and type(fmt.exprs[k - 1]) is Var:
+        k -= 1
+    if k == len(fmt.levels) or k == 0 or all(lvl.unique for lvl in fmt.level_types[:k]):
+        return None
+    return k
 
 
 def _in_order(coords) -> bool:
