@@ -44,6 +44,8 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     check = check or checking_invariants()
     if x.layout in _SPARSE_LAYOUTS:
         x = from_torch(x, check=check)
+    if type(x) is SparseTensor and len(_storage.index_dtypes(x._levels)) > 1:  # (built with check=False)
+        x = SparseTensor(x._format, x._shape, _storage.uniform_index_dtype(x._levels), x._vals, check=check)
     if needs_grad([x]) and not (isinstance(x, SparseTensor) and x.format == fmt and index_dtype in (
             None, x.index_dtype)):
         from . import _autograd as autograd

@@ -17,7 +17,33 @@ from test_runtime import OOB  # the kernel that reads one past its buffer
 
 from scorch.compiler import runtime
 
-SCRIPT = textwrap.dedent(r'''
+# Mixed index widths through every compressed constructor, and products with the results and their transposed
+# views; shared by the matrix subset and the cache check below. ``values(shape, gen, density)`` as in SCRIPT.
+MIXED_WIDTH = textwrap.dedent(r'''
+    def mixed_width_checks(values, layouts=("csr", "csc", "bsr", "bsc")):
+        import torch, scorch
+        gen = torch.Generator().manual_seed(3)
+        bad, n = [], 0
+        for layout in layouts:
+            ctor = f"sparse_{layout}_tensor"
+            a = values((6, 4), gen, 0.5)
+            convert = getattr(a, f"to_sparse_{layout}")
+            t = convert((2, 2)) if layout.startswith("b") else convert()
+            pos, crd = ((t.crow_indices(), t.col_indices()) if layout.endswith("r") else
+                        (t.ccol_indices(), t.row_indices()))
+            for pos_dtype, crd_dtype in ((torch.int64, torch.int32), (torch.int32, torch.int64)):
+                s = getattr(scorch, ctor)(pos.to(pos_dtype), crd.to(crd_dtype), t.values(), a.shape,
+                                          check_invariants=False)
+                x, y = values((4, 3), gen), values((6, 3), gen)
+                for r, expected in ((s @ x, a @ x), (s.t() @ y, a.T @ y), (s.to_dense(), a), (s.sum(1), a.sum(1))):
+                    n += 1
+                    got = r.to_dense() if isinstance(r, scorch.SparseTensor) else r
+                    if not (got.shape == expected.shape and torch.allclose(got, expected)):
+                        bad.append(f"{ctor} pos {pos_dtype} crd {crd_dtype}")
+        return n, bad
+''')
+
+SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
     import concurrent.futures, os, sys
     import torch
     import scorch
@@ -213,10 +239,17 @@ SCRIPT = textwrap.dedent(r'''
         return n, bad
 
 
+    def fault_checks():
+        """Faults found with bad inputs (tests/test_faults.py): index arrays of mixed widths given to the
+        constructors (int64 pos beside int32 crd overflowed the kernels' reads), transposed views."""
+        return mixed_width_checks(values)
+
+
     torch.set_num_threads(3)  # more threads than some inputs have rows
     jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
-        extra = [ops_checks(), tile_checks(), fusion_checks()] if BACKEND == "cpp" else [coiteration_checks()]
+        extra = ([ops_checks(), tile_checks(), fusion_checks(), fault_checks()] if BACKEND == "cpp" else
+                 [coiteration_checks()])
         results = list(pool.map(run, jobs)) + extra
     bad = [b for _, bs in results for b in bs]
     print("checked", sum(n for n, _ in results), "results in", len(jobs), "kernels")
@@ -283,3 +316,48 @@ def test_sanitizer_catches_an_out_of_bounds_read(tmp_path):
                          timeout=120)
     assert run.returncode != 0
     assert "AddressSanitizer" in run.stderr
+
+
+CACHE_SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
+    import sys
+    import torch
+    from scorch.compiler import runtime
+
+    def values(shape, gen, density=1.0):
+        return ((torch.rand(shape, generator=gen) < density) * torch.randint(1, 9, shape, generator=gen)).double()
+
+    n, bad = mixed_width_checks(values, ("csr", "bsc"))
+    print("checked", n)
+    for b in bad:
+        print("MISMATCH", b)
+    sys.exit(1 if bad else 0)
+''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ASan preloading is set up for Linux")
+def test_damaged_cache_entries_under_sanitizers(tmp_path):
+    """Sanitized kernels cached by one process, then damaged (a zeroed body under intact headers, or another
+    entry's library in its place): the next sanitized process verifies, rebuilds and runs them cleanly."""
+    if not _sanitizer_available():
+        pytest.skip("the C++ compiler has no ASan/UBSan runtime")
+    from test_runtime import _zero_body
+    env = _sanitized_env(tmp_path)
+    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=root)
+        out = proc.stdout + proc.stderr
+        assert "AddressSanitizer" not in out and "runtime error" not in out, out[-6000:]
+        assert proc.returncode == 0 and "checked" in proc.stdout, out[-6000:]
+
+    run()
+    built = sorted((tmp_path / "cache").rglob("*.so"))
+    assert len(built) >= 4
+    for k, path in enumerate(built):  # every other entry zeroed; the rest hold the next entry's library
+        data = path.read_bytes()
+        path.write_bytes(_zero_body(data) if k % 2 == 0 else built[(k + 1) % len(built)].read_bytes())
+    run()
+    for path in built:  # rebuilt: each entry is its own key's library again
+        assert runtime._trailer_damage(str(path), path.stem) is None, path
