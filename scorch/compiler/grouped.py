@@ -141,16 +141,13 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
     eq = einsum_string(idx_g, res_idx)
     held = [v for v in out if v in letters]  # the output's dimensions the entries address
     rest = [v for v in out if v not in letters]
-    # a plain matrix product per group ("pa,ab->pb")
-    mm = keep_p and len(idx_g) == 2 and len(idx_g[0]) == 2 and len(idx_g[1]) == 2 and idx_g[0][0] == p and \
-        idx_g[0][1] == idx_g[1][0] and res_idx == (p, idx_g[1][1])
+    product = _matrix_product(idx_g, res_idx, p) or (lambda a: torch.einsum(eq, *a))
     parts, firsts = [], []
     for lo, hi in zip(starts[:-1], starts[1:]):
         key = [int(coords[v][lo]) for v in grouping.group]
         ops_g = [t.narrow(idx.index(p), lo, hi - lo) for t, idx in gathered]
         ops_g += [_select(t, idx, grouping.group, key) for t, idx in sliced]
-        # (a plain matrix product: torch.mm, measured faster than einsum's dispatch and than mm(out=) into a slice)
-        parts.append(torch.mm(*ops_g) if mm else torch.einsum(eq, *ops_g))
+        parts.append(product(ops_g))
         firsts.append(lo)
     shape = [math.prod(sizes[v] for v in held)] + [sizes[v] for v in rest]
     if not firsts:
@@ -171,6 +168,24 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
         result = torch.zeros(shape, dtype=dtype, device=vals.device).index_add(0, at, part)
     shape = [sizes[v] for v in held + rest]
     return result.reshape(shape).permute([(held + rest).index(v) for v in out])
+
+
+def _matrix_product(idx_g, res_idx, p):
+    """A group's einsum as one ``torch.mm`` where it is a plain matrix product (measured faster than einsum's
+    dispatch, and than ``mm(out=)`` into a slice): ``"pa,ab->pb"`` (the forward of a mixture of experts) or
+    ``"pa,pb->ab"`` and ``"pa,pb->ba"`` (the gradient of its expert weights: the group's rows contracted);
+    None otherwise."""
+    if len(idx_g) != 2 or len(idx_g[0]) != 2 or len(idx_g[1]) != 2 or len(res_idx) != 2:
+        return None
+    (a0, a1), (b0, b1) = idx_g
+    if a0 == p and a1 == b0 and res_idx == (p, b1):
+        return lambda ops: torch.mm(ops[0], ops[1])
+    if a0 == p and b0 == p and a1 != b1:
+        if res_idx == (a1, b1):
+            return lambda ops: torch.mm(ops[0].t(), ops[1])
+        if res_idx == (b1, a1):
+            return lambda ops: torch.mm(ops[1].t(), ops[0])
+    return None
 
 
 def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):

@@ -174,9 +174,29 @@ def entries(fmt: Format, shape, levels, values):
 
 def unpack(fmt: Format, shape, levels, values):
     """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding dropped (``entries``).
-    The values are gathered, so gradients reach the stored values."""
+    The values are gathered (a copy), so gradients reach the stored values."""
+    listed = _coordinate_list(fmt, levels)
+    if listed is not None:  # (COO: the coordinates are stored as they are listed)
+        dims, (lo, hi) = listed
+        return dims, values[lo:hi].clone()
     leaf, dims = entries(fmt, shape, levels, values)
     return dims, values[leaf]
+
+
+def _coordinate_list(fmt: Format, levels):
+    """``(dims, (lo, hi))`` of a COO-like storage (a root compressed level, the rest singletons, each level one
+    whole dimension): the ``(ndim, M)`` int64 coordinates of the positions ``lo:hi`` the root spans, read from the
+    coordinate arrays without walking the levels; None for other formats."""
+    from .levels import Compressed
+    types, exprs = fmt.level_types, fmt.exprs
+    if len(types) < 2 or type(types[0]) is not Compressed or any(type(t) is not Singleton for t in types[1:]) or \
+            not all(type(e) is Var for e in exprs) or sorted(e.dim for e in exprs) != list(range(fmt.ndim)):
+        return None
+    lo, hi = (int(p) for p in levels[0].pos[:2])
+    dims = [None] * fmt.ndim
+    for e, st in zip(exprs, levels):
+        dims[e.dim] = st.crd[lo:hi]
+    return torch.stack(dims).long(), (lo, hi)
 
 
 def linear_index(dims: torch.Tensor, shape) -> torch.Tensor:

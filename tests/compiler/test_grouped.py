@@ -19,6 +19,7 @@ CASES = [
     ("bd,ndh,bn->bh", 2),     # y = sum_n G[b, n] x[b] @ E[n]
     ("bn,bd,ndh->bh", 0),     # the same, the gate first
     ("bh,bd,bn->ndh", 2),     # dE: rows contracted, one result per group
+    ("bh,bd,bn->nhd", 2),     # the same, transposed
     ("bh,ndh,bn->bd", 2),     # dx
     ("bd,ndh,bn->hb", 2),     # output transposed
     ("bd,nde,bn,e->bn", 2),   # the group index kept in the output... (not grouped: output holds both)
@@ -120,3 +121,24 @@ def test_grouped_gradients(fmt):
     torch.testing.assert_close(x.grad, xr.grad)
     torch.testing.assert_close(E.grad, Er.grad)
     torch.testing.assert_close(g.grad.to_dense(), gr_.grad * (gd != 0))
+
+
+@pytest.mark.parametrize("idx, res, want", [
+    ([("p", "a"), ("a", "b")], ("p", "b"), lambda x, y: x @ y),      # the MoE forward per group
+    ([("p", "a"), ("p", "b")], ("a", "b"), lambda x, y: x.T @ y),    # the experts' gradient per group
+    ([("p", "a"), ("p", "b")], ("b", "a"), lambda x, y: y.T @ x),
+])
+def test_group_products_run_as_matrix_products(idx, res, want):
+    x = torch.randn(5, 3)
+    y = torch.randn(*(3 if v == "a" else 5 if v == "p" else 4 for v in idx[1]))
+    product = grouped._matrix_product(idx, res, "p")
+    assert product is not None
+    torch.testing.assert_close(product([x, y]), want(x, y))
+    torch.testing.assert_close(product([x, y]), torch.einsum(f"{''.join(idx[0])},{''.join(idx[1])}->{''.join(res)}",
+                                                             x, y))
+
+
+def test_other_group_products_are_einsums():
+    assert grouped._matrix_product([("p", "a"), ("p", "a")], ("a", "a"), "p") is None
+    assert grouped._matrix_product([("p", "a"), ("a", "b")], ("b", "p"), "p") is None
+    assert grouped._matrix_product([("p", "a", "c"), ("a", "b")], ("p", "b"), "p") is None

@@ -118,3 +118,29 @@ def test_other_types_and_small_storage_list_the_entries():
     s = scorch.asformat(x, "coo")
     assert densify.to_dense(s.format, s.shape, s.levels, s.values()) is None
     assert_matches_dense(s.to_dense(), x)
+
+
+@pytest.mark.parametrize("itype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("make", [
+    lambda it: scorch.asformat(_sample((6, 8), 0.3, torch.float32), "coo", index_dtype=it),
+    lambda it: scorch.asformat(_sample((3, 4, 5), 0.3, torch.float64), "coo", index_dtype=it),
+    lambda it: scorch.asformat(torch.zeros(4, 5), "coo", index_dtype=it),
+    lambda it: scorch.asformat(_sample((1, 1), 1.0, torch.int64), "coo", index_dtype=it),
+    lambda it: scorch.sparse_coo_tensor(torch.tensor([[2, 0, 2], [1, 1, 1]], dtype=it), torch.tensor([1., 2., 3.]),
+                                        (3, 2)),  # duplicates, not sorted
+], ids=["coo-2d", "coo-3d", "empty", "one", "uncoalesced"])
+def test_unpack_of_coordinate_lists(make, itype, monkeypatch):
+    """COO storage lists its entries from its coordinate arrays directly (no walk over the levels): the same
+    entries, in the same order, as the walk, a copy of the values, and gradients to the values."""
+    s = make(itype)
+    s.values().requires_grad_(s.dtype.is_floating_point)
+    leaf, want = storage.entries(s.format, s.shape, s.levels, s.values())
+    with monkeypatch.context() as m:
+        m.setattr(storage, "positions", lambda *a: pytest.fail("unpack walked the levels"))
+        dims, vals = storage.unpack(s.format, s.shape, s.levels, s.values())
+    assert dims.dtype == torch.int64 and torch.equal(dims, want)
+    assert torch.equal(vals, s.values()[leaf])
+    assert vals.numel() == 0 or vals.data_ptr() != s.values().data_ptr()
+    if vals.requires_grad:
+        vals.sum().backward()
+        assert torch.equal(s.values().grad, torch.ones_like(s.values()))
