@@ -481,11 +481,12 @@ _NO_FALLBACK = {torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tenso
 
 
 def _writes_sparse(func, args, kwargs) -> bool:
-    """Whether ``func`` writes into a sparse argument (an in-place method on it, or ``out=`` it)."""
+    """Whether ``func`` writes into a sparse argument (an in-place method on it, ``inplace=True``, or ``out=`` it)."""
     if any(type(x) is SparseTensor for x in _flat(kwargs.get("out"))):
         return True
     name = getattr(func, "__name__", "")
-    inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS or \
+        kwargs.get("inplace") is True
     return inplace and bool(args) and type(args[0]) is SparseTensor
 
 
@@ -497,7 +498,8 @@ def dense_fallback(func, args, kwargs, why: Exception | None = None):
     from . import _stats
     name = _op_name(func)
     sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
-    detail = _describe(args, kwargs) + (f": {why}" if why is not None and str(why) else "")
+    why = str(why or "").removeprefix("scorch: ")
+    detail = _describe(args, kwargs) + (f": {why}" if why else "")
     if _writes_sparse(func, args, kwargs):
         raise NotImplementedError(f"scorch: {name} would write its result into a sparse tensor ({detail}) in place,"
                                   " and scorch has no sparse rule for it here: a sparse tensor cannot become dense in"

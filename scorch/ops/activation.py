@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .. import _stats
 from ..formats import named, storage
-from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, _describe
+from ..sparse_tensor import IMPLEMENTATIONS, NoSparseRule, SparseTensor, _describe
 from .sparse_api import coalesce
 
 _T = torch.Tensor
@@ -64,7 +64,7 @@ def _desc(*operands) -> str:
 
 def _no_out(out, name, *operands):
     if out is not None:
-        raise NotImplementedError(f"scorch: {name} with out= on a sparse operand ({_desc(*operands)})")
+        raise NoSparseRule(f"scorch: {name} with out= on a sparse operand ({_desc(*operands)})")
 
 
 def _entries(x: SparseTensor):
@@ -114,12 +114,12 @@ def _unary(name: str, func, linear: bool = False, doc: str = _DOC_KEEPS):
     """The implementation of the unary map ``func`` (reported as ``name``) on a sparse input."""
     def apply(x, *args, **kwargs):
         if not isinstance(x, SparseTensor):
-            raise NotImplementedError(f"scorch: {name} with a sparse argument ({_desc(*args, *kwargs.values())});"
+            raise NoSparseRule(f"scorch: {name} with a sparse argument ({_desc(*args, *kwargs.values())});"
                                       " only the input may be sparse")
         _no_out(kwargs.get("out"), name, x)
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, SparseTensor) or (isinstance(a, torch.Tensor) and a.dim() > 0):
-                raise NotImplementedError(f"scorch: {name} of a sparse tensor ({_desc(x)}) with a tensor argument of"
+                raise NoSparseRule(f"scorch: {name} of a sparse tensor ({_desc(x)}) with a tensor argument of"
                                           f" shape {tuple(a.shape)}: only scalar arguments are supported")
         # what the map does to an implicit zero, with these arguments (and torch's own argument checks)
         with torch.no_grad():
@@ -198,6 +198,8 @@ for _n in ZERO_PRESERVING_TORCH + DENSIFYING_TORCH:
                    if f is not None],
                   [f for f in (getattr(_T, _n + "_", None), getattr(torch, _n + "_", None)) if f is not None],
                   _n in _LINEAR, _DOC_KEEPS if _n in ZERO_PRESERVING_TORCH else _DOC_DENSE)
+# pow(x, e): zero-preserving for a scalar e > 0 (each call checks, as for every map here)
+_register_map("torch.pow", torch.pow, [_T.pow, _T.__pow__], [_T.pow_, _T.__ipow__], False, _DOC_KEEPS)
 for _n, (_f, _inplace) in {**ZERO_PRESERVING_NN, **DENSIFYING_NN}.items():
     _register_map(f"torch.nn.functional.{_n}", _f, _ALIASES.get(_n, ()), [_inplace] if _inplace else [], False,
                   _DOC_KEEPS if _n in ZERO_PRESERVING_NN else _DOC_DENSE)
@@ -207,7 +209,7 @@ for _n, (_f, _inplace) in {**ZERO_PRESERVING_NN, **DENSIFYING_NN}.items():
 
 def _dropout(x, p, training, inplace, name):
     if not isinstance(x, SparseTensor):
-        raise NotImplementedError(f"scorch: {name} with a sparse argument other than the input")
+        raise NoSparseRule(f"scorch: {name} with a sparse argument other than the input")
     F.dropout(torch.zeros(0, dtype=x.dtype, device=x.device), p, training)  # torch's checks of p
     if not training:
         return x
@@ -265,14 +267,13 @@ def _compare(op_name):
         if not isinstance(x, SparseTensor) and isinstance(other, SparseTensor) and _scalar(x):
             return _COMPARE[reflected](other, x, out=out)  # 0-d dense < S: S > 0-d dense
         _no_out(out, name, x, other)
-        if not isinstance(x, SparseTensor) or isinstance(other, SparseTensor) or (
-                isinstance(other, torch.Tensor) and other.dim() != 0):
-            raise NotImplementedError(f"scorch: {name} of {_desc(x, other)} with"
-                                      f" {'a dense tensor' if isinstance(other, torch.Tensor) else 'these operands'}:"
-                                      " comparisons of a sparse tensor are supported with a scalar only")
-        if not _scalar(other):
+        if not isinstance(other, (torch.Tensor, numbers.Number)):
             # Tensor.__eq__(S, None) and the like: a TypeError becomes NotImplemented, as for dense tensors
             raise TypeError(f"{name}: cannot compare a sparse tensor with {type(other).__name__}")
+        if isinstance(x, SparseTensor) and isinstance(other, SparseTensor):
+            return _compare_sparse(op, name, x, other)
+        if not isinstance(x, SparseTensor) or not _scalar(other):
+            raise NoSparseRule(f"{name} of a sparse tensor with a dense tensor")
         with torch.no_grad():
             at_zero = bool(op(torch.zeros((), dtype=x.dtype, device=x.device), other))
         if at_zero:
@@ -282,8 +283,27 @@ def _compare(op_name):
         return x.with_values(op(x._vals, other))  # padding: op(0, c) is False, stored as 0
     apply.__name__ = apply.__qualname__ = op_name
     apply.__doc__ = (f"{name} with a scalar: where op(0, c) is False a sparse bool result on the operand's pattern"
-                     " (duplicates summed first), else the dense result, counted by scorch.stats().")
+                     " (duplicates summed first), else the dense result, counted by scorch.stats(). Of two sparse"
+                     " tensors (broadcast as torch's): where op(0, 0) is False a sparse bool result on the union of"
+                     " their patterns, else dense (counted).")
     return apply
+
+
+def _compare_sparse(op, name, a: SparseTensor, b: SparseTensor):
+    """``op(a, b)`` of two sparse tensors: op(0, 0) False gives the union of the patterns (canonical COO) holding
+    op of the two values at each position (0 where one stores nothing); True gives the dense result."""
+    from .indexing import broadcast_to
+    from .shape_ops import _coo, _delinearize
+    shape = tuple(torch.broadcast_shapes(a._shape, b._shape))
+    with torch.no_grad():
+        if bool(op(torch.zeros((), dtype=a.dtype), torch.zeros((), dtype=b.dtype))):
+            _stats.record_densify(name, _desc(a, b))
+            return op(a.to_dense(), b.to_dense())
+        (da, va), (db, vb) = (_entries(broadcast_to(t, shape)) for t in (a, b))
+        keys, where = torch.unique(torch.cat([_linear(da, shape), _linear(db, shape)]), return_inverse=True)
+        on_union = [torch.zeros(keys.shape, dtype=v.dtype, device=v.device).index_put((w,), v, accumulate=True)
+                    for v, w in ((va, where[:va.numel()]), (vb, where[va.numel():]))]
+        return _coo(_delinearize(keys, shape), op(*on_union), shape, False, name)
 
 
 _COMPARE = {n: _compare(n) for n in _COMPARISONS}
@@ -340,7 +360,7 @@ def where(condition, input=None, other=None, *, out=None):
     if (isinstance(input, SparseTensor) and isinstance(condition, torch.Tensor)
             and not isinstance(condition, SparseTensor) and _zero_scalar(other)):
         return _where_dense_mask(condition, input, other)
-    raise NotImplementedError(
+    raise NoSparseRule(
         f"scorch: torch.where(condition={_kind(condition)}, input={_kind(input)}, other={_kind(other)}) is not"
         " supported: the sparse forms are where(sparse_mask, x, 0) (x dense, sparse or a scalar, result on the mask's"
         " pattern) and where(dense_mask, S, 0) (result on S's pattern)")
@@ -357,7 +377,7 @@ def _where_sparse_mask(mask: SparseTensor, x, y):
     shape = mask._shape
     if isinstance(x, torch.Tensor) and not isinstance(x, SparseTensor):
         if tuple(torch.broadcast_shapes(x.shape, shape)) != tuple(shape):
-            raise NotImplementedError(f"scorch: torch.where with a sparse mask of shape {tuple(shape)} and x of shape"
+            raise NoSparseRule(f"scorch: torch.where with a sparse mask of shape {tuple(shape)} and x of shape"
                                       f" {tuple(x.shape)}: the mask would be broadcast")
     dtype = _where_dtype(x, y)
     mask = _coalesced(mask)
@@ -377,7 +397,7 @@ def _where_dense_mask(mask: torch.Tensor, x: SparseTensor, y):
     _bool_mask(mask, "torch.where")
     shape = x._shape
     if tuple(torch.broadcast_shapes(mask.shape, shape)) != tuple(shape):
-        raise NotImplementedError(f"scorch: torch.where with a dense mask of shape {tuple(mask.shape)} and a sparse"
+        raise NoSparseRule(f"scorch: torch.where with a dense mask of shape {tuple(mask.shape)} and a sparse"
                                   f" x of shape {tuple(shape)}: x would be broadcast")
     dtype = _where_dtype(x, y)
     leaf, dims, inside = storage.coordinates(x._format, shape, x._levels)
@@ -388,7 +408,7 @@ def _where_dense_mask(mask: torch.Tensor, x: SparseTensor, y):
 
 def _nonzero_tuple(mask):
     if not isinstance(mask, SparseTensor):
-        raise NotImplementedError("scorch: torch.where(condition) with a sparse argument other than the condition")
+        raise NoSparseRule("scorch: torch.where(condition) with a sparse argument other than the condition")
     dims, vals = _entries(mask)
     dims = dims[:, vals != 0]
     order = torch.argsort(_linear(dims, mask._shape))
@@ -408,7 +428,7 @@ def _masked_fill(input, mask, value, inplace):
     if not isinstance(input, SparseTensor) and isinstance(input, torch.Tensor) and isinstance(mask, SparseTensor):
         _bool_mask(mask, name)
         if mask._shape != input.shape:
-            raise NotImplementedError(f"scorch: {name} of a dense tensor of shape {tuple(input.shape)} by a sparse"
+            raise NoSparseRule(f"scorch: {name} of a dense tensor of shape {tuple(input.shape)} by a sparse"
                                       f" mask of shape {tuple(mask._shape)}: the shapes must be equal")
         idx = tuple(_true_coordinates(mask).unbind(0))
         fill = torch.as_tensor(value, dtype=input.dtype, device=input.device)
@@ -420,7 +440,7 @@ def _masked_fill(input, mask, value, inplace):
         leaf, dims, inside = storage.coordinates(input._format, shape, input._levels)
         if isinstance(mask, SparseTensor):
             if mask._shape != shape:
-                raise NotImplementedError(f"scorch: {name} of {_desc(input)} by a sparse mask of shape"
+                raise NoSparseRule(f"scorch: {name} of {_desc(input)} by a sparse mask of shape"
                                           f" {tuple(mask._shape)}: the shapes must be equal")
             hit = _lookup(mask, dims, inside)
         else:
@@ -433,7 +453,7 @@ def _masked_fill(input, mask, value, inplace):
             input._vals.masked_fill_(at, 0)  # zeroing keeps padding 0
             return input
         return input.with_values(input._vals.masked_fill(at, 0))
-    raise NotImplementedError(
+    raise NoSparseRule(
         f"scorch: {name}(input={_kind(input)}, mask={_kind(mask)}, value={_kind(value)}) is not supported: the sparse"
         " forms are masked_fill(dense, sparse_mask, v) (dense result) and masked_fill(S, mask, 0) (S's pattern); a"
         " nonzero value on a sparse input would fill its implicit zeros (use S.to_dense().masked_fill(...))")
@@ -523,7 +543,7 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     accounted for: dense, as torch's."""
     _no_out(out, "torch.linalg.vector_norm", x)
     if not isinstance(x, SparseTensor):
-        raise NotImplementedError("scorch: torch.linalg.vector_norm with a sparse argument other than the input")
+        raise NoSparseRule("scorch: torch.linalg.vector_norm with a sparse argument other than the input")
     # torch's own checks (ord, dim, dtype), on a tensor of this rank and dtype
     torch.linalg.vector_norm(torch.zeros(_probe_shape(x), dtype=x.dtype, device=x.device), ord, dim, keepdim,
                              dtype=dtype)
@@ -542,17 +562,17 @@ def _matrix_norm(x: SparseTensor, ord, dim, keepdim, dtype):
         s = _vector_norm(x, 1, (summed,), True, dtype)  # absolute sums, dense
         r = s.amax(extreme, keepdim=True) if ord > 0 else s.amin(extreme, keepdim=True)
         return r if keepdim else r.squeeze((d0, d1))
-    raise NotImplementedError(f"scorch: the matrix norm ord={ord!r} of a sparse tensor ({_desc(x)}) needs singular"
+    raise NoSparseRule(f"scorch: the matrix norm ord={ord!r} of a sparse tensor ({_desc(x)}) needs singular"
                               " values; supported: 'fro', 1, -1, inf, -inf")
 
 
 @_register(torch.linalg.matrix_norm)
 def matrix_norm(x, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=None):
     """Matrix norms 'fro', 1, -1, inf, -inf (absolute sums along one dimension, then their extreme): dense.
-    'nuc', 2 and -2 (singular values) raise NotImplementedError."""
+    'nuc', 2 and -2 (singular values) run on the dense form (the fallback, warned and counted)."""
     _no_out(out, "torch.linalg.matrix_norm", x)
     if not isinstance(x, SparseTensor):
-        raise NotImplementedError("scorch: torch.linalg.matrix_norm with a sparse argument other than the input")
+        raise NoSparseRule("scorch: torch.linalg.matrix_norm with a sparse argument other than the input")
     if ord not in ("nuc", 2, -2):  # torch's checks, without its SVD
         torch.linalg.matrix_norm(torch.zeros(_probe_shape(x), dtype=x.dtype, device=x.device), ord, dim, keepdim,
                                  dtype=dtype)
@@ -566,7 +586,7 @@ def linalg_norm(x, ord=None, dim=None, keepdim=False, *, out=None, dtype=None):
     """``torch.linalg.norm``: the vector or matrix norm torch would pick for ``ord`` and ``dim``; dense."""
     _no_out(out, "torch.linalg.norm", x)
     if not isinstance(x, SparseTensor):
-        raise NotImplementedError("scorch: torch.linalg.norm with a sparse argument other than the input")
+        raise NoSparseRule("scorch: torch.linalg.norm with a sparse argument other than the input")
     if isinstance(dim, int):
         dim = (dim,)
     if ord is None:
@@ -664,7 +684,7 @@ def _extremum(largest: bool):
         if args and isinstance(args[0], torch.Tensor) or isinstance(kwargs.get("other"), torch.Tensor) or (
                 not isinstance(x, SparseTensor)):
             other = args[0] if args else kwargs.get("other")
-            raise NotImplementedError(f"scorch: torch.{name}({_kind(x)}, {_kind(other)}): the elementwise {name} of"
+            raise NoSparseRule(f"scorch: torch.{name}({_kind(x)}, {_kind(other)}): the elementwise {name} of"
                                       " a sparse tensor is not supported")
         dim, keepdim = _dim_arg(args, kwargs)
         probe = torch.zeros(_probe_shape(x), dtype=x.dtype, device=x.device)

@@ -1,6 +1,9 @@
 """Elementwise ops. Zero-preserving maps and products with a dense or scalar operand keep the sparse
 operand's pattern (its index arrays are shared, only values are computed); a sum with a dense operand is
-dense. Sums and products of two sparse operands arrive with co-iteration."""
+dense. Sums and products of two sparse operands arrive with co-iteration. Operands of different shapes broadcast
+as torch's: a sparse operand that the other operand's shape enlarges is broadcast first (its entries repeated,
+``scorch.ops.indexing.broadcast_to``). Arguments these rules do not cover (a nonzero scalar added, division by a
+tensor, ``inplace=True``) run on the dense form (``NoSparseRule``: the dense fallback, warned and counted)."""
 from __future__ import annotations
 
 import numbers
@@ -10,7 +13,8 @@ import torch.nn.functional as F
 
 from ..compiler import dispatch
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
-from ..sparse_tensor import SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from .indexing import broadcast_to
 from .pattern import same_pattern
 from .sparse_api import coalesce
 
@@ -31,8 +35,8 @@ _MAPS = {
 
 def _map(torch_fn, linear):
     def apply(x, *args, **kwargs):
-        if args or kwargs.get("inplace"):
-            raise NotImplementedError(f"scorch: {torch_fn.__name__} with extra arguments on a sparse operand")
+        if args or kwargs.get("inplace") or type(x) is not SparseTensor:
+            raise NoSparseRule(f"{torch_fn.__name__} with extra arguments on a sparse operand")
         if not linear:
             x = coalesce(x)  # f(a) + f(b) != f(a + b): duplicates are summed first
         return x.with_values(torch_fn(x.values()))
@@ -63,11 +67,16 @@ def mul(a, b):
         scalar = b.item() if isinstance(b, torch.Tensor) else b
         vals = a.values() * scalar
         return a.with_values(vals)
+    if not isinstance(b, torch.Tensor):
+        raise NoSparseRule(f"a {type(b).__name__} operand")
     if isinstance(b, SparseTensor) and same_pattern(a, b) and not a.format.keeps_duplicates:
         return a.with_values(a.values() * b.values())
-    if tuple(torch.broadcast_shapes(a.shape, b.shape)) != tuple(a.shape) and not isinstance(b, SparseTensor):
-        raise ValueError(f"mul: the dense operand of shape {tuple(b.shape)} would broadcast the sparse operand of"
-                         f" shape {tuple(a.shape)}")
+    shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
+    a = broadcast_to(a, shape)
+    if isinstance(b, SparseTensor):
+        b = broadcast_to(b, shape)
+    elif b.layout != torch.strided:
+        raise NoSparseRule("a torch sparse layout operand")
     return dispatch.einsum(_elementwise_eq(a, b), a, b)
 
 
@@ -77,8 +86,7 @@ def div(a, b, *, rounding_mode=None):
     if isinstance(a, SparseTensor) and isinstance(b, numbers.Number) and rounding_mode is None:
         vals = a.values() / b
         return a.with_values(vals)
-    raise NotImplementedError("scorch: div of a sparse tensor is supported by a scalar only (x / 0 is not"
-                              " zero-preserving otherwise)")
+    raise NoSparseRule("division keeps the pattern by a nonzero scalar only (x / 0 is not zero-preserving)")
 
 
 def _sparse(x):
@@ -92,10 +100,16 @@ def _scattered(s):
 
 
 def _sparse_sum(a, b, alpha):
-    """``a + alpha * b`` of two sparse operands: a union merge, the result sparse where both are."""
+    """``a + alpha * b`` of two sparse operands: a union merge, the result sparse where both are (operands of
+    different shapes broadcast first)."""
     if tuple(a.shape) != tuple(b.shape):
-        raise ValueError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} differ (broadcasting two sparse"
-                         " operands is not supported)")
+        if not (isinstance(a, SparseTensor) and isinstance(b, SparseTensor)):
+            raise NoSparseRule("torch sparse layouts of different shapes")
+        try:
+            shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
+        except RuntimeError as e:
+            raise ValueError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast ({e})") from None
+        a, b = broadcast_to(a, shape), broadcast_to(b, shape)
     if isinstance(a, SparseTensor) and isinstance(b, SparseTensor) and same_pattern(a, b) \
             and not a.format.keeps_duplicates:
         # one pattern (a parameter and its gradient, optimizer state): the values add, the pattern stays
@@ -120,8 +134,9 @@ def add(a, b, *, alpha=1):
     if isinstance(b, numbers.Number) or isinstance(a, numbers.Number):
         if (b if isinstance(b, numbers.Number) else a) == 0:
             return a if _sparse(a) else b * alpha
-        raise NotImplementedError("scorch: adding a nonzero scalar to a sparse tensor makes it dense; use"
-                                  " S.to_dense() + c")
+        raise NoSparseRule("adding a nonzero scalar makes the result dense")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        raise NoSparseRule("a non-tensor operand")
     if _sparse(a):
         return torch.add(_scattered(a), b, alpha=alpha)
     return torch.add(a, _scattered(b), alpha=alpha)

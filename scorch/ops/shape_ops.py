@@ -38,7 +38,7 @@ import torch
 
 from ..formats import LevelStorage, named, storage
 from ..interop import coo_from_entries as _canonical_coo
-from ..sparse_tensor import SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements
 
 _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _BIG = 2**63
@@ -156,7 +156,7 @@ def reshape(x: SparseTensor, *shape, **kwargs):
             raise TypeError(f"reshape: unexpected arguments {sorted(kwargs)}")
         shape = (next(iter(kwargs.values())),)
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-        raise NotImplementedError(f"scorch: view({shape[0]}) (reinterpreting the bytes of a sparse tensor's"
+        raise NoSparseRule(f"scorch: view({shape[0]}) (reinterpreting the bytes of a sparse tensor's"
                                   " values as another dtype) is not implemented; use x.to(dtype)")
     return _reshape_to(x, _sizes(shape, "reshape"), "reshape")
 
@@ -253,7 +253,7 @@ def _operands(tensors, op: str) -> list:
             from ..interop import from_torch
             out.append(from_torch(t))
         elif isinstance(t, torch.Tensor):
-            raise NotImplementedError(f"scorch: torch.{op} of sparse and dense tensors is not implemented;"
+            raise NoSparseRule(f"scorch: torch.{op} of sparse and dense tensors is not implemented;"
                                       " convert the dense ones with scorch.asformat(t, 'coo'), or the sparse"
                                       " ones with .to_dense()")
         else:
@@ -381,7 +381,13 @@ def index_select(x: SparseTensor, dim, index):
     shape[d] = idx.numel()
     if (x._format, d) in ((named.csr, 0), (named.csc, 1)):
         return _select_compressed(x, idx, shape)
-    dims, vals = _entries(x)
+    dims, vals = _gather_along(*_entries(x), d, idx)
+    return _coo(list(dims), vals, shape, x._format.keeps_duplicates, "index_select")
+
+
+def _gather_along(dims, vals, d: int, idx):
+    """The entries ``(dims, vals)`` at positions ``idx`` (int64, in range, repeats allowed) along ``d``, renumbered
+    by their place in ``idx``: an entry at coordinate ``c`` appears once per occurrence of ``c`` in ``idx``."""
     m = vals.numel()
     device = vals.device
     # each entry's occurrences in index: the run [lo, hi) of its coordinate in the sorted index
@@ -393,9 +399,9 @@ def index_select(x: SparseTensor, dim, index):
     entry = torch.repeat_interleave(torch.arange(m, device=device), count, output_size=total)
     start = torch.cumsum(count, 0) - count
     at = lo[entry] + (torch.arange(total, device=device) - start[entry])
-    rows = [dims[k][entry] for k in range(n)]
-    rows[d] = order[at]
-    return _coo(rows, vals[entry], shape, x._format.keeps_duplicates, "index_select")
+    out = dims[:, entry]
+    out[d] = order[at]
+    return out, vals[entry]
 
 
 def _select_compressed(x: SparseTensor, idx, shape) -> SparseTensor:

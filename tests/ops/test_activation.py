@@ -22,6 +22,7 @@ from scorch.formats import storage
 from scorch.sparse_tensor import IMPLEMENTATIONS
 
 from conftest import assert_matches_dense, quarters as _quarters
+from fallback_check import falls_back
 
 FORMATS = ["csr", "csc", "coo", "bsr(2, 2)", "ell", "dia"]
 # (shape, density): a general case, 1x1, 0xN, Nx0 and an all-zero matrix
@@ -393,18 +394,16 @@ def test_comparisons_of_uncoalesced_coo_sum_duplicates_first():
                 assert_matches_dense(r, op(a, c))
 
 
-def test_comparison_errors():
+def test_comparisons_with_dense_tensors_fall_back():
     s, a = sparse((5, 7), "csr", seed=10)
-    with pytest.raises(NotImplementedError, match=r"torch.gt.*csr \(5, 7\).*scalar"):
-        s > torch.ones(5, 7)
-    with pytest.raises(NotImplementedError, match="scalar"):
-        torch.lt(s, s)
-    with pytest.raises(NotImplementedError, match="scalar"):
-        torch.ones(5, 7) < s
+    d = quarters((5, 7), 11)
+    falls_back(lambda: s > d, lambda: a > d, "Tensor.gt")
+    falls_back(lambda: d < s, lambda: d < a, "Tensor.gt")  # a subclass operand: Python asks s.__gt__ first
     assert (s == None) is False  # noqa: E711  (as for dense tensors)
     assert (s != "x") is True
-    with pytest.raises(NotImplementedError, match="out="):
-        torch.gt(s, 0, out=torch.empty(5, 7, dtype=torch.bool))
+    out = torch.empty(5, 7, dtype=torch.bool)
+    falls_back(lambda: torch.gt(s, 0, out=out), lambda: torch.gt(a, 0), "torch.gt")
+    assert torch.equal(out, a > 0)
 
 
 # --- where and masked_fill ------------------------------------------------------------------------------------------
@@ -492,22 +491,24 @@ def test_where_and_masked_fill_errors():
     m, md = masks("csr", (5, 7), seed=110)
     s, a = sparse((5, 7), "coo", seed=111)
     x = quarters((5, 7), 112)
-    for call in (lambda: torch.where(m, x, 1.0), lambda: torch.where(m, x, x), lambda: torch.where(m, 0.0, x),
-                 lambda: torch.where(md, x, s), lambda: torch.where(m, s.to_dense()[:1].expand(2, 5, 7), 0.0)):
-        with pytest.raises(NotImplementedError, match="torch.where"):
-            call()
-    with pytest.raises(NotImplementedError, match=r"torch.where\(condition=sparse format csr \(5, 7\)"):
-        torch.where(m, x, 1.0)
-    with pytest.raises(NotImplementedError, match="nonzero value"):
-        s.masked_fill(m, 1.0)
-    with pytest.raises(NotImplementedError, match="masked_fill"):
-        s.masked_fill(md, torch.tensor(0.0, requires_grad=True))
+    sd = s.to_dense()
+    for call, dense in ((lambda: torch.where(m, x, 1.0), lambda: torch.where(md, x, 1.0)),
+                        (lambda: torch.where(m, x, x), lambda: torch.where(md, x, x)),
+                        (lambda: torch.where(m, 0.0, x), lambda: torch.where(md, 0.0, x)),
+                        (lambda: torch.where(md, x, s), lambda: torch.where(md, x, sd)),
+                        (lambda: torch.where(m, sd[:1].expand(2, 5, 7), 0.0),
+                         lambda: torch.where(md, sd[:1].expand(2, 5, 7), 0.0))):
+        falls_back(call, dense, "torch.where")
+    falls_back(lambda: s.masked_fill(m, 1.0), lambda: sd.masked_fill(md, 1.0), "Tensor.masked_fill")
+    zero = torch.tensor(0.0, requires_grad=True)
+    falls_back(lambda: s.masked_fill(md, zero), lambda: sd.masked_fill(md, zero), "Tensor.masked_fill")
+    with pytest.raises(NotImplementedError, match="masked_fill_ would write its result into a sparse tensor"):
+        s.masked_fill_(m, 1.0)  # a sparse tensor cannot become dense in place
     with pytest.raises(RuntimeError, match="boolean"):
         torch.where(s, x, 0.0)
     with pytest.raises(RuntimeError, match="boolean"):
         x.masked_fill(s, 1.0)
-    with pytest.raises(NotImplementedError, match="shapes must be equal"):
-        x[:1].masked_fill(m, 1.0)
+    falls_back(lambda: x[:1].masked_fill(m, 1.0), lambda: x[:1].masked_fill(md, 1.0), "Tensor.masked_fill")
 
 
 # --- norms ---------------------------------------------------------------------------------------------------------
@@ -569,12 +570,13 @@ def test_norms_of_uncoalesced_and_3d():
 
 def test_norm_errors():
     s, a = sparse((5, 7), "csr", seed=121)
-    for call in (lambda: torch.norm(s, "nuc"), lambda: torch.linalg.matrix_norm(s, 2),
-                 lambda: torch.linalg.norm(s, -2)):
-        with pytest.raises(NotImplementedError, match="singular values"):
-            call()
-    with pytest.raises(NotImplementedError, match="out="):
-        torch.linalg.vector_norm(s, out=torch.empty(()))
+    falls_back(lambda: torch.norm(s, "nuc"), lambda: torch.norm(a, "nuc"), "torch.functional.norm")
+    falls_back(lambda: torch.linalg.matrix_norm(s, 2), lambda: torch.linalg.matrix_norm(a, 2),
+               "torch.linalg_matrix_norm")
+    falls_back(lambda: torch.linalg.norm(s, -2), lambda: torch.linalg.norm(a, -2), "torch.linalg_norm")
+    out = torch.empty(())
+    falls_back(lambda: torch.linalg.vector_norm(s, out=out), lambda: torch.linalg.vector_norm(a),
+               "torch.linalg_vector_norm")
     with pytest.raises(RuntimeError):
         torch.linalg.vector_norm(scorch.asformat((a * 4).long(), "csr"))  # torch: floating point input only
     with pytest.raises(IndexError):
@@ -632,8 +634,7 @@ def test_max_min_with_stored_zeros_nan_and_other_dtypes():
     for dim in range(3):
         same(lambda t: torch.max(t, dim), s, a)
         same(lambda t: torch.argmin(t, dim, keepdim=True), s, a)
-    with pytest.raises(NotImplementedError, match="elementwise max"):
-        torch.max(s, a)
+    falls_back(lambda: torch.max(s, a), lambda: torch.max(a, a), "torch.max")  # elementwise: no sparse rule
     with pytest.raises(IndexError):
         torch.max(s, 3)
 

@@ -15,6 +15,7 @@ import scorch
 from scorch import SparseTensor
 
 from conftest import assert_matches_dense, compile_ahead, plain_test_job, quarters, is_dense_result
+from fallback_check import falls_back
 
 FORMATS = ["csr", "coo", "csc", "dcsr", "dcsc", "ell", "dia", "bsr(2, 3)", "bsc(2, 2)", "dense",
            "(i, j) -> (i + j : compressed, j : dense)", "(i, j) -> (j - i : compressed, i : dense)"]
@@ -488,19 +489,18 @@ def test_dimension_mismatch_is_value_error():
 
 
 @pytest.mark.parametrize("fmt", ["csr", "coo", "dia"])
-def test_unsupported_elementwise_raises(fmt):
-    s, _ = sparse((5, 7), fmt, seed=46)
-    with pytest.raises(NotImplementedError, match="div"):
-        s / torch.ones(5, 7)
-    with pytest.raises(NotImplementedError, match="div"):
-        torch.div(s, torch.full((5, 7), 2.0))
-    with pytest.raises(NotImplementedError, match="div"):
-        torch.div(s, 2, rounding_mode="floor")
-    with pytest.raises(NotImplementedError, match="scalar"):
-        s + 1.0
-    with pytest.raises(ValueError):
-        s * torch.ones(3, 5, 7)  # would broadcast the sparse operand
-    with pytest.raises(NotImplementedError, match="relu|extra"):
+def test_elementwise_without_a_sparse_rule_falls_back(fmt):
+    s, a = sparse((5, 7), fmt, seed=46)
+    falls_back(lambda: s / torch.ones(5, 7), lambda: a / torch.ones(5, 7), "Tensor.div")
+    falls_back(lambda: torch.div(s, torch.full((5, 7), 2.0)), lambda: torch.div(a, torch.full((5, 7), 2.0)),
+               "torch.div")
+    falls_back(lambda: torch.div(s, 2, rounding_mode="floor"), lambda: torch.div(a, 2, rounding_mode="floor"),
+               "torch.div")
+    falls_back(lambda: s + 1.0, lambda: a + 1.0, "Tensor.add")
+    r = s * torch.full((3, 5, 7), 2.0)  # broadcasts the sparse operand: sparse, its entries repeated
+    assert isinstance(r, SparseTensor)
+    assert_matches_dense(r, a * torch.full((3, 5, 7), 2.0))
+    with pytest.raises(NotImplementedError, match="relu would write its result into a sparse tensor"):
         F.relu(s, inplace=True)
 
 

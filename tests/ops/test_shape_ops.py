@@ -12,6 +12,7 @@ from scorch import SparseTensor
 from scorch.formats import named, storage
 
 from conftest import assert_matches_dense
+from fallback_check import falls_back
 
 F64 = torch.float64
 FORMATS_2D = ["csr", "csc", "coo", "dcsr", "bsr(2, 2)", "ell", "dia"]
@@ -357,8 +358,7 @@ def test_errors():
         scorch.asformat(torch.ones(1, 1), "csr").reshape(())
     with pytest.raises(ValueError, match="at least one dimension"):
         scorch.asformat(torch.ones(1, 1), "coo").squeeze()
-    with pytest.raises(NotImplementedError, match="view"):
-        x.view(torch.int64)
+    falls_back(lambda: x.view(torch.int32), lambda: x.to_dense().view(torch.int32), "Tensor.view")
     with pytest.raises(IndexError, match=r"unsqueeze: dimension out of range .*\[-3, 2\], but got 3"):
         x.unsqueeze(3)
     with pytest.raises(IndexError, match="squeeze: dimension out of range"):
@@ -379,10 +379,10 @@ def test_cat_stack_errors():
         torch.cat([a, scorch.asformat(_dense((3, 4, 1)), "coo")])
     with pytest.raises(IndexError, match="cat: dimension out of range"):
         torch.cat([a, a], 2)
-    with pytest.raises(NotImplementedError, match="torch.cat of sparse and dense"):
-        torch.cat([a, torch.zeros(3, 4)])
-    with pytest.raises(NotImplementedError, match="torch.stack of sparse and dense"):
-        torch.stack([torch.zeros(3, 4), a])
+    falls_back(lambda: torch.cat([a, torch.zeros(3, 4)]), lambda: torch.cat([a.to_dense(), torch.zeros(3, 4)]),
+               "torch.cat")  # sparse with dense: on the dense form
+    falls_back(lambda: torch.stack([torch.zeros(3, 4), a]), lambda: torch.stack([torch.zeros(3, 4), a.to_dense()]),
+               "torch.stack")
     with pytest.raises(ValueError, match="stack: expects each tensor to be equal size"):
         torch.stack([a, b])
     with pytest.raises(IndexError, match="stack: dimension out of range"):

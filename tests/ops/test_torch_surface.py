@@ -20,6 +20,7 @@ import scorch
 from scorch import SparseTensor, _stats
 
 from conftest import assert_matches_dense, quarters
+from fallback_check import falls_back
 
 FORMATS = ["coo", "csr", "csc", "dcsr", "bsr(2, 2)", "ell"]
 
@@ -44,8 +45,12 @@ def _pair(shape, fmt, seed, density=0.5, dtype=torch.float32):
 def _grad_on_pattern(s: SparseTensor, a: torch.Tensor):
     """The sparse gradient as a dense tensor, and the dense gradient kept where ``s`` stores an entry (the
     gradient of the stored values is the dense gradient read at their positions)."""
-    stored = scorch.asformat(s.detach(), s.format).with_values(torch.ones_like(s.values().detach())).to_dense() != 0
-    return s.grad.to_dense(), torch.where(stored, a.grad, 0)
+    return s.grad.to_dense(), torch.where(_stored(s), a.grad, 0)
+
+
+def _stored(s: SparseTensor) -> torch.Tensor:
+    """Where ``s`` stores an entry (explicit zeros included), as a dense bool tensor."""
+    return s.detach().with_values(torch.ones_like(s.values().detach())).to_dense() != 0
 
 
 @contextlib.contextmanager
@@ -238,3 +243,243 @@ def test_version_under_the_alias_is_torchs():
     assert scorch.__version__ == torch.__version__ and scorch.__version__ >= "2.0"
     assert scorch.__scorch_version__ == importlib.metadata.version("scorch")
     assert scorch.version.__version__ == torch.version.__version__ and scorch.backends is torch.backends
+
+
+# --- sparse rules: pow -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pow_with_a_positive_exponent_keeps_the_pattern(fmt, dtype):
+    for e, call in ((2, lambda x: x ** 2), (3.0, lambda x: torch.pow(x, 3.0)), (0.5, lambda x: x.abs().pow(0.5)),
+                    (1, lambda x: torch.pow(x, torch.tensor(1.0, dtype=dtype)))):
+        s, a = _pair((4, 6), fmt, seed=20, dtype=dtype)
+        r = call(s)
+        assert isinstance(r, SparseTensor) and r.format == s.format, e
+        expected = call(a)
+        assert_matches_dense(r, expected)
+        if e < 1:
+            continue  # the gradient of |x| ** 0.5 at a stored zero is not defined
+        (r.to_dense() * torch.arange(24, dtype=dtype).reshape(4, 6)).sum().backward()
+        (expected * torch.arange(24, dtype=dtype).reshape(4, 6)).sum().backward()
+        torch.testing.assert_close(*_grad_on_pattern(s, a))
+
+
+def test_pow_that_moves_zero_is_dense_and_in_place_pow_updates_the_values():
+    s, a = _pair((4, 6), "csr", seed=21)
+    with pytest.warns(scorch.DensifyWarning, match="torch.pow maps 0 to a nonzero"):
+        r = s ** 0
+    assert type(r) is torch.Tensor and torch.equal(r, a ** 0)
+    assert_matches_dense(s.detach() ** -1.0, a.detach() ** -1.0)  # inf at the implicit zeros, as torch
+    assert scorch.stats()["densified"] == {"torch.pow": 2}
+    falls_back(lambda: 2 ** s.detach(), lambda: 2 ** a.detach(), "Tensor.__rpow__")
+    d = s.detach().clone()
+    levels = d.levels
+    d.pow_(3)
+    assert d.levels is levels
+    assert_matches_dense(d, a.detach() ** 3)
+    d **= 2
+    assert_matches_dense(d, a.detach() ** 6)
+    with pytest.raises(NotImplementedError, match="in-place torch.pow .*result is dense"):
+        d.pow_(0)
+
+
+# --- sparse rules: indexing ---------------------------------------------------------------------------------------------
+
+def _key_item(draw, size):
+    kind = draw(st.sampled_from(["int", "slice", "list", "mask", "tensor", "full"]))
+    if kind == "int":
+        return draw(st.integers(-size, size - 1))
+    if kind == "slice":
+        return slice(draw(st.none() | st.integers(-size - 1, size + 1)), draw(st.none() | st.integers(-size - 1, size + 1)),
+                     draw(st.none() | st.integers(1, 3)))
+    if kind == "list":
+        return draw(st.lists(st.integers(-size, size - 1), max_size=4))
+    if kind == "mask":
+        return torch.tensor(draw(st.lists(st.booleans(), min_size=size, max_size=size)), dtype=torch.bool)
+    if kind == "tensor":
+        dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+        return torch.tensor(draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=4)), dtype=dtype)
+    return slice(None)
+
+
+@st.composite
+def index_cases(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
+    fmt = draw(st.sampled_from(["coo", "csr", "dcsr"] if ndim == 2 else ["coo"]))
+    n_items = draw(st.integers(1, ndim))
+    key, advanced = [], False
+    for d in range(n_items):
+        item = _key_item(draw, shape[d])
+        if isinstance(item, (list, torch.Tensor)):
+            if advanced:
+                item = slice(None)  # one index tensor: the sparse rule's case
+            advanced = True
+        key.append(item)
+    if draw(st.booleans()):
+        key.insert(draw(st.integers(0, len(key))), None)
+    if draw(st.booleans()) and n_items < ndim:
+        key.insert(draw(st.integers(0, len(key))), Ellipsis)
+    density = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    return shape, fmt, tuple(key) if len(key) != 1 or draw(st.booleans()) else key[0], density, draw(st.integers(0, 99))
+
+
+@settings(max_examples=60)
+@given(index_cases())
+def test_indexing_matches_torch_with_gradients(case):
+    shape, fmt, key, density, seed = case
+    s, a = _pair(shape, fmt, seed, density, torch.float64)
+    try:
+        expected = a[key]
+    except IndexError:  # an index out of range (an ellipsis moved the key along): torch's error
+        with pytest.raises(IndexError):
+            s[key]
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)  # a sparse rule: no fallback
+        r = s[key]
+    if expected.dim():
+        assert isinstance(r, SparseTensor), key
+    assert_matches_dense(r, expected)
+    weight = torch.arange(expected.numel(), dtype=torch.float64).reshape(expected.shape) + 1
+    got = ((r.to_dense() if isinstance(r, SparseTensor) else r) * weight).sum()
+    (expected * weight).sum().backward()
+    if not got.requires_grad:  # nothing stored was selected: the gradient of the stored values is 0
+        assert not torch.where(_stored(s), a.grad, 0).any()
+        return
+    got.backward()
+    torch.testing.assert_close(*_grad_on_pattern(s, a))
+
+
+def test_indexing_edge_cases_and_errors():
+    s, a = _pair((4, 5), "csr", seed=22)
+    s, a = s.detach(), a.detach()
+    assert_matches_dense(s[1], a[1])
+    assert_matches_dense(s[:, torch.tensor([0, 2])], a[:, torch.tensor([0, 2])])
+    assert_matches_dense(s[..., 0], a[..., 0])
+    assert_matches_dense(s[torch.tensor(2)], a[torch.tensor(2)])
+    assert_matches_dense(s[1, 2], a[1, 2])  # 0-d: dense
+    assert_matches_dense(s[2:2], a[2:2])  # empty
+    assert_matches_dense(s[:, [-1, 0, 0]], a[:, [-1, 0, 0]])  # negative and repeated indices
+    u = scorch.sparse_coo_tensor(torch.tensor([[0, 1, 0], [2, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (2, 3))
+    assert_matches_dense(u[0], u.to_dense()[0])  # duplicates summed
+    with pytest.raises(IndexError, match="out of bounds"):
+        s[4]
+    with pytest.raises(IndexError, match="too many indices"):
+        s[0, 0, 0]
+    with pytest.raises(IndexError, match="out of range"):
+        s[:, [5]]
+    with pytest.raises(ValueError, match="step must be greater than zero"):
+        s[::-1]
+    falls_back(lambda: s[[0, 1], [1, 2]], lambda: a[[0, 1], [1, 2]], "Tensor.__getitem__")  # two index tensors
+    falls_back(lambda: s[a > 0], lambda: a[a > 0], "Tensor.__getitem__")  # a 2-d mask
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "csc", "bsr(2, 2)", "ell"])
+def test_unbind_select_narrow_iterate(fmt):
+    s, a = _pair((4, 6), fmt, seed=23, dtype=torch.float64)
+    for dim in (0, 1, -1):
+        parts = s.unbind(dim)
+        assert len(parts) == a.shape[dim] and all(isinstance(p, SparseTensor) for p in parts)
+        for p, e in zip(parts, a.unbind(dim)):
+            assert_matches_dense(p, e)
+        assert_matches_dense(torch.select(s, dim, 1), a.select(dim, 1))
+        assert_matches_dense(s.narrow(dim, 1, 2), a.narrow(dim, 1, 2))
+    assert len(s) == 4 and [tuple(r.shape) for r in s] == [(6,)] * 4
+    sum(p.to_dense().sum() * k for k, p in enumerate(torch.unbind(s, 1))).backward()
+    sum(p.sum() * k for k, p in enumerate(a.unbind(1))).backward()
+    torch.testing.assert_close(*_grad_on_pattern(s, a))
+    v = scorch.asformat(torch.tensor([0.0, 2.0, 0.0]), "coo")
+    assert [float(x) for x in v.unbind()] == [0.0, 2.0, 0.0]  # 1-d: 0-d dense parts
+    with pytest.raises(IndexError, match="narrow"):
+        s.narrow(0, 3, 2)
+
+
+# --- sparse rules: any, all -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "dia", "ell", "bsr(2, 2)"])
+@pytest.mark.parametrize("density", [0.0, 0.5, 1.0])
+def test_any_all_match_torch(fmt, density):
+    a = quarters((4, 6), 24, density)
+    a[0, 0] = 0.0  # a stored zero where the format stores the position (dense pattern)
+    for x in (a, a != 0, (a * 4).to(torch.uint8), (a * 4).to(torch.int32)):
+        s = scorch.asformat(x, fmt)
+        for call in (torch.any, torch.all, lambda t: t.any(1), lambda t: t.all(0), lambda t: torch.all(t, -1, True),
+                     lambda t: torch.any(t, dim=(0, 1)), lambda t: t.all(dim=0, keepdim=True)):
+            assert_matches_dense(call(s), call(x))
+    full = scorch.asformat(torch.ones(2, 4), fmt)
+    assert bool(full.all()) and bool(full.any()) and bool(full.all(1).all())
+
+
+# --- sparse rules: broadcasting add / sub / mul, comparisons of two sparse tensors ------------------------------------
+
+SHAPES = [((4, 5), (1, 5)), ((4, 1), (4, 5)), ((5,), (3, 5)), ((2, 1, 5), (3, 1)), ((4, 5), (4, 5))]
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("op", ["add", "sub", "mul"])
+def test_broadcasting_two_sparse_operands(shapes, op):
+    (sa, ta), (sb, tb) = _pair(shapes[0], "coo", 25, dtype=torch.float64), _pair(shapes[1], "coo", 26,
+                                                                                      dtype=torch.float64)
+    if len(shapes[1]) == 2 and shapes[1][0] > 1 and len(shapes[0]) == 2:
+        sb, tb = _pair(shapes[1], "csr", 26, dtype=torch.float64)
+    fn = getattr(torch, op)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        r = fn(sa, sb)
+    expected = fn(ta, tb)
+    assert isinstance(r, SparseTensor)
+    assert_matches_dense(r, expected)
+    w = torch.rand(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (r.to_dense() * w).sum().backward()
+    (expected * w).sum().backward()
+    torch.testing.assert_close(*_grad_on_pattern(sa, ta))
+    torch.testing.assert_close(*_grad_on_pattern(sb, tb))
+
+
+@pytest.mark.parametrize("dense_shape", [(1, 5), (3, 4, 5), (4, 1), (3, 1, 1)])
+def test_broadcasting_sparse_with_dense(dense_shape):
+    s, a = _pair((4, 5), "csr", 27, dtype=torch.float64)
+    d = torch.rand(dense_shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    r = s * d
+    assert isinstance(r, SparseTensor)
+    assert_matches_dense(r, a * d)
+    assert_matches_dense(d * s, d * a)
+    assert_matches_dense(s + d, a + d)
+    assert_matches_dense(d - s, d - a)
+    r.to_dense().sum().backward()
+    (a * d).sum().backward()
+    torch.testing.assert_close(*_grad_on_pattern(s, a))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        s + scorch.asformat(torch.ones(3, 5), "coo")
+    with pytest.raises(RuntimeError):
+        s * torch.ones(3, 5)
+
+
+@pytest.mark.parametrize("fmts", [("csr", "csr"), ("coo", "csc"), ("dcsr", "coo")])
+def test_comparisons_of_two_sparse_tensors(fmts):
+    a = quarters((4, 6), 28, 0.5)
+    b = torch.where(torch.rand(4, 6, generator=torch.Generator().manual_seed(3)) < 0.5, a, quarters((4, 6), 29, 0.5))
+    s, t = scorch.asformat(a, fmts[0]), scorch.asformat(b, fmts[1])
+    for op in (torch.gt, torch.lt, torch.ne, lambda x, y: x > y, lambda x, y: x != y):
+        r = op(s, t)
+        assert isinstance(r, SparseTensor) and r.dtype == torch.bool
+        assert_matches_dense(r, op(a, b))
+    row = scorch.asformat(a[:1], "coo")
+    assert_matches_dense(torch.lt(s, row), torch.lt(a, a[:1]))  # broadcast
+    with pytest.warns(scorch.DensifyWarning, match="torch.eq maps 0 to a nonzero"):
+        r = s == t  # eq(0, 0) is True: dense
+    assert type(r) is torch.Tensor and torch.equal(r, a == b)
+    assert_matches_dense(torch.ge(s, t), a >= b)
+
+
+def test_where_and_invert_fall_back():
+    s, a = _pair((4, 5), "csr", 30)
+    mask = torch.rand(4, 5, generator=torch.Generator().manual_seed(4)) < 0.5
+    other = torch.full((4, 5), -1.0)
+    r = falls_back(lambda: torch.where(mask, s, other), lambda: torch.where(mask, a, other), "torch.where")
+    r.sum().backward()
+    torch.where(mask, a, other).sum().backward()
+    torch.testing.assert_close(*_grad_on_pattern(s, a))
+    b = s.detach() > 0
+    falls_back(lambda: ~b, lambda: ~(a.detach() > 0), "Tensor.__invert__")

@@ -1,0 +1,310 @@
+"""Indexing, broadcasting and logical reductions of SparseTensors with torch's semantics, on the stored entries.
+
+- ``x[key]`` (``Tensor.__getitem__``), ``select``, ``narrow``, ``unbind`` (and iterating over ``x``): integers,
+  slices (positive steps), ``None``, ``...``, and at most one index tensor or list (int, or a 1-d bool mask)
+  along any dimension, as torch reads them. The entries are filtered and moved to their new coordinates with
+  vectorized torch; the result is canonical (coalesced, row-major) COO, or a 0-d dense tensor where every
+  dimension was indexed by an integer. Other keys (several index tensors, multi-dimensional masks) run on the
+  dense form (``SparseTensor.__torch_function__``'s fallback, warned and counted).
+- ``torch.broadcast_to``, ``Tensor.expand`` / ``expand_as``: the entries repeated along the broadcast dimensions
+  (canonical COO): what ``add``, ``mul`` and the comparisons of operands of different shapes use.
+- ``torch.any`` / ``torch.all`` (over everything, or along dimensions): ``any`` is true where a stored entry is
+  nonzero; ``all`` is false unless every position of the group is stored and nonzero. Dense bool results
+  (uint8 for uint8 inputs), as torch's.
+
+Values are gathered from ``x.values()``, so gradients reach the stored values.
+"""
+from __future__ import annotations
+
+import numbers
+import operator
+
+import torch
+
+from ..formats import storage
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from .activation import _groups, _reduce_dims, _shaped
+from .shape_ops import _coo, _delinearize, _dim, _entries, _gather_along, _index, _prod
+from .sparse_api import coalesce
+
+_T = torch.Tensor
+
+
+def _result(dims, vals, shape, duplicates: bool, op: str):
+    """The entries as canonical COO, or (no dimension left) the 0-d dense tensor holding their sum."""
+    if not shape:
+        return vals.sum().to(vals.dtype) if vals.dtype != torch.bool else vals.any()
+    return _coo(list(dims), vals, shape, duplicates, op)
+
+
+# --- indexing -------------------------------------------------------------------------------------------------------
+
+def _take(dims, vals, keep):
+    return dims[:, keep], vals[keep]
+
+
+def _at(dims, vals, d: int, i: int):
+    """The entries with coordinate ``i`` along ``d``, that dimension dropped."""
+    dims, vals = _take(dims, vals, dims[d] == i)
+    return torch.cat([dims[:d], dims[d + 1:]]), vals
+
+
+def _slice(dims, vals, d: int, size: int, sl: slice):
+    """The entries inside ``sl`` along ``d``, renumbered; and the new size."""
+    start, stop, step = sl.start, sl.stop, sl.step
+    step = 1 if step is None else operator.index(step)
+    if step <= 0:
+        raise ValueError("step must be greater than zero")  # torch's error for a negative step
+    start, stop, _ = slice(None if start is None else operator.index(start),
+                           None if stop is None else operator.index(stop)).indices(size)
+    n = max(0, -(-(stop - start) // step))
+    c = dims[d]
+    keep = (c >= start) & (c < start + n * step) & ((c - start) % step == 0)
+    dims, vals = _take(dims, vals, keep)
+    dims = dims.clone()
+    dims[d] = (dims[d] - start) // step
+    return dims, vals, n
+
+
+def _integer(k, size: int, d: int) -> int:
+    i = operator.index(k)
+    if not -size <= i < size:
+        raise IndexError(f"index {i} is out of bounds for dimension {d} with size {size}")
+    return i % size
+
+
+def _is_index_tensor(k) -> bool:
+    return isinstance(k, (list, tuple)) or (isinstance(k, torch.Tensor) and type(k) is not SparseTensor
+                                            and k.layout == torch.strided and k.dim() > 0)
+
+
+def _as_index(k, size: int, device) -> torch.Tensor:
+    """A list or a 1-d tensor of indices (or a 1-d bool mask) along a dimension of ``size``: int64 indices."""
+    if not isinstance(k, torch.Tensor):
+        k = torch.as_tensor(k) if len(k) else torch.zeros(0, dtype=torch.int64)  # [] indexes nothing, as torch
+    t = k.to(device)
+    if t.dtype == torch.bool:
+        if t.dim() != 1:
+            raise NoSparseRule("a multi-dimensional bool mask")
+        if t.numel() != size:
+            raise IndexError(f"The shape of the mask [{t.numel()}] does not match the shape of the indexed tensor"
+                             f" [{size}]")
+        return t.nonzero().reshape(-1)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise NoSparseRule("an index tensor that is not a 1-d integer or bool tensor")
+    t = torch.where(t < 0, t + size, t)  # negative indices count from the end, as torch's
+    return _index(t.to(torch.int64), size, device)
+
+
+def _expand_key(key, ndim: int):
+    """``key`` as a tuple with its ``...`` replaced by full slices."""
+    key = key if isinstance(key, tuple) else (key,)
+    used = sum(1 for k in key if k is not None and k is not Ellipsis and not (
+        isinstance(k, torch.Tensor) and k.dtype == torch.bool and k.dim() == 0))
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if used > ndim:
+        raise IndexError(f"too many indices for tensor of dimension {ndim}")
+    out = []
+    for k in key:
+        if k is Ellipsis:
+            out.extend([slice(None)] * (ndim - used))
+        else:
+            out.append(k)
+    return tuple(out)
+
+
+@implements(_T.__getitem__)
+def getitem(x, key):
+    """``x[key]`` with integers, slices, ``None``, ``...`` and one index tensor or list (int or 1-d bool) along
+    any dimension: canonical COO (a 0-d dense tensor where every dimension is indexed by an integer)."""
+    if type(x) is not SparseTensor or isinstance(key, SparseTensor) or (
+            isinstance(key, tuple) and any(isinstance(k, SparseTensor) for k in key)):
+        raise NoSparseRule("a sparse index")
+    key = _expand_key(key, x.dim())
+    if sum(_is_index_tensor(k) for k in key) > 1:
+        raise NoSparseRule("several index tensors")
+    dims, vals = _entries(x)
+    shape, out_shape, d = list(x._shape), [], 0  # d: the dimension of x the next key item indexes
+    out_dims = []  # per output dimension: a coordinate row, or None for a new size-1 dimension
+    for k in key:
+        if k is None:
+            out_shape.append(1)
+            out_dims.append(None)
+        elif isinstance(k, bool) or (isinstance(k, torch.Tensor) and k.dtype == torch.bool and k.dim() == 0):
+            raise NoSparseRule("a bool scalar index")
+        elif isinstance(k, slice):
+            dims, vals, n = _slice(dims, vals, d, shape[d], k)
+            out_shape.append(n)
+            out_dims.append(d)
+            d += 1
+        elif _is_index_tensor(k):
+            idx = _as_index(k, shape[d], vals.device)
+            dims, vals = _gather_along(dims, vals, d, idx)
+            out_shape.append(idx.numel())
+            out_dims.append(d)
+            d += 1
+        elif isinstance(k, (numbers.Integral, torch.Tensor)) or hasattr(k, "__index__"):
+            i = _integer(k, shape[d], d)
+            keep = dims[d] == i
+            dims, vals = _take(dims, vals, keep)
+            d += 1
+        else:
+            raise IndexError(f"only integers, slices (`:`), ellipsis (`...`), None and long or byte Variables are"
+                             f" valid indices (got {type(k).__name__})")
+    for rest in range(d, x.dim()):
+        out_shape.append(shape[rest])
+        out_dims.append(rest)
+    zeros = torch.zeros(vals.numel(), dtype=torch.int64, device=vals.device)
+    rows = [zeros if r is None else dims[r] for r in out_dims]
+    return _result(torch.stack(rows) if rows else dims[:0], vals, tuple(out_shape), x._format.keeps_duplicates,
+                   "__getitem__")
+
+
+@implements(torch.select, _T.select)
+def select(x, dim, index):
+    """The slice at ``index`` along ``dim``, that dimension removed: canonical COO (0-d dense from a 1-d ``x``)."""
+    d = _dim(dim, x.dim(), "select")
+    dims, vals = _at(*_entries(x), d, _integer(index, x._shape[d], d))
+    shape = tuple(n for k, n in enumerate(x._shape) if k != d)
+    return _result(dims, vals, shape, x._format.keeps_duplicates, "select")
+
+
+@implements(torch.narrow, _T.narrow)
+def narrow(x, dim, start, length):
+    """``length`` positions from ``start`` along ``dim``: canonical COO."""
+    d = _dim(dim, x.dim(), "narrow")
+    size = x._shape[d]
+    start = operator.index(start)
+    start = start + size if start < 0 else start
+    length = operator.index(length)
+    if not (0 <= start <= size and 0 <= length and start + length <= size):
+        raise IndexError(f"narrow: start ({start}) + length ({length}) exceeds dimension size ({size}).")
+    dims, vals, n = _slice(*_entries(x), d, size, slice(start, start + length))
+    shape = list(x._shape)
+    shape[d] = n
+    return _result(dims, vals, tuple(shape), x._format.keeps_duplicates, "narrow")
+
+
+@implements(torch.unbind, _T.unbind)
+def unbind(x, dim=0):
+    """The slices along ``dim`` (each canonical COO; 0-d dense tensors from a 1-d ``x``), as a tuple."""
+    d = _dim(dim, x.dim(), "unbind")
+    dims, vals = _entries(x)
+    n = x._shape[d]
+    order = torch.argsort(dims[d], stable=True)
+    counts = torch.bincount(dims[d], minlength=n).tolist() if vals.numel() else [0] * n
+    rest = torch.cat([dims[:d], dims[d + 1:]])[:, order]
+    shape = tuple(s for k, s in enumerate(x._shape) if k != d)
+    return tuple(_result(r, v, shape, x._format.keeps_duplicates, "unbind")
+                 for r, v in zip(rest.split(counts, 1), vals[order].split(counts)))
+
+
+@implements(_T.__iter__)
+def iterate(x):
+    """Iterating over ``x``: its slices along dimension 0 (``unbind``)."""
+    if x.dim() == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(unbind(x, 0))
+
+
+@implements(_T.__len__)
+def length(x):
+    """``len(x)``: the size of dimension 0."""
+    if x.dim() == 0:
+        raise TypeError("len() of a 0-d tensor")
+    return x._shape[0]
+
+
+# --- broadcasting ----------------------------------------------------------------------------------------------------
+
+def broadcast_to(x: SparseTensor, shape) -> SparseTensor:
+    """``x`` broadcast to ``shape`` (torch's rules: new leading dimensions, size-1 dimensions repeated): its
+    entries repeated, canonical COO; ``x`` itself where the shape is unchanged."""
+    shape = tuple(int(n) for n in shape)
+    if tuple(x._shape) == shape:
+        return x
+    if tuple(torch.broadcast_shapes(x._shape, shape)) != shape:
+        raise RuntimeError(f"The expanded size of the tensor ({list(shape)}) must match the existing size"
+                           f" ({list(x._shape)}) at each non-singleton dimension")
+    lead = len(shape) - x.dim()
+    old = (1,) * lead + tuple(x._shape)
+    edims, vals = _entries(x)
+    dims = torch.cat([torch.zeros(lead, edims.shape[1], dtype=torch.int64, device=edims.device), edims])
+    grown = [k for k in range(len(shape)) if old[k] == 1 and shape[k] != 1]
+    reps = _prod(shape[k] for k in grown)
+    m = vals.numel()
+    entry = torch.arange(m, device=vals.device).repeat_interleave(reps)
+    copy = torch.arange(reps, device=vals.device).repeat(m)
+    dims = dims[:, entry]
+    for k, c in zip(grown, _delinearize(copy, [shape[k] for k in grown])):
+        dims[k] = c
+    return _coo(list(dims), vals[entry], shape, x._format.keeps_duplicates, "broadcast_to")
+
+
+@implements(torch.broadcast_to, _T.broadcast_to)
+def broadcast_to_op(x, size):
+    """``torch.broadcast_to``: the entries repeated along the broadcast dimensions (canonical COO)."""
+    if type(x) is not SparseTensor:
+        raise NoSparseRule("a sparse shape argument")
+    return broadcast_to(x, size)
+
+
+@implements(_T.expand)
+def expand(x, *sizes):
+    """``x.expand(*sizes)`` (``-1`` keeps a dimension): as ``broadcast_to``."""
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)):
+        sizes = tuple(sizes[0])
+    lead = len(sizes) - x.dim()
+    if lead < 0:
+        raise RuntimeError(f"expand: the number of sizes provided ({len(sizes)}) must be greater or equal to the"
+                           f" number of dimensions in the tensor ({x.dim()})")
+    shape = [x._shape[k - lead] if n == -1 and k >= lead else n for k, n in enumerate(sizes)]
+    return broadcast_to(x, shape)
+
+
+@implements(_T.expand_as)
+def expand_as(x, other):
+    """``x.expand(other.shape)``."""
+    return broadcast_to(x, other.shape)
+
+
+# --- any, all ----------------------------------------------------------------------------------------------------------
+
+def _logical(x, dim, keepdim, every: bool):
+    if type(x) is not SparseTensor:
+        raise NoSparseRule("a sparse argument other than the input")
+    out_dtype = torch.uint8 if x.dtype == torch.uint8 else torch.bool
+    n = x.dim()
+    rdims = _reduce_dims(dim, n) if dim is not None or n else ()
+    x = coalesce(x)  # each position once: a position's duplicates may cancel
+    edims, vals = storage.unpack(x._format, x._shape, x._levels, x._vals)
+    nz = (vals != 0).detach()
+    gid, groups, size = _groups(x._shape, edims, rdims)
+    count = torch.zeros(groups, dtype=torch.int64, device=vals.device).index_add(0, gid, nz.long())
+    r = count == size if every else count > 0
+    if dim is None and not keepdim:
+        r = r.reshape(())
+    else:
+        r = _shaped(r, x._shape, rdims, keepdim)
+    return r.to(out_dtype)
+
+
+def _dim_keepdim(args, kwargs):
+    dim = args[0] if args else kwargs.get("dim")
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    if kwargs.get("out") is not None:
+        raise NoSparseRule("out=")
+    return dim, keepdim
+
+
+@implements(torch.any, _T.any)
+def any_(x, *args, **kwargs):
+    """``any``: true where a stored entry is nonzero (over everything, or along ``dim``); dense bool."""
+    return _logical(x, *_dim_keepdim(args, kwargs), every=False)
+
+
+@implements(torch.all, _T.all)
+def all_(x, *args, **kwargs):
+    """``all``: false unless every position (over everything, or along ``dim``) is stored and nonzero; dense."""
+    return _logical(x, *_dim_keepdim(args, kwargs), every=True)
