@@ -1,46 +1,168 @@
-"""The torch functions and methods that accept a sparse operand, read from the registry itself.
+"""What every torch function and Tensor method does with a sparse operand, read from the code itself.
 
-``python -m scorch.catalog`` prints a Markdown table: each torch name routed to scorch by
-``SparseTensor.__torch_function__``, the scorch function that implements it, and the first line of that
-function's documentation (what it does with the format). ``docs/sparse-api.md`` is this output.
+``python -m scorch.catalog`` prints ``docs/sparse-api.md``: first the sparse rules (each torch name routed to a
+scorch implementation by ``SparseTensor.__torch_function__``, with the first line of that implementation's
+documentation), then one row for every overridable torch function and Tensor method
+(``torch.overrides.get_testing_overrides()``, plus the ones scorch implements beyond it) saying what happens to a
+SparseTensor operand:
+
+- **sparse rule**: scorch's implementation (which may still run some arguments on the dense form: its summary
+  says which);
+- **dense fallback**: torch's own result computed on the dense form of the sparse operands, with a
+  ``DensifyWarning`` once per op, a count in ``scorch.stats()["fallback"]``, ``DensifyError`` in strict mode;
+- **error**: an in-place op without a sparse rule on a sparse ``self`` (a sparse tensor cannot become dense in
+  place; with a dense ``self`` the op falls back), or an op about dense storage (``data_ptr``...);
+- **metadata**: answered by the wrapper itself (shape, dtype, device, flags).
+
+Attributes (``Tensor.T``, ``Tensor.real``...) are classified by reading them on a small sparse tensor.
 """
 from __future__ import annotations
 
 import inspect
+import warnings
+
+import torch
 
 import scorch  # noqa: F401  (registers the implementations)
-from .sparse_tensor import IMPLEMENTATIONS, _op_name
+from . import _stats
+from .sparse_tensor import _INPLACE_DUNDERS, _METADATA, _NO_FALLBACK, IMPLEMENTATIONS, SparseTensor, _op_name
+
+# namespaces whose names spell the functions in the table, first one wins
+_NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("torch.nn.functional", torch.nn.functional),
+               ("torch.linalg", torch.linalg), ("torch.special", torch.special), ("torch.fft", torch.fft),
+               ("torch.sparse", torch.sparse), ("torch.nested", torch.nested))
+
+
+def _public_names() -> dict:
+    """``id(function) -> "namespace.name"`` for every public callable (and attribute getter) of the namespaces."""
+    names: dict = {}
+    for prefix, ns in _NAMESPACES:
+        for attr in sorted(dir(ns)):
+            try:
+                obj = inspect.getattr_static(ns, attr) if ns is torch.Tensor else getattr(ns, attr)
+            except AttributeError:
+                continue
+            key = obj if not hasattr(obj, "__func__") else obj.__func__
+            names.setdefault(id(key), f"{prefix}.{attr}")
+            names.setdefault(id(obj), f"{prefix}.{attr}")
+    return names
+
+
+def _name(func, names: dict) -> str:
+    """The public spelling of ``func`` (``Tensor.T`` for the getter of the attribute ``T``)."""
+    if getattr(func, "__name__", "") == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
+        return f"Tensor.{func.__self__.__name__}"
+    return names.get(id(func)) or _op_name(func)
+
+
+def _functions() -> list:
+    """Every overridable torch function and Tensor method, and every one scorch implements."""
+    funcs = list(torch.overrides.get_testing_overrides())
+    seen = {id(f) for f in funcs}
+    return funcs + [f for f in IMPLEMENTATIONS if id(f) not in seen]
+
+
+def _attribute_behaviour(func) -> str:
+    """Read an attribute on a small sparse tensor: ``metadata``, ``dense fallback`` or ``error``."""
+    x = scorch.asformat(torch.eye(2), "csr")
+    _stats.reset_stats()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            func(x)
+    except Exception:  # noqa: BLE001  (whatever it raises, it is an error for a sparse operand)
+        return "error"
+    finally:
+        fell_back = bool(_stats.stats()["fallback"])
+        _stats.reset_stats()
+    return "dense fallback" if fell_back else "metadata"
+
+
+def behaviour(func) -> tuple[str, str]:
+    """``(kind, note)`` for ``func`` given a SparseTensor operand (kinds as in the module text)."""
+    impl = IMPLEMENTATIONS.get(func)
+    if impl is not None:
+        return "sparse rule", f"`{impl.__module__.replace('scorch.', '')}.{impl.__name__}`"
+    name = getattr(func, "__name__", "")
+    if func in _METADATA:
+        return "metadata", ""
+    if name == "__get__":
+        return _attribute_behaviour(func), ""
+    if name in ("__set__", "__delete__"):
+        return "metadata", "set on the wrapper"
+    if func in _NO_FALLBACK:
+        return "error", "about dense storage: a SparseTensor's arrays are `values()` and `levels`"
+    if getattr(SparseTensor, name, None) is not None and getattr(SparseTensor, name) is not \
+            getattr(torch.Tensor, name, None) and name in SparseTensor.__dict__:
+        return "sparse rule", f"`SparseTensor.{name}`"
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
+        return "error", "in place on a sparse tensor (with a dense `self`: dense fallback)"
+    return "dense fallback", ""
 
 
 def entries():
-    """``[(torch name, implementation name, summary)]``, grouped by implementation and sorted."""
+    """``[(torch names, implementation name, summary)]`` of the sparse rules, grouped by implementation."""
     groups: dict = {}
+    names = _public_names()
     for func, impl in IMPLEMENTATIONS.items():
-        groups.setdefault(impl, []).append(_op_name(func))
+        groups.setdefault(impl, []).append(_name(func, names))
     rows = []
-    for impl, names in groups.items():
+    for impl, spelled in groups.items():
         doc = inspect.getdoc(impl) or ""
         summary = " ".join(doc.split("\n\n")[0].split()) if doc else ""
         where = f"{impl.__module__.replace('scorch.', '')}.{impl.__name__}"
-        rows.append((", ".join(sorted(set(names))), where, summary))
+        rows.append((", ".join(sorted(set(spelled))), where, summary))
     return sorted(rows, key=lambda r: (r[1], r[0]))
+
+
+def surface():
+    """``[(torch name, kind, note)]`` for every overridable torch function and Tensor method, sorted by name."""
+    names = _public_names()
+    rows = {}
+    for func in _functions():
+        name = _name(func, names)
+        if name.startswith(("torch._", "Tensor._")) and not name.startswith(("Tensor.__", "Tensor._values",
+                                                                             "Tensor._indices", "Tensor._nnz")):
+            continue  # private functions, except the accessors and dunders that user code calls
+        rows.setdefault(name, (name,) + behaviour(func))
+    return sorted(rows.values())
 
 
 HEADER = """# Torch functions on sparse operands
 
-Generated by `python -m scorch.catalog` from scorch's registry (a test keeps this file in sync). Each row: the
-torch functions and methods that, given a `scorch.SparseTensor` operand, run scorch's implementation, and
-what that does with the format. Anything not listed raises `NotImplementedError` naming the op and the
-format. Autograd: every row differentiates through the values of sparse operands (`scorch/_autograd.py`).
+Generated by `python -m scorch.catalog` from scorch's registry (a test keeps this file in sync).
+
+No op on a `scorch.SparseTensor` stops a program. An op with a **sparse rule** runs scorch's implementation
+(below: what it does with the format; autograd differentiates through the stored values, `scorch/_autograd.py`).
+Any other op runs as a **dense fallback**: torch's own function on the dense form of every sparse argument
+(`to_dense()`, differentiable, so gradients reach the stored values) with torch's result, a
+`scorch.DensifyWarning` once per op name, a count in `scorch.stats()["fallback"]`; `scorch.strict()` (a call, or
+`with scorch.strict():`) and `SCORCH_STRICT=1` raise `scorch.DensifyError` instead, and a fallback whose dense
+operands would take more than `scorch.fallback_limit()` bytes (a quarter of physical memory, or
+`scorch.set_fallback_limit(n)` / `SCORCH_FALLBACK_LIMIT=8G`) raises `MemoryError` naming the op and the size.
+An implementation can itself fall back for arguments its rule does not cover (its summary says so). An
+in-place op without a sparse rule raises on a sparse `self` (**error**: a sparse tensor cannot become dense in
+place), as do the ops about dense storage (`data_ptr`, `storage`...). **Metadata** reads are answered by the
+wrapper.
 
 """
 
 
 def markdown() -> str:
-    lines = [HEADER + "| torch function / method | scorch implementation | what it does with the format |",
-             "| --- | --- | --- |"]
-    for names, where, summary in entries():
-        lines.append(f"| `{names.replace(', ', '`, `')}` | `{where}` | {summary.replace('|', '/')} |")
+    lines = [HEADER + "## Sparse rules\n", "| torch function / method | scorch implementation | what it does with the"
+             " format |", "| --- | --- | --- |"]
+    for spelled, where, summary in entries():
+        lines.append(f"| `{spelled.replace(', ', '`, `')}` | `{where}` | {summary.replace('|', '/')} |")
+    rows = surface()
+    counts: dict = {}
+    for _, kind, _ in rows:
+        counts[kind] = counts.get(kind, 0) + 1
+    lines += ["", "## Every torch function and Tensor method", "",
+              f"{len(rows)} names (`torch.overrides.get_testing_overrides()` and scorch's registry; private"
+              " `torch._*` names left out): " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ".", "",
+              "| torch name | with a sparse operand | note |", "| --- | --- | --- |"]
+    for name, kind, note in rows:
+        lines.append(f"| `{name}` | {kind} | {note} |")
     return "\n".join(lines) + "\n"
 
 

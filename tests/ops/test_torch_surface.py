@@ -483,3 +483,22 @@ def test_where_and_invert_fall_back():
     torch.testing.assert_close(*_grad_on_pattern(s, a))
     b = s.detach() > 0
     falls_back(lambda: ~b, lambda: ~(a.detach() > 0), "Tensor.__invert__")
+
+
+# --- the generated table of the torch surface ----------------------------------------------------------------------
+
+def test_catalog_lists_every_overridable_function_with_its_behaviour():
+    from scorch import catalog
+    rows = {name: kind for name, kind, _ in catalog.surface()}
+    assert {"sparse rule", "dense fallback", "error", "metadata"} == set(rows.values())
+    for func in torch.overrides.get_testing_overrides():
+        name = catalog._name(func, catalog._public_names())
+        assert name in rows or name.startswith(("torch._", "Tensor._")), name
+    s, a = _pair((4, 5), "csr", seed=31)
+    s, a = s.detach(), a.detach()
+    assert rows["Tensor.__getitem__"] == rows["torch.pow"] == rows["torch.any"] == "sparse rule"
+    assert rows["torch.cumsum"] == rows["Tensor.std"] == rows["torch.nn.functional.mse_loss"] == "dense fallback"
+    assert rows["Tensor.cumsum_"] == rows["Tensor.data_ptr"] == "error"
+    assert rows["Tensor.shape"] == rows["Tensor.dtype"] == "metadata"
+    assert rows["Tensor.mT"] == "dense fallback" and rows["Tensor.T"] == "sparse rule"
+    falls_back(lambda: torch.cumsum(s, 0), lambda: torch.cumsum(a, 0), "torch.cumsum")  # as the table says
