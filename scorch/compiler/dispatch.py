@@ -129,7 +129,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
         return autograd.einsum(equation, operands, format)
     if not explain and backend == "cpp" and all(type(x) is SparseTensor or (
             isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands):
-        sig = (equation, format) + tuple(_signature(x) for x in operands)
+        sig = (equation, format, _STRUCTURAL.on) + tuple(_signature(x) for x in operands)
         fast = _FAST_EQ.get(sig)
         if fast is not None:
             return fast(operands, None)
@@ -148,7 +148,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
             return _evaluate(tree, inputs, ops, out, format, backend, explain)
     result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend)
     if sig is not None and all(a is b for a, b in zip(ops, operands)):
-        fast = _FAST.get((inputs, out, format, None, "sum") + tuple(_signature(x) for x in ops))
+        fast = _FAST.get((inputs, out, format, None, "sum", _STRUCTURAL.on) + tuple(_signature(x) for x in ops))
         if fast is not None and len(_FAST_EQ) < 4096:
             _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
     return result
@@ -364,7 +364,8 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         return autograd.run(inputs, out, ops, format=format, name=name, rhs=rhs, scalars=scalars, reduce=reduce)
     if rhs is None and not all(type(x) is SparseTensor or x.is_contiguous() for x in ops):
         inputs, ops = _memory_order(inputs, ops)
-    sig = (inputs, out, format, rhs, reduce) + tuple(_signature(x) for x in ops)
+    # (a differentiable einsum's result may take another format: structural_results)
+    sig = (inputs, out, format, rhs, reduce, _STRUCTURAL.on) + tuple(_signature(x) for x in ops)
     fast = _FAST.get(sig)
     if fast is not None and not explain and backend == "cpp":
         return fast(ops, scalars)
@@ -380,6 +381,12 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     asg, output, sched0, n_sparse = _planned(key)
     if n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
+    if _STRUCTURAL.on and fmt is None and output.format is not None and output.format.padded:
+        # a padded level cannot hold an entry that is 0 (it would read as padding, and lose its gradient): the
+        # inferred format's unpadded version (ELL -> CSR)
+        from .schedule import coiterable_version
+        return run(inputs, out, ops, format=coiterable_version(output.format), explain=explain, name=name, rhs=rhs,
+                   scalars=scalars, backend=backend, reduce=reduce, relaid=relaid)
     if n_sparse > 1:
         if reduce != "sum":
             raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
@@ -783,7 +790,7 @@ def _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals):
     coords = {}
     if cs.row_var is not None:
         coords[cs.row_var] = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-    rest = crd
+    rest = crd.long()  # (pack takes int64 coordinates; the kernel wrote int32 ones where they fit)
     for v in reversed(cs.ws_vars):
         coords[v] = rest % sizes[v] if sizes[v] else rest
         rest = rest // sizes[v] if sizes[v] else rest

@@ -115,7 +115,9 @@ def unique_levels(types):
     return [lvl if isinstance(lvl, Dense) else Compressed() for lvl in types]
 
 
-def _coiterable_version(fmt):
+def coiterable_version(fmt):
+    """``fmt`` with plain-index, unique, ordered levels (``coiterable``): non-dense levels compressed, formats with
+    other coordinate expressions as CSR (2-d) or CSF."""
     from ..formats import Format, named
     if not all(isinstance(e, Var) for e in fmt.exprs):
         return named.csr if fmt.ndim == 2 else named.csf(fmt.ndim)
@@ -146,7 +148,7 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> Co
     from ..formats import Format
     sparse = [a for a in _accesses(asg) if asg.operands[a.operand].sparse]
     fmts = {a.operand: asg.operands[a.operand].format for a in sparse}
-    reformat = {k: _coiterable_version(f) for k, f in fmts.items() if not coiterable(f)}
+    reformat = {k: coiterable_version(f) for k, f in fmts.items() if not coiterable(f)}
     fmts.update(reformat)
     stored = {v for a in sparse for v in a.indices}
 

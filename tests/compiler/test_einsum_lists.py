@@ -325,3 +325,31 @@ def test_repeated_letters_under_deferral():
     with scorch.deferral("all"):
         check("ii,ij->j", [_q(3, 3), _q(3, 4)], {0: "csr"})
         check("ij,jj->i", [_q(3, 4), _q(4, 4)], {0: "csr"})
+
+
+def _two_of_four(x):
+    """``x`` with the two largest magnitudes of every group of four columns kept (storable as nm(2, 4))."""
+    g = x.reshape(x.shape[0], -1, 4)
+    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.abs().topk(2, dim=-1).indices, True)
+    return (g * keep).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fa,fb", [
+    ("ell", "dia"), ("nm(2, 4)", "bsr(2, 2)"), ("(i, j) -> (i + j : compressed, j : dense)", "coo"),
+    ("csr", "coo"), ("coo", "coo"), ("bsc(2, 2)", "nm(2, 4)"), ("dcsc", "ell"),
+])
+def test_two_sparse_operands_in_other_formats(fa, fb):
+    """Products of two sparse operands in formats beyond the lists' (padded, blocked, anti-diagonal): values and
+    gradients. A result in a padded format read its entries that are 0 as padding and lost their gradient (an
+    ELL result times a zero inside DIA's band); a COO result of a co-iteration was assembled from int32
+    coordinates and raised."""
+    a, b = _two_of_four(_q(4, 8, seed=3)), _two_of_four(_q(4, 8, seed=4, density=0.8))
+    check("ij,ij->ij", [a, b], {0: fa, 1: fb})
+    check("ij,kj->ik", [a, b], {0: fa, 1: fb})
+
+
+def test_requested_coo_of_a_sparse_product():
+    a, b = _q(4, 6, seed=1), _q(6, 5, seed=2)
+    r = scorch.einsum("ij,jk->ik", scorch.asformat(a, "coo"), scorch.asformat(b, "coo"), format="coo")
+    assert r.format == scorch.formats.resolve("coo", 2)
+    assert_matches_dense(r, a @ b)
