@@ -6,8 +6,11 @@
    -> ``einsum("bnd,bn->bd")``, with the one-hot ``gates`` dense (cast to float: torch's einsum refuses the
    integer one-hot next to float experts) and with ``.to_sparse()`` added (the integer one-hot, as written); the
    sparse version also with deferral off (``scorch.deferral("off")``: op by op, every expert on every token, then
-   the sparse combine). Medians of interleaved repeats; peak memory of each version in a fresh subprocess (peak
-   RSS during one run minus the RSS before it, after a warm-up).
+   the sparse combine), and the plain PyTorch peer that routes by hand: a per-expert loop
+   ``y[idx_e] = x[idx_e] @ E[e]`` (the token indices of each expert found from the expert ids in the loop).
+   Medians of interleaved repeats; peak memory of each version in a fresh subprocess (peak RSS during one run
+   minus the RSS before it, after a warm-up). Then a training step of each (the experts an ``nn.Parameter``:
+   forward, ``F.mse_loss``, ``backward()``, ``SGD.step()``), interleaved likewise.
 2. **Sparse attention** (sequence 4096, window 64, 2 global tokens, 1 random block of 64; head dim 32): one head of
    the sparse transformer app's attention (``apps.sparse_transformer.model.sparse_attention``: SDDMM -> softmax
    -> SpMM) op by op and under ``scorch.compile`` (one fused kernel), forward under ``no_grad`` and forward +
@@ -60,27 +63,77 @@ def moe_program(B, D, N, seed=0):
     E = torch.randn(N, D, D)
     gates = F.one_hot(torch.rand(B, N).argmax(1), N)
 
-    def run(g):
+    def run(g, E=E):
         x_dispatch = torch.rearrange(x, "bd->bnd", n=N)
         y_experts = torch.einsum("bnd,ndh->bnh", x_dispatch, E)
         y = torch.einsum("bnd,bn->bd", y_experts, g)
         if type(y) is scorch.deferred.Deferred:  # (never, at this size: the combine is below the threshold)
             y.compute()
-        return y  # dense gates: a dense tensor; sparse gates: rows compressed, as scorch infers for a sparse index
+        return y  # a dense tensor with either gates (docs/format-inference.md, rule 4)
 
     return x, E, gates, run
 
 
+def per_expert_loop(x, E, experts):
+    """The plain PyTorch way to route top-1: the tokens of each expert gathered, multiplied, written back."""
+    import torch as T
+    y = T.zeros(x.shape[0], E.shape[2], dtype=x.dtype)
+    for e in range(E.shape[0]):
+        idx = (experts == e).nonzero().squeeze(1)
+        y[idx] = x[idx] @ E[e]
+    return y
+
+
 def moe_variants(B, D, N):
     import scorch
-    _, _, gates, run = moe_program(B, D, N)
-    dense, sparse = gates.float(), gates.to_sparse()
+    x, E, gates, run = moe_program(B, D, N)
+    dense, sparse, experts = gates.float(), gates.to_sparse(), gates.argmax(1)
 
     def unfused():
         with scorch.deferral("off"):
             return run(sparse)
 
-    return {"dense gates": lambda: run(dense), "sparse gates": lambda: run(sparse), "sparse, deferral off": unfused}
+    return {"dense gates": lambda: run(dense), "sparse gates": lambda: run(sparse), "sparse, deferral off": unfused,
+            "per-expert loop (torch)": lambda: per_expert_loop(x, E, experts)}
+
+
+def moe_training_variants(B, D, N):
+    """One training step of each version: the experts a Parameter, ``F.mse_loss`` to a target, ``backward()``,
+    an SGD step (a small rate: the repeats do not drift far)."""
+    import torch as T
+    x, E0, gates, run = moe_program(B, D, N)
+    target = T.randn(B, D, generator=T.Generator().manual_seed(1))
+    experts = gates.argmax(1)
+
+    def step_of(forward):
+        E = T.nn.Parameter(E0.clone())
+        opt = T.optim.SGD([E], lr=1e-4)
+
+        def step():
+            opt.zero_grad()
+            loss = T.nn.functional.mse_loss(forward(E), target)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    return {"dense gates": step_of(lambda E: run(gates.float(), E)),
+            "sparse gates": step_of(lambda E: run(gates.to_sparse(), E)),
+            "per-expert loop (torch)": step_of(lambda E: per_expert_loop(x, E, experts))}
+
+
+def moe_check(B, D, N):
+    """The versions agree (forward, and the experts' gradient of a training step), with no warning."""
+    import warnings
+    import torch as T
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = {k: f() for k, f in moe_variants(B, D, N).items()}
+        for k, y in outs.items():
+            assert type(y) is T.Tensor, (k, type(y))
+            T.testing.assert_close(y, outs["dense gates"], rtol=1e-4, atol=1e-3)
+        losses = {k: float(f().detach()) for k, f in moe_training_variants(B, D, N).items()}
+    assert max(losses.values()) - min(losses.values()) < 1e-3 * max(losses.values()), losses
 
 
 def _peak_child(B, D, N, variant):
@@ -127,11 +180,14 @@ def moe_peak_bytes(B, D, N, variant, threads):
 
 def moe(quick, repeats, threads):
     B, D, N = (1024, 256, 16) if quick else (4096, 512, 16)
+    moe_check(B, D, N)
     times = _interleaved(moe_variants(B, D, N), repeats)
     peaks = {k: moe_peak_bytes(B, D, N, k, threads) for k in times}
     base = times["dense gates"]
     rows = [(k, times[k] * 1e3, base / times[k], peaks[k] / 2**20) for k in times]
-    return {"B": B, "D": D, "N": N, "rows": rows}
+    train = _interleaved(moe_training_variants(B, D, N), repeats)
+    train_rows = [(k, train[k] * 1e3, train["dense gates"] / train[k]) for k in train]
+    return {"B": B, "D": D, "N": N, "rows": rows, "train": train_rows}
 
 
 # --- 2. attention -----------------------------------------------------------------------------------------------
@@ -211,16 +267,36 @@ def dense_overhead(quick, repeats):
 # --- report -----------------------------------------------------------------------------------------------------
 
 def report(m, a, d, threads, quick) -> str:
+    """The Fusion section; a part that was not run (None: ``--only``) is left out."""
     import torch
     lines = ["## Fusion (deferred einsum results, scorch.compile)", "",
              f"`python -m benchmarks.fusion{' --quick' if quick else ''}` ({platform.processor() or platform.machine()},"
-             f" {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}).",
-             "", f"### MoE, the issue's program: B={m['B']}, D_in=D_out={m['D']}, {m['N']} experts, top-1", "",
+             f" {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})."]
+    if m is not None:
+        lines += _moe_report(m)
+    if a is not None:
+        lines += _attention_report(a)
+    if d is not None:
+        lines += ["", "### Dense-only code: deferral auto (default) against off", "",
+                  "| einsum | off, us | auto, us | auto / off |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {n} | {o:.1f} | {au:.1f} | {r:.3f} |" for n, o, au, r in d]
+    return "\n".join(lines) + "\n"
+
+
+def _moe_report(m):
+    lines = ["", f"### MoE, the issue's program: B={m['B']}, D_in=D_out={m['D']}, {m['N']} experts, top-1", "",
              "| gates | ms (median) | speedup vs dense gates | peak MiB above the inputs during one run |",
              "| --- | ---: | ---: | ---: |"]
     lines += [f"| {k} | {t:.1f} | {x:.1f}x | {p:.0f} |" for k, t, x, p in m["rows"]]
+    lines += ["", "Training step (experts a Parameter; forward, `F.mse_loss`, `backward()`, `SGD.step()`):", "",
+              "| gates | ms (median) | speedup vs dense gates |", "| --- | ---: | ---: |"]
+    lines += [f"| {k} | {t:.1f} | {x:.1f}x |" for k, t, x in m["train"]]
+    return lines
+
+
+def _attention_report(a):
     h, hb, lay = a["head"], a["head_bwd"], a["layer"]
-    lines += ["", f"### Sparse attention, sequence {a['n']}, window 64 ({a['nnz']:,} entries), head dim 32", "",
+    return ["", f"### Sparse attention, sequence {a['n']}, window 64 ({a['nnz']:,} entries), head dim 32", "",
               "| what | op by op | fused (scorch.compile) | speedup |", "| --- | ---: | ---: | ---: |",
               f"| one head, forward (SDDMM -> softmax -> SpMM) | {h['op by op'] * 1e3:.2f} ms | {h['fused'] * 1e3:.2f} ms"
               f" | {h['op by op'] / h['fused']:.2f}x |",
@@ -229,11 +305,7 @@ def report(m, a, d, threads, quick) -> str:
               f"| attention layer (4 heads, projections included), forward | {lay[False]['fwd_s'] * 1e3:.1f} ms |"
               f" {lay[True]['fwd_s'] * 1e3:.1f} ms | {lay[False]['fwd_s'] / lay[True]['fwd_s']:.2f}x |",
               f"| attention layer, forward + backward | {lay[False]['fwd_bwd_s'] * 1e3:.1f} ms |"
-              f" {lay[True]['fwd_bwd_s'] * 1e3:.1f} ms | {lay[False]['fwd_bwd_s'] / lay[True]['fwd_bwd_s']:.2f}x |",
-              "", "### Dense-only code: deferral auto (default) against off", "",
-              "| einsum | off, us | auto, us | auto / off |", "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {n} | {o:.1f} | {au:.1f} | {r:.3f} |" for n, o, au, r in d]
-    return "\n".join(lines) + "\n"
+              f" {lay[True]['fwd_bwd_s'] * 1e3:.1f} ms | {lay[False]['fwd_bwd_s'] / lay[True]['fwd_bwd_s']:.2f}x |"]
 
 
 def write(section: str):
@@ -253,7 +325,10 @@ def main(argv=None):
     p.add_argument("--write", action="store_true", help="replace the Fusion section of benchmarks/RESULTS.md")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", choices=("moe", "attention", "dense"), help="run one part (no --write)")
     a = p.parse_args(argv)
+    if a.only and a.write:
+        p.error("--write replaces the whole section: run every part")
     import torch
     torch.set_num_threads(a.threads)
     from tqdm import tqdm
@@ -261,9 +336,10 @@ def main(argv=None):
     steps = [("moe", lambda: moe(a.quick, a.repeats, a.threads)),
              ("attention", lambda: attention(a.quick, a.repeats, a.threads)),
              ("dense", lambda: dense_overhead(a.quick, a.repeats))]
+    steps = [(name, fn) for name, fn in steps if a.only in (None, name)]
     for name, fn in tqdm(steps, desc="fusion benchmarks", disable=None):
         parts[name] = fn()
-    text = report(parts["moe"], parts["attention"], parts["dense"], a.threads, a.quick)
+    text = report(parts.get("moe"), parts.get("attention"), parts.get("dense"), a.threads, a.quick)
     print(text)
     if a.write:
         write(text)
