@@ -32,6 +32,7 @@ This module imports nothing from scorch or torch, so it can be loaded on its own
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -479,7 +480,9 @@ def _usable(folder: pathlib.Path) -> pathlib.Path:
             os.unlink(probe)
             used = folder
         except OSError as e:
-            used = pathlib.Path(tempfile.mkdtemp(prefix="scorch-cache-")) / CACHE_VERSION
+            private = tempfile.mkdtemp(prefix="scorch-cache-")
+            atexit.register(shutil.rmtree, private, ignore_errors=True)  # (loaded libraries stay mapped)
+            used = pathlib.Path(private) / CACHE_VERSION
             os.makedirs(used, exist_ok=True)
             warnings.warn(f"scorch: the kernel cache {folder} is not writable ({e.strerror or e}); compiled kernels"
                           f" are kept in {used} for this process only. Set SCORCH_CACHE_DIR to a writable folder to"
