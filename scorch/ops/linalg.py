@@ -182,7 +182,9 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
             return lazy
     pattern = s.with_values(pattern_ones(s, s.dtype))
     # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
-    prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2)
+    # (the product on the input's own positions, requested: its values align with the input's, also where a
+    # differentiable result would otherwise leave a padded format)
+    prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2, format=None if s.format.is_dense else s.format)
     # a dense-format input gives a dense product, whose row-major values are the format's values
     vals = (prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)) * alpha
     if beta != 0:
