@@ -326,6 +326,17 @@ def test_transpose_is_a_view_sharing_values(fmt):
     assert_matches_dense(S.t().t(), d)
 
 
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell"])
+def test_ops_between_a_tensor_and_its_transposed_view(fmt):
+    """The view shares the arrays but not the pattern: S + S.t() and S.add_(S.t()) are sums of transposes."""
+    d = torch.tensor([[1., 0, 2], [0, 3, 0], [4, 0, 0]], dtype=torch.float64)
+    S = scorch.asformat(d, fmt)
+    assert_matches_dense(S + S.t(), d + d.t())
+    assert_matches_dense(S * S.t(), d * d.t())
+    S.add_(S.t())
+    assert_matches_dense(S, d + d.t())
+
+
 def test_permute_is_a_view_in_3d():
     x = torch.tensor([[[1., 0], [0, 2]], [[0, 0], [3, 0]], [[0, 4], [0, 0]]])
     for fmt in ("csf", "coo"):

@@ -28,9 +28,13 @@ from ..sparse_tensor import SparseTensor, implements
 
 
 def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
+    """The same entries at the same value positions: the same format and shape (a transposed view shares the
+    arrays but not the pattern) over equal index arrays."""
+    if a._format is not b._format and a._format != b._format or a._shape != b._shape:
+        return False
     if a._levels is b._levels:
         return True
-    if a._format != b._format or a._shape != b._shape or a._vals.shape != b._vals.shape:
+    if a._vals.shape != b._vals.shape:
         return False
     for x, y in zip(a._levels, b._levels):
         for p, q in ((x.pos, y.pos), (x.crd, y.crd)):
