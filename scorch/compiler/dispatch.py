@@ -160,6 +160,8 @@ def _diagonals_and_sums(equation, operands, explain=False):
     the output has not summed out of it first (as torch does); None when there is nothing to do. This is the one
     place repeated letters are treated: nothing below (contraction paths, schedules, kernels, gradients) meets a
     letter repeated within an operand, and the diagonals are differentiable, so gradients flow through them."""
+    if _nothing_early(equation):
+        return None
     if not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in operands):
         return None  # (the call refuses the operand: prepare)
     steps = _early_steps(equation, tuple(len(shape_of(x)) if isinstance(x, torch.Tensor) else 0 for x in operands))
@@ -185,6 +187,19 @@ def _diagonals_and_sums(equation, operands, explain=False):
                 x = x.sum(gone, dtype=x.dtype)  # (torch's sum of integers would widen them)
         ops.append(x)
     return eq, ops
+
+
+@functools.lru_cache(maxsize=1024)
+def _nothing_early(equation) -> bool:
+    """True when an equation without ``...`` repeats no letter within an operand and has no letter to sum early,
+    whatever its operands (a repeated call then skips the operands' dimensions: a few microseconds)."""
+    if not isinstance(equation, str) or "." in equation:
+        return False
+    try:
+        terms = equation.replace(" ", "").split("->")[0].split(",")
+        return _early_steps(equation, tuple(len(t) for t in terms)) is None
+    except ValueError:  # (a malformed equation: the call says what is wrong)
+        return False
 
 
 @functools.lru_cache(maxsize=1024)
