@@ -175,28 +175,39 @@ def entries(fmt: Format, shape, levels, values):
 def unpack(fmt: Format, shape, levels, values):
     """The stored entries as ``(dims, values)``: ``dims`` is ``(ndim, M)`` int64, padding dropped (``entries``).
     The values are gathered (a copy), so gradients reach the stored values."""
-    listed = _coordinate_list(fmt, levels)
-    if listed is not None:  # (COO: the coordinates are stored as they are listed)
+    listed = _coordinate_list(fmt, shape, levels)
+    if listed is not None:  # (COO, CSR, CSC: the coordinates are read off the arrays)
         dims, (lo, hi) = listed
         return dims, values[lo:hi].clone()
     leaf, dims = entries(fmt, shape, levels, values)
     return dims, values[leaf]
 
 
-def _coordinate_list(fmt: Format, levels):
-    """``(dims, (lo, hi))`` of a COO-like storage (a root compressed level, the rest singletons, each level one
-    whole dimension): the ``(ndim, M)`` int64 coordinates of the positions ``lo:hi`` the root spans, read from the
-    coordinate arrays without walking the levels; None for other formats."""
+def _coordinate_list(fmt: Format, shape, levels):
+    """``(dims, (lo, hi))`` of a COO-like storage (a root compressed level, the rest singletons) or a CSR-like
+    one (a dense root, then a compressed level), each level one whole dimension: the ``(ndim, M)`` int64
+    coordinates of the stored positions ``lo:hi`` (all of them), read off the arrays without walking the levels
+    (the walk is several passes over every entry); None for other formats."""
     from .levels import Compressed
     types, exprs = fmt.level_types, fmt.exprs
-    if len(types) < 2 or type(types[0]) is not Compressed or any(type(t) is not Singleton for t in types[1:]) or \
-            not all(type(e) is Var for e in exprs) or sorted(e.dim for e in exprs) != list(range(fmt.ndim)):
+    if len(types) < 2 or not all(type(e) is Var for e in exprs) or \
+            sorted(e.dim for e in exprs) != list(range(fmt.ndim)):
         return None
-    lo, hi = (int(p) for p in levels[0].pos[:2])
     dims = [None] * fmt.ndim
-    for e, st in zip(exprs, levels):
-        dims[e.dim] = st.crd[lo:hi]
-    return torch.stack(dims).long(), (lo, hi)
+    if type(types[0]) is Compressed and all(type(t) is Singleton for t in types[1:]):
+        lo, hi = (int(p) for p in levels[0].pos[:2])
+        for e, st in zip(exprs, levels):
+            dims[e.dim] = st.crd[lo:hi].long()
+    elif len(types) == 2 and type(types[0]) is Dense and type(types[1]) is Compressed:
+        pos = levels[1].pos.long()
+        lo, hi = int(pos[0]), int(pos[-1])
+        rows = shape[exprs[0].dim]
+        dims[exprs[0].dim] = torch.repeat_interleave(torch.arange(rows, device=pos.device), pos[1:] - pos[:-1],
+                                                     output_size=hi - lo)
+        dims[exprs[1].dim] = levels[1].crd[lo:hi].long()
+    else:
+        return None
+    return torch.stack(dims), (lo, hi)
 
 
 def linear_index(dims: torch.Tensor, shape) -> torch.Tensor:

@@ -128,10 +128,15 @@ def test_other_types_and_small_storage_list_the_entries():
     lambda it: scorch.asformat(_sample((1, 1), 1.0, torch.int64), "coo", index_dtype=it),
     lambda it: scorch.sparse_coo_tensor(torch.tensor([[2, 0, 2], [1, 1, 1]], dtype=it), torch.tensor([1., 2., 3.]),
                                         (3, 2)),  # duplicates, not sorted
-], ids=["coo-2d", "coo-3d", "empty", "one", "uncoalesced"])
+    lambda it: scorch.asformat(_sample((6, 8), 0.3, torch.float32), "csr", index_dtype=it),
+    lambda it: scorch.asformat(_sample((7, 5), 0.5, torch.float64), "csc", index_dtype=it),
+    lambda it: scorch.asformat(torch.zeros(0, 3), "csr", index_dtype=it),
+    lambda it: scorch.asformat(_sample((4, 6), 1.0, torch.int32), "(i, j) -> (j : dense, i : compressed)",
+                               index_dtype=it),
+], ids=["coo-2d", "coo-3d", "empty", "one", "uncoalesced", "csr", "csc", "no-rows", "full"])
 def test_unpack_of_coordinate_lists(make, itype, monkeypatch):
-    """COO storage lists its entries from its coordinate arrays directly (no walk over the levels): the same
-    entries, in the same order, as the walk, a copy of the values, and gradients to the values."""
+    """COO, CSR and CSC storage list their entries off their arrays (no walk over the levels): the same entries,
+    in the same order, as the walk, a copy of the values, and gradients to the values."""
     s = make(itype)
     s.values().requires_grad_(s.dtype.is_floating_point)
     leaf, want = storage.entries(s.format, s.shape, s.levels, s.values())
