@@ -31,4 +31,4 @@ spmm = sparse.routed(_torch.spmm)  # a sparse-only function: torch sparse operan
 # see the torch they run on; scorch's own version is ``__scorch_version__``
 __scorch_version__ = "0.1.0"
 
-__getattr__, __dir__ = _forward.forward(globals(), _torch)
+__getattr__, __dir__ = _forward.forward(globals(), _torch, routed=True)

@@ -4,6 +4,13 @@
 ``target``'s attribute (cached in the module's dict after the first look-up, so dense code pays a plain
 dict hit). ``TorchAliasFinder`` makes ``import scorch.X.Y`` return the module ``torch.X.Y`` itself
 wherever scorch has no ``X/Y`` of its own, so ``from scorch.utils.data import DataLoader`` is torch's class.
+
+With ``routed=True`` (``scorch`` and ``scorch.nn.functional``), the functions that take tensors (torch's
+overridable functions) are answered by ``on_torch_layouts(fn)``: torch's function, run as it is, and run again
+with torch's sparse layouts (``x.to_sparse()``...) viewed as SparseTensors (zero copy) when torch refuses them,
+so ``scorch.reshape(x.to_sparse(), ...)`` and ``scorch.nn.functional.pad(x.to_sparse(), ...)`` run in scorch.
+Dense calls pay one Python call and a ``try`` (measured in ``docs/design-notes.md``). The wrapper pickles as
+``scorch.<name>`` and TorchScript compiles it as torch's function.
 """
 from __future__ import annotations
 
@@ -11,18 +18,81 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import functools
 import sys
+
+import torch as _torch
 
 _PLAIN_DATA = (bool, int, float, complex, str, bytes, list, dict, set, tuple, type(None))
 
 
-def forward(namespace: dict, target):
+_SPARSE_LAYOUTS = (_torch.sparse_coo, _torch.sparse_csr, _torch.sparse_csc, _torch.sparse_bsr, _torch.sparse_bsc)
+
+
+def view_torch_layout(x):
+    """A torch sparse tensor viewed as a SparseTensor (zero copy); anything else, and torch sparse tensors that
+    require grad (their gradient belongs to torch) or that scorch cannot view (hybrid, batched), as it is."""
+    if type(x) is _torch.Tensor and x.layout in _SPARSE_LAYOUTS and not x.requires_grad:
+        from .interop import from_torch
+        try:
+            return from_torch(x)
+        except NotImplementedError:
+            return x
+    return x
+
+
+def _viewed(obj):
+    """``obj`` with the torch sparse tensors in it (nested in lists, tuples, dicts) viewed; ``obj`` itself (the
+    same object) where there are none."""
+    if type(obj) is _torch.Tensor:
+        return view_torch_layout(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [_viewed(a) for a in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return items if type(obj) is list else tuple(items) if type(obj) is tuple else type(obj)(*items)
+    if isinstance(obj, dict):
+        items = {k: _viewed(v) for k, v in obj.items()}
+        return obj if all(items[k] is v for k, v in obj.items()) else items
+    return obj
+
+
+def on_torch_layouts(fn, module: str, name: str):
+    """``fn`` (a torch function), run again with torch sparse layouts viewed as SparseTensors when torch's own
+    call raises; spelled ``module.name`` for pickling, compiled by TorchScript as ``fn`` itself."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            viewed_args, viewed_kwargs = _viewed(args), _viewed(kwargs)
+            if viewed_args is args and viewed_kwargs is kwargs:
+                raise  # no torch sparse operand: torch's own error
+        return fn(*viewed_args, **viewed_kwargs)
+    call.__module__, call.__qualname__ = module, name
+    call.__prepare_scriptable__ = lambda: fn  # TorchScript compiles torch's function
+    from torch.jit import _builtins
+    op = _builtins._find_builtin(fn)
+    if op is not None:  # a builtin op for TorchScript, as torch's function is
+        _builtins._register_builtin(call, op)
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_functions(target) -> frozenset:
+    """The ids of ``target``'s functions that take tensors (torch's overridable functions)."""
+    return frozenset(id(f) for f in _torch.overrides.get_overridable_functions().get(target, ()))
+
+
+def forward(namespace: dict, target, routed: bool = False):
     def __getattr__(name):
         try:
             value = getattr(target, name)
         except AttributeError:
             raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}"
                                  f" (nor has {target.__name__!r})") from None
+        if routed and id(value) in _tensor_functions(target):
+            value = on_torch_layouts(value, namespace["__name__"], name)
         if not isinstance(value, _PLAIN_DATA):  # plain data may be reassigned in torch: always read it there
             namespace[name] = value
         return value

@@ -49,9 +49,7 @@ def _public_names() -> dict:
 
 
 def _name(func, names: dict) -> str:
-    """The public spelling of ``func`` (``Tensor.T`` for the getter of the attribute ``T``)."""
-    if getattr(func, "__name__", "") == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
-        return f"Tensor.{func.__self__.__name__}"
+    """The public spelling of ``func`` (``_op_name``'s where no namespace holds it: attribute getters...)."""
     return names.get(id(func)) or _op_name(func)
 
 

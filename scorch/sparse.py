@@ -14,17 +14,7 @@ import torch.sparse as _tsparse
 from . import _forward
 from .sparse_tensor import IMPLEMENTATIONS, SparseTensor, _checking
 
-_LAYOUTS = (_torch.sparse_coo, _torch.sparse_csr, _torch.sparse_csc, _torch.sparse_bsr, _torch.sparse_bsc)
-
-
-def _view(x):
-    if type(x) is _torch.Tensor and x.layout in _LAYOUTS and not x.requires_grad:
-        from .interop import from_torch
-        try:
-            return from_torch(x)
-        except NotImplementedError:  # hybrid or batched layouts stay torch's
-            return x
-    return x
+_view = _forward.view_torch_layout
 
 
 def routed(fn):

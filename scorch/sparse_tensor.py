@@ -44,6 +44,7 @@ class _Checking(threading.local):
 
 
 _checking = _Checking()
+_getting = _Checking()  # depth of attribute reads in progress (SparseTensor.__torch_function__)
 
 
 def checking_invariants() -> bool:
@@ -119,11 +120,14 @@ class SparseTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
             try:
+                _getting.depth += 1  # an op reached from here is refused below, and computed here instead
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
-            except _ReachedDispatch:  # an attribute computed by an op (x.mT, x.real...): on the dense form
+            except _ReachedDispatch:  # an attribute computed by an op (x.mT, x.H...): on the dense form
                 if func.__name__ != "__get__":
                     raise
+            finally:
+                _getting.depth -= 1
         if _DEFERRED[0] in types:
             _DEFERRED[1](args)
             _DEFERRED[1](kwargs.values())
@@ -134,6 +138,8 @@ class SparseTensor(torch.Tensor):
         # reached below autograd (torch internals that skip __torch_function__): without a gradient to lose, the
         # op runs on the dense form as a fallback; with one, the dense result would not reach the stored values
         kwargs = kwargs or {}
+        if _getting.depth:  # an attribute read: __torch_function__ computes it, differentiably, under its name
+            raise _ReachedDispatch(f"scorch: {func} reached torch's dispatcher")
         sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
         if torch.is_grad_enabled() and any(x._vals.requires_grad for x in sparse):
             raise _ReachedDispatch(f"scorch: {func} reached torch's dispatcher with a sparse operand that requires"
@@ -421,6 +427,10 @@ torch.serialization.add_safe_globals([_rebuild])
 
 
 def _op_name(func) -> str:
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return f"torch.ops.{func}"  # torch.ops.aten.cumsum.default
+    if getattr(func, "__name__", "") == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
+        return f"Tensor.{func.__self__.__name__}"  # an attribute's getter: Tensor.mT
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     mod = getattr(func, "__module__", None) or ""
     if name.startswith(("TensorBase.", "Tensor.")):

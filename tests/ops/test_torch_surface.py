@@ -179,11 +179,30 @@ def test_in_place_op_needing_a_dense_result_raises_and_leaves_the_tensor():
 
 def test_fallback_answers_attributes_computed_by_ops():
     s, a = _pair((4, 5), "csr", seed=8)
+    r = falls_back(lambda: s.mT, lambda: a.mT, "Tensor.mT")  # under the attribute's name, differentiable
+    r.sum().backward()
+    a.mT.sum().backward()
+    torch.testing.assert_close(*_grad_on_pattern(s, a))
+    falls_back(lambda: s.detach().H, lambda: a.detach().H, "Tensor.H")
+    assert s.shape == (4, 5) and s.dtype == torch.float32 and scorch.stats()["fallback"] == {"Tensor.H": 1}
     with _quiet():
-        assert_matches_dense(s.mT, a.mT)
         assert len(s) == 4 and s.detach().tolist() == a.detach().tolist()
     with pytest.raises(NotImplementedError, match="data_ptr of a sparse tensor"):
         s.data_ptr()
+
+
+def test_ops_reaching_the_dispatcher_fall_back_without_gradients():
+    s, a = _pair((4, 5), "coo", seed=10)
+    d = s.detach()
+    with torch._C.DisableTorchFunctionSubclass():  # as torch internals call ops: straight to the dispatcher
+        with pytest.warns(scorch.DensifyWarning, match=r"torch\.ops\.aten\.cumsum\.default has no sparse rule"):
+            r = torch.cumsum(d, 0)
+        with pytest.raises(NotImplementedError, match="requires grad"):
+            torch.cumsum(s, 0)  # a dense result here would not reach the stored values
+        with pytest.raises(NotImplementedError, match="write into a sparse tensor"):
+            d.cumsum_(0)
+    assert type(r) is torch.Tensor and torch.equal(r, torch.cumsum(a.detach(), 0))
+    assert scorch.stats()["fallback"] == {"torch.ops.aten.cumsum.default": 1}
 
 
 # --- deepcopy, accessors, version ----------------------------------------------------------------------------------
