@@ -3,8 +3,8 @@
 Each test here failed on the code before its fix: a segfault (run in a subprocess where one is possible), a wrong
 value, or a late ``OverflowError``/``TypeError`` where a clear ``ValueError`` is due.
 """
+import ast
 import io
-import math
 import subprocess
 import sys
 import textwrap
@@ -32,28 +32,36 @@ def run_isolated(code: str, timeout=240):
 
 CSR = (torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2]), torch.tensor([1., 2., 3.], dtype=torch.float64))
 DENSE = torch.tensor([[1., 0, 0, 0], [0, 2, 0, 0], [0, 0, 3, 0]], dtype=torch.float64)
+WIDTHS = [(I64, I32), (I32, I64), (I32, I32), (I64, I64)]
 
 
-@pytest.mark.parametrize("pos_dtype,crd_dtype", [(I64, I32), (I32, I64), (I32, I32), (I64, I64)])
-def test_mixed_index_widths_in_csr_constructor(pos_dtype, crd_dtype):
+def test_mixed_index_widths_in_csr_constructor_isolated():
     """int64 pos with int32 crd read past crd's end (ASan: heap overflow, a segfault without ASan); int32 pos with
-    int64 crd gave wrong values. The constructor widens to one dtype (int64 when any array is int64)."""
-    pos, crd, vals = CSR
-    out = run_isolated(f"""
+    int64 crd gave wrong values. Run in a subprocess first, where a regression crashes only the subprocess."""
+    out = run_isolated("""
         import torch, scorch
-        S = scorch.sparse_csr_tensor(torch.tensor([0, 1, 2, 3], dtype={pos_dtype}),
-                                     torch.tensor([0, 1, 2], dtype={crd_dtype}),
-                                     torch.tensor([1., 2., 3.], dtype=torch.float64), (3, 4))
-        dtypes = {{a.dtype for st in S.levels for a in st.arrays().values()}}
-        assert dtypes == {{S.index_dtype}}, dtypes
-        print((S @ torch.ones(4, 2, dtype=torch.float64)).tolist())
+        results = []
+        for pos_dtype, crd_dtype in [(torch.int64, torch.int32), (torch.int32, torch.int64)]:
+            S = scorch.sparse_csr_tensor(torch.tensor([0, 1, 2, 3], dtype=pos_dtype),
+                                         torch.tensor([0, 1, 2], dtype=crd_dtype),
+                                         torch.tensor([1., 2., 3.], dtype=torch.float64), (3, 4))
+            results.append((S @ torch.ones(4, 2, dtype=torch.float64)).tolist())
+        print(results)
     """)
-    assert eval(out) == (DENSE @ torch.ones(4, 2, dtype=torch.float64)).tolist()
-    S = scorch.sparse_csr_tensor(pos.to(pos_dtype), crd.to(crd_dtype), vals, (3, 4), check_invariants=False)
-    assert S.index_dtype == (I32 if pos_dtype == crd_dtype == I32 else I64)
-    assert {a.dtype for st in S.levels for a in st.arrays().values()} == {S.index_dtype}
-    assert_matches_dense(S @ torch.ones(4, 2, dtype=torch.float64), DENSE @ torch.ones(4, 2, dtype=torch.float64))
-    assert_matches_dense(S, DENSE)
+    expected = (DENSE @ torch.ones(4, 2, dtype=torch.float64)).tolist()
+    assert ast.literal_eval(out.strip()) == [expected, expected]
+
+
+@pytest.mark.parametrize("pos_dtype,crd_dtype", WIDTHS)
+def test_mixed_index_widths_in_csr_constructor(pos_dtype, crd_dtype):
+    """The constructor widens to one dtype (int64 when any array is int64)."""
+    pos, crd, vals = CSR
+    for check in (None, False, True):
+        S = scorch.sparse_csr_tensor(pos.to(pos_dtype), crd.to(crd_dtype), vals, (3, 4), check_invariants=check)
+        assert S.index_dtype == (I32 if pos_dtype == crd_dtype == I32 else I64)
+        assert {a.dtype for st in S.levels for a in st.arrays().values()} == {S.index_dtype}
+        assert_matches_dense(S @ torch.ones(4, 2, dtype=torch.float64), DENSE @ torch.ones(4, 2, dtype=torch.float64))
+        assert_matches_dense(S, DENSE)
 
 
 def test_mixed_index_widths_from_torch():
