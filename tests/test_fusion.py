@@ -331,3 +331,15 @@ def test_a_tensor_in_two_roles_does_not_bind_later_calls():
     torch.testing.assert_close(fused_attention(q, k, q, mask), _dense_reference(q, k, q, keep))
     torch.testing.assert_close(fused_attention(q, k, v, mask), _dense_reference(q, k, v, keep))
     torch.testing.assert_close(fused_attention(k, q, v, mask), _dense_reference(k, q, v, keep))
+
+
+def test_moe_benchmark_versions_agree_and_report():
+    """The fusion benchmark's MoE versions (dense gates, sparse gates, deferral off, the per-expert loop, and a
+    training step of each) compute the same thing at a small size, and the MoE part reports alone (``--only``)."""
+    from benchmarks import fusion as bench
+    bench.moe_check(48, 8, 4)
+    m = {"B": 48, "D": 8, "N": 4, "rows": [("dense gates", 2.0, 1.0, 3.0), ("per-expert loop (torch)", 1.0, 2.0, 1.0)],
+         "train": [("dense gates", 4.0, 1.0), ("sparse gates", 1.0, 4.0)]}
+    text = bench.report(m, None, None, threads=1, quick=True)
+    assert "| per-expert loop (torch) | 1.0 | 2.0x | 1 |" in text and "| sparse gates | 1.0 | 4.0x |" in text
+    assert "Sparse attention" not in text and "Dense-only" not in text
