@@ -497,7 +497,8 @@ def _writes_sparse(func, args, kwargs) -> bool:
     name = getattr(func, "__name__", "")
     inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS or \
         kwargs.get("inplace") is True
-    return inplace and bool(args) and type(args[0]) is SparseTensor
+    # the written argument is the first one, or the tensors of a list (torch._foreach_add_([S, ...], ...))
+    return inplace and bool(args) and any(type(x) is SparseTensor for x in _flat(args[0]))
 
 
 def dense_fallback(func, args, kwargs, why: Exception | None = None):
@@ -531,6 +532,30 @@ for _name in ("to_dense", "values", "clone", "detach", "to", "cpu", "double", "f
               "dense_dim", "__deepcopy__"):
     IMPLEMENTATIONS[getattr(torch.Tensor, _name)] = _method(_name)
 IMPLEMENTATIONS[torch.Tensor._values] = _method("values")
+IMPLEMENTATIONS[torch.Tensor.__format__] = lambda self, spec: format(self.__repr__(), spec)  # f"{S}": its repr
+
+
+def _converter(dtype):
+    def convert(self, memory_format=torch.preserve_format):
+        return self.to(dtype)
+    convert.__name__ = convert.__qualname__ = f"to_{str(dtype).removeprefix('torch.')}"
+    convert.__doc__ = f"The values converted to {dtype}; the pattern (shared index arrays) and format kept."
+    return convert
+
+
+# x.long(), x.bool()...: a dtype conversion keeps the pattern
+for _name, _dtype in (("long", torch.int64), ("int", torch.int32), ("short", torch.int16), ("char", torch.int8),
+                      ("byte", torch.uint8), ("bool", torch.bool), ("half", torch.float16),
+                      ("bfloat16", torch.bfloat16), ("cfloat", torch.complex64), ("cdouble", torch.complex128)):
+    IMPLEMENTATIONS[getattr(torch.Tensor, _name)] = _converter(_dtype)
+
+
+def _type_as(self, other):
+    """The values converted to ``other``'s dtype; the pattern and format kept."""
+    return self.to(other.dtype)
+
+
+IMPLEMENTATIONS[torch.Tensor.type_as] = _type_as
 IMPLEMENTATIONS[torch.clone] = _method("clone")
 IMPLEMENTATIONS[torch.detach] = _method("detach")
 IMPLEMENTATIONS[torch.Tensor.__repr__] = _method("__repr__")

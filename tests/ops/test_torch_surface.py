@@ -177,6 +177,29 @@ def test_in_place_op_needing_a_dense_result_raises_and_leaves_the_tensor():
     assert torch.equal(d, 2 * a.detach()[[1, 0, 3, 2]])
 
 
+def test_in_place_foreach_on_sparse_tensors_raises():
+    s, _ = _pair((4, 5), "csr", seed=11)
+    d = s.detach()
+    before = d.values().clone()
+    with pytest.raises(NotImplementedError, match="torch._foreach_add_ would write its result into a sparse"):
+        torch._foreach_add_([d], [torch.ones(4, 5)])  # the list's tensors are written: not a silent no-op
+    assert torch.equal(d.values(), before)
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "ell"])
+def test_dtype_conversions_keep_the_pattern_and_print_without_densifying(fmt):
+    s, a = _pair((4, 5), fmt, seed=12)
+    d = s.detach()
+    for name, other in (("long", None), ("int", None), ("bool", None), ("half", None), ("byte", None),
+                        ("type_as", torch.zeros(1, dtype=torch.float64))):
+        r = getattr(d, name)(*([] if other is None else [other]))
+        assert isinstance(r, SparseTensor) and r.levels is d.levels, name
+        assert_matches_dense(r, getattr(a.detach(), name)(*([] if other is None else [other])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        assert f"{d}" == repr(d) and f"{d:>5}".endswith(repr(d)[-5:])
+
+
 def test_fallback_answers_attributes_computed_by_ops():
     s, a = _pair((4, 5), "csr", seed=8)
     r = falls_back(lambda: s.mT, lambda: a.mT, "Tensor.mT")  # under the attribute's name, differentiable
@@ -521,3 +544,23 @@ def test_catalog_lists_every_overridable_function_with_its_behaviour():
     assert rows["Tensor.shape"] == rows["Tensor.dtype"] == "metadata"
     assert rows["Tensor.mT"] == "dense fallback" and rows["Tensor.T"] == "sparse rule"
     falls_back(lambda: torch.cumsum(s, 0), lambda: torch.cumsum(a, 0), "torch.cumsum")  # as the table says
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_new_rules_on_either_index_width_and_empty_tensors(index_dtype):
+    a = torch.tensor([[0.0, 2.0, 0.0, -1.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    t = a.to_sparse_csr()
+    s = scorch.sparse_csr_tensor(t.crow_indices().to(index_dtype), t.col_indices().to(index_dtype), t.values(),
+                                 a.shape)
+    assert s.index_dtype == index_dtype
+    assert_matches_dense(s[1:, [3, 0]], a[1:, [3, 0]])
+    assert_matches_dense(s.unbind(1)[3], a[:, 3])
+    assert_matches_dense(s.any(0), a.any(0)) and assert_matches_dense(s.all(1), a.all(1))
+    assert_matches_dense(s ** 2, a ** 2)
+    assert_matches_dense(s + scorch.asformat(a[:1], "coo"), a + a[:1])
+    assert_matches_dense(s > scorch.asformat(a.flip(0), "coo"), a > a.flip(0))
+    e = scorch.asformat(torch.zeros(0, 3), "coo")
+    for call in (lambda x: x[:, 1], lambda x: x.any(), lambda x: x.all(), lambda x: x.any(1), lambda x: x ** 2,
+                 lambda x: x + scorch.asformat(torch.zeros(1, 3), "coo") if isinstance(x, SparseTensor) else x):
+        assert_matches_dense(call(e), call(torch.zeros(0, 3)))
+    assert e.unbind(0) == () and len(e.unbind(1)) == 3
