@@ -564,3 +564,56 @@ def test_new_rules_on_either_index_width_and_empty_tensors(index_dtype):
                  lambda x: x + scorch.asformat(torch.zeros(1, 3), "coo") if isinstance(x, SparseTensor) else x):
         assert_matches_dense(call(e), call(torch.zeros(0, 3)))
     assert e.unbind(0) == () and len(e.unbind(1)) == 3
+
+
+@st.composite
+def broadcast_pairs(draw):
+    """Two broadcastable shapes (1 to 3 dims, sizes 1 to 4), each operand sparse (a format) or dense."""
+    n = draw(st.integers(1, 3))
+    full = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    shapes = []
+    for _ in range(2):
+        k = draw(st.integers(1, n))
+        shapes.append(tuple(1 if draw(st.booleans()) else m for m in full[n - k:]))
+    kinds = [draw(st.sampled_from(["coo", "csr", "dense"] if len(sh) == 2 else ["coo", "dense"])) for sh in shapes]
+    if kinds == ["dense", "dense"]:
+        kinds[0] = "coo"
+    op = draw(st.sampled_from(["add", "sub", "mul", "gt", "ne"]))
+    return shapes, kinds, op, draw(st.integers(0, 99))
+
+
+@settings(max_examples=40)
+@given(broadcast_pairs())
+def test_broadcasting_ops_match_torch(case):
+    shapes, kinds, op, seed = case
+    operands, dense = [], []
+    for k, (shape, kind) in enumerate(zip(shapes, kinds)):
+        if kind == "dense":
+            d = quarters(shape, seed + k, 1.0, torch.float64).requires_grad_()
+            operands.append(d)
+            dense.append(d)
+        else:
+            s, a = _pair(shape, kind, seed + k, 0.5, torch.float64)
+            operands.append(s)
+            dense.append(a)
+    if op in ("gt", "ne"):
+        operands = [x.detach() for x in operands]
+        dense = [x.detach() for x in dense]
+    fn = getattr(torch, op)
+    expected = fn(*dense)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)  # a comparison with a dense tensor falls back
+        r = fn(*operands)
+    assert_matches_dense(r, expected)
+    if op in ("gt", "ne"):
+        return
+    w = torch.rand(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    got = ((r.to_dense() if isinstance(r, SparseTensor) else r) * w).sum()
+    if not got.requires_grad:  # to_dense() of a result with nothing stored is not on the graph
+        assert isinstance(r, SparseTensor) and r.nnz == 0
+        return
+    got.backward()
+    (expected * w).sum().backward()
+    for x, a in zip(operands, dense):
+        if isinstance(x, SparseTensor):
+            torch.testing.assert_close(*_grad_on_pattern(x, a))
