@@ -85,6 +85,9 @@ def _tensor_functions(target) -> frozenset:
 
 
 def forward(namespace: dict, target, routed: bool = False):
+    if routed:  # now, while torch's modules are torch's: code that aliases torch to scorch later reads them here
+        _tensor_functions(target)
+
     def __getattr__(name):
         try:
             value = getattr(target, name)

@@ -132,3 +132,14 @@ def test_routed_functions_pickle_and_script_as_torchs():
     def f(x):
         return scorch.relu(x) + F.pad(x, (0, 0)) + scorch.cat([x, x])[:2]
     assert torch.equal(f(torch.ones(2)), torch.full((2,), 3.0))
+
+
+def test_routed_names_resolve_when_torch_is_aliased_to_scorch_in_sys_modules():
+    """Code that aliases ``sys.modules["torch"]`` to scorch (as the drop-in tests do) then reads names: the set of
+    functions to wrap was read from torch's own modules at import, not under the alias (recursion before)."""
+    code = ("import sys, scorch\nsys.modules['torch'] = scorch\nimport torch\n"
+            "from torch import cat\nimport torch.nn.functional as F\n"
+            "print(cat.__wrapped__.__module__, F is scorch.nn.functional or F.relu.__wrapped__.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "torch"
