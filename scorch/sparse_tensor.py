@@ -556,6 +556,15 @@ def _type_as(self, other):
 
 
 IMPLEMENTATIONS[torch.Tensor.type_as] = _type_as
+
+
+def _no_shallow_copy(a, b):
+    """False: ``x.data = y`` cannot swap a SparseTensor's arrays (torch would change only the wrapper's dtype), so
+    ``nn.Module.double()`` / ``.to()`` install a new Parameter holding the converted tensor."""
+    return False
+
+
+IMPLEMENTATIONS[torch._has_compatible_shallow_copy_type] = _no_shallow_copy
 IMPLEMENTATIONS[torch.clone] = _method("clone")
 IMPLEMENTATIONS[torch.detach] = _method("detach")
 IMPLEMENTATIONS[torch.Tensor.__repr__] = _method("__repr__")

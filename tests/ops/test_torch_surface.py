@@ -267,6 +267,21 @@ def test_deepcopy_of_models_with_sparse_parameters():
         assert all(p.grad is None for p in m.parameters())  # the copy's gradients are its own
 
 
+@pytest.mark.parametrize("convert, dtype", [(lambda m: m.double(), torch.float64), (lambda m: m.half(), torch.float16),
+                                            (lambda m: m.to(torch.float64), torch.float64)])
+def test_module_dtype_conversion_converts_sparse_parameters(convert, dtype):
+    torch.manual_seed(1)
+    m = scorch.nn.SparseLinear(6, 3, density=0.5, format="csr")
+    dense = m.weight.detach().to_dense()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        convert(m)
+    w = m.weight
+    assert isinstance(w, SparseTensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad and w.is_leaf
+    assert w.dtype == w.values().dtype == dtype  # the stored values converted, not only the wrapper's dtype
+    assert_matches_dense(w.detach(), dense.to(dtype))
+
+
 def test_torch_accessors_have_torchs_semantics():
     a = torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 4.0]])
     t = a.to_sparse()
