@@ -156,16 +156,12 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
         part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
         part = part.permute([res_idx.index(v) for v in [p] + rest])
         at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
-        if _once_each(at, shape[0]):  # (top-1 gates): a gather in row order, no zero fill
-            result = part.index_select(0, torch.empty_like(at).scatter_(0, at, torch.arange(
-                at.numel(), device=at.device)))
-        else:
-            result = torch.zeros(shape, dtype=dtype, device=vals.device).index_add(0, at, part)
+        result = _placed(part, at, shape)
     else:  # one result per group: added at the group's coordinates
         part = torch.stack([q.permute([res_idx.index(v) for v in rest]) for q in parts])
         first = torch.tensor(firsts, dtype=torch.long, device=vals.device)
         at = _linear([coords[v][first] for v in held], [sizes[v] for v in held], len(firsts), vals.device)
-        result = torch.zeros(shape, dtype=dtype, device=vals.device).index_add(0, at, part)
+        result = _placed(part, at, shape)
     shape = [sizes[v] for v in held + rest]
     return result.reshape(shape).permute([(held + rest).index(v) for v in out])
 
@@ -229,6 +225,18 @@ def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
         else:
             y.index_add_(0, at, prod)
     return y
+
+
+def _placed(part, at, shape):
+    """The rows of ``part`` added into a zero tensor of ``shape`` at the rows ``at``. Where ``at`` names each row
+    exactly once (top-1 gates; every expert's gradient) a gather in row order instead: no zero fill, no adds
+    (the identity order, the usual one for groups, is ``part`` itself)."""
+    n = shape[0]
+    if not _once_each(at, n):
+        return torch.zeros(shape, dtype=part.dtype, device=part.device).index_add(0, at, part)
+    if bool((at == torch.arange(n, device=at.device)).all()):
+        return part
+    return part.index_select(0, torch.empty_like(at).scatter_(0, at, torch.arange(n, device=at.device)))
 
 
 def _once_each(at, n) -> bool:

@@ -142,3 +142,19 @@ def test_other_group_products_are_einsums():
     assert grouped._matrix_product([("p", "a"), ("p", "a")], ("a", "a"), "p") is None
     assert grouped._matrix_product([("p", "a"), ("a", "b")], ("b", "p"), "p") is None
     assert grouped._matrix_product([("p", "a", "c"), ("a", "b")], ("p", "b"), "p") is None
+
+
+@pytest.mark.parametrize("at, n", [([0, 1, 2, 3], 4), ([2, 0, 3, 1], 4), ([1, 1, 3, 0], 4), ([0, 2], 4), ([], 3)],
+                         ids=["identity", "permutation", "repeated", "missing", "empty"])
+def test_placed_rows(at, n):
+    """Group results placed at their rows: the identity order is the part itself, a permutation a gather, and
+    repeated or missing rows added into zeros; gradients reach the part."""
+    part = torch.randn(len(at), 3, dtype=torch.float64, requires_grad=True)
+    at = torch.tensor(at, dtype=torch.long)
+    got = grouped._placed(part, at, (n, 3))
+    want = torch.zeros(n, 3, dtype=torch.float64).index_add(0, at, part)
+    torch.testing.assert_close(got, want)
+    if at.numel() == n and torch.equal(at, torch.arange(n)):
+        assert got is part
+    g = torch.randn(n, 3, dtype=torch.float64)
+    assert torch.autograd.grad(got, part, g)[0].equal(g[at])
