@@ -558,6 +558,36 @@ def _type_as(self, other):
 IMPLEMENTATIONS[torch.Tensor.type_as] = _type_as
 
 
+def _data(self):
+    """``x.data``: the same arrays, values detached (writes through it reach ``x``, as torch's ``.data``)."""
+    return self.detach()
+
+
+def _set_data(self, value):
+    """``x.data = y``: ``x`` holds ``y``'s format, arrays and (detached) values, keeping its own ``requires_grad``;
+    ``y`` must be a SparseTensor of ``x``'s shape and dtype (the wrapper's metadata cannot change)."""
+    if type(value) is not SparseTensor or value._shape != self._shape or value.dtype != self.dtype or \
+            value.device != self.device:
+        raise ValueError(f"scorch: x.data = y for a SparseTensor x of shape {tuple(self._shape)} and dtype {self.dtype}"
+                         f" takes a SparseTensor of the same shape, dtype and device, got {_kind_of(value)}")
+    vals = value._vals.detach()
+    if self._vals.requires_grad:
+        vals = vals.requires_grad_()
+    self._format, self._levels, self._vals, self._index_dtype = value._format, value._levels, vals, value._index_dtype
+
+
+def _kind_of(v) -> str:
+    if type(v) is SparseTensor:
+        return f"a SparseTensor ({short_name(v._format)} {tuple(v._shape)}, {v.dtype}, {v.device})"
+    if isinstance(v, torch.Tensor):
+        return f"a dense tensor ({tuple(v.shape)}, {v.dtype}, {v.device})"
+    return type(v).__name__
+
+
+IMPLEMENTATIONS[torch.Tensor.data.__get__] = _data
+IMPLEMENTATIONS[torch.Tensor.data.__set__] = _set_data
+
+
 def _no_shallow_copy(a, b):
     """False: ``x.data = y`` cannot swap a SparseTensor's arrays (torch would change only the wrapper's dtype), so
     ``nn.Module.double()`` / ``.to()`` install a new Parameter holding the converted tensor."""

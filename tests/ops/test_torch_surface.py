@@ -282,6 +282,24 @@ def test_module_dtype_conversion_converts_sparse_parameters(convert, dtype):
     assert_matches_dense(w.detach(), dense.to(dtype))
 
 
+def test_data_reads_and_writes_the_sparse_tensor():
+    s, a = _pair((4, 5), "csr", seed=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        d = s.data
+        assert isinstance(d, SparseTensor) and not d.requires_grad
+        d.mul_(2)  # as optimizers and initializers write: through .data into the parameter
+        assert_matches_dense(s.detach(), 2 * a.detach())
+        t = scorch.asformat(torch.ones(4, 5), "coo")
+        s.data = t
+    assert s.requires_grad and s.is_leaf and s.format == t.format
+    assert_matches_dense(s.detach(), torch.ones(4, 5))
+    with pytest.raises(ValueError, match="same shape, dtype and device, got a dense tensor"):
+        s.data = torch.ones(4, 5)
+    with pytest.raises(ValueError, match="same shape"):
+        s.data = scorch.asformat(torch.ones(5, 4), "coo")
+
+
 def test_torch_accessors_have_torchs_semantics():
     a = torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 4.0]])
     t = a.to_sparse()
