@@ -151,7 +151,8 @@ def _unary(name: str, func, linear: bool = False, doc: str = _DOC_KEEPS):
 #: maps that send 0 to 0 (for any arguments, or for the usual ones: each call checks)
 ZERO_PRESERVING_TORCH = ("erf", "erfinv", "expm1", "log1p", "sinh", "asinh", "arcsinh", "atanh", "arctanh", "tan",
                          "asin", "arcsin", "atan", "arctan", "trunc", "fix", "floor", "ceil", "round", "frac",
-                         "deg2rad", "rad2deg", "nan_to_num", "clamp", "clip", "clamp_min", "clamp_max")
+                         "deg2rad", "rad2deg", "nan_to_num", "clamp", "clip", "clamp_min", "clamp_max",
+                         "isnan", "isinf", "isposinf", "isneginf", "signbit")
 #: torch.nn.functional maps that send 0 to 0: (the function, its in-place form where torch has one)
 ZERO_PRESERVING_NN = {
     "leaky_relu": (F.leaky_relu, getattr(F, "leaky_relu_", None)),
@@ -173,7 +174,7 @@ ZERO_PRESERVING_NN = {
 }
 #: maps with f(0) != 0: their result on a sparse operand is dense (counted by scorch.stats())
 DENSIFYING_TORCH = ("sigmoid", "exp", "exp2", "cos", "cosh", "log", "log2", "log10", "reciprocal", "rsqrt", "acos",
-                    "arccos", "erfc", "sinc", "logit")
+                    "arccos", "erfc", "sinc", "logit", "isfinite", "logical_not")
 DENSIFYING_NN = {
     "softplus": (F.softplus, None),
     "logsigmoid": (F.logsigmoid, None),

@@ -23,8 +23,8 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # zero-preserving unary maps: f(0) == 0, so f runs on the stored values only
 _MAPS = {
     "relu": (torch.relu, torch.Tensor.relu, F.relu),
-    "neg": (torch.neg, torch.Tensor.neg, torch.Tensor.__neg__, torch.negative),
-    "abs": (torch.abs, torch.Tensor.abs, torch.Tensor.__abs__),
+    "neg": (torch.neg, torch.Tensor.neg, torch.Tensor.__neg__, torch.negative, torch.Tensor.negative),
+    "abs": (torch.abs, torch.Tensor.abs, torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute),
     "sqrt": (torch.sqrt, torch.Tensor.sqrt),
     "square": (torch.square, torch.Tensor.square),
     "sin": (torch.sin, torch.Tensor.sin),
@@ -56,7 +56,8 @@ def _elementwise_eq(a, b):
     return f"{out[n - a.dim():]},{out[n - b.dim():]}->{out}"
 
 
-@implements(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply)
+@implements(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply,
+            torch.Tensor.multiply)
 def mul(a, b):
     """Elementwise product. With a scalar or a dense operand: the sparse operand's pattern and format (an einsum
     driven by it); two sparse operands: their intersection, by co-iteration (same pattern: values multiplied)."""
@@ -80,7 +81,8 @@ def mul(a, b):
     return dispatch.einsum(_elementwise_eq(a, b), a, b)
 
 
-@implements(torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide)
+@implements(torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
+            torch.divide, torch.Tensor.divide)
 def div(a, b, *, rounding_mode=None):
     """Division by a scalar: the values divided, pattern and format kept; anything else raises (x / 0)."""
     if isinstance(a, SparseTensor) and isinstance(b, numbers.Number) and rounding_mode is None:
@@ -142,10 +144,18 @@ def add(a, b, *, alpha=1):
     return torch.add(a, _scattered(b), alpha=alpha)
 
 
-@implements(torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.subtract)
+@implements(torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.subtract, torch.Tensor.subtract)
 def sub(a, b, *, alpha=1):
     """``a - alpha * b``, as ``add``."""
     return add(a, b, alpha=-alpha)
+
+
+@implements(torch.positive, torch.Tensor.positive, torch.Tensor.__pos__)
+def positive(x):
+    """``+x``: ``x`` itself, as torch returns it."""
+    if not isinstance(x, SparseTensor):
+        raise NoSparseRule("a sparse argument other than the input")
+    return x
 
 
 @implements(torch.Tensor.__rsub__)

@@ -10,7 +10,10 @@
   (canonical COO): what ``add``, ``mul`` and the comparisons of operands of different shapes use.
 - ``torch.any`` / ``torch.all`` (over everything, or along dimensions): ``any`` is true where a stored entry is
   nonzero; ``all`` is false unless every position of the group is stored and nonzero. Dense bool results
-  (uint8 for uint8 inputs), as torch's.
+  (uint8 for uint8 inputs), as torch's. ``count_nonzero`` counts the nonzero stored entries (dense int64).
+- ``torch.nonzero`` / ``argwhere`` (and ``as_tuple=True``): the coordinates of the nonzero stored entries,
+  row-major sorted, as torch's.
+- ``swapdims``, ``movedim`` / ``moveaxis``: ``transpose`` and ``permute`` (views sharing the values).
 
 Values are gathered from ``x.values()``, so gradients reach the stored values.
 """
@@ -271,23 +274,26 @@ def expand_as(x, other):
 
 # --- any, all ----------------------------------------------------------------------------------------------------------
 
-def _logical(x, dim, keepdim, every: bool):
-    if type(x) is not SparseTensor:
-        raise NoSparseRule("a sparse argument other than the input")
-    out_dtype = torch.uint8 if x.dtype == torch.uint8 else torch.bool
+def _nonzero_counts(x, dim, keepdim):
+    """The number of nonzero entries per group (all dimensions, or along ``dim``), as int64, and the group size."""
     n = x.dim()
-    rdims = _reduce_dims(dim, n) if dim is not None or n else ()
+    rdims = _reduce_dims(dim, n)
     x = coalesce(x)  # each position once: a position's duplicates may cancel
     edims, vals = storage.unpack(x._format, x._shape, x._levels, x._vals)
     nz = (vals != 0).detach()
     gid, groups, size = _groups(x._shape, edims, rdims)
     count = torch.zeros(groups, dtype=torch.int64, device=vals.device).index_add(0, gid, nz.long())
-    r = count == size if every else count > 0
     if dim is None and not keepdim:
-        r = r.reshape(())
-    else:
-        r = _shaped(r, x._shape, rdims, keepdim)
-    return r.to(out_dtype)
+        return count.reshape(()), size
+    return _shaped(count, x._shape, rdims, keepdim), size
+
+
+def _logical(x, dim, keepdim, every: bool):
+    if type(x) is not SparseTensor:
+        raise NoSparseRule("a sparse argument other than the input")
+    out_dtype = torch.uint8 if x.dtype == torch.uint8 else torch.bool
+    count, size = _nonzero_counts(x, dim, keepdim)
+    return (count == size if every else count > 0).to(out_dtype)
 
 
 def _dim_keepdim(args, kwargs):
@@ -308,3 +314,71 @@ def any_(x, *args, **kwargs):
 def all_(x, *args, **kwargs):
     """``all``: false unless every position (over everything, or along ``dim``) is stored and nonzero; dense."""
     return _logical(x, *_dim_keepdim(args, kwargs), every=True)
+
+
+@implements(torch.count_nonzero, _T.count_nonzero)
+def count_nonzero(x, dim=None):
+    """The number of nonzero stored entries (over everything, or along ``dim``): dense int64."""
+    if type(x) is not SparseTensor:
+        raise NoSparseRule("a sparse argument other than the input")
+    return _nonzero_counts(x, dim, False)[0]
+
+
+def _nonzero_coordinates(x: SparseTensor) -> torch.Tensor:
+    """``(K, ndim)`` int64: the coordinates of the nonzero entries, row-major sorted (duplicates summed first)."""
+    x = coalesce(x)
+    dims, vals = storage.unpack(x._format, x._shape, x._levels, x._vals)
+    dims = dims[:, (vals != 0).detach()]
+    order = torch.argsort(storage.linear_index(dims, x._shape))
+    return dims[:, order].T.contiguous()
+
+
+@implements(torch.nonzero, _T.nonzero)
+def nonzero(x, *, out=None, as_tuple=False):
+    """The coordinates of the nonzero entries, row-major: ``(K, ndim)`` int64, or one array per dimension with
+    ``as_tuple=True``; dense, as torch's."""
+    if type(x) is not SparseTensor or out is not None:
+        raise NoSparseRule("out= or a sparse argument other than the input")
+    coords = _nonzero_coordinates(x)
+    return tuple(coords.T) if as_tuple else coords
+
+
+@implements(torch.argwhere, _T.argwhere)
+def argwhere(x):
+    """``torch.nonzero(x)``: ``(K, ndim)`` int64 coordinates of the nonzero entries."""
+    return nonzero(x)
+
+
+@implements(torch.swapdims, _T.swapdims)
+def swapdims(x, dim0, dim1):
+    """``transpose``: a view sharing the values."""
+    return torch.transpose(x, dim0, dim1)
+
+
+@implements(torch.movedim, _T.movedim, torch.moveaxis, _T.moveaxis)
+def movedim(x, source, destination):
+    """The dimensions ``source`` moved to ``destination`` (a ``permute``, sharing the values)."""
+    n = x.dim()
+    src = [source] if isinstance(source, int) else list(source)
+    dst = [destination] if isinstance(destination, int) else list(destination)
+    if len(src) != len(dst):
+        raise RuntimeError(f"movedim: Invalid source or destination dims: source ({src} dims) should contain the same"
+                           f" number of dims as destination ({dst} dims)")
+    src = [_dim(d, n, "movedim") for d in src]
+    dst = [_dim(d, n, "movedim") for d in dst]
+    if len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise RuntimeError("movedim: repeated dim in `source` or `destination`")
+    order = [None] * n
+    for s_, d_ in zip(src, dst):
+        order[d_] = s_
+    rest = iter(d for d in range(n) if d not in src)
+    order = [next(rest) if o is None else o for o in order]
+    return torch.permute(x, order)
+
+
+# --- metadata questions answered without densifying -------------------------------------------------------------------
+
+implements(_T.is_signed)(lambda x: x.dtype.is_signed)
+implements(torch.is_same_size, _T.is_same_size)(lambda x, other: tuple(x.shape) == tuple(other.shape))
+implements(torch.is_conj, _T.is_conj, torch.is_neg, _T.is_neg)(lambda x: False)
+implements(torch.is_inference, _T.is_inference)(lambda x: x.values().is_inference())

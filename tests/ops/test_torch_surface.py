@@ -650,3 +650,63 @@ def test_broadcasting_ops_match_torch(case):
     for x, a in zip(operands, dense):
         if isinstance(x, SparseTensor):
             torch.testing.assert_close(*_grad_on_pattern(x, a))
+
+
+# --- nonzero, count_nonzero, predicates, aliases, dimension moves, metadata questions --------------------------------
+
+def _uncoalesced():
+    """A COO with duplicates, two of which cancel (the position reads 0), and a stored zero."""
+    idx = torch.tensor([[0, 0, 1, 2, 2, 1], [1, 1, 0, 3, 3, 2]])
+    s = scorch.sparse_coo_tensor(idx, torch.tensor([1.0, -1.0, 2.0, 3.0, 4.0, 0.0]), (3, 4))
+    return s, s.to_dense()
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "csc", "bsr(2, 2)", "ell", "uncoalesced"])
+def test_nonzero_argwhere_count_nonzero(fmt):
+    if fmt == "uncoalesced":
+        s, a = _uncoalesced()
+    else:
+        a = quarters((4, 6), 40, 0.5)
+        a[0, 0] = 0.0
+        s = scorch.asformat(a, fmt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        assert torch.equal(s.nonzero(), a.nonzero()) and torch.equal(torch.argwhere(s), torch.argwhere(a))
+        for got, want in zip(torch.nonzero(s, as_tuple=True), a.nonzero(as_tuple=True)):
+            assert torch.equal(got, want)
+        for dim in (None, 0, 1, (0, 1), -1):
+            assert torch.equal(torch.count_nonzero(s, dim), torch.count_nonzero(a, dim)), dim
+    e = scorch.asformat(torch.zeros(0, 3), "coo")
+    assert torch.equal(e.nonzero(), torch.zeros(0, 3).nonzero()) and int(e.count_nonzero()) == 0
+
+
+def test_zero_preserving_predicates_keep_the_pattern():
+    a = torch.tensor([[0.0, float("nan"), 0.0, -0.5], [float("inf"), 0.0, -float("inf"), 2.0]])
+    s = scorch.asformat(a, "csr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        for name in ("isnan", "isinf", "isposinf", "isneginf", "signbit"):
+            r = getattr(torch, name)(s)
+            assert isinstance(r, SparseTensor) and r.dtype == torch.bool, name
+            assert_matches_dense(r, getattr(torch, name)(a))
+    with pytest.warns(scorch.DensifyWarning, match="isfinite maps 0 to a nonzero"):
+        assert_matches_dense(torch.isfinite(s), torch.isfinite(a))
+    assert_matches_dense(s.logical_not(), a.logical_not())
+
+
+def test_aliases_dimension_moves_and_metadata_questions_use_sparse_rules():
+    a = quarters((2, 3, 4), 41, 0.5)
+    s = scorch.asformat(a, "coo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        for name, args in (("absolute", ()), ("negative", ()), ("multiply", (2.0,)), ("subtract", (s,)),
+                           ("divide", (4.0,)), ("true_divide", (2.0,)), ("swapdims", (0, 2)),
+                           ("movedim", (0, -1)), ("moveaxis", ((0, 1), (2, 0)))):
+            r = getattr(s, name)(*args)
+            assert isinstance(r, SparseTensor), name
+            assert_matches_dense(r, getattr(a, name)(*[a if x is s else x for x in args]))
+        assert +s is s and torch.positive(s) is s
+        assert s.is_signed() and s.is_same_size(a) and not s.is_same_size(a[0]) and not s.is_conj()
+        assert not s.is_neg() and not s.is_inference()
+    with pytest.raises(RuntimeError, match="movedim"):
+        s.movedim((0, 1), (0,))
