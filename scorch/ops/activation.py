@@ -272,7 +272,7 @@ def _compare(op_name):
             # Tensor.__eq__(S, None) and the like: a TypeError becomes NotImplemented, as for dense tensors
             raise TypeError(f"{name}: cannot compare a sparse tensor with {type(other).__name__}")
         if isinstance(x, SparseTensor) and isinstance(other, SparseTensor):
-            return _compare_sparse(op, name, x, other)
+            return union_elementwise(op, name, x, other)
         if not isinstance(x, SparseTensor) or not _scalar(other):
             raise NoSparseRule(f"{name} of a sparse tensor with a dense tensor")
         with torch.no_grad():
@@ -290,21 +290,46 @@ def _compare(op_name):
     return apply
 
 
-def _compare_sparse(op, name, a: SparseTensor, b: SparseTensor):
-    """``op(a, b)`` of two sparse tensors: op(0, 0) False gives the union of the patterns (canonical COO) holding
-    op of the two values at each position (0 where one stores nothing); True gives the dense result."""
+def union_elementwise(op, name, a: SparseTensor, b: SparseTensor):
+    """``op(a, b)`` of two sparse tensors (broadcast as torch's), elementwise. Where op(0, 0) is 0 (False): the
+    union of the patterns (canonical COO) holding op of the two values at each position (0 where one stores
+    nothing), differentiable in both; otherwise the dense result, counted by ``scorch.stats()``."""
     from .indexing import broadcast_to
     from .shape_ops import _coo, _delinearize
     shape = tuple(torch.broadcast_shapes(a._shape, b._shape))
     with torch.no_grad():
-        if bool(op(torch.zeros((), dtype=a.dtype), torch.zeros((), dtype=b.dtype))):
-            _stats.record_densify(name, _desc(a, b))
-            return op(a.to_dense(), b.to_dense())
-        (da, va), (db, vb) = (_entries(broadcast_to(t, shape)) for t in (a, b))
-        keys, where = torch.unique(torch.cat([_linear(da, shape), _linear(db, shape)]), return_inverse=True)
-        on_union = [torch.zeros(keys.shape, dtype=v.dtype, device=v.device).index_put((w,), v, accumulate=True)
-                    for v, w in ((va, where[:va.numel()]), (vb, where[va.numel():]))]
-        return _coo(_delinearize(keys, shape), op(*on_union), shape, False, name)
+        at_zero = op(torch.zeros((), dtype=a.dtype), torch.zeros((), dtype=b.dtype))
+    if bool(at_zero != 0):
+        _stats.record_densify(name, _desc(a, b))
+        return op(a.to_dense(), b.to_dense())
+    (da, va), (db, vb) = (_entries(broadcast_to(t, shape)) for t in (a, b))
+    keys, where = torch.unique(torch.cat([_linear(da, shape), _linear(db, shape)]), return_inverse=True)
+    on_union = [torch.zeros(keys.shape, dtype=v.dtype, device=v.device).index_put((w,), v, accumulate=True)
+                for v, w in ((va, where[:va.numel()]), (vb, where[va.numel():]))]
+    return _coo(_delinearize(keys, shape), op(*on_union), shape, False, name)
+
+
+def _union_op(op, name):
+    def apply(a, b, *, out=None):
+        if out is not None or not (isinstance(a, SparseTensor) and isinstance(b, SparseTensor)):
+            raise NoSparseRule(f"{name} is sparse for two sparse operands only")
+        return union_elementwise(op, name, a, b)
+    apply.__name__ = apply.__qualname__ = name.rsplit(".", 1)[-1]
+    apply.__doc__ = (f"{name} of two sparse tensors: the union of their patterns where op(0, 0) = 0 (else dense,"
+                     " counted); with a dense operand: the dense fallback.")
+    return apply
+
+
+# binary maps with op(0, 0) = 0 (False): two sparse operands give the union of their patterns
+for _fn, _spellings in (
+        (torch.maximum, (torch.maximum, _T.maximum)), (torch.minimum, (torch.minimum, _T.minimum)),
+        (torch.fmax, (torch.fmax, _T.fmax)), (torch.fmin, (torch.fmin, _T.fmin)),
+        (torch.logical_and, (torch.logical_and, _T.logical_and)), (torch.logical_or, (torch.logical_or, _T.logical_or)),
+        (torch.logical_xor, (torch.logical_xor, _T.logical_xor)),
+        (torch.bitwise_and, (torch.bitwise_and, _T.bitwise_and, _T.__and__)),
+        (torch.bitwise_or, (torch.bitwise_or, _T.bitwise_or, _T.__or__)),
+        (torch.bitwise_xor, (torch.bitwise_xor, _T.bitwise_xor, _T.__xor__))):
+    _register(*_spellings)(_union_op(_fn, f"torch.{_fn.__name__}"))
 
 
 _COMPARE = {n: _compare(n) for n in _COMPARISONS}

@@ -48,6 +48,23 @@ def _grad_on_pattern(s: SparseTensor, a: torch.Tensor):
     return s.grad.to_dense(), torch.where(_stored(s), a.grad, 0)
 
 
+def _same_sparse_result_and_gradients(fn, operands, dense, seed=1):
+    """``fn(*operands)`` is a SparseTensor (computed by a sparse rule: no fallback warning) equal to
+    ``fn(*dense)``, and a random weighting of both sends the same gradients to the stored values."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        r = fn(*operands)
+    expected = fn(*dense)
+    assert isinstance(r, SparseTensor)
+    assert_matches_dense(r, expected)
+    w = torch.rand(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=expected.dtype)
+    (r.to_dense() * w).sum().backward()
+    (expected * w).sum().backward()
+    for x, a in zip(operands, dense):
+        if isinstance(x, SparseTensor):
+            torch.testing.assert_close(*_grad_on_pattern(x, a))
+
+
 def _stored(s: SparseTensor) -> torch.Tensor:
     """Where ``s`` stores an entry (explicit zeros included), as a dense bool tensor."""
     return s.detach().with_values(torch.ones_like(s.values().detach())).to_dense() != 0
@@ -498,18 +515,7 @@ def test_broadcasting_two_sparse_operands(shapes, op):
                                                                                       dtype=torch.float64)
     if len(shapes[1]) == 2 and shapes[1][0] > 1 and len(shapes[0]) == 2:
         sb, tb = _pair(shapes[1], "csr", 26, dtype=torch.float64)
-    fn = getattr(torch, op)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", scorch.DensifyWarning)
-        r = fn(sa, sb)
-    expected = fn(ta, tb)
-    assert isinstance(r, SparseTensor)
-    assert_matches_dense(r, expected)
-    w = torch.rand(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    (r.to_dense() * w).sum().backward()
-    (expected * w).sum().backward()
-    torch.testing.assert_close(*_grad_on_pattern(sa, ta))
-    torch.testing.assert_close(*_grad_on_pattern(sb, tb))
+    _same_sparse_result_and_gradients(getattr(torch, op), (sa, sb), (ta, tb))
 
 
 @pytest.mark.parametrize("dense_shape", [(1, 5), (3, 4, 5), (4, 1), (3, 1, 1)])
@@ -710,3 +716,29 @@ def test_aliases_dimension_moves_and_metadata_questions_use_sparse_rules():
         assert not s.is_neg() and not s.is_inference()
     with pytest.raises(RuntimeError, match="movedim"):
         s.movedim((0, 1), (0,))
+
+
+@pytest.mark.parametrize("op", ["maximum", "minimum", "fmax", "fmin"])
+@pytest.mark.parametrize("shapes", [((4, 5), (4, 5)), ((4, 5), (1, 5)), ((3, 1), (3, 4))])
+def test_binary_maps_of_two_sparse_tensors_take_the_union(op, shapes):
+    (s, a), (t, b) = _pair(shapes[0], "csr", 42, dtype=torch.float64), _pair(shapes[1], "coo", 43,
+                                                                              dtype=torch.float64)
+    fn = getattr(torch, op)
+    _same_sparse_result_and_gradients(fn, (s, t), (a, b), seed=5)
+    falls_back(lambda: fn(s.detach(), b.detach()), lambda: fn(a.detach(), b.detach()), f"torch.{op}")
+
+
+def test_logical_and_bitwise_ops_of_sparse_masks():
+    a, b = quarters((4, 6), 44, 0.5), quarters((4, 6), 45, 0.5)
+    m, n = scorch.asformat(a, "csr") > 0, scorch.asformat(b, "coo") != 0
+    md, nd = a > 0, b != 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        for fn in (lambda x, y: x & y, lambda x, y: x | y, lambda x, y: x ^ y, torch.logical_and, torch.logical_or,
+                   torch.logical_xor, torch.bitwise_and):
+            r = fn(m, n)
+            assert isinstance(r, SparseTensor)
+            assert_matches_dense(r, fn(md, nd))
+        ints = scorch.asformat((a * 4).to(torch.int32), "coo"), scorch.asformat((b * 4).to(torch.int32), "csr")
+        assert_matches_dense(ints[0] | ints[1], (a * 4).to(torch.int32) | (b * 4).to(torch.int32))
+    falls_back(lambda: m & nd, lambda: md & nd, "Tensor.__and__")
