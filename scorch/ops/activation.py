@@ -12,7 +12,9 @@
 - ``F.dropout`` / ``torch.dropout`` / ``nn.Dropout``: dropout of the stored values (an implicit zero dropped is
   still zero); in eval mode the operand itself.
 - Comparisons with a scalar (``x > c``, ``torch.eq(x, c)``...): a sparse bool result on the operand's pattern
-  where ``op(0, c)`` is False, a dense (counted) result where it is True.
+  where ``op(0, c)`` is False, a dense (counted) result where it is True. Comparisons of two sparse tensors and
+  the binary maps with op(0, 0) = 0 (``maximum``, ``minimum``, ``fmax``, ``fmin``, logical and bitwise
+  and/or/xor): the union of the two patterns (``union_elementwise``), dense (counted) where op(0, 0) != 0.
 - ``torch.where(mask, x, 0)`` with a sparse bool mask: sparse on the mask's pattern; with a dense mask and a
   sparse ``x``: sparse on ``x``'s pattern. ``masked_fill`` of a dense tensor by a sparse mask: dense;
   ``masked_fill(S, mask, 0)``: ``S``'s pattern with the masked entries zeroed.
