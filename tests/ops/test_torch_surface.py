@@ -198,9 +198,36 @@ def test_in_place_foreach_on_sparse_tensors_raises():
     s, _ = _pair((4, 5), "csr", seed=11)
     d = s.detach()
     before = d.values().clone()
-    with pytest.raises(NotImplementedError, match="torch._foreach_add_ would write its result into a sparse"):
-        torch._foreach_add_([d], [torch.ones(4, 5)])  # the list's tensors are written: not a silent no-op
+    with pytest.raises(NotImplementedError, match="torch._foreach_maximum_ would write its result into a sparse"):
+        torch._foreach_maximum_([d], [torch.ones(4, 5)])  # the list's tensors are written: not a silent no-op
+    with pytest.raises(NotImplementedError, match="dense tensor"):
+        torch._foreach_add_([d], [torch.ones(4, 5)])  # element by element: Tensor.add_'s own refusal
     assert torch.equal(d.values(), before)
+
+
+@pytest.mark.parametrize("opt, kwargs", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                         (torch.optim.Adam, {"lr": 0.01}), (torch.optim.AdamW, {"lr": 0.01})])
+def test_foreach_optimizers_and_clipping_match_the_loop(opt, kwargs):
+    weights = []
+    for foreach in (False, True):
+        torch.manual_seed(3)
+        m = scorch.nn.SparseLinear(6, 3, density=0.5)
+        o = opt(m.parameters(), foreach=foreach, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", scorch.DensifyWarning)  # element by element: no fallback
+            for _ in range(3):
+                loss = m(torch.randn(4, 6)).pow(2).sum()
+                o.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, foreach=foreach)
+                o.step()
+        weights.append(m.weight.detach())
+    assert weights[1].levels[1].crd is not None and weights[0].nnz == weights[1].nnz
+    torch.testing.assert_close(weights[1].to_dense(), weights[0].to_dense())
+    d = [scorch.asformat(quarters((3, 4), 7, 0.5), "csr"), torch.ones(2)]
+    r = torch._foreach_mul(d, 2.0)  # out of place, mixed sparse and dense
+    assert isinstance(r[0], SparseTensor) and torch.equal(r[0].to_dense(), 2 * d[0].to_dense())
+    assert torch.equal(r[1], torch.full((2,), 2.0))
 
 
 @pytest.mark.parametrize("fmt", ["coo", "csr", "ell"])

@@ -1,0 +1,38 @@
+"""``torch._foreach_*`` (the list ops optimizers and ``clip_grad_norm_`` use with ``foreach=True``) on lists holding
+SparseTensors: the op applied element by element through the Tensor method of the same name (``_foreach_mul_``
+-> ``Tensor.mul_``), so each sparse element gets its own rule (an in-place update of its stored values, or a
+clear error) and each dense element torch's method. A list argument of the first list's length is taken element
+by element (tensors, scalars), anything else is passed to every element. Foreach ops with no Tensor method of
+their name run on the dense form (the fallback; an in-place one raises)."""
+from __future__ import annotations
+
+import torch
+
+from ..sparse_tensor import NoSparseRule, implements
+
+
+def _per_element(name: str):
+    method = getattr(torch.Tensor, name.removeprefix("_foreach_"), None)
+    keyword_value = name.removeprefix("_foreach_").rstrip("_") in ("addcmul", "addcdiv")
+
+    def apply(tensors, *args, **kwargs):
+        if method is None or not isinstance(tensors, (list, tuple)):
+            raise NoSparseRule(f"torch.{name} has no Tensor method to apply element by element")
+        n = len(tensors)
+
+        def at(a, i):
+            return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
+        if keyword_value and len(args) == 3:  # _foreach_addcmul_(x, t1, t2, scalars): Tensor's value= is a keyword
+            args, kwargs = args[:2], {**kwargs, "value": args[2]}
+        out = [method(t, *(at(a, i) for a in args), **{k: at(v, i) for k, v in kwargs.items()})
+               for i, t in enumerate(tensors)]
+        return None if name.endswith("_") else out
+    apply.__name__ = apply.__qualname__ = name
+    apply.__doc__ = (f"``torch.{name}``: ``Tensor.{name.removeprefix('_foreach_')}`` on each element (sparse elements"
+                     " by their own rule).")
+    return apply
+
+
+for _name in dir(torch):
+    if _name.startswith("_foreach_") and callable(getattr(torch, _name)):
+        implements(getattr(torch, _name))(_per_element(_name))
