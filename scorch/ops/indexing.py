@@ -1,6 +1,7 @@
 """Indexing, broadcasting and logical reductions of SparseTensors with torch's semantics, on the stored entries.
 
-- ``x[key]`` (``Tensor.__getitem__``), ``select``, ``narrow``, ``unbind`` (and iterating over ``x``): integers,
+- ``x[key]`` (``Tensor.__getitem__``; ``x[key] = 0`` zeroes the selected stored values in place), ``select``,
+  ``narrow``, ``unbind`` (and iterating over ``x``): integers,
   slices (positive steps), ``None``, ``...``, and at most one index tensor or list (int, or a 1-d bool mask)
   along any dimension, as torch reads them. The entries are filtered and moved to their new coordinates with
   vectorized torch; the result is canonical (coalesced, row-major) COO, or a 0-d dense tensor where every
@@ -121,13 +122,20 @@ def _expand_key(key, ndim: int):
 def getitem(x, key):
     """``x[key]`` with integers, slices, ``None``, ``...`` and one index tensor or list (int or 1-d bool) along
     any dimension: canonical COO (a 0-d dense tensor where every dimension is indexed by an integer)."""
-    if type(x) is not SparseTensor or isinstance(key, SparseTensor) or (
-            isinstance(key, tuple) and any(isinstance(k, SparseTensor) for k in key)):
+    if type(x) is not SparseTensor:
+        raise NoSparseRule("a sparse index")
+    rows, vals, out_shape = _indexed_entries(x, key, *_entries(x))
+    return _result(rows, vals, out_shape, x._format.keeps_duplicates, "__getitem__")
+
+
+def _indexed_entries(x: SparseTensor, key, dims, vals):
+    """The entries ``(dims, vals)`` of ``x`` that ``x[key]`` keeps, at their coordinates in the result:
+    ``(rows, vals, result shape)``. ``vals`` may be any per-entry array (the values, or positions)."""
+    if isinstance(key, SparseTensor) or (isinstance(key, tuple) and any(isinstance(k, SparseTensor) for k in key)):
         raise NoSparseRule("a sparse index")
     key = _expand_key(key, x.dim())
     if sum(_is_index_tensor(k) for k in key) > 1:
         raise NoSparseRule("several index tensors")
-    dims, vals = _entries(x)
     shape, out_shape, d = list(x._shape), [], 0  # d: the dimension of x the next key item indexes
     out_dims = []  # per output dimension: a coordinate row, or None for a new size-1 dimension
     for k in key:
@@ -160,8 +168,38 @@ def getitem(x, key):
         out_dims.append(rest)
     zeros = torch.zeros(vals.numel(), dtype=torch.int64, device=vals.device)
     rows = [zeros if r is None else dims[r] for r in out_dims]
-    return _result(torch.stack(rows) if rows else dims[:0], vals, tuple(out_shape), x._format.keeps_duplicates,
-                   "__getitem__")
+    return (torch.stack(rows) if rows else dims[:0]), vals, tuple(out_shape)
+
+
+def _zero_value(v) -> bool:
+    if isinstance(v, numbers.Number):
+        return v == 0
+    return isinstance(v, torch.Tensor) and type(v) is not SparseTensor and v.numel() == 1 and bool(v == 0)
+
+
+@implements(_T.__setitem__)
+def setitem(x, key, value):
+    """``x[key] = 0`` (with any key ``x[key]`` reads by its sparse rule): the selected stored values set to 0, in
+    place, pattern kept. Other values would fill implicit zeros: they raise (a sparse tensor cannot become dense in
+    place), as a dense ``x`` with a sparse value runs on the dense form."""
+    if type(x) is not SparseTensor or not _zero_value(value):
+        raise NoSparseRule("assignment of a value other than 0")
+    leaf, dims, inside = storage.coordinates(x._format, x._shape, x._levels)
+    dims, leaf = dims[:, inside], leaf[inside]
+    if isinstance(key, torch.Tensor) and key.dtype == torch.bool and key.dim() > 1:
+        # a mask over the leading dimensions (x[x < t] = 0): the stored entries where it is True
+        k = key.dim()
+        if tuple(key.shape) != tuple(x._shape[:k]):
+            raise IndexError(f"The shape of the mask {list(key.shape)} does not match the shape of the indexed tensor"
+                             f" {list(x._shape)}")
+        if type(key) is SparseTensor:
+            hit = storage.lookup(key._format, key._shape, key._levels, key._vals, dims[:k]).bool()
+        else:
+            hit = key.to(dims.device)[tuple(dims[:k])]
+        chosen = leaf[hit]
+    else:
+        _, chosen, _ = _indexed_entries(x, key, dims, leaf)
+    x._vals[chosen] = 0  # every stored entry at a chosen position (duplicates too): the position reads 0
 
 
 @implements(torch.select, _T.select)

@@ -769,3 +769,36 @@ def test_logical_and_bitwise_ops_of_sparse_masks():
         ints = scorch.asformat((a * 4).to(torch.int32), "coo"), scorch.asformat((b * 4).to(torch.int32), "csr")
         assert_matches_dense(ints[0] | ints[1], (a * 4).to(torch.int32) | (b * 4).to(torch.int32))
     falls_back(lambda: m & nd, lambda: md & nd, "Tensor.__and__")
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "csc", "bsr(2, 2)", "ell", "uncoalesced"])
+def test_setting_zero_through_an_index_keeps_the_pattern(fmt):
+    if fmt == "uncoalesced":
+        s0, a = _uncoalesced()
+        a = a.clone()
+    else:
+        a = quarters((4, 6), 46, 0.6)
+        s0 = scorch.asformat(a, fmt)
+    keys = [1, (slice(None), 2), (slice(1, 3), [0, 2]), (..., -1), torch.tensor([True, False, True] + [False] *
+                                                                                  (a.shape[0] - 3)),
+            "mask", "sparse mask"]
+    for key in keys:
+        s = s0.clone()
+        levels = [st.arrays() for st in s.levels]
+        if isinstance(key, str):
+            key = a > 0.5 if key == "mask" else s > 0.5
+        expected = a.clone()
+        expected[key.to_dense() if isinstance(key, SparseTensor) else key] = 0
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", scorch.DensifyWarning)
+            s[key] = 0
+        assert_matches_dense(s, expected)
+        assert all(torch.equal(x, y) for st, lv in zip(s.levels, levels) for x, y in zip(st.arrays().values(),
+                                                                                           lv.values()))
+    s = s0.clone()
+    with pytest.raises(NotImplementedError, match="__setitem__ would write"):
+        s[0, 0] = 1.0  # would fill an implicit zero
+    d = torch.zeros(a.shape)
+    with pytest.warns(scorch.DensifyWarning):
+        d[1:3] = s0[1:3]  # a dense tensor takes a sparse value: on the dense form
+    assert torch.equal(d[1:3], a[1:3])
