@@ -76,7 +76,7 @@ class SparseTensor(torch.Tensor):
     def __new__(cls, format, shape, levels, values, *, requires_grad=False, check=True):
         shape = torch.Size(shape)
         fmt = resolve(format, len(shape))
-        levels = tuple(_as_storage(lv) for lv in levels)
+        levels = _storage.uniform_index_dtype(_as_storage(lv) for lv in levels)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
         # kernels read arrays as contiguous: a strided view (a column of a matrix) is copied
@@ -285,8 +285,12 @@ class SparseTensor(torch.Tensor):
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
-        """The dense tensor (differentiable: the gradient reaches the stored values)."""
-        out = _storage.to_dense(self._format, self.shape, self._levels, self._vals)
+        """The dense tensor (differentiable: the gradient reaches the stored values). On the CPU a generated
+        kernel writes it (``compiler.densify``); elsewhere, and for small storage, the entries are listed."""
+        from .compiler import densify
+        out = densify.to_dense(self._format, self._shape, self._levels, self._vals)
+        if out is None:
+            out = _storage.to_dense(self._format, self._shape, self._levels, self._vals)
         return out if dtype is None else out.to(dtype)
 
     def to_torch(self) -> torch.Tensor:

@@ -246,20 +246,14 @@ def row_major(fmt: Format) -> bool:
 
 
 def to_dense(fmt: Format, shape, levels, values):
-    """The dense tensor of a storage (differentiable in ``values``). On the CPU a generated kernel writes it
-    (``compiler.densify``: 16x faster than the listing on a 4096x512 result); elsewhere, and for small storage,
-    the entries are listed and put."""
+    """The dense tensor of a storage (differentiable in ``values``, also when nothing is stored), its entries
+    listed and put. ``SparseTensor.to_dense`` runs a generated kernel instead where one pays
+    (``compiler.densify``)."""
     if row_major(fmt):
         return values.reshape(shape)
-    from ..compiler import densify
-    compiled = densify.to_dense(fmt, shape, levels, values)
-    if compiled is not None:
-        return compiled
     dims, vals = unpack(fmt, shape, levels, values)
     out = torch.zeros(tuple(shape), dtype=values.dtype, device=values.device)
-    if vals.numel():
-        out.index_put_(tuple(dims), vals, accumulate=fmt.keeps_duplicates)
-    return out
+    return out.index_put(tuple(dims), vals, accumulate=fmt.keeps_duplicates)
 
 
 class PatternMemo:

@@ -39,7 +39,7 @@ def diagonal(x, letters):
     uniq = distinct(letters)
     if len(uniq) == len(letters):
         return x
-    if type(x) is SparseTensor and x.format.is_dense:  # every position stored: the dense diagonal serves
+    if type(x) is SparseTensor and storage.row_major(x.format):  # the values are the dense tensor: its diagonal
         x = x.values().reshape(x.shape)
     if type(x) is not SparseTensor:
         have = list(letters)

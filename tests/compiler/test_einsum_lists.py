@@ -353,3 +353,12 @@ def test_requested_coo_of_a_sparse_product():
     r = scorch.einsum("ij,jk->ik", scorch.asformat(a, "coo"), scorch.asformat(b, "coo"), format="coo")
     assert r.format == scorch.formats.resolve("coo", 2)
     assert_matches_dense(r, a @ b)
+
+
+def test_diagonal_of_a_dense_format_stored_in_another_order():
+    """A dense-format operand whose values are not row-major (levels in another order than the dimensions)
+    takes its diagonal through the entries, not by reading the values as the row-major tensor."""
+    x = torch.arange(18.).reshape(3, 3, 2)
+    S = scorch.asformat(x, "(i, j, k) -> (k : dense, i : dense, j : dense)")
+    assert_matches_dense(scorch.einsum("iik->ik", S), torch.einsum("iik->ik", x))
+    assert_matches_dense(scorch.einsum("iik->ik", scorch.asformat(x, "dense")), torch.einsum("iik->ik", x))

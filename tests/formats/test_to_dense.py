@@ -149,3 +149,13 @@ def test_unpack_of_coordinate_lists(make, itype, monkeypatch):
     if vals.requires_grad:
         vals.sum().backward()
         assert torch.equal(s.values().grad, torch.ones_like(s.values()))
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "dia"])
+def test_nothing_stored_keeps_the_graph(fmt):
+    """``to_dense`` of a tensor with no stored entries is still differentiable in its (empty) values, as torch's."""
+    s = scorch.asformat(torch.zeros(3, 3), fmt).requires_grad_()
+    d = s.to_dense()
+    assert d.grad_fn is not None and d.requires_grad
+    d.sum().backward()
+    assert s.grad is not None
