@@ -115,7 +115,10 @@ class SddmmExpr:
         return "sampled_addmm"
 
     def compute(self):
-        return dispatch.einsum("ij,ik,jk->ij", _ones(self.pattern, self.q.dtype), self.q, self.k).values() * self.alpha
+        # the pattern's own format: the values must line up with its entries (a differentiable einsum would give
+        # a padded pattern's result unpadded)
+        ones = _ones(self.pattern, self.q.dtype)
+        return dispatch.einsum("ij,ik,jk->ij", ones, self.q, self.k, format=ones.format).values() * self.alpha
 
 
 class SoftmaxExpr:
