@@ -193,13 +193,15 @@ class SparseTensor(torch.Tensor):
         return self.nnz
 
     def sparse_dim(self) -> int:
-        """As torch: the number of dimensions the index arrays address (every dimension: a scorch format
-        stores no dense trailing dimensions)."""
-        return len(self._shape)
+        """As torch: the number of dimensions the index arrays address (all but a hybrid COO's dense trailing
+        dimensions)."""
+        return len(self._shape) - self.dense_dim()
 
     def dense_dim(self) -> int:
-        """As torch: the number of dense trailing dimensions of each stored value (none)."""
-        return 0
+        """As torch: the number of dense trailing dimensions of each stored entry (a hybrid COO's; 0 otherwise)."""
+        from .formats.named import hybrid_coo_dims
+        coo = hybrid_coo_dims(self._format)
+        return coo[0] if coo is not None else 0
 
     @property
     def index_dtype(self) -> torch.dtype:

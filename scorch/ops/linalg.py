@@ -155,9 +155,7 @@ def linear(input, weight, bias=None):
                              for tile in x.split(rows)], 1)
         out = out.t().reshape(*lead, shape_of(weight)[0])
     elif _is_sparse(input) and not _is_sparse(weight):
-        if input.dim() != 2:
-            raise NotImplementedError("scorch: linear with a sparse input of more than 2 dimensions")
-        out = dispatch.einsum("bi,oi->bo", input, weight, format="dense")
+        out = dispatch.einsum("...i,oi->...o", input, weight, format="dense")
     else:
         out = dispatch.einsum("bi,oi->bo", input, weight)
     return out if bias is None else out + bias

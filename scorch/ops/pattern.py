@@ -24,7 +24,7 @@ import numbers
 
 import torch
 
-from ..sparse_tensor import SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements
 
 
 def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
@@ -73,7 +73,7 @@ def _inplace(method):
 
     def op(self, *args, **kwargs):
         if not isinstance(self, SparseTensor):
-            raise NotImplementedError(f"scorch: {name} into a dense tensor from a SparseTensor; use to_dense()")
+            raise NoSparseRule(f"scorch: {name} into a dense tensor")  # the dense form serves (dense self += S)
         sparse = [a for a in (*args, *kwargs.values()) if isinstance(a, SparseTensor)]
         if any(not same_pattern(a, self) for a in sparse):
             return _with_new_pattern(self, name, args, kwargs)
@@ -137,7 +137,7 @@ def _replace_storage(self: SparseTensor, src: torch.Tensor, fresh: bool) -> None
 def copy_(self, src, non_blocking=False):
     """Values from ``src``; a SparseTensor of another pattern (``load_state_dict``) replaces the pattern."""
     if not isinstance(self, SparseTensor):
-        raise NotImplementedError("scorch: copying a SparseTensor into a dense tensor; use to_dense()")
+        raise NoSparseRule("scorch: copy_ into a dense tensor")  # the dense form serves
     if isinstance(src, SparseTensor) and not same_pattern(src, self):
         if src._shape != self._shape:
             raise ValueError(f"copy_: shapes {tuple(src._shape)} and {tuple(self._shape)} differ")

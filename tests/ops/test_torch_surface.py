@@ -803,3 +803,48 @@ def test_setting_zero_through_an_index_keeps_the_pattern(fmt):
     with pytest.warns(scorch.DensifyWarning):
         d[1:3] = s0[1:3]  # a dense tensor takes a sparse value: on the dense form
     assert torch.equal(d[1:3], a[1:3])
+
+
+@pytest.mark.parametrize("op,call", [
+    ("Tensor.add_", lambda d, s: d.add_(s)),
+    ("Tensor.mul_", lambda d, s: d.mul_(s)),
+    ("Tensor.copy_", lambda d, s: d.copy_(s)),
+])
+def test_in_place_into_a_dense_tensor_from_a_sparse_one(op, call):
+    """A dense ``self`` updated in place from a sparse operand runs on the dense form and updates ``self``
+    (``dense *= S`` raised NotImplementedError)."""
+    x = torch.tensor([[1., 0, 2], [0, 0, 3]])
+    d, want = torch.full((2, 3), 2.), torch.full((2, 3), 2.)
+    got = falls_back(lambda: call(d, scorch.asformat(x, "csr")), lambda: call(want, x), op)
+    assert got is d
+
+
+def test_sparse_and_dense_dims_of_a_hybrid_coo():
+    x = torch.randn(4, 3, 2)
+    x[1] = 0
+    for k in (0, 1, 2):
+        t = x.to_sparse(x.dim() - k)
+        s = scorch.from_torch(t)
+        assert (s.sparse_dim(), s.dense_dim()) == (t.sparse_dim(), t.dense_dim())
+    s = scorch.asformat(x[0], "csr")
+    assert (s.sparse_dim(), s.dense_dim()) == (2, 0)
+
+
+@pytest.mark.parametrize("shape,fmt", [((3, 4, 5), "coo"), ((2, 2, 3, 5), "coo"), ((5,), "coo"), ((4, 5), "csr")])
+def test_linear_with_a_sparse_input_of_any_rank(shape, fmt):
+    """``F.linear(S, W, b)`` with a sparse input of 1, 2 or more dimensions (more than 2 raised): values and
+    the gradients of the input's stored values, the weight and the bias."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) * (torch.rand(shape) < 0.4)
+    w, b = torch.randn(6, 5, requires_grad=True), torch.randn(6, requires_grad=True)
+    s = scorch.asformat(x, fmt).requires_grad_()
+    got = F.linear(s, w, b)
+    assert_matches_dense(got, F.linear(x, w, b))
+    got.square().sum().backward()
+    gw, gb = w.grad.clone(), b.grad.clone()
+    w.grad = b.grad = None
+    xd = x.clone().requires_grad_()
+    F.linear(xd, w, b).square().sum().backward()
+    torch.testing.assert_close(gw, w.grad)
+    torch.testing.assert_close(gb, b.grad)
+    torch.testing.assert_close(s.grad.to_dense(), xd.grad * (x != 0))  # on the stored entries
