@@ -143,3 +143,12 @@ def test_routed_names_resolve_when_torch_is_aliased_to_scorch_in_sys_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[0] == "torch"
+
+
+def test_torch_ops_under_the_alias_is_torchs():
+    """``scorch.ops`` is scorch's package of sparse rules, and under ``import scorch as torch`` also
+    ``torch.ops``: the operator namespaces are torch's (``torch.ops.aten.add`` raised AttributeError)."""
+    import scorch
+    assert scorch.ops.aten is torch.ops.aten
+    assert torch.equal(scorch.ops.aten.add.Tensor(torch.ones(2), torch.ones(2)), torch.full((2,), 2.))
+    assert scorch.ops.load_library == torch.ops.load_library
