@@ -118,10 +118,38 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self.spec  # the import system stamped scorch's spec on torch's module: undo it
 
 
+def _aliased_torch_modules() -> dict:
+    """The ``sys.modules`` entries named ``torch`` / ``torch.*`` that hold scorch's modules (code that replaced
+    torch by scorch there, as the drop-in tests of third-party packages do)."""
+    return {k: v for k, v in list(sys.modules.items()) if (k == "torch" or k.startswith("torch.")) and
+            getattr(v, "__name__", "").startswith("scorch")}
+
+
+def _real(name: str):
+    module = _torch
+    for part in name.split(".")[1:]:
+        module = getattr(module, part)
+    return module
+
+
 class TorchAliasFinder(importlib.abc.MetaPathFinder):
-    """Resolves ``scorch.a.b`` to ``torch.a.b`` when scorch has no such module of its own."""
+    """Resolves ``scorch.a.b`` to ``torch.a.b`` when scorch has no such module of its own; and, where
+    ``sys.modules['torch']`` is scorch, a torch submodule not imported yet (``import torch._dynamo``) to torch's
+    own module, imported with torch's modules put back meanwhile (its own ``import torch`` must get torch)."""
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith("torch.") and sys.modules.get("torch") is not _torch:
+            aliased = _aliased_torch_modules()
+            if not aliased:
+                return None
+            try:
+                sys.modules.update({k: _real(k) for k in aliased})
+                module = importlib.import_module(fullname)
+            except (ImportError, AttributeError):
+                return None
+            finally:
+                sys.modules.update(aliased)
+            return importlib.util.spec_from_loader(fullname, _AliasLoader(module))
         if not fullname.startswith("scorch."):
             return None
         parent_name, _, child = fullname.rpartition(".")

@@ -363,22 +363,31 @@ def sparse_compressed_tensor(compressed_indices, plain_indices, values, size=Non
                   layout=layout, pin_memory=pin_memory)
 
 
-def _compressed_ctor(torch_fn):
-    def ctor(compressed_indices, plain_indices, values, size=None, *, dtype=None, device=None, pin_memory=False,
-             requires_grad=False, check_invariants=None):
-        args = (compressed_indices, plain_indices, values) + (() if size is None else (size,))
-        return _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants,
-                      pin_memory=pin_memory)
+def _compressed_ctor(torch_fn, compressed: str, plain: str):
+    """A constructor with ``torch_fn``'s signature; its index arrays may also be given by torch's keyword names
+    (``crow_indices=``, ``col_indices=``...)."""
+    def ctor(*args, size=None, dtype=None, device=None, pin_memory=False, requires_grad=False,
+             check_invariants=None, **named_arrays):
+        names = (compressed, plain, "values")
+        given = list(args[:3]) + [named_arrays.pop(n) for n in names[len(args[:3]):] if n in named_arrays]
+        if named_arrays or len(given) != 3 or len(args) > 4 or (len(args) == 4 and size is not None):
+            raise TypeError(f"{torch_fn.__name__}({compressed}, {plain}, values, size=None, *, dtype=None,"
+                            f" device=None, pin_memory=False, requires_grad=False, check_invariants=None): got"
+                            f" {len(args)} positional argument(s) and keywords {sorted(named_arrays) or 'as above'}")
+        size = args[3] if len(args) == 4 else size
+        values = given[2]
+        return _build(torch_fn, tuple(given) + (() if size is None else (size,)), values, dtype, device,
+                      requires_grad, check_invariants, pin_memory=pin_memory)
     ctor.__name__ = torch_fn.__name__
     ctor.__doc__ = (f"As ``torch.{torch_fn.__name__}``, returning a scorch SparseTensor that shares its arrays"
                     " (validated unless ``check_invariants=False``).")
     return ctor
 
 
-sparse_csr_tensor = _compressed_ctor(torch.sparse_csr_tensor)
-sparse_csc_tensor = _compressed_ctor(torch.sparse_csc_tensor)
-sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor)
-sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor)
+sparse_csr_tensor = _compressed_ctor(torch.sparse_csr_tensor, "crow_indices", "col_indices")
+sparse_csc_tensor = _compressed_ctor(torch.sparse_csc_tensor, "ccol_indices", "row_indices")
+sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor, "crow_indices", "col_indices")
+sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor, "ccol_indices", "row_indices")
 
 
 def coo_from_entries(rows, vals, shape, duplicates: bool) -> SparseTensor:

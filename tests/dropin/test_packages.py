@@ -301,16 +301,7 @@ CASES = {
 
 # (case, "loaded" | "dense" | "sparse") -> (the exception(s) scorch raises now, the op). Remove an entry when
 # its test XPASSes.
-MISSING: dict = {
-    # Importing PyG under the alias stops at `import torch._dynamo` (torch_geometric/isinstance.py): a torch
-    # submodule not yet imported is not found under a torch that is scorch (`sys.modules['torch'] = scorch;
-    # import torch._dynamo`). Past it, the sparse run stops at `torch.sparse_csr_tensor(crow_indices=...,
-    # col_indices=..., values=..., size=...)` (torch_geometric/utils/sparse.py): keyword arguments refused.
-    ("torch_geometric", "loaded"): (ModuleNotFoundError, "import torch._dynamo under the alias"),
-    ("torch_geometric", "dense"): (ModuleNotFoundError, "import torch._dynamo under the alias"),
-    ("torch_geometric", "sparse"): ((ModuleNotFoundError, TypeError),
-                                    "import torch._dynamo under the alias; sparse_csr_tensor(crow_indices=...)"),
-}
+MISSING: dict = {}
 
 
 # --- running a case -------------------------------------------------------------------------------------------
