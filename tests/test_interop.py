@@ -670,3 +670,20 @@ def test_constructor_errors():
         scorch.sparse_csr_tensor([0, 1], [0], torch.ones(1, 3), (1, 2))  # hybrid CSR
     with pytest.raises(ValueError):
         scorch.interop.sparse_compressed_tensor([0, 1], [0], [1.], (1, 2))  # no layout
+
+
+@pytest.mark.parametrize("name,compressed,plain", [("sparse_csr_tensor", "crow_indices", "col_indices"),
+                                                   ("sparse_csc_tensor", "ccol_indices", "row_indices")])
+def test_compressed_constructors_take_torchs_keyword_names(name, compressed, plain):
+    """``scorch.sparse_csr_tensor(crow_indices=..., col_indices=..., values=..., size=...)`` as torch's (PyG
+    calls it so; keywords raised TypeError); unknown keywords and missing arrays raise TypeError."""
+    ptr, idx, vals = torch.tensor([0, 1, 2]), torch.tensor([1, 0]), torch.tensor([1., 2.])
+    want = getattr(torch, name)(ptr, idx, vals, (2, 2)).to_dense()
+    ctor = getattr(scorch, name)
+    assert_matches_dense(ctor(**{compressed: ptr, plain: idx, "values": vals, "size": (2, 2)}), want)
+    assert_matches_dense(ctor(ptr, idx, values=vals, size=(2, 2)), want)
+    assert_matches_dense(ctor(ptr, idx, vals, (2, 2)), want)
+    with pytest.raises(TypeError):
+        ctor(ptr, idx)
+    with pytest.raises(TypeError):
+        ctor(ptr, idx, vals, bogus=1)

@@ -152,3 +152,15 @@ def test_torch_ops_under_the_alias_is_torchs():
     assert scorch.ops.aten is torch.ops.aten
     assert torch.equal(scorch.ops.aten.add.Tensor(torch.ones(2), torch.ones(2)), torch.full((2,), 2.))
     assert scorch.ops.load_library == torch.ops.load_library
+
+
+def test_torch_submodules_import_where_torch_is_scorch_in_sys_modules():
+    """Code that puts scorch in ``sys.modules['torch']`` (loading a package with torch replaced) still imports
+    torch's submodules that were not imported yet (``import torch._dynamo`` raised ModuleNotFoundError)."""
+    import subprocess
+    import sys
+    code = ("import sys, scorch\nsys.modules['torch'] = scorch\nimport torch._dynamo, torch.utils.checkpoint\n"
+            "assert sys.modules['torch'] is scorch and torch._dynamo.__name__ == 'torch._dynamo'\n"
+            "try:\n    import torch.no_such_module\nexcept ImportError:\n    print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
