@@ -46,8 +46,7 @@ def reference(torch):
 
 # the program followed by what a model does with its output: a loss, backward() and an optimizer step (the experts
 # a Parameter); under scorch it must run with no warning and no dense fallback
-TRAINING = PROGRAM.replace("E = torch.randn(N_experts, D_in, D_out)",
-                           "E = torch.nn.Parameter(torch.randn(N_experts, D_in, D_out))") + '''\
+STEP = '''\
 target = torch.randn(B, D_out)
 opt = torch.optim.SGD([E], lr=0.1, momentum=0.9)
 loss = F.mse_loss(y, target)
@@ -55,6 +54,8 @@ loss.backward()
 grad = E.grad.clone()
 opt.step()
 '''
+TRAINING = PROGRAM.replace("E = torch.randn(N_experts, D_in, D_out)",
+                           "E = torch.nn.Parameter(torch.randn(N_experts, D_in, D_out))") + STEP
 
 
 def train(torch):
@@ -74,10 +75,6 @@ def train_reference(torch):
     E = torch.nn.Parameter(torch.randn(N_experts, D_in, D_out))
     gates = F.one_hot(torch.rand(B, N_experts).argmax(1), N_experts)
     y = torch.einsum("bnd,bn->bd", torch.einsum("bd,ndh->bnh", x, E), gates.to(E.dtype))
-    target = torch.randn(B, D_out)
-    opt = torch.optim.SGD([E], lr=0.1, momentum=0.9)
-    loss = F.mse_loss(y, target)
-    loss.backward()
-    grad = E.grad.clone()
-    opt.step()
-    return {"y": y, "loss": loss, "grad": grad, "E": E}
+    ns = {"torch": torch, "F": F, "B": B, "D_out": D_out, "y": y, "E": E}
+    exec(compile(STEP, "issue_moe_step", "exec"), ns)  # the same step as the program's
+    return {"y": y, "loss": ns["loss"], "grad": ns["grad"], "E": E}
