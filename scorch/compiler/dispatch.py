@@ -323,7 +323,7 @@ def _evaluate(node, inputs, ops, target, format=None, backend="cpp", explain=Fal
             _inferred_format(idx, tuple(target), leaves, r.dtype)
         if fmt is None or fmt.is_dense:
             return r
-        if not r.requires_grad:  # rows kept whole (the usual inferred format): r's memory becomes the values
+        if not r.requires_grad:  # rows kept whole (a requested rows-compressed format): r's memory becomes the values
             rows = interop._compressed_rows(r.contiguous(), fmt, None, False, copy=False)
             if rows is not None:
                 return rows
