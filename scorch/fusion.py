@@ -30,7 +30,8 @@ import torch
 
 from . import deferred
 from ._autograd import _einsum_grad, pattern_ones
-from .compiler import dispatch, fuse, loops as L
+from .compiler import dispatch, fuse
+from . import loopir as L
 from .compiler.codegen import cpp
 from .deferred import Deferred
 from .formats.storage import PatternMemo

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import scorch
 from scorch.deferred import Deferred
-from scorch.compiler import fuse, interp, loops as L
+from scorch import loopir as L
+from scorch.compiler import fuse, interp
 
 
 def attention(q, k, v, mask):

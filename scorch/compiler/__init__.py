@@ -19,6 +19,13 @@
 """
 import torch.compiler as _torch_compiler
 
-from .. import _forward
 
-__getattr__, __dir__ = _forward.forward(globals(), _torch_compiler)
+def __getattr__(name):  # (the compiler package imports nothing of scorch outside it: no scorch._forward here)
+    try:
+        return getattr(_torch_compiler, name)
+    except AttributeError:
+        raise AttributeError(f"module 'scorch.compiler' has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(dir(_torch_compiler)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..formats.levels import LevelSymbols
 from . import lattice
-from . import loops as L
+from .. import loopir as L
 from .ir import Access, Assignment
 from .lower import Lowered, _Lowering, _cast
 from .schedule import CoSchedule

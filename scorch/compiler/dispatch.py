@@ -19,7 +19,7 @@ from ..deferred import Deferred
 from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
 from . import contract
-from . import loops as L
+from .. import loopir as L
 from . import grouped, library, relayout, runtime
 from .codegen import cpp, cuda
 from .einsum import equation as einsum_string

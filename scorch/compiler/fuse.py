@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import fields, is_dataclass, replace
 
-from . import loops as L
+from .. import loopir as L
 
 
 def rename(node, names: dict):

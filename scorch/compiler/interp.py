@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from . import loops as L
+from .. import loopir as L
 
 NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
 

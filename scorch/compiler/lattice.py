@@ -9,7 +9,7 @@ nonzero where no iterated operand has an entry.
 """
 from __future__ import annotations
 
-from . import loops as L
+from .. import loopir as L
 from .ir import Access, Add, Map, Mul, Scalar
 
 TRUE = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..formats import Div, Mod
 from ..formats import Var as FVar
 from ..formats.levels import LevelSymbols
-from . import loops as L
+from .. import loopir as L
 from .infer import factors
 from .ir import Access, Add, Assignment, Map, Mul, Scalar
 from .schedule import Schedule

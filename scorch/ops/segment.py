@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler import fuse, loops as L
+from .. import loopir as L
+from ..compiler import fuse
 from ..compiler.codegen import cpp
 
 _kernels: dict = {}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import scorch
 from scorch.compiler import dispatch, runtime
-from scorch.compiler import loops as L
+from scorch import loopir as L
 from scorch.compiler.codegen import cuda
 
 from conftest import assert_matches_dense, compile_ahead

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import re
 
-from .. import loops as L
+from ... import loopir as L
 from .. import runtime
 
 CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double"}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from .. import loops as L
+from ... import loopir as L
 from . import cpp
 from .cpp import CTYPE, ident
 

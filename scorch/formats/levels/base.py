@@ -39,6 +39,8 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ... import loopir as L
+
 
 @dataclass(eq=False)
 class LevelStorage:
@@ -72,7 +74,6 @@ class LevelSymbols:
     width: object = None
 
     def load(self, array, index):
-        from ...compiler import loops as L
         return L.Cast(L.Load(array, index, self.index_type), "i64")
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...loopir import Const, binary
 from .base import Level, LevelStorage, check_index_dtype, check_length, check_range, ranges
 
 
@@ -36,7 +37,6 @@ class Compressed(Level):
         return src, child, storage.crd[child].long()
 
     def emit_pos_bounds(self, sym, parent):
-        from ...compiler.loops import Const, binary
         return sym.load(sym.pos, parent), sym.load(sym.pos, binary("add", parent, Const(1)))
 
     def emit_pos_access(self, sym, pos):

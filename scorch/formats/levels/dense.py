@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...loopir import binary
 from .base import Level, LevelStorage
 
 
@@ -33,11 +34,9 @@ class Dense(Level):
         return parent_pos * (hi - lo) + (coord - lo), found
 
     def emit_coord_bounds(self, sym, parent):
-        from ...compiler.loops import binary
         return sym.lo, binary("add", sym.lo, sym.size)
 
     def emit_coord_access(self, sym, parent, coord):
-        from ...compiler.loops import binary
         return binary("add", binary("mul", parent, sym.size), binary("sub", coord, sym.lo))
 
     def assemble(self, parent_pos, parent_count, coord, lo, hi):

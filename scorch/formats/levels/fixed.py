@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ...loopir import binary
 from .base import Level, LevelStorage, check_index_dtype, check_range
 from .compressed import new_groups
 
@@ -65,7 +66,6 @@ class Fixed(Level):
         return src, child, storage.crd[child].long()
 
     def emit_pos_bounds(self, sym, parent):
-        from ...compiler.loops import binary
         begin = binary("mul", parent, sym.width)
         return begin, binary("add", begin, sym.width)
 
