@@ -1,0 +1,276 @@
+#include <cstdint>
+#include <cmath>
+#ifdef SCORCH_EMULATE
+/* CUDA on the CPU, for tests without a GPU: blocks run one after another, the threads of a block as OpenMP
+   threads. Blocks are one warp, so a warp shuffle is a block barrier; atomics are OpenMP atomics. */
+#include <cstdlib>
+#include <mutex>
+#include <omp.h>
+struct scorch_dim3 { unsigned x, y, z; };
+static thread_local scorch_dim3 threadIdx, blockIdx;
+static scorch_dim3 blockDim, gridDim;
+typedef void* cudaStream_t;
+typedef int cudaError_t;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+template <class T> static T __shfl_xor_sync(unsigned, T v, int mask) {
+  static T slot[32];
+  slot[threadIdx.x] = v;
+  _Pragma("omp barrier")
+  const T r = slot[threadIdx.x ^ mask];
+  _Pragma("omp barrier")
+  return r;
+}
+template <class T> static inline void scorch_atomic_add(T* p, T v) {
+  _Pragma("omp atomic")
+  *p += v;
+}
+template <class T> static inline void scorch_atomic_max(T* p, T v) {
+  _Pragma("omp critical(scorch_atomic)")
+  { if (v > *p) *p = v; }
+}
+template <class T> static inline void scorch_atomic_min(T* p, T v) {
+  _Pragma("omp critical(scorch_atomic)")
+  { if (v < *p) *p = v; }
+}
+static int scorch_launch_error = 0;
+static std::mutex scorch_launch_lock;  /* launches from several host threads take turns (shared grid state) */
+#define SCORCH_LAUNCH(kernel, grid, block, stream, ...) do { \
+    std::lock_guard<std::mutex> scorch_guard(scorch_launch_lock); \
+    gridDim = scorch_dim3{(unsigned)(grid), 1, 1}; blockDim = scorch_dim3{(unsigned)(block), 1, 1}; \
+    for (unsigned scorch_b = 0; scorch_b < gridDim.x; ++scorch_b) { \
+      _Pragma("omp parallel num_threads(blockDim.x)") \
+      { \
+        if ((unsigned)omp_get_num_threads() != blockDim.x) { _Pragma("omp atomic write") scorch_launch_error = 1; } \
+        else { threadIdx = scorch_dim3{(unsigned)omp_get_thread_num(), 0, 0}; \
+               blockIdx = scorch_dim3{scorch_b, 0, 0}; kernel(__VA_ARGS__); } \
+      } \
+    } } while (0)
+static inline int scorch_sms(cudaStream_t) { return 1; }
+static inline cudaError_t scorch_scratch_alloc(char** p, int64_t bytes, cudaStream_t) {
+  *p = (char*)std::malloc(bytes > 0 ? (size_t)bytes : 1);
+  return *p ? 0 : 2;
+}
+static inline void scorch_scratch_free(char* p, cudaStream_t) { std::free(p); }
+static inline cudaError_t scorch_last_error() { const int e = scorch_launch_error; scorch_launch_error = 0; return e; }
+static inline const char* scorch_error_string(int e) {
+  return e == 1 ? "the emulator got fewer OpenMP threads than a block has" : e == 2 ? "out of memory" : "no error";
+}
+#define SCORCH_EMULATED 1
+#else
+#define SCORCH_EMULATED 0
+#define SCORCH_LAUNCH(kernel, grid, block, stream, ...) \
+    kernel<<<(unsigned)(grid), (unsigned)(block), 0, (stream)>>>(__VA_ARGS__)
+static __device__ __forceinline__ void scorch_atomic_add(float* p, float v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(double* p, double v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(int32_t* p, int32_t v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(int64_t* p, int64_t v) {
+  atomicAdd((unsigned long long*)p, (unsigned long long)v);  /* two's complement: the same bits */
+}
+static __device__ __forceinline__ void scorch_atomic_max(int32_t* p, int32_t v) { atomicMax(p, v); }
+static __device__ __forceinline__ void scorch_atomic_max(int64_t* p, int64_t v) { atomicMax((long long*)p, (long long)v); }
+static __device__ __forceinline__ void scorch_atomic_min(int32_t* p, int32_t v) { atomicMin(p, v); }
+static __device__ __forceinline__ void scorch_atomic_min(int64_t* p, int64_t v) { atomicMin((long long*)p, (long long)v); }
+template <class T, class B, class C> static __device__ void scorch_atomic_cas(T* p, T v, C better) {
+  B* q = (B*)p;
+  B old = *q, seen;
+  do {
+    seen = old;
+    T cur; memcpy(&cur, &seen, sizeof(T));
+    if (!better(v, cur)) return;
+    B want; memcpy(&want, &v, sizeof(T));
+    old = atomicCAS(q, seen, want);
+  } while (old != seen);
+}
+struct scorch_gt { template <class T> __device__ bool operator()(T a, T b) const { return a > b; } };
+struct scorch_lt { template <class T> __device__ bool operator()(T a, T b) const { return a < b; } };
+static __device__ __forceinline__ void scorch_atomic_max(float* p, float v) { scorch_atomic_cas<float, unsigned int>(p, v, scorch_gt()); }
+static __device__ __forceinline__ void scorch_atomic_max(double* p, double v) { scorch_atomic_cas<double, unsigned long long>(p, v, scorch_gt()); }
+static __device__ __forceinline__ void scorch_atomic_min(float* p, float v) { scorch_atomic_cas<float, unsigned int>(p, v, scorch_lt()); }
+static __device__ __forceinline__ void scorch_atomic_min(double* p, double v) { scorch_atomic_cas<double, unsigned long long>(p, v, scorch_lt()); }
+static int scorch_sms(cudaStream_t) {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 1;
+  return n > 0 ? n : 1;
+}
+static inline cudaError_t scorch_scratch_alloc(char** p, int64_t bytes, cudaStream_t s) {
+  return cudaMallocAsync((void**)p, (size_t)(bytes > 0 ? bytes : 1), s);
+}
+static inline void scorch_scratch_free(char* p, cudaStream_t s) { cudaFreeAsync(p, s); }
+static inline cudaError_t scorch_last_error() { return cudaGetLastError(); }
+static inline const char* scorch_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
+#endif
+template <class T> static __device__ __forceinline__ T scorch_warp_add(T v) {
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+template <class T> static __device__ __forceinline__ T scorch_warp_max(T v) {
+  for (int m = 16; m > 0; m >>= 1) { const T o = __shfl_xor_sync(0xffffffffu, v, m); v = o > v ? o : v; }
+  return v;
+}
+template <class T> static __device__ __forceinline__ T scorch_warp_min(T v) {
+  for (int m = 16; m > 0; m >>= 1) { const T o = __shfl_xor_sync(0xffffffffu, v, m); v = o < v ? o : v; }
+  return v;
+}
+/* The first row of worker k of nw when rows [lo, hi) are split by rows + positions under them:
+   f(r) = (pos[r] - pos[lo]) + (r - lo) is increasing, and worker k starts where f reaches total * k / nw. */
+template <class P> static __device__ int64_t scorch_first_row(const P* pos, int64_t lo, int64_t hi, int64_t total,
+                                                            int64_t k, int64_t nw) {
+  if (k >= nw) return hi;
+  const int64_t target = (total / nw) * k + (total % nw) * k / nw;  /* floor(total * k / nw), no overflow */
+  int64_t l = lo, h = hi;
+  while (l < h) {
+    const int64_t m = l + (h - l) / 2;
+    if (((int64_t)pos[m] - (int64_t)pos[lo]) + (m - lo) < target) l = m + 1; else h = m;
+  }
+  return l;
+}
+static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
+  // keys in [0, bound): insertion sort for short runs, else a least-significant-digit radix sort by bytes
+  if (n <= 32) {
+    for (int64_t k = 1; k < n; ++k) {
+      const int64_t v = a[k];
+      int64_t q = k - 1;
+      while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
+      a[q + 1] = v;
+    }
+    return;
+  }
+  int64_t* src = a;
+  int64_t* dst = scratch;
+  for (int shift = 0; shift < 63 && (bound - 1) >> shift; shift += 8) {
+    int64_t count[257] = {0};
+    for (int64_t k = 0; k < n; ++k) ++count[((src[k] >> shift) & 255) + 1];
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (int64_t k = 0; k < n; ++k) dst[count[(src[k] >> shift) & 255]++] = src[k];
+    int64_t* t = src; src = dst; dst = t;
+  }
+  if (src != a) for (int64_t k = 0; k < n; ++k) a[k] = src[k];
+}
+static __device__ inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
+  for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
+  return true;
+}
+
+extern "C" __global__ void scorch_count_dev(
+    int64_t n1_arg,
+    int64_t t0_l0_lo_arg,
+    int64_t t0_l0_ext_arg,
+    const int32_t* __restrict__ t0_l1_pos,
+    const int32_t* __restrict__ t0_l1_crd,
+    int64_t t0_l1_lo_arg,
+    int64_t t0_l1_ext_arg,
+    int64_t n0_arg,
+    int64_t t1_l0_lo_arg,
+    int64_t t1_l0_ext_arg,
+    const int32_t* __restrict__ t1_l1_pos,
+    const int32_t* __restrict__ t1_l1_crd,
+    int64_t t1_l1_lo_arg,
+    int64_t t1_l1_ext_arg,
+    const float* __restrict__ t0_vals,
+    const float* __restrict__ t1_vals,
+    int64_t* __restrict__ counts,
+    int64_t nthreads_arg,
+    char* __restrict__ scorch_scratch,
+    int64_t scorch_stride)
+{
+  const int64_t n1 = (int64_t)n1_arg;
+  const int64_t t0_l0_lo = (int64_t)t0_l0_lo_arg;
+  const int64_t t0_l0_ext = (int64_t)t0_l0_ext_arg;
+  const int64_t t0_l1_lo = (int64_t)t0_l1_lo_arg;
+  const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
+  const int64_t n0 = (int64_t)n0_arg;
+  const int64_t t1_l0_lo = (int64_t)t1_l0_lo_arg;
+  const int64_t t1_l0_ext = (int64_t)t1_l0_ext_arg;
+  const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
+  const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
+  const int64_t nthreads = (int64_t)nthreads_arg;
+  const int64_t scorch_tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t scorch_nthreads = (int64_t)gridDim.x * blockDim.x;
+  const int64_t scorch_worker = scorch_tid, scorch_nworkers = scorch_nthreads;
+  bool* __restrict__ mark = (bool*)(scorch_scratch + scorch_worker * scorch_stride + 0);
+  for (int64_t z_1 = 0; z_1 < (int64_t)(n1); ++z_1) mark[z_1] = bool();
+  int64_t* __restrict__ touched = (int64_t*)(scorch_scratch + scorch_worker * scorch_stride + (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16));
+  for (int64_t z_2 = 0; z_2 < (int64_t)(n1); ++z_2) touched[z_2] = int64_t();
+  const int64_t lo_3 = INT64_C(0), hi_4 = n0;
+  const int64_t total_5 = ((int64_t)t0_l1_pos[hi_4] - (int64_t)t0_l1_pos[lo_3]) + (hi_4 - lo_3);
+  const int64_t scorch_r0 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_5, scorch_worker, scorch_nworkers);
+  const int64_t scorch_r1 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_5, scorch_worker + 1, scorch_nworkers);
+  for (int64_t x0 = scorch_r0; x0 < scorch_r1; ++x0) {
+    const int64_t p0_0 = (x0 - t0_l0_lo);
+    int64_t nt = INT64_C(0);
+    for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+      const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+      const int64_t p1_0 = (x2 - t1_l0_lo);
+      for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+        const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+        const int64_t w = x1;
+        if ((!mark[w])) {
+          mark[w] = true;
+          touched[nt] = w;
+          nt += INT64_C(1);
+        }
+      }
+    }
+    counts[x0] = nt;
+    for (int64_t t = INT64_C(0); t < nt; ++t) {
+      mark[touched[t]] = false;
+    }
+  }
+}
+
+extern "C" int scorch_count(
+    int64_t n1_arg,
+    int64_t t0_l0_lo_arg,
+    int64_t t0_l0_ext_arg,
+    const int32_t* t0_l1_pos,
+    const int32_t* t0_l1_crd,
+    int64_t t0_l1_lo_arg,
+    int64_t t0_l1_ext_arg,
+    int64_t n0_arg,
+    int64_t t1_l0_lo_arg,
+    int64_t t1_l0_ext_arg,
+    const int32_t* t1_l1_pos,
+    const int32_t* t1_l1_crd,
+    int64_t t1_l1_lo_arg,
+    int64_t t1_l1_ext_arg,
+    const float* t0_vals,
+    const float* t1_vals,
+    int64_t* counts,
+    int64_t nthreads_arg,
+    void* scorch_stream_arg)
+{
+  cudaStream_t scorch_stream = (cudaStream_t)scorch_stream_arg;
+  const int64_t n1 = (int64_t)n1_arg;
+  const int64_t t0_l0_lo = (int64_t)t0_l0_lo_arg;
+  const int64_t t0_l0_ext = (int64_t)t0_l0_ext_arg;
+  const int64_t t0_l1_lo = (int64_t)t0_l1_lo_arg;
+  const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
+  const int64_t n0 = (int64_t)n0_arg;
+  const int64_t t1_l0_lo = (int64_t)t1_l0_lo_arg;
+  const int64_t t1_l0_ext = (int64_t)t1_l0_ext_arg;
+  const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
+  const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
+  const int64_t nthreads = (int64_t)nthreads_arg;
+  const int64_t scorch_stride_ = (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(int64_t) + 15) / 16 * 16);
+  int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
+  int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
+  if (scorch_stride_ > 0) {
+    int64_t most = 268435456LL / scorch_stride_;
+    if (most < 1) most = 1;
+    if (scorch_grid * scorch_block / 1 > most) {
+      scorch_block = SCORCH_EMULATED ? 32 : (most * 1 < scorch_block ? (most * 1 + 31) / 32 * 32 : scorch_block);
+      scorch_grid = (most * 1 + scorch_block - 1) / scorch_block;
+    }
+  }
+  char* scorch_scratch = nullptr;
+  const int64_t scorch_workers = scorch_grid * scorch_block / 1;
+  { const cudaError_t e = scorch_scratch_alloc(&scorch_scratch, scorch_workers * scorch_stride_, scorch_stream); if (e) return (int)e; }
+  SCORCH_LAUNCH(scorch_count_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, t1_l0_lo_arg, t1_l0_ext_arg, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, counts, nthreads_arg, scorch_scratch, scorch_stride_);
+  scorch_scratch_free(scorch_scratch, scorch_stream);
+  return (int)scorch_last_error();
+}
+
+extern "C" const char* scorch_count_error(int e) { return scorch_error_string(e); }
