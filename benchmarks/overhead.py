@@ -93,7 +93,8 @@ def call_overhead(threads: int, quick: bool) -> Table:
     """``S @ X`` on a tiny matrix against its bare kernel, at ``threads`` threads and at one thread: the
     difference at one thread is scorch's Python-side cost alone; at more threads the bare kernel, called in a
     tight loop, also finds the OpenMP workers still spinning, which a call after Python work may not."""
-    from scorch.compiler import dispatch  # internals: the plan cache and argument preparation
+    from scorch import engine  # the execution layer: argument binding
+    from scorch.compiler import pipeline  # the plan cache
 
     t = Table("overhead", "Per-call overhead (tiny S @ X, cached kernel)",
               f"16 x 16 CSR (about 40 nonzeros) @ 16 x {K_PROBE}; per call, median of interleaved batches",
@@ -103,12 +104,12 @@ def call_overhead(threads: int, quick: bool) -> Table:
     s = scorch.asformat(d, "csr")
     a = d.to_sparse_csr()
     x = torch.randn(16, K_PROBE, generator=g)
-    before = set(dispatch._COMPILED)
+    before = {k for k, _ in pipeline.compiled_plans()}
     y = s @ x
     assert torch.allclose(y, d @ x, atol=1e-5)
     batch_s, rounds = (0.01, 5) if quick else (0.05, 15)
     try:
-        bare_call = _bare_call(dispatch, [dispatch._COMPILED[k] for k in set(dispatch._COMPILED) - before], s, x)
+        bare_call = _bare_call(engine, [p for k, p in pipeline.compiled_plans() if k not in before], s, x)
         problem = ""
     except Exception as e:  # noqa: BLE001  (the compiler's internals moved: report, do not crash)
         bare_call, problem = None, f"could not call the bare kernel: {type(e).__name__}: {e}"
@@ -161,20 +162,20 @@ def _profile(s, x, threads: int, calls: int = 300) -> str:
                      for (file, line, name), v in top)
 
 
-def _bare_call(dispatch, plans, s, x):
+def _bare_call(engine, plans, s, x):
     """A factory of zero-argument callables running the plan's kernel on prepared pointers (the thread count is
     read when the factory is called)."""
     if len(plans) != 1:
         raise RuntimeError(f"expected one new plan, found {len(plans)}")
     plan = plans[0]
-    ops = dispatch.prepare([s, x])
-    info, _ = dispatch._level_info(ops[0])
+    ops = engine.prepare([s, x])
+    info, _ = engine.level_info(ops[0])
     sizes = {v: n for acc in plan.asg.rhs.accesses() for v, n in zip(acc.indices, ops[acc.operand].shape)}
     out = torch.zeros(16, K_PROBE)
     fn = plan.kernel.fn
 
     def make():
-        args = [dispatch._arg(arg, ops, info, sizes, {}, out) for arg in plan.lowered.args]
+        args = [engine.argument(arg, ops, info, sizes, {}, out) for arg in plan.lowered.args]
         ptrs = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args]
         return lambda: fn(*ptrs)
     make()  # fail here, not inside the timing, if the internals moved

@@ -18,7 +18,8 @@ from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor
 from . import nn, sparse  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers the sparse implementations of torch ops)
 from .ops.linalg import einsum  # noqa: E402
-from .compiler.dispatch import explain  # noqa: E402
+from .engine import explain  # noqa: E402
+from .compiler.caches import cache_info, clear_caches  # noqa: E402
 from .rearrange import rearrange  # noqa: E402
 from .deferred import deferral  # noqa: E402
 from .fusion import compile  # noqa: E402

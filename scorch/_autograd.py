@@ -14,7 +14,7 @@ The derivative of an einsum with respect to an operand is an einsum, run through
   computed (for ``S @ X``: ``grad_S`` is the SDDMM ``P * (G @ X^T)``) and the result shares ``k``'s index
   arrays; its values are the gradient of ``k``'s values. Never densified.
 Backward calls the differentiable einsum, so double backward works where the forward's ops are linear in
-each operand (every einsum is). No operand here repeats a letter (``"ii"``): ``dispatch.einsum`` replaces such
+each operand (every einsum is). No operand here repeats a letter (``"ii"``): ``engine.einsum`` replaces such
 an operand by its diagonal first (``ops/diagonal.py``), and the diagonal's own gradient puts it back.
 """
 from __future__ import annotations
@@ -67,9 +67,9 @@ def _tensors(operands):
 class _Einsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *tensors):
-        from .compiler import dispatch
-        with dispatch.structural_results():  # (every entry of the result gets its gradient)
-            r = dispatch.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
+        from . import engine
+        with engine.structural_results():  # (every entry of the result gets its gradient)
+            r = engine.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
             r = r._vals
@@ -90,8 +90,8 @@ class _Einsum(torch.autograd.Function):
 
 
 def einsum(equation: str, operands, format=None):
-    """``dispatch.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``."""
-    from .compiler.dispatch import prepare
+    """``engine.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``."""
+    from .engine import prepare
     from .compiler.einsum import parse
     from .sparse_tensor import shape_of
     ops = prepare(operands)
@@ -104,7 +104,7 @@ def einsum(equation: str, operands, format=None):
 # --- gradients of one operand ------------------------------------------------------------------------------
 
 def _einsum_grad(k, inputs, out, ops, gout):
-    from .compiler import dispatch
+    from . import engine
     target = inputs[k]
     x = ops[k]
     others = [j for j in range(len(ops)) if j != k]
@@ -117,13 +117,13 @@ def _einsum_grad(k, inputs, out, ops, gout):
         return values_at(gout, x, target, tuple(out))
     if type(x) is SparseTensor:
         pattern = x.with_values(pattern_ones(x, gout._vals.dtype if type(gout) is SparseTensor else gout.dtype))
-        r = dispatch.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=x._format)
+        r = engine.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=x._format)
         return values_at(r, x)
-    sizes, _ = dispatch._sizes(inputs, ops, "einsum")
+    sizes, _ = engine.index_sizes(inputs, ops, "einsum")
     present = {v for idx in g_inputs for v in idx}
     have = tuple(v for v in target if v in present)
     if any(type(t) is SparseTensor for t in g_ops):
-        r = dispatch.einsum(einsum_string(g_inputs, have), *g_ops, format="dense" if have else None)
+        r = engine.einsum(einsum_string(g_inputs, have), *g_ops, format="dense" if have else None)
     else:
         r = torch.einsum(einsum_string(g_inputs, have), *g_ops)
     if type(r) is SparseTensor:
@@ -216,13 +216,13 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
 # --- other compiled ops: sums of operands (``S1 + alpha * S2``), max/min reductions -----------------------
 
 class _Run(torch.autograd.Function):
-    """``dispatch.run`` of an elementwise sum of operands (each a term ``T``, ``-T`` or ``alpha * T`` over the
+    """``engine.run`` of an elementwise sum of operands (each a term ``T``, ``-T`` or ``alpha * T`` over the
     output's indices) or of a max/min reduction of one operand."""
 
     @staticmethod
     def forward(ctx, spec, kwargs, *tensors):
-        from .compiler import dispatch
-        r = dispatch.run(spec.inputs, spec.out, spec.operands(tensors), format=spec.format, **kwargs)
+        from . import engine
+        r = engine.run(spec.inputs, spec.out, spec.operands(tensors), format=spec.format, **kwargs)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
             r = r._vals
@@ -269,7 +269,7 @@ def _linear_terms(rhs, scalars) -> dict:
 
 
 def run(inputs, out, ops, *, format=None, **kwargs):
-    """``dispatch.run`` recording a graph (sums of operands and max/min reductions)."""
+    """``engine.run`` recording a graph (sums of operands and max/min reductions)."""
     if kwargs.get("reduce", "sum") == "sum":
         _linear_terms(kwargs["rhs"], kwargs.get("scalars") or {})  # refuse what backward cannot do, now
     spec = _Spec(inputs, out, format, ops)

@@ -150,8 +150,8 @@ class EinsumExpr:
         eq = einsum_string(self.inputs, self.out)
         if self.dense:
             return torch.einsum(eq, *self.ops)
-        from .compiler import dispatch
-        return dispatch.einsum(eq, *self.ops, format=self.format)
+        from . import engine
+        return engine.einsum(eq, *self.ops, format=self.format)
 
 
 def check_versions(d):
@@ -238,10 +238,10 @@ def einsum(equation, operands):
 def _planned(equation, shapes):
     """``(inputs, out, output shape, multiply-adds)`` of an einsum on operands of these shapes (cached: a model
     repeats its einsums), or None where the eager call would raise."""
-    from .compiler import dispatch
+    from . import engine
     try:
         inputs, out = parse(equation, [len(s) for s in shapes])
-        sizes, _ = dispatch._sizes(inputs, [torch.empty(s, device="meta") for s in shapes], "einsum")
+        sizes, _ = engine.index_sizes(inputs, [torch.empty(s, device="meta") for s in shapes], "einsum")
     except (ValueError, TypeError):
         return None
     return inputs, out, [sizes[v] for v in out], math.prod(sizes.values())
@@ -255,12 +255,12 @@ def product(equation, operands, format):
             type(x) is Deferred or (type(x) is _sparse_tensor.SparseTensor and type(x._vals) is Deferred)
             for x in operands):
         return None  # (a deferred operand is substituted by the product instead; lazy values fuse with it)
-    from .compiler import dispatch
+    from . import engine
     try:
-        ops = dispatch.prepare(operands)
+        ops = engine.prepare(operands)
         if not any(type(x) is _sparse_tensor.SparseTensor for x in ops):
             return None
-        plan = dispatch.dense_result(equation, ops, format)
+        plan = engine.dense_result(equation, ops, format)
     except Exception:  # noqa: BLE001  (any problem: the eager call reports it)
         return None
     if plan is None:

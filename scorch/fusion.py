@@ -30,7 +30,8 @@ import torch
 
 from . import deferred
 from ._autograd import _einsum_grad, pattern_ones
-from .compiler import dispatch, fuse
+from . import engine
+from .compiler import fuse
 from . import loopir as L
 from .compiler.codegen import cpp
 from .deferred import Deferred
@@ -119,7 +120,7 @@ class SddmmExpr:
         # the pattern's own format: the values must line up with its entries (a differentiable einsum would give
         # a padded pattern's result unpadded)
         ones = _ones(self.pattern, self.q.dtype)
-        return dispatch.einsum("ij,ik,jk->ij", ones, self.q, self.k, format=ones.format).values() * self.alpha
+        return engine.einsum("ij,ik,jk->ij", ones, self.q, self.k, format=ones.format).values() * self.alpha
 
 
 class SoftmaxExpr:
@@ -409,7 +410,7 @@ def _attention(sddmm: SddmmExpr, v, keep_probs=True):
     if prepared is None:  # not one row loop each: op by op
         from .ops import segment
         probs = segment.softmax(sddmm.compute(), _rows_pos(sddmm.pattern))
-        return dispatch.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
+        return engine.einsum("ij,jk->ik", sddmm.pattern.with_values(probs), v), probs
     fused, compiled, values = prepared
     cpp.call(fused, compiled, values)
     bound = _Ready.binding(fused, values, {"q": q, "k": sddmm.k, "v": v, "probs": values.get("probs"),
@@ -464,22 +465,22 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
     # which would also wake torch's thread pool between the kernels)
     out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p._shape[0], v.shape[1], dtype=q.dtype)
     scores = torch.empty(0, dtype=q.dtype)  # (the SDDMM part's output: a row buffer in the kernel, only named here)
-    values = _part_values(_ATTENTION_MAPS, ((0, dispatch.arguments(plan1, [ones, q, k], sizes1, scores)),
-                                            (2, dispatch.arguments(plan3, [ones, v], sizes3, out))))
+    values = _part_values(_ATTENTION_MAPS, ((0, engine.arguments(plan1, [ones, q, k], sizes1, scores)),
+                                            (2, engine.arguments(plan3, [ones, v], sizes3, out))))
     values.update({"probs": probs, "out": out, "scale": sddmm.alpha, "nthreads": torch.get_num_threads(),
                    "longest": _longest(p)})
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
 
 
 def _row_plans(sig, pattern, dtype, first_ops, last_ops):
-    """The row plans (``dispatch.row_plan``, cached by ``sig``) of an SDDMM ``ij,ik,jk->ij`` on ``first_ops`` and
+    """The row plans (``engine.row_plan``, cached by ``sig``) of an SDDMM ``ij,ik,jk->ij`` on ``first_ops`` and
     an SpMM ``ij,jk->ik`` on ``last_ops`` (each after the pattern's ones), or None where either is not one row
     loop."""
     plans = _PLANS.get(sig)
     if plans is None:  # (planned once per signature: the schedule is not consulted again)
         ones = _ones(pattern, dtype)
-        first = dispatch.row_plan(*_SDDMM, [ones, *first_ops])
-        last = dispatch.row_plan(*_PRODUCT, [ones, *last_ops])
+        first = engine.row_plan(*_SDDMM, [ones, *first_ops])
+        last = engine.row_plan(*_PRODUCT, [ones, *last_ops])
         plans = _PLANS[sig] = None if first is None or last is None else (first, last)
     return plans
 
@@ -520,8 +521,8 @@ def _prepare_backward(pattern, p, g, v, k, alpha):
     ds = torch.empty(p.shape, dtype=dtype)
     dq = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(pattern._shape[0], k.shape[1],
                                                                               dtype=dtype)
-    values = _part_values(_BACKWARD_MAPS, ((0, dispatch.arguments(plan1, [ones, g, v], sizes1, ds)),
-                                           (2, dispatch.arguments(plan3, [ones, k], sizes3, dq))))
+    values = _part_values(_BACKWARD_MAPS, ((0, engine.arguments(plan1, [ones, g, v], sizes1, ds)),
+                                           (2, engine.arguments(plan3, [ones, k], sizes3, dq))))
     values.update({"probs": p, "ds": ds, "dq": dq, "scale": alpha, "nthreads": torch.get_num_threads(),
                    "longest": _longest(pattern)})
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
@@ -639,7 +640,7 @@ def _epilogue_kernel(expr: EpilogueExpr):
     if s.format.name != "csr" or s.dtype != x.dtype or s._vals.device.type != "cpu":
         return None
     x = x.contiguous()
-    plan = dispatch.row_plan(base.inputs, out, [s, x])
+    plan = engine.row_plan(base.inputs, out, [s, x])
     if plan is None:
         return None
     plan, sizes = plan
@@ -651,7 +652,7 @@ def _epilogue_kernel(expr: EpilogueExpr):
         "scorch_product_epilogue", [(plan.lowered.kernel, maps[0]), (epilogue_rows(vt, it, expr.steps, width),
                                                                        maps[1])]))
     out = torch.zeros(s.shape[0], width, dtype=x.dtype)
-    values = _part_values(maps, ((0, dispatch.arguments(plan, [s, x], sizes, out)),))
+    values = _part_values(maps, ((0, engine.arguments(plan, [s, x], sizes, out)),))
     for k, st in enumerate(expr.steps):
         if st[0] in ("add", "mul"):
             values[f"f1_bias{k}" if isinstance(st[1], torch.Tensor) else f"f1_num{k}"] = st[1]

@@ -106,7 +106,7 @@ def _compressed_rows(x, fmt, index_dtype, check, copy=True):
 def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
     """CSR and CSC targets are assembled by generated kernels (counting sort); None where that path does
     not apply, and the vectorized conversion below serves instead."""
-    from .compiler import dispatch
+    from .engine.convert import convert
     if x.device.type != "cpu" or x.numel() == 0:
         return None
     # a sparse source keeps its last conversions: a constant operand read transposed every step (the features
@@ -120,7 +120,7 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
             return result
     result = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
     if result is None:
-        result = dispatch.convert(x, fmt, index_dtype, drop_zeros)
+        result = convert(x, fmt, index_dtype, drop_zeros)
     if memo is not None and result is not None:
         memo[key] = ((_versions(x), _versions(result)), result)
     return result
@@ -133,19 +133,21 @@ _PERMUTATIONS = _storage.PatternMemo(64)
 
 
 def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
-    from .compiler import dispatch, relayout
+    from .compiler import relayout
+    from .compiler.schedule import compressed_target
+    from .engine.convert import convert
     extra = (x._format, fmt, index_dtype, tuple(x._shape))
     entry = _PERMUTATIONS.get(extra, x._levels)
     if entry is None:
         blocks = _block_matrices(x, fmt)
         if blocks is not None:  # BSR <-> BSC: the blocks move whole; their pattern converts as a matrix
             src, target, inner = blocks
-        elif x.nnz >= 2 ** 53 or x._format.padded or dispatch.compressed_target(fmt) is None:
+        elif x.nnz >= 2 ** 53 or x._format.padded or compressed_target(fmt) is None:
             return None
         else:
             src, target, inner = x, fmt, None
         positions = src.with_values(torch.arange(src._vals.numel(), dtype=torch.float64, device=src.device))
-        moved = dispatch.convert(positions, target, index_dtype)
+        moved = convert(positions, target, index_dtype)
         if moved is None:
             return None
         perm = moved._vals.to(torch.int32 if x.nnz < 2 ** 31 else torch.int64)  # index_select takes either

@@ -289,7 +289,7 @@ class SparseTensor(torch.Tensor):
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
         """The dense tensor (differentiable: the gradient reaches the stored values). On the CPU a generated
         kernel writes it (``compiler.densify``); elsewhere, and for small storage, the entries are listed."""
-        from .compiler import densify
+        from .engine import densify
         out = densify.to_dense(self._format, self._shape, self._levels, self._vals)
         if out is None:
             out = _storage.to_dense(self._format, self._shape, self._levels, self._vals)

@@ -196,7 +196,7 @@ def test_auto_mode_defers_only_large_products():
 def test_issue_program_computes_only_kept_entries(monkeypatch):
     """The issue's program: the combined expression is grouped by expert, so no (token, expert) pair outside the
     gate is computed: the expert product's value is never formed."""
-    from scorch.compiler import grouped
+    from scorch.engine import grouped
     calls = []
     evaluate = grouped.evaluate
     monkeypatch.setattr(grouped, "evaluate", lambda *a: calls.append(a[0]) or evaluate(*a))

@@ -42,6 +42,10 @@ LOOP_IR = ("scorch.loopir",)
 # it; modules no key contains are not constrained. Later layers (e.g. "scorch.engine") get a row here.
 LAYERS: dict[str, tuple[str, ...]] = {
     "scorch.compiler": ("scorch.compiler", "scorch.formats", *LOOP_IR),
+    # the execution layer: tensors (sparse_tensor, and interop's constructors) meet compiled plans; autograd,
+    # deferral and fusion sit above it and register themselves
+    "scorch.engine": ("scorch.engine", "scorch.compiler", "scorch.formats", *LOOP_IR, "scorch.sparse_tensor",
+                      "scorch.interop", "scorch._stats"),
     **{ir: LOOP_IR for ir in LOOP_IR},  # the loop IR is a leaf: it imports nothing else of scorch
 }
 

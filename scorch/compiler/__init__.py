@@ -1,4 +1,6 @@
-"""The tensor-algebra compiler (DESIGN.md section 3). The pipeline, in the order a call meets it:
+"""The tensor-algebra compiler (DESIGN.md section 3): operand types in, a plan with a loaded kernel out
+(``pipeline``). It knows formats (``scorch.formats``) and the loop IR (``scorch.loopir``), never tensors: the
+execution layer above it (``scorch.engine``) binds tensors to plans. The stages, in the order a call meets them:
 
 1. ``einsum.parse``: the equation, checked against its grammar, as index letters per operand.
 2. ``ir``: index notation (``Assignment`` of an ``IndexExpr`` over typed operand placeholders).
@@ -7,12 +9,12 @@
 5. ``schedule``: loop order, parallel loop, workspaces, specialized extents (``Schedule`` for one sparse
    operand, ``CoSchedule`` for several).
 6. ``lower`` (one sparse operand, its levels drive the loops) or ``coiterate`` (several, merged by index
-   variable through ``lattice``): a ``loops.Kernel``, through the level capability interface only.
+   variable through ``lattice``): a ``loopir.Kernel``, through the level capability interface only.
 7. ``interp`` runs a kernel in NumPy (the reference semantics); ``codegen.cpp`` renders it as C++,
    ``codegen.cuda`` as CUDA (the parallel loop across warps or threads).
 8. ``runtime``: compile once (g++, or nvcc for a GPU), cache in memory and on disk, load through ctypes.
-9. ``dispatch``: the caches from a call's signature to a prepared call, the backend for the operands' device,
-   ``library`` (cuSPARSE where it measures faster on a GPU), and ``explain``.
+9. ``pipeline``: the stages above in one line, with the plan caches (``caches``: every memo table's owner);
+   ``library`` names a vendor call computing the same assignment (cuSPARSE, chosen by measurement on a GPU).
 
 ``torch.compiler`` shares this package's name, so its names are forwarded here: under
 ``import scorch as torch``, ``torch.compiler.disable`` stays torch's own.

@@ -185,7 +185,7 @@ class _Lowering:
                 items.append(("if", L.binary("lt", d, n)))  # padding of a partial block
             elif rec.kind != "level":
                 items.append(("if", L.binary("and", L.binary("ge", d, L.Const(0)), L.binary("lt", d, n))))
-            self.bound[v] = d  # (no letter repeats within an operand: dispatch.einsum took the diagonal)
+            self.bound[v] = d  # (no letter repeats within an operand: engine.einsum took the diagonal)
         return items
 
     # --- the output ------------------------------------------------------------------------------------

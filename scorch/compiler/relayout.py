@@ -2,7 +2,7 @@
 
 A dense operand read with the innermost loop index on a dimension other than its last is read with a
 stride: every step of that loop touches another cache line (``B[k, j]`` in the SDDMM ``"ij,ik,kj->ij"``).
-The dispatcher (``dispatch.run``) then copies the operand with that dimension moved last, when the copy is
+The execution layer (``engine.run``) then copies the operand with that dimension moved last, when the copy is
 small next to the reads, and runs the kernel on the copy. The copy is a tiled transpose of a batch of
 matrices, built like the other kernels; ``torch``'s own strided copy is 3-5x slower on this machine.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..formats import Compressed, Dense, Div, Var
+from ..formats import Compressed, Dense, Div, Format, Mod, Var
 from .infer import OutputFormat, driver_access
 from .ir import Access, Assignment
 
@@ -220,3 +220,60 @@ def _followed(sparse, acyclic, weights=None):
 
 def _accesses(asg):
     return asg.rhs.accesses()
+
+
+#: speedup of a loop nest whose innermost loop is a contiguous vector loop over one whose outer loop is dense
+VECTOR_GAIN = 4.0
+
+#: estimated cost of a format conversion, in kernel multiply-adds per stored entry and sort step
+CONVERT_COST = 4.0
+
+
+def compressed_target(fmt):
+    """``(row dim, col dim)`` when ``fmt`` is a 2-d ``(r : dense, c : compressed)`` format (CSR, CSC), else None."""
+    if fmt.ndim != 2 or len(fmt.levels) != 2:
+        return None
+    (e0, l0), (e1, l1) = fmt.levels
+    if isinstance(e0, Var) and isinstance(e1, Var) and isinstance(l0, Dense) and isinstance(l1, Compressed) \
+            and l1.unique and l1.ordered:
+        return e0.dim, e1.dim
+    return None
+
+
+def transposed_for_parallel(asg, sched, fmt, nnz, sizes, threads, converted=lambda alt: False):
+    """A format for the driver (format ``fmt``, ``nnz`` entries) whose first level is an output index (so the loop
+    over it runs in parallel without write conflicts), when converting costs less than the serial loop loses; else
+    None. ``converted(alt)``: whether the operand is already held in ``alt`` (then it costs nothing).
+
+    The choice between this transposition and a privatized output workspace is by this estimate; only
+    formats with plain-index levels are transposed. With one thread the transposition still pays where the
+    serial loop nest has a dense loop outside the sparse levels: that order streams every stored entry once per
+    outer iteration, scalar, where the transposed one reads each once under a vector loop (``VECTOR_GAIN``)."""
+    blocked = all(isinstance(e, (Div, Mod)) for e in fmt.exprs)  # blocks: the block levels are reordered
+    if not (blocked or all(isinstance(e, Var) for e in fmt.exprs)) or fmt.keeps_duplicates or nnz < 2:
+        return None
+    drv = sched.driver
+    movable = [k for k, e in enumerate(fmt.exprs) if not isinstance(e, Mod)]
+    firsts = [k for k in movable if drv.indices[fmt.exprs[k].dim] in asg.out]
+    if not firsts:
+        return None
+    order = [firsts[0]] + [k for k in movable if k != firsts[0]]
+    order += [k for k in range(len(fmt.exprs)) if k not in order]
+    work = nnz
+    for v in sched.outer + sched.inner:
+        work *= sizes[v]
+    # the same level types in the new order, made unique (COO's repeated rows would race again)
+    types = unique_levels(fmt.level_types)
+    alt = Format.from_levels(fmt.ndim, [(fmt.exprs[k], lvl) for k, lvl in zip(order, types)])
+    if alt == fmt:
+        return None
+    if converted(alt):  # a constant operand (features, an adjacency) is converted once, and already was
+        return alt
+    # a counting sort: a pass to count, one to fill (comparison sorts serve other targets: n log n)
+    # (blocks move whole: their pattern converts by counting sort, the values by one gather)
+    passes = 2 if compressed_target(alt) is not None or blocked else max(1.0, int(nnz).bit_length())
+    convert = CONVERT_COST * (nnz + sizes[drv.indices[fmt.exprs[firsts[0]].dim]]) * passes
+    gain = VECTOR_GAIN if sched.outer else 1.0
+    if convert >= work * (1 - 1 / (threads * gain)):
+        return None
+    return alt

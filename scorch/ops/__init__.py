@@ -1,5 +1,5 @@
 """Torch ops on sparse operands, each family in its own module, expressed in index notation and run by the
-compiler (``scorch.compiler.dispatch``). Importing this package registers them with ``SparseTensor``.
+compiler (``scorch.engine``). Importing this package registers them with ``SparseTensor``.
 
 Under ``import scorch as torch`` this package is also ``torch.ops``: names it does not define (``aten``,
 ``prim``, ``load_library``...) are ``torch.ops``'s own."""

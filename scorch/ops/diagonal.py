@@ -1,5 +1,5 @@
 """Diagonals of einsum operands: an operand indexed with a repeated letter (``"ii"``, ``"bcb"``) is replaced by
-its diagonal before an einsum is planned (``dispatch.einsum``), so that no kernel, contraction path or
+its diagonal before an einsum is planned (``engine.einsum``), so that no kernel, contraction path or
 gradient ever meets a letter repeated within one operand.
 
 A dense operand gives torch's diagonal view. A sparse operand gives the stored entries whose coordinates agree

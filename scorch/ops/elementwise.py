@@ -11,7 +11,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from ..compiler import dispatch
+from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements
 from .indexing import broadcast_to
@@ -78,7 +78,7 @@ def mul(a, b):
         b = broadcast_to(b, shape)
     elif b.layout != torch.strided:
         raise NoSparseRule("a torch sparse layout operand")
-    return dispatch.einsum(_elementwise_eq(a, b), a, b)
+    return engine.einsum(_elementwise_eq(a, b), a, b)
 
 
 @implements(torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
@@ -98,7 +98,7 @@ def _sparse(x):
 def _scattered(s):
     """A sparse tensor's entries scattered into a dense tensor, by a compiled kernel."""
     letters = _LETTERS[:s.dim()]
-    return dispatch.einsum(f"{letters}->{letters}", s, format="dense")
+    return engine.einsum(f"{letters}->{letters}", s, format="dense")
 
 
 def _sparse_sum(a, b, alpha):
@@ -124,7 +124,7 @@ def _sparse_sum(a, b, alpha):
     elif alpha != 1:
         second, scalars = Mul((Scalar("alpha"), second)), {"alpha": alpha}
     rhs = Add((Access(0, idx), second))
-    return dispatch.run((idx, idx), idx, dispatch.prepare([a, b]), rhs=rhs, scalars=scalars, name="add")
+    return engine.run((idx, idx), idx, engine.prepare([a, b]), rhs=rhs, scalars=scalars, name="add")
 
 
 @implements(torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)

@@ -6,7 +6,7 @@ import torch
 from .. import deferred, fusion
 from .._autograd import pattern_ones
 from ..deferred import Deferred
-from ..compiler import dispatch
+from .. import engine
 from ..formats import Mod
 from ..sparse_tensor import SparseTensor, implements, shape_of
 
@@ -25,7 +25,7 @@ def einsum(equation, *operands, format=None):
         d = deferred.einsum(equation, operands)
     else:
         d = deferred.product(equation, operands, format)
-    return d if d is not None else dispatch.einsum(equation, *operands, format=format)
+    return d if d is not None else engine.einsum(equation, *operands, format=format)
 
 
 def _is_sparse(x):
@@ -67,7 +67,7 @@ def matmul(a, b):
 def _deferred_or_now(eq, a, b, fmt):
     """The product, deferred where the deferral mode asks for it (``deferred.product``), else computed now."""
     d = deferred.product(eq, (a, b), fmt)
-    return d if d is not None else dispatch.einsum(eq, a, b, format=fmt)
+    return d if d is not None else engine.einsum(eq, a, b, format=fmt)
 
 
 @implements(torch.Tensor.__rmatmul__)
@@ -145,19 +145,19 @@ def linear(input, weight, bias=None):
     if _is_sparse(weight) and not _is_sparse(input):
         lead = tuple(input.shape[:-1])
         x = input.reshape(-1, n_in)
-        n, w = x.shape[0], dispatch.prepare([weight])[0]
+        n, w = x.shape[0], engine.prepare([weight])[0]
         rows = BATCH_TILE if any(isinstance(e, Mod) for e in w.format.exprs) else BATCH_TILE // 2
         if n <= 2 * rows:
-            out = dispatch.einsum("oi,bi->ob", weight, x, format="dense")
+            out = engine.einsum("oi,bi->ob", weight, x, format="dense")
         else:  # batch tiles: each tile's rows of X^T stay in cache while W streams past
             # (split, not slicing: the gradients of the tiles meet in one concatenation)
-            out = torch.cat([dispatch.einsum("oi,bi->ob", weight, tile, format="dense")
+            out = torch.cat([engine.einsum("oi,bi->ob", weight, tile, format="dense")
                              for tile in x.split(rows)], 1)
         out = out.t().reshape(*lead, shape_of(weight)[0])
     elif _is_sparse(input) and not _is_sparse(weight):
-        out = dispatch.einsum("...i,oi->...o", input, weight, format="dense")
+        out = engine.einsum("...i,oi->...o", input, weight, format="dense")
     else:
-        out = dispatch.einsum("bi,oi->bo", input, weight)
+        out = engine.einsum("bi,oi->bo", input, weight)
     return out if bias is None else out + bias
 
 
@@ -169,7 +169,7 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         raise NotImplementedError("scorch: sampled_addmm(out=...) is not supported")
     if not _is_sparse(input):
         raise ValueError("sampled_addmm: input must be sparse")
-    s = dispatch.prepare([input])[0]
+    s = engine.prepare([input])[0]
     if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[0] != s._shape[0] or mat2.shape[1] != s._shape[1]:
         raise ValueError(f"sampled_addmm: shapes {tuple(s._shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")
@@ -182,7 +182,7 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
     # (the product on the input's own positions, requested: its values align with the input's, also where a
     # differentiable result would otherwise leave a padded format)
-    prod = dispatch.einsum("ij,ik,kj->ij", pattern, mat1, mat2, format=None if s.format.is_dense else s.format)
+    prod = engine.einsum("ij,ik,kj->ij", pattern, mat1, mat2, format=None if s.format.is_dense else s.format)
     # a dense-format input gives a dense product, whose row-major values are the format's values
     vals = (prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)) * alpha
     if beta != 0:
@@ -191,7 +191,7 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
 
 
 for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):
-    _fn.fuses = True  # deferred dense operands are substituted into the product (``dispatch.einsum``)
+    _fn.fuses = True  # deferred dense operands are substituted into the product (``engine.einsum``)
 
 # ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
 # ``__torch_function__`` round trip (about 7 us a call)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler import dispatch
+from .. import engine
 from ..sparse_tensor import SparseTensor, implements
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -46,7 +46,7 @@ def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
         x = x.to(dtype)
     elif not (x.dtype.is_floating_point or x.dtype.is_complex):
         x = x.to(torch.int64)  # torch sums integers (and bools) in int64
-    r = dispatch.einsum(f"{src}->{out}", x)
+    r = engine.einsum(f"{src}->{out}", x)
     return _keepdim(r, x.shape, dims) if keepdim else r
 
 
@@ -87,7 +87,7 @@ def _extremum(reduce):
             from ..formats import named
             x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates else "csr")
         src, out = _kept(n, dims)
-        r = dispatch.run((tuple(src),), tuple(out), [x], reduce=reduce, name=f"a{reduce}")
+        r = engine.run((tuple(src),), tuple(out), [x], reduce=reduce, name=f"a{reduce}")
         r = _propagate_nan(r, x, src, out)
         return _keepdim(r, x.shape, dims) if keepdim else r
     fn.__name__ = f"a{reduce}"
@@ -104,7 +104,7 @@ def _propagate_nan(r, x: SparseTensor, src: str, out: str):
     nan = torch.isnan(vals)
     if not bool(nan.any()):
         return r
-    count = dispatch.einsum(f"{src}->{out}", x.detach().with_values(nan.to(vals.dtype)))  # NaNs per result cell
+    count = engine.einsum(f"{src}->{out}", x.detach().with_values(nan.to(vals.dtype)))  # NaNs per result cell
     count = count.to_dense() if isinstance(count, SparseTensor) else count
     dense = r.to_dense() if isinstance(r, SparseTensor) else r
     return torch.where(count > 0, torch.full((), torch.nan, dtype=dense.dtype), dense)

@@ -15,7 +15,7 @@ import torch
 
 import scorch
 from conftest import import_app, run_app
-from scorch.compiler import dispatch
+from scorch import engine
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -77,18 +77,18 @@ def record_einsums():
     """The (equation, operand types) of every call to scorch's einsum dispatcher, top-level and nested (the
     autograd Function's forward and the gradient einsums call it again)."""
     seen = []
-    original = dispatch.einsum
+    original = engine.einsum
 
     def spy(equation, *operands, **kwargs):
         ops = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
         seen.append((equation, tuple(type(x).__name__ for x in ops)))
         return original(equation, *operands, **kwargs)
 
-    dispatch.einsum = spy
+    engine.einsum = spy
     try:
         yield seen
     finally:
-        dispatch.einsum = original
+        engine.einsum = original
 
 
 SPARSE_EINSUMS = {"slots": {"sb,bd->sd", "bs,sh->bh"}, "fused": {"bn,bd,ndh->bh"},

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import scorch
-from scorch.compiler import dispatch
+from scorch.engine import bind
 
 
 def _random_csr(m, n, per_row, seed):
@@ -19,7 +19,7 @@ def _random_csr(m, n, per_row, seed):
 @pytest.mark.parametrize("narrow", [True, False])
 def test_spgemm_with_long_rows(monkeypatch, narrow):
     if not narrow:
-        monkeypatch.setattr(dispatch, "NARROW_COORDINATES", 0)
+        monkeypatch.setattr(bind, "NARROW_COORDINATES", 0)
     da, a = _random_csr(40, 3000, 30, 1)   # about 900 touched entries per row: the radix path
     db, b = _random_csr(3000, 3000, 30, 2)
     r = a @ b

@@ -14,7 +14,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import scorch
-from scorch.compiler import dispatch, runtime
+from scorch import engine
+from scorch.compiler import pipeline, runtime
+from scorch.engine import bind
 from scorch import loopir as L
 from scorch.compiler.codegen import cuda
 
@@ -30,12 +32,12 @@ SPECS = [Spec((0, 4, 3), 0.5, 1), Spec((4, 6, 2), 1.0, 5), Spec((5, 7, 3), 0.6, 
 
 @pytest.fixture(scope="module", autouse=True)
 def _compile_ahead(request):
-    compile_ahead(request, matrix_jobs(lambda case, ops: dispatch.einsum(case.eq, *ops, backend=EMU), plain=False))
+    compile_ahead(request, matrix_jobs(lambda case, ops: engine.einsum(case.eq, *ops, backend=EMU), plain=False))
 
 
 def _run(case, fmt, dtype, itype, spec):
     ops, dense_ops, _ = build(case, fmt, dtype, itype, spec, cap3=12)
-    result = dispatch.einsum(case.eq, *ops, backend=EMU)
+    result = engine.einsum(case.eq, *ops, backend=EMU)
     assert_matches_dense(result, dense_einsum(case.eq, *dense_ops))
     check_format(case, fmt, ops[case.sparse], result)
 
@@ -65,7 +67,7 @@ def test_emulated_cuda_two_sparse_operands(eq, fa, fb, dtype):
         a = (torch.randint(-3, 4, (m, k), generator=g) * (torch.rand(m, k, generator=g) < 0.3)).to(dtype)
         b = (torch.randint(-3, 4, (k, n) if eq.startswith("ij,jk") else (m, k), generator=g)
              * (torch.rand((k, n) if eq.startswith("ij,jk") else (m, k), generator=g) < 0.3)).to(dtype)
-        r = dispatch.einsum(eq, scorch.asformat(a, fa), scorch.asformat(b, fb), backend=EMU)
+        r = engine.einsum(eq, scorch.asformat(a, fa), scorch.asformat(b, fb), backend=EMU)
         assert_matches_dense(r, torch.einsum(eq, a, b))
 
 
@@ -76,7 +78,7 @@ def test_emulated_cuda_max_min(reduce):
     s = scorch.asformat(x, "csr")
     from scorch.compiler.einsum import parse
     inputs, out = parse("ij->i", [2])
-    r = dispatch.run(inputs, out, [s], backend=EMU, reduce=reduce[1:])
+    r = engine.run(inputs, out, [s], backend=EMU, reduce=reduce[1:])
     assert_matches_dense(r, getattr(x, reduce)(1))
 
 
@@ -100,7 +102,7 @@ def _explain(eq, *ops):
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        dispatch.einsum(eq, *ops, backend=EMU, explain=True)
+        engine.einsum(eq, *ops, backend=EMU, explain=True)
     return buf.getvalue()
 
 
@@ -131,20 +133,20 @@ def test_backend_selection(monkeypatch):
     """CUDA tensors select the CUDA backend; the emulation refuses them; mixed devices are refused."""
     a = scorch.asformat(torch.eye(3), "csr")
     x = torch.ones(3, 2)
-    assert dispatch._backend([a, x], "cpp", "mm") == "cpp"
-    assert dispatch._backend([a, x], EMU, "mm") == EMU
+    assert engine.backend_for([a, x], "cpp", "mm") == "cpp"
+    assert engine.backend_for([a, x], EMU, "mm") == EMU
     with pytest.raises(ValueError, match="takes CUDA tensors"):
-        dispatch._backend([a, x], "cuda", "mm")
+        engine.backend_for([a, x], "cuda", "mm")
     with pytest.raises(ValueError, match="unknown backend"):
-        dispatch._backend([a, x], "fortran", "mm")
+        engine.backend_for([a, x], "fortran", "mm")
     cuda0 = torch.device("cuda", 0)
-    monkeypatch.setattr(dispatch, "device_of", lambda t: cuda0 if t is a else torch.device("cpu"))
+    monkeypatch.setattr(bind, "device_of", lambda t: cuda0 if t is a else torch.device("cpu"))
     with pytest.raises(ValueError, match="same device"):
-        dispatch._backend([a, x], "cpp", "mm")
-    monkeypatch.setattr(dispatch, "device_of", lambda t: cuda0)
-    assert dispatch._backend([a, x], "cpp", "mm") == "cuda"
+        engine.backend_for([a, x], "cpp", "mm")
+    monkeypatch.setattr(bind, "device_of", lambda t: cuda0)
+    assert engine.backend_for([a, x], "cpp", "mm") == "cuda"
     with pytest.raises(ValueError, match="runs on the CPU"):
-        dispatch._backend([a, x], EMU, "mm")
+        engine.backend_for([a, x], EMU, "mm")
 
 
 # --- nvcc: every CUDA source of the matrix compiles for sm_80 and sm_90 ------------------------------------------
@@ -153,11 +155,11 @@ def _matrix_kernels():
     """Every CUDA kernel the matrix entries lower to (lowered, not compiled)."""
     for case, fmt, dtype, itype in MATRIX:  # (planned and compiled once per process: the caches keep them)
         ops, _, _ = build(case, fmt, dtype, itype, Spec((5, 7, 3), 0.6, 6))
-        dispatch.einsum(case.eq, *ops, backend=EMU)
+        engine.einsum(case.eq, *ops, backend=EMU)
     kernels = {}
-    for key, plan in dispatch._COMPILED.items():
+    for key, plan in pipeline.compiled_plans():
         if key[-1] == "cuda":
-            lows = [plan.lowered] if isinstance(plan, dispatch.Plan) else list(plan.lowered.values())
+            lows = [plan.lowered] if isinstance(plan, pipeline.Plan) else list(plan.lowered.values())
             for low in lows:
                 kernels[cuda.generate(low.kernel, prelude=False, symbol="k")] = low.kernel
     return list(kernels.values())
@@ -188,13 +190,13 @@ def test_library_candidates_compute_the_same():
     x, a, b = torch.randn(20, 8), torch.randn(30, 8), torch.randn(20, 8)
     for eq, ops in [("ij,jk->ik", [s, x]), ("ij,ik,jk->ij", [s, a, b])]:
         inputs, out = parse(eq, [o.dim() for o in ops])
-        asg = Assignment(out, to_index_notation(inputs), tuple(dispatch._type(o) for o in ops))
+        asg = Assignment(out, to_index_notation(inputs), tuple(engine.tensor_type(o) for o in ops))
         name, fn = library.candidate(asg)
         assert "cuSPARSE" in name
-        assert_matches_dense(fn(ops), dispatch.einsum(eq, *ops).to_dense() if eq.endswith("ij") else
-                             dispatch.einsum(eq, *ops))
+        assert_matches_dense(fn(ops), engine.einsum(eq, *ops).to_dense() if eq.endswith("ij") else
+                             engine.einsum(eq, *ops))
     inputs, out = parse("ij,jk->ki", [2, 2])
-    asg = Assignment(out, to_index_notation(inputs), (dispatch._type(s), dispatch._type(x)))
+    asg = Assignment(out, to_index_notation(inputs), (engine.tensor_type(s), engine.tensor_type(x)))
     assert library.candidate(asg) is None  # another output order: no library call
 
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import scorch
 from scorch import Format, SparseTensor
-from scorch.compiler import dispatch
+from scorch import engine
 
 from conftest import assert_matches_dense, compile_ahead, plain_test_job
 
@@ -391,8 +391,8 @@ def test_interp_agrees_with_cpp(case, fmt, dtype, itype, spec):
     """The loop-IR interpreter (bounds-checked, the reference semantics) and the C++ kernel agree, and both
     agree with torch."""
     ops, dense_ops, _ = build(case, fmt, dtype, itype, spec)
-    cpp = dispatch.einsum(case.eq, *ops, backend="cpp")
-    ref = dispatch.einsum(case.eq, *ops, backend="interp")
+    cpp = engine.einsum(case.eq, *ops, backend="cpp")
+    ref = engine.einsum(case.eq, *ops, backend="interp")
     assert type(ref) is type(cpp)
     if isinstance(cpp, SparseTensor):
         assert ref.format == cpp.format

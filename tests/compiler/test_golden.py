@@ -62,14 +62,17 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
       launcher and once for its ``<symbol>_error`` function: repeats of a text are dropped.)
     * ``scorch.compiler.runtime.Kernel(name, path, source_path, origin, compile_seconds, fn)``: what the recorder
       returns, with an ``fn`` that does nothing and returns 0 (a CUDA launcher's "no error").
-    * ``scorch.compiler.dispatch._backend(ops, backend, name)``: for ``"cuda"`` it is wrapped so that where it
-      would give CPU tensors the ``"cpp"`` backend it gives ``"cuda-emulate"`` (as it gives CUDA tensors
-      ``"cuda"``): every dispatched kernel is then lowered for and rendered as CUDA, from CPU tensors.
+    * ``scorch.engine.cpu_backend("cuda-emulate")`` (documented): for ``"cuda"`` the case runs in this block, where
+      the calls that would give CPU tensors the ``"cpp"`` backend give ``"cuda-emulate"`` (as CUDA tensors get
+      ``"cuda"``): every kernel of the execution layer is then lowered for and rendered as CUDA, from CPU tensors.
+      (Made before the split of ``compiler/dispatch.py``, this adapter wrapped ``dispatch._backend`` instead.)
 
-    After a refactor, point these three at their new places (the function that turns a source into a loaded
-    kernel; the function that picks the backend for a call's operands) and leave the rest of the module alone.
+    After a refactor, point these at their new places (the function that turns a source into a loaded kernel;
+    the way to run CPU tensors' kernels as CUDA) and leave the rest of the module alone.
     """
-    from scorch.compiler import dispatch, runtime
+    import contextlib
+    from scorch import engine
+    from scorch.compiler import runtime
     torch.set_num_threads(THREADS)
     seen: list[tuple[str, str, str]] = []  # (toolchain, symbol, source) as loaded
 
@@ -78,15 +81,12 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
         return runtime.Kernel(symbol, None, None, "golden", 0.0, lambda *args: 0)
 
     runtime.load = record
-    if target == "cuda":
-        choose = dispatch._backend
-        dispatch._backend = lambda ops, backend, name: (
-            "cuda-emulate" if choose(ops, backend, name) == "cpp" else choose(ops, backend, name))
     ops = case.operands()
     if seen:
         raise AssertionError(f"golden case {case.name}: building the operands generated kernels ({seen[0][1]}):"
                              " build them without generated conversions (from index arrays)")
-    case.run(*ops)
+    with engine.cpu_backend("cuda-emulate") if target == "cuda" else contextlib.nullcontext():
+        case.run(*ops)
     wanted = ("cxx",) if target == "cpp" else ("emulate", "nvcc")
     out, texts = [], set()
     for toolchain, symbol, source in seen:

@@ -1,4 +1,4 @@
-"""Grouped products (``scorch/compiler/grouped.py``): a sparse operand's entries grouped by the index it shares with
+"""Grouped products (``scorch/compiler/grouped.py``, run by ``scorch/engine/grouped.py``): a sparse operand's entries grouped by the index it shares with
 a sliced dense operand, one dense product per group. Against ``torch.einsum`` on the dense tensors, across
 formats, shapes (empty, one entry, all-zero, fully dense), dtypes and index widths; gradients against torch's;
 which splits qualify; and that the planner picks it for the mixture-of-experts product."""
@@ -10,7 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scorch
-from scorch.compiler import contract, dispatch, grouped
+from scorch import engine
+from scorch.compiler import contract
+from scorch.compiler import grouped as grouping
+from scorch.engine import grouped
 
 from conftest import assert_matches_dense
 
@@ -60,7 +63,7 @@ def test_grouped_matches_dense(data, case, fmt, dtype, index_dtype):
             t = _dense(shape, dtype)
             ops.append(t)
             dense_ops.append(t)
-    g = grouped.match([tuple(i) for i in inputs], tuple(out), [j == k for j in range(len(inputs))], sizes)
+    g = grouping.match([tuple(i) for i in inputs], tuple(out), [j == k for j in range(len(inputs))], sizes)
     expected = torch.einsum(eq, *dense_ops)
     if g is not None:  # the grouped evaluation itself, whatever the planner would choose
         got = grouped.evaluate(g, [tuple(i) for i in inputs], tuple(out), ops, sizes)
@@ -69,11 +72,11 @@ def test_grouped_matches_dense(data, case, fmt, dtype, index_dtype):
 
 
 def test_which_splits_qualify():
-    m = lambda eq, k, sizes=None: grouped.match(  # noqa: E731
+    m = lambda eq, k, sizes=None: grouping.match(  # noqa: E731
         [tuple(i) for i in eq.split("->")[0].split(",")], tuple(eq.split("->")[1]),
         [j == k for j in range(eq.count(",") + 1)], sizes or {v: 4 for v in eq if v.isalpha()})
-    assert m("bd,ndh,bn->bh", 2) == grouped.Grouping(2, ("n",), ("b",))
-    assert m("bh,bd,bn->ndh", 2) == grouped.Grouping(2, ("n",), ("b",))
+    assert m("bd,ndh,bn->bh", 2) == grouping.Grouping(2, ("n",), ("b",))
+    assert m("bh,bd,bn->ndh", 2) == grouping.Grouping(2, ("n",), ("b",))
     assert m("bd,nde,bn,e->bn", 2) is None           # the output holds both kinds
     assert m("bnd,ndh,bn->bh", 2) is None            # a dense operand holds both kinds
     assert m("bd,dh->bh", 0).group == ("b",)          # SpMM: one group per row (the cost model declines it)
@@ -98,7 +101,7 @@ def test_planner_groups_the_moe_product():
 def test_explain_names_the_grouping(capsys):
     x, E = torch.randn(512, 64), torch.randn(4, 64, 64)
     g = torch.nn.functional.one_hot(torch.arange(512) % 4, 4).float().to_sparse()
-    dispatch.einsum("bd,ndh,bn->bh", x, E, g, explain=True)
+    engine.einsum("bd,ndh,bn->bh", x, E, g, explain=True)
     assert "grouped by n" in capsys.readouterr().out
 
 
@@ -112,7 +115,7 @@ def test_grouped_gradients(fmt):
     g = scorch.asformat(gd, fmt)
     g.requires_grad_(True)
     sizes = {"b": B, "d": D, "h": H, "n": N}
-    gr = grouped.Grouping(2, ("n",), ("b",))
+    gr = grouping.Grouping(2, ("n",), ("b",))
     y = grouped.evaluate(gr, [tuple("bd"), tuple("ndh"), tuple("bn")], tuple("bh"), [x, E, g], sizes)
     w = torch.randn(B, H, dtype=torch.float64)
     (y * w).sum().backward()

@@ -56,7 +56,7 @@ def test_no_copy_when_the_operand_is_large_next_to_the_reads():
 
 
 def _sched(s, b):
-    from scorch.compiler.dispatch import _type
+    from scorch.engine import tensor_type as _type
     from scorch.compiler.einsum import to_index_notation
     from scorch.compiler.infer import infer
     from scorch.compiler.ir import Assignment

@@ -47,7 +47,7 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
     import concurrent.futures, os, sys
     import torch
     import scorch
-    from scorch.compiler import dispatch
+    from scorch import engine
 
     BACKEND = os.environ.get("SCORCH_TEST_BACKEND", "cpp")  # cuda-emulate: the CUDA kernels, run on the CPU
 
@@ -94,7 +94,7 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             ops = [scorch.asformat(a, fmt) if i == sp else values(tuple(sizes.get(c, EXTRA) for c in t), gen)
                    for i, t in enumerate(inputs)]
             dense = [a if i == sp else x for i, x in enumerate(ops)]
-            r = scorch.einsum(eq, *ops) if BACKEND == "cpp" else dispatch.einsum(eq, *ops, backend=BACKEND)
+            r = scorch.einsum(eq, *ops) if BACKEND == "cpp" else engine.einsum(eq, *ops, backend=BACKEND)
             if isinstance(r, scorch.SparseTensor):
                 r.check_invariants()
             if not close(r, torch.einsum(eq, *dense)):
@@ -190,11 +190,11 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         for (m, k, c), d in (((6, 300, 300), 0.5), ((0, 4, 5), 0.5), ((9, 7, 8), 0.3)):
             a, b = values((m, k), gen, d), values((k, c), gen, d)
             n += 1
-            r = dispatch.einsum("ij,jk->ik", scorch.asformat(a, "csr"), scorch.asformat(b, "csr"), backend=BACKEND)
+            r = engine.einsum("ij,jk->ik", scorch.asformat(a, "csr"), scorch.asformat(b, "csr"), backend=BACKEND)
             if not close(r, a @ b):
                 bad.append(f"csr @ csr {(m, k, c)}")
             n += 1
-            r = dispatch.einsum("ij,ij->ij", scorch.asformat(a, "csr"), scorch.asformat(a, "coo"), backend=BACKEND)
+            r = engine.einsum("ij,ij->ij", scorch.asformat(a, "csr"), scorch.asformat(a, "coo"), backend=BACKEND)
             if not close(r, a * a):
                 bad.append(f"csr * coo {(m, k)}")
         return n, bad

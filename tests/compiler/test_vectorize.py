@@ -74,7 +74,7 @@ def test_reduction_loops_allow_reassociation():
 def test_dot_tile_interpreted_matches_compiled(dtype):
     """The SDDMM dot tile (whole vectors of entries, their lane sums added up together, then the entries left
     over) through the bounds-checked loop-IR interpreter gives the compiled kernel's values, and torch's."""
-    from scorch.compiler import dispatch
+    from scorch import engine
     lanes = 16 if dtype == torch.float32 else 8
     torch.manual_seed(1)
     dense = torch.randn(6, 2000, dtype=dtype) * (torch.rand(6, 2000) < 0.02)  # sparse: the planner samples
@@ -84,8 +84,8 @@ def test_dot_tile_interpreted_matches_compiled(dtype):
     a, b = torch.randn(6, 2 * lanes, dtype=dtype), torch.randn(2000, 2 * lanes, dtype=dtype)
     src = _kernel_source("ij,ik,jk->ij", s, a, b)
     assert "scorch_tsum(" in src
-    cpp = dispatch.einsum("ij,ik,jk->ij", s, a, b, backend="cpp")
-    ref = dispatch.einsum("ij,ik,jk->ij", s, a, b, backend="interp")
+    cpp = engine.einsum("ij,ik,jk->ij", s, a, b, backend="cpp")
+    ref = engine.einsum("ij,ik,jk->ij", s, a, b, backend="interp")
     torch.testing.assert_close(cpp.to_dense(), ref.to_dense())
     torch.testing.assert_close(cpp.to_dense(), dense * (a @ b.T))
 
@@ -96,7 +96,7 @@ def test_register_tile_interpreted_matches_compiled(fmt, dtype):
     """SpMM's register tile (with copies of a small tile for groups of entries, then the entries left over, the
     copies added up) through the bounds-checked loop-IR interpreter gives the compiled kernel's values, and
     torch's."""
-    from scorch.compiler import dispatch
+    from scorch import engine
     torch.manual_seed(2)
     dense = torch.randn(8, 12, dtype=dtype) * (torch.rand(8, 12) < 0.6)
     dense[4:6] = 0  # empty rows (and an empty block row)
@@ -105,7 +105,7 @@ def test_register_tile_interpreted_matches_compiled(fmt, dtype):
     x = torch.randn(12, 32, dtype=dtype)
     src = _kernel_source("ij,jk->ik", s, x)
     assert "wtile" in src
-    cpp = dispatch.einsum("ij,jk->ik", s, x, backend="cpp")
-    ref = dispatch.einsum("ij,jk->ik", s, x, backend="interp")
+    cpp = engine.einsum("ij,jk->ik", s, x, backend="cpp")
+    ref = engine.einsum("ij,jk->ik", s, x, backend="interp")
     torch.testing.assert_close(cpp, ref)
     torch.testing.assert_close(cpp, dense @ x)

@@ -1,10 +1,10 @@
-"""``to_dense`` by a generated kernel (``scorch.compiler.densify``): every format, value and index type, the edge
+"""``to_dense`` by a generated kernel (``scorch.engine.densify``): every format, value and index type, the edge
 shapes, duplicates, padding and gradients, against the dense tensor the storage was built from."""
 import pytest
 import torch
 
 import scorch
-from scorch.compiler import densify
+from scorch.engine import densify
 from scorch.formats import storage
 
 from conftest import assert_matches_dense

@@ -1,5 +1,5 @@
 """Dense tensors from any format's storage by generated kernels: ``out[i,j,...] = T[i,j,...]`` with a dense
-output, the einsum ``"ab->ab"`` (``dispatch``), one pass over the stored positions adding each value into a
+output, the einsum ``"ab->ab"`` (``engine.einsum``), one pass over the stored positions adding each value into a
 zeroed tensor (duplicates summed, padding adds zero). It replaces listing the entries with vectorized torch
 ops and putting them (``storage.unpack``), which walks every level into coordinate arrays first.
 
@@ -22,12 +22,13 @@ def to_dense(fmt, shape, levels, values, min_size=MIN_SIZE):
     """The dense tensor of a storage by a generated kernel, or None where none applies: another device than
     the CPU, a value type the kernels do not take (bool, complex, float16), more dimensions than letters, values
     that are not a plain 1-d tensor, or fewer than ``min_size`` stored values and dense elements."""
-    from . import dispatch
-    if type(values) is not torch.Tensor or values.device.type != "cpu" or values.dtype not in dispatch.SUPPORTED \
+    from .bind import SUPPORTED
+    from .evaluate import einsum
+    if type(values) is not torch.Tensor or values.device.type != "cpu" or values.dtype not in SUPPORTED \
             or values.dim() != 1 or not 0 < len(shape) <= len(_LETTERS) or \
             max(values.numel(), math.prod(shape)) < min_size:
         return None
     from ..sparse_tensor import SparseTensor
     letters = _LETTERS[:len(shape)]
     source = SparseTensor(fmt, tuple(shape), levels, values, check=False)
-    return dispatch.einsum(f"{letters}->{letters}", source, format="dense")
+    return einsum(f"{letters}->{letters}", source, format="dense")

@@ -1,0 +1,55 @@
+"""One owner for scorch's memo tables: every module-level cache is made here, by name, so that all of them can be
+listed (``scorch.cache_info()``) and emptied (``scorch.clear_caches()``) together.
+
+A cache is a dict with a name and a line saying what it maps; its keys are values (equations, operand types,
+formats, sizes), never ``id()`` of an object that may die. The compiler's caches (plans, kernels) and the execution
+layer's (prepared calls, contraction paths, conversions) register here alike; the loaded libraries stay in
+``runtime`` (unloading a shared library a kernel may still run in is not safe), and are listed with the others.
+"""
+from __future__ import annotations
+
+
+class Cache(dict):
+    """A named memo table (a plain dict otherwise)."""
+
+    def __init__(self, name: str, what: str):
+        super().__init__()
+        self.name, self.what = name, what
+
+    def __repr__(self):
+        return f"<cache {self.name}: {len(self)} entries: {self.what}>"
+
+    __hash__ = object.__hash__  # (one per name, registered once)
+
+
+_REGISTRY: dict = {}
+_CLEARERS: dict = {}
+
+
+def cache(name: str, what: str) -> Cache:
+    """The cache called ``name`` (made on first request; the same object after that)."""
+    c = _REGISTRY.get(name)
+    if c is None:
+        c = _REGISTRY[name] = Cache(name, what)
+    return c
+
+
+def register(name: str, what: str, size, clear):
+    """A memo table kept elsewhere in another shape (an LRU, a weak map): listed by ``size()``, emptied by
+    ``clear()``."""
+    _CLEARERS[name] = (what, size, clear)
+
+
+def cache_info() -> dict:
+    """``{name: (entries, what it maps)}`` for every cache."""
+    info = {name: (len(c), c.what) for name, c in sorted(_REGISTRY.items())}
+    info.update({name: (size(), what) for name, (what, size, _) in sorted(_CLEARERS.items())})
+    return info
+
+
+def clear_caches() -> None:
+    """Empty every cache: the next call plans, compiles (or loads from the disk cache) and prepares again."""
+    for c in _REGISTRY.values():
+        c.clear()
+    for _, _, clear in _CLEARERS.values():
+        clear()

@@ -1,0 +1,264 @@
+"""The compiler pipeline: from an assignment over operand types to a loaded kernel with its plan.
+
+One straight line, each stage a module of this package: parse (``einsum``) -> index notation (``ir``) ->
+format inference (``infer``) -> schedule (``schedule``) -> lowering to the loop IR (``lower``, or ``coiterate``
+for several sparse operands) -> rendering (``codegen.cpp``, ``codegen.cuda``) -> build and load (``runtime``).
+``planned`` runs the first four once per assignment and operand types; ``compiled_plan`` (one sparse operand)
+and ``coiteration_plan`` (several) the rest once per key. The result is a ``Plan`` (or ``CoPlan``): the
+decisions made, the generated source and the loaded kernel. Nothing here knows tensors: binding tensors to a
+plan's arguments and running it is the execution layer's (``scorch.engine``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .. import loopir as L
+from . import library, runtime
+from .caches import cache
+from .codegen import cpp, cuda
+from .einsum import to_index_notation
+from .infer import OutputFormat, infer
+from .ir import Access, Assignment, TensorType
+from .lower import lower
+from .schedule import SPECIALIZE_MAX, schedule
+
+_PLANNED = cache("planned", "assignment, inferred output and schedule per einsum key (operand types)")
+_COMPILED = cache("compiled", "compiled plans (loaded kernels) per einsum key, specialized extent and target")
+_CONVERTERS = cache("converters", "count and fill kernels of a conversion per source type, target format")
+
+
+@dataclass
+class Plan:
+    """Everything decided for one assignment over one set of operand types, and the loaded kernel."""
+    asg: Assignment
+    output: OutputFormat
+    schedule: object
+    lowered: object = None
+    source: str = ""
+    kernel: object = None
+    assemble_from_dense: bool = False
+    calls: int = 0
+    library: object = None  # on a GPU: the measured choice between this kernel and a library call (library.py)
+    library_call: object = None  # on a GPU: ``(name, fn)`` of a library call computing this assignment, or None
+
+    def explain(self) -> str:
+        out = self.output
+        fmt = "dense (torch tensor)" if out.format is None else (out.format.name or str(out.format))
+        lines = [f"expression:   {self.asg}",
+                 f"operands:     {', '.join(f'T{k}: {t}' for k, t in enumerate(self.asg.operands))}",
+                 f"output:       {fmt}  [rule: {out.rule}]"]
+        if self.assemble_from_dense:
+            lines.append("assembly:     computed into a dense workspace, then compressed into the output format")
+        s = self.schedule
+        lines += [f"loop order:   {s.describe(self.asg)}",
+                  f"parallel:     {s.parallel}{' (balanced by nnz)' if s.balance == 'nnz' else ''}: {s.why}",
+                  f"specialized:  {', '.join(f'{v}={n}' for v, n in s.specialize) or 'none'}"]
+        if self.kernel is not None:
+            how = {"compiled": f"compiled now ({self.kernel.compile_seconds:.2f} s)", "disk": "loaded from the disk"
+                   " cache", "memory": "from the memory cache"}.get(self.kernel.origin, self.kernel.origin)
+            lines += gpu_lines(self.kernel)
+            if self.library is not None:
+                lines.append(f"path:         {self.library.describe()}")
+            lines += [f"kernel:       {how}: {self.kernel.path}", "source:", self.source]
+        return "\n".join(lines)
+
+
+def compiled_plans():
+    """``(key, plan)`` of every compiled plan (``Plan`` or ``CoPlan``) in the cache, oldest first."""
+    return list(_COMPILED.items())
+
+
+def planned(key):
+    """``(assignment, inferred output, schedule, sparse operand count)`` of an einsum by ``run``'s key (cached);
+    the schedule only for one sparse operand."""
+    planned = _PLANNED.get(key)
+    if planned is None:
+        inputs, out, types, _, fmt, rhs, reduce = key
+        if any(len(set(idx)) != len(idx) for idx in inputs):  # (an internal caller's mistake, not the user's)
+            raise ValueError(f"scorch: {inputs} repeats a letter within an operand; kernels take distinct letters"
+                             " (einsum takes the diagonal first: ops/diagonal.py)")
+        asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
+        output = infer(asg)
+        n = sum(t.sparse for t in types)
+        sched0 = schedule(asg, lowerable(asg, output)) if n == 1 else None
+        planned = _PLANNED[key] = (asg, output, sched0, n)
+    return planned
+
+
+def compiled_plan(key, asg, output, sched0, sizes, broadcast, backend):
+    """``(plan, plan key)``: the kernel of one sparse operand's schedule, compiled once per key, the innermost
+    dense extent (where small enough to be compiled in) and the target."""
+    plan_key = key
+    if sched0.inner and 0 < sizes[sched0.inner[-1]] <= SPECIALIZE_MAX:
+        plan_key = key + (sizes[sched0.inner[-1]],)
+    plan_key += (target_of(backend),)
+    plan = _COMPILED.get(plan_key)
+    if plan is None:
+        plan = _COMPILED[plan_key] = compile_plan(asg, output, sizes, broadcast, backend)
+    return plan, plan_key
+
+
+def lowerable(asg, output: OutputFormat) -> OutputFormat:
+    """The output the lowering writes: the inferred one when it shares the driver's positions or is dense;
+    otherwise a dense workspace that is compressed afterwards."""
+    if output.format is None or output.shared_levels:
+        return output
+    return OutputFormat(None, 0, output.rule)
+
+
+def compile_plan(asg, output, sizes, broadcast, backend="cpp") -> Plan:
+    written = lowerable(asg, output)
+    sched = schedule(asg, written, sizes)
+    ct = L.type_of(asg.operands[0].dtype)
+    plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
+    plan.lowered = lower(asg, sched, ct, broadcast, target=target_of(backend))
+    plan.source, plan.kernel = build(plan.lowered, backend)
+    plan.library_call = library.candidate(asg) if backend == "cuda" else None
+    return plan
+
+
+#: backends: ``cpp`` (C++ on the CPU), ``cuda`` (CUDA on the tensors' GPU), ``cuda-emulate`` (the CUDA source run on
+#: the CPU by the emulation in ``codegen.cuda``: tests without a GPU), ``interp`` (the loop-IR interpreter)
+BACKENDS = ("cpp", "cuda", "cuda-emulate", "interp")
+
+
+def target_of(backend) -> str:
+    """The code generator a backend uses: ``cpu`` or ``cuda``."""
+    return "cuda" if backend in ("cuda", "cuda-emulate") else "cpu"
+
+
+class CudaKernel:
+    """A loaded CUDA launcher (``codegen.cuda``): called with the kernel's arguments, it adds the current CUDA
+    stream and raises ``RuntimeError`` on a CUDA error. ``emulated``: the CPU emulation build."""
+
+    def __init__(self, kernel, error, emulated, mapping):
+        self.kernel, self.error, self.emulated, self.mapping = kernel, error, emulated, mapping
+        self.path, self.origin, self.compile_seconds = kernel.path, kernel.origin, kernel.compile_seconds
+
+    def __call__(self, *args):
+        stream = None if self.emulated else torch.cuda.current_stream().cuda_stream
+        code = self.kernel.fn(*args, stream)
+        if code:
+            raise RuntimeError(f"scorch: CUDA kernel {self.kernel.name} failed: {self.error(code).decode()}"
+                               f" (error {code})")
+
+
+def build(low, backend="cpp"):
+    """``(source, kernel)``: a lowered kernel's source for the backend, compiled (or found in a cache) and
+    loaded."""
+    if target_of(backend) == "cpu":
+        src = cpp.generate(low.kernel)
+        return src, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+    import ctypes
+    src = cuda.generate(low.kernel)
+    emulated = backend == "cuda-emulate"
+    arch = "" if emulated else _cuda_arch()
+    tool = "emulate" if emulated else "nvcc"
+    k = runtime.load(src, low.kernel.name, cuda.argtypes(low.kernel), ctypes.c_int, toolchain=tool, arch=arch)
+    err = runtime.load(src, low.kernel.name + "_error", [ctypes.c_int], ctypes.c_char_p, toolchain=tool, arch=arch)
+    return src, CudaKernel(k, err.fn, emulated, cuda.plan(low.kernel))
+
+
+def gpu_lines(kernel) -> list:
+    if not isinstance(kernel, CudaKernel):
+        return []
+    where = "CUDA, emulated on the CPU" if kernel.emulated else "CUDA"
+    return [f"target:       {where}; workers: {kernel.mapping.describe}"]
+
+
+def _cuda_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+@dataclass
+class CoPlan:
+    """A co-iteration plan: operands reformatted as the schedule says, then one kernel (dense output) or two
+    (count and fill passes of a rows output)."""
+    asg: Assignment
+    output: OutputFormat
+    schedule: object
+    inner_asg: Assignment = None
+    lowered: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+    kernels: dict = field(default_factory=dict)
+    calls: int = 0
+    broadcast: frozenset = frozenset()
+    backend: str = "cpp"
+
+    def kernel(self, phase):
+        """The kernel of ``phase`` (None, "count", "fill" or "fill32"), lowered and loaded on first use: a rows
+        output needs the fill with 32-bit coordinates or the one with 64-bit coordinates, rarely both."""
+        if phase not in self.kernels:
+            from .coiterate import lower_coiteration
+            low = lower_coiteration(self.inner_asg, self.schedule, L.type_of(self.asg.operands[0].dtype),
+                                    self.broadcast, phase)
+            self.lowered[phase] = low
+            self.sources[phase], self.kernels[phase] = build(low, self.backend)
+        return self.kernels[phase]
+
+    def explain(self) -> str:
+        cs, out = self.schedule, self.output
+        fmt = "dense (torch tensor)" if out.format is None else (out.format.name or str(out.format))
+        lines = [f"expression:   {self.asg}",
+                 f"operands:     {', '.join(f'T{k}: {t}' for k, t in enumerate(self.asg.operands))}",
+                 f"output:       {fmt}  [rule: {out.rule}]"]
+        for k, f in cs.reformat:
+            lines.append(f"reformat:     T{k} converted to {f.name or f} before the kernel")
+        lines.append(f"loop order:   {' -> '.join(cs.order)}  ({cs.why})")
+        if cs.output == "rows":
+            row = cs.row_var or "(one virtual row)"
+            lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) with a touched list;"
+                         " count pass, prefix sum, fill pass")
+        lines.append(f"parallel:     {'the outermost loop' if cs.parallel else 'none'}"
+                     f"{' (balanced by nnz)' if cs.balance else ''}")
+        for phase, k in self.kernels.items():
+            how = {"compiled": f"compiled now ({k.compile_seconds:.2f} s)", "disk": "loaded from the disk cache",
+                   "memory": "from the memory cache"}.get(k.origin, k.origin)
+            lines += gpu_lines(k)
+            lines += [f"kernel {phase}: {how}: {k.path}", "source:", self.sources[phase]]
+        return "\n".join(lines)
+
+
+def coiteration_plan(key, asg, output, broadcast, backend, weights=None) -> CoPlan:
+    plan = _COMPILED.get(key)
+    if plan is None:
+        plan = _COMPILED[key] = _compile_coiteration(asg, output, broadcast, backend, weights)
+    return plan
+
+
+def _compile_coiteration(asg, output, broadcast, backend="cpp", weights=None) -> CoPlan:
+    from .schedule import schedule_coiteration
+    cs = schedule_coiteration(asg, output, weights)
+    ops = list(asg.operands)
+    for k, f in cs.reformat:
+        t = ops[k]
+        ops[k] = TensorType(t.ndim, t.dtype, f, t.index_dtype, t.device)
+    inner = Assignment(asg.out, asg.rhs, tuple(ops), asg.reduce, asg.out_format)
+    plan = CoPlan(asg, output, cs, inner, broadcast=broadcast, backend=backend)
+    if cs.output == "dense":
+        plan.kernel(None)
+    return plan
+
+
+def conversion_plan(source: TensorType, fmt, drop_zeros, rc) -> dict:
+    """The kernels converting a 2-d ``source`` into the CSR-like ``fmt`` (row dimension ``rc[0]`` dense, column
+    ``rc[1]`` compressed) by counting sort: ``{"count": (lowered, kernel, source), "fill": ...}``.
+    ``drop_zeros``: the fill leaves stored zeros out."""
+    key = (source, fmt, drop_zeros)
+    plans = _CONVERTERS.get(key)
+    if plans is None:
+        letters = ("i", "j")
+        asg = Assignment(letters, Access(0, letters), (source,), out_format=fmt)
+        sched = schedule(asg, OutputFormat(None, 0, "conversion"))
+        sched = replace(sched, parallel="none", balance="static")
+        ct = L.type_of(source.dtype)
+        plans = {}
+        for phase in ("count", "fill"):
+            low = lower(asg, sched, ct, frozenset(), scatter=(letters[rc[0]], letters[rc[1]], phase, drop_zeros))
+            src, kernel = build(low)
+            plans[phase] = (low, kernel, src)
+        _CONVERTERS[key] = plans
+    return plans

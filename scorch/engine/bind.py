@@ -1,0 +1,411 @@
+"""Binding tensors to a compiled plan's kernel arguments, and running it.
+
+A ``Plan`` (``compiler.pipeline``) knows its kernel's parameters by kind (``pos``/``crd`` of an operand's level,
+values, a dense operand, a size, the output...); ``argument`` finds each one's value on the operands, ``call_plan``
+allocates the output, calls the kernel and wraps what it wrote in the output format. ``prepared_call`` does the
+same with everything that depends only on the operands' signature worked out once (a repeated call: pointer
+reads, one allocation, the ctypes call). ``call_coiteration`` runs a co-iteration plan (several sparse
+operands): operands reformatted as its schedule says, then one kernel (dense output) or a count pass, a prefix
+sum and a fill pass (a sparse output).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .. import interop
+from ..compiler.ir import TensorType
+from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
+from ..formats import named
+from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
+
+
+SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+#: the largest dense row workspace (all threads together) before a hash workspace would be needed
+NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
+
+
+WORKSPACE_LIMIT_BYTES = 1 << 30
+
+
+def tensor_type(x) -> TensorType:
+    if type(x) is SparseTensor:
+        return TensorType(len(x._shape), x._vals.dtype, x._format, x.index_dtype, x._vals.device.type)
+    return TensorType(x.dim(), x.dtype, None, None, x.device.type)
+
+
+def index_sizes(inputs, ops, name):
+    sizes, broadcast = {}, set()
+    for k, (idx, x) in enumerate(zip(inputs, ops)):
+        for d, v in enumerate(idx):
+            n = shape_of(x)[d]
+            if v not in sizes or sizes[v] == 1:
+                sizes[v] = n
+            elif n != sizes[v] and n != 1:
+                raise ValueError(f"scorch {name}: index {v!r} has size {sizes[v]} in one operand and {n} in"
+                                 f" operand {k} (shape {tuple(x.shape)})")
+    for k, (idx, x) in enumerate(zip(inputs, ops)):
+        for d, v in enumerate(idx):
+            if shape_of(x)[d] == 1 and sizes[v] != 1:
+                if isinstance(x, SparseTensor):
+                    raise NotImplementedError(f"scorch {name}: broadcasting the sparse operand {k} along"
+                                              f" index {v!r} is not supported")
+                broadcast.add((k, d))
+    return sizes, frozenset(broadcast)
+
+
+def result_dtype(ops, name):
+    dtype = dtype_of(ops[0])
+    for x in ops[1:]:
+        dtype = torch.promote_types(dtype, dtype_of(x))
+    if dtype not in SUPPORTED:
+        raise TypeError(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32, int64)")
+    return dtype
+
+
+def cast(x, dtype):
+    if dtype_of(x) == dtype:
+        return x if type(x) is SparseTensor else x.contiguous()
+    if isinstance(x, SparseTensor):
+        return x.with_values(x.values().to(dtype))
+    return x.to(dtype).contiguous()
+
+
+def level_info(x: SparseTensor):
+    """Per level: ``(lo, extent, width)`` and the number of positions, from the storage."""
+    fmt = x.format
+    count, info, counts = 1, [], []
+    for (lo, hi), lvl, st in zip(fmt.level_bounds(x._shape), fmt.level_types, x._levels):
+        width = lvl.width(st, count) if lvl.padded else 0
+        info.append((lo, hi - lo, width))
+        count = lvl.num_positions(st, count, lo, hi)
+        counts.append(count)
+    return info, counts
+
+
+def worker_count(backend) -> int:
+    """How many workers a parallel loop gets, for the schedule's cost estimates: on a GPU, many."""
+    return 1 << 14 if target_of(backend) == "cuda" else torch.get_num_threads()
+
+
+class _CpuBackend(threading.local):
+    name = "cpp"
+
+
+_CPU_BACKEND = _CpuBackend()
+
+
+@contextlib.contextmanager
+def cpu_backend(name: str):
+    """Within this block (this thread), calls that would run C++ kernels on CPU tensors run the ``name`` backend
+    instead: ``"cuda-emulate"`` (the CUDA source, emulated on the CPU: CUDA kernels tested without a GPU) or
+    ``"interp"`` (the loop-IR interpreter). For every op, not only those that take a ``backend=`` argument. The
+    prepared calls are dropped on entry (they would run the C++ kernels they were prepared with)."""
+    if name not in BACKENDS or name == "cuda":
+        raise ValueError(f"scorch: cpu_backend takes one of cpp, cuda-emulate, interp; got {name!r}")
+    from ..compiler.caches import cache
+    for prepared in ("prepared", "prepared-by-equation"):
+        cache(prepared, "").clear()
+    before, _CPU_BACKEND.name = _CPU_BACKEND.name, name
+    try:
+        yield
+    finally:
+        _CPU_BACKEND.name = before
+
+
+def backend_for(ops, backend, name):
+    """The backend for operands on their devices: CUDA tensors run CUDA kernels; CPU tensors the requested
+    backend (the ``cpu_backend`` block's for ``"cpp"``); mixed devices are refused as torch refuses them."""
+    if backend not in BACKENDS:
+        raise ValueError(f"scorch: unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
+    devices = {device_of(x) for x in ops}
+    kinds = {d.type for d in devices}
+    if kinds == {"cpu"}:
+        if backend == "cuda":
+            raise ValueError(f"scorch {name}: the cuda backend takes CUDA tensors; these are on the CPU")
+        return _CPU_BACKEND.name if backend == "cpp" else backend
+    if kinds == {"cuda"} and len(devices) == 1:
+        if backend not in ("cpp", "cuda"):
+            raise ValueError(f"scorch {name}: the {backend} backend runs on the CPU; these tensors are on CUDA")
+        return "cuda"
+    if kinds == {"cuda"} or len(kinds) > 1:
+        raise ValueError(f"scorch {name}: expected all tensors on the same device, got "
+                         f"{', '.join(sorted(str(d) for d in devices))}")
+    raise NotImplementedError(f"scorch: {name} on {', '.join(sorted(kinds))} tensors is not supported (CPU and"
+                              " CUDA only)")
+
+
+def argument(a, ops, info, sizes, scalars, out_arr, backend="cpp"):
+    """The value of one kernel argument: a tensor (passed by pointer) or a number."""
+    k = a.kind
+    if k in ("pos", "crd"):
+        return getattr(ops[a.operand]._levels[a.level], k)
+    if k == "values":
+        return ops[a.operand]._vals
+    if k == "dense":
+        return ops[a.operand]
+    if k in ("lo", "extent", "width"):
+        return info[a.level][("lo", "extent", "width").index(k)]
+    if k == "dim":
+        return shape_of(ops[a.operand])[a.level]
+    if k == "size":
+        return sizes[a.var]
+    if k == "scalar":
+        return scalars[a.var]
+    if k == "out":
+        return out_arr
+    if k == "threads":
+        return worker_count(backend)
+    raise AssertionError(f"unknown argument kind {k!r}")
+
+
+def arguments(plan: Plan, ops, sizes, out_arr, backend="cpp") -> dict:
+    """The kernel parameters' values of ``plan`` on ``ops``, by parameter name (``out_arr`` the output array)."""
+    info, _ = level_info(ops[plan.schedule.driver.operand])
+    return {a.param.name: argument(a, ops, info, sizes, {}, out_arr, backend) for a in plan.lowered.args}
+
+
+class _Structural(threading.local):
+    on = False
+
+
+#: set while a differentiable einsum computes its result (``structural_results``)
+STRUCTURAL = _Structural()
+
+
+@contextlib.contextmanager
+def structural_results():
+    """Within this block a sparse result assembled from a dense workspace keeps every entry the operands'
+    patterns produce, numerically zero or not (an entry of a stored zero, or of a zero in a dense operand):
+    gradients flow to exactly the stored entries of a result, so a dropped zero would lose its gradient
+    (``_autograd`` computes differentiable einsums in this block). Outside it such zeros are left out."""
+    before = STRUCTURAL.on
+    STRUCTURAL.on = True
+    try:
+        yield
+    finally:
+        STRUCTURAL.on = before
+
+
+def structural_result(plan: Plan, ops, sizes, dtype, scalars, backend, out_arr):
+    """``out_arr`` (the dense workspace of ``plan``'s result) in the result's format, keeping the entries where the
+    kernel run on the patterns (ones at every stored position, ones for dense operands: no cancellation) is
+    nonzero."""
+    from .._autograd import pattern_ones
+    from ..formats import storage
+    ones = [x.with_values(pattern_ones(x, dtype)) if type(x) is SparseTensor else torch.ones_like(x) for x in ops]
+    reach = call_plan(plan, ones, sizes, dtype, {v: 1 for v in scalars}, backend, raw=True)
+    dims = reach.nonzero().T
+    fmt, shape = plan.output.format, tuple(out_arr.shape)
+    levels, values = storage.pack(fmt, shape, dims, out_arr[tuple(dims)])
+    return SparseTensor(fmt, shape, levels, values, check=False)
+
+
+def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
+    """Run ``plan``'s kernel on ``ops``: the result, or (``raw``) the array the kernel wrote."""
+    asg, out = plan.asg, plan.output
+    s = ops[plan.schedule.driver.operand]
+    info, counts = level_info(s)
+    out_shape = tuple(sizes[v] for v in asg.out)
+    written = lowerable(asg, out)
+    n_out = counts[written.shared_levels - 1] if written.shared_levels else out_shape
+    if plan.assemble_from_dense:
+        cells = 1
+        for n in out_shape:
+            cells *= n
+        if cells * dtype.itemsize > WORKSPACE_LIMIT_BYTES:
+            raise NotImplementedError(
+                f"scorch: the {out.format.name or out.format} output of {asg} would be assembled through a dense"
+                f" workspace of {cells * dtype.itemsize / 2**20:.0f} MiB; direct assembly of this output is not"
+                " supported yet (ask for another format=)")
+    red = asg.reduce
+    dev = s._vals.device
+    if red == "sum":
+        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+        out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
+    else:
+        ident = float("-inf") if red == "max" else float("inf")
+        if not dtype.is_floating_point:
+            ident = torch.iinfo(dtype).min if red == "max" else torch.iinfo(dtype).max
+        out_arr, counted = torch.full(n_out if isinstance(n_out, tuple) else (n_out,), ident, dtype=dtype,
+                                      device=dev), torch.zeros(n_out, dtype=torch.int64, device=dev)
+    args = [counted if a.kind == "counts" else argument(a, ops, info, sizes, scalars, out_arr, backend)
+            for a in plan.lowered.args]
+    if backend == "interp":
+        from ..compiler import interp
+        interp.run(plan.lowered.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
+                                         for a, v in zip(plan.lowered.args, args)})
+    else:
+        plan.kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
+    plan.calls += 1
+    if counted is not None:
+        reduced = 1
+        for v in asg.reduced:
+            reduced *= sizes[v]
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        implicit = counted.reshape(out_arr.shape) < reduced  # an implicit zero takes part in the max/min
+        out_arr = torch.where(implicit, (torch.maximum if red == "max" else torch.minimum)(out_arr, zero), out_arr)
+    if raw:
+        return out_arr
+    if written.shared_levels and out.format is not None:
+        m = written.shared_levels
+        return SparseTensor(out.format, out_shape, s.levels[:m], out_arr, check=False)
+    if written.shared_levels:
+        return out_arr.reshape(out_shape)
+    if out.format is not None:
+        if STRUCTURAL.on and red == "sum":
+            return structural_result(plan, ops, sizes, dtype, scalars, backend, out_arr)
+        return interop.asformat(out_arr, out.format)
+    return out_arr
+
+
+def prepared_call(plan: Plan, sizes, dtype):
+    """A call of ``plan`` for operands of one signature, with everything that depends only on the signature
+    (sizes, level bounds, the argument list's constant entries) computed once: a repeated call then costs
+    the pointer reads, the output allocation and the ctypes call."""
+    asg, out = plan.asg, plan.output
+    written = lowerable(asg, out)
+    if asg.reduce != "sum" or (out.format is not None and not written.shared_levels) or any(
+            t.format.padded for t in asg.operands if t.sparse):
+        return lambda ops, scalars: call_plan(plan, ops, sizes, dtype, scalars or {})
+    k_drv = plan.schedule.driver.operand
+    out_shape = tuple(sizes[v] for v in asg.out)
+    m = written.shared_levels
+    alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+    template, dynamic = [], []
+    for n, a in enumerate(plan.lowered.args):
+        k = a.kind
+        if k in ("pos", "crd"):
+            dynamic.append((n, a.operand, a.level, 0 if k == "pos" else 1))
+            template.append(None)
+        elif k == "values":
+            dynamic.append((n, a.operand, -1, 2))
+            template.append(None)
+        elif k == "dense":
+            dynamic.append((n, a.operand, -1, 3))
+            template.append(None)
+        elif k in ("out", "threads", "scalar"):
+            template.append(None)
+        else:
+            template.append(argument(a, None, None, sizes, None, None) if k in ("size",) else None)
+    # the remaining static values (level bounds and operand dimensions) come from the first call
+    statics = {}
+    out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
+    thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
+    scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
+    fn = plan.kernel.fn
+
+    def call(ops, scalars):
+        if not statics:
+            s = ops[k_drv]
+            info, _ = level_info(s)
+            for n, a in enumerate(plan.lowered.args):
+                if a.kind in ("lo", "extent"):
+                    template[n] = info[a.level][0 if a.kind == "lo" else 1]
+                elif a.kind == "dim":
+                    template[n] = shape_of(ops[a.operand])[a.level]
+            statics["done"] = True
+        args = list(template)
+        for n, op, lvl, what in dynamic:
+            x = ops[op]
+            args[n] = (x._levels[lvl].pos if what == 0 else x._levels[lvl].crd if what == 1 else
+                       x._vals if what == 2 else x).data_ptr()
+        if m:
+            s = ops[k_drv]
+            _, counts = level_info(s)
+            out_arr = alloc(counts[m - 1], dtype=dtype)
+        else:
+            out_arr = alloc(out_shape, dtype=dtype)
+        args[out_pos] = out_arr.data_ptr()
+        for n in thr_pos:
+            args[n] = torch.get_num_threads()
+        for n, v in scal:
+            args[n] = scalars[v]
+        fn(*args)
+        plan.calls += 1
+        if m and out.format is not None:
+            return SparseTensor(out.format, out_shape, ops[k_drv]._levels[:m], out_arr, check=False)
+        return out_arr.reshape(out_shape) if m else out_arr
+    return call
+
+
+def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
+    cs, asg = plan.schedule, plan.asg
+    ops = list(ops)
+    for k, f in cs.reformat:
+        ops[k] = interop.asformat(ops[k], f, index_dtype=ops[k].index_dtype)
+    infos = {k: level_info(x)[0] for k, x in enumerate(ops) if isinstance(x, SparseTensor)}
+    out_shape = tuple(sizes[v] for v in asg.out)
+    if cs.output == "rows":
+        ws = 1
+        for v in cs.ws_vars:
+            ws *= sizes[v]
+        # (a GPU launcher runs as many workers as fit its scratch: one workspace is what must fit)
+        threads = torch.get_num_threads() if cs.parallel and target_of(backend) == "cpu" else 1
+        if ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
+            raise NotImplementedError(
+                f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
+                f" {ws * threads * (dtype.itemsize + 17) / 2**20:.0f} MiB; hash workspaces for such outputs are not"
+                " supported yet (ask for format='dense' or reorder the operands)")
+
+    def launch(phase, extra):
+        kernel = plan.kernel(phase)
+        low = plan.lowered[phase]
+        args = [extra[a.kind] if a.kind in extra else
+                argument(a, ops, infos.get(a.operand), sizes, scalars, None, backend) for a in low.args]
+        if backend == "interp":
+            from ..compiler import interp
+            interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
+                                    for a, v in zip(low.args, args)})
+        else:
+            kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
+
+    plan.calls += 1
+    dev = device_of(ops[0])
+    if cs.output == "dense":
+        out = torch.zeros(out_shape, dtype=dtype, device=dev)
+        launch(None, {"out": out})
+        return out
+    rows = sizes[cs.row_var] if cs.row_var is not None else 1
+    if rows * 16 > WORKSPACE_LIMIT_BYTES:
+        raise NotImplementedError(
+            f"scorch: assembling the output row by row over {cs.row_var!r} needs {rows} row counts"
+            f" ({rows * 16 / 2**20:.0f} MiB) and a workspace over ({', '.join(cs.ws_vars)}); hash workspaces for"
+            " such outputs are not supported yet")
+    counts = torch.zeros(rows, dtype=torch.int64, device=dev)
+    launch("count", {"counts": counts})
+    row_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=row_ptr[1:])
+    nnz = int(row_ptr[-1])
+    narrow = ws <= NARROW_COORDINATES
+    crd = torch.empty(nnz, dtype=torch.int32 if narrow else torch.int64, device=dev)
+    vals = torch.empty(nnz, dtype=dtype, device=dev)
+    launch("fill32" if narrow else "fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
+    return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
+
+
+def _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals):
+    """The result in the output format, from the rows the kernels wrote: directly when they already are that
+    format's arrays (CSR or CSC), else through the coordinate list."""
+    cs, asg, fmt = plan.schedule, plan.asg, plan.output.format
+    from ..formats import storage
+    idx = storage.pick_index_dtype(crd.numel(), *out_shape)
+    if len(asg.out) == 2 and cs.row_var is not None:
+        direct = named.csr if cs.row_var == asg.out[0] else named.csc
+        s = SparseTensor(direct, out_shape, [None, {"pos": row_ptr.to(idx), "crd": crd.to(idx)}], vals, check=False)
+        return s if fmt == direct else interop.asformat(s, fmt)
+    coords = {}
+    if cs.row_var is not None:
+        coords[cs.row_var] = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    rest = crd.long()  # (pack takes int64 coordinates; the kernel wrote int32 ones where they fit)
+    for v in reversed(cs.ws_vars):
+        coords[v] = rest % sizes[v] if sizes[v] else rest
+        rest = rest // sizes[v] if sizes[v] else rest
+    dims = torch.stack([coords[v] for v in asg.out]) if asg.out else torch.zeros(0, vals.numel(), dtype=torch.int64,
+                                                                                 device=vals.device)
+    levels, values = storage.pack(fmt, out_shape, dims, vals, idx)
+    return SparseTensor(fmt, out_shape, levels, values, check=False)

@@ -1,0 +1,307 @@
+"""An einsum call, from operands to result: torch sparse layouts and numbers taken in, repeated letters and
+early sums done once (``ops.diagonal``), deferred operands substituted (``deferred``), the differentiable case
+handed to ``_autograd``, three or more operands split by a contraction tree (``compiler.contract``: kernels,
+grouped products, dense torch steps), and each kernel through ``run``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import deferred, interop
+from .._autograd import needs_grad
+from ..compiler import contract
+from ..compiler.caches import cache
+from ..compiler.einsum import equation as einsum_string
+from ..compiler.einsum import parse, to_index_notation
+from ..compiler.infer import infer
+from ..compiler.ir import Assignment, TensorType
+from ..deferred import Deferred
+from ..formats import named
+from ..sparse_tensor import SparseTensor, shape_of
+from . import grouped
+from .bind import STRUCTURAL, backend_for, cast, index_sizes, result_dtype, tensor_type
+from .run import PREPARED, run, signature
+
+_FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
+_PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
+
+
+def prepare(operands):
+    """Torch sparse layouts become SparseTensors (zero-copy); numbers become 0-d tensors; deferred results are
+    computed."""
+    out = []
+    for x in operands:
+        if type(x) is SparseTensor or (type(x) is torch.Tensor and x.layout == torch.strided):
+            out.append(x)
+        elif type(x) is Deferred:
+            out.append(x.compute())
+        elif isinstance(x, SparseTensor):
+            out.append(x)
+        elif isinstance(x, torch.Tensor):
+            out.append(interop.from_torch(x) if x.layout != torch.strided else x)
+        elif isinstance(x, (int, float, bool)):
+            out.append(torch.tensor(x))
+        else:
+            raise TypeError(f"einsum operands must be tensors, got {type(x).__name__}")
+    return out
+
+
+def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
+    """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is Deferred and \
+            format in (None, "dense") and not explain and backend == "cpp":
+        from .. import fusion  # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
+        r = fusion.fused_product(equation, operands)
+        if r is not None:
+            return r
+    if Deferred in map(type, operands):
+        fused = _substitute(equation, operands)
+        if fused is not None:
+            kept = format if format is not None else fused[2] or "dense"  # the format the eager call gives
+            return einsum(fused[0], *fused[1], format=kept, explain=explain, backend=backend)
+    if not any(isinstance(x, torch.Tensor) and (isinstance(x, SparseTensor) or x.layout != torch.strided)
+               for x in operands):  # torch computes, and differentiates, dense einsums itself
+        r = torch.einsum(equation, *prepare(operands))
+        fmt = None if format is None else named.resolve(format, r.dim())
+        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
+    early = _diagonals_and_sums(equation, operands, explain)
+    if early is not None:
+        return einsum(early[0], *early[1], format=format, explain=explain, backend=backend)
+    if needs_grad(operands) and not explain and backend == "cpp":
+        from .. import _autograd as autograd
+        return autograd.einsum(equation, operands, format)
+    if not explain and backend == "cpp" and all(type(x) is SparseTensor or (
+            isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands):
+        sig = (equation, format, STRUCTURAL.on) + tuple(signature(x) for x in operands)
+        fast = _FAST_EQ.get(sig)
+        if fast is not None:
+            return fast(operands, None)
+    else:
+        sig = None
+    ops = prepare(operands)
+    inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
+    name = f"einsum({equation!r})"
+    if any(type(x) is torch.Tensor and 0 in x.stride() for x in ops):
+        inputs, ops = _unbroadcast(inputs, ops)
+    if len(ops) >= 3:
+        tree = contraction_path(inputs, out, ops, name)
+        if tree.parts is not None or tree.grouped is not None:
+            if explain:
+                print(f"contraction:  {contract.describe(tree, inputs)}")
+            return evaluate_tree(tree, inputs, ops, out, format, backend, explain)
+    result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend)
+    if sig is not None and all(a is b for a, b in zip(ops, operands)):
+        fast = PREPARED.get((inputs, out, format, None, "sum", STRUCTURAL.on) + tuple(signature(x) for x in ops))
+        if fast is not None and len(_FAST_EQ) < 4096:
+            _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
+    return result
+
+
+def _diagonals_and_sums(equation, operands, explain=False):
+    """``(equation, operands)`` of the same einsum with every operand that repeats a letter (``"ii"``) replaced by
+    its diagonal (``ops.diagonal``) and, where there are several operands, the letters only one operand has and
+    the output has not summed out of it first (as torch does); None when there is nothing to do. This is the one
+    place repeated letters are treated: nothing below (contraction paths, schedules, kernels, gradients) meets a
+    letter repeated within an operand, and the diagonals are differentiable, so gradients flow through them."""
+    if _nothing_early(equation):
+        return None
+    if not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in operands):
+        return None  # (the call refuses the operand: prepare)
+    steps = _early_steps(equation, tuple(len(shape_of(x)) if isinstance(x, torch.Tensor) else 0 for x in operands))
+    if steps is None:
+        return None
+    from ..ops.diagonal import check_sizes, diagonal
+    eq, per_operand = steps
+    ops = []
+    for k, (x, (letters, uniq, kept)) in enumerate(zip(prepare(operands), per_operand)):
+        if uniq != letters:
+            check_sizes(letters, x, k, f"einsum({equation!r})")
+            x = diagonal(x, letters)
+            if explain:
+                print(f"diagonal:     T{k} ({''.join(letters)}) replaced by its diagonal ({''.join(uniq)})")
+        if kept != uniq:
+            gone = [d for d, v in enumerate(uniq) if v not in kept]
+            if explain:
+                print(f"sum:          T{k} summed over {''.join(uniq[d] for d in gone)} first: no other operand"
+                      " and not the output has it")
+            if type(x) is SparseTensor:
+                x = einsum(einsum_string([uniq], kept), x, explain=explain)
+            else:
+                x = x.sum(gone, dtype=x.dtype)  # (torch's sum of integers would widen them)
+        ops.append(x)
+    return eq, ops
+
+
+@functools.lru_cache(maxsize=1024)
+def _nothing_early(equation) -> bool:
+    """True when an equation without ``...`` repeats no letter within an operand and has no letter to sum early,
+    whatever its operands (a repeated call then skips the operands' dimensions: a few microseconds)."""
+    if not isinstance(equation, str) or "." in equation:
+        return False
+    try:
+        terms = equation.replace(" ", "").split("->")[0].split(",")
+        return _early_steps(equation, tuple(len(t) for t in terms)) is None
+    except ValueError:  # (a malformed equation: the call says what is wrong)
+        return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _early_steps(equation, ndims):
+    """``(equation, steps)``: per operand ``(letters, distinct letters, letters kept after the early sums)`` and
+    the equation over the kept letters (``_diagonals_and_sums``); None where no step changes anything."""
+    inputs, out = parse(equation, ndims)
+    holders = {}
+    for idx in inputs:
+        for v in set(idx):
+            holders[v] = holders.get(v, 0) + 1
+    steps = []
+    for idx in inputs:
+        uniq = tuple(dict.fromkeys(idx))
+        kept = uniq if len(inputs) < 2 else tuple(v for v in uniq if v in out or holders[v] > 1)
+        steps.append((idx, uniq, kept))
+    if all(kept == idx for idx, _, kept in steps):
+        return None
+    return einsum_string([kept for _, _, kept in steps], out), tuple(steps)
+
+
+def inferred_format(inputs, out, ops, dtype):
+    """The output format inferred for one kernel over ``ops`` (None: dense)."""
+    types = tuple(tensor_type(cast(x, dtype)) if type(x) is SparseTensor else
+                  TensorType(x.dim(), dtype, None, None, x.device.type) for x in ops)
+    return infer(Assignment(tuple(out), to_index_notation(inputs), types)).format
+
+
+def dense_result(equation, ops, format):
+    """``(inputs, out, shape, dtype)`` of an einsum over ``ops`` (one or two operands, a sparse one among them)
+    whose result is a dense tensor, checked as the call checks it; None where the result would be sparse, the
+    einsum has more operands, or the call would first take diagonals or sums (``_diagonals_and_sums``)."""
+    ndims = tuple(len(shape_of(x)) for x in ops)
+    inputs, out = parse(equation, ndims)
+    name = f"einsum({equation!r})"
+    sizes, _ = index_sizes(inputs, ops, name)
+    dtype = result_dtype(ops, name)
+    backend_for(ops, "cpp", name)
+    if len(ops) > 2 or _early_steps(equation, ndims) is not None:
+        return None
+    if format is not None:
+        if not named.resolve(format, len(out)).is_dense:
+            return None
+    elif inferred_format(inputs, out, ops, dtype) is not None:
+        return None
+    return inputs, out, [sizes[v] for v in out], dtype
+
+
+def _substitute(equation, operands):
+    """``(equation, operands)`` with deferred dense operands replaced by their expressions, where a sparse operand
+    is there to drive the combined expression's loops; else None, the deferred operands computed."""
+    if not any(isinstance(x, SparseTensor) or (isinstance(x, torch.Tensor) and x.layout != torch.strided)
+               for x in operands):
+        deferred.compute_all(operands)
+        return None
+    inputs, out = parse(equation, [len(shape_of(x)) for x in operands])
+    ops = [x if type(x) is Deferred else prepare([x])[0] for x in operands]
+    # only all-dense deferred expressions, into a consumer of one kernel: its output format stays the eager one
+    sub = None
+    if len(ops) <= 2 and all(type(x) is not Deferred or x._expr.dense for x in ops):
+        dtype = result_dtype(ops, f"einsum({equation!r})")
+        fmt = inferred_format(inputs, out, ops, dtype)
+        sub = deferred.substitute(inputs, out, ops)
+    if sub is None:
+        deferred.compute_all(operands)
+        return None
+    return einsum_string(sub[0], out), sub[1], fmt
+
+
+def _unbroadcast(inputs, ops):
+    """A dense operand repeated along a dimension (stride 0: ``expand``, ``rearrange(x, "bd->bnd")``) is read as
+    the operand without that dimension, where another operand gives the index its extent: the product then does
+    not repeat the work along it."""
+    new_inputs, new_ops = [], []
+    for k, (idx, x) in enumerate(zip(inputs, ops)):
+        if type(x) is torch.Tensor:
+            for d in reversed(range(x.dim())):
+                v = idx[d]
+                if x.stride(d) == 0 and x.shape[d] > 1 and any(v in i for j, i in enumerate(inputs) if j != k):
+                    x = x.select(d, 0)
+                    idx = idx[:d] + idx[d + 1:]
+        new_inputs.append(tuple(idx))
+        new_ops.append(x)
+    return tuple(new_inputs), new_ops
+
+
+def contraction_path(inputs, out, ops, name):
+    """The contraction tree, kept per equation, sizes and nnz (rounded to a power of two: the cost model's
+    choices do not hinge on finer differences), so a repeated call does not search again."""
+    sizes, _ = index_sizes(inputs, ops, name)
+    nnz = [float(x.nnz) if isinstance(x, SparseTensor) else float(x.numel()) for x in ops]
+    key = (inputs, out, tuple(sorted(sizes.items())),
+           tuple((isinstance(x, SparseTensor), int(n).bit_length()) for x, n in zip(ops, nnz)))
+    node = _PATHS.get(key)
+    if node is None:
+        meta = [contract.Operand(idx, isinstance(x, SparseTensor), n,
+                                 frozenset(idx) if isinstance(x, SparseTensor) else frozenset())
+                for idx, x, n in zip(inputs, ops, nnz)]
+        node = contract.best_path(meta, out, sizes)
+        if len(_PATHS) >= 4096:
+            _PATHS.clear()
+        _PATHS[key] = node
+    return node
+
+
+def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain=False):
+    """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense)."""
+    if node.grouped is not None:
+        idx = [inputs[k] for k in node.leaves]
+        if explain:
+            print(f"grouped:      {contract.describe(node, inputs)}: the entries of the sparse operand grouped by"
+                  f" {''.join(node.grouped.group)}, one dense product per group (torch)")
+        leaves = [ops[k] for k in node.leaves]
+        sizes, _ = index_sizes(idx, leaves, "einsum")
+        r = grouped.evaluate(node.grouped, idx, tuple(target), leaves, sizes)
+        # the format a kernel would have written: the requested one, else the inferred one
+        fmt = named.resolve(format, len(target)) if format is not None else \
+            inferred_format(idx, tuple(target), leaves, r.dtype)
+        if fmt is None or fmt.is_dense:
+            return r
+        if not r.requires_grad:  # rows kept whole (a requested rows-compressed format): r's memory becomes the values
+            rows = interop._compressed_rows(r.contiguous(), fmt, None, False, copy=False)
+            if rows is not None:
+                return rows
+        return interop.asformat(r, fmt)
+    if node.parts is None:
+        parts = [(ops[k], inputs[k]) for k in node.leaves]
+    else:
+        parts = [(evaluate_tree(p, inputs, ops, p.indices, backend=backend, explain=explain), p.indices)
+                 for p in node.parts]
+    tensors = [t for t, _ in parts]
+    idx = tuple(i for _, i in parts)
+    if len(parts) == 1 and tuple(idx[0]) == tuple(target) and format is None:
+        return tensors[0]  # a leaf already in the target's index order: nothing to compute
+    if not any(isinstance(t, SparseTensor) for t in tensors):
+        eq = einsum_string(idx, target)
+        if explain:
+            print(f"dense step:   torch.einsum({eq!r})")
+        r = torch.einsum(eq, *tensors)
+        fmt = None if format is None else named.resolve(format, len(target))
+        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
+    return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend, explain=explain)
+
+
+def explain(equation, *operands, format=None, file=None) -> str:
+    """Run ``einsum(equation, *operands)`` and print (to ``file``, default stdout) and return its plan: the
+    contraction order for three or more operands, the inferred output format and the rule that chose it, any
+    operand reformatting, the loop order, workspaces and assembly, the parallel loop, specialized extents,
+    where each kernel came from (compiled now, disk or memory cache) and the generated source."""
+    import contextlib
+    import io
+    import sys
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        einsum(equation, *operands, format=format, explain=True)
+    text = buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n"
+    print(text, end="", file=file or sys.stdout)
+    return text

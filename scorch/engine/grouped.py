@@ -1,0 +1,202 @@
+"""Grouped products, run (the planning is ``compiler/grouped.py``): the sparse operand's entries sorted by their
+group coordinates, then per group one dense product in torch (a slice of the sliced operands, the group's rows
+gathered from the others), placed into the result's rows. Autograd differentiates it as it stands.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compiler.einsum import equation as einsum_string
+from ..compiler.grouped import Grouping
+from ..formats.storage import linear_index
+
+
+def entries(x, grouping: Grouping, letters):
+    """``(dims, values, starts)`` of sparse ``x``'s stored entries sorted by their group coordinates:
+    ``dims`` ``(ndim, M)`` in ``letters``' order; ``starts`` the first entry of each group, plus the end."""
+    from ..formats import storage
+    dims, vals = storage.unpack(x.format, x.shape, x.levels, x.values())
+    gpos = [letters.index(v) for v in grouping.group]
+    key = storage.linear_index(dims[gpos], [x.shape[p] for p in gpos])
+    key, order = torch.sort(key, stable=True)
+    counts = torch.unique_consecutive(key, return_counts=True)[1]
+    return dims[:, order], vals[order], [0] + torch.cumsum(counts, 0).tolist()
+
+
+def evaluate(grouping: Grouping, inputs, out, ops, sizes):
+    """The einsum ``inputs -> out`` over ``ops`` (torch tensors and the one SparseTensor), group by group."""
+    k = grouping.sparse
+    letters = inputs[k]
+    dims, vals, starts = entries(ops[k], grouping, letters)
+    dtype = vals.dtype
+    for j, t in enumerate(ops):
+        if j != k:
+            dtype = torch.promote_types(dtype, t.dtype)
+    vals = vals.to(dtype)
+    coords = {v: dims[letters.index(v)] for v in letters}
+    used = {v for i in inputs for v in i}
+    p = next(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used)  # the entry
+
+    def sub(idx):  # the row indices replaced by p, at the first one's place
+        first = next((v for v in idx if v in grouping.rows), None)
+        return tuple(p if v == first else v for v in idx if v == first or v not in grouping.rows)
+
+    fast = _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype)
+    if fast is not None:
+        return fast
+    # dense operands holding row indices are gathered at the entries' rows; the others are sliced per group
+    gathered, sliced = [], []
+    for j, (idx, t) in enumerate(zip(inputs, ops)):
+        if j == k:
+            continue
+        t = t.to(dtype)
+        if set(idx) & set(grouping.rows):
+            gathered.append((_gather(t, idx, grouping.rows, coords), sub(idx)))
+        else:
+            sliced.append((t, idx))
+    if gathered:  # the values weigh the first gathered operand (a gathered copy: weighed in place)
+        t, idx = gathered[0]
+        w = vals.reshape([-1 if v == p else 1 for v in idx])
+        if torch.is_grad_enabled() and (t.requires_grad or vals.requires_grad):
+            gathered[0] = (t * w, idx)
+        elif not bool((vals == 1).all()):  # (gates of ones, as a one-hot: nothing to weigh)
+            gathered[0] = (t.mul_(w), idx)
+    else:
+        gathered.append((vals, (p,)))
+    keep_p = bool(set(out) & set(grouping.rows))
+    res_idx = sub(out) if keep_p else tuple(v for v in out if v not in grouping.group)
+    idx_g = [idx for _, idx in gathered] + [tuple(v for v in idx if v not in grouping.group) for _, idx in sliced]
+    eq = einsum_string(idx_g, res_idx)
+    held = [v for v in out if v in letters]  # the output's dimensions the entries address
+    rest = [v for v in out if v not in letters]
+    product = _matrix_product(idx_g, res_idx, p) or (lambda a: torch.einsum(eq, *a))
+    parts, firsts = [], []
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        key = [int(coords[v][lo]) for v in grouping.group]
+        ops_g = [t.narrow(idx.index(p), lo, hi - lo) for t, idx in gathered]
+        ops_g += [_select(t, idx, grouping.group, key) for t, idx in sliced]
+        parts.append(product(ops_g))
+        firsts.append(lo)
+    shape = [math.prod(sizes[v] for v in held)] + [sizes[v] for v in rest]
+    if not firsts:
+        result = torch.zeros(shape, dtype=dtype, device=vals.device)
+    elif keep_p:  # one row of the result per entry: added at the entry's coordinates
+        part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
+        part = part.permute([res_idx.index(v) for v in [p] + rest])
+        at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
+        result = _placed(part, at, shape)
+    else:  # one result per group: added at the group's coordinates
+        part = torch.stack([q.permute([res_idx.index(v) for v in rest]) for q in parts])
+        first = torch.tensor(firsts, dtype=torch.long, device=vals.device)
+        at = _linear([coords[v][first] for v in held], [sizes[v] for v in held], len(firsts), vals.device)
+        result = _placed(part, at, shape)
+    shape = [sizes[v] for v in held + rest]
+    return result.reshape(shape).permute([(held + rest).index(v) for v in out])
+
+
+def _matrix_product(idx_g, res_idx, p):
+    """A group's einsum as one ``torch.mm`` where it is a plain matrix product (measured faster than einsum's
+    dispatch, and than ``mm(out=)`` into a slice): ``"pa,ab->pb"`` (the forward of a mixture of experts) or
+    ``"pa,pb->ab"`` and ``"pa,pb->ba"`` (the gradient of its expert weights: the group's rows contracted);
+    None otherwise."""
+    if len(idx_g) != 2 or len(idx_g[0]) != 2 or len(idx_g[1]) != 2 or len(res_idx) != 2:
+        return None
+    (a0, a1), (b0, b1) = idx_g
+    if a0 == p and a1 == b0 and res_idx == (p, b1):
+        return lambda ops: torch.mm(ops[0], ops[1])
+    if a0 == p and b0 == p and a1 != b1:
+        if res_idx == (a1, b1):
+            return lambda ops: torch.mm(ops[0].t(), ops[1])
+        if res_idx == (b1, a1):
+            return lambda ops: torch.mm(ops[1].t(), ops[0])
+    return None
+
+
+def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
+    """The mixture-of-experts form ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` without gradients, group by group
+    in the cache: the group's rows of ``x`` gathered (weighed unless the values are ones), one matrix product with
+    ``W[g]``, the product copied (or added, where rows repeat) into ``y``'s rows while it is still in the cache.
+    None where the einsum has another form."""
+    k = grouping.sparse
+    if len(inputs) != 3 or len(grouping.rows) != 1 or len(grouping.group) != 1:
+        return None
+    (r,), (g,) = grouping.rows, grouping.group
+    others = [j for j in range(3) if j != k]
+    xj = next((j for j in others if r in inputs[j]), None)
+    wj = next((j for j in others if g in inputs[j]), None)
+    if xj is None or wj is None:
+        return None
+    xi, wi = inputs[xj], inputs[wj]
+    if len(xi) != 2 or xi[0] != r or len(wi) != 3 or wi[0] != g or xi[1] != wi[1] or tuple(out) != (r, wi[2]):
+        return None
+    x, w = ops[xj].to(dtype), ops[wj].to(dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or vals.requires_grad):
+        return None
+    letters = inputs[k]
+    rows, keys = dims[letters.index(r)], dims[letters.index(g)]
+    ones = bool((vals == 1).all())
+    unique = _once_each(rows, sizes[r])
+    y = (torch.empty if unique else torch.zeros)(sizes[r], sizes[wi[2]], dtype=dtype, device=x.device)
+    # one buffer each for the gathered rows and their product, reused group after group (no allocation per
+    # group: a large one is fresh pages from the system, each page a fault)
+    most = max((hi - lo for lo, hi in zip(starts[:-1], starts[1:])), default=0)
+    xbuf = torch.empty(most, x.shape[1], dtype=dtype, device=x.device)
+    pbuf = torch.empty(most, sizes[wi[2]], dtype=dtype, device=x.device)
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        at = rows[lo:hi]
+        xg = torch.index_select(x, 0, at, out=xbuf[:hi - lo])
+        if not ones:
+            xg.mul_(vals[lo:hi, None])
+        prod = torch.mm(xg, w[int(keys[lo])], out=pbuf[:hi - lo])
+        if unique:
+            y.index_copy_(0, at, prod)
+        else:
+            y.index_add_(0, at, prod)
+    return y
+
+
+def _placed(part, at, shape):
+    """The rows of ``part`` added into a zero tensor of ``shape`` at the rows ``at``. Where ``at`` names each row
+    exactly once (top-1 gates; every expert's gradient) a gather in row order instead: no zero fill, no adds
+    (the identity order, the usual one for groups, is ``part`` itself)."""
+    n = shape[0]
+    if not _once_each(at, n):
+        return torch.zeros(shape, dtype=part.dtype, device=part.device).index_add(0, at, part)
+    if bool((at == torch.arange(n, device=at.device)).all()):
+        return part
+    return part.index_select(0, torch.empty_like(at).scatter_(0, at, torch.arange(n, device=at.device)))
+
+
+def _once_each(at, n) -> bool:
+    """Whether the row numbers ``at`` name each of ``n`` rows exactly once (the result needs no zero fill)."""
+    return at.numel() == n and bool((torch.bincount(at, minlength=n) == 1).all())
+
+
+def _linear(coords, extents, n, device):
+    """The row-major linear index of ``n`` coordinates (one tensor per dimension; none: all 0)."""
+    if not coords:
+        return torch.zeros(n, dtype=torch.long, device=device)
+    return linear_index(torch.stack(coords), extents)
+
+
+def _gather(t, idx, rows, coords):
+    """Dense ``t`` (indices ``idx``) at the entries' row coordinates: its row dimensions become one entry
+    dimension, at the first one's place."""
+    held = [v for v in idx if v in rows]
+    dims = [idx.index(v) for v in held]
+    others = [d for d in range(t.dim()) if d not in dims]
+    flat = t.permute(dims + others).reshape([math.prod(t.shape[d] for d in dims)] + [t.shape[d] for d in others])
+    g = flat.index_select(0, _linear([coords[v] for v in held], [t.shape[d] for d in dims],
+                                      coords[held[0]].shape[0], t.device))
+    place = [dims[0]] + others  # the dimensions of g, by their place in idx
+    return g.permute(sorted(range(len(place)), key=lambda a: place[a]))
+
+
+def _select(t, idx, group, key):
+    """Dense ``t`` at the group coordinates ``key`` along its group dimensions."""
+    for v in reversed([v for v in idx if v in group]):
+        t = t.select(idx.index(v), key[group.index(v)])
+        idx = tuple(w for w in idx if w != v)
+    return t

@@ -1,0 +1,158 @@
+"""Running one assignment (``run``): operand types -> a compiled plan (``compiler.pipeline``), with the decisions
+that change the operands before the kernel (a transposition of the driver for a parallel loop, the output
+computed in another index order, a dense operand relaid), then the kernel on the operands (``bind``).
+A call whose signature was seen before goes straight to its prepared call.
+"""
+from __future__ import annotations
+
+from .. import interop
+from .._autograd import needs_grad
+from ..compiler import library, relayout
+from ..compiler.caches import cache
+from ..compiler.pipeline import coiteration_plan, compiled_plan, planned, target_of
+from ..compiler.schedule import transposed_for_parallel
+from ..deferred import Deferred
+from ..formats import named
+from ..sparse_tensor import SparseTensor, dtype_of
+from .bind import (STRUCTURAL, call_coiteration, call_plan, cast, index_sizes, prepared_call, result_dtype,
+                   backend_for, tensor_type, worker_count)
+
+PREPARED = cache("prepared", "prepared calls per signature (expression, operand formats, dtypes, shapes)")
+
+
+def signature(x):
+    """What a repeated call must match to reuse a prepared call: format, dtypes and shape."""
+    if type(x) is SparseTensor:
+        v = x._vals
+        return (x._format, v.dtype, x._index_dtype, x._shape, v.device)
+    return (None, x.dtype, x.shape, x.device, x.is_contiguous())
+
+
+def _memory_order(inputs, ops):
+    """Dense operands that are permuted views of contiguous memory (``k.T``, ``x.permute(...)``) read in their
+    memory order: the view permuted back to contiguous and its index letters permuted alike (the same
+    expression), instead of a contiguous copy of the view (which a relayout might then copy back)."""
+    inputs, ops = list(inputs), list(ops)
+    for k, x in enumerate(ops):
+        if type(x) is SparseTensor or type(x) is Deferred or x.dim() < 2 or x.is_contiguous():
+            continue
+        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        y = x.permute(order)
+        if y.is_contiguous():
+            inputs[k], ops[k] = tuple(inputs[k][d] for d in order), y
+    return tuple(inputs), ops
+
+
+def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
+        reduce="sum", relaid=False):
+    """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
+    ``relaid``: the dense operands were already given their layout (``relayout``)."""
+    if (rhs is not None or reduce != "sum") and backend == "cpp" and not explain and needs_grad(ops):
+        from .. import _autograd as autograd
+        return autograd.run(inputs, out, ops, format=format, name=name, rhs=rhs, scalars=scalars, reduce=reduce)
+    if rhs is None and not all(type(x) is SparseTensor or x.is_contiguous() for x in ops):
+        inputs, ops = _memory_order(inputs, ops)
+    # (a differentiable einsum's result may take another format: structural_results)
+    sig = (inputs, out, format, rhs, reduce, STRUCTURAL.on) + tuple(signature(x) for x in ops)
+    fast = PREPARED.get(sig)
+    if fast is not None and not explain and backend == "cpp":
+        return fast(ops, scalars)
+    prepared_ok = all(type(x) is SparseTensor or x.is_contiguous() for x in ops)  # the prepared call passes
+    sizes, broadcast = index_sizes(inputs, ops, name)                                  # data pointers as they are
+    dtype = result_dtype(ops, name)
+    prepared_ok = prepared_ok and all(dtype_of(x) == dtype for x in ops)  # ... without casting them
+    backend = backend_for(ops, backend, name)
+    ops = [cast(x, dtype) for x in ops]
+    fmt = None if format is None else named.resolve(format, len(out))
+    types = tuple(tensor_type(x) for x in ops)
+    key = (inputs, out, types, broadcast, fmt, rhs, reduce)
+    asg, output, sched0, n_sparse = planned(key)
+    if n_sparse == 0:
+        raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
+    if STRUCTURAL.on and fmt is None and output.format is not None and output.format.padded:
+        # a padded level cannot hold an entry that is 0 (it would read as padding, and lose its gradient): the
+        # inferred format's unpadded version (ELL -> CSR)
+        from ..compiler.schedule import coiterable_version
+        return run(inputs, out, ops, format=coiterable_version(output.format), explain=explain, name=name, rhs=rhs,
+                   scalars=scalars, backend=backend, reduce=reduce, relaid=relaid)
+    if n_sparse > 1:
+        if reduce != "sum":
+            raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
+                                      " supported yet")
+        plan = coiteration_plan(key + (target_of(backend),), asg, output, broadcast, backend)
+        if plan.schedule.transposed:
+            # no loop order suits every sparse operand: which to transpose is chosen by their sizes (the
+            # conversions' cost), kept per power of two of each nnz
+            nnz = tuple(float(x.nnz) if type(x) is SparseTensor else 0.0 for x in ops)
+            plan = coiteration_plan(key + (target_of(backend), tuple(int(n).bit_length() for n in nnz)), asg, output,
+                                    broadcast, backend, nnz)
+        result = call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
+        if explain:
+            print(plan.explain())
+        return result
+    if sched0.parallel != "level0" and (worker_count(backend) > 1 or sched0.outer):
+        k = sched0.driver.operand
+        x = ops[k]
+        alt = transposed_for_parallel(asg, sched0, x.format, x.nnz, sizes, worker_count(backend),
+                                      lambda f: interop.converted_already(x, f))
+        if alt is not None:
+            if explain:
+                print(f"reformat:     T{k} converted from {ops[k].format.name or ops[k].format} to {alt.name or alt}:"
+                      " its first level writes conflicting outputs, and a transposition costs less than a serial"
+                      " loop")
+            ops = list(ops)
+            ops[k] = interop.asformat(ops[k], alt)
+            # the result's format is the one inferred from the operands as given, not from the converted one
+            kept = format if format is not None else output.format or named.dense_nd(len(out))
+            return run(inputs, out, ops, format=kept, explain=explain, name=name, rhs=rhs, scalars=scalars,
+                       backend=backend, reduce=reduce)
+    perm = relayout.output_order(out, sched0, output) if rhs is None else None
+    if perm is not None:
+        # the innermost loop runs along another output index: the kernel writes the output with that index
+        # last (contiguous stores, a register tile), and the caller gets a permuted view, as torch returns
+        # non-contiguous results elsewhere
+        if explain:
+            print(f"output:       computed as {''.join(perm)}, returned as a view in the order {''.join(out)}")
+        r = run(inputs, perm, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
+                reduce=reduce, relaid=relaid)
+        return r.permute(*[perm.index(v) for v in out])
+    moves = relayout.plan(inputs, ops, sched0, sizes, broadcast) if rhs is None and not relaid else ()
+    if moves:
+        if explain:
+            for k, d in moves:
+                print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
+                      " reads it along that dimension")
+        inputs, ops = relayout.apply(moves, inputs, ops)
+        return run(inputs, out, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
+                   reduce=reduce, relaid=True)
+    plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
+    if backend == "cpp" and prepared_ok and len(PREPARED) < 4096:
+        PREPARED[sig] = prepared_call(plan, sizes, dtype)
+    if plan.library_call is not None and rhs is None and library.ENABLED:
+        name, fn = plan.library_call
+        plan.library = library.choose(library.key_of(plan_key, ops), name,
+                                      lambda: call_plan(plan, ops, sizes, dtype, scalars or {}, backend),
+                                      lambda: fn(ops))
+        if plan.library.path != "scorch":
+            if explain:
+                print(plan.explain())
+            return fn(ops)
+    result = call_plan(plan, ops, sizes, dtype, scalars or {}, backend)
+    if explain:
+        print(plan.explain())
+    return result
+
+
+def row_plan(inputs, out, ops, backend="cpp"):
+    """``(plan, sizes)``: the compiled plan of an einsum with one sparse operand whose kernel loops over that
+    operand's rows in parallel, exactly as ``run`` would compile it, for fusion with other row kernels
+    (``fuse.rows``); None where ``run`` would first transpose, relayout or permute, or not loop over rows."""
+    sizes, broadcast = index_sizes(inputs, ops, "einsum")
+    key = (inputs, out, tuple(tensor_type(x) for x in ops), broadcast, None, None, "sum")
+    asg, output, sched0, n_sparse = planned(key)
+    if n_sparse != 1 or broadcast:
+        return None
+    if sched0.parallel != "level0" or relayout.output_order(out, sched0, output) is not None or \
+            relayout.plan(inputs, ops, sched0, sizes, broadcast):
+        return None
+    return compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)[0], sizes
