@@ -5,7 +5,8 @@ Under ``import scorch as torch`` this package is also ``torch.ops``: names it do
 ``prim``, ``load_library``...) are ``torch.ops``'s own."""
 import torch as _torch
 
-from . import activation, elementwise, foreach, indexing, linalg, pattern, reduce, shape, shape_ops, sparse_api  # noqa: F401,E501
+from . import (activation, compare, elementwise, extrema, foreach, indexing, linalg, norms, pattern, reduce,  # noqa: F401
+               shape, shape_ops, sparse_api)
 from .._forward import forward as _forward
 
 __getattr__, __dir__ = _forward(globals(), _torch.ops)

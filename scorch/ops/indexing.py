@@ -27,7 +27,7 @@ import torch
 
 from ..formats import storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements
-from .activation import _groups, _reduce_dims, _shaped
+from .entries import _groups, _reduce_dims, _shaped
 from .shape_ops import _coo, _delinearize, _dim, _entries, _gather_along, _index, _prod
 from .sparse_api import coalesce
 

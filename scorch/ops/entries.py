@@ -1,0 +1,88 @@
+"""What the ops on the stored entries share (``activation``, ``compare``, ``norms``, ``extrema``, ``indexing``):
+registration that leaves earlier registrations alone, the entries listed once, the descriptions in error
+messages, and the output groups of a reduction over some dimensions.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..formats import storage
+from ..sparse_tensor import IMPLEMENTATIONS, NoSparseRule, SparseTensor, _describe
+from .sparse_api import coalesce
+
+
+def _register(*funcs):
+    """``implements`` that leaves alone functions another module registered already (``F.relu``...)."""
+    def register(fn):
+        for f in funcs:
+            if f is not None and f not in IMPLEMENTATIONS:
+                IMPLEMENTATIONS[f] = fn
+        return fn
+    return register
+
+
+# duplicates summed: a nonlinear map needs each entry once (f(a) + f(b) != f(a + b))
+_coalesced = coalesce
+
+
+def _desc(*operands) -> str:
+    return _describe(operands, {})
+
+
+def _no_out(out, name, *operands):
+    if out is not None:
+        raise NoSparseRule(f"scorch: {name} with out= on a sparse operand ({_desc(*operands)})")
+
+
+def _entries(x: SparseTensor):
+    """``(dims, values)`` of the entries, each once: duplicates summed; padding and positions outside the shape
+    dropped (in a padded format a stored zero reads as an implicit one: the same value)."""
+    x = _coalesced(x)
+    return storage.unpack(x._format, x._shape, x._levels, x._vals)
+
+
+_linear = storage.linear_index
+
+
+def _kind(v) -> str:
+    """An operand as error messages name it: ``sparse ...``, ``dense (shape)``, ``scalar v`` or its type."""
+    if isinstance(v, SparseTensor):
+        return f"sparse {_desc(v)}"
+    if isinstance(v, torch.Tensor):
+        return f"dense {tuple(v.shape)}"
+    return type(v).__name__ if not isinstance(v, numbers.Number) else f"scalar {v!r}"
+
+
+def _probe_shape(x):
+    """The shape of a one-element tensor of ``x``'s rank: torch's own argument checks run on a zero one."""
+    return (1,) * x.dim()
+
+
+# --- reductions over some dimensions ---------------------------------------------------------------------------
+
+def _reduce_dims(dim, n):
+    """``dim`` (None, an int or a sequence; None and () mean all) as a sorted tuple of non-negative dims."""
+    if dim is None:
+        return tuple(range(n))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({d % n for d in dims})) if dims else tuple(range(n))
+
+
+def _groups(shape, edims, reduce_dims):
+    """Each entry's output position (``gid``), the number of outputs and the group size of a reduction."""
+    gid = torch.zeros(edims.shape[1], dtype=torch.int64, device=edims.device)
+    groups, size = 1, 1
+    for d, n in enumerate(shape):
+        if d in reduce_dims:
+            size *= n
+        else:
+            gid = gid * n + edims[d]
+            groups *= n
+    return gid, groups, size
+
+
+def _shaped(r, shape, reduce_dims, keepdim):
+    return r.reshape([1 if d in reduce_dims else n for d, n in enumerate(shape)] if keepdim else
+                     [n for d, n in enumerate(shape) if d not in reduce_dims])
