@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from .expr import MAX_SIZE, Add, CoordExpr, Div, Mod, Sub, Var, dim_name, solve_inverse
-from .levels import LEVEL_TYPES, Compressed, Dense, Level, Singleton
+from .levels import LEVEL_TYPES, Dense, Fixed, Level, Singleton
 
 _TOKEN = re.compile(r"\s*(?:(?P<arrow>->)|(?P<op>//|[(),:/%+\-])|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<int>\d+)|(?P<bad>\S))")
 _PROPS = {"unique": ("unique", True), "nonunique": ("unique", False),
@@ -23,6 +23,19 @@ _PROPS = {"unique": ("unique", True), "nonunique": ("unique", False),
 
 
 _BOUNDS: dict = {}  # (format, shape) -> level bounds: computed on every kernel call, so memoized
+
+# The named formats ("csr", "bsr(2, 2)"...) are Formats built by scorch.formats.named, which imports this module;
+# it installs its two lookups here when imported (importing scorch.formats does): the Format a name spells, for
+# Format("csr"), and the name of a Format, for Format.name and repr.
+_resolve_name = None
+_name_of = None
+
+
+def install_names(resolve, name_of) -> None:
+    """Called by ``scorch.formats.named``: ``resolve(spec)`` is the Format a name spells, ``name_of(fmt)`` the
+    name of ``fmt`` or None."""
+    global _resolve_name, _name_of
+    _resolve_name, _name_of = resolve, name_of
 
 
 class Format:
@@ -35,8 +48,7 @@ class Format:
         if isinstance(text, Format):
             ndim, levels = text.ndim, text.levels
         elif isinstance(text, str) and "->" not in text and text.strip()[:1].isalpha():
-            from .named import resolve  # a name: Format("csr"), Format("bsr(2, 2)")
-            named = resolve(text)
+            named = _resolve_name(text)  # a name: Format("csr"), Format("bsr(2, 2)")
             ndim, levels = named.ndim, named.levels
         elif isinstance(text, str):
             ndim, levels = _Parser(text).parse()
@@ -87,8 +99,7 @@ class Format:
     @property
     def name(self) -> str | None:
         """The named format this equals (``'csr'``, ``'bsr(2, 3)'``...), or None."""
-        from .named import name_of
-        return name_of(self)
+        return _name_of(self)
 
     def level_text(self, k: int) -> str:
         """Level ``k`` as written in the format text, e.g. ``j / 3 : compressed``."""
@@ -138,8 +149,28 @@ class Format:
     def check_shape(self, shape) -> None:
         if len(shape) != self.ndim:
             raise ValueError(f"format {self} is for {self.ndim}-d tensors, got shape {tuple(shape)}")
-        from .named import check_nm_shape
-        check_nm_shape(self, shape)
+        nmsize = nm_size(self)
+        if nmsize is not None and int(shape[1]) % nmsize[1]:  # the clear error for columns not in groups of m
+            n, m = nmsize
+            raise ValueError(f"format nm({n}, {m}) needs the number of columns to be a multiple of {m}, got shape"
+                             f" {tuple(shape)}; pad the columns to a multiple of {m} or pick another format")
+
+
+def nm_levels(n: int, m: int) -> tuple:
+    """The levels of n:m structured sparsity (``named.nm(n, m)``): the rows dense, the groups of ``m`` columns of a
+    row dense, and ``n`` (column offset, value) slots in each group."""
+    return ((Var(0), Dense()), (Div(1, m), Dense()), (Mod(1, m), Fixed(slots=n)))
+
+
+def nm_size(fmt: Format):
+    """``(n, m)`` when ``fmt`` is ``nm(n, m)``, else None (a cheap structural test)."""
+    if fmt.ndim != 2 or len(fmt.levels) != 3:
+        return None
+    _, (e1, _), (e2, l2) = fmt.levels
+    if not (isinstance(l2, Fixed) and l2.slots is not None and isinstance(e2, Mod) and isinstance(e1, Div)):
+        return None
+    n, m = l2.slots, e2.block
+    return (n, m) if n <= m and fmt.levels == nm_levels(n, m) else None
 
 
 def _check_structure(levels, names):

@@ -9,7 +9,7 @@ import functools
 import re
 
 from .expr import Div, Mod, Sub, Var, check_size
-from .format import Format
+from .format import Format, install_names, nm_levels, nm_size
 from .levels import Compressed, Dense, Fixed, Singleton
 
 
@@ -77,7 +77,7 @@ def nm(n: int, m: int) -> Format:
     multiple of ``m``; a tensor with more than ``n`` nonzeros in a group must be pruned before conversion.
     Offsets are stored as int32 (int64 for huge tensors): scorch's index arrays are int32 or int64."""
     _check_nm(n, m, f"nm({n}, {m})")
-    return Format.from_levels(2, [(Var(0), Dense()), (Div(1, m), Dense()), (Mod(1, m), Fixed(slots=n))])
+    return Format.from_levels(2, nm_levels(n, m))
 
 
 def _check_nm(n, m, spec):
@@ -85,26 +85,6 @@ def _check_nm(n, m, spec):
         check_size(x, "n and m", repr(spec))
     if n > m:
         raise ValueError(f"format {spec!r}: n ({n}) cannot exceed the group size m ({m}); n:m stores n of every m")
-
-
-def nm_size(fmt: Format):
-    """``(n, m)`` when ``fmt`` is ``nm(n, m)``, else None (a cheap structural test)."""
-    if fmt.ndim != 2 or len(fmt.levels) != 3:
-        return None
-    (_, l0), (e1, l1), (e2, l2) = fmt.levels
-    if not (isinstance(l2, Fixed) and l2.slots is not None and isinstance(e2, Mod) and isinstance(e1, Div)):
-        return None
-    n, m = l2.slots, e2.block
-    return (n, m) if n <= m and nm(n, m) == fmt else None
-
-
-def check_nm_shape(fmt: Format, shape) -> None:
-    """The clear error for an n:m format on a shape whose columns do not split into groups of m."""
-    nmsize = nm_size(fmt)
-    if nmsize is not None and len(shape) == 2 and int(shape[1]) % nmsize[1]:
-        n, m = nmsize
-        raise ValueError(f"format nm({n}, {m}) needs the number of columns to be a multiple of {m}, got shape"
-                         f" {tuple(shape)}; pad the columns to a multiple of {m} or pick another format")
 
 
 dense = dense_nd(2)
@@ -208,3 +188,6 @@ def short_name(fmt: Format) -> str:
         return "coo (" + ", ".join(([] if coalesced else ["uncoalesced"]) + (
             [f"hybrid, dense_dim={dense}"] if dense else [])) + ")"
     return name_of(fmt) or str(fmt)
+
+
+install_names(resolve, name_of)  # Format("csr"), Format.name
