@@ -19,19 +19,21 @@ from .. import loopir as L
 from .ir import Access, Assignment
 from .lower import Lowered, _Lowering, _cast
 from .schedule import CoSchedule
+from .target import CPU, Target
 
 INT64_MAX = 2**63 - 1
 
 
-def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozenset(), phase=None) -> Lowered:
+def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozenset(), phase=None,
+                      target: Target = CPU) -> Lowered:
     """``phase``: None for a dense output; ``"count"``, or ``"fill"`` / ``"fill32"`` (64- or 32-bit output
-    coordinates), for the two passes of a rows output."""
-    return _CoLowering(asg, cs, ct, broadcast, phase).run()
+    coordinates), for the two passes of a rows output. ``target``: the machine, as for ``lower``."""
+    return _CoLowering(asg, cs, ct, broadcast, phase, target).run()
 
 
 class _CoLowering(_Lowering):
-    def __init__(self, asg, cs, ct, broadcast, phase):
-        self.asg, self.cs, self.ct, self.broadcast = asg, cs, ct, broadcast
+    def __init__(self, asg, cs, ct, broadcast, phase, target=CPU):
+        self.asg, self.cs, self.ct, self.broadcast, self.target = asg, cs, ct, broadcast, target
         self.phase = "fill" if phase == "fill32" else phase
         self.crd_type = "i32" if phase == "fill32" else "i64"
         self.params, self.args = [], []

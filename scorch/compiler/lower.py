@@ -18,6 +18,7 @@ from .. import loopir as L
 from .infer import factors
 from .ir import Access, Add, Assignment, Map, Mul, Scalar
 from .schedule import Schedule
+from .target import CPU, Target
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,9 @@ class Lowered:
 
 
 def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset(), scatter=None,
-          target="cpu") -> Lowered:
-    """``target``: ``"cpu"`` or ``"cuda"``; register and dot tiles (explicit CPU vectors) are CPU-only: the CUDA
-    generator maps the same plain loops to warp lanes instead.
+          target: Target = CPU) -> Lowered:
+    """``target``: the machine (``target.CPU`` or ``target.CUDA``); register and dot tiles are made only where
+    it has explicit vectors (the CPU): the GPU mapping puts the same plain loops on warp lanes instead.
 
     ``broadcast``: (operand, dim) pairs of dense operands that have size 1 where the index is larger.
 
@@ -59,9 +60,9 @@ def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozens
 
 
 class _Lowering:
-    target = "cpu"
+    target = CPU
 
-    def __init__(self, asg, sched, ct, broadcast, scatter=None, target="cpu"):
+    def __init__(self, asg, sched, ct, broadcast, scatter=None, target=CPU):
         self.asg, self.sched, self.ct, self.broadcast = asg, sched, ct, broadcast
         self.target = target
         self.scatter = scatter
@@ -233,7 +234,7 @@ class _Lowering:
             size *= self.spec[v]
         if size > 1024:
             return None
-        tiled = self._register_tile(items, head, tail, tvars, out) if self.target == "cpu" else None
+        tiled = self._register_tile(items, head, tail, tvars, out) if self.target.vectors else None
         if tiled is not None:
             return tiled
         # every output location written exactly once: the loops down to the tile only walk output indices
@@ -253,12 +254,11 @@ class _Lowering:
         inside the reduction as the tile's rows. Per reduction step the tile takes one broadcast per row and
         one vector load per T / lanes columns, so the loads per multiply-add fall with the tile's size.
         None when the loop nest does not have that shape."""
-        from .codegen.cpp import VECTOR_BYTES
         ct = self.ct
         if ct not in ("f32", "f64") or len(tvars) != 1 or len(tail) != 1:
             return None
         bvar = tvars[0]
-        lanes = VECTOR_BYTES // (4 if ct == "f32" else 8)
+        lanes = self.target.lanes(ct)
         S = self.spec[bvar]
         if S % lanes:
             return None
@@ -378,13 +378,12 @@ class _Lowering:
         about 3 shuffles and adds per entry instead of 8: an f32 SDDMM with 32 columns, 4096 rows of 133
         entries, went from 0.58 to 0.39 ms). The entries left over (fewer than U) take one vector of partial
         sums each. None when the loop nest has another shape."""
-        from .codegen.cpp import VECTOR_BYTES
         ct, rest = self.ct, items[ready + 1:]
         loops = [it for it in rest if it[0] == "for"]
         if ct not in ("f32", "f64") or len(loops) != 1 or loops[0] is not rest[-1]:
             return None
         kvar = next((v for v in self.asg.indices if self.vname[v] == loops[0][1].name), None)
-        lanes = VECTOR_BYTES // (4 if ct == "f32" else 8)
+        lanes = self.target.lanes(ct)
         if kvar is None or kvar in self.asg.out or self.spec.get(kvar, 0) % lanes or not self.spec.get(kvar):
             return None
         P = max((i for i in range(ready + 1) if items[i][0] == "for"), default=None)
@@ -458,7 +457,7 @@ class _Lowering:
             if tiled is not None:
                 return tiled
         rest = items[ready + 1:]
-        if shared and red == "sum" and self.target == "cpu":
+        if shared and red == "sum" and self.target.vectors:
             tiled = self._dot_tile(items, ready, out, index, value)
             if tiled is not None:
                 return tiled

@@ -1,8 +1,9 @@
 """The compiler pipeline: from an assignment over operand types to a loaded kernel with its plan.
 
 One straight line, each stage a module of this package: parse (``einsum``) -> index notation (``ir``) ->
-format inference (``infer``) -> schedule (``schedule``) -> lowering to the loop IR (``lower``, or ``coiterate``
-for several sparse operands) -> rendering (``codegen.cpp``, ``codegen.cuda``) -> build and load (``runtime``).
+format inference (``infer``) -> schedule (``schedule``) -> lowering to the loop IR for a target (``lower``, or
+``coiterate`` for several sparse operands; the machine's facts from ``target``) -> for CUDA, the GPU mapping
+(``mapping``) -> rendering (``codegen.cpp``, ``codegen.cuda``) -> build and load (``runtime``).
 ``planned`` runs the first four once per assignment and operand types; ``compiled_plan`` (one sparse operand)
 and ``coiteration_plan`` (several) the rest once per key. The result is a ``Plan`` (or ``CoPlan``): the
 decisions made, the generated source and the loaded kernel. Nothing here knows tensors: binding tensors to a
@@ -22,7 +23,9 @@ from .einsum import to_index_notation
 from .infer import OutputFormat, infer
 from .ir import Access, Assignment, TensorType
 from .lower import lower
+from .mapping import map_to_gpu
 from .schedule import SPECIALIZE_MAX, schedule
+from .target import CPU, CUDA, Target
 
 _PLANNED = cache("planned", "assignment, inferred output and schedule per einsum key (operand types)")
 _COMPILED = cache("compiled", "compiled plans (loaded kernels) per einsum key, specialized extent and target")
@@ -78,7 +81,7 @@ def planned(key):
         inputs, out, types, _, fmt, rhs, reduce = key
         if any(len(set(idx)) != len(idx) for idx in inputs):  # (an internal caller's mistake, not the user's)
             raise ValueError(f"scorch: {inputs} repeats a letter within an operand; kernels take distinct letters"
-                             " (einsum takes the diagonal first: ops/diagonal.py)")
+                             " (einsum takes the diagonal first: engine/diagonal.py)")
         asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
         output = infer(asg)
         n = sum(t.sparse for t in types)
@@ -113,7 +116,7 @@ def compile_plan(asg, output, sizes, broadcast, backend="cpp") -> Plan:
     sched = schedule(asg, written, sizes)
     ct = L.type_of(asg.operands[0].dtype)
     plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
-    plan.lowered = lower(asg, sched, ct, broadcast, target=target_of(backend))
+    plan.lowered = lower(asg, sched, ct, broadcast, target=target_for(backend))
     plan.source, plan.kernel = build(plan.lowered, backend)
     plan.library_call = library.candidate(asg) if backend == "cuda" else None
     return plan
@@ -124,9 +127,14 @@ def compile_plan(asg, output, sizes, broadcast, backend="cpp") -> Plan:
 BACKENDS = ("cpp", "cuda", "cuda-emulate", "interp")
 
 
+def target_for(backend) -> Target:
+    """The target a backend generates code for: ``target.CPU`` or ``target.CUDA``."""
+    return CUDA if backend in ("cuda", "cuda-emulate") else CPU
+
+
 def target_of(backend) -> str:
-    """The code generator a backend uses: ``cpu`` or ``cuda``."""
-    return "cuda" if backend in ("cuda", "cuda-emulate") else "cpu"
+    """The name of the target a backend generates code for: ``cpu`` or ``cuda``."""
+    return target_for(backend).name
 
 
 class CudaKernel:
@@ -146,19 +154,31 @@ class CudaKernel:
 
 
 def build(low, backend="cpp"):
-    """``(source, kernel)``: a lowered kernel's source for the backend, compiled (or found in a cache) and
-    loaded."""
+    """``(source, kernel)``: a lowered kernel mapped onto the GPU (for CUDA), rendered for the backend's target,
+    compiled (or found in a cache) and loaded."""
+    target = target_for(backend)
+    mapping = map_to_gpu(low.kernel) if target.name == "cuda" else None
+    source = render(low.kernel, target, mapping)
+    return source, load(source, low.kernel, backend, mapping)
+
+
+def render(kernel: L.Kernel, target: Target, mapping=None) -> str:
+    """The source of ``kernel`` for ``target``: C++, or CUDA on its GPU ``mapping`` (``map_to_gpu``)."""
+    return cuda.generate(kernel, mapping) if target.name == "cuda" else cpp.generate(kernel)
+
+
+def load(source: str, kernel: L.Kernel, backend="cpp", mapping=None):
+    """``source`` (``kernel`` rendered for the backend's target) compiled, or found in a cache, and loaded: a
+    ``runtime.Kernel``, or a ``CudaKernel`` launcher that keeps its ``mapping``."""
     if target_of(backend) == "cpu":
-        src = cpp.generate(low.kernel)
-        return src, runtime.load(src, low.kernel.name, cpp.argtypes(low.kernel))
+        return runtime.load(source, kernel.name, cpp.argtypes(kernel))
     import ctypes
-    src = cuda.generate(low.kernel)
     emulated = backend == "cuda-emulate"
     arch = "" if emulated else _cuda_arch()
     tool = "emulate" if emulated else "nvcc"
-    k = runtime.load(src, low.kernel.name, cuda.argtypes(low.kernel), ctypes.c_int, toolchain=tool, arch=arch)
-    err = runtime.load(src, low.kernel.name + "_error", [ctypes.c_int], ctypes.c_char_p, toolchain=tool, arch=arch)
-    return src, CudaKernel(k, err.fn, emulated, cuda.plan(low.kernel))
+    k = runtime.load(source, kernel.name, cuda.argtypes(kernel), ctypes.c_int, toolchain=tool, arch=arch)
+    err = runtime.load(source, kernel.name + "_error", [ctypes.c_int], ctypes.c_char_p, toolchain=tool, arch=arch)
+    return CudaKernel(k, err.fn, emulated, mapping)
 
 
 def gpu_lines(kernel) -> list:
@@ -194,7 +214,7 @@ class CoPlan:
         if phase not in self.kernels:
             from .coiterate import lower_coiteration
             low = lower_coiteration(self.inner_asg, self.schedule, L.type_of(self.asg.operands[0].dtype),
-                                    self.broadcast, phase)
+                                    self.broadcast, phase, target_for(self.backend))
             self.lowered[phase] = low
             self.sources[phase], self.kernels[phase] = build(low, self.backend)
         return self.kernels[phase]

@@ -19,6 +19,7 @@ from scorch.compiler import pipeline, runtime
 from scorch.engine import bind
 from scorch import loopir as L
 from scorch.compiler.codegen import cuda
+from scorch.compiler.mapping import map_to_gpu
 
 from conftest import assert_matches_dense, compile_ahead
 from test_einsum_matrix import _one_thread  # noqa: F401  (the same fixture: kernels on one thread)
@@ -116,17 +117,17 @@ def test_hazards_keep_thread_workers():
                                                            L.Const(1.0, "f32"), "add")), simd=True)
     good = L.Kernel("g", (out, n), L.block(L.For(i, L.Const(0), L.Var("n"), L.block(lane),
                                                  parallel=L.Parallel("static"))))
-    assert cuda.plan(good).mode == "warp"
+    assert map_to_gpu(good).mode == "warp"
     same = L.For(k, L.Const(0), L.Const(64), L.block(L.Store("out", i, L.Const(1.0, "f32"), "add")), simd=True)
     bad1 = L.Kernel("b", (out, n), L.block(L.For(i, L.Const(0), L.Var("n"), L.block(same),
                                                  parallel=L.Parallel("static"))))
-    assert cuda.plan(bad1).mode == "thread"
+    assert map_to_gpu(bad1).mode == "thread"
     read_back = L.Store("out", i, L.Load("out", L.binary("add", i, L.Const(1)), "f32"))
     bad2 = L.Kernel("b", (out, n), L.block(L.For(i, L.Const(0), L.Var("n"), L.block(lane, read_back),
                                                  parallel=L.Parallel("static"))))
-    assert cuda.plan(bad2).mode == "thread"
+    assert map_to_gpu(bad2).mode == "thread"
     serial = L.Kernel("s", (out, n), L.block(L.Store("out", L.Const(0), L.Const(1.0, "f32")), lane))
-    assert cuda.plan(serial).mode == "serial"
+    assert map_to_gpu(serial).mode == "serial"
 
 
 def test_backend_selection(monkeypatch):
@@ -161,7 +162,7 @@ def _matrix_kernels():
         if key[-1] == "cuda":
             lows = [plan.lowered] if isinstance(plan, pipeline.Plan) else list(plan.lowered.values())
             for low in lows:
-                kernels[cuda.generate(low.kernel, prelude=False, symbol="k")] = low.kernel
+                kernels[cuda.generate(low.kernel, map_to_gpu(low.kernel), prelude=False, symbol="k")] = low.kernel
     return list(kernels.values())
 
 
@@ -172,7 +173,7 @@ def test_matrix_cuda_sources_compile(arch):
     kernels = _matrix_kernels()
     assert len(kernels) > 100
     unit = cuda.PRELUDE + cuda.HELPERS + "\n".join(
-        cuda.generate(k, prelude=False, symbol=f"scorch_m{n}") for n, k in enumerate(kernels))
+        cuda.generate(k, map_to_gpu(k), prelude=False, symbol=f"scorch_m{n}") for n, k in enumerate(kernels))
     text = runtime.ptx(unit, arch)
     entries = set(re.findall(r"\.entry\s+(scorch_m\d+)_dev", text))
     assert len(entries) == len(kernels)

@@ -11,6 +11,7 @@ import re
 
 from ... import loopir as L
 from .. import runtime
+from ..target import CPU
 
 CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -71,8 +72,8 @@ def _tsum(name, ctype, lanes):
     return "\n".join(lines) + "\n}\n"
 
 
-#: bytes of an explicit vector (``For.vector`` loops): one AVX-512 register; GCC splits it where narrower
-VECTOR_BYTES = 64
+#: bytes of an explicit vector (``For.vector`` loops): the CPU target's (``target.CPU``)
+VECTOR_BYTES = CPU.vector_bytes
 
 #: ``exp`` of a float, branch-free (range reduction to [-ln 2 / 2, ln 2 / 2], Cephes' degree-6 polynomial, within
 #: 2 ulp of ``std::exp``), so that a loop over it vectorizes: ``std::exp`` is a scalar libm call unless the whole
@@ -255,7 +256,7 @@ class _Emitter:
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
         if isinstance(s, L.LocalArray) and s.sums:
             n = ident(s.name)
-            if s.type not in ("f32", "f64") or s.sums != VECTOR_BYTES // (4 if s.type == "f32" else 8):
+            if s.type not in ("f32", "f64") or s.sums != CPU.lanes(s.type):
                 raise ValueError(f"partial sums {s.name}: {s.type} in {s.sums} lanes")
             if s.combine not in ("add", "max"):
                 raise ValueError(f"partial results {s.name}: unknown combination {s.combine!r}")
@@ -267,7 +268,7 @@ class _Emitter:
             n, src = ident(s.name), ident(s.array)
             if self.sum_arrays.get(s.array, ("",))[0] != "add" or s.type not in ("f32", "f64"):
                 raise ValueError(f"lane sums of {s.array}: not partial sums of a float type")
-            lanes = VECTOR_BYTES // (4 if s.type == "f32" else 8)
+            lanes = CPU.lanes(s.type)
             if s.size == lanes:
                 return [f"{pad}{CTYPE[s.type]} {n}[{lanes}] __attribute__((aligned({VECTOR_BYTES})));",
                         f"{pad}scorch_tsum({src}, {n});"]

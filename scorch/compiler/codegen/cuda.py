@@ -1,16 +1,14 @@
-"""Loop IR -> CUDA source: the kernels ``cpp`` renders for the CPU, with the parallel loop mapped to GPU workers.
+"""Loop IR -> CUDA source: the kernels ``cpp`` renders for the CPU, rendered on the GPU mapping that the pass
+``compiler.mapping`` chose for the kernel (``map_to_gpu``: serial, thread or warp workers, lane loops, workspaces).
 
-How a kernel maps to the GPU (``plan``, per kernel):
+How the renderer carries a ``Mapping`` out:
 
-* The schedule's parallel loop runs across **workers**: ``static`` loops deal their iterations out grid-stride;
-  ``nnz`` loops give each worker one contiguous range of rows holding an equal share of rows + stored entries
-  (a merge-path split at row granularity), so a few long rows do not serialize one worker.
-* A worker is a **warp** when the loop body has an innermost dense loop whose iterations are independent
-  (SpMM's ``k``; SDDMM's ``k`` with its sum): consecutive iterations go to consecutive lanes (coalesced loads
-  of the dense operand), scalar sums over that loop are combined by warp shuffles, the rest of the body runs
-  on every lane alike (its loads are broadcasts), and stores outside the lane loops are done by lane 0. The
-  hazards that would make this wrong (a lane reading what another lane wrote) are checked, and a kernel that
-  has one gets thread workers instead. Otherwise a worker is a **thread** (SpGEMM's row with its workspace).
+* Workers of the parallel loop: ``static`` loops deal their iterations out grid-stride; ``nnz`` loops give each
+  worker one contiguous range of rows holding an equal share of rows + stored entries (a merge-path split at
+  row granularity), so a few long rows do not serialize one worker.
+* Warp workers: consecutive iterations of a lane loop go to consecutive lanes (coalesced loads of the dense
+  operand), scalar sums over that loop are combined by warp shuffles, the rest of the body runs on every lane
+  alike (its loads are broadcasts), and stores outside the lane loops are done by lane 0.
 * Per-worker workspaces (``Alloc``) are slices of one scratch buffer that the launcher allocates, zero-filled
   where the IR declares them; the number of workers is capped so that the scratch stays small.
 * Write conflicts use atomics only where the IR marks a store atomic; a kernel without a parallel loop runs
@@ -26,9 +24,9 @@ is tested on machines without a GPU.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 from ... import loopir as L
+from ..mapping import Mapping
 from . import cpp
 from .cpp import CTYPE, ident
 
@@ -173,159 +171,19 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
 """
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """How one kernel runs: ``mode`` is ``"serial"`` (one thread runs the whole body), ``"thread"`` or
-    ``"warp"`` (the workers of the parallel loop); ``lane_loops``: ids of the loops whose iterations go to
-    lanes; ``allocs``: the per-worker workspaces in the scratch, in order."""
-    mode: str
-    loop: object = None
-    prologue: tuple = ()
-    lane_loops: frozenset = frozenset()
-    allocs: tuple = ()
-
-    @property
-    def describe(self) -> str:
-        if self.mode == "serial":
-            return "one thread (no parallel loop)"
-        kind = self.loop.parallel.kind
-        split = "grid-stride" if kind == "static" else "contiguous ranges balanced by rows + stored entries"
-        if self.mode == "warp":
-            return (f"a warp per iteration of the parallel loop ({split}); {len(self.lane_loops)} inner loop(s)"
-                    " across the lanes")
-        return f"a thread per iteration of the parallel loop ({split})"
-
-
-def plan(kernel: L.Kernel) -> Mapping:
-    """The worker mapping of ``kernel`` (see the module docstring)."""
-    allocs = tuple(s for s in _walk(kernel.body) if isinstance(s, L.Alloc))
-    params = {p.name for p in kernel.params}
-    for a in allocs:
-        free = L.uses(a.size) - params
-        if free:
-            raise ValueError(f"workspace {a.name}: its size depends on {sorted(free)}, not on parameters alone")
-    stmts = kernel.body.stmts
-    loops = [s for s in stmts if isinstance(s, L.For) and s.parallel is not None]
-    rest = [s for s in stmts if not (isinstance(s, L.For) and s.parallel is not None)]
-    if len(loops) != 1 or stmts[-1] is not loops[0] or not all(isinstance(s, (L.Let, L.Decl)) for s in rest) \
-            or any(isinstance(s, L.For) and s.parallel is not None for s in L.walk(loops[0].body)):
-        return Mapping("serial", allocs=allocs)
-    loop = loops[0]
-    prologue = tuple(rest)
-    lanes = frozenset() if allocs else _lane_loops(loop)
-    if lanes and _hazards(loop, lanes):
-        lanes = frozenset()
-    return Mapping("warp" if lanes else "thread", loop, prologue, lanes, allocs)
-
-
-def _walk(stmt):
-    """Every statement under ``stmt``, parallel loops' setups included."""
-    yield stmt
-    if isinstance(stmt, L.For) and stmt.parallel is not None and stmt.parallel.setup is not None:
-        yield from _walk(stmt.parallel.setup)
-    for c in L._children(stmt):
-        yield from _walk(c)
-
-
-def _lane_loops(loop: L.For) -> frozenset:
-    """Ids of the innermost loops under ``loop`` whose iterations may run on separate lanes."""
-    out = set()
-    for s in L.walk(loop.body):
-        if isinstance(s, L.For) and s.parallel is None and (s.simd or s.vector) and _independent(s):
-            out.add(id(s))
-    return frozenset(out)
-
-
-def _independent(f: L.For) -> bool:
-    """Iterations of ``f`` touch disjoint locations: no nested loop, every store indexed by an injective affine
-    function of the loop variable (over variables bound outside the loop), and every update of an outer scalar
-    a declared reduction."""
-    var = f.var.name
-    local = {s.var.name for s in L.walk(f.body) if isinstance(s, (L.Let, L.Decl))}
-    reductions = {name for op, name in f.reductions if op in ("add", "max", "min")}
-    for s in L.walk(f.body):
-        if isinstance(s, (L.For, L.While, L.Sort, L.Alloc, L.LocalArray)):
-            return False
-        if isinstance(s, L.Store):
-            c = L.coefficient(s.index, var)
-            if c in (0, None) or L.uses(s.index) & local:
-                return False
-        if isinstance(s, L.Assign) and s.var.name not in local and s.var.name not in reductions:
-            return False
-    return True
-
-
-def _hazards(loop: L.For, lanes: frozenset) -> bool:
-    """Whether splitting the ``lanes`` loops would let a lane read what another lane wrote: an array written in
-    a lane loop and read outside lane loops (or by lane loops over another variable or index), or an array
-    written outside lane loops (by lane 0) and read anywhere in the worker."""
-    in_lane, outside = [], []   # (statement, lane loop or None)
-
-    def visit(s, owner):
-        if isinstance(s, L.For) and id(s) in lanes:
-            owner = s
-        (in_lane if owner is not None else outside).append((s, owner))
-        for c in L._children(s):
-            visit(c, owner)
-    visit(loop.body, None)
-    stored_lane = {s.array for s, _ in in_lane if isinstance(s, L.Store)}
-    stored_out = {s.array for s, _ in outside if isinstance(s, L.Store)}
-    for s, _ in outside:
-        for e in _exprs(s):
-            if any(ld.array in stored_lane | stored_out for ld in _loads(e)):
-                return True
-    local = {s.name for s in L.walk(loop.body) if isinstance(s, L.LocalArray)}
-    # a private array touched in lane loops: every access the same index, linear in the same loop variable
-    seen = {}
-    for s, owner in in_lane:
-        for array, index in _accesses(s):
-            if array in stored_out:
-                return True
-            if array in local:
-                if seen.setdefault(array, (owner.var.name, index)) != (owner.var.name, index):
-                    return True
-                if L.coefficient(index, owner.var.name) != 1:
-                    return True
-    return False
-
-
-def _accesses(s):
-    """``(array, index)`` of every store and load in the statement ``s`` itself (not in nested statements)."""
-    out = [(s.array, s.index)] if isinstance(s, L.Store) else []
-    for e in _exprs(s):
-        out += [(ld.array, ld.index) for ld in _loads(e)]
-    return out
-
-
-def _exprs(s):
-    for f in ("value", "index", "cond", "lo", "hi", "init"):
-        e = getattr(s, f, None)
-        if isinstance(e, L.Expr):
-            yield e
-
-
-def _loads(e):
-    if isinstance(e, L.Load):
-        yield e
-    for f in ("index", "a", "b", "cond"):
-        c = getattr(e, f, None)
-        if isinstance(c, L.Expr):
-            yield from _loads(c)
-
-
 def argtypes(kernel: L.Kernel) -> list:
     """The launcher's ctypes signature: the kernel's (``cpp.argtypes``) and the stream."""
     return cpp.argtypes(kernel) + [ctypes.c_void_p]
 
 
-def generate(kernel: L.Kernel, prelude: bool = True, symbol: str = "") -> str:
-    """The translation unit: prelude, ``__global__`` kernel ``<name>_dev`` and host launcher ``<name>`` (``symbol``
-    if given). Without ``prelude`` (and the helpers), several kernels of distinct symbols concatenate behind one
-    ``PRELUDE + HELPERS`` into one unit, as the compile check does."""
-    m = plan(kernel)
+def generate(kernel: L.Kernel, mapping: Mapping, prelude: bool = True, symbol: str = "") -> str:
+    """The translation unit of ``kernel`` on its GPU ``mapping`` (``mapping.map_to_gpu(kernel)``): prelude,
+    ``__global__`` kernel ``<name>_dev`` and host launcher ``<name>`` (``symbol`` if given). Without ``prelude``
+    (and the helpers), several kernels of distinct symbols concatenate behind one ``PRELUDE + HELPERS`` into one
+    unit, as the compile check does."""
     name = ident(symbol or kernel.name)
     params, casts = cpp.signature(kernel)
-    em = _Emitter(m, kernel, name)
+    em = _Emitter(mapping, kernel, name)
     body = em.kernel_body(casts)
     dev_params = params + ["char* __restrict__ scorch_scratch", "int64_t scorch_stride"]
     names = [ident(p.name) + ("" if p.kind == "array" else "_arg") for p in kernel.params]
@@ -354,21 +212,8 @@ class _Emitter(cpp._Emitter):
         self.kernel_name = name
         self.kernel_params = kernel.params
         self.decl_types = {s.var.name: s.var.type for s in L.walk(kernel.body) if isinstance(s, (L.Decl, L.Let))}
-        self.compressed = self._compressed() if mapping.mode == "warp" else set()
+        self.compressed = mapping.compressed
         self.in_lane = False
-
-    def _compressed(self):
-        """Private arrays indexed only by a lane loop's variable: each lane holds only its own entries
-        (``size / 32`` of them, in registers when the loop is unrolled)."""
-        arrays = {s.name for s in L.walk(self.m.loop.body) if isinstance(s, L.LocalArray)}
-        indices = {name: set() for name in arrays}
-        for s in L.walk(self.m.loop.body):
-            if isinstance(s, L.For) and id(s) in self.m.lane_loops:
-                for t in L.walk(s.body):
-                    for array, index in _accesses(t):
-                        if array in indices:
-                            indices[array].add(index)
-        return {name for name, idx in indices.items() if idx and all(isinstance(i, L.Var) for i in idx)}
 
     # --- the kernel's body --------------------------------------------------------------------------------
     def kernel_body(self, casts):
