@@ -20,6 +20,7 @@ from . import ops  # noqa: E402,F401  (registers the sparse implementations of t
 from .ops.linalg import einsum  # noqa: E402
 from .engine import explain  # noqa: E402
 from .compiler.caches import cache_info, clear_caches  # noqa: E402
+from .compiler.schedule import Directives  # noqa: E402
 from .rearrange import rearrange  # noqa: E402
 from .deferred import deferral  # noqa: E402
 from .fusion import compile  # noqa: E402

@@ -15,37 +15,28 @@ The derivative of an einsum with respect to an operand is an einsum, run through
   arrays; its values are the gradient of ``k``'s values. Never densified.
 Backward calls the differentiable einsum, so double backward works where the forward's ops are linear in
 each operand (every einsum is). No operand here repeats a letter (``"ii"``): ``engine.einsum`` replaces such
-an operand by its diagonal first (``ops/diagonal.py``), and the diagonal's own gradient puts it back.
+an operand by its diagonal first (``engine/diagonal.py``), and the diagonal's own gradient puts it back.
 """
 from __future__ import annotations
 
 import torch
 
 from .compiler.einsum import equation as einsum_string
-from .sparse_tensor import SparseTensor
+from .rules import RULES
+from .sparse_tensor import SparseTensor, is_pattern_ones, pattern_ones  # noqa: F401  (fusion imports it here)
 
 
-def needs_grad(operands) -> bool:
-    """Whether a call on ``operands`` records a graph: grad mode is on and some tensor requires grad."""
-    if not torch.is_grad_enabled():
-        return False
-    for x in operands:
-        if type(x) is SparseTensor:
-            if x._vals.requires_grad:
-                return True
-        elif isinstance(x, torch.Tensor) and x.requires_grad:
-            return True
-    return False
+
 
 
 class _Spec:
     """What a Function needs besides its tensor inputs: the index letters, the sparse operands' structure,
     the requested format, and (after forward) the structure of a sparse result."""
 
-    __slots__ = ("inputs", "out", "format", "structure", "result")
+    __slots__ = ("inputs", "out", "format", "structure", "result", "schedule")
 
-    def __init__(self, inputs, out, fmt, operands):
-        self.inputs, self.out, self.format = inputs, out, fmt
+    def __init__(self, inputs, out, fmt, operands, schedule=None):
+        self.inputs, self.out, self.format, self.schedule = inputs, out, fmt, schedule
         self.structure = [(x._format, x._shape, x._levels) if type(x) is SparseTensor else None for x in operands]
         self.result = None
 
@@ -69,7 +60,8 @@ class _Einsum(torch.autograd.Function):
     def forward(ctx, spec, *tensors):
         from . import engine
         with engine.structural_results():  # (every entry of the result gets its gradient)
-            r = engine.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format)
+            r = engine.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format,
+                              schedule=spec.schedule)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
             r = r._vals
@@ -89,14 +81,15 @@ class _Einsum(torch.autograd.Function):
         return tuple(grads)
 
 
-def einsum(equation: str, operands, format=None):
-    """``engine.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``."""
+def einsum(equation: str, operands, format=None, schedule=None):
+    """``engine.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``. The user's
+    ``schedule`` directs the forward kernel (the gradients are other expressions, scheduled by the compiler)."""
     from .engine import prepare
     from .compiler.einsum import parse
     from .sparse_tensor import shape_of
     ops = prepare(operands)
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
-    spec = _Spec(inputs, out, format, ops)
+    spec = _Spec(inputs, out, format, ops, schedule)
     values = _Einsum.apply(spec, *_tensors(ops))
     return spec.wrap(values)
 
@@ -157,37 +150,10 @@ def _merge_shared_patterns(inputs, ops):
             continue
         b = ops[j]._vals
         # (one of them the pattern's ones, as an SDDMM's sampled operand: the other's values as they are)
-        ops[k] = a.with_values(b if _is_pattern_ones(a._vals) and b.dtype == a._vals.dtype else
-                               a._vals if _is_pattern_ones(b) and a._vals.dtype == b.dtype else a._vals * b)
+        ops[k] = a.with_values(b if is_pattern_ones(a._vals) and b.dtype == a._vals.dtype else
+                               a._vals if is_pattern_ones(b) and a._vals.dtype == b.dtype else a._vals * b)
         del ops[j], inputs[j]
     return inputs, ops
-
-
-def _is_pattern_ones(t) -> bool:
-    """Whether ``t`` is (a whole view of) the ones ``pattern_ones`` keeps, unmodified."""
-    kept = _ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
-    return kept is not None and kept[0]._version == kept[1] and t.data_ptr() == kept[0].data_ptr()
-
-
-def pattern_ones(x: SparseTensor, dtype):
-    """Ones at ``x``'s stored positions (the values of its pattern). In a format with a padded level, padding
-    and stored zeros cannot be told apart: both are 0 (a gradient there would turn padding into an entry, an
-    SDDMM there would too)."""
-    v = x._vals
-    if x._format.padded:
-        return (v != 0).to(dtype)
-    key = (v.numel(), dtype, v.device)
-    kept = _ONES.get(key)
-    if kept is None or kept[0]._version != kept[1]:  # (modified in place since: not ones any more)
-        if len(_ONES) >= 8:
-            _ONES.clear()
-        ones = torch.ones(v.shape, dtype=dtype, device=v.device)
-        kept = _ONES[key] = (ones, ones._version)
-    return kept[0].view(v.shape)
-
-
-#: ones of a size, kept: a model's patterns (a weight's, a graph's) ask for the same ones every step
-_ONES: dict = {}
 
 
 def values_at(r, x: SparseTensor, letters=None, r_letters=None):
@@ -328,3 +294,6 @@ def convert(x, convert_fn):
     result's values."""
     spec = _Spec((), (), None, [x])
     return spec.wrap(_Convert.apply(spec, convert_fn, _tensors([x])[0]))
+
+
+RULES.register(differentiable_einsum=einsum, differentiable_run=run, differentiable_convert=convert)

@@ -40,6 +40,7 @@ import threading
 import torch
 
 from . import sparse_tensor as _sparse_tensor
+from .rules import RULES
 from .compiler.einsum import equation as einsum_string
 from .compiler.einsum import parse
 
@@ -88,9 +89,6 @@ _METADATA = {
 }
 
 
-#: ``fusion.epilogue``: an elementwise op on a deferred product that may stay lazy (set by ``scorch.fusion``)
-_EPILOGUE = [None]
-
 # layout reads, answered from the placeholder where it has the value's layout (``exact_layout``)
 _LAYOUT = {torch.Tensor.is_contiguous, torch.Tensor.stride}
 
@@ -107,8 +105,8 @@ class Deferred(torch.Tensor):
         if func in _METADATA or (func in _LAYOUT and args[0]._expr.exact_layout):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if _mode.value == "all" and _EPILOGUE[0] is not None:  # scorch.compile: an elementwise epilogue stays lazy
-            lazy = _EPILOGUE[0](func, args, kwargs)
+        if _mode.value == "all" and RULES.lazy_epilogue is not None:  # scorch.compile: an epilogue stays lazy
+            lazy = RULES.lazy_epilogue(func, args, kwargs)
             if lazy is not None:
                 return lazy
         compute_all(args)
@@ -173,7 +171,6 @@ def compute_all(items):
             compute_all(a.values())
 
 
-_sparse_tensor._DEFERRED[:] = [Deferred, compute_all]
 
 
 def pending(x) -> bool:
@@ -270,7 +267,8 @@ def product(equation, operands, format):
 
 
 def _defer(inputs, out, ops, format, shape, dtype):
-    from ._autograd import _Spec, _tensors, needs_grad
+    from ._autograd import _Spec, _tensors
+    from .sparse_tensor import needs_grad
     device = _sparse_tensor.device_of(ops[0])
     if needs_grad(ops):
         spec = _Spec(inputs, out, format, ops)
@@ -332,3 +330,31 @@ def substitute(inputs, out, operands):
         new_inputs += [tuple(rename[v] for v in i) for i in e.inputs]
         new_ops += e.ops
     return new_inputs, new_ops
+
+
+def substitute_einsum(equation, operands):
+    """``(equation, operands, format)`` of an einsum with its deferred dense operands replaced by their expressions,
+    where a sparse operand is there to drive the combined expression's loops (``format``: the one the eager call
+    would give); else None, the deferred operands computed (the rule ``substitute_lazy``)."""
+    from .engine.bind import result_dtype
+    from .engine.evaluate import inferred_format, prepare
+    from .sparse_tensor import SparseTensor, shape_of
+    if not any(isinstance(x, SparseTensor) or (isinstance(x, torch.Tensor) and x.layout != torch.strided)
+               for x in operands):
+        compute_all(operands)
+        return None
+    inputs, out = parse(equation, [len(shape_of(x)) for x in operands])
+    ops = [x if type(x) is Deferred else prepare([x])[0] for x in operands]
+    # only all-dense deferred expressions, into a consumer of one kernel: its output format stays the eager one
+    sub = None
+    if len(ops) <= 2 and all(type(x) is not Deferred or x._expr.dense for x in ops):
+        dtype = result_dtype(ops, f"einsum({equation!r})")
+        fmt = inferred_format(inputs, out, ops, dtype)
+        sub = substitute(inputs, out, ops)
+    if sub is None:
+        compute_all(operands)
+        return None
+    return einsum_string(sub[0], out), sub[1], fmt
+
+
+RULES.register(lazy_type=Deferred, compute_lazy=compute_all, substitute_lazy=substitute_einsum)

@@ -34,8 +34,10 @@ from . import engine
 from .compiler import fuse
 from . import loopir as L
 from .compiler.codegen import cpp
+from .compiler.target import CPU
 from .deferred import Deferred
-from .formats.storage import PatternMemo
+from .formats.storage import PatternMemo, segments
+from .rules import RULES
 from .sparse_tensor import SparseTensor
 
 
@@ -226,11 +228,10 @@ def _grad(*tensors) -> bool:
 
 def _rows_pos(x):
     """The row positions of a row-compressed 2-d SparseTensor (CSR-like: softmax along dim 1 by segments)."""
-    from .ops.sparse_api import _segments
     if type(x) is not SparseTensor or len(x._shape) != 2 or x._levels[-1].pos is None or \
             x._levels[-1].pos.device.type != "cpu":
         return None
-    return _segments(x, 1)
+    return segments(x._format, x._levels, 1)
 
 
 def lazy_sddmm(mask, q, kt, alpha):
@@ -450,7 +451,7 @@ def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
                                                 (plan3.lowered.kernel, maps[2])])
         fused = L.Kernel(fused.name, fused.params + (L.Param("scale", "scalar", vt),), fused.body)
         fused = fuse.scale_stores(fused, "scores", L.Var("scale", vt))
-        fused = fuse.track_max(fused, "scores", "smax", vt, cpp.VECTOR_BYTES // q.element_size())
+        fused = fuse.track_max(fused, "scores", "smax", vt, CPU.vector_bytes // q.element_size())
         if not keep_probs:
             fused = fuse.scale_stores(fused, "out", L.Var("inv_f1", vt))
         # a row's scores (and, without a backward, its probabilities) in a row buffer of each thread; the
@@ -601,7 +602,7 @@ def epilogue(func, args, kwargs):
     return deferred.make(expr, y.shape, y.dtype, y.device)
 
 
-deferred._EPILOGUE[0] = epilogue
+RULES.register(lazy_epilogue=epilogue, fused_product=fused_product)
 
 
 def epilogue_rows(vtype: str, itype: str, steps, width: int):

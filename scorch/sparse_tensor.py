@@ -16,11 +16,10 @@ import torch
 from .formats import Format, LevelStorage, resolve
 from .formats.named import short_name
 from .formats import storage as _storage
+from .rules import RULES
 
 #: torch function or method -> scorch implementation, filled next to each implementation by ``implements``
 IMPLEMENTATIONS: dict = {}
-#: ``(Deferred, compute_all)``, set by ``scorch.deferred``: deferred einsum results among an op's arguments
-_DEFERRED = [None, None]
 
 # Metadata reads that are answered by the wrapper itself (shape, dtype, device and autograd flags).
 _METADATA = {
@@ -108,9 +107,9 @@ class SparseTensor(torch.Tensor):
         kwargs = kwargs or {}
         impl = IMPLEMENTATIONS.get(func)
         if impl is not None:
-            if _DEFERRED[0] in types and not getattr(impl, "fuses", False):
-                _DEFERRED[1](args)  # deferred dense operands are computed, except for products that fuse them
-                _DEFERRED[1](kwargs.values())
+            if RULES.lazy_type in types and not getattr(impl, "fuses", False):
+                RULES.compute_lazy(args)  # deferred dense operands are computed, except for products that fuse them
+                RULES.compute_lazy(kwargs.values())
             try:
                 return impl(*args, **kwargs)
             except NoSparseRule as why:  # no sparse rule for these particular arguments
@@ -128,9 +127,9 @@ class SparseTensor(torch.Tensor):
                     raise
             finally:
                 _getting.depth -= 1
-        if _DEFERRED[0] in types:
-            _DEFERRED[1](args)
-            _DEFERRED[1](kwargs.values())
+        if RULES.lazy_type in types:
+            RULES.compute_lazy(args)
+            RULES.compute_lazy(kwargs.values())
         return dense_fallback(func, args, kwargs)
 
     @classmethod
@@ -288,21 +287,18 @@ class SparseTensor(torch.Tensor):
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
         """The dense tensor (differentiable: the gradient reaches the stored values). On the CPU a generated
-        kernel writes it (``compiler.densify``); elsewhere, and for small storage, the entries are listed."""
-        from .engine import densify
-        out = densify.to_dense(self._format, self._shape, self._levels, self._vals)
+        kernel writes it (``engine.densify``); elsewhere, and for small storage, the entries are listed."""
+        out = RULES.to_dense(self._format, self._shape, self._levels, self._vals)
         if out is None:
             out = _storage.to_dense(self._format, self._shape, self._levels, self._vals)
         return out if dtype is None else out.to(dtype)
 
     def to_torch(self) -> torch.Tensor:
         """The torch layout this format matches (COO, CSR, CSC, BSR, BSC or strided), sharing storage."""
-        from .interop import to_torch
-        return to_torch(self)
+        return RULES.to_torch(self)
 
     def asformat(self, format, **kwargs) -> "SparseTensor":
-        from .interop import asformat
-        return asformat(self, format, **kwargs)
+        return RULES.asformat(self, format, **kwargs)
 
     def to(self, *args, **kwargs) -> "SparseTensor":
         """Another device (every array moved) and/or dtype (values converted); the format is kept."""
@@ -605,3 +601,45 @@ IMPLEMENTATIONS[torch.clone] = _method("clone")
 IMPLEMENTATIONS[torch.detach] = _method("detach")
 IMPLEMENTATIONS[torch.Tensor.__repr__] = _method("__repr__")
 IMPLEMENTATIONS[torch.Tensor.__reduce_ex__] = _method("__reduce_ex__")
+
+
+# --- helpers the layers above share ------------------------------------------------------------------------
+
+def needs_grad(operands) -> bool:
+    """Whether a call on ``operands`` records a graph: grad mode is on and some tensor requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for x in operands:
+        if type(x) is SparseTensor:
+            if x._vals.requires_grad:
+                return True
+        elif isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
+
+
+def is_pattern_ones(t) -> bool:
+    """Whether ``t`` is (a whole view of) the ones ``pattern_ones`` keeps, unmodified."""
+    kept = _ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
+    return kept is not None and kept[0]._version == kept[1] and t.data_ptr() == kept[0].data_ptr()
+
+
+def pattern_ones(x: SparseTensor, dtype):
+    """Ones at ``x``'s stored positions (the values of its pattern). In a format with a padded level, padding
+    and stored zeros cannot be told apart: both are 0 (a gradient there would turn padding into an entry, an
+    SDDMM there would too)."""
+    v = x._vals
+    if x._format.padded:
+        return (v != 0).to(dtype)
+    key = (v.numel(), dtype, v.device)
+    kept = _ONES.get(key)
+    if kept is None or kept[0]._version != kept[1]:  # (modified in place since: not ones any more)
+        if len(_ONES) >= 8:
+            _ONES.clear()
+        ones = torch.ones(v.shape, dtype=dtype, device=v.device)
+        kept = _ONES[key] = (ones, ones._version)
+    return kept[0].view(v.shape)
+
+
+#: ones of a size, kept: a model's patterns (a weight's, a graph's) ask for the same ones every step
+_ONES: dict = {}

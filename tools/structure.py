@@ -45,7 +45,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the execution layer: tensors (sparse_tensor, and interop's constructors) meet compiled plans; autograd,
     # deferral and fusion sit above it and register themselves
     "scorch.engine": ("scorch.engine", "scorch.compiler", "scorch.formats", *LOOP_IR, "scorch.sparse_tensor",
-                      "scorch.interop", "scorch._stats"),
+                      "scorch._stats", "scorch.rules"),
+    # the tensor type: above formats, below the engine (what it hands up goes through scorch.rules)
+    "scorch.sparse_tensor": ("scorch.sparse_tensor", "scorch.formats", *LOOP_IR, "scorch._stats", "scorch.rules"),
+    "scorch.rules": ("scorch.rules",),  # the rule table the upper layers fill: a leaf
     **{ir: LOOP_IR for ir in LOOP_IR},  # the loop IR is a leaf: it imports nothing else of scorch
 }
 

@@ -10,8 +10,9 @@ execution layer above it (``scorch.engine``) binds tensors to plans. The stages,
    operand, ``CoSchedule`` for several).
 6. ``lower`` (one sparse operand, its levels drive the loops) or ``coiterate`` (several, merged by index
    variable through ``lattice``): a ``loopir.Kernel``, through the level capability interface only.
-7. ``interp`` runs a kernel in NumPy (the reference semantics); ``codegen.cpp`` renders it as C++,
-   ``codegen.cuda`` as CUDA (the parallel loop across warps or threads).
+7. ``interp`` runs a kernel in NumPy (the reference semantics); for a GPU, ``mapping`` decides how the loops map
+   to warps, lanes and threads; ``codegen.cpp`` renders a kernel as C++, ``codegen.cuda`` as CUDA (carrying the
+   mapping out). ``target`` describes what lowering may assume of the machine (vector width).
 8. ``runtime``: compile once (g++, or nvcc for a GPU), cache in memory and on disk, load through ctypes.
 9. ``pipeline``: the stages above in one line, with the plan caches (``caches``: every memo table's owner);
    ``library`` names a vendor call computing the same assignment (cuSPARSE, chosen by measurement on a GPU).

@@ -440,7 +440,11 @@ class _Lowering:
         if shared:
             index = self.positions[shared - 1]
             ready = max(i for i, it in enumerate(items) if it[0] != "if" and it[1] == index)
-            op = None  # each position is written once
+            # each position is written once, unless a loop over a summed index encloses the write (a user's loop
+            # order may put one outside the sparse levels): then the writes add up, into a zeroed output
+            reduced = {self.bound[v].name for v in asg.indices if v not in asg.out and v in self.bound}
+            outer_sum = any(it[0] == "for" and it[1].name in reduced for it in items[:ready + 1])
+            op = update if outer_sum else None
         else:
             index = L.Const(0)
             for v in asg.out:
@@ -457,7 +461,7 @@ class _Lowering:
             if tiled is not None:
                 return tiled
         rest = items[ready + 1:]
-        if shared and red == "sum" and self.target.vectors:
+        if shared and red == "sum" and self.target.vectors and op is None:
             tiled = self._dot_tile(items, ready, out, index, value)
             if tiled is not None:
                 return tiled

@@ -24,7 +24,7 @@ from .infer import OutputFormat, infer
 from .ir import Access, Assignment, TensorType
 from .lower import lower
 from .mapping import map_to_gpu
-from .schedule import SPECIALIZE_MAX, schedule
+from .schedule import SPECIALIZE_MAX, discordant_format, schedule, specialized
 from .target import CPU, CUDA, Target
 
 _PLANNED = cache("planned", "assignment, inferred output and schedule per einsum key (operand types)")
@@ -78,14 +78,17 @@ def planned(key):
     the schedule only for one sparse operand."""
     planned = _PLANNED.get(key)
     if planned is None:
-        inputs, out, types, _, fmt, rhs, reduce = key
+        inputs, out, types, _, fmt, rhs, reduce, directives = key
         if any(len(set(idx)) != len(idx) for idx in inputs):  # (an internal caller's mistake, not the user's)
             raise ValueError(f"scorch: {inputs} repeats a letter within an operand; kernels take distinct letters"
                              " (einsum takes the diagonal first: engine/diagonal.py)")
         asg = Assignment(out, rhs if rhs is not None else to_index_notation(inputs), types, reduce, fmt)
         output = infer(asg)
         n = sum(t.sparse for t in types)
-        sched0 = schedule(asg, lowerable(asg, output)) if n == 1 else None
+        # (None also where the user's loop order walks the sparse operand against its storage: the engine converts
+        # it first, discordant_format)
+        sched0 = schedule(asg, lowerable(asg, output), directives=directives) if n == 1 and (
+            directives is None or discordant_format(asg, directives) is None) else None
         planned = _PLANNED[key] = (asg, output, sched0, n)
     return planned
 
@@ -99,7 +102,11 @@ def compiled_plan(key, asg, output, sched0, sizes, broadcast, backend):
     plan_key += (target_of(backend),)
     plan = _COMPILED.get(plan_key)
     if plan is None:
-        plan = _COMPILED[plan_key] = compile_plan(asg, output, sizes, broadcast, backend)
+        plan = _stored_plan(plan_key, backend)
+        if plan is None:
+            plan = compile_plan(asg, output, sizes, broadcast, backend, key[7], sched0)
+            _store_plan(plan_key, plan)
+        _COMPILED[plan_key] = plan
     return plan, plan_key
 
 
@@ -111,9 +118,11 @@ def lowerable(asg, output: OutputFormat) -> OutputFormat:
     return OutputFormat(None, 0, output.rule)
 
 
-def compile_plan(asg, output, sizes, broadcast, backend="cpp") -> Plan:
+def compile_plan(asg, output, sizes, broadcast, backend="cpp", directives=None, sched0=None) -> Plan:
+    """The plan of one sparse operand's assignment: ``sched0`` (``planned``'s schedule, made without sizes) with
+    the innermost dense extent compiled in, lowered, rendered and built."""
     written = lowerable(asg, output)
-    sched = schedule(asg, written, sizes)
+    sched = specialized(sched0, sizes) if sched0 is not None else schedule(asg, written, sizes, directives)
     ct = L.type_of(asg.operands[0].dtype)
     plan = Plan(asg, output, sched, assemble_from_dense=written is not output)
     plan.lowered = lower(asg, sched, ct, broadcast, target=target_for(backend))
@@ -282,3 +291,72 @@ def conversion_plan(source: TensorType, fmt, drop_zeros, rc) -> dict:
             plans[phase] = (low, kernel, src)
         _CONVERTERS[key] = plans
     return plans
+
+
+# --- plans kept on disk ---------------------------------------------------------------------------------------
+# A new process asks for the kernels the last one compiled: the disk cache (``runtime``) holds their libraries,
+# keyed by source, but the source is only known after lowering and rendering, the most work of a first call
+# (about 1,800 of its 2,100 Python calls for an SpMM). So the plan itself (schedule, lowered kernel, source) is
+# kept too, under the plan's key, beside the libraries, and a new process loads it and goes straight to the
+# library. An entry holds its own key and is used only where that key equals the one asked for (a file name
+# shared by two keys is a miss, never the other's plan), and only by the same compiler: the fingerprint of the
+# code that makes plans (this package, the loop IR, the formats) and torch's version.
+
+PLAN_STORE_VERSION = "p1"
+_FINGERPRINT: list = []
+
+
+def _fingerprint() -> str:
+    if not _FINGERPRINT:
+        import hashlib
+        import pathlib
+        root = pathlib.Path(__file__).resolve().parent.parent
+        h = hashlib.sha256(f"{PLAN_STORE_VERSION}|{runtime.CACHE_VERSION}|{torch.__version__}".encode())
+        for path in sorted([*root.glob("compiler/**/*.py"), root / "loopir.py", *root.glob("formats/**/*.py")]):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        _FINGERPRINT.append(h.hexdigest())
+    return _FINGERPRINT[0]
+
+
+def _plan_path(plan_key):
+    import hashlib
+    name = hashlib.sha256(f"{_fingerprint()}|{plan_key!r}".encode()).hexdigest()
+    return runtime.cache_dir() / "plans" / f"{name}.pkl"
+
+
+def _stored_plan(plan_key, backend):
+    """The plan kept on disk for ``plan_key``, its kernel loaded; None where there is none (or it is damaged, or
+    another key's, or another compiler's)."""
+    import pickle
+    try:
+        path = _plan_path(plan_key)
+        with open(path, "rb") as f:
+            fingerprint, key, fields = pickle.load(f)
+        if fingerprint != _fingerprint() or key != plan_key:
+            return None
+        plan = Plan(*fields)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001  (a damaged or foreign entry: compiled again, and written over)
+        return None
+    mapping = map_to_gpu(plan.lowered.kernel) if target_for(backend).name == "cuda" else None
+    plan.kernel = load(plan.source, plan.lowered.kernel, backend, mapping)
+    plan.library_call = library.candidate(plan.asg) if backend == "cuda" else None
+    return plan
+
+
+def _store_plan(plan_key, plan):
+    """Keep ``plan`` on disk (written to a temporary name and renamed: readers never see half a file). A cache
+    that cannot be written keeps nothing."""
+    import os
+    import pickle
+    fields = (plan.asg, plan.output, plan.schedule, plan.lowered, plan.source, None, plan.assemble_from_dense)
+    try:
+        path = _plan_path(plan_key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump((_fingerprint(), plan_key, fields), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+        pass

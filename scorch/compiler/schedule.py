@@ -6,7 +6,7 @@ without write conflicts (dense x sparse: ``out[i, k] += X[i, j] * A[j, k]`` runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..formats import Compressed, Dense, Div, Format, Mod, Var
@@ -35,20 +35,19 @@ class Schedule:
         return " -> ".join(order)
 
 
-def schedule(asg: Assignment, out: OutputFormat, sizes: Optional[dict] = None) -> Schedule:
+def schedule(asg: Assignment, out: OutputFormat, sizes: Optional[dict] = None,
+             directives: Optional["Directives"] = None) -> Schedule:
+    """The schedule of an assignment with one sparse operand: automatic, or the user's ``directives`` (checked:
+    a ``ValueError`` names what conflicts)."""
+    if directives is not None and (directives.order is not None or directives.parallel is not None):
+        return _directed(asg, out, sizes, directives)
     drv = driver_access(asg)
     if drv is None:
         raise NotImplementedError("scorch: this assignment has no sparse factor to drive the loops")
     fmt = asg.operands[drv.operand].format
     stored = set(drv.indices)
     rest = [v for v in asg.indices if v not in stored]
-    first = fmt.levels[0][0]
-    first_vars = {drv.indices[d] for d in first.dims()}
-    # The first level's loop writes disjoint outputs if its coordinate pins down output rows
-    # (``i`` or ``i / b`` of an output index) or if the output shares the driver's positions.
-    # (a non-unique or padded first level visits one coordinate from several iterations: a race)
-    level0_ok = out.shared_levels > 0 or (isinstance(first, (Var, Div)) and first_vars <= set(asg.out)
-                                          and fmt.level_types[0].unique)
+    level0_ok = _level0_ok(asg, out, drv, fmt)
     outer_candidates = [v for v in rest if v in asg.out]
     if level0_ok or not outer_candidates:
         outer, inner = (), tuple(_inner_order(rest, asg))
@@ -59,14 +58,187 @@ def schedule(asg: Assignment, out: OutputFormat, sizes: Optional[dict] = None) -
         outer = (outer_candidates[0],)
         inner = tuple(_inner_order([v for v in rest if v != outer[0]], asg))
         parallel, why = "outer", f"output index {outer[0]} looped outside the sparse operand, in parallel"
-    balance = "static"
+    return Schedule(drv, outer, inner, parallel, _balance(fmt, parallel), out, _specialized(inner, sizes), why)
+
+
+@dataclass(frozen=True)
+class Directives:
+    """A user's schedule for a kernel, as TACO's scheduling commands give one (``scorch.einsum(...,
+    schedule=...)``): each field left None is chosen by the compiler.
+
+    ``order``: the loop order, every index letter once, outermost first. The sparse operand's levels are walked
+    in storage order, so its letters must come in that order, one after the other; a dense letter may run outside
+    or inside them. An order that walks a plain-index sparse operand against its storage (``"ji"`` for CSR) has it
+    converted first (its levels reordered: CSR becomes CSC) unless ``transpose=False``.
+    ``parallel``: the letter of the loop that runs in parallel (it must be the outermost loop, and its iterations
+    must write disjoint outputs), or ``"none"``.
+    ``workspace``: ``"dense"`` (a sparse output computed into a dense workspace, then compressed), the only kind
+    today. ``temporary``: the format of the intermediate results of a contraction of three or more operands
+    (a format name, ``"dense"``, or a ``Format``).
+    """
+    order: Optional[tuple] = None
+    parallel: Optional[str] = None
+    transpose: bool = True
+    workspace: Optional[str] = None
+    temporary: object = None
+
+    @staticmethod
+    def of(spec) -> "Optional[Directives]":
+        """``spec`` as directives: None, a ``Directives``, a dict of its fields, or a loop order (a string)."""
+        if spec is None or isinstance(spec, Directives):
+            return spec
+        if isinstance(spec, str):
+            spec = {"order": spec}
+        if isinstance(spec, Schedule):
+            raise TypeError("scorch: schedule= takes directives; a chosen schedule's are explain(...).directives")
+        if not isinstance(spec, dict):
+            raise TypeError(f"scorch: schedule= takes a loop order (str), a dict of Directives fields or Directives,"
+                            f" got {type(spec).__name__}")
+        unknown = set(spec) - {"order", "parallel", "transpose", "workspace", "temporary"}
+        if unknown:
+            raise ValueError(f"scorch: unknown schedule fields {sorted(unknown)} (order, parallel, transpose, workspace,"
+                             " temporary)")
+        d = dict(spec)
+        if isinstance(d.get("order"), str):
+            d["order"] = tuple(d["order"].replace(" ", "").replace(",", "").replace("->", ""))
+        elif d.get("order") is not None:
+            d["order"] = tuple(d["order"])
+        if d.get("workspace") not in (None, "dense"):
+            raise ValueError(f"scorch: schedule workspace {d['workspace']!r}: scorch has dense workspaces only (a"
+                             " dense workspace per output row or tile); hash workspaces are not built yet")
+        return Directives(**d)
+
+
+def _level_letters(drv, fmt) -> list:
+    """The index letters of the driver's levels, in storage order (a letter once, at its first level)."""
+    out = []
+    for e in fmt.exprs:
+        for d in sorted(e.dims()):
+            v = drv.indices[d]
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def directives_of(asg: Assignment, sched: Schedule) -> Directives:
+    """The directives that give ``sched`` again: its loop order and parallel loop."""
+    order = tuple(sched.outer) + tuple(_level_letters(sched.driver, asg.operands[sched.driver.operand].format)) + \
+        tuple(sched.inner)
+    return Directives(order=order, parallel="none" if sched.parallel == "none" else order[0])
+
+
+def discordant_format(asg: Assignment, directives: Directives):
+    """The format the sparse operand must be converted to for the directives' loop order (its levels reordered to
+    the order), or None when its own format suits the order. ``ValueError`` where the order cannot be met: not
+    every letter once, or a walk against the storage that no conversion may fix (``transpose=False``, or levels
+    that are not plain indices)."""
+    order = directives.order
+    if order is None:
+        return None
+    drv = driver_access(asg)
+    if drv is None:
+        return None
+    fmt = asg.operands[drv.operand].format
+    letters = list(dict.fromkeys(v for v in asg.indices))
+    if sorted(order) != sorted(letters):
+        raise ValueError(f"scorch: schedule order {''.join(order)!r} must name each index of {asg} once:"
+                         f" {', '.join(letters)}")
+    stored = _level_letters(drv, fmt)
+    walked = [v for v in order if v in stored]
+    name = fmt.name or str(fmt)
+    at = sorted(order.index(v) for v in stored)
+    if at != list(range(at[0], at[0] + len(at))):
+        between = [v for v in order[at[0]:at[-1]] if v not in stored]
+        raise ValueError(f"scorch: schedule order {''.join(order)!r} puts {', '.join(between)} between the levels of"
+                         f" the sparse operand T{drv.operand} ({name}: {''.join(stored)}); a dense loop runs outside"
+                         " all of its levels or inside all of them")
+    if walked == stored:
+        return None
+    if not directives.transpose:
+        raise ValueError(f"scorch: schedule order {''.join(order)!r} walks the sparse operand T{drv.operand} ({name})"
+                         f" as {''.join(walked)}, against its storage order {''.join(stored)}, and transpose=False"
+                         " forbids converting it: give an order concordant with its levels, or allow transpose")
+    if not all(isinstance(e, Var) for e in fmt.exprs) or len(stored) != len(fmt.exprs):
+        raise ValueError(f"scorch: schedule order {''.join(order)!r} walks the sparse operand T{drv.operand} ({name})"
+                         f" against its storage order {''.join(stored)}, and only formats whose levels store one"
+                         " index each can be converted to another level order")
+    by_letter = {drv.indices[e.dim]: k for k, e in enumerate(fmt.exprs)}
+    types = unique_levels(fmt.level_types)
+    return Format.from_levels(fmt.ndim, [(fmt.exprs[by_letter[v]], t) for v, t in zip(walked, types)])
+
+
+def _directed(asg, out, sizes, d: Directives) -> Schedule:
+    """The schedule the directives ask for (the driver's format already concordant: ``discordant_format``)."""
+    drv = driver_access(asg)
+    if drv is None:
+        raise NotImplementedError("scorch: this assignment has no sparse factor to drive the loops")
+    fmt = asg.operands[drv.operand].format
+    stored = _level_letters(drv, fmt)
+    level0_ok = _level0_ok(asg, out, drv, fmt)
+    if d.order is None:
+        auto = schedule(asg, out, sizes)
+        outer, inner = auto.outer, auto.inner
+    else:
+        if discordant_format(asg, d) is not None:  # (the engine converts first: an internal caller's mistake)
+            raise ValueError(f"scorch: schedule order {''.join(d.order)!r} is discordant with {fmt.name or fmt}")
+        at = [d.order.index(v) for v in stored]
+        if at != list(range(at[0], at[0] + len(at))):
+            between = [v for v in d.order[at[0]:at[-1]] if v not in stored]
+            raise ValueError(f"scorch: schedule order {''.join(d.order)!r} puts {', '.join(between)} between the levels"
+                             f" of the sparse operand T{drv.operand} ({fmt.name or fmt}: {''.join(stored)}); a dense"
+                             " loop runs outside all of its levels or inside all of them")
+        outer, inner = tuple(d.order[:at[0]]), tuple(d.order[at[-1] + 1:])
+    first = outer[0] if outer else stored[0]
+    if d.parallel is None:
+        parallel = ("outer" if first in asg.out else "none") if outer else ("level0" if level0_ok else "none")
+    elif d.parallel == "none":
+        parallel = "none"
+    elif d.parallel != first:
+        raise ValueError(f"scorch: schedule parallel loop {d.parallel!r}: only the outermost loop ({first!r}) runs in"
+                         " parallel")
+    elif outer:
+        if first not in asg.out:
+            raise ValueError(f"scorch: schedule parallel loop {first!r} would race: {first} is summed over (not an"
+                             " index of the output), so its iterations write the same outputs")
+        parallel = "outer"
+    else:
+        if not level0_ok:
+            raise ValueError(f"scorch: schedule parallel loop {first!r} would race: the first level of T{drv.operand}"
+                             f" ({fmt.name or fmt}) does not select disjoint outputs")
+        parallel = "level0"
+    why = "the user's schedule" + (f" (parallel over {first})" if parallel != "none" else " (serial)")
+    return Schedule(drv, tuple(outer), tuple(inner), parallel, _balance(fmt, parallel), out,
+                    _specialized(inner, sizes), why)
+
+
+def _level0_ok(asg, out, drv, fmt) -> bool:
+    """Whether the loop over the driver's first level writes disjoint outputs: its coordinate pins down output
+    rows (``i`` or ``i / b`` of an output index, on a unique level) or the output shares the driver's positions
+    (a non-unique or padded first level visits one coordinate from several iterations: a race)."""
+    first = fmt.levels[0][0]
+    first_vars = {drv.indices[d] for d in first.dims()}
+    return out.shared_levels > 0 or (isinstance(first, (Var, Div)) and first_vars <= set(asg.out)
+                                     and fmt.level_types[0].unique)
+
+
+def _balance(fmt, parallel) -> str:
+    first = fmt.levels[0][0]
     if parallel == "level0" and len(fmt.levels) > 1 and isinstance(fmt.levels[1][1], Compressed) and \
             (not isinstance(fmt.levels[0][1], Dense) or first.bounds([1] * fmt.ndim)[0] == 0):
-        balance = "nnz"
-    spec = ()
+        return "nnz"
+    return "static"
+
+
+def specialized(sched: Schedule, sizes) -> Schedule:
+    """``sched`` with its innermost dense extent compiled in where it is small (``SPECIALIZE_MAX``): what
+    ``schedule(..., sizes)`` gives, from a schedule made without sizes (each is made once)."""
+    return replace(sched, specialize=_specialized(sched.inner, sizes))
+
+
+def _specialized(inner, sizes) -> tuple:
     if inner and sizes is not None and 0 < sizes.get(inner[-1], 0) <= SPECIALIZE_MAX:
-        spec = ((inner[-1], sizes[inner[-1]]),)
-    return Schedule(drv, outer, inner, parallel, balance, out, spec, why)
+        return ((inner[-1], sizes[inner[-1]]),)
+    return ()
 
 
 def _inner_order(vs, asg):

@@ -5,11 +5,18 @@ front door (``scorch.ops``) and the layers that wrap calls (``_autograd``, ``def
 
 - ``evaluate``: an einsum call from operands to result (contraction trees, grouped products, dense torch steps);
 - ``run``: one assignment, with the operand changes its schedule asks for, through the prepared-call cache;
-- ``bind``: kernel arguments from tensors, the output allocated and wrapped, prepared calls;
-- ``grouped``: grouped products in torch ops; ``convert``: format conversion by kernels; ``densify``: to_dense.
+- ``args``: kernel arguments from tensors; ``bind``: a plan run on tensors, the output allocated and wrapped,
+  prepared calls;
+- ``grouped``: grouped products in torch ops; ``convert``: every format conversion, torch layouts included;
+  ``densify``: to_dense by a kernel; ``diagonal``: the diagonals an einsum with a repeated letter takes first.
 """
-from .bind import (SUPPORTED, argument, arguments, backend_for, cpu_backend, index_sizes,  # noqa: F401
-                   level_info, structural_results, tensor_type)
-from .convert import convert  # noqa: F401
+from .args import SUPPORTED, argument, arguments, level_info, tensor_type  # noqa: F401
+from .bind import backend_for, cpu_backend, index_sizes, structural_results  # noqa: F401
+from .convert import asformat, convert, from_torch, to_torch  # noqa: F401
 from .evaluate import dense_result, einsum, explain, prepare  # noqa: F401
 from .run import row_plan, run  # noqa: F401
+
+from ..rules import RULES  # noqa: E402
+from .densify import to_dense  # noqa: E402
+
+RULES.register(to_dense=to_dense, asformat=asformat, to_torch=to_torch)

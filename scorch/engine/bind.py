@@ -1,7 +1,7 @@
-"""Binding tensors to a compiled plan's kernel arguments, and running it.
+"""Running a compiled plan on tensors.
 
-A ``Plan`` (``compiler.pipeline``) knows its kernel's parameters by kind (``pos``/``crd`` of an operand's level,
-values, a dense operand, a size, the output...); ``argument`` finds each one's value on the operands, ``call_plan``
+A ``Plan`` (``compiler.pipeline``) knows its kernel's parameters by kind; ``args.argument`` finds each one's value
+on the operands, ``call_plan``
 allocates the output, calls the kernel and wraps what it wrote in the output format. ``prepared_call`` does the
 same with everything that depends only on the operands' signature worked out once (a repeated call: pointer
 reads, one allocation, the ctypes call). ``call_coiteration`` runs a co-iteration plan (several sparse
@@ -15,27 +15,16 @@ import threading
 
 import torch
 
-from .. import interop
-from ..compiler.ir import TensorType
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
 from ..formats import named
-from ..sparse_tensor import SparseTensor, device_of, dtype_of, shape_of
+from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
+from .args import SUPPORTED, argument, level_info
+from .convert import asformat
 
 
-SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
-
-
-#: the largest dense row workspace (all threads together) before a hash workspace would be needed
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
-
-
+#: the largest dense row workspace (all threads together) before a hash workspace would be needed
 WORKSPACE_LIMIT_BYTES = 1 << 30
-
-
-def tensor_type(x) -> TensorType:
-    if type(x) is SparseTensor:
-        return TensorType(len(x._shape), x._vals.dtype, x._format, x.index_dtype, x._vals.device.type)
-    return TensorType(x.dim(), x.dtype, None, None, x.device.type)
 
 
 def index_sizes(inputs, ops, name):
@@ -73,23 +62,6 @@ def cast(x, dtype):
     if isinstance(x, SparseTensor):
         return x.with_values(x.values().to(dtype))
     return x.to(dtype).contiguous()
-
-
-def level_info(x: SparseTensor):
-    """Per level: ``(lo, extent, width)`` and the number of positions, from the storage."""
-    fmt = x.format
-    count, info, counts = 1, [], []
-    for (lo, hi), lvl, st in zip(fmt.level_bounds(x._shape), fmt.level_types, x._levels):
-        width = lvl.width(st, count) if lvl.padded else 0
-        info.append((lo, hi - lo, width))
-        count = lvl.num_positions(st, count, lo, hi)
-        counts.append(count)
-    return info, counts
-
-
-def worker_count(backend) -> int:
-    """How many workers a parallel loop gets, for the schedule's cost estimates: on a GPU, many."""
-    return 1 << 14 if target_of(backend) == "cuda" else torch.get_num_threads()
 
 
 class _CpuBackend(threading.local):
@@ -139,36 +111,6 @@ def backend_for(ops, backend, name):
                               " CUDA only)")
 
 
-def argument(a, ops, info, sizes, scalars, out_arr, backend="cpp"):
-    """The value of one kernel argument: a tensor (passed by pointer) or a number."""
-    k = a.kind
-    if k in ("pos", "crd"):
-        return getattr(ops[a.operand]._levels[a.level], k)
-    if k == "values":
-        return ops[a.operand]._vals
-    if k == "dense":
-        return ops[a.operand]
-    if k in ("lo", "extent", "width"):
-        return info[a.level][("lo", "extent", "width").index(k)]
-    if k == "dim":
-        return shape_of(ops[a.operand])[a.level]
-    if k == "size":
-        return sizes[a.var]
-    if k == "scalar":
-        return scalars[a.var]
-    if k == "out":
-        return out_arr
-    if k == "threads":
-        return worker_count(backend)
-    raise AssertionError(f"unknown argument kind {k!r}")
-
-
-def arguments(plan: Plan, ops, sizes, out_arr, backend="cpp") -> dict:
-    """The kernel parameters' values of ``plan`` on ``ops``, by parameter name (``out_arr`` the output array)."""
-    info, _ = level_info(ops[plan.schedule.driver.operand])
-    return {a.param.name: argument(a, ops, info, sizes, {}, out_arr, backend) for a in plan.lowered.args}
-
-
 class _Structural(threading.local):
     on = False
 
@@ -195,7 +137,6 @@ def structural_result(plan: Plan, ops, sizes, dtype, scalars, backend, out_arr):
     """``out_arr`` (the dense workspace of ``plan``'s result) in the result's format, keeping the entries where the
     kernel run on the patterns (ones at every stored position, ones for dense operands: no cancellation) is
     nonzero."""
-    from .._autograd import pattern_ones
     from ..formats import storage
     ones = [x.with_values(pattern_ones(x, dtype)) if type(x) is SparseTensor else torch.ones_like(x) for x in ops]
     reach = call_plan(plan, ones, sizes, dtype, {v: 1 for v in scalars}, backend, raw=True)
@@ -259,7 +200,7 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     if out.format is not None:
         if STRUCTURAL.on and red == "sum":
             return structural_result(plan, ops, sizes, dtype, scalars, backend, out_arr)
-        return interop.asformat(out_arr, out.format)
+        return asformat(out_arr, out.format)
     return out_arr
 
 
@@ -337,7 +278,7 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
     cs, asg = plan.schedule, plan.asg
     ops = list(ops)
     for k, f in cs.reformat:
-        ops[k] = interop.asformat(ops[k], f, index_dtype=ops[k].index_dtype)
+        ops[k] = asformat(ops[k], f, index_dtype=ops[k].index_dtype)
     infos = {k: level_info(x)[0] for k, x in enumerate(ops) if isinstance(x, SparseTensor)}
     out_shape = tuple(sizes[v] for v in asg.out)
     if cs.output == "rows":
@@ -397,7 +338,7 @@ def _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals):
     if len(asg.out) == 2 and cs.row_var is not None:
         direct = named.csr if cs.row_var == asg.out[0] else named.csc
         s = SparseTensor(direct, out_shape, [None, {"pos": row_ptr.to(idx), "crd": crd.to(idx)}], vals, check=False)
-        return s if fmt == direct else interop.asformat(s, fmt)
+        return s if fmt == direct else asformat(s, fmt)
     coords = {}
     if cs.row_var is not None:
         coords[cs.row_var] = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)

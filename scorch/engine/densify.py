@@ -22,7 +22,7 @@ def to_dense(fmt, shape, levels, values, min_size=MIN_SIZE):
     """The dense tensor of a storage by a generated kernel, or None where none applies: another device than
     the CPU, a value type the kernels do not take (bool, complex, float16), more dimensions than letters, values
     that are not a plain 1-d tensor, or fewer than ``min_size`` stored values and dense elements."""
-    from .bind import SUPPORTED
+    from .args import SUPPORTED
     from .evaluate import einsum
     if type(values) is not torch.Tensor or values.device.type != "cpu" or values.dtype not in SUPPORTED \
             or values.dim() != 1 or not 0 < len(shape) <= len(_LETTERS) or \

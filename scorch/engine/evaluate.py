@@ -1,5 +1,5 @@
 """An einsum call, from operands to result: torch sparse layouts and numbers taken in, repeated letters and
-early sums done once (``ops.diagonal``), deferred operands substituted (``deferred``), the differentiable case
+early sums done once (``diagonal``), deferred operands substituted (``deferred``), the differentiable case
 handed to ``_autograd``, three or more operands split by a contraction tree (``compiler.contract``: kernels,
 grouped products, dense torch steps), and each kernel through ``run``.
 """
@@ -9,19 +9,21 @@ import functools
 
 import torch
 
-from .. import deferred, interop
-from .._autograd import needs_grad
 from ..compiler import contract
 from ..compiler.caches import cache
 from ..compiler.einsum import equation as einsum_string
 from ..compiler.einsum import parse, to_index_notation
 from ..compiler.infer import infer
 from ..compiler.ir import Assignment, TensorType
-from ..deferred import Deferred
+from ..compiler.pipeline import Plan
+from ..compiler.schedule import Directives, directives_of
 from ..formats import named
-from ..sparse_tensor import SparseTensor, shape_of
+from ..rules import RULES
+from ..sparse_tensor import SparseTensor, needs_grad, shape_of
 from . import grouped
-from .bind import STRUCTURAL, backend_for, cast, index_sizes, result_dtype, tensor_type
+from .convert import asformat, compressed_rows, from_torch
+from .args import tensor_type
+from .bind import STRUCTURAL, backend_for, cast, index_sizes, result_dtype
 from .run import PREPARED, run, signature
 
 _FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
@@ -35,12 +37,12 @@ def prepare(operands):
     for x in operands:
         if type(x) is SparseTensor or (type(x) is torch.Tensor and x.layout == torch.strided):
             out.append(x)
-        elif type(x) is Deferred:
+        elif type(x) is RULES.lazy_type:
             out.append(x.compute())
         elif isinstance(x, SparseTensor):
             out.append(x)
         elif isinstance(x, torch.Tensor):
-            out.append(interop.from_torch(x) if x.layout != torch.strided else x)
+            out.append(from_torch(x) if x.layout != torch.strided else x)
         elif isinstance(x, (int, float, bool)):
             out.append(torch.tensor(x))
         else:
@@ -48,35 +50,39 @@ def prepare(operands):
     return out
 
 
-def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
-    """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler."""
+def einsum(equation, *operands, format=None, explain=False, backend="cpp", schedule=None):
+    """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler.
+    ``schedule``: the user's directives for the kernel (``compiler.schedule.Directives``: a loop order, the
+    parallel loop, whether the sparse operand may be converted, the format of a contraction's temporaries)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
-    if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is Deferred and \
+    directives = Directives.of(schedule)
+    if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is RULES.lazy_type and \
             format in (None, "dense") and not explain and backend == "cpp":
-        from .. import fusion  # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
-        r = fusion.fused_product(equation, operands)
+        # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
+        r = RULES.fused_product(equation, operands)
         if r is not None:
             return r
-    if Deferred in map(type, operands):
-        fused = _substitute(equation, operands)
+    if RULES.lazy_type in map(type, operands):
+        fused = RULES.substitute_lazy(equation, operands)
         if fused is not None:
             kept = format if format is not None else fused[2] or "dense"  # the format the eager call gives
-            return einsum(fused[0], *fused[1], format=kept, explain=explain, backend=backend)
+            return einsum(fused[0], *fused[1], format=kept, explain=explain, backend=backend, schedule=directives)
     if not any(isinstance(x, torch.Tensor) and (isinstance(x, SparseTensor) or x.layout != torch.strided)
                for x in operands):  # torch computes, and differentiates, dense einsums itself
         r = torch.einsum(equation, *prepare(operands))
         fmt = None if format is None else named.resolve(format, r.dim())
-        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
+        return r if fmt is None or fmt.is_dense else asformat(r, fmt)
     early = _diagonals_and_sums(equation, operands, explain)
     if early is not None:
-        return einsum(early[0], *early[1], format=format, explain=explain, backend=backend)
+        return einsum(early[0], *early[1], format=format, explain=explain, backend=backend, schedule=directives)
     if needs_grad(operands) and not explain and backend == "cpp":
-        from .. import _autograd as autograd
-        return autograd.einsum(equation, operands, format)
+        if directives is not None:
+            return RULES.differentiable_einsum(equation, operands, format, schedule=directives)
+        return RULES.differentiable_einsum(equation, operands, format)
     if not explain and backend == "cpp" and all(type(x) is SparseTensor or (
             isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands):
-        sig = (equation, format, STRUCTURAL.on) + tuple(signature(x) for x in operands)
+        sig = (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
         fast = _FAST_EQ.get(sig)
         if fast is not None:
             return fast(operands, None)
@@ -87,15 +93,17 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
     name = f"einsum({equation!r})"
     if any(type(x) is torch.Tensor and 0 in x.stride() for x in ops):
         inputs, ops = _unbroadcast(inputs, ops)
-    if len(ops) >= 3:
+    one_kernel = directives is not None and (directives.order is not None or directives.parallel is not None)
+    if len(ops) >= 3 and not one_kernel:  # (a user's loop order schedules the whole expression as one loop nest)
         tree = contraction_path(inputs, out, ops, name)
         if tree.parts is not None or tree.grouped is not None:
             if explain:
                 print(f"contraction:  {contract.describe(tree, inputs)}")
-            return evaluate_tree(tree, inputs, ops, out, format, backend, explain)
-    result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend)
+            return evaluate_tree(tree, inputs, ops, out, format, backend, explain, directives)
+    result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend, directives=directives)
     if sig is not None and all(a is b for a, b in zip(ops, operands)):
-        fast = PREPARED.get((inputs, out, format, None, "sum", STRUCTURAL.on) + tuple(signature(x) for x in ops))
+        fast = PREPARED.get((inputs, out, format, None, "sum", STRUCTURAL.on, directives) +
+                            tuple(signature(x) for x in ops))
         if fast is not None and len(_FAST_EQ) < 4096:
             _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
     return result
@@ -103,7 +111,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp"):
 
 def _diagonals_and_sums(equation, operands, explain=False):
     """``(equation, operands)`` of the same einsum with every operand that repeats a letter (``"ii"``) replaced by
-    its diagonal (``ops.diagonal``) and, where there are several operands, the letters only one operand has and
+    its diagonal (``engine.diagonal``) and, where there are several operands, the letters only one operand has and
     the output has not summed out of it first (as torch does); None when there is nothing to do. This is the one
     place repeated letters are treated: nothing below (contraction paths, schedules, kernels, gradients) meets a
     letter repeated within an operand, and the diagonals are differentiable, so gradients flow through them."""
@@ -114,7 +122,7 @@ def _diagonals_and_sums(equation, operands, explain=False):
     steps = _early_steps(equation, tuple(len(shape_of(x)) if isinstance(x, torch.Tensor) else 0 for x in operands))
     if steps is None:
         return None
-    from ..ops.diagonal import check_sizes, diagonal
+    from .diagonal import check_sizes, diagonal
     eq, per_operand = steps
     ops = []
     for k, (x, (letters, uniq, kept)) in enumerate(zip(prepare(operands), per_operand)):
@@ -195,27 +203,6 @@ def dense_result(equation, ops, format):
     return inputs, out, [sizes[v] for v in out], dtype
 
 
-def _substitute(equation, operands):
-    """``(equation, operands)`` with deferred dense operands replaced by their expressions, where a sparse operand
-    is there to drive the combined expression's loops; else None, the deferred operands computed."""
-    if not any(isinstance(x, SparseTensor) or (isinstance(x, torch.Tensor) and x.layout != torch.strided)
-               for x in operands):
-        deferred.compute_all(operands)
-        return None
-    inputs, out = parse(equation, [len(shape_of(x)) for x in operands])
-    ops = [x if type(x) is Deferred else prepare([x])[0] for x in operands]
-    # only all-dense deferred expressions, into a consumer of one kernel: its output format stays the eager one
-    sub = None
-    if len(ops) <= 2 and all(type(x) is not Deferred or x._expr.dense for x in ops):
-        dtype = result_dtype(ops, f"einsum({equation!r})")
-        fmt = inferred_format(inputs, out, ops, dtype)
-        sub = deferred.substitute(inputs, out, ops)
-    if sub is None:
-        deferred.compute_all(operands)
-        return None
-    return einsum_string(sub[0], out), sub[1], fmt
-
-
 def _unbroadcast(inputs, ops):
     """A dense operand repeated along a dimension (stride 0: ``expand``, ``rearrange(x, "bd->bnd")``) is read as
     the operand without that dimension, where another operand gives the index its extent: the product then does
@@ -252,7 +239,7 @@ def contraction_path(inputs, out, ops, name):
     return node
 
 
-def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain=False):
+def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain=False, directives=None):
     """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense)."""
     if node.grouped is not None:
         idx = [inputs[k] for k in node.leaves]
@@ -268,14 +255,15 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
         if fmt is None or fmt.is_dense:
             return r
         if not r.requires_grad:  # rows kept whole (a requested rows-compressed format): r's memory becomes the values
-            rows = interop._compressed_rows(r.contiguous(), fmt, None, False, copy=False)
+            rows = compressed_rows(r.contiguous(), fmt, None, False, copy=False)
             if rows is not None:
                 return rows
-        return interop.asformat(r, fmt)
+        return asformat(r, fmt)
     if node.parts is None:
         parts = [(ops[k], inputs[k]) for k in node.leaves]
     else:
-        parts = [(evaluate_tree(p, inputs, ops, p.indices, backend=backend, explain=explain), p.indices)
+        temporary = directives.temporary if directives is not None else None  # (the user's format of temporaries)
+        parts = [(evaluate_tree(p, inputs, ops, p.indices, temporary, backend, explain), p.indices)
                  for p in node.parts]
     tensors = [t for t, _ in parts]
     idx = tuple(i for _, i in parts)
@@ -287,21 +275,48 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
             print(f"dense step:   torch.einsum({eq!r})")
         r = torch.einsum(eq, *tensors)
         fmt = None if format is None else named.resolve(format, len(target))
-        return r if fmt is None or fmt.is_dense else interop.asformat(r, fmt)
+        return r if fmt is None or fmt.is_dense else asformat(r, fmt)
     return run(idx, tuple(target), tensors, format=format, name="einsum", backend=backend, explain=explain)
 
 
-def explain(equation, *operands, format=None, file=None) -> str:
+class Explanation(str):
+    """What ``scorch.explain`` returns: the printed text (a ``str``), and the plans behind it: ``plans`` (each
+    kernel's ``Plan`` or ``CoPlan``, in the order they ran), ``schedule`` (the last kernel's schedule, printable)
+    and ``directives`` (the ``schedule=`` that gives that schedule again, to edit and pass to ``scorch.einsum``;
+    None for a merge of several sparse operands)."""
+    plans: tuple = ()
+
+    @property
+    def schedule(self):
+        return self.plans[-1].schedule if self.plans else None
+
+    @property
+    def directives(self):
+        plan = self.plans[-1] if self.plans else None
+        if plan is None or not isinstance(plan, Plan):
+            return None
+        return directives_of(plan.asg, plan.schedule)
+
+
+def explain(equation, *operands, format=None, file=None, schedule=None) -> Explanation:
     """Run ``einsum(equation, *operands)`` and print (to ``file``, default stdout) and return its plan: the
     contraction order for three or more operands, the inferred output format and the rule that chose it, any
     operand reformatting, the loop order, workspaces and assembly, the parallel loop, specialized extents,
-    where each kernel came from (compiled now, disk or memory cache) and the generated source."""
+    where each kernel came from (compiled now, disk or memory cache) and the generated source (``Explanation``:
+    the text, with the plans behind it)."""
     import contextlib
     import io
     import sys
+    from .run import _EXPLAINING
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        einsum(equation, *operands, format=format, explain=True)
-    text = buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n"
+    before, _EXPLAINING.plans = _EXPLAINING.plans, []
+    try:
+        with contextlib.redirect_stdout(buf):
+            einsum(equation, *operands, format=format, explain=True, schedule=schedule)
+        plans = tuple(_EXPLAINING.plans)
+    finally:
+        _EXPLAINING.plans = before
+    text = Explanation(buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n")
+    text.plans = plans
     print(text, end="", file=file or sys.stdout)
     return text

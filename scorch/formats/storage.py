@@ -5,13 +5,14 @@
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
 from .expr import Var, dim_name
 from .format import Format
-from .levels import Dense, LevelStorage, Singleton
+from .levels import Compressed, Dense, LevelStorage, Singleton
 from .levels.fixed import SlotsExceeded
 
 INT32_MAX = 2**31 - 1
@@ -269,6 +270,9 @@ class PatternMemo:
     def __len__(self):
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     @staticmethod
     def _key(extra, levels):
         arrays = [a for st in levels for a in st.arrays().values()]
@@ -358,3 +362,19 @@ def _device(levels):
         for a in st.arrays().values():
             return a.device
     return torch.device("cpu")
+
+
+def segments(fmt: Format, levels, dim: int):
+    """The last level's ``pos`` when each of its segments is one group along ``dim`` (a softmax's, a reduction's):
+    the last level is compressed and stores ``dim``, the levels above store the other dimensions one each,
+    uniquely (CSR with dim 1, CSC with dim 0, CSF along its last dimension). Else None."""
+    return levels[-1].pos if _groups_by_last_level(fmt, dim) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _groups_by_last_level(fmt, dim) -> bool:
+    expr, last = fmt.levels[-1]
+    if fmt.padded or type(last) is not Compressed or not last.unique or not isinstance(expr, Var) \
+            or expr.dim != dim:
+        return False
+    return all(isinstance(e, Var) and type(lvl) in (Dense, Compressed) and lvl.unique for e, lvl in fmt.levels[:-1])

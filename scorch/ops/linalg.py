@@ -16,11 +16,14 @@ _DEFERRABLE = (torch.Tensor, torch.nn.Parameter, Deferred)
 
 
 @implements(torch.einsum)
-def einsum(equation, *operands, format=None):
-    """``torch.einsum`` over any mix of dense and sparse operands (``format=`` sets the output format).
+def einsum(equation, *operands, format=None, schedule=None):
+    """``torch.einsum`` over any mix of dense and sparse operands (``format=`` sets the output format;
+    ``schedule=`` directs the kernel: a loop order, or a dict of ``scorch.Directives`` fields).
     A large all-dense einsum may return a deferred result (``scorch.deferred``)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if schedule is not None:
+        return engine.einsum(equation, *operands, format=format, schedule=schedule)
     if format is None and all(type(x) in _DEFERRABLE for x in operands) and operands:
         d = deferred.einsum(equation, operands)
     else:

@@ -8,14 +8,12 @@ backward included, comes from torch's own ops.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from .. import fusion
 from ..deferred import Deferred
-from ..formats import Compressed, Dense, Singleton, Var, named, storage
+from ..formats import Compressed, Singleton, Var, named, storage
 from ..sparse_tensor import SparseTensor, implements, shape_of
 from . import segment
 
@@ -141,22 +139,6 @@ def to_sparse_bsc(x, blocksize, dense_dim=None):
 
 # --- softmax ---------------------------------------------------------------------------------------------------
 
-def _segments(x: SparseTensor, dim: int):
-    """The last level's ``pos`` when each of its segments is one softmax group along ``dim``: the last level is
-    compressed and stores ``dim``, the levels above store the other dimensions one each, uniquely (CSR with
-    dim 1, CSC with dim 0, CSF along its last dimension). Else None."""
-    return x._levels[-1].pos if _groups_by_last_level(x._format, dim) else None
-
-
-@functools.lru_cache(maxsize=256)
-def _groups_by_last_level(fmt, dim) -> bool:
-    expr, last = fmt.levels[-1]
-    if fmt.padded or type(last) is not Compressed or not last.unique or not isinstance(expr, Var) \
-            or expr.dim != dim:
-        return False
-    return all(isinstance(e, Var) and type(lvl) in (Dense, Compressed) and lvl.unique for e, lvl in fmt.levels[:-1])
-
-
 def _softmax(x: SparseTensor, dim, dtype, log: bool):
     n = len(shape_of(x))
     if not -n <= dim < n:
@@ -171,7 +153,7 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     v = x._vals if dtype is None else x._vals.to(dtype)
     if not v.dtype.is_floating_point:
         raise TypeError(f"softmax: expected a floating point SparseTensor, got {v.dtype}")
-    pos = _segments(x, dim)
+    pos = storage.segments(x._format, x._levels, dim)
     if pos is not None and v.dtype in segment.SUPPORTED and v.device.type == "cpu":
         return x.with_values(segment.softmax(v, pos, log))
     leaf, dims = storage.entries(x._format, x._shape, x._levels, x._vals)

@@ -1,5 +1,5 @@
 """Diagonals of einsum operands: an operand indexed with a repeated letter (``"ii"``, ``"bcb"``) is replaced by
-its diagonal before an einsum is planned (``engine.einsum``), so that no kernel, contraction path or
+its diagonal before an einsum is planned (``engine.evaluate``), so that no kernel, contraction path or
 gradient ever meets a letter repeated within one operand.
 
 A dense operand gives torch's diagonal view. A sparse operand gives the stored entries whose coordinates agree
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import interop
 from ..formats import storage
 from ..sparse_tensor import SparseTensor, shape_of
+from .convert import coo_from_entries
 
 
 def distinct(letters) -> tuple:
@@ -58,4 +58,4 @@ def diagonal(x, letters):
             on &= dims[d] == dims[letters.index(v)]
     rows = list(dims[first][:, on].unbind(0))
     shape = torch.Size(x.shape[d] for d in first)
-    return interop.coo_from_entries(rows, x.values()[leaf[on]], shape, duplicates=x.format.keeps_duplicates)
+    return coo_from_entries(rows, x.values()[leaf[on]], shape, duplicates=x.format.keeps_duplicates)
