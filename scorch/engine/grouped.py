@@ -71,7 +71,7 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
     eq = einsum_string(idx_g, res_idx)
     held = [v for v in out if v in letters]  # the output's dimensions the entries address
     rest = [v for v in out if v not in letters]
-    product = _matrix_product(idx_g, res_idx, p) or (lambda a: torch.einsum(eq, *a))
+    product = matrix_product(idx_g, res_idx, p) or (lambda a: torch.einsum(eq, *a))
     parts, firsts = [], []
     for lo, hi in zip(starts[:-1], starts[1:]):
         key = [int(coords[v][lo]) for v in grouping.group]
@@ -86,21 +86,21 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
         part = torch.cat(parts, res_idx.index(p)) if len(parts) > 1 else parts[0]
         part = part.permute([res_idx.index(v) for v in [p] + rest])
         at = _linear([coords[v] for v in held], [sizes[v] for v in held], part.shape[0], vals.device)
-        result = _placed(part, at, shape)
+        result = placed(part, at, shape)
     else:  # one result per group: added at the group's coordinates
         part = torch.stack([q.permute([res_idx.index(v) for v in rest]) for q in parts])
         first = torch.tensor(firsts, dtype=torch.long, device=vals.device)
         at = _linear([coords[v][first] for v in held], [sizes[v] for v in held], len(firsts), vals.device)
-        result = _placed(part, at, shape)
+        result = placed(part, at, shape)
     shape = [sizes[v] for v in held + rest]
     return result.reshape(shape).permute([(held + rest).index(v) for v in out])
 
 
-def _matrix_product(idx_g, res_idx, p):
+def matrix_product(idx_g, res_idx, p):
     """A group's einsum as one ``torch.mm`` where it is a plain matrix product (measured faster than einsum's
     dispatch, and than ``mm(out=)`` into a slice): ``"pa,ab->pb"`` (the forward of a mixture of experts) or
     ``"pa,pb->ab"`` and ``"pa,pb->ba"`` (the gradient of its expert weights: the group's rows contracted);
-    None otherwise."""
+    None otherwise. Public for tests (``tests/compiler/test_grouped.py`` checks which forms it takes)."""
     if len(idx_g) != 2 or len(idx_g[0]) != 2 or len(idx_g[1]) != 2 or len(res_idx) != 2:
         return None
     (a0, a1), (b0, b1) = idx_g
@@ -157,10 +157,11 @@ def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
     return y
 
 
-def _placed(part, at, shape):
+def placed(part, at, shape):
     """The rows of ``part`` added into a zero tensor of ``shape`` at the rows ``at``. Where ``at`` names each row
     exactly once (top-1 gates; every expert's gradient) a gather in row order instead: no zero fill, no adds
-    (the identity order, the usual one for groups, is ``part`` itself)."""
+    (the identity order, the usual one for groups, is ``part`` itself). Public for tests
+    (``tests/compiler/test_grouped.py``)."""
     n = shape[0]
     if not _once_each(at, n):
         return torch.zeros(shape, dtype=part.dtype, device=part.device).index_add(0, at, part)

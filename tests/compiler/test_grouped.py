@@ -134,7 +134,7 @@ def test_grouped_gradients(fmt):
 def test_group_products_run_as_matrix_products(idx, res, want):
     x = torch.randn(5, 3)
     y = torch.randn(*(3 if v == "a" else 5 if v == "p" else 4 for v in idx[1]))
-    product = grouped._matrix_product(idx, res, "p")
+    product = grouped.matrix_product(idx, res, "p")
     assert product is not None
     torch.testing.assert_close(product([x, y]), want(x, y))
     torch.testing.assert_close(product([x, y]), torch.einsum(f"{''.join(idx[0])},{''.join(idx[1])}->{''.join(res)}",
@@ -142,9 +142,9 @@ def test_group_products_run_as_matrix_products(idx, res, want):
 
 
 def test_other_group_products_are_einsums():
-    assert grouped._matrix_product([("p", "a"), ("p", "a")], ("a", "a"), "p") is None
-    assert grouped._matrix_product([("p", "a"), ("a", "b")], ("b", "p"), "p") is None
-    assert grouped._matrix_product([("p", "a", "c"), ("a", "b")], ("p", "b"), "p") is None
+    assert grouped.matrix_product([("p", "a"), ("p", "a")], ("a", "a"), "p") is None
+    assert grouped.matrix_product([("p", "a"), ("a", "b")], ("b", "p"), "p") is None
+    assert grouped.matrix_product([("p", "a", "c"), ("a", "b")], ("p", "b"), "p") is None
 
 
 @pytest.mark.parametrize("at, n", [([0, 1, 2, 3], 4), ([2, 0, 3, 1], 4), ([1, 1, 3, 0], 4), ([0, 2], 4), ([], 3)],
@@ -154,7 +154,7 @@ def test_placed_rows(at, n):
     repeated or missing rows added into zeros; gradients reach the part."""
     part = torch.randn(len(at), 3, dtype=torch.float64, requires_grad=True)
     at = torch.tensor(at, dtype=torch.long)
-    got = grouped._placed(part, at, (n, 3))
+    got = grouped.placed(part, at, (n, 3))
     want = torch.zeros(n, 3, dtype=torch.float64).index_add(0, at, part)
     torch.testing.assert_close(got, want)
     if at.numel() == n and torch.equal(at, torch.arange(n)):
