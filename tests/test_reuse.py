@@ -20,13 +20,13 @@ def _csr_arrays():
 def test_same_arrays_are_validated_once_but_changes_are_caught():
     crow, col = _csr_arrays()
     calls = []
-    original = storage._validate
+    original = storage.validate_uncached
 
     def counting(*a):
         calls.append(1)
         return original(*a)
 
-    storage._validate = counting
+    storage.validate_uncached = counting
     try:
         for _ in range(3):
             scorch.sparse_csr_tensor(crow, col, torch.randn(5), (3, 3))
@@ -40,7 +40,7 @@ def test_same_arrays_are_validated_once_but_changes_are_caught():
         with pytest.raises(ValueError, match="values"):
             scorch.sparse_csr_tensor(crow, col, torch.randn(4), (3, 3))
     finally:
-        storage._validate = original
+        storage.validate_uncached = original
 
 
 def test_conversion_is_reused_until_either_side_changes():

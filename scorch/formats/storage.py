@@ -301,7 +301,7 @@ def validate(fmt: Format, shape, levels, values) -> None:
     extra = (fmt, tuple(shape), values.numel())
     if values.dim() == 1 and _VALIDATED.get(extra, levels):
         return
-    _validate(fmt, shape, levels, values)
+    validate_uncached(fmt, shape, levels, values)
     _VALIDATED.put(extra, levels, True)
 
 
@@ -322,7 +322,9 @@ def uniform_index_dtype(levels) -> tuple:
     return levels
 
 
-def _validate(fmt: Format, shape, levels, values) -> None:
+def validate_uncached(fmt: Format, shape, levels, values) -> None:
+    """The checks of :func:`validate`, run every time: ``validate`` runs them once per unchanged index arrays
+    (format, shape and number of values). Public for tests: ``tests/test_reuse.py`` counts its calls."""
     bounds = fmt.level_bounds(shape)
     if len(levels) != len(fmt.levels):
         raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
