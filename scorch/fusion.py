@@ -196,7 +196,7 @@ class _FusedAttention(torch.autograd.Function):
         (attn,) = boxed
         expr = probs._expr
         # without a backward, the probabilities are not kept: a later read of them computes them again
-        out, p = _attention(expr.scores._expr, v, keep_probs=ctx is not None)
+        out, p = attention(expr.scores._expr, v, keep_probs=ctx is not None)
         if p is not None:
             expr.value = p
             probs.fill(p)  # the probabilities are computed: a later use reads them
@@ -212,7 +212,7 @@ class _FusedAttention(torch.autograd.Function):
         dv = _einsum_grad(1, *_PRODUCT, [attn, v], grad) if ctx.needs_input_grad[2] else None
         done = None
         if not torch.is_grad_enabled() and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
-            done = _attention_backward(ctx.pattern, p, grad, v, k, ctx.alpha)
+            done = attention_backward(ctx.pattern, p, grad, v, k, ctx.alpha)
         if done is None:  # op by op, through the lazy softmax and SDDMM
             dp = _einsum_grad(0, *_PRODUCT, [attn, v], grad) if ctx.needs_input_grad[1] else None
             return None, dp, dv, None, None
@@ -341,14 +341,15 @@ _ATTENTION_MAPS = ({**_SHARED, "out": "scores"}, {**_SHARED, "x": "scores", "y":
 _BACKWARD_MAPS = ({**_SHARED, "out": "dp"}, {**_SHARED, "y": "probs", "g": "dp", "dx": "ds", "scale": "scale"},
                   {**_SHARED, "t0_vals": "ds", "out": "dq"})
 
-#: prepared calls of fused attention kernels by (pattern arrays' identity, format, shapes, dtype, keep_probs)
-_READY: dict = {}
+#: prepared calls of fused attention kernels by (pattern arrays' identity, format, shapes, dtype, keep_probs).
+#: Public for tests: ``tests/test_fusion.py`` checks that a call on a mask leaves its prepared call here.
+READY: dict = {}
 
 
 class _Ready:
     """A fused attention kernel's call for one pattern (its index arrays, while unmodified) and one signature:
     the arguments fixed by them (sizes, bounds, the longest row) bound once, the tensors' pointers filled in per
-    call, so that a repeated call skips ``_prepare``'s planning lookups and argument building."""
+    call, so that a repeated call skips ``prepare``'s planning lookups and argument building."""
 
     def __init__(self, compiled, template, slots, st, zero_out, keep_probs):
         self.compiled, self.template, self.slots = compiled, template, slots
@@ -378,7 +379,7 @@ class _Ready:
         return template, slots
 
     def __call__(self, sddmm, v):
-        """``(out, probs)``, or None where the pattern's arrays changed since (``_prepare`` serves then)."""
+        """``(out, probs)``, or None where the pattern's arrays changed since (``prepare`` serves then)."""
         p, q = sddmm.pattern, sddmm.q
         st = p._levels[1]
         pos_ref, pos_version, crd_ref, crd_version = self.arrays
@@ -397,17 +398,18 @@ class _Ready:
         return out, probs
 
 
-def _attention(sddmm: SddmmExpr, v, keep_probs=True):
+def attention(sddmm: SddmmExpr, v, keep_probs=True):
     """``(out, probs)``: ``softmax_rows(alpha * SDDMM(pattern, q, k)) @ v`` by one fused kernel; ``probs`` is None
-    unless ``keep_probs`` (the kernel keeps a row's probabilities in a row buffer then, as it does the scores)."""
+    unless ``keep_probs`` (the kernel keeps a row's probabilities in a row buffer then, as it does the scores).
+    Public for tests: they call it, and spy on it to see the fused kernel run."""
     p, q, st = sddmm.pattern, sddmm.q, sddmm.pattern._levels[-1]
     key = (id(st.pos), id(st.crd), p._format, p._shape, q.dtype, q.shape, sddmm.k.shape, v.shape, keep_probs)
-    ready = _READY.get(key)
+    ready = READY.get(key)
     if ready is not None:
         done = ready(sddmm, v)
         if done is not None:
             return done
-    prepared = _prepare(sddmm, v, keep_probs)
+    prepared = prepare(sddmm, v, keep_probs)
     if prepared is None:  # not one row loop each: op by op
         from .ops import segment
         probs = segment.softmax(sddmm.compute(), _rows_pos(sddmm.pattern))
@@ -417,10 +419,10 @@ def _attention(sddmm: SddmmExpr, v, keep_probs=True):
     bound = _Ready.binding(fused, values, {"q": q, "k": sddmm.k, "v": v, "probs": values.get("probs"),
                                            "out": values["out"], "pos": st.pos, "crd": st.crd})
     if bound is not None and len(p._levels) == 2 and p._levels[0].pos is None and st.crd is not None:  # (CSR)
-        if len(_READY) >= 64:
-            _READY.clear()
+        if len(READY) >= 64:
+            READY.clear()
         zero_out = not _PLANS[_signature(sddmm, v)][1][0].lowered.writes_every_output
-        _READY[key] = _Ready(compiled, *bound, st, zero_out, keep_probs)
+        READY[key] = _Ready(compiled, *bound, st, zero_out, keep_probs)
     return values["out"], values["probs"] if keep_probs else None
 
 
@@ -431,9 +433,9 @@ def _signature(sddmm, v):
     return (p._format, p._shape, p._index_dtype, q.dtype, q.shape, sddmm.k.shape, v.shape)
 
 
-def _prepare(sddmm: SddmmExpr, v, keep_probs=True):
+def prepare(sddmm: SddmmExpr, v, keep_probs=True):
     """``(fused kernel IR, compiled kernel, argument values by parameter name)``, or None where the SDDMM or the
-    SpMM would not run as one row loop."""
+    SpMM would not run as one row loop. Public for tests: they run the IR in the loop-IR interpreter."""
     p, q, k = sddmm.pattern, sddmm.q, sddmm.k
     plans = _row_plans(_signature(sddmm, v), p, q.dtype, (q, k), (v,))
     if plans is None:
@@ -486,19 +488,21 @@ def _row_plans(sig, pattern, dtype, first_ops, last_ops):
     return plans
 
 
-def _attention_backward(pattern, p, g, v, k, alpha):
+def attention_backward(pattern, p, g, v, k, alpha):
     """``(ds, dq)`` of the attention's backward from the probabilities ``p`` and the output's gradient ``g``: the
     scores' gradient ``ds = alpha * softmax_backward(p, SDDMM(pattern, g, v))`` and ``dq = ds @ k``, by one fused
-    kernel (a row's ``g @ v^T`` in a row buffer); None where the parts are not one row loop each."""
-    prepared = _prepare_backward(pattern, p, g, v, k, alpha)
+    kernel (a row's ``g @ v^T`` in a row buffer); None where the parts are not one row loop each. Public for
+    tests: they call it, and spy on it to see the fused backward run."""
+    prepared = prepare_backward(pattern, p, g, v, k, alpha)
     if prepared is None:
         return None
     cpp.call(*prepared)
     return prepared[2]["ds"], prepared[2]["dq"]
 
 
-def _prepare_backward(pattern, p, g, v, k, alpha):
-    """``(fused kernel IR, compiled kernel, argument values by parameter name)`` of ``_attention_backward``."""
+def prepare_backward(pattern, p, g, v, k, alpha):
+    """``(fused kernel IR, compiled kernel, argument values by parameter name)`` of ``attention_backward``.
+    Public for tests: they run the IR in the loop-IR interpreter."""
     dtype = p.dtype
     if dtype not in (torch.float32, torch.float64) or g.dtype != dtype or g.device.type != "cpu":
         return None
@@ -555,7 +559,7 @@ class EpilogueExpr:
         return f"{self.base.describe()} with {', '.join(st[0] for st in self.steps)}"
 
     def compute(self):
-        fused = _epilogue_kernel(self)
+        fused = epilogue_kernel(self)
         if fused is not None:
             return fused
         y = self.base.compute()
@@ -630,8 +634,9 @@ def epilogue_rows(vtype: str, itype: str, steps, width: int):
     return fuse.row_kernel("scorch_epilogue_rows", itype, body, params)
 
 
-def _epilogue_kernel(expr: EpilogueExpr):
-    """The product and its steps as one kernel, or None where the product is not one CSR row loop."""
+def epilogue_kernel(expr: EpilogueExpr):
+    """The product and its steps as one kernel, or None where the product is not one CSR row loop. Public for
+    tests: they spy on it to see which products fuse."""
     base = expr.base
     s, x = base.ops
     (si, xi), out = base.inputs, tuple(base.out)

@@ -58,8 +58,8 @@ def test_fused_matches_op_by_op_and_dense(n, m, d, dv, density, dtype, index_dty
 def test_the_fused_kernel_runs(monkeypatch):
     from scorch import fusion
     calls = []
-    kernel = fusion._attention
-    monkeypatch.setattr(fusion, "_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = fusion.attention
+    monkeypatch.setattr(fusion, "attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     q, k, v, mask, _ = _case(64, 64, 16, 16, 0.2, torch.float32, torch.int32)
     fused_attention(q, k, v, mask)
     assert calls == [1]
@@ -92,8 +92,8 @@ def test_fused_gradients(shape, dtype, monkeypatch):
     (the lazy softmax and SDDMM nodes get no gradient and do nothing); against dense torch."""
     from scorch import fusion
     used = []
-    kernel = fusion._attention_backward
-    monkeypatch.setattr(fusion, "_attention_backward", lambda *a: used.append(1) or kernel(*a))
+    kernel = fusion.attention_backward
+    monkeypatch.setattr(fusion, "attention_backward", lambda *a: used.append(1) or kernel(*a))
     q, k, v, mask, keep = _case(*shape, dtype, torch.int32, seed=3)
     for t in (q, k, v):
         t.requires_grad_(True)
@@ -134,14 +134,14 @@ def test_gradients_when_the_probabilities_are_used_elsewhere_too():
 def test_fused_backward_kernel_interpreted_matches_compiled():
     from scorch import fusion
     q, k, v, mask, keep = _case(40, 50, 16, 32, 0.6, torch.float64, torch.int32, seed=6)
-    p = fusion._attention(fusion.SddmmExpr(mask, q, k, 0.25), v)[1]
+    p = fusion.attention(fusion.SddmmExpr(mask, q, k, 0.25), v)[1]
     g = torch.randn(40, 32, dtype=torch.float64)
-    ds, dq = fusion._attention_backward(mask, p, g, v, k, 0.25)
+    ds, dq = fusion.attention_backward(mask, p, g, v, k, 0.25)
     dp = (g @ v.T)[keep]  # the op-by-op gradients
     ds_ref = scorch.ops.segment.softmax_backward(p, dp, mask.levels[1].pos) * 0.25
     torch.testing.assert_close(ds, ds_ref)
     torch.testing.assert_close(dq, mask.with_values(ds_ref).to_dense() @ k)
-    fused, _, values = fusion._prepare_backward(mask, p, g, v, k, 0.25)
+    fused, _, values = fusion.prepare_backward(mask, p, g, v, k, 0.25)
     assert "dp" not in values  # (a row's g @ v^T in a row buffer)
     interp.run(fused, {name: (x.reshape(-1).numpy() if isinstance(x, torch.Tensor) else x)
                        for name, x in values.items()})
@@ -203,9 +203,9 @@ def test_fused_kernel_interpreted_matches_compiled(keep_probs, shape):
     from scorch import fusion
     q, k, v, mask, keep = _case(*shape, torch.float64, torch.int32, seed=5)
     sddmm = fusion.SddmmExpr(mask, q, k, 0.5)
-    out, probs = fusion._attention(sddmm, v, keep_probs=keep_probs)
+    out, probs = fusion.attention(sddmm, v, keep_probs=keep_probs)
     assert (probs is None) == (not keep_probs)
-    fused, _, values = fusion._prepare(sddmm, v, keep_probs)
+    fused, _, values = fusion.prepare(sddmm, v, keep_probs)
     assert [p.name for p in fused.params].count("t0_l1_pos") == 1  # the pattern is one argument
     assert "scores" not in values and ("probs" in values) == keep_probs  # intermediates in row buffers
     assert len(fused.body.stmts) == 1 and isinstance(fused.body.stmts[0], L.For)  # one row loop
@@ -257,14 +257,14 @@ def test_epilogue_matches_eager(n, m, k, density, dtype, index_dtype, bias, fmt)
 def test_epilogue_runs_as_one_kernel_and_falls_back(monkeypatch):
     from scorch import fusion
     fused = []
-    kernel = fusion._epilogue_kernel
+    kernel = fusion.epilogue_kernel
 
     def spy(e):
         r = kernel(e)
         fused.append(r is not None)
         return r
 
-    monkeypatch.setattr(fusion, "_epilogue_kernel", spy)
+    monkeypatch.setattr(fusion, "epilogue_kernel", spy)
     a = torch.randn(20, 12) * (torch.rand(20, 12) < 0.3)
     x, b = torch.randn(12, 8), torch.randn(8)
     torch.testing.assert_close(_epilogue_model(scorch.asformat(a, "csr"), x, b), _epilogue_reference(a, x, b))
@@ -300,12 +300,12 @@ def test_epilogue_kernel_interpreted_matches_compiled():
 
 
 def test_repeated_calls_reuse_the_prepared_call_until_the_pattern_changes():
-    """A second call on the same mask takes the prepared call (``fusion._READY``); a pattern modified in place
+    """A second call on the same mask takes the prepared call (``fusion.READY``); a pattern modified in place
     (other columns, then other row lengths: the longest row grows) is prepared again and still right."""
     from scorch import fusion
     q, k, v, mask, keep = _case(30, 40, 16, 16, 0.3, torch.float32, torch.int64, seed=9)
     first = fused_attention(q, k, v, mask)
-    assert any(key[0] == id(mask.levels[1].pos) for key in fusion._READY)
+    assert any(key[0] == id(mask.levels[1].pos) for key in fusion.READY)
     torch.testing.assert_close(fused_attention(q, k, v, mask), first)
     pos, crd = mask.levels[1].pos, mask.levels[1].crd
     # every row's entries moved to the first columns (still sorted, unique): the same lengths

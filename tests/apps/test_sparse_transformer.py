@@ -152,8 +152,8 @@ def test_fused_attention_trains_as_the_unfused(monkeypatch):
     losses step by step; other backends refuse it."""
     from scorch import fusion
     calls = []
-    kernel = fusion._attention
-    monkeypatch.setattr(fusion, "_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = fusion.attention
+    monkeypatch.setattr(fusion, "attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     opts = dict(epochs=1, threads=1, seed=1, train_size=8, test_size=4, batch=4, d_model=32, heads=2, layers=1,
                 **TINY)
     fused, plain = st.run("scorch", fuse=True, **opts), st.run("scorch", **opts)
