@@ -9,7 +9,8 @@ Backends (one model file, ``model.py``, ordinary PyTorch against the ``torch`` m
   dense   the real torch: ``F.scaled_dot_product_attention`` with the pattern as a dense bool mask.
 
 In-process entry points: ``run`` (train and evaluate), ``time_attention`` (one attention layer, forward and
-forward+backward) and ``measure_memory`` (the same in a fresh subprocess, peak RSS above the RSS before the step).
+forward+backward), ``measure_memory`` (the same in a fresh subprocess, peak RSS above the RSS before the step) and
+``attention_setup`` (that layer with its input, output gradient and mask, as they build it).
 ``python -m apps.sparse_transformer --help`` lists the options.
 """
 from __future__ import annotations
@@ -128,8 +129,12 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
 
 # --- one attention layer: time and memory --------------------------------------------------------------------
 
-def _attention_setup(backend, seq_len, window, n_globals, random_blocks, block, d_model, heads, batch, seed,
-                     fuse=False):
+def attention_setup(backend, seq_len, window, n_globals, random_blocks, block, d_model, heads, batch, seed,
+                    fuse=False):
+    """``(torch, crow, layer, x, grad, mask)``: one attention layer of ``backend`` (``torch`` the module it runs
+    against, ``crow`` the pattern's row pointers, ``mask`` the backend's mask), an input ``x`` that requires grad
+    and an output gradient ``grad``, all seeded by ``seed``. What ``time_attention`` and ``measure_memory`` time;
+    public for tests, which run the layer of each backend and compare."""
     torch = _torch_for(backend)
     crow, col, mask = pattern_and_mask(backend, seq_len, window, n_globals, random_blocks, block, seed)
     layer = _model.build_attention(torch, d_model, heads, seed, fuse)
@@ -148,8 +153,8 @@ def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, bl
     from .pattern import density
     if threads:
         _common.set_threads(threads)
-    torch, crow, layer, x, grad, mask = _attention_setup(backend, seq_len, window, n_globals, random_blocks,
-                                                         block, d_model, heads, batch, seed, fuse)
+    torch, crow, layer, x, grad, mask = attention_setup(backend, seq_len, window, n_globals, random_blocks,
+                                                        block, d_model, heads, batch, seed, fuse)
 
     def fwd_bwd():
         layer.zero_grad()
@@ -196,8 +201,8 @@ def _memory_child(backend, mode, seq_len, window, n_globals, random_blocks, bloc
     warm-up's large blocks went back to the system and cannot be reused unseen by the measured step."""
     import gc
     _common.set_threads(threads)
-    torch, _, layer, x, grad, mask = _attention_setup(backend, seq_len, window, n_globals, random_blocks, block,
-                                                      d_model, heads, batch, seed)
+    torch, _, layer, x, grad, mask = attention_setup(backend, seq_len, window, n_globals, random_blocks, block,
+                                                     d_model, heads, batch, seed)
     if mode == "fwd":
         with torch.no_grad():
             layer(x, mask)
@@ -205,8 +210,8 @@ def _memory_child(backend, mode, seq_len, window, n_globals, random_blocks, bloc
         layer(x, mask).backward(grad)
     del layer, x, grad, mask
     gc.collect()
-    torch, crow, layer, x, grad, mask = _attention_setup(backend, seq_len, window, n_globals, random_blocks, block,
-                                                         d_model, heads, batch, seed)
+    torch, crow, layer, x, grad, mask = attention_setup(backend, seq_len, window, n_globals, random_blocks, block,
+                                                        d_model, heads, batch, seed)
     gc.collect()
     reset = _reset_peak()
     before = _rss_bytes()

@@ -110,7 +110,7 @@ def test_task_labels():
 
 
 def _layer_result(backend):
-    torch_mod, _, layer, x, grad, mask = st._attention_setup(backend, d_model=32, heads=2, batch=2, seed=0, **TINY)
+    torch_mod, _, layer, x, grad, mask = st.attention_setup(backend, d_model=32, heads=2, batch=2, seed=0, **TINY)
     out = layer(x, mask)
     out.backward(grad)
     return mask, {"out": out.detach(), "grad_x": x.grad,
