@@ -1,6 +1,6 @@
 """Activations, dropout, comparisons, where / masked_fill, norms and max / min on SparseTensors, against torch on
 ``x.to_dense()``: zero-preserving maps keep the pattern (padding and positions outside the shape stay 0), maps
-with f(0) != 0 give torch's dense result and are counted (``scorch._stats``), gradients by gradcheck.
+with f(0) != 0 give torch's dense result and are counted (``scorch.stats()``), gradients by gradcheck.
 
 Values are multiples of 1/4, so comparisons and ties (max / min indices) are exact.
 """
@@ -17,7 +17,7 @@ from torch.autograd import gradcheck
 
 import scorch
 import scorch.ops.activation  # noqa: F401  (registers the ops)
-from scorch import SparseTensor, _stats
+from scorch import SparseTensor
 from scorch.formats import storage
 from scorch.sparse_tensor import IMPLEMENTATIONS
 
@@ -119,9 +119,9 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _fresh_stats():
-    _stats.reset_stats()
+    scorch.reset_stats()
     yield
-    _stats.reset_stats()
+    scorch.reset_stats()
 
 
 # --- zero-preserving maps ---------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_zero_preserving_maps_keep_the_pattern(fmt):
             assert shares_arrays(r, s), name  # the index arrays are shared
             assert_matches_dense(r, fn(a))
             padding_stays_zero(r, s)
-    assert _stats.stats()["densified"] == {}
+    assert scorch.stats()["densified"] == {}
 
 
 def test_existing_registrations_are_kept():
@@ -181,7 +181,7 @@ def test_modules_reach_the_functional_forms():
         assert isinstance(r, SparseTensor), m
         assert_matches_dense(r, m(a))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", scorch._stats.DensifyWarning)
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
         for m in (nn.Sigmoid(), nn.Softplus(), nn.Softplus(beta=2.0, threshold=1.0), nn.LogSigmoid(),
                   nn.Hardsigmoid(), nn.Threshold(0.1, 2.0)):
             r = m(s)
@@ -257,7 +257,7 @@ DENSIFYING = [
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_maps_that_move_zero_give_torchs_dense_result(fmt):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", _stats.DensifyWarning)
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
         calls = {}
         for s, a, main in examples(fmt):
             for name, fn in DENSIFYING if main else DENSIFYING[::4]:
@@ -265,7 +265,7 @@ def test_maps_that_move_zero_give_torchs_dense_result(fmt):
                 assert dense_result(r), name
                 assert_matches_dense(r, fn(a))
                 calls[name] = calls.get(name, 0) + 1
-    assert _stats.stats()["densified"] == calls
+    assert scorch.stats()["densified"] == calls
     u, ua = uncoalesced()
     assert_matches_dense(torch.sigmoid(u), torch.sigmoid(ua))  # duplicates summed, as to_dense() sums them
 
@@ -280,27 +280,27 @@ def test_densification_warns_once_per_op_and_counts_every_call():
         torch.exp(s)
         F.softplus(s)
         s > -1
-    found = [w for w in caught if issubclass(w.category, scorch._stats.DensifyWarning)]
+    found = [w for w in caught if issubclass(w.category, scorch.DensifyWarning)]
     assert len(found) == 4, [str(w.message) for w in found]
     assert "torch.sigmoid" in str(found[0].message) and "csr (5, 7)" in str(found[0].message)
     assert found[0].filename == __file__  # points at the caller, not into scorch
-    st = _stats.stats()
+    st = scorch.stats()
     assert st == {"densified": {"torch.sigmoid": 6, "torch.exp": 1, "torch.nn.functional.softplus": 1,
                                 "torch.gt": 1}, "fallback": {}}
     st["densified"]["torch.exp"] = 100  # a copy
-    assert _stats.stats()["densified"]["torch.exp"] == 1
-    _stats.reset_stats()
-    assert _stats.stats() == {"densified": {}, "fallback": {}}
-    with pytest.warns(_stats.DensifyWarning, match="torch.sigmoid"):
+    assert scorch.stats()["densified"]["torch.exp"] == 1
+    scorch.reset_stats()
+    assert scorch.stats() == {"densified": {}, "fallback": {}}
+    with pytest.warns(scorch.DensifyWarning, match="torch.sigmoid"):
         torch.sigmoid(s)  # warned again after a reset
     with warnings.catch_warnings():
-        warnings.simplefilter("error", _stats.DensifyWarning)
+        warnings.simplefilter("error", scorch.DensifyWarning)
         torch.sigmoid(s)  # but only once
         torch.erf(s)  # zero-preserving: no warning
-    assert _stats.stats() == {"densified": {"torch.sigmoid": 2}, "fallback": {}}
+    assert scorch.stats() == {"densified": {"torch.sigmoid": 2}, "fallback": {}}
     with scorch.strict(), pytest.raises(scorch.DensifyError, match="torch.sigmoid.*strict"):
         torch.sigmoid(s)  # strict mode: densifying raises
-    assert issubclass(_stats.DensifyWarning, UserWarning)
+    assert issubclass(scorch.DensifyWarning, UserWarning)
 
 
 # --- dropout -------------------------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def test_comparisons_with_a_scalar(fmt):
     ints = (quarters((5, 7), 9) * 4).long()
     int_case = (scorch.asformat(ints, fmt), ints)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", _stats.DensifyWarning)
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
         for s, a, main in list(examples(fmt)) + [(*int_case, False)]:
             for op, spellings in COMPARISONS:
                 for c in (-0.5, 0, 0.25, 1, torch.tensor(0.5)):
@@ -672,7 +672,7 @@ GRAD_FNS = [
 def test_gradcheck(fmt):
     s, v = grad_operand(fmt)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", _stats.DensifyWarning)
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
         for fn in GRAD_FNS if fmt == "csr" else GRAD_FNS[::3]:
             assert gradcheck(lambda v: dense_of(fn(s.with_values(v))), (v,))
     m = scorch.asformat(quarters((4, 5), 143, density=0.7) > 0, fmt)

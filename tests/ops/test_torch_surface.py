@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import scorch
-from scorch import SparseTensor, _stats
+from scorch import SparseTensor
 
 from conftest import assert_matches_dense, quarters
 from fallback_check import falls_back
@@ -27,9 +27,9 @@ FORMATS = ["coo", "csr", "csc", "dcsr", "bsr(2, 2)", "ell"]
 
 @pytest.fixture(autouse=True)
 def _fresh_stats():
-    _stats.reset_stats()
+    scorch.reset_stats()
     yield
-    _stats.reset_stats()
+    scorch.reset_stats()
 
 
 def _pair(shape, fmt, seed, density=0.5, dtype=torch.float32):
