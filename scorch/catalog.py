@@ -33,8 +33,9 @@ _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("torch.nn.functional
                ("torch.sparse", torch.sparse), ("torch.nested", torch.nested))
 
 
-def _public_names() -> dict:
-    """``id(function) -> "namespace.name"`` for every public callable (and attribute getter) of the namespaces."""
+def public_names() -> dict:
+    """``id(function) -> "namespace.name"`` for every public callable (and attribute getter) of the namespaces
+    (the lookup ``public_name`` takes). Public for tests, which spell torch's functions as the table does."""
     names: dict = {}
     for prefix, ns in _NAMESPACES:
         for attr in sorted(dir(ns)):
@@ -48,8 +49,10 @@ def _public_names() -> dict:
     return names
 
 
-def _name(func, names: dict) -> str:
-    """The public spelling of ``func`` (``_op_name``'s where no namespace holds it: attribute getters...)."""
+def public_name(func, names: dict) -> str:
+    """The public spelling of ``func``, as the table's rows name it (``names``: ``public_names()``; the op name
+    of ``SparseTensor``'s messages where no namespace holds it: attribute getters...). Public for tests, which check
+    that every overridable function has a row."""
     return names.get(id(func)) or _op_name(func)
 
 
@@ -101,9 +104,9 @@ def behaviour(func) -> tuple[str, str]:
 def entries():
     """``[(torch names, implementation name, summary)]`` of the sparse rules, grouped by implementation."""
     groups: dict = {}
-    names = _public_names()
+    names = public_names()
     for func, impl in IMPLEMENTATIONS.items():
-        groups.setdefault(impl, []).append(_name(func, names))
+        groups.setdefault(impl, []).append(public_name(func, names))
     rows = []
     for impl, spelled in groups.items():
         doc = inspect.getdoc(impl) or ""
@@ -115,10 +118,10 @@ def entries():
 
 def surface():
     """``[(torch name, kind, note)]`` for every overridable torch function and Tensor method, sorted by name."""
-    names = _public_names()
+    names = public_names()
     rows = {}
     for func in _functions():
-        name = _name(func, names)
+        name = public_name(func, names)
         if name.startswith(("torch._", "Tensor._")) and not name.startswith(("Tensor.__", "Tensor._values",
                                                                              "Tensor._indices", "Tensor._nnz")):
             continue  # private functions, except the accessors and dunders that user code calls
