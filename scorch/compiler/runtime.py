@@ -79,9 +79,11 @@ _writable: dict[pathlib.Path, pathlib.Path] = {}  # configured cache folder -> t
 
 #: the function every library exports, returning the key it was built for
 STAMP_SYMBOL = "scorch_kernel_stamp"
-# the trailer appended to every cached library: this marker, then sha256(key, body) (32 bytes)
-_TRAILER_MARK = b"\0scorch-kernel-cache-trailer\0"
-_TRAILER_SIZE = len(_TRAILER_MARK) + 32
+#: the trailer appended to every cached library: this marker, then ``digest(key, body)`` (32 bytes). Public, with
+#: ``TRAILER_SIZE``, for tests that damage and forge cache entries
+TRAILER_MARK = b"\0scorch-kernel-cache-trailer\0"
+#: the trailer's length in bytes: the marker and the hash
+TRAILER_SIZE = len(TRAILER_MARK) + 32
 _asan_loaded: bool | None = None
 
 
@@ -209,7 +211,7 @@ def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str 
 
         origin, seconds = "disk", 0.0
         key = path.stem
-        stamped = source + _stamp_source(key)
+        stamped = source + stamp_source(key)
         lib = _load_cached(so_path, key)
         if lib is None:
             if not cpp_path.exists() or cpp_path.read_text(encoding="utf-8") != stamped:
@@ -378,7 +380,7 @@ def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_pat
             with open(tmp, "rb") as f:
                 body = f.read()
             with open(tmp, "ab") as f:
-                f.write(_TRAILER_MARK + _digest(key, body))
+                f.write(TRAILER_MARK + digest(key, body))
         os.replace(tmp, so_path)  # atomic: other processes see the old file, none, or the whole new one
     finally:
         _unlink(tmp)
@@ -389,7 +391,7 @@ def _load_cached(so_path: str, key: str) -> ctypes.CDLL | None:
     """The cached library at ``so_path`` built for ``key``, or None if absent; a file that is damaged or was not
     built for ``key`` is deleted (and None returned), never run."""
     try:
-        reason = _trailer_damage(so_path, key) or _elf_damage(so_path)
+        reason = trailer_damage(so_path, key) or _elf_damage(so_path)
     except FileNotFoundError:
         return None
     if reason is None:
@@ -443,26 +445,29 @@ def _dlclose(lib) -> None:
         pass
 
 
-def _stamp_source(key: str) -> str:
-    """The C++ appended to every cached kernel's source: a function returning the kernel's key."""
+def stamp_source(key: str) -> str:
+    """The C++ appended to every cached kernel's source: a function (``STAMP_SYMBOL``) returning the kernel's key.
+    Public for tests, which check the source kept beside a library."""
     return f'\nextern "C" const char* {STAMP_SYMBOL}(void) {{ return "{key}"; }}\n'
 
 
-def _digest(key: str, body: bytes) -> bytes:
-    """The trailer's hash: of the key and the library, so another entry's library (and trailer) fails."""
+def digest(key: str, body: bytes) -> bytes:
+    """The trailer's hash: of the key and the library, so another entry's library (and trailer) fails. Public for
+    tests, which forge a trailer."""
     h = hashlib.sha256()
     h.update(key.encode() + b"\0")
     h.update(body)
     return h.digest()
 
 
-def _trailer_damage(path: str, key: str) -> str | None:
-    """Why the file at ``path`` is not the library built for ``key`` (its trailer's hash), or None."""
+def trailer_damage(path: str, key: str) -> str | None:
+    """Why the file at ``path`` is not the library built for ``key`` (its trailer's hash), or None. Public for
+    tests, which check that rebuilt entries verify."""
     with open(path, "rb") as f:
         data = f.read()
-    if len(data) < _TRAILER_SIZE or data[-_TRAILER_SIZE:-32] != _TRAILER_MARK:
+    if len(data) < TRAILER_SIZE or data[-TRAILER_SIZE:-32] != TRAILER_MARK:
         return "no cache trailer"
-    if data[-32:] != _digest(key, data[:-_TRAILER_SIZE]):
+    if data[-32:] != digest(key, data[:-TRAILER_SIZE]):
         return "content does not match its hash"
     return None
 

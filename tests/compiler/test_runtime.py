@@ -115,7 +115,7 @@ def test_compile_and_call_on_torch_tensors(cache):
     assert kernel.origin == "compiled" and kernel.compile_seconds > 0 and kernel.name == "add"
     assert kernel.path.parent == cache and kernel.path.suffix == ".so" and kernel.path.exists()
     assert kernel.source_path == kernel.path.with_suffix(".cpp")
-    assert kernel.source_path.read_text() == ADD + runtime._stamp_source(kernel.path.stem)
+    assert kernel.source_path.read_text() == ADD + runtime.stamp_source(kernel.path.stem)
     assert leftovers(cache) == []
     print(f"\ncompile time of a small OpenMP kernel (-O3): {kernel.compile_seconds * 1e3:.0f} ms")
 
@@ -183,7 +183,8 @@ def test_corrupt_so_is_rebuilt(tmp_path, cache):
 
 
 def add_entry_name():
-    return runtime._key(ADD, runtime.compiler(), runtime.flags()) + ".so"
+    """The ``add`` kernel's cache entry (``<key>.so``) under this process's compiler, flags and cache folder."""
+    return runtime.load(ADD, "add", ADD_ARGS).path.name
 
 
 def load_each_case(tmp_path, name, cases):
@@ -225,20 +226,20 @@ def test_damaged_or_foreign_cache_entries_are_rebuilt(tmp_path, cache):
     other = runtime.load(NOOP, "noop", [ctypes.c_void_p, ctypes.c_int64])
     foreign = other.path.read_bytes()
     name = add_entry_name()
-    body = foreign[:-runtime._TRAILER_SIZE]
+    body = foreign[:-runtime.TRAILER_SIZE]
     cases = {
         "zeroed-body": _zero_body(good),
-        "zeroed-body-no-trailer": _zero_body(good[:-runtime._TRAILER_SIZE]),
+        "zeroed-body-no-trailer": _zero_body(good[:-runtime.TRAILER_SIZE]),
         "foreign": foreign,
         # a forged trailer: the other kernel's library hashed under this key passes the hash, fails the stamp
-        "forged-trailer": body + runtime._TRAILER_MARK + runtime._digest(name[:-3], body),
-        "no-trailer": good[:-runtime._TRAILER_SIZE],
+        "forged-trailer": body + runtime.TRAILER_MARK + runtime.digest(name[:-3], body),
+        "no-trailer": good[:-runtime.TRAILER_SIZE],
     }
     got = load_each_case(tmp_path, name, cases)
     assert got == {case: ("compiled", "memory", name, len(good)) for case in cases}, got
     # the rebuilt entries verify: a new process loads them from disk
     for case in cases:
-        assert runtime._trailer_damage(str(tmp_path / case / runtime.CACHE_VERSION / name), name[:-3]) is None
+        assert runtime.trailer_damage(str(tmp_path / case / runtime.CACHE_VERSION / name), name[:-3]) is None
 
 
 def test_read_only_cache_falls_back_with_one_warning(tmp_path, monkeypatch):

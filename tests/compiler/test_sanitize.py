@@ -360,4 +360,4 @@ def test_damaged_cache_entries_under_sanitizers(tmp_path):
         path.write_bytes(_zero_body(data) if k % 2 == 0 else built[(k + 1) % len(built)].read_bytes())
     run()
     for path in built:  # rebuilt: each entry is its own key's library again
-        assert runtime._trailer_damage(str(path), path.stem) is None, path
+        assert runtime.trailer_damage(str(path), path.stem) is None, path
