@@ -49,7 +49,7 @@ class SegmentSoftmax(torch.autograd.Function):
         values = values.contiguous()
         ctx.log_space = log_space
         if values.device.type != "cpu":  # on a GPU: torch's segment reductions
-            y = _forward_ops(values, pos, log_space)
+            y = forward_ops(values, pos, log_space)
             ctx.save_for_backward(y, pos)
             return y
         _check(pos, values)
@@ -68,15 +68,16 @@ class SegmentSoftmax(torch.autograd.Function):
 def softmax_backward(y, dy, pos, log_space=False):
     """The gradient of the segment softmax's input from its output ``y`` and the output's gradient ``dy``."""
     if torch.is_grad_enabled() or y.device.type != "cpu":  # double backward, or a GPU: torch ops, differentiable
-        return _backward_ops(y, dy, pos, log_space)
+        return backward_ops(y, dy, pos, log_space)
     dy = dy.contiguous()
     dx = torch.empty_like(y)
     _run(True, log_space, pos.contiguous(), y=y.contiguous(), g=dy, dx=dx)
     return dx
 
 
-def _forward_ops(x, pos, log_space):
-    """The forward pass in torch ops (any device): per segment, subtract the maximum, exponentiate, normalize."""
+def forward_ops(x, pos, log_space):
+    """The forward pass in torch ops (any device): per segment, subtract the maximum, exponentiate, normalize.
+    Public for tests: the reference the kernel is checked against."""
     seg = _segment_of_each(pos)
     if x.numel() == 0:
         return x.clone()
@@ -95,7 +96,9 @@ def _segment_of_each(pos):
     return torch.repeat_interleave(torch.arange(pos.numel() - 1, device=pos.device), pos.diff())
 
 
-def _backward_ops(y, dy, pos, log_space):
+def backward_ops(y, dy, pos, log_space):
+    """The backward pass in torch ops (any device, differentiable): ``softmax_backward``'s formulas per segment.
+    Public for tests: the reference the backward kernel is checked against."""
     seg = _segment_of_each(pos)
     total = torch.zeros(pos.numel() - 1, dtype=y.dtype, device=y.device)
     if log_space:

@@ -129,8 +129,8 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
                         y = segment.softmax(vals, pos, log)
                         y.backward(torch.ones_like(y))
                         n += 1
-                        if not (close(y.detach(), segment._forward_ops(vals.detach(), pos, log)) and close(
-                                vals.grad, segment._backward_ops(y.detach(), torch.ones_like(y), pos, log))):
+                        if not (close(y.detach(), segment.forward_ops(vals.detach(), pos, log)) and close(
+                                vals.grad, segment.backward_ops(y.detach(), torch.ones_like(y), pos, log))):
                             bad.append(f"segment softmax {shape} log={log}")
         # S @ S with rows of hundreds of entries: the radix sort of the touched list
         a, b = values((6, 300), gen, 0.5), values((300, 300), gen, 0.5)
