@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import scorch
-from scorch._autograd import pattern_ones
+from scorch.sparse_tensor import pattern_ones
 
 from conftest import assert_matches_dense, compile_ahead, plain_test_job, quarters
 from test_einsum_matrix import _one_thread  # noqa: F401  (kernels on one thread, as the matrix runs them)
