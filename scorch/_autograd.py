@@ -81,7 +81,7 @@ class _Einsum(torch.autograd.Function):
         return tuple(grads)
 
 
-def einsum(equation: str, operands, format=None, schedule=None):
+def differentiable_einsum(equation: str, operands, format=None, schedule=None):
     """``engine.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``. The user's
     ``schedule`` directs the forward kernel (the gradients are other expressions, scheduled by the compiler)."""
     from .engine import prepare
@@ -234,7 +234,7 @@ def _linear_terms(rhs, scalars) -> dict:
     return coef
 
 
-def run(inputs, out, ops, *, format=None, **kwargs):
+def differentiable_run(inputs, out, ops, *, format=None, **kwargs):
     """``engine.run`` recording a graph (sums of operands and max/min reductions)."""
     if kwargs.get("reduce", "sum") == "sum":
         _linear_terms(kwargs["rhs"], kwargs.get("scalars") or {})  # refuse what backward cannot do, now
@@ -289,11 +289,12 @@ class _Convert(torch.autograd.Function):
         return None, None, values_at(g, src)
 
 
-def convert(x, convert_fn):
+def differentiable_convert(x, convert_fn):
     """``convert_fn(x)`` (a format conversion) recording a graph from ``x``'s values (or ``x``, dense) to the
     result's values."""
     spec = _Spec((), (), None, [x])
     return spec.wrap(_Convert.apply(spec, convert_fn, _tensors([x])[0]))
 
 
-RULES.register(differentiable_einsum=einsum, differentiable_run=run, differentiable_convert=convert)
+RULES.register(differentiable_einsum=differentiable_einsum, differentiable_run=differentiable_run,
+               differentiable_convert=differentiable_convert)

@@ -202,7 +202,7 @@ def make(expr, shape, dtype, device):
     return d
 
 
-def einsum(equation, operands):
+def lazy_einsum(equation, operands):
     """A ``Deferred`` for the all-dense einsum, or None where it is not deferred (the caller runs it eagerly).
     Operands that are deferred themselves are computed first (no chains: the value is exactly the eager one)."""
     m = _mode.value

@@ -113,7 +113,7 @@ def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     return out
 
 
-def plan(inputs, ops, sched, sizes, broadcast):
+def moves(inputs, ops, sched, sizes, broadcast):
     """``(operand, dimension)`` pairs to move last before the kernel of ``sched`` runs, or ``()``: dense
     operands that the innermost loop reads along another dimension, when copying them costs less than
     ``COPY_FRACTION`` of the reads. A copy is kept out when its dimension is broadcast."""
@@ -148,7 +148,7 @@ def output_order(out, sched, output):
 
 
 def apply(moves, inputs, ops):
-    """The inputs and operands with the ``moves`` of ``plan`` made."""
+    """The inputs and operands with ``moves`` (``moves()``) made."""
     inputs, ops = list(inputs), list(ops)
     for k, d in moves:
         idx = inputs[k]

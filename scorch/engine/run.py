@@ -61,10 +61,13 @@ def _memory_order(inputs, ops):
 
 
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
-        reduce="sum", relaid=False, directives=None):
+        reduce="sum", directives=None):
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
-    ``relaid``: the dense operands were already given their layout (``relayout``). ``directives``: the user's
-    schedule (``compiler.schedule.Directives``), else the compiler's."""
+    ``directives``: the user's schedule (``compiler.schedule.Directives``), else the compiler's.
+
+    One pass, top to bottom: the plan of the operands as given, then the steps that change them before the kernel,
+    each decided once on the plan so far (a sparse operand converted, for the user's loop order or for a
+    parallel loop; the output computed in another index order; dense operands relaid), then the kernel."""
     if (rhs is not None or reduce != "sum") and backend == "cpp" and not explain and needs_grad(ops):
         return RULES.differentiable_run(inputs, out, ops, format=format, name=name, rhs=rhs, scalars=scalars,
                                         reduce=reduce)
@@ -81,64 +84,29 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     prepared_ok = prepared_ok and all(dtype_of(x) == dtype for x in ops)  # ... without casting them
     backend = backend_for(ops, backend, name)
     ops = [cast(x, dtype) for x in ops]
-    fmt = None if format is None else named.resolve(format, len(out))
-    types = tuple(tensor_type(x) for x in ops)
-    key = (inputs, out, types, broadcast, fmt, rhs, reduce, directives)
-    asg, output, sched0, n_sparse = planned(key)
+    key, asg, output, sched0, n_sparse = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
     if n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
-    if STRUCTURAL.on and fmt is None and output.format is not None and output.format.padded:
+    if STRUCTURAL.on and format is None and output.format is not None and output.format.padded:
         # a padded level cannot hold an entry that is 0 (it would read as padding, and lose its gradient): the
         # inferred format's unpadded version (ELL -> CSR)
         from ..compiler.schedule import coiterable_version
-        return run(inputs, out, ops, format=coiterable_version(output.format), explain=explain, name=name, rhs=rhs,
-                   scalars=scalars, backend=backend, reduce=reduce, relaid=relaid, directives=directives)
-    if n_sparse > 1 and directives is not None and (directives.order is not None or directives.parallel is not None):
-        raise NotImplementedError(f"scorch: {name}: a user's loop order or parallel loop for several sparse operands"
-                                  " (a merge) is not supported yet; scorch.explain shows the order it chooses")
-    if sched0 is None and n_sparse == 1:
-        # the user's loop order walks the sparse operand against its storage: it is converted to suit the order
-        k = next(j for j, x in enumerate(ops) if type(x) is SparseTensor)
-        alt = discordant_format(asg, directives)
-        if explain:
-            print(f"reformat:     T{k} converted from {ops[k].format.name or ops[k].format} to {alt.name or alt}:"
-                  f" the schedule's loop order {''.join(directives.order)} walks it that way")
-        ops = list(ops)
-        ops[k] = asformat(ops[k], alt)
-        kept = format if format is not None else output.format or named.dense_nd(len(out))
-        return run(inputs, out, ops, format=kept, explain=explain, name=name, rhs=rhs, scalars=scalars,
-                   backend=backend, reduce=reduce, directives=directives)
+        format = coiterable_version(output.format)
+        key, asg, output, sched0, n_sparse = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
+        prepared_ok = False  # (the call's own signature asked for another format)
     if n_sparse > 1:
-        if reduce != "sum":
-            raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
-                                      " supported yet")
-        plan = coiteration_plan(key + (target_of(backend),), asg, output, broadcast, backend)
-        if plan.schedule.transposed:
-            # no loop order suits every sparse operand: which to transpose is chosen by their sizes (the
-            # conversions' cost), kept per power of two of each nnz
-            nnz = tuple(float(x.nnz) if type(x) is SparseTensor else 0.0 for x in ops)
-            plan = coiteration_plan(key + (target_of(backend), tuple(int(n).bit_length() for n in nnz)), asg, output,
-                                    broadcast, backend, nnz)
-        result = call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
-        if explain:
-            explained(plan)
-        return result
-    if directives is None and sched0.parallel != "level0" and (worker_count(backend) > 1 or sched0.outer):
-        k = sched0.driver.operand
-        x = ops[k]
-        alt = transposed_for_parallel(asg, sched0, x.format, x.nnz, sizes, worker_count(backend),
-                                      lambda f: converted_already(x, f))
-        if alt is not None:
-            if explain:
-                print(f"reformat:     T{k} converted from {ops[k].format.name or ops[k].format} to {alt.name or alt}:"
-                      " its first level writes conflicting outputs, and a transposition costs less than a serial"
-                      " loop")
-            ops = list(ops)
-            ops[k] = asformat(ops[k], alt)
-            # the result's format is the one inferred from the operands as given, not from the converted one
-            kept = format if format is not None else output.format or named.dense_nd(len(out))
-            return run(inputs, out, ops, format=kept, explain=explain, name=name, rhs=rhs, scalars=scalars,
-                       backend=backend, reduce=reduce)
+        return _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
+                           directives, name)
+    target = out  # the index order the kernel writes the output in
+    alt = _reformat(asg, sched0, ops, sizes, backend, directives, explain)
+    if alt is not None:
+        k, fmt = alt
+        ops = list(ops)
+        ops[k] = asformat(ops[k], fmt)
+        # the result's format is the one inferred from the operands as given, not from the converted one
+        format = format if format is not None else output.format or named.dense_nd(len(out))
+        key, asg, output, sched0, _ = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
+        prepared_ok = False
     perm = relayout.output_order(out, sched0, output) if rhs is None else None
     if perm is not None:
         # the innermost loop runs along another output index: the kernel writes the output with that index
@@ -146,20 +114,67 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         # non-contiguous results elsewhere
         if explain:
             print(f"output:       computed as {''.join(perm)}, returned as a view in the order {''.join(out)}")
-        r = run(inputs, perm, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
-                reduce=reduce, relaid=relaid, directives=directives)
-        return r.permute(*[perm.index(v) for v in out])
-    moves = relayout.plan(inputs, ops, sched0, sizes, broadcast) if rhs is None and not relaid else ()
+        target = perm
+        key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
+        prepared_ok = False
+    moves = relayout.moves(inputs, ops, sched0, sizes, broadcast) if rhs is None else ()
     if moves:
         if explain:
             for k, d in moves:
                 print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
                       " reads it along that dimension")
         inputs, ops = relayout.apply(moves, inputs, ops)
-        return run(inputs, out, ops, format=format, explain=explain, name=name, scalars=scalars, backend=backend,
-                   reduce=reduce, relaid=True, directives=directives)
+        sizes, broadcast = index_sizes(inputs, ops, name)
+        key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
+        prepared_ok = False
+    if not prepared_ok:  # operands changed: the prepared call of what the kernel now gets
+        sig = (inputs, target, format, rhs, reduce, STRUCTURAL.on, directives) + tuple(signature(x) for x in ops)
+        fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
+        prepared_ok = fast is None
+    if fast is not None and prepared_ok is False:
+        result = fast(ops, scalars)
+    else:
+        result = _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs,
+                         sig if prepared_ok else None)
+    return result if perm is None else result.permute(*[perm.index(v) for v in out])
+
+
+def _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives):
+    """``(key, assignment, inferred output, schedule, sparse operand count)`` of the operands as they are now."""
+    fmt = None if format is None else named.resolve(format, len(out))
+    key = (inputs, out, tuple(tensor_type(x) for x in ops), broadcast, fmt, rhs, reduce, directives)
+    return (key,) + planned(key)
+
+
+def _reformat(asg, sched0, ops, sizes, backend, directives, explain):
+    """``(operand, format)``: the sparse operand converted before the kernel, or None. For the user's loop order
+    where it walks the operand against its storage (``discordant_format``; ``planned`` gives no schedule then);
+    else, without directives, where its first level writes conflicting outputs and a transposition costs less
+    than a serial loop (``transposed_for_parallel``)."""
+    if sched0 is None:
+        k = next(j for j, x in enumerate(ops) if type(x) is SparseTensor)
+        fmt = discordant_format(asg, directives)
+        why = f"the schedule's loop order {''.join(directives.order)} walks it that way"
+    elif directives is None and sched0.parallel != "level0" and (worker_count(backend) > 1 or sched0.outer):
+        k = sched0.driver.operand
+        x = ops[k]
+        fmt = transposed_for_parallel(asg, sched0, x.format, x.nnz, sizes, worker_count(backend),
+                                      lambda f: converted_already(x, f))
+        why = "its first level writes conflicting outputs, and a transposition costs less than a serial loop"
+    else:
+        return None
+    if fmt is None:
+        return None
+    if explain:
+        print(f"reformat:     T{k} converted from {ops[k].format.name or ops[k].format} to {fmt.name or fmt}: {why}")
+    return k, fmt
+
+
+def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig):
+    """The compiled kernel of one sparse operand's plan run on ``ops`` (or the measured faster library call, on a
+    GPU); its prepared call kept under ``sig`` (None: not kept)."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
-    if backend == "cpp" and prepared_ok and len(PREPARED) < 4096:
+    if backend == "cpp" and sig is not None and len(PREPARED) < 4096:
         PREPARED[sig] = prepared_call(plan, sizes, dtype)
     if plan.library_call is not None and rhs is None and library.ENABLED:
         name, fn = plan.library_call
@@ -176,6 +191,28 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     return result
 
 
+def _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce, directives,
+                name):
+    """An assignment over several sparse operands: one merged loop nest (``compiler.coiterate``)."""
+    if directives is not None and (directives.order is not None or directives.parallel is not None):
+        raise NotImplementedError(f"scorch: {name}: a user's loop order or parallel loop for several sparse operands"
+                                  " (a merge) is not supported yet; scorch.explain shows the order it chooses")
+    if reduce != "sum":
+        raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
+                                  " supported yet")
+    plan = coiteration_plan(key + (target_of(backend),), asg, output, broadcast, backend)
+    if plan.schedule.transposed:
+        # no loop order suits every sparse operand: which to transpose is chosen by their sizes (the
+        # conversions' cost), kept per power of two of each nnz
+        nnz = tuple(float(x.nnz) if type(x) is SparseTensor else 0.0 for x in ops)
+        plan = coiteration_plan(key + (target_of(backend), tuple(int(n).bit_length() for n in nnz)), asg, output,
+                                broadcast, backend, nnz)
+    result = call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
+    if explain:
+        explained(plan)
+    return result
+
+
 def row_plan(inputs, out, ops, backend="cpp"):
     """``(plan, sizes)``: the compiled plan of an einsum with one sparse operand whose kernel loops over that
     operand's rows in parallel, exactly as ``run`` would compile it, for fusion with other row kernels
@@ -186,6 +223,6 @@ def row_plan(inputs, out, ops, backend="cpp"):
     if n_sparse != 1 or broadcast:
         return None
     if sched0.parallel != "level0" or relayout.output_order(out, sched0, output) is not None or \
-            relayout.plan(inputs, ops, sched0, sizes, broadcast):
+            relayout.moves(inputs, ops, sched0, sizes, broadcast):
         return None
     return compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)[0], sizes

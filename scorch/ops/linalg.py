@@ -25,7 +25,7 @@ def einsum(equation, *operands, format=None, schedule=None):
     if schedule is not None:
         return engine.einsum(equation, *operands, format=format, schedule=schedule)
     if format is None and all(type(x) in _DEFERRABLE for x in operands) and operands:
-        d = deferred.einsum(equation, operands)
+        d = deferred.lazy_einsum(equation, operands)
     else:
         d = deferred.product(equation, operands, format)
     return d if d is not None else engine.einsum(equation, *operands, format=format)

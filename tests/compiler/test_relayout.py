@@ -51,7 +51,7 @@ def test_a_transposed_view_is_read_in_its_memory_order():
 def test_no_copy_when_the_operand_is_large_next_to_the_reads():
     s = scorch.asformat(torch.eye(200)[:, :1] * 0 + torch.eye(200)[:, :1], "csr")  # one stored entry
     b = torch.randn(4, 1)
-    assert relayout.plan((("i", "j"), ("k", "j")), [s, torch.randn(4, 1)], _sched(s, b), {"i": 200, "j": 1, "k": 4},
+    assert relayout.moves((("i", "j"), ("k", "j")), [s, torch.randn(4, 1)], _sched(s, b), {"i": 200, "j": 1, "k": 4},
                          frozenset()) == ()
 
 
