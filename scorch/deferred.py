@@ -40,6 +40,7 @@ import threading
 import torch
 
 from . import sparse_tensor as _sparse_tensor
+from .compiler.caches import cache
 from .rules import RULES
 from .compiler.einsum import equation as einsum_string
 from .compiler.einsum import parse
@@ -181,7 +182,7 @@ def pending(x) -> bool:
 #: placeholders of deferred values by (shape, dtype, device, exact layout): never written (anything but a
 #: metadata or layout read computes the value first, and computing replaces the storage), so deferred values of
 #: one shape share one
-_PLACEHOLDERS: dict = {}
+_PLACEHOLDERS = cache("placeholders", "placeholder tensors of deferred values, by shape, dtype, device and layout")
 
 
 def make(expr, shape, dtype, device):

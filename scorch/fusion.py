@@ -37,6 +37,7 @@ from .compiler.codegen import cpp
 from .compiler.target import CPU
 from .deferred import Deferred
 from .formats.storage import PatternMemo, segments
+from .compiler.caches import cache, register
 from .rules import RULES
 from .sparse_tensor import SparseTensor
 
@@ -303,8 +304,8 @@ def fused_product(equation, operands):
 
 # --- the fused kernel ---------------------------------------------------------------------------------------
 
-_FUSED: dict = {}
-_PLANS: dict = {}
+_FUSED = cache("fused-kernels", "fused row kernels (IR and compiled kernel) per fusion key")
+_PLANS = cache("fused-plans", "the row plans fused attention is made of, per operand signature")
 
 
 def _compiled(key, build):
@@ -323,6 +324,8 @@ def _part_values(maps, parts):
 
 
 _LONGEST = PatternMemo(64)
+register("longest-rows", "the longest row of a mask's pattern, by its index arrays", _LONGEST.__len__,
+         _LONGEST.clear)
 
 
 def _longest(p) -> int:
@@ -343,7 +346,7 @@ _BACKWARD_MAPS = ({**_SHARED, "out": "dp"}, {**_SHARED, "y": "probs", "g": "dp",
 
 #: prepared calls of fused attention kernels by (pattern arrays' identity, format, shapes, dtype, keep_probs).
 #: Public for tests: ``tests/test_fusion.py`` checks that a call on a mask leaves its prepared call here.
-READY: dict = {}
+READY = cache("fused-ready", "prepared calls of fused attention kernels, per pattern and signature")
 
 
 class _Ready:

@@ -620,7 +620,7 @@ def needs_grad(operands) -> bool:
 
 def is_pattern_ones(t) -> bool:
     """Whether ``t`` is (a whole view of) the ones ``pattern_ones`` keeps, unmodified."""
-    kept = _ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
+    kept = ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
     return kept is not None and kept[0]._version == kept[1] and t.data_ptr() == kept[0].data_ptr()
 
 
@@ -632,14 +632,14 @@ def pattern_ones(x: SparseTensor, dtype):
     if x._format.padded:
         return (v != 0).to(dtype)
     key = (v.numel(), dtype, v.device)
-    kept = _ONES.get(key)
+    kept = ONES.get(key)
     if kept is None or kept[0]._version != kept[1]:  # (modified in place since: not ones any more)
-        if len(_ONES) >= 8:
-            _ONES.clear()
+        if len(ONES) >= 8:
+            ONES.clear()
         ones = torch.ones(v.shape, dtype=dtype, device=v.device)
-        kept = _ONES[key] = (ones, ones._version)
+        kept = ONES[key] = (ones, ones._version)
     return kept[0].view(v.shape)
 
 
 #: ones of a size, kept: a model's patterns (a weight's, a graph's) ask for the same ones every step
-_ONES: dict = {}
+ONES: dict = {}

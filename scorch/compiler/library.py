@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from ..formats import named
+from .caches import cache
 from .ir import Access, Mul
 
 #: timed runs of each path when a choice is made
@@ -36,7 +37,8 @@ class Choice:
                 f" call: scorch {self.scorch_ms:.3f} ms, {self.library} {self.library_ms:.3f} ms)")
 
 
-_CHOICES: dict = {}
+_CHOICES = cache("library-choices", "the measured choice between a kernel and a library call, per plan key and"
+                 " operand shapes (on a GPU)")
 
 
 def candidate(asg) -> Optional[tuple[str, Callable]]:

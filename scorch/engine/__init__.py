@@ -20,3 +20,12 @@ from ..rules import RULES  # noqa: E402
 from .densify import to_dense  # noqa: E402
 
 RULES.register(to_dense=to_dense, asformat=asformat, to_torch=to_torch)
+
+# the memo tables of the layers below the compiler's cache owner, listed and emptied with the others
+from .. import sparse_tensor as _sparse_tensor  # noqa: E402
+from ..compiler.caches import register  # noqa: E402
+from ..formats import format as _format  # noqa: E402
+
+register("level-bounds", "level bounds per format and shape", _format.BOUNDS.__len__, _format.BOUNDS.clear)
+register("pattern-ones", "ones at a pattern's stored positions, per size, dtype and device",
+         _sparse_tensor.ONES.__len__, _sparse_tensor.ONES.clear)

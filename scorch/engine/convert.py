@@ -184,7 +184,7 @@ _PERMUTATIONS = _storage.PatternMemo(64)
 register("permutations", "conversions of a pattern (target index arrays and the values' permutation), by the"
          " source's index arrays", _PERMUTATIONS.__len__, _PERMUTATIONS.clear)
 register("validated", "index arrays already validated, per format, shape and number of values",
-         _storage._VALIDATED.__len__, _storage._VALIDATED.clear)
+         _storage.VALIDATED.__len__, _storage.VALIDATED.clear)
 
 
 def _by_known_permutation(x: SparseTensor, fmt, index_dtype):

@@ -22,7 +22,8 @@ _PROPS = {"unique": ("unique", True), "nonunique": ("unique", False),
           "ordered": ("ordered", True), "nonordered": ("ordered", False)}
 
 
-_BOUNDS: dict = {}  # (format, shape) -> level bounds: computed on every kernel call, so memoized
+#: (format, shape) -> level bounds: computed on every kernel call, so memoized (listed by scorch.cache_info)
+BOUNDS: dict = {}
 
 # The named formats ("csr", "bsr(2, 2)"...) are Formats built by scorch.formats.named, which imports this module;
 # it installs its two lookups here when imported (importing scorch.formats does): the Format a name spells, for
@@ -137,13 +138,13 @@ class Format:
     def level_bounds(self, shape) -> tuple[tuple[int, int], ...]:
         """``(lo, hi)`` of every level's coordinate for a tensor of ``shape``."""
         key = (self, tuple(shape))
-        b = _BOUNDS.get(key)
+        b = BOUNDS.get(key)
         if b is None:
             self.check_shape(shape)
             b = tuple(e.bounds(shape) for e in self.exprs)
-            if len(_BOUNDS) > 4096:
-                _BOUNDS.clear()
-            _BOUNDS[key] = b
+            if len(BOUNDS) > 4096:
+                BOUNDS.clear()
+            BOUNDS[key] = b
         return b
 
     def check_shape(self, shape) -> None:

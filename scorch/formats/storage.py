@@ -293,16 +293,16 @@ class PatternMemo:
 
 
 # index arrays already validated, per format, shape and number of values
-_VALIDATED = PatternMemo(256)
+VALIDATED = PatternMemo(256)
 
 
 def validate(fmt: Format, shape, levels, values) -> None:
     """Check storage invariants; raise ``ValueError`` naming the level and position of the first violation."""
     extra = (fmt, tuple(shape), values.numel())
-    if values.dim() == 1 and _VALIDATED.get(extra, levels):
+    if values.dim() == 1 and VALIDATED.get(extra, levels):
         return
     validate_uncached(fmt, shape, levels, values)
-    _VALIDATED.put(extra, levels, True)
+    VALIDATED.put(extra, levels, True)
 
 
 def index_dtypes(levels) -> set:
