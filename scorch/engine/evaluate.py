@@ -56,7 +56,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
     parallel loop, whether the sparse operand may be converted, the format of a contraction's temporaries)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
-    directives = Directives.of(schedule)
+    directives = None if schedule is None else Directives.of(schedule)
     if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is RULES.lazy_type and \
             format in (None, "dense") and not explain and backend == "cpp":
         # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
