@@ -1,6 +1,6 @@
 """The app suite: each app of ``apps/`` trained with each of its backends in this process, one after another
 (same seed, same data), giving the median time of a training epoch and of an inference batch, and the quality
-each reached. Epochs are timed by the app itself (``apps._common.Stopwatch``); the first epochs, which compile
+each reached. Epochs are timed by the app itself (``apps.common.Stopwatch``); the first epochs, which compile
 kernels, are left out. Unlike the kernel cases, backends are not interleaved round by round: a burst of load
 from another process lands on one backend only, which the min column and the load average show.
 """
@@ -72,11 +72,11 @@ GNN_NAMES = {"scorch": "scorch", "torch": "torch.sparse", "pyg": "PyG"}
 
 
 def gnn(model: str, dataset: str, epochs: int, threads: int, data=None) -> Table:
-    from apps import _common
+    from apps import common
     from apps import gnn as app
     from apps.gnn.data import dataset as load
 
-    g = load(dataset, _common.data_root(data))
+    g = load(dataset, common.data_root(data))
     runs = {GNN_NAMES[b]: (lambda b=b: app.run(b, model, epochs=epochs, threads=threads, graph=g))
             for b in app.BACKENDS}
     t = app_table("gnn", f"{model.upper()} training, {g.name}",

@@ -104,9 +104,9 @@ def random_3d(shape, density: float, seed: int = 0) -> torch.Tensor:
 def planetoid(name: str) -> Matrix | None:
     """The GCN-normalized adjacency D^-1/2 (A + I) D^-1/2 of Cora or CiteSeer (``../shared/data`` or
     ``$SCORCH_DATA``), or None when the files are not there."""
-    from apps import _common
+    from apps import common
     from apps.gnn.data import load_planetoid
-    root = _common.data_root(None)
+    root = common.data_root(None)
     try:
         g = load_planetoid(name, root) if root is not None else None
     except FileNotFoundError:

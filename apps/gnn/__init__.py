@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from .. import _common
+from .. import common
 
 BACKENDS = ("scorch", "torch", "pyg")
 DEFAULTS = {  # the usual recipes (Kipf & Welling; Hamilton et al.; Velickovic et al.)
@@ -32,7 +32,7 @@ def prepare(backend: str, model: str, graph, hidden=None, heads=None, dropout=No
         net = pyg.build(model, graph.num_features, hidden, graph.num_classes, heads=heads, dropout=dropout)
         return net, (gt.x, pyg.edge_index(graph)), gt
     from .model import build, graph_tensors
-    torch = _common.backend_module(backend)
+    torch = common.backend_module(backend)
     # torch's CSR tensors have no softmax: GAT's attention matrices are COO under torch (CSR under scorch)
     gt = graph_tensors(torch, graph, attention_layout="csr" if backend == "scorch" else "coo")
     net = build(torch, model, graph.num_features, hidden, graph.num_classes, heads=heads, dropout=dropout)
@@ -50,22 +50,22 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
     import torch
     from .data import dataset as load
 
-    _common.set_threads(threads)
-    g = graph if graph is not None else load(dataset, _common.data_root(data), seed=seed)
+    common.set_threads(threads)
+    g = graph if graph is not None else load(dataset, common.data_root(data), seed=seed)
     d = DEFAULTS[model]
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*(beta|invariant)")
         net, inputs, gt = prepare(backend, model, g, hidden, heads, dropout)
         if device != "cpu":
-            net, gt = net.to(device), _common.to_device(gt, device)
+            net, gt = net.to(device), common.to_device(gt, device)
             inputs = (gt.x, gt) if backend != "pyg" else (gt.x, inputs[1].to(device))
         opt = torch.optim.Adam(net.parameters(), lr=lr or d["lr"],
                                weight_decay=d["weight_decay"] if weight_decay is None else weight_decay)
         labels, train_idx = gt.labels, gt.train_idx
-        train_watch, infer_watch = _common.Stopwatch(), _common.Stopwatch()
+        train_watch, infer_watch = common.Stopwatch(), common.Stopwatch()
         best_val, test_at_best, losses = -1.0, 0.0, []
-        bar = _common.progress(range(epochs), f"{model} {backend} {g.name}", quiet)
+        bar = common.progress(range(epochs), f"{model} {backend} {g.name}", quiet)
         for _ in bar:
             with train_watch:
                 net.train()
@@ -94,7 +94,7 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
 
 
 def main(argv=None) -> dict:
-    p = _common.parser("gnn", __doc__.splitlines()[0], BACKENDS, epochs=200)
+    p = common.parser("gnn", __doc__.splitlines()[0], BACKENDS, epochs=200)
     p.add_argument("--model", choices=tuple(DEFAULTS), default="gcn")
     p.add_argument("--dataset", default="cora", help="cora, citeseer (from --data; generated look-alikes when "
                    "there is none), sbm (Cora-sized generated graph) or sbm-<nodes>, e.g. sbm-100000")
@@ -103,10 +103,10 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--dropout", type=float, default=None)
-    _common.add_device(p)
+    common.add_device(p)
     a = p.parse_args(argv)
-    _common.set_threads(a.threads)
+    common.set_threads(a.threads)
     result = run(a.backend, a.model, a.dataset, a.epochs, a.threads, a.seed, a.quiet, a.data, a.hidden, a.heads,
                  a.lr, a.weight_decay, a.dropout, device=a.device)
-    _common.report(f"apps.gnn: {a.model} on {result['data']} with {a.backend}", result)
+    common.report(f"apps.gnn: {a.model} on {result['data']} with {a.backend}", result)
     return result

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 
-from .. import _common
+from .. import common
 
 BACKENDS = ("scorch", "torch")
 EPOCHS = 8
@@ -44,11 +44,11 @@ def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: i
     from .model import SPELLINGS
     if opt["einsum"] not in SPELLINGS:
         raise ValueError(f"einsum spelling {opt['einsum']!r}: choose from {', '.join(SPELLINGS)}")
-    _common.set_threads(threads)
+    common.set_threads(threads)
     import torch as real_torch
     from . import data as data_mod, model as model_mod  # noqa: E401
 
-    torch = _common.backend_module(backend)
+    torch = common.backend_module(backend)
     dtype = getattr(real_torch, opt["dtype"])
     task = data_mod.make(opt["tokens"], opt["dim"], opt["hidden"], opt["experts"], opt["top_k"], opt["batches"],
                          opt["test_batches"], seed, dtype=dtype)
@@ -59,10 +59,10 @@ def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: i
     optimizer = torch.optim.Adam(model.parameters(), lr=opt["lr"])
     F = torch.nn.functional
 
-    epoch_watch, step_watch, infer_watch = _common.Stopwatch(), _common.Stopwatch(), _common.Stopwatch()
+    epoch_watch, step_watch, infer_watch = common.Stopwatch(), common.Stopwatch(), common.Stopwatch()
     order_gen = real_torch.Generator().manual_seed(seed + 1)
     losses, epoch_losses, test_curve = [], [], []
-    bar = _common.progress(range(epochs), desc=f"moe[{backend}]", quiet=quiet)
+    bar = common.progress(range(epochs), desc=f"moe[{backend}]", quiet=quiet)
     start = time.perf_counter()
     for epoch in bar:
         model.train()
@@ -117,7 +117,7 @@ def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: i
 
 
 def main(argv=None) -> dict:
-    p = _common.parser("moe", "Mixture of experts (top-1 / top-2 gating, experts as one (experts, dim, hidden) "
+    p = common.parser("moe", "Mixture of experts (top-1 / top-2 gating, experts as one (experts, dim, hidden) "
                        "tensor, einsum style) trained to imitate a random teacher MoE. scorch: the gate tensors are "
                        "sparse CSR and only the selected experts are computed; torch: dense gates, so the einsums "
                        "work on every (token, expert) pair. The task is generated: --data is not read.",
@@ -141,4 +141,4 @@ def main(argv=None) -> dict:
                         "then 'bnd,ndh->bh'; combine 'bd,ndh->bnh' then 'bn,bnh->bh'")
     p.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"])
     args = p.parse_args(argv)
-    return _common.run_and_report("moe", run, args, DEFAULTS)
+    return common.run_and_report("moe", run, args, DEFAULTS)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 
-from .. import _common
+from .. import common
 
 
 def prepare(backend, einsum, tokens, dim, hidden, experts, top_k, seed=0):
     """``(step, infer)`` closures for one configuration, built as ``apps.moe.run`` builds its model."""
     import torch as real_torch
     from . import model as model_mod
-    torch = _common.backend_module(backend)
+    torch = common.backend_module(backend)
     F = torch.nn.functional
     torch.manual_seed(seed)
     model = model_mod.build(torch, dim, hidden, experts, top_k, sparse_gate=(backend == "scorch"), einsum=einsum)
@@ -43,7 +43,7 @@ def time_configs(configs, tokens, dim, hidden, experts, top_k, repeats):
     (scorch compiles its kernels then). The repeats are interleaved across the configurations (A B C A B C ...),
     so a change in the machine's load hits them all alike and the ratios stay fair on a shared machine."""
     fns = {c: prepare(*c, tokens, dim, hidden, experts, top_k) for c in configs}
-    watches = {c: (_common.Stopwatch(), _common.Stopwatch()) for c in configs}
+    watches = {c: (common.Stopwatch(), common.Stopwatch()) for c in configs}
     for r in range(repeats + 1):
         for c in configs:
             step, infer = fns[c]
@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    _common.set_threads(args.threads)
+    common.set_threads(args.threads)
     hidden = args.hidden or args.dim
     print(f"tokens={args.tokens} dim={args.dim} hidden={hidden} threads={args.threads} repeats={args.repeats}"
           " (medians; speedup over torch/fused)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 
-from .. import _common
+from .. import common
 
 BACKENDS = ("scorch", "torch")
 EPOCHS = 60
@@ -59,7 +59,7 @@ class Session:
         from . import model as model_mod
         opt = {**DEFAULTS, **options}
         self.backend, self.dataset, self.options = backend, dataset, opt
-        self.torch = torch = _common.backend_module(backend)
+        self.torch = torch = common.backend_module(backend)
         dtype = getattr(real_torch, opt["dtype"])
         (self.batch_obs, self.batch_y, self.train_obs, self.train_y, self.test_obs, self.test_y,
          self.user_feat, self.item_feat) = operands(torch, backend, dataset, opt["batches"], seed, dtype)
@@ -126,14 +126,14 @@ def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: i
     if quick:
         epochs = min(epochs, QUICK_EPOCHS)
     _check(backend, epochs, options)
-    _common.set_threads(threads)
+    common.set_threads(threads)
     dataset = load_data(data, seed, **options)
     session = Session(backend, dataset, seed, **options)
     opt = session.options
 
-    epoch_watch, infer_watch = _common.Stopwatch(), _common.Stopwatch()
+    epoch_watch, infer_watch = common.Stopwatch(), common.Stopwatch()
     losses, test_curve = [], []
-    bar = _common.progress(range(epochs), desc=f"recsys[{backend}]", quiet=quiet)
+    bar = common.progress(range(epochs), desc=f"recsys[{backend}]", quiet=quiet)
     start = time.perf_counter()
     for _ in bar:
         with epoch_watch:
@@ -175,7 +175,7 @@ def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: i
 
 
 def main(argv=None) -> dict:
-    p = _common.parser("recsys", "Matrix factorization with multi-hot side features on MovieLens-100k: the loss "
+    p = common.parser("recsys", "Matrix factorization with multi-hot side features on MovieLens-100k: the loss "
                        "on observed ratings by SDDMM, feature embedding bags by SpMM (scorch), or gathers and "
                        "nn.EmbeddingBag (torch).", backends=BACKENDS, epochs=EPOCHS)
     p.add_argument("--rank", type=int, default=DEFAULTS["rank"], help=f"factor rank (default {DEFAULTS['rank']})")
@@ -193,4 +193,4 @@ def main(argv=None) -> dict:
     p.add_argument("--items", type=int, default=DEFAULTS["items"])
     p.add_argument("--ratings", type=int, default=DEFAULTS["ratings"])
     args = p.parse_args(argv)
-    return _common.run_and_report("recsys", run, args, DEFAULTS)
+    return common.run_and_report("recsys", run, args, DEFAULTS)

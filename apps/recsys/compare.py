@@ -10,18 +10,18 @@ from __future__ import annotations
 import statistics
 import time
 
-from .. import _common
+from .. import common
 from . import BACKENDS, DEFAULTS, EPOCHS, Session, _check, load_data
 
 
 def compare(epochs: int = EPOCHS, threads: int = 2, seed: int = 0, data=None, quiet: bool = True,
             **options) -> dict:
     _check(BACKENDS[0], epochs, options)
-    _common.set_threads(threads)
+    common.set_threads(threads)
     dataset = load_data(data, seed, **options)
     sessions = {b: Session(b, dataset, seed, **options) for b in BACKENDS}
     times = {b: ([], []) for b in BACKENDS}
-    for _ in _common.progress(range(epochs), desc="recsys compare", quiet=quiet):
+    for _ in common.progress(range(epochs), desc="recsys compare", quiet=quiet):
         for b, s in sessions.items():
             t0 = time.perf_counter()
             s.train_epoch()
@@ -40,7 +40,7 @@ def compare(epochs: int = EPOCHS, threads: int = 2, seed: int = 0, data=None, qu
 
 
 def main(argv=None) -> dict:
-    p = _common.parser("recsys.compare", "Epoch and prediction times of the recsys backends, interleaved in one "
+    p = common.parser("recsys.compare", "Epoch and prediction times of the recsys backends, interleaved in one "
                        "process (--backend: both, always).", backends=("both",), epochs=EPOCHS)
     p.add_argument("--rank", type=int, default=DEFAULTS["rank"])
     p.add_argument("--batches", type=int, default=DEFAULTS["batches"])
@@ -48,7 +48,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     result = compare(args.epochs, args.threads, args.seed, args.data, args.quiet, rank=args.rank,
                      batches=args.batches, generated=args.generated)
-    _common.report("recsys: scorch vs torch, interleaved", result)
+    common.report("recsys: scorch vs torch, interleaved", result)
     return result
 
 

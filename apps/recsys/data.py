@@ -17,7 +17,7 @@ import pathlib
 
 import torch
 
-from .. import _common
+from .. import common
 
 FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
 # ML-1M's age groups, applied to ML-100k's exact ages
@@ -92,12 +92,12 @@ def _ml100k_in(folder: pathlib.Path) -> pathlib.Path | None:
 def locate(data: str | None) -> pathlib.Path | None:
     """The ML-100k folder to read, or None (generate). An explicit ``data`` folder must hold the files."""
     if data:
-        root = _common.data_root(data)
+        root = common.data_root(data)
         found = _ml100k_in(root)
         if found is None:
             raise FileNotFoundError(f"no ML-100k files ({', '.join(FILES)}) in {str(root)!r} or its ml-100k/")
         return found
-    root = _common.data_root(None)          # $SCORCH_DATA or ../shared/data, when they exist
+    root = common.data_root(None)          # $SCORCH_DATA or ../shared/data, when they exist
     if root is not None and _ml100k_in(root) is not None:
         return _ml100k_in(root)
     return recbole_dir()

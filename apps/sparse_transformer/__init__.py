@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from .. import _common
+from .. import common
 from . import model as _model
 
 BACKENDS = ("scorch", "dense", "sparse")
@@ -34,7 +34,7 @@ DEFAULTS = dict(seq_len=512, window=64, n_globals=2, random_blocks=1, block=64, 
 def _torch_for(backend):
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    return _common.backend_module(backend)
+    return common.backend_module(backend)
 
 
 def pattern_and_mask(backend, seq_len, window, n_globals, random_blocks, block, seed=0):
@@ -65,7 +65,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     from .task import CLASSES, IGNORE, make_task
     cfg = _config(options)
     if threads:
-        _common.set_threads(threads)
+        common.set_threads(threads)
     torch = _torch_for(backend)
     import torch as real_torch  # data and bookkeeping: plain tensors under every backend
 
@@ -77,14 +77,14 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     net = _model.build_encoder(torch, cfg["vocab"], cfg["d_model"], cfg["heads"], cfg["layers"], CLASSES, seed,
                                fuse=cfg["fuse"])
     if device != "cpu":
-        net, mask = net.to(device), _common.to_device(mask, device)
-        x_train, y_train, x_test, y_test = _common.to_device((x_train, y_train, x_test, y_test), device)
+        net, mask = net.to(device), common.to_device(mask, device)
+        x_train, y_train, x_test, y_test = common.to_device((x_train, y_train, x_test, y_test), device)
     opt = torch.optim.Adam(net.parameters(), lr=cfg["lr"])
     F = torch.nn.functional
     bs = cfg["batch"]
     order_gen = real_torch.Generator().manual_seed(seed + 3)
 
-    epoch_watch, step_watch = _common.Stopwatch(), _common.Stopwatch()
+    epoch_watch, step_watch = common.Stopwatch(), common.Stopwatch()
     losses = []
     steps_per_epoch = (cfg["train_size"] + bs - 1) // bs
     for epoch in range(epochs):
@@ -92,7 +92,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         perm = real_torch.randperm(cfg["train_size"], generator=order_gen).to(x_train.device)
         batches = [perm[i:i + bs] for i in range(0, cfg["train_size"], bs)]
         with epoch_watch:
-            for idx in _common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
+            for idx in common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
                 with step_watch:
                     logits = net(x_train[idx], mask)
                     loss = F.cross_entropy(logits.reshape(-1, CLASSES), y_train[idx].reshape(-1),
@@ -103,7 +103,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
                 losses.append(float(loss.detach()))
 
     net.eval()
-    infer_watch = _common.Stopwatch()
+    infer_watch = common.Stopwatch()
     correct = total = 0
     test_loss = 0.0
     with torch.no_grad():
@@ -152,7 +152,7 @@ def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, bl
     forward+backward first, untimed, compiles scorch's kernels."""
     from .pattern import density
     if threads:
-        _common.set_threads(threads)
+        common.set_threads(threads)
     torch, crow, layer, x, grad, mask = attention_setup(backend, seq_len, window, n_globals, random_blocks,
                                                         block, d_model, heads, batch, seed, fuse)
 
@@ -200,7 +200,7 @@ def _memory_child(backend, mode, seq_len, window, n_globals, random_blocks, bloc
     RSS (``getrusage``) minus the RSS just before it. The parent sets ``MALLOC_MMAP_THRESHOLD_``, so the
     warm-up's large blocks went back to the system and cannot be reused unseen by the measured step."""
     import gc
-    _common.set_threads(threads)
+    common.set_threads(threads)
     torch, _, layer, x, grad, mask = attention_setup(backend, seq_len, window, n_globals, random_blocks, block,
                                                      d_model, heads, batch, seed)
     if mode == "fwd":
@@ -215,14 +215,14 @@ def _memory_child(backend, mode, seq_len, window, n_globals, random_blocks, bloc
     gc.collect()
     reset = _reset_peak()
     before = _rss_bytes()
-    peak_before = _common.peak_rss_bytes()
+    peak_before = common.peak_rss_bytes()
     if mode == "fwd":
         with torch.no_grad():
             out = layer(x, mask)
     else:
         layer(x, mask).backward(grad)
         out = x.grad
-    peak = _common.peak_rss_bytes()
+    peak = common.peak_rss_bytes()
     return {"backend": backend, "mode": mode, "seq_len": seq_len, "nnz": int(crow[-1]), "rss_before": before,
             "peak": peak, "peak_before": peak_before, "peak_reset": reset,
             "peak_delta": max(0, peak - before), "finite": bool(out.isfinite().all())}
@@ -241,7 +241,7 @@ def measure_memory(backend, seq_len, mode="fwd_bwd", window=64, n_globals=2, ran
     code = ("import json, sys; from apps.sparse_transformer import _memory_child; "
             f"print('RESULT ' + json.dumps(_memory_child(**{args!r})))")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(_common.ROOT), env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(common.ROOT), env=env, capture_output=True,
                           text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -252,8 +252,8 @@ def measure_memory(backend, seq_len, mode="fwd_bwd", window=64, n_globals=2, ran
 # --- command line ----------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    p = _common.parser("sparse_transformer", __doc__.splitlines()[0], backends=BACKENDS, epochs=4)
-    _common.add_device(p)
+    p = common.parser("sparse_transformer", __doc__.splitlines()[0], backends=BACKENDS, epochs=4)
+    common.add_device(p)
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="sequence length (default %(default)s)")
     p.add_argument("--window", type=int, default=DEFAULTS["window"],
                    help="local window in tokens, half on each side (default %(default)s)")
@@ -282,13 +282,13 @@ def main(argv=None):
     p.add_argument("--fuse", action="store_true", help="scorch backend: run each head's SDDMM -> softmax -> SpMM as"
                    " one fused kernel (scorch.compile)")
     a = p.parse_args(argv)
-    _common.set_threads(a.threads)
-    _common.data_root(a.data)  # checked for existence only: the task is synthetic, generated from --seed
+    common.set_threads(a.threads)
+    common.data_root(a.data)  # checked for existence only: the task is synthetic, generated from --seed
     shape = dict(window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
                  d_model=a.d_model, heads=a.heads, batch=a.batch, seed=a.seed)
     if a.time_attention:
         r = time_attention(a.backend, a.seq_len, repeats=a.repeats, threads=a.threads, fuse=a.fuse, **shape)
-        _common.report(f"sparse_transformer attention layer ({a.backend})", r)
+        common.report(f"sparse_transformer attention layer ({a.backend})", r)
         return r
     if a.measure_memory:
         r = {"backend": a.backend, "seq_len": a.seq_len}
@@ -296,12 +296,12 @@ def main(argv=None):
             m = measure_memory(a.backend, a.seq_len, mode=mode, threads=a.threads, **shape)
             r["nnz"] = m["nnz"]
             r[f"{mode}_peak_MiB"] = m["peak_delta"] / 2**20
-        _common.report(f"sparse_transformer attention layer memory ({a.backend})", r)
+        common.report(f"sparse_transformer attention layer memory ({a.backend})", r)
         return r
     r = run(a.backend, epochs=a.epochs, threads=a.threads, seed=a.seed, quiet=a.quiet, data=a.data,
             seq_len=a.seq_len, window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
             d_model=a.d_model, heads=a.heads, layers=a.layers, batch=a.batch, train_size=a.train_size,
             test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device, fuse=a.fuse)
     shown = {k: v for k, v in r.items() if k != "losses"}
-    _common.report(f"sparse_transformer ({a.backend})", shown)
+    common.report(f"sparse_transformer ({a.backend})", shown)
     return r

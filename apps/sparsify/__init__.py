@@ -23,7 +23,7 @@ import re
 import statistics
 import time
 
-from .. import _common
+from .. import common
 
 FORMATS = {
     # name: (how the weights are pruned, how they are stored)
@@ -51,7 +51,7 @@ def features(dataset: str, data, seed: int):
     import torch
 
     from ..gnn.data import dataset as load
-    g = load(dataset, _common.data_root(data), seed=seed)
+    g = load(dataset, common.data_root(data), seed=seed)
     n = g.num_nodes
     x = torch.zeros(n, -(-g.num_features // 4) * 4)
     rows = np.repeat(np.arange(n), np.diff(g.feat_indptr))
@@ -125,7 +125,7 @@ def train(model, x, y, idx, epochs: int, lr: float, batch: int, seed: int, desc:
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     times = []
-    for _ in _common.progress(range(epochs), desc, quiet):
+    for _ in common.progress(range(epochs), desc, quiet):
         model.train()
         t0 = time.perf_counter()
         for part in idx[torch.randperm(idx.numel(), generator=gen)].split(batch):
@@ -274,7 +274,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = _common.parser("sparsify", "Prune a torch.nn model with scorch.schedule to 50/75/90% sparsity, fine-tune, "
+    p = common.parser("sparsify", "Prune a torch.nn model with scorch.schedule to 50/75/90% sparsity, fine-tune, "
                        "and compare accuracy, weight bytes and time with the dense model", ("scorch",),
                        DEFAULTS["epochs"])
     t = TRANSFORMER
@@ -302,7 +302,7 @@ def main(argv=None) -> dict:
             action.help = f"dense training epochs (default {DEFAULTS['epochs']} for mlp, {t['epochs']} for transformer)"
     args = p.parse_args(argv)
     args.sparsities = tuple(float(s) for s in args.sparsities.split(",") if s.strip())
-    result = _common.run_and_report("sparsify", run, args, ("model", "dataset", "format", "sparsities", "hidden",
+    result = common.run_and_report("sparsify", run, args, ("model", "dataset", "format", "sparsities", "hidden",
                                                             "finetune_epochs", "batch", "repeats", "sequences"))
     print(table(result))
     return result

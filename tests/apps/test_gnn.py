@@ -7,7 +7,7 @@ import torch
 
 import scorch
 from conftest import run_app
-from apps import _common
+from apps import common
 from apps.gnn import data as gdata
 from apps.gnn import model as gmodel
 from apps import gnn
@@ -44,11 +44,11 @@ def test_unknown_inputs_are_named():
     with pytest.raises(ValueError, match="unknown backend"):
         gnn.run(backend="jax", epochs=1)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        _common.data_root("/no/such/folder")
+        common.data_root("/no/such/folder")
 
 
 def test_planetoid_files_load_when_present():
-    root = _common.data_root(None)
+    root = common.data_root(None)
     if root is None or not (root / "planetoid" / "cora.npz").is_file():
         pytest.skip("../shared/data/planetoid is not beside this checkout")
     g = gdata.dataset("cora", root)
@@ -126,7 +126,7 @@ def test_scorch_trains_on_the_gpu_as_on_the_cpu(small, arch):
 def test_to_device_moves_dataclass_fields(small):
     """The helper behind --device moves every tensor field of the graph tensors (here to the CPU: the same)."""
     gt = gmodel.graph_tensors(scorch, small)
-    moved = _common.to_device(gt, "cpu")
+    moved = common.to_device(gt, "cpu")
     assert type(moved) is type(gt) and moved.num_nodes == gt.num_nodes
     assert torch.equal(moved.labels, gt.labels) and isinstance(moved.adj, scorch.SparseTensor)
-    assert _common.to_device(gt, None) is gt
+    assert common.to_device(gt, None) is gt
