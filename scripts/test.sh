@@ -9,9 +9,10 @@ fi
 python -m pytest -q
 echo "scorch: the suite again with every dense einsum result deferred (SCORCH_DEFER=all)" >&2
 # (less the tests that only build kernels in child processes with their own cache and environment, ~3 minutes:
-# sources compiled to PTX, the sanitizer builds of the einsum matrix, plans kept on disk, the golden sources;
-# deferral does not change what they build)
+# sources compiled to PTX, the sanitizer builds of the einsum matrix and of damaged cache entries, plans kept on
+# disk, the golden sources: deferral does not change what they build)
 SCORCH_DEFER=all exec python -m pytest -q -p no:cacheprovider \
     --deselect "tests/compiler/test_cuda.py::test_matrix_cuda_sources_compile" \
     --deselect "tests/compiler/test_sanitize.py::test_matrix_subset_under_sanitizers" \
+    --deselect "tests/compiler/test_sanitize.py::test_damaged_cache_entries_under_sanitizers" \
     --deselect "tests/compiler/test_plan_store.py" --deselect "tests/compiler/test_golden.py"
