@@ -19,8 +19,6 @@ class Cache(dict):
     def __repr__(self):
         return f"<cache {self.name}: {len(self)} entries: {self.what}>"
 
-    __hash__ = object.__hash__  # (one per name, registered once)
-
 
 _REGISTRY: dict = {}
 _CLEARERS: dict = {}

@@ -102,10 +102,11 @@ def compiled_plan(key, asg, output, sched0, sizes, broadcast, backend):
     plan_key += (target_of(backend),)
     plan = _COMPILED.get(plan_key)
     if plan is None:
-        plan = _stored_plan(plan_key, backend)
+        path = _plan_path(plan_key)
+        plan = _stored_plan(path, plan_key, backend)
         if plan is None:
             plan = compile_plan(asg, output, sizes, broadcast, backend, key[7], sched0)
-            _store_plan(plan_key, plan)
+            _store_plan(path, plan_key, plan)
         _COMPILED[plan_key] = plan
     return plan, plan_key
 
@@ -324,20 +325,17 @@ def _plan_path(plan_key):
     return runtime.cache_dir() / "plans" / f"{name}.pkl"
 
 
-def _stored_plan(plan_key, backend):
-    """The plan kept on disk for ``plan_key``, its kernel loaded; None where there is none (or it is damaged, or
-    another key's, or another compiler's)."""
+def _stored_plan(path, plan_key, backend):
+    """The plan kept at ``path`` for ``plan_key``, its kernel loaded; None where there is none (or it is damaged,
+    or another key's, or another compiler's: compiled again, and written over)."""
     import pickle
     try:
-        path = _plan_path(plan_key)
         with open(path, "rb") as f:
             fingerprint, key, fields = pickle.load(f)
         if fingerprint != _fingerprint() or key != plan_key:
             return None
         plan = Plan(*fields)
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001  (a damaged or foreign entry: compiled again, and written over)
+    except Exception:  # noqa: BLE001  (none yet, damaged, or foreign)
         return None
     mapping = map_to_gpu(plan.lowered.kernel) if target_for(backend).name == "cuda" else None
     plan.kernel = load(plan.source, plan.lowered.kernel, backend, mapping)
@@ -345,18 +343,14 @@ def _stored_plan(plan_key, backend):
     return plan
 
 
-def _store_plan(plan_key, plan):
-    """Keep ``plan`` on disk (written to a temporary name and renamed: readers never see half a file). A cache
-    that cannot be written keeps nothing."""
-    import os
+def _store_plan(path, plan_key, plan):
+    """Keep ``plan`` at ``path`` (``runtime.write_atomic``: readers never see half a file). A cache that cannot
+    be written keeps nothing."""
     import pickle
     fields = (plan.asg, plan.output, plan.schedule, plan.lowered, plan.source, None, plan.assemble_from_dense)
     try:
-        path = _plan_path(plan_key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump((_fingerprint(), plan_key, fields), f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
+        entry = pickle.dumps((_fingerprint(), plan_key, fields), protocol=pickle.HIGHEST_PROTOCOL)
+        runtime.write_atomic(path, entry)
     except (OSError, pickle.PicklingError, TypeError, AttributeError):
         pass

@@ -215,7 +215,7 @@ def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str 
         lib = _load_cached(so_path, key)
         if lib is None:
             if not cpp_path.exists() or cpp_path.read_text(encoding="utf-8") != stamped:
-                _write_atomic(cpp_path, stamped)
+                write_atomic(cpp_path, stamped)
             seconds = _compile(cxx, flag_set, cpp_path, so_path, key)
             origin = "compiled"
             try:
@@ -226,7 +226,7 @@ def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str 
                 raise CompileError(f"scorch: compiled {cpp_path} but {so_path} does not verify (another process"
                                    " replaced it?)", cpp_path)
         elif not cpp_path.exists():  # keep the source beside the binary for debugging
-            _write_atomic(cpp_path, stamped)
+            write_atomic(cpp_path, stamped)
         with _lock:
             _libs[so_path] = lib
         return _kernel(lib, symbol, argtypes, restype, path, cpp_path, origin, seconds)
@@ -280,7 +280,7 @@ def ptx(source: str, arch: str) -> str:
         return path.read_text(encoding="utf-8")
     os.makedirs(path.parent, exist_ok=True)
     cu = path.with_suffix(".cu")
-    _write_atomic(cu, source)
+    write_atomic(cu, source)
     _compile(cc, flag_set, cu, str(path))
     return path.read_text(encoding="utf-8")
 
@@ -343,11 +343,13 @@ def _tmp_name(path: str | os.PathLike) -> str:
     return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
+def write_atomic(path: pathlib.Path, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through a unique temporary name and ``os.replace``:
+    readers, in this process or another, see the old file or the whole new one, never a part."""
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         _unlink(tmp)

@@ -6,7 +6,7 @@ without write conflicts (dense x sparse: ``out[i, k] += X[i, j] * A[j, k]`` runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from ..formats import Compressed, Dense, Div, Format, Mod, Var
@@ -94,10 +94,10 @@ class Directives:
         if not isinstance(spec, dict):
             raise TypeError(f"scorch: schedule= takes a loop order (str), a dict of Directives fields or Directives,"
                             f" got {type(spec).__name__}")
-        unknown = set(spec) - {"order", "parallel", "transpose", "workspace", "temporary"}
+        known = [f.name for f in fields(Directives)]
+        unknown = set(spec) - set(known)
         if unknown:
-            raise ValueError(f"scorch: unknown schedule fields {sorted(unknown)} (order, parallel, transpose, workspace,"
-                             " temporary)")
+            raise ValueError(f"scorch: unknown schedule fields {sorted(unknown)} ({', '.join(known)})")
         d = dict(spec)
         if isinstance(d.get("order"), str):
             d["order"] = tuple(d["order"].replace(" ", "").replace(",", "").replace("->", ""))
@@ -179,14 +179,10 @@ def _directed(asg, out, sizes, d: Directives) -> Schedule:
         auto = schedule(asg, out, sizes)
         outer, inner = auto.outer, auto.inner
     else:
+        # (discordant_format checks the order: every letter once, the sparse letters consecutive)
         if discordant_format(asg, d) is not None:  # (the engine converts first: an internal caller's mistake)
             raise ValueError(f"scorch: schedule order {''.join(d.order)!r} is discordant with {fmt.name or fmt}")
-        at = [d.order.index(v) for v in stored]
-        if at != list(range(at[0], at[0] + len(at))):
-            between = [v for v in d.order[at[0]:at[-1]] if v not in stored]
-            raise ValueError(f"scorch: schedule order {''.join(d.order)!r} puts {', '.join(between)} between the levels"
-                             f" of the sparse operand T{drv.operand} ({fmt.name or fmt}: {''.join(stored)}); a dense"
-                             " loop runs outside all of its levels or inside all of them")
+        at = [d.order.index(v) for v in stored]  # consecutive, in storage order
         outer, inner = tuple(d.order[:at[0]]), tuple(d.order[at[-1] + 1:])
     first = outer[0] if outer else stored[0]
     if d.parallel is None:

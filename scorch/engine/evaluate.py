@@ -24,7 +24,7 @@ from . import grouped
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
 from .bind import STRUCTURAL, backend_for, cast, index_sizes, result_dtype
-from .run import PREPARED, run, signature
+from .run import PREPARED, call_signature, run, signature
 
 _FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
 _PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
@@ -102,8 +102,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
             return evaluate_tree(tree, inputs, ops, out, format, backend, explain, directives)
     result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend, directives=directives)
     if sig is not None and all(a is b for a, b in zip(ops, operands)):
-        fast = PREPARED.get((inputs, out, format, None, "sum", STRUCTURAL.on, directives) +
-                            tuple(signature(x) for x in ops))
+        fast = PREPARED.get(call_signature(inputs, out, ops, format, None, "sum", directives))
         if fast is not None and len(_FAST_EQ) < 4096:
             _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
     return result

@@ -60,6 +60,12 @@ def _memory_order(inputs, ops):
     return tuple(inputs), ops
 
 
+def call_signature(inputs, out, ops, format, rhs, reduce, directives) -> tuple:
+    """The key of a prepared call (``PREPARED``): the assignment, the requested format, the user's directives,
+    whether results are structural (``structural_results``) and each operand's ``signature``."""
+    return (inputs, out, format, rhs, reduce, STRUCTURAL.on, directives) + tuple(signature(x) for x in ops)
+
+
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
         reduce="sum", directives=None):
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
@@ -74,7 +80,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if rhs is None and not all(type(x) is SparseTensor or x.is_contiguous() for x in ops):
         inputs, ops = _memory_order(inputs, ops)
     # (a differentiable einsum's result may take another format: structural_results)
-    sig = (inputs, out, format, rhs, reduce, STRUCTURAL.on, directives) + tuple(signature(x) for x in ops)
+    sig = call_signature(inputs, out, ops, format, rhs, reduce, directives)
     fast = PREPARED.get(sig)
     if fast is not None and not explain and backend == "cpp":
         return fast(ops, scalars)
@@ -127,15 +133,12 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         sizes, broadcast = index_sizes(inputs, ops, name)
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
-    if not prepared_ok:  # operands changed: the prepared call of what the kernel now gets
-        sig = (inputs, target, format, rhs, reduce, STRUCTURAL.on, directives) + tuple(signature(x) for x in ops)
+    fast = None
+    if not prepared_ok:  # the kernel gets other operands than the call's: its prepared call is kept under theirs
+        sig = call_signature(inputs, target, ops, format, rhs, reduce, directives)
         fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
-        prepared_ok = fast is None
-    if fast is not None and prepared_ok is False:
-        result = fast(ops, scalars)
-    else:
-        result = _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs,
-                         sig if prepared_ok else None)
+    result = fast(ops, scalars) if fast is not None else _kernel(
+        key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig)
     return result if perm is None else result.permute(*[perm.index(v) for v in out])
 
 
@@ -172,9 +175,9 @@ def _reformat(asg, sched0, ops, sizes, backend, directives, explain):
 
 def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig):
     """The compiled kernel of one sparse operand's plan run on ``ops`` (or the measured faster library call, on a
-    GPU); its prepared call kept under ``sig`` (None: not kept)."""
+    GPU); its prepared call kept under ``sig``."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
-    if backend == "cpp" and sig is not None and len(PREPARED) < 4096:
+    if backend == "cpp" and len(PREPARED) < 4096:
         PREPARED[sig] = prepared_call(plan, sizes, dtype)
     if plan.library_call is not None and rhs is None and library.ENABLED:
         name, fn = plan.library_call
