@@ -102,13 +102,23 @@ def compiled_plan(key, asg, output, sched0, sizes, broadcast, backend):
     plan_key += (target_of(backend),)
     plan = _COMPILED.get(plan_key)
     if plan is None:
-        path = _plan_path(plan_key)
-        plan = _stored_plan(path, plan_key, backend)
+        plan = _stored_plan(plan_key, backend)
         if plan is None:
             plan = compile_plan(asg, output, sizes, broadcast, backend, key[7], sched0)
-            _store_plan(path, plan_key, plan)
+            _store_plan(plan_key, plan, backend)
         _COMPILED[plan_key] = plan
     return plan, plan_key
+
+
+def kept_plan(plan_key, backend="cpp"):
+    """The compiled plan of ``plan_key`` (a key ``compiled_plan`` made) from the memory cache or the plans kept on
+    disk, or None where it is in neither (nothing is compiled here)."""
+    plan = _COMPILED.get(plan_key)
+    if plan is None:
+        plan = _stored_plan(plan_key, backend)
+        if plan is not None:
+            _COMPILED[plan_key] = plan
+    return plan
 
 
 def lowerable(asg, output: OutputFormat) -> OutputFormat:
@@ -177,11 +187,12 @@ def render(kernel: L.Kernel, target: Target, mapping=None) -> str:
     return cuda.generate(kernel, mapping) if target.name == "cuda" else cpp.generate(kernel)
 
 
-def load(source: str, kernel: L.Kernel, backend="cpp", mapping=None):
+def load(source: str, kernel: L.Kernel, backend="cpp", mapping=None, argtypes=None):
     """``source`` (``kernel`` rendered for the backend's target) compiled, or found in a cache, and loaded: a
-    ``runtime.Kernel``, or a ``CudaKernel`` launcher that keeps its ``mapping``."""
+    ``runtime.Kernel``, or a ``CudaKernel`` launcher that keeps its ``mapping``. ``argtypes``: the C kernel's
+    ``cpp.argtypes``, where known."""
     if target_of(backend) == "cpu":
-        return runtime.load(source, kernel.name, cpp.argtypes(kernel))
+        return runtime.load(source, kernel.name, argtypes or cpp.argtypes(kernel))
     import ctypes
     emulated = backend == "cuda-emulate"
     arch = "" if emulated else _cuda_arch()
@@ -297,60 +308,34 @@ def conversion_plan(source: TensorType, fmt, drop_zeros, rc) -> dict:
 # --- plans kept on disk ---------------------------------------------------------------------------------------
 # A new process asks for the kernels the last one compiled: the disk cache (``runtime``) holds their libraries,
 # keyed by source, but the source is only known after lowering and rendering, the most work of a first call
-# (about 1,800 of its 2,100 Python calls for an SpMM). So the plan itself (schedule, lowered kernel, source) is
-# kept too, under the plan's key, beside the libraries, and a new process loads it and goes straight to the
-# library. An entry holds its own key and is used only where that key equals the one asked for (a file name
-# shared by two keys is a miss, never the other's plan), and only by the same compiler: the fingerprint of the
-# code that makes plans (this package, the loop IR, the formats) and torch's version.
+# (about 1,800 of its 2,100 Python calls for an SpMM). So the plan itself (schedule, lowered kernel, source and
+# the kernel's C signature) is kept too, under the plan's key (``runtime.keep``), and a new process loads it and
+# goes straight to the library. An entry is used only where its key equals the one asked for, and only by the
+# same compiler: the fingerprint of the code that makes plans (this package, the loop IR, the formats).
 
-PLAN_STORE_VERSION = "p1"
-_FINGERPRINT: list = []
+PLAN_STORE_VERSION = "p2"
 
 
 def _fingerprint() -> str:
-    if not _FINGERPRINT:
-        import hashlib
-        import pathlib
-        root = pathlib.Path(__file__).resolve().parent.parent
-        h = hashlib.sha256(f"{PLAN_STORE_VERSION}|{runtime.CACHE_VERSION}|{torch.__version__}".encode())
-        for path in sorted([*root.glob("compiler/**/*.py"), root / "loopir.py", *root.glob("formats/**/*.py")]):
-            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-        _FINGERPRINT.append(h.hexdigest())
-    return _FINGERPRINT[0]
+    return PLAN_STORE_VERSION + runtime.source_fingerprint("compiler", "loopir.py", "formats")
 
 
-def _plan_path(plan_key):
-    import hashlib
-    name = hashlib.sha256(f"{_fingerprint()}|{plan_key!r}".encode()).hexdigest()
-    return runtime.cache_dir() / "plans" / f"{name}.pkl"
-
-
-def _stored_plan(path, plan_key, backend):
-    """The plan kept at ``path`` for ``plan_key``, its kernel loaded; None where there is none (or it is damaged,
-    or another key's, or another compiler's: compiled again, and written over)."""
-    import pickle
+def _stored_plan(plan_key, backend):
+    """The plan kept for ``plan_key``, its kernel loaded; None where there is none (or it is damaged, or another
+    key's, or another compiler's: compiled again, and written over)."""
+    kept = runtime.kept("plans", _fingerprint(), plan_key)
     try:
-        with open(path, "rb") as f:
-            fingerprint, key, fields = pickle.load(f)
-        if fingerprint != _fingerprint() or key != plan_key:
-            return None
+        fields, argtypes = kept
         plan = Plan(*fields)
-    except Exception:  # noqa: BLE001  (none yet, damaged, or foreign)
+    except Exception:  # noqa: BLE001  (none, or not a plan)
         return None
     mapping = map_to_gpu(plan.lowered.kernel) if target_for(backend).name == "cuda" else None
-    plan.kernel = load(plan.source, plan.lowered.kernel, backend, mapping)
+    plan.kernel = load(plan.source, plan.lowered.kernel, backend, mapping, argtypes)
     plan.library_call = library.candidate(plan.asg) if backend == "cuda" else None
     return plan
 
 
-def _store_plan(path, plan_key, plan):
-    """Keep ``plan`` at ``path`` (``runtime.write_atomic``: readers never see half a file). A cache that cannot
-    be written keeps nothing."""
-    import pickle
+def _store_plan(plan_key, plan, backend):
     fields = (plan.asg, plan.output, plan.schedule, plan.lowered, plan.source, None, plan.assemble_from_dense)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entry = pickle.dumps((_fingerprint(), plan_key, fields), protocol=pickle.HIGHEST_PROTOCOL)
-        runtime.write_atomic(path, entry)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):
-        pass
+    argtypes = cpp.argtypes(plan.lowered.kernel) if target_of(backend) == "cpu" else None
+    runtime.keep("plans", _fingerprint(), plan_key, (fields, argtypes))

@@ -356,6 +356,86 @@ def write_atomic(path: pathlib.Path, data: str | bytes) -> None:
         raise
 
 
+# --- decisions kept on disk -------------------------------------------------------------------------------------
+# Beside the compiled libraries (keyed by their source), the cache keeps what was decided on the way to them, so a
+# new process need not decide it again: plans (``pipeline``) and prepared calls (``engine.run``). An entry is a
+# pickle of (fingerprint, key, value) in ``cache_dir() / kind``, named by a digest of both; it is used only where
+# both equal the ones asked for (a shared file name is a miss, never another key's value), so the fingerprint
+# names the code that made the decision: ``source_fingerprint``.
+
+_SOURCES: dict = {}
+
+
+def source_fingerprint(*parts: str) -> str:
+    """A digest of scorch's source files under ``parts`` (paths relative to the package: folders, all their ``.py``
+    files, or files), names and contents, with torch's version and ``CACHE_VERSION``; once per process."""
+    fp = _SOURCES.get(parts)
+    if fp is None:
+        import torch
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        files = []
+
+        def walk(path, rel):
+            if os.path.isdir(path):
+                for entry in os.scandir(path):
+                    if entry.is_dir() and entry.name != "__pycache__":
+                        walk(entry.path, rel + "/" + entry.name)
+                    elif entry.name.endswith(".py"):
+                        files.append((rel + "/" + entry.name, entry.path))
+            else:
+                files.append((rel, path))
+        for part in parts:
+            walk(os.path.join(root, part), part)
+        h = hashlib.sha256(f"{CACHE_VERSION}|{torch.__version__}".encode())
+        for rel, path in sorted(files):
+            with open(path, "rb") as f:
+                h.update(rel.encode() + b"\0" + f.read() + b"\0")
+        fp = _SOURCES[parts] = h.hexdigest()
+    return fp
+
+
+def _entry_path(kind: str, fingerprint: str, key):
+    import pickle
+    buf = __import__("io").BytesIO()
+    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p.fast = True  # no memo: equal keys pickle alike whether or not they share objects
+    try:
+        p.dump(key)
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError):
+        return None  # (a key that does not pickle is not kept)
+    name = hashlib.sha256(fingerprint.encode() + b"|" + buf.getvalue()).hexdigest()
+    return cache_dir() / kind / f"{name}.pkl"
+
+
+def kept(kind: str, fingerprint: str, key):
+    """The value ``keep`` kept under ``key`` and ``fingerprint``, or None (none, damaged, another key's or
+    another code's)."""
+    import pickle
+    path = _entry_path(kind, fingerprint, key)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            fp, k, value = pickle.load(f)
+        return value if fp == fingerprint and k == key else None
+    except Exception:  # noqa: BLE001  (none yet, damaged, or foreign)
+        return None
+
+
+def keep(kind: str, fingerprint: str, key, value) -> None:
+    """Keep ``value`` (picklable) under ``key`` and ``fingerprint`` (written atomically: ``write_atomic``); a
+    cache that cannot be written keeps nothing."""
+    import pickle
+    path = _entry_path(kind, fingerprint, key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, pickle.dumps((fingerprint, key, value), protocol=pickle.HIGHEST_PROTOCOL))
+    except (OSError, pickle.PicklingError, TypeError, AttributeError, ValueError):
+        pass
+
+
 def _unlink(path: str | os.PathLike) -> None:
     try:
         os.unlink(path)

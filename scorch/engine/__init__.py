@@ -27,5 +27,7 @@ from ..compiler.caches import register  # noqa: E402
 from ..formats import format as _format  # noqa: E402
 
 register("level-bounds", "level bounds per format and shape", _format.BOUNDS.__len__, _format.BOUNDS.clear)
+register("formats-by-text", "formats by their text, for unpickling (the named ones known from import)",
+         _format.BY_TEXT.__len__, _format.BY_TEXT.clear)
 register("pattern-ones", "ones at a pattern's stored positions, per size, dtype and device",
          _sparse_tensor.ONES.__len__, _sparse_tensor.ONES.clear)

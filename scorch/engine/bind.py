@@ -89,6 +89,11 @@ def cpu_backend(name: str):
         _CPU_BACKEND.name = before
 
 
+def cpu_backend_name() -> str:
+    """The backend CPU tensors' ``"cpp"`` calls run here: ``"cpp"`` unless inside a ``cpu_backend`` block."""
+    return _CPU_BACKEND.name
+
+
 def backend_for(ops, backend, name):
     """The backend for operands on their devices: CUDA tensors run CUDA kernels; CPU tensors the requested
     backend (the ``cpu_backend`` block's for ``"cpp"``); mixed devices are refused as torch refuses them."""
@@ -211,7 +216,7 @@ def prepared_call(plan: Plan, sizes, dtype):
     asg, out = plan.asg, plan.output
     written = lowerable(asg, out)
     if asg.reduce != "sum" or (out.format is not None and not written.shared_levels) or any(
-            t.format.padded for t in asg.operands if t.sparse):
+            t.format.padded for t in asg.operands if t.format is not None):
         return lambda ops, scalars: call_plan(plan, ops, sizes, dtype, scalars or {})
     k_drv = plan.schedule.driver.operand
     out_shape = tuple(sizes[v] for v in asg.out)
@@ -232,7 +237,7 @@ def prepared_call(plan: Plan, sizes, dtype):
         elif k in ("out", "threads", "scalar"):
             template.append(None)
         else:
-            template.append(argument(a, None, None, sizes, None, None) if k in ("size",) else None)
+            template.append(sizes[a.var] if k == "size" else None)
     # the remaining static values (level bounds and operand dimensions) come from the first call
     statics = {}
     out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
@@ -242,11 +247,11 @@ def prepared_call(plan: Plan, sizes, dtype):
 
     def call(ops, scalars):
         if not statics:
-            s = ops[k_drv]
-            info, _ = level_info(s)
+            bounds = ops[k_drv].format.level_bounds(ops[k_drv]._shape)  # (no padded level here: no widths)
             for n, a in enumerate(plan.lowered.args):
                 if a.kind in ("lo", "extent"):
-                    template[n] = info[a.level][0 if a.kind == "lo" else 1]
+                    lo, hi = bounds[a.level]
+                    template[n] = lo if a.kind == "lo" else hi - lo
                 elif a.kind == "dim":
                     template[n] = shape_of(ops[a.operand])[a.level]
             statics["done"] = True

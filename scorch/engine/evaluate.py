@@ -23,8 +23,8 @@ from ..sparse_tensor import SparseTensor, needs_grad, shape_of
 from . import grouped
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
-from .bind import STRUCTURAL, backend_for, cast, index_sizes, result_dtype
-from .run import PREPARED, call_signature, run, signature
+from .bind import STRUCTURAL, backend_for, cast, cpu_backend_name, index_sizes, result_dtype
+from .run import PREPARED, call_signature, keep_call, kept_call, run, signature
 
 _FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
 _PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
@@ -73,6 +73,19 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         r = torch.einsum(equation, *prepare(operands))
         fmt = None if format is None else named.resolve(format, r.dim())
         return r if fmt is None or fmt.is_dense else asformat(r, fmt)
+    sig = None
+    if not explain and backend == "cpp" and cpu_backend_name() == "cpp" and all(type(x) is SparseTensor or (
+            isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands) and not needs_grad(operands):
+        # a signature seen before (only calls with no early step, no gradient and one kernel on the operands as
+        # given are kept under it: the end of this function)
+        sig = (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
+        fast = _FAST_EQ.get(sig)
+        if fast is None and len(_FAST_EQ) < 4096:
+            fast = kept_call(sig)  # (a new process: the call as a former one prepared it)
+            if fast is not None:
+                _FAST_EQ[sig] = fast
+        if fast is not None:
+            return fast(operands, None)
     early = _diagonals_and_sums(equation, operands, explain)
     if early is not None:
         return einsum(early[0], *early[1], format=format, explain=explain, backend=backend, schedule=directives)
@@ -80,14 +93,6 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         if directives is not None:
             return RULES.differentiable_einsum(equation, operands, format, schedule=directives)
         return RULES.differentiable_einsum(equation, operands, format)
-    if not explain and backend == "cpp" and all(type(x) is SparseTensor or (
-            isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands):
-        sig = (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
-        fast = _FAST_EQ.get(sig)
-        if fast is not None:
-            return fast(operands, None)
-    else:
-        sig = None
     ops = prepare(operands)
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
     name = f"einsum({equation!r})"
@@ -105,6 +110,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         fast = PREPARED.get(call_signature(inputs, out, ops, format, None, "sum", directives))
         if fast is not None and len(_FAST_EQ) < 4096:
             _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
+            keep_call(sig, fast)
     return result
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 
-from ..compiler import library, relayout
+import torch
+
+from ..compiler import library, relayout, runtime
 from ..compiler.caches import cache
-from ..compiler.pipeline import coiteration_plan, compiled_plan, planned, target_of
+from ..compiler.pipeline import coiteration_plan, compiled_plan, kept_plan, planned, target_of
 from ..compiler.schedule import discordant_format, transposed_for_parallel
 from ..formats import named
 from ..rules import RULES
@@ -178,7 +180,8 @@ def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, bac
     GPU); its prepared call kept under ``sig``."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
     if backend == "cpp" and len(PREPARED) < 4096:
-        PREPARED[sig] = prepared_call(plan, sizes, dtype)
+        PREPARED[sig] = fast = prepared_call(plan, sizes, dtype)
+        fast.made_of = (plan_key, sizes, dtype)  # what a call kept on disk needs to make it again (keep_call)
     if plan.library_call is not None and rhs is None and library.ENABLED:
         name, fn = plan.library_call
         plan.library = library.choose(library.key_of(plan_key, ops), name,
@@ -229,3 +232,39 @@ def row_plan(inputs, out, ops, backend="cpp"):
             relayout.moves(inputs, ops, sched0, sizes, broadcast):
         return None
     return compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)[0], sizes
+
+
+# --- calls kept on disk ----------------------------------------------------------------------------------------
+# The first call of a signature in a new process would plan again (parse, infer, schedule, the decisions above)
+# only to arrive at a plan kept on disk (``compiler.pipeline``). So the outcome of a call that went straight to
+# one kernel on the operands as given is kept too (``runtime.keep``): under its signature (``evaluate``'s: the
+# equation, requested format, directives and each operand's format, dtypes, shape and device) and the thread
+# count, the plan key, index sizes and result dtype of its prepared call. A new process with that signature loads
+# the plan and prepares the call, without planning. The fingerprint covers every scorch module: the decisions
+# are the engine's as well as the compiler's.
+
+
+def _code() -> str:
+    return "c1" + runtime.source_fingerprint(".")
+
+
+def kept_call(sig):
+    """The prepared call kept on disk for ``sig`` with this thread count, or None (none kept, or its plan no
+    longer kept)."""
+    made_of = runtime.kept("calls", _code(), (sig, torch.get_num_threads()))
+    try:
+        plan_key, sizes, dtype = made_of
+    except (TypeError, ValueError):
+        return None
+    plan = kept_plan(plan_key)
+    if plan is None:
+        return None
+    fast = prepared_call(plan, sizes, dtype)
+    fast.made_of = made_of
+    return fast
+
+
+def keep_call(sig, fast) -> None:
+    """Keep ``fast`` (a prepared call ``_kernel`` made) on disk under ``sig``."""
+    if hasattr(fast, "made_of"):
+        runtime.keep("calls", _code(), (sig, torch.get_num_threads()), fast.made_of)

@@ -39,11 +39,32 @@ def install_names(resolve, name_of) -> None:
     _resolve_name, _name_of = resolve, name_of
 
 
+#: format text -> Format: the formats a pickle names by their text (``from_text``); the named formats are known
+#: from import (``remember``), so unpickling a plan or a call kept on disk parses none of them
+BY_TEXT: dict = {}
+
+
+def from_text(text: str) -> "Format":
+    """The Format of ``text`` (``str(fmt)``): a known one, else parsed (and then known). Unpickling calls this."""
+    fmt = BY_TEXT.get(text)
+    if fmt is None:
+        fmt = Format(text)
+        if len(BY_TEXT) < 4096:
+            BY_TEXT[text] = fmt
+    return fmt
+
+
+def remember(*formats) -> None:
+    """Make ``formats`` known by their text (``from_text``)."""
+    for fmt in formats:
+        BY_TEXT.setdefault(str(fmt), fmt)
+
+
 class Format:
     """An immutable storage format. Build it from text, ``Format("(i, j) -> (i : dense, j : compressed)")``,
     a name (``Format("bsr(2, 2)")``, 2-d for the n-d names), or from parts, ``Format.from_levels(ndim, [(Var(0), Dense()), (Var(1), Compressed())])``."""
 
-    __slots__ = ("ndim", "levels", "_inverse", "_hash")
+    __slots__ = ("ndim", "levels", "_inverse", "_hash", "_text")
 
     def __init__(self, text: str | "Format"):
         if isinstance(text, Format):
@@ -76,6 +97,7 @@ class Format:
         object.__setattr__(self, "levels", tuple(levels))
         object.__setattr__(self, "_inverse", inverse)
         object.__setattr__(self, "_hash", hash((ndim, self.levels)))
+        object.__setattr__(self, "_text", None)  # (str(self), made on first use)
 
     def __setattr__(self, name, value):
         raise AttributeError("Format is immutable")
@@ -87,11 +109,15 @@ class Format:
         return self._hash
 
     def __reduce__(self):
-        return (Format, (str(self),))
+        return (from_text, (str(self),))
 
     def __str__(self):
-        names = ", ".join(dim_name(d) for d in range(self.ndim))
-        return f"({names}) -> ({', '.join(self.level_text(k) for k in range(len(self.levels)))})"
+        text = self._text
+        if text is None:
+            names = ", ".join(dim_name(d) for d in range(self.ndim))
+            text = f"({names}) -> ({', '.join(self.level_text(k) for k in range(len(self.levels)))})"
+            object.__setattr__(self, "_text", text)
+        return text
 
     def __repr__(self):
         name = self.name

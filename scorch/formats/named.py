@@ -9,7 +9,7 @@ import functools
 import re
 
 from .expr import Div, Mod, Sub, Var, check_size
-from .format import Format, install_names, nm_levels, nm_size
+from .format import Format, install_names, nm_levels, nm_size, remember
 from .levels import Compressed, Dense, Fixed, Singleton
 
 
@@ -191,3 +191,4 @@ def short_name(fmt: Format) -> str:
 
 
 install_names(resolve, name_of)  # Format("csr"), Format.name
+remember(dense, coo, csr, csc, dcsr, dcsc, ell, dia, dense_nd(1), dense_nd(3), coo_nd(1), coo_nd(3))

@@ -168,7 +168,7 @@ def _matrix_kernels():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and shutil.which("nvcc", path="/usr/local/cuda/bin") is None,
                     reason="nvcc (the CUDA toolkit) is not installed: the CUDA compile check needs it, not a GPU")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=pytest.mark.slow), "sm_90"])  # (sm_80: -m slow)
 def test_matrix_cuda_sources_compile(arch):
     kernels = _matrix_kernels()
     assert len(kernels) > 100

@@ -87,3 +87,81 @@ def test_another_keys_entry_under_this_name_is_a_miss(cache, tmp_path):
     assert "lowered again" in _run(cache, "no-lowering").stderr
     r = _run(cache, "compile")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# --- calls kept on disk (``engine/run.py``, "calls kept on disk") ------------------------------------------------
+# A call that went straight to one kernel is kept under its signature: a new process with the same signature
+# prepares the call from the kept plan without planning at all (``scorch.cache_info()["planned"]`` stays 0).
+
+CALL = textwrap.dedent("""
+    import json, sys, torch, scorch
+    torch.set_num_threads(int(sys.argv[1]))
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(20, 20, generator=g) * (torch.rand(20, 20, generator=g) < 0.2)
+    s = scorch.sparse_csr_tensor(d.to_sparse_csr().crow_indices(), d.to_sparse_csr().col_indices(),
+                                 d.to_sparse_csr().values(), (20, 20))
+    x = torch.randn(20, int(sys.argv[2]), generator=g)
+    torch.testing.assert_close(scorch.einsum("ij,jk->ik", s, x), d @ x, rtol=1e-5, atol=1e-5)
+    # a second tensor of the same signature (another pattern): the prepared call serves it too, rightly
+    d2 = torch.randn(20, 20, generator=g) * (torch.rand(20, 20, generator=g) < 0.5)
+    s2 = scorch.sparse_csr_tensor(d2.to_sparse_csr().crow_indices(), d2.to_sparse_csr().col_indices(),
+                                  d2.to_sparse_csr().values(), (20, 20))
+    torch.testing.assert_close(scorch.einsum("ij,jk->ik", s2, x), d2 @ x, rtol=1e-5, atol=1e-5)
+    print(json.dumps({k: n for k, (n, _) in scorch.cache_info().items()}))
+""")
+
+
+def _call(cache, threads=1, k=8):
+    env = dict(os.environ, SCORCH_CACHE_DIR=str(cache))
+    env.pop("SCORCH_DEFER", None)
+    r = subprocess.run([sys.executable, "-c", CALL, str(threads), str(k)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _calls(cache):
+    return sorted(pathlib.Path(cache).glob("**/calls/*.pkl"))
+
+
+@pytest.fixture(scope="module")
+def call_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("call-cache")
+    first = _call(cache)
+    assert first["planned"] >= 1 and len(_calls(cache)) == 1
+    return cache
+
+
+def test_a_new_process_prepares_a_kept_call_without_planning(call_cache, tmp_path):
+    cache = _copy(call_cache, tmp_path)
+    info = _call(cache)
+    assert info["planned"] == 0 and info["compiled"] == 1 and info["prepared-by-equation"] == 1
+
+
+def test_a_damaged_or_foreign_call_entry_is_planned_again(call_cache, tmp_path):
+    cache = _copy(call_cache, tmp_path)
+    (entry,) = _calls(cache)
+    entry.write_bytes(b"\0" * 64)
+    assert _call(cache)["planned"] >= 1  # a miss: planned again, right, and kept anew
+    assert _call(cache)["planned"] == 0
+    (entry,) = _calls(cache)
+    _call(cache, k=5)  # another signature's entry ...
+    other = [p for p in _calls(cache) if p != entry][0]
+    entry.write_bytes(other.read_bytes())  # ... under this one's name
+    assert _call(cache)["planned"] >= 1
+
+
+@pytest.mark.slow
+def test_a_kept_call_is_per_thread_count(call_cache, tmp_path):
+    """The decisions before the kernel depend on the thread count (a transposition for a parallel loop)."""
+    cache = _copy(call_cache, tmp_path)
+    assert _call(cache, threads=2)["planned"] >= 1
+    assert _call(cache, threads=2)["planned"] == 0
+
+
+def test_a_kept_call_whose_plan_is_gone_is_planned_again(call_cache, tmp_path):
+    cache = _copy(call_cache, tmp_path)
+    for p in _plans(cache):
+        p.unlink()
+    assert _call(cache)["planned"] >= 1

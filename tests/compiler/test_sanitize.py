@@ -276,7 +276,7 @@ def _sanitizer_available():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ASan preloading is set up for Linux")
-@pytest.mark.parametrize("backend", ["cpp", "cuda-emulate"])
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("cuda-emulate", marks=pytest.mark.slow)])
 def test_matrix_subset_under_sanitizers(tmp_path, backend):
     """The C++ kernels, and the CUDA kernels run by the emulation (their index arithmetic, lane and worker
     splits, scratch slices)."""
