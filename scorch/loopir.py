@@ -11,11 +11,19 @@ from typing import Optional, Union
 
 import torch
 
-#: loop-IR scalar types, and the torch dtypes that map to them
-TYPES = ("bool", "i32", "i64", "f32", "f64")
+#: loop-IR scalar types, and the torch dtypes that map to them. ``bf16`` and ``f16`` are storage types: arrays
+#: hold them, arithmetic is done in their ``compute_type`` (``f32``), and a store into such an array rounds
+TYPES = ("bool", "i32", "i64", "f32", "f64", "bf16", "f16")
 FROM_TORCH = {torch.bool: "bool", torch.int32: "i32", torch.int64: "i64", torch.float32: "f32",
-              torch.float64: "f64"}
+              torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 TO_TORCH = {v: k for k, v in FROM_TORCH.items()}
+#: the storage-only types
+NARROW = ("bf16", "f16")
+
+
+def compute_type(t: str) -> str:
+    """The type arithmetic on values of type ``t`` is done in: ``f32`` for the 16-bit floats, else ``t``."""
+    return "f32" if t in NARROW else t
 
 
 def type_of(dtype: torch.dtype) -> str:

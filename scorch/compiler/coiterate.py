@@ -17,7 +17,7 @@ from ..formats.levels import LevelSymbols
 from . import lattice
 from .. import loopir as L
 from .ir import Access, Assignment
-from .lower import Lowered, _Lowering, _cast
+from .lower import Lowered, _Lowering, _cast, accumulated
 from .schedule import CoSchedule
 from .target import CPU, Target
 
@@ -28,12 +28,15 @@ def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozen
                       target: Target = CPU) -> Lowered:
     """``phase``: None for a dense output; ``"count"``, or ``"fill"`` / ``"fill32"`` (64- or 32-bit output
     coordinates), for the two passes of a rows output. ``target``: the machine, as for ``lower``."""
-    return _CoLowering(asg, cs, ct, broadcast, phase, target).run()
+    low = _CoLowering(asg, cs, ct, broadcast, phase, target).run()
+    return accumulated(low, lambda: _CoLowering(asg, cs, low.compute_type, broadcast, phase, target).run())
 
 
 class _CoLowering(_Lowering):
     def __init__(self, asg, cs, ct, broadcast, phase, target=CPU):
-        self.asg, self.cs, self.ct, self.broadcast, self.target = asg, cs, ct, broadcast, target
+        # ct given: the output's value type; self.ct: the type arithmetic is done in (f32 for the 16-bit floats)
+        self.asg, self.cs, self.vt, self.ct = asg, cs, ct, L.compute_type(ct)
+        self.broadcast, self.target = broadcast, target
         self.phase = "fill" if phase == "fill32" else phase
         self.crd_type = "i32" if phase == "fill32" else "i64"
         self.params, self.args = [], []
@@ -202,7 +205,7 @@ class _CoLowering(_Lowering):
         self.state = state
         value = self._value(self.asg.rhs)
         if self.phase is None:
-            out = self.param("out", "array", self.ct, "out", output=True)
+            out = self.param("out", "array", self.vt, "out", output=True)
             index = L.Const(0)
             for v in self.asg.out:
                 index = L.binary("add", L.binary("mul", index, self.size(v)), self.bound[v])
@@ -228,7 +231,7 @@ class _CoLowering(_Lowering):
                                                              L.Const(False, "bool"))))]
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
         crd = self.param("out_crd", "array", self.crd_type, "out_crd", output=True)
-        vals = self.param("out", "array", self.ct, "out", output=True)
+        vals = self.param("out", "array", self.vt, "out", output=True)
         base, wv = L.Var("base"), L.Var("w")
         at = L.binary("add", base, t)
         return [L.Sort("touched", L.Const(0), nt, self.ws_size, "sort_tmp"), L.Let(base, L.Load(row_ptr, row, "i64")),

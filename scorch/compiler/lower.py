@@ -9,7 +9,7 @@ Every identifier in the kernel is made here; einsum letters never reach the sour
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..formats import Div, Mod
 from ..formats import Var as FVar
@@ -43,6 +43,9 @@ class Lowered:
     args: tuple
     compute_type: str
     writes_every_output: bool = False  # the output need not be zero-filled before the kernel
+    #: the type of the ``out`` array where it differs from the result's: a 16-bit result that the kernel adds to
+    #: more than once per entry is accumulated in the compute type and rounded once, after the kernel
+    out_type: str = None
 
 
 def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozenset(), scatter=None,
@@ -55,15 +58,31 @@ def lower(asg: Assignment, sched: Schedule, compute_type: str, broadcast=frozens
     ``scatter=(row, col, phase, drop_zeros)``: instead of a dense or shared output, assemble a compressed matrix whose
     rows are index ``row`` and columns ``col`` by counting sort: phase ``count`` adds one per entry to its
     row's count, phase ``fill`` writes each entry at its row's next free slot (entries reach a row in the
-    order the loops visit them). Used for format conversion; runs serially."""
-    return _Lowering(asg, sched, compute_type, broadcast, scatter, target).run()
+    order the loops visit them). Used for format conversion; runs serially.
+
+    ``compute_type`` is the result's value type (``bf16`` and ``f16`` results are computed in ``f32``)."""
+    low = _Lowering(asg, sched, compute_type, broadcast, scatter, target).run()
+    return accumulated(low, lambda: _Lowering(asg, sched, low.compute_type, broadcast, scatter, target).run())
+
+
+def accumulated(low: Lowered, again) -> Lowered:
+    """``low``, or where it adds into a 16-bit output (a store with an update), ``again()`` (the kernel lowered
+    with an output of the compute type) marked with that ``out_type``: sums kept in float32, rounded once."""
+    out = next((p.type for p in low.kernel.params if p.name == "out"), None)
+    if out not in L.NARROW or not any(isinstance(s, L.Store) and s.array == "out" and s.op is not None
+                                      for s in L.walk(low.kernel.body)):
+        return low
+    return replace(again(), out_type=low.compute_type)
 
 
 class _Lowering:
     target = CPU
 
-    def __init__(self, asg, sched, ct, broadcast, scatter=None, target=CPU):
-        self.asg, self.sched, self.ct, self.broadcast = asg, sched, ct, broadcast
+    def __init__(self, asg, sched, vt, broadcast, scatter=None, target=CPU):
+        # vt: the output's value type; ct: the type arithmetic is done in (f32 for the 16-bit floats)
+        self.asg, self.sched, self.vt, self.ct, self.broadcast = asg, sched, vt, L.compute_type(vt), broadcast
+        # explicit vector tiles only where every value array holds the compute type (16-bit arrays: plain loops)
+        self.narrow = vt != self.ct or any(L.type_of(t.dtype) != self.ct for t in asg.operands)
         self.target = target
         self.scatter = scatter
         self.covering = set()  # loops that visit each coordinate of an output index exactly once
@@ -201,7 +220,7 @@ class _Lowering:
             slot = L.Var("slot")
             body = [L.Let(slot, L.Load(nxt, r, "i64")), L.Store(nxt, r, L.binary("add", slot, L.Const(1))),
                     L.Store(self.param("out_crd", "array", "i64", "out_crd", output=True), slot, c),
-                    L.Store(self.param("out", "array", self.ct, "out", output=True), slot, value)]
+                    L.Store(self.param("out", "array", self.vt, "out", output=True), slot, value)]
         if drop_zeros or self.asg.operands[self.sched.driver.operand].format.padded:
             # (padding and stored zeros look alike in a padded level: neither is an entry)
             body = [L.Let(L.Var("v", self.ct), value),
@@ -255,7 +274,7 @@ class _Lowering:
         one vector load per T / lanes columns, so the loads per multiply-add fall with the tile's size.
         None when the loop nest does not have that shape."""
         ct = self.ct
-        if ct not in ("f32", "f64") or len(tvars) != 1 or len(tail) != 1:
+        if ct not in ("f32", "f64") or self.narrow or len(tvars) != 1 or len(tail) != 1:
             return None
         bvar = tvars[0]
         lanes = self.target.lanes(ct)
@@ -380,7 +399,7 @@ class _Lowering:
         sums each. None when the loop nest has another shape."""
         ct, rest = self.ct, items[ready + 1:]
         loops = [it for it in rest if it[0] == "for"]
-        if ct not in ("f32", "f64") or len(loops) != 1 or loops[0] is not rest[-1]:
+        if ct not in ("f32", "f64") or self.narrow or len(loops) != 1 or loops[0] is not rest[-1]:
             return None
         kvar = next((v for v in self.asg.indices if self.vname[v] == loops[0][1].name), None)
         lanes = self.target.lanes(ct)
@@ -433,7 +452,7 @@ class _Lowering:
         asg, sched = self.asg, self.sched
         if self.scatter:
             return self._scatter(items)
-        out = self.param("out", "array", self.ct, "out", output=True)
+        out = self.param("out", "array", self.vt, "out", output=True)
         shared = sched.output.shared_levels
         red = asg.reduce
         update = "add" if red == "sum" else red

@@ -10,7 +10,8 @@ from ..compiler.pipeline import Plan, target_of
 from ..sparse_tensor import SparseTensor, shape_of
 
 
-SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64)
+#: the value dtypes kernels take (bfloat16 and float16 stored as such, computed in float32)
+SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16)
 
 
 def tensor_type(x) -> TensorType:

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
+from ..loopir import TO_TORCH
 from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info
@@ -52,7 +53,8 @@ def result_dtype(ops, name):
     for x in ops[1:]:
         dtype = torch.promote_types(dtype, dtype_of(x))
     if dtype not in SUPPORTED:
-        raise TypeError(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32, int64)")
+        raise TypeError(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32, int64,"
+                        " bfloat16, float16)")
     return dtype
 
 
@@ -151,6 +153,12 @@ def structural_result(plan: Plan, ops, sizes, dtype, scalars, backend, out_arr):
     return SparseTensor(fmt, shape, levels, values, check=False)
 
 
+def buffer_dtype(low, dtype):
+    """The dtype of the array a lowered kernel writes for a result of ``dtype``: the result's, or (``out_type``:
+    a 16-bit result the kernel adds to) float32, rounded to ``dtype`` once after the kernel."""
+    return dtype if low.out_type is None else TO_TORCH[low.out_type]
+
+
 def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     """Run ``plan``'s kernel on ``ops``: the result, or (``raw``) the array the kernel wrote."""
     asg, out = plan.asg, plan.output
@@ -170,6 +178,9 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
                 " supported yet (ask for another format=)")
     red = asg.reduce
     dev = s._vals.device
+    wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
+    if backend == "interp" and dtype in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {dtype} values (NumPy has no bfloat16)")
     if red == "sum":
         alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
         out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
@@ -195,6 +206,8 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
         zero = torch.zeros((), dtype=dtype, device=dev)
         implicit = counted.reshape(out_arr.shape) < reduced  # an implicit zero takes part in the max/min
         out_arr = torch.where(implicit, (torch.maximum if red == "max" else torch.minimum)(out_arr, zero), out_arr)
+    if dtype != wanted:
+        out_arr, dtype = out_arr.to(wanted), wanted
     if raw:
         return out_arr
     if written.shared_levels and out.format is not None:
@@ -222,6 +235,7 @@ def prepared_call(plan: Plan, sizes, dtype):
     out_shape = tuple(sizes[v] for v in asg.out)
     m = written.shared_levels
     alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+    wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
     template, dynamic = [], []
     for n, a in enumerate(plan.lowered.args):
         k = a.kind
@@ -273,6 +287,8 @@ def prepared_call(plan: Plan, sizes, dtype):
             args[n] = scalars[v]
         fn(*args)
         plan.calls += 1
+        if dtype != wanted:
+            out_arr = out_arr.to(wanted)
         if m and out.format is not None:
             return SparseTensor(out.format, out_shape, ops[k_drv]._levels[:m], out_arr, check=False)
         return out_arr.reshape(out_shape) if m else out_arr
@@ -313,9 +329,10 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
     plan.calls += 1
     dev = device_of(ops[0])
     if cs.output == "dense":
-        out = torch.zeros(out_shape, dtype=dtype, device=dev)
+        plan.kernel(None)
+        out = torch.zeros(out_shape, dtype=buffer_dtype(plan.lowered[None], dtype), device=dev)
         launch(None, {"out": out})
-        return out
+        return out.to(dtype)
     rows = sizes[cs.row_var] if cs.row_var is not None else 1
     if rows * 16 > WORKSPACE_LIMIT_BYTES:
         raise NotImplementedError(

@@ -13,7 +13,9 @@ from ... import loopir as L
 from .. import runtime
 from ..target import CPU
 
-CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double"}
+CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double", "bf16": "scorch_bf16",
+         "f16": "_Float16"}
+_FLOATS = ("f32", "f64") + L.NARROW  # (scalars of these pass as double)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&&", "or": "||",
         "add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "/", "mod": "%"}
@@ -99,7 +101,47 @@ static inline float scorch_expf(float x) {
 }
 """
 
+#: the 16-bit floats (storage types: loaded into float, rounded to nearest even when stored). bfloat16 is the top
+#: half of a float32 (a NaN stays a quiet NaN); float16 is the compiler's ``_Float16``. ``scorch_atomic_add``:
+#: an atomic ``+=`` on either, by compare-and-swap of the 16 bits (OpenMP's atomic takes no 16-bit floats).
+BF16 = """#ifndef SCORCH_BF16
+#define SCORCH_BF16
+struct scorch_bf16 {
+  uint16_t bits;
+  scorch_bf16() = default;
+  explicit scorch_bf16(float f) : bits(round(f)) {}
+  static uint16_t round(float f) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
+                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const { return __builtin_bit_cast(float, (uint32_t)bits << 16); }
+  scorch_bf16& operator=(float f) { bits = round(f); return *this; }
+  scorch_bf16& operator+=(float f) { bits = round((float)*this + f); return *this; }
+};
+#endif
+"""
+ATOMIC16 = BF16 + """static inline void scorch_atomic_add(scorch_bf16* p, float v) {
+  uint16_t* q = (uint16_t*)p;
+  uint16_t seen = __atomic_load_n(q, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint16_t next = scorch_bf16::round(__builtin_bit_cast(float, (uint32_t)seen << 16) + v);
+    if (__atomic_compare_exchange_n(q, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+  }
+}
+static inline void scorch_atomic_add(_Float16* p, float v) {
+  uint16_t* q = (uint16_t*)p;
+  uint16_t seen = __atomic_load_n(q, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint16_t next = __builtin_bit_cast(uint16_t, (_Float16)((float)__builtin_bit_cast(_Float16, seen) + v));
+    if (__atomic_compare_exchange_n(q, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+  }
+}
+"""
+
 _HELPERS = {
+    "scorch_bf16": BF16,
+    "scorch_atomic_add": ATOMIC16,
     "scorch_expf": EXPF,
     # explicit vectors: ``scorch_vf32`` (aligned, for register tiles) and ``scorch_vf32u`` (any float address)
     "scorch_vf": "".join(
@@ -179,7 +221,7 @@ def argtypes(kernel: L.Kernel) -> list:
         if p.kind == "array":
             out.append(ctypes.c_void_p)
         else:
-            out.append(ctypes.c_double if p.type in ("f32", "f64") else ctypes.c_int64)
+            out.append(ctypes.c_double if p.type in _FLOATS else ctypes.c_int64)
     return out
 
 
@@ -193,7 +235,7 @@ def signature(kernel: L.Kernel, restrict=True) -> tuple[list, list]:
             const = "" if p.output else "const "
             params.append(f"{const}{CTYPE[p.type]}*{' __restrict__' if restrict else ''} {n}")
         else:
-            abi = "double" if p.type in ("f32", "f64") else "int64_t"
+            abi = "double" if p.type in _FLOATS else "int64_t"
             params.append(f"{abi} {n}_arg")
             casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
     return params, casts
@@ -202,16 +244,18 @@ def signature(kernel: L.Kernel, restrict=True) -> tuple[list, list]:
 def generate(kernel: L.Kernel) -> str:
     """The complete translation unit for ``kernel``."""
     params, casts = signature(kernel)
-    body = _Emitter(any(p.name == "nthreads" for p in kernel.params)).block(kernel.body, 1)
+    narrow = {p.name for p in kernel.params if p.type in L.NARROW}
+    body = _Emitter(any(p.name == "nthreads" for p in kernel.params), narrow).block(kernel.body, 1)
     sig = ",\n    ".join(params)
     text = "\n".join(casts + body)
-    return (PRELUDE + _includes(text) + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
+    return (PRELUDE + _includes(sig + text) + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
             + text + "\n}\n")
 
 
 class _Emitter:
-    def __init__(self, threads: bool):
+    def __init__(self, threads: bool, narrow=frozenset()):
         self.n = 0
+        self.narrow = narrow   # the arrays of a 16-bit float type
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.vec_arrays = set()  # local arrays held as vectors
@@ -252,6 +296,10 @@ class _Emitter:
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
         if isinstance(s, L.Store):
             target = f"{ident(s.array)}[{self.expr(s.index)}]"
+            if s.atomic and s.array in self.narrow:
+                if s.op != "add":
+                    raise ValueError(f"an atomic {s.op} into the 16-bit array {s.array}")
+                return [f"{pad}scorch_atomic_add(&{target}, {self.expr(s.value)});"]
             line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
         if isinstance(s, L.LocalArray) and s.sums:

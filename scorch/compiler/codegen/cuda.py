@@ -181,6 +181,10 @@ def generate(kernel: L.Kernel, mapping: Mapping, prelude: bool = True, symbol: s
     ``__global__`` kernel ``<name>_dev`` and host launcher ``<name>`` (``symbol`` if given). Without ``prelude``
     (and the helpers), several kernels of distinct symbols concatenate behind one ``PRELUDE + HELPERS`` into one
     unit, as the compile check does."""
+    narrow = sorted({p.type for p in kernel.params if p.type in L.NARROW})
+    if narrow:
+        raise NotImplementedError(f"scorch: {'/'.join(narrow)} values on CUDA are not supported yet (the C++ backend"
+                                  " runs them); cast to float32 on the GPU")
     name = ident(symbol or kernel.name)
     params, casts = cpp.signature(kernel)
     em = _Emitter(mapping, kernel, name)
