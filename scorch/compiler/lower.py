@@ -274,8 +274,8 @@ class _Lowering:
         one vector load per T / lanes columns, so the loads per multiply-add fall with the tile's size.
         None when the loop nest does not have that shape."""
         ct = self.ct
-        if ct not in ("f32", "f64") or self.narrow or len(tvars) != 1 or len(tail) != 1:
-            return None
+        if ct not in ("f32", "f64") or len(tvars) != 1 or len(tail) != 1:
+            return None  # (16-bit arrays: read and written as float vectors, scorch_widen / scorch_narrow)
         bvar = tvars[0]
         lanes = self.target.lanes(ct)
         S = self.spec[bvar]
@@ -399,7 +399,7 @@ class _Lowering:
         sums each. None when the loop nest has another shape."""
         ct, rest = self.ct, items[ready + 1:]
         loops = [it for it in rest if it[0] == "for"]
-        if ct not in ("f32", "f64") or self.narrow or len(loops) != 1 or loops[0] is not rest[-1]:
+        if ct not in ("f32", "f64") or len(loops) != 1 or loops[0] is not rest[-1]:
             return None
         kvar = next((v for v in self.asg.indices if self.vname[v] == loops[0][1].name), None)
         lanes = self.target.lanes(ct)

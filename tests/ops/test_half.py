@@ -154,3 +154,31 @@ def test_sums_accumulate_in_float32(fmt, dtype):
         st = scorch.asformat(m.t().contiguous().to(dtype), fmt)
         _check(st.t() @ ones, m @ torch.ones(33), dtype)
         _check(st.sum(0), m.sum(1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", ["csr", "bsr(2, 2)", "coo", "csc"])
+@pytest.mark.parametrize("cols", [16, 32, 64, 48])
+def test_spmm_in_vector_tiles(fmt, cols, dtype):
+    """Dense operands whose row length is a multiple of a vector's lanes: the kernel reads them and writes the
+    output as float vectors (widened and rounded 16 lanes at a time). The sums are exact in float32 but need more
+    bits than the 16-bit types hold, so they check that the vector rounding is the scalar one (to nearest, ties to
+    even)."""
+    s, a = _pair((26, 18), fmt, dtype, seed=10)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-64, 65, (18, cols), generator=g) / 8
+    _check(s @ x.to(dtype), a @ x, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+@pytest.mark.parametrize("k", [16, 32, 48])
+def test_sddmm_in_vector_tiles(fmt, k, dtype):
+    """SDDMM (``sampled_addmm``, one kernel) with a row length of whole vectors: dot products over widened
+    vectors, sums exact in float32, rounded once. (A three-operand einsum may instead take a dense step first,
+    whose 16-bit result torch rounds as its own; then the result is rounded twice, as in torch.)"""
+    s, a = _pair((200, 150), fmt, dtype, seed=12, density=0.03)  # (sparse enough for the SDDMM kernel)
+    g = torch.Generator().manual_seed(13)
+    x, y = torch.randint(-64, 65, (200, k), generator=g) / 8, torch.randint(-64, 65, (150, k), generator=g) / 8
+    got = torch.sparse.sampled_addmm(s, x.to(dtype), y.t().to(dtype), beta=0)
+    _check(got, (a != 0) * (x @ y.t()), dtype)

@@ -150,6 +150,10 @@ _HELPERS = {
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
         _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
+    # 16-bit floats in explicit vectors: ``scorch_widen(p)`` the float vector of the 16-bit values at ``p``,
+    # ``scorch_narrow(p, v)`` the float vector ``v`` rounded into them (bf16 as the scalar struct rounds it)
+    "scorch_widen": "",
+    "scorch_narrow": "",
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
 struct scorch_buf {
@@ -187,6 +191,30 @@ static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
 }
 """,
 }
+
+
+WIDE16 = f"""#ifndef SCORCH_WIDE16
+#define SCORCH_WIDE16
+typedef uint16_t scorch_vu16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
+typedef uint32_t scorch_vu32 __attribute__((vector_size({VECTOR_BYTES})));
+typedef _Float16 scorch_vh16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
+static inline scorch_vf32 scorch_widen(const scorch_bf16* p) {{
+  return (scorch_vf32)(__builtin_convertvector(*(const scorch_vu16*)p, scorch_vu32) << 16);
+}}
+static inline scorch_vf32 scorch_widen(const _Float16* p) {{
+  return __builtin_convertvector(*(const scorch_vh16*)p, scorch_vf32);
+}}
+static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
+  const scorch_vu32 u = (scorch_vu32)v;
+  const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  *(scorch_vu16*)p = __builtin_convertvector(r, scorch_vu16);
+}}
+static inline void scorch_narrow(_Float16* p, scorch_vf32 v) {{
+  *(scorch_vh16*)p = __builtin_convertvector(v, scorch_vh16);
+}}
+#endif
+"""
+_HELPERS["scorch_widen"] = _HELPERS["scorch_narrow"] = BF16 + WIDE16
 
 
 def _includes(body: str) -> str:
@@ -291,6 +319,11 @@ class _Emitter:
             vt = f"scorch_v{t}"
             value = value if self.vec else f"{vt}{{}} + ({value})"  # (a scalar takes part in every lane)
             return [f"{pad}{{ const {vt} u_ = {value}; {target} = u_ > {target} ? u_ : {target}; }}"]
+        if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]) and s.array in self.narrow:
+            if s.op is not None or self.vec[2] != "f32":
+                raise ValueError(f"a vector {s.op or 'store'} into the 16-bit array {s.array}")
+            self.vector_ref(s.array, s.index, const=False)  # (checks the access is contiguous)
+            return [f"{pad}scorch_narrow(&{ident(s.array)}[{self.expr(s.index)}], {self.expr(s.value)});"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
@@ -468,6 +501,12 @@ class _Emitter:
                     "tanh": f"std::tanh({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
                     "exp": f"scorch_expf({a})" if e.type == "f32" else f"std::exp({a})", "log": f"std::log({a})",
                     "not": f"(!{a})"}[e.op]
+        if isinstance(e, L.Cast) and self.vec and isinstance(e.a, L.Load) and e.a.array in self.narrow and \
+                L.depends(e.a.index, self.vec[0]):
+            if e.type != "f32" or self.vec[2] != "f32":
+                raise ValueError(f"16-bit {e.a.array} read as {e.type} vectors")
+            self.vector_ref(e.a.array, e.a.index, const=True)  # (checks the access is contiguous)
+            return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
         if isinstance(e, L.Select):
