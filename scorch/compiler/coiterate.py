@@ -27,7 +27,8 @@ INT64_MAX = 2**63 - 1
 def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozenset(), phase=None,
                       target: Target = CPU) -> Lowered:
     """``phase``: None for a dense output; ``"count"``, or ``"fill"`` / ``"fill32"`` (64- or 32-bit output
-    coordinates), for the two passes of a rows output. ``target``: the machine, as for ``lower``."""
+    coordinates), for the two passes of a rows output with a dense workspace; ``"hcount"``, ``"hfill"`` /
+    ``"hfill32"`` for the same with a hash workspace (``HASH``). ``target``: the machine, as for ``lower``."""
     low = _CoLowering(asg, cs, ct, broadcast, phase, target).run()
     return accumulated(low, lambda: _CoLowering(asg, cs, low.compute_type, broadcast, phase, target).run())
 
@@ -37,6 +38,8 @@ class _CoLowering(_Lowering):
         # ct given: the output's value type; self.ct: the type arithmetic is done in (f32 for the 16-bit floats)
         self.asg, self.cs, self.vt, self.ct = asg, cs, ct, L.compute_type(ct)
         self.broadcast, self.target = broadcast, target
+        self.hash = phase is not None and phase.startswith("h")
+        phase = phase[1:] if self.hash else phase
         self.phase = "fill" if phase == "fill32" else phase
         self.crd_type = "i32" if phase == "fill32" else "i64"
         self.params, self.args = [], []
@@ -70,8 +73,14 @@ class _CoLowering(_Lowering):
             self.ws_size = L.Const(1)
             for v in cs.ws_vars:
                 self.ws_size = L.binary("mul", self.ws_size, self.size(v))
-            self.setup = [L.Alloc("mark", "bool", self.ws_size), L.Alloc("touched", "i64", self.ws_size)]
-            if self.phase == "fill":
+            if self.hash:
+                cap = None if self.phase == "count" else L.Var(self.param("hcap", "scalar", "i64", "hcap"))
+                self.setup = [] if cap is None else [
+                    L.Alloc(a, t, cap) for a, t in (("hkeys", "i64"), ("hvals", self.ct), ("touched", "i64"),
+                                                    ("slots", "i64"), ("sort_tmp", "i64"))]
+            else:
+                self.setup = [L.Alloc("mark", "bool", self.ws_size), L.Alloc("touched", "i64", self.ws_size)]
+            if self.phase == "fill" and not self.hash:
                 self.setup += [L.Alloc("ws", self.ct, self.ws_size), L.Alloc("sort_tmp", "i64", self.ws_size)]
         state = {k: (0, L.Const(0), None) for k in self.access}
         if self.phase and cs.row_var is None:
@@ -215,6 +224,8 @@ class _CoLowering(_Lowering):
             w = L.binary("add", L.binary("mul", w, self.size(v)), self.bound[v])
         wv = L.Var("w")
         nt = L.Var("nt")
+        if self.hash:
+            return [L.Assign(nt, L.Const(1), "add")] if self.phase == "count" else [L.Let(wv, w)] + _hash_add(wv, value, self.ct)
         mark = [L.Store("mark", wv, L.Const(True, "bool")), L.Store("touched", nt, wv),
                 L.Assign(nt, L.Const(1), "add")]
         stmts = [L.Let(wv, w), L.If(L.Unary("not", L.Load("mark", wv, "bool"), "bool"), L.block(mark))]
@@ -224,6 +235,8 @@ class _CoLowering(_Lowering):
 
     def row_end(self, row):
         t, nt = L.Var("t"), L.Var("nt")
+        if self.hash:
+            return self._hash_row_end(row)
         if self.phase == "count":
             counts = self.param("counts", "array", "i64", "counts", output=True)
             return [L.Store(counts, row, nt),
@@ -240,6 +253,28 @@ class _CoLowering(_Lowering):
                     L.Store(vals, at, L.Load("ws", wv, self.ct)), L.Store("ws", wv, L.Const(0, self.ct)),
                     L.Store("mark", wv, L.Const(False, "bool"))))]
 
+    def _hash_row_end(self, row):
+        """The end of a row with a hash workspace: ``count``: the row's terms (a bound on its entries); ``fill``:
+        its distinct keys sorted, written with their sums from the row's first slot on, their number kept, and
+        the table emptied through the slots the row used."""
+        t, nt = L.Var("t"), L.Var("nt")
+        counts = self.param("counts", "array", "i64", "counts", output=True)
+        if self.phase == "count":
+            return [L.Store(counts, row, nt)]
+        row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
+        crd = self.param("out_crd", "array", self.crd_type, "out_crd", output=True)
+        vals = self.param("out", "array", self.vt, "out", output=True)
+        base, wv, h = L.Var("base"), L.Var("w"), L.Var("h")
+        at = L.binary("add", base, t)
+        return [L.Sort("touched", L.Const(0), nt, self.ws_size, "sort_tmp"), L.Let(base, L.Load(row_ptr, row, "i64")),
+                L.For(t, L.Const(0), nt, L.block(
+                    L.Let(wv, L.Load("touched", t, "i64")), *_hash_find(wv, h),
+                    L.Store(crd, at, wv), L.Store(vals, at, L.Load("hvals", h, self.ct)))),
+                L.For(t, L.Const(0), nt, L.block(
+                    L.Let(h, L.Load("slots", t, "i64")), L.Store("hkeys", h, L.Const(0)),
+                    L.Store("hvals", h, L.Const(0, self.ct)))),
+                L.Store(counts, row, nt)]
+
     def _value(self, e):
         if isinstance(e, Access) and self.asg.operands[e.operand].sparse:
             t = self.asg.operands[e.operand]
@@ -248,3 +283,39 @@ class _CoLowering(_Lowering):
             v = _cast(L.Load(vals, p, L.type_of(t.dtype)), self.ct)
             return v if alive is None else L.Select(alive, v, L.Const(0, self.ct), self.ct)
         return super()._value(e)
+
+
+# --- the hash workspace ---------------------------------------------------------------------------------------
+# An open-addressing table per thread of ``hcap`` slots (a power of two the engine sizes from the count pass: at
+# least twice a row's terms), linear probing. ``hkeys[h]`` holds key + 1 (0: empty, as allocated); ``hvals[h]``
+# the key's sum; ``touched`` the row's keys in insertion order and ``slots`` their slots, to sort the keys and to
+# empty the table without probing. The first slot of key w is (w + w / hcap) mod hcap: no multiplication that
+# could overflow, and keys that differ by a multiple of hcap start apart.
+
+def _hash_start(w, h):
+    cap = L.Var("hcap")
+    return L.Decl(h, L.binary("mod", L.binary("add", w, L.binary("floordiv", w, cap)), cap))
+
+
+def _hash_probe(w, h, stop_empty):
+    """Advance ``h`` past the slots that hold another key (and, with ``stop_empty``, stop at an empty one)."""
+    cap = L.Var("hcap")
+    at = L.Load("hkeys", h, "i64")
+    other = L.binary("ne", at, L.binary("add", w, L.Const(1)))
+    cond = L.binary("and", L.binary("ne", at, L.Const(0)), other) if stop_empty else other
+    return L.While(cond, L.block(L.Assign(h, L.binary("mod", L.binary("add", h, L.Const(1)), cap))))
+
+
+def _hash_add(w, value, ct):
+    """Add ``value`` at key ``w`` (inserting the key, with a zero sum, the first time the row meets it)."""
+    h, nt = L.Var("h"), L.Var("nt")
+    new = L.block(L.Store("hkeys", h, L.binary("add", w, L.Const(1))), L.Store("touched", nt, w),
+                  L.Store("slots", nt, h), L.Assign(nt, L.Const(1), "add"))
+    return [_hash_start(w, h), _hash_probe(w, h, True),
+            L.If(L.binary("eq", L.Load("hkeys", h, "i64"), L.Const(0)), new),
+            L.Store("hvals", h, value, "add")]
+
+
+def _hash_find(w, h):
+    """``h``: the slot of key ``w`` (in the table)."""
+    return [_hash_start(w, h), _hash_probe(w, h, False)]

@@ -228,6 +228,7 @@ class CoPlan:
     calls: int = 0
     broadcast: frozenset = frozenset()
     backend: str = "cpp"
+    workspace: str = "dense"  # the workspace the last call assembled a rows output in (the engine's choice)
 
     def kernel(self, phase):
         """The kernel of ``phase`` (None, "count", "fill" or "fill32"), lowered and loaded on first use: a rows
@@ -249,7 +250,12 @@ class CoPlan:
         for k, f in cs.reformat:
             lines.append(f"reformat:     T{k} converted to {f.name or f} before the kernel")
         lines.append(f"loop order:   {' -> '.join(cs.order)}  ({cs.why})")
-        if cs.output == "rows":
+        if cs.output == "rows" and self.workspace.startswith("hash"):
+            row = cs.row_var or "(one virtual row)"
+            lines.append(f"assembly:     per {row}: {self.workspace} workspace keyed by ({', '.join(cs.ws_vars)});"
+                         " count pass (terms: a bound), prefix sum, fill pass (distinct entries, sorted), the"
+                         " unused slots dropped")
+        elif cs.output == "rows":
             row = cs.row_var or "(one virtual row)"
             lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) with a touched list;"
                          " count pass, prefix sum, fill pass")

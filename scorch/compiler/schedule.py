@@ -72,8 +72,10 @@ class Directives:
     converted first (its levels reordered: CSR becomes CSC) unless ``transpose=False``.
     ``parallel``: the letter of the loop that runs in parallel (it must be the outermost loop, and its iterations
     must write disjoint outputs), or ``"none"``.
-    ``workspace``: ``"dense"`` (a sparse output computed into a dense workspace, then compressed), the only kind
-    today. ``temporary``: the format of the intermediate results of a contraction of three or more operands
+    ``workspace``: how a sparse output of several sparse operands is assembled row by row: ``"dense"`` (a dense
+    array over the row's coordinates, with a list of those touched) or ``"hash"`` (an open-addressing table sized
+    by the row's terms, for rows too wide for a dense one); by default dense where it fits in
+    ``WORKSPACE_LIMIT_BYTES`` (``row_workspace``). ``temporary``: the format of the intermediate results of a contraction of three or more operands
     (a format name, ``"dense"``, or a ``Format``).
     """
     order: Optional[tuple] = None
@@ -103,9 +105,8 @@ class Directives:
             d["order"] = tuple(d["order"].replace(" ", "").replace(",", "").replace("->", ""))
         elif d.get("order") is not None:
             d["order"] = tuple(d["order"])
-        if d.get("workspace") not in (None, "dense"):
-            raise ValueError(f"scorch: schedule workspace {d['workspace']!r}: scorch has dense workspaces only (a"
-                             " dense workspace per output row or tile); hash workspaces are not built yet")
+        if d.get("workspace") not in (None, "dense", "hash"):
+            raise ValueError(f"scorch: schedule workspace {d['workspace']!r}: one of 'dense', 'hash'")
         return Directives(**d)
 
 
@@ -246,6 +247,20 @@ def _inner_order(vs, asg):
 
 
 # --- co-iteration of several sparse operands ------------------------------------------------------------------
+#: the most memory a row workspace (all threads' copies) may take
+WORKSPACE_LIMIT_BYTES = 1 << 30
+
+
+def row_workspace(entries: int, threads: int, itemsize: int, requested=None) -> str:
+    """The workspace a rows output is assembled in (``CoSchedule``): ``"dense"`` (per thread, a value, a mark and
+    a touched slot per coordinate of a row: ``itemsize + 17`` bytes each) where all threads' copies fit in
+    ``WORKSPACE_LIMIT_BYTES``, else ``"hash"`` (memory by the row's terms, not its width); ``requested`` (the
+    user's ``Directives.workspace``) decides where given."""
+    if requested is not None:
+        return requested
+    return "dense" if entries * threads * (itemsize + 17) <= WORKSPACE_LIMIT_BYTES else "hash"
+
+
 @dataclass(frozen=True)
 class CoSchedule:
     """The schedule of an assignment with several sparse operands, lowered by index variable (``coiterate``).
@@ -352,7 +367,9 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> Co
         parallel = order[0] in asg.out
     else:
         mode = "rows"
-        row = order[0] if order[0] in asg.out else None
+        # (a vector is one row: rows of one coordinate each would take a count per coordinate, as much memory as
+        # a dense workspace over them, where one row takes a workspace by its terms when a hash one serves)
+        row = order[0] if order[0] in asg.out and len(asg.out) > 1 else None
         ws = tuple(v for v in asg.out if v != row)
         parallel = row is not None
     balance = None

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
+from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, row_workspace
 from ..loopir import TO_TORCH
 from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
@@ -24,8 +25,6 @@ from .convert import asformat
 
 
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
-#: the largest dense row workspace (all threads together) before a hash workspace would be needed
-WORKSPACE_LIMIT_BYTES = 1 << 30
 
 
 def index_sizes(inputs, ops, name):
@@ -295,7 +294,9 @@ def prepared_call(plan: Plan, sizes, dtype):
     return call
 
 
-def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
+def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspace=None):
+    """Run a co-iteration plan; a rows output is assembled in the workspace ``row_workspace`` chooses (``workspace``:
+    the user's directive)."""
     cs, asg = plan.schedule, plan.asg
     ops = list(ops)
     for k, f in cs.reformat:
@@ -308,11 +309,14 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
             ws *= sizes[v]
         # (a GPU launcher runs as many workers as fit its scratch: one workspace is what must fit)
         threads = torch.get_num_threads() if cs.parallel and target_of(backend) == "cpu" else 1
-        if ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
-            raise NotImplementedError(
+        plan.workspace = row_workspace(ws, threads, dtype.itemsize, workspace)
+        if plan.workspace == "dense" and ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
+            raise ValueError(
                 f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
-                f" {ws * threads * (dtype.itemsize + 17) / 2**20:.0f} MiB; hash workspaces for such outputs are not"
-                " supported yet (ask for format='dense' or reorder the operands)")
+                f" {ws * threads * (dtype.itemsize + 17) / 2**20:.0f} MiB (limit {WORKSPACE_LIMIT_BYTES >> 20} MiB):"
+                " schedule={'workspace': 'hash'} assembles it through a hash table instead")
+        if plan.workspace == "hash" and target_of(backend) == "cuda":
+            raise NotImplementedError("scorch: hash workspaces on CUDA are not supported yet")
 
     def launch(phase, extra):
         kernel = plan.kernel(phase)
@@ -337,17 +341,52 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend):
     if rows * 16 > WORKSPACE_LIMIT_BYTES:
         raise NotImplementedError(
             f"scorch: assembling the output row by row over {cs.row_var!r} needs {rows} row counts"
-            f" ({rows * 16 / 2**20:.0f} MiB) and a workspace over ({', '.join(cs.ws_vars)}); hash workspaces for"
-            " such outputs are not supported yet")
+            f" ({rows * 16 / 2**20:.0f} MiB); a sparse output with that many rows is not supported (a rows output"
+            " keeps a count per row)")
+    if plan.workspace == "hash":
+        return _hash_rows(plan, launch, rows, ws, threads, out_shape, sizes, dtype, dev)
     counts = torch.zeros(rows, dtype=torch.int64, device=dev)
     launch("count", {"counts": counts})
-    row_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+    row_ptr, crd, vals = _row_arrays(counts, ws, dtype)
+    launch("fill32" if crd.dtype == torch.int32 else "fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
+    return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
+
+
+def _row_arrays(counts, ws, dtype):
+    """``(row_ptr, crd, vals)`` for rows of ``counts`` entries: coordinates of 32 bits where a row's workspace has
+    at most ``NARROW_COORDINATES`` entries."""
+    row_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=row_ptr[1:])
     nnz = int(row_ptr[-1])
-    narrow = ws <= NARROW_COORDINATES
-    crd = torch.empty(nnz, dtype=torch.int32 if narrow else torch.int64, device=dev)
-    vals = torch.empty(nnz, dtype=dtype, device=dev)
-    launch("fill32" if narrow else "fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
+    crd = torch.empty(nnz, dtype=torch.int32 if ws <= NARROW_COORDINATES else torch.int64, device=counts.device)
+    return row_ptr, crd, torch.empty(nnz, dtype=dtype, device=counts.device)
+
+
+def _hash_rows(plan, launch, rows, ws, threads, out_shape, sizes, dtype, dev):
+    """A rows output through hash workspaces: the count pass counts each row's terms (a bound on its entries),
+    the table gets twice the most terms of a row (a power of two), the fill pass writes each row's distinct
+    entries from its first slot and their number, and the slots left over are dropped."""
+    terms = torch.zeros(rows, dtype=torch.int64, device=dev)
+    launch("hcount", {"counts": terms})
+    most = int(terms.max()) if rows else 0
+    cap = 1 << max(1, (2 * most - 1).bit_length())
+    table = cap * threads * (dtype.itemsize + 32)
+    if table > WORKSPACE_LIMIT_BYTES:
+        raise NotImplementedError(
+            f"scorch: a row of this output has {most} terms: its hash workspace would take {table / 2**20:.0f} MiB"
+            f" (limit {WORKSPACE_LIMIT_BYTES >> 20} MiB)")
+    plan.workspace = f"hash ({cap} slots)"
+    bound, crd, vals = _row_arrays(terms, ws, dtype)
+    total = crd.numel()
+    counts = torch.zeros(rows, dtype=torch.int64, device=dev)
+    launch("hfill32" if crd.dtype == torch.int32 else "hfill", {"row_ptr": bound, "out_crd": crd, "out": vals,
+                                                                "counts": counts, "hcap": cap})
+    row_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=row_ptr[1:])
+    if int(row_ptr[-1]) != total:  # (rows with repeated keys: their slots past the distinct entries are dropped)
+        offset = torch.arange(total, device=dev) - torch.repeat_interleave(bound[:-1], terms)
+        keep = offset < torch.repeat_interleave(counts, terms)
+        crd, vals = crd[keep], vals[keep]
     return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
 
 

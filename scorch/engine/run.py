@@ -102,6 +102,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         format = coiterable_version(output.format)
         key, asg, output, sched0, n_sparse = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False  # (the call's own signature asked for another format)
+    if n_sparse == 1 and directives is not None and directives.workspace == "hash":
+        raise ValueError(f"scorch: {name}: a hash workspace assembles the sparse output of several sparse operands;"
+                         " this kernel has one sparse operand (its output is dense, or shares the operand's levels,"
+                         " or goes through a dense workspace)")
     if n_sparse > 1:
         return _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
                            directives, name)
@@ -213,7 +217,8 @@ def _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend
         nnz = tuple(float(x.nnz) if type(x) is SparseTensor else 0.0 for x in ops)
         plan = coiteration_plan(key + (target_of(backend), tuple(int(n).bit_length() for n in nnz)), asg, output,
                                 broadcast, backend, nnz)
-    result = call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend)
+    result = call_coiteration(plan, ops, sizes, dtype, scalars or {}, backend,
+                              directives.workspace if directives is not None else None)
     if explain:
         explained(plan)
     return result

@@ -239,6 +239,47 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         return n, bad
 
 
+    def workspace_checks():
+        """Hash workspaces (probing, the slots list, compaction) and 16-bit values (the vector widen and narrow
+        of register and dot tiles, a float32 buffer for a 16-bit output added to)."""
+        gen = torch.Generator().manual_seed(13)
+        bad, n = [], 0
+        for (m, k, c), d in (((6, 300, 300), 0.5), ((0, 4, 5), 0.5), ((9, 7, 8), 0.3), ((1, 1, 1), 1.0)):
+            a, b = values((m, k), gen, d), values((k, c), gen, d)
+            n += 2
+            hashed = {"workspace": "hash"}
+            if not close(scorch.einsum("ij,jk->ik", scorch.asformat(a, "csr"), scorch.asformat(b, "csr"),
+                                       schedule=hashed), a @ b):
+                bad.append(f"hash csr @ csr {(m, k, c)}")
+            if not close(scorch.einsum("ij,ij->ij", scorch.asformat(a, "csr"), scorch.asformat(a, "coo"),
+                                       schedule=hashed), a * a):
+                bad.append(f"hash csr * coo {(m, k)}")
+        big = 2**40
+        keys = torch.randint(0, big, (400,), generator=gen).unique()
+        v = scorch.sparse_coo_tensor(keys.unsqueeze(0), torch.ones(keys.numel(), dtype=torch.float64), (big,))
+        n += 1
+        r = v + v
+        if not (torch.equal(r.indices()[0], keys) and torch.equal(r.values(), torch.full((keys.numel(),), 2.0,
+                                                                                          dtype=torch.float64))):
+            bad.append("hash vector add")
+        for dtype in (torch.bfloat16, torch.float16):
+            for fmt, shape in (("csr", (5, 7)), ("bsr(2, 2)", (5, 7)), ("coo", (5, 7)), ("csr", (0, 3))):
+                a = values(shape, gen, 0.5)
+                s = scorch.asformat(a.to(dtype), fmt)
+                x = values((shape[1], 32), gen)
+                n += 1
+                if not close((s @ x.to(dtype)).double(), (a @ x).to(dtype).double()):
+                    bad.append(f"{dtype} {fmt} {shape} spmm")
+            a = values((40, 30), gen, 0.05)
+            s = scorch.asformat(a.to(dtype), "csr")
+            y, x = values((40, 16), gen), values((30, 16), gen)
+            n += 1
+            got = torch.sparse.sampled_addmm(s, y.to(dtype), x.T.to(dtype), beta=0)
+            if not close(got.to_dense().double(), ((y @ x.T) * (a != 0)).to(dtype).double()):
+                bad.append(f"{dtype} sddmm")
+        return n, bad
+
+
     def fault_checks():
         """Faults found with bad inputs (tests/test_faults.py): index arrays of mixed widths given to the
         constructors (int64 pos beside int32 crd overflowed the kernels' reads), transposed views."""
@@ -248,7 +289,8 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
     torch.set_num_threads(3)  # more threads than some inputs have rows
     jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
-        extra = ([ops_checks(), tile_checks(), fusion_checks(), fault_checks()] if BACKEND == "cpp" else
+        extra = ([ops_checks(), tile_checks(), fusion_checks(), fault_checks(), workspace_checks()]
+                 if BACKEND == "cpp" else
                  [coiteration_checks()])
         results = list(pool.map(run, jobs)) + extra
     bad = [b for _, bs in results for b in bs]

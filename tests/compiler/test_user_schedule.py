@@ -59,7 +59,8 @@ def test_a_discordant_order_converts_the_operand_unless_forbidden():
     ("ijkk", r"must name each index"),
     ({"order": "ijk", "parallel": "j"}, r"only the outermost loop \('i'\) runs in parallel"),
     ({"order": "jik", "parallel": "j"}, r"would race: the first level"),
-    ({"order": "ijk", "workspace": "hash"}, r"dense workspaces only"),
+    ({"order": "ijk", "workspace": "hash"}, r"hash workspace assembles the sparse output of several sparse operands"),
+    ({"workspace": "tree"}, r"schedule workspace 'tree': one of 'dense', 'hash'"),
     ({"order": "ijk", "tile": 4}, r"unknown schedule fields \['tile'\]"),
 ])
 def test_illegal_schedules_name_the_conflict(schedule, message):
