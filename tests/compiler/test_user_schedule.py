@@ -151,3 +151,27 @@ def test_every_order_is_right_or_refused(eq, shapes):
                                            msg=lambda m: f"{eq} {fmt} order={''.join(order)} parallel={parallel}: {m}")
                 ran += 1
     assert ran > 0
+
+
+@pytest.mark.parametrize("eq,shape", [("ij,j->i", [(5,)]), ("ij,jk->ik", [(5, 16)]), ("ij,ik,jk->i", [(6, 16), (5, 16)]),
+                                      ("ij,ik,jk->k", [(6, 7), (5, 7)]), ("ij,ik,jk->ik", [(6, 16), (5, 16)])])
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_every_legal_order_with_a_summed_loop_outside_matches_dense(eq, shape, fmt):
+    """Orders that put a summed index's loop outside the output's write: each output location is written once
+    per iteration of it, so the writes must add up (a kernel that stored instead kept the last one)."""
+    import itertools
+    g = torch.Generator().manual_seed(4)
+    dense = torch.randn(6, 5, generator=g) * (torch.rand(6, 5, generator=g) < 0.5)
+    others = [torch.randn(*sh, generator=g) for sh in shape]
+    expected = torch.einsum(eq, dense, *others)
+    s = scorch.asformat(dense, fmt)
+    letters = sorted(set(eq.replace(",", "").replace("->", "")))
+    ran = 0
+    for order in itertools.permutations(letters):
+        try:
+            got = scorch.einsum(eq, s, *others, schedule={"order": "".join(order), "parallel": "none"})
+        except ValueError:
+            continue  # (an order against the storage or between a sparse operand's levels: refused)
+        ran += 1
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"order {''.join(order)}")
+    assert ran >= 2

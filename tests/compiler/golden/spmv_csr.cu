@@ -195,7 +195,7 @@ extern "C" __global__ void scorch_kernel_dev(
       const int64_t d1 = c1;
       acc += (t0_vals[p1] * t1[d1]);
     }
-    out[d0] += acc;
+    out[d0] = acc;
   }
 }
 
