@@ -32,6 +32,8 @@ def parse(argv):
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch (and its OpenMP runtime) loads
+    from .peers import configure_environment
+    configure_environment(args.threads)  # MKL's threads and threading layer, before MKL loads
     from .suite import run
     return run(args)
 

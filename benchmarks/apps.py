@@ -84,7 +84,7 @@ def gnn(model: str, dataset: str, epochs: int, threads: int, data=None) -> Table
                   f"(`python -m apps.gnn --model {model} --dataset {dataset} --epochs {epochs}`)",
                   runs, "scorch", "torch.sparse", lambda r: f"test accuracy {r['test_acc']:.3f}")
     for peer in ("PyG", "torch.sparse"):
-        t.targets.append(_target(t, f"scorch training epoch faster than {peer} (aim 1.5x)", 1.0, peer))
+        t.targets.append(_target(t, f"scorch training epoch >= 1.5x faster than {peer}", 1.5, peer))
     t.notes.append("scorch and torch.sparse run the same model code (`apps/gnn/model.py`, the torch module passed "
                    "in); PyG runs its own GCNConv / SAGEConv / GATConv on dense features. Test accuracy is at the "
                    "epoch of best validation accuracy.")

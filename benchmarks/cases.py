@@ -18,8 +18,8 @@ import torch
 
 import scorch
 
-from . import data, hand
-from .timing import Row, Table, Target, Timing, measure
+from . import data, hand, peers
+from .timing import Row, Table, Target, Timing, copy_bandwidth, measure
 
 TOLERANCE = 1e-4  # max |got - ref| / max |ref| for float32 results
 
@@ -83,11 +83,26 @@ class Inputs:
         c = self.cfg
         return self._get("graph", lambda: data.power_law(c.graph_n, c.graph_mean, c.graph_max, seed=0))
 
+    def second(self, which: str) -> data.Matrix:
+        """A second matrix like ``matrix(which)`` (same sizes and degrees, another pattern: seed 1)."""
+        if which == "uniform":
+            return self.uniform2
+        c = self.cfg
+        return self._get("graph2", lambda: data.power_law(c.graph_n, c.graph_mean, c.graph_max, seed=1))
+
+    @property
+    def bandwidth(self) -> float:
+        """The machine's memory bandwidth (bytes/s, a large copy), measured once per run for the floors."""
+        return self._get("bandwidth", lambda: copy_bandwidth((64 if self.cfg.quick else 512) << 20))
+
 
 # --- checking ----------------------------------------------------------------------------------------------
 
 def comparable(x):
     """A numpy array or scipy CSR matrix with ``x``'s values, from any result type the peers return."""
+    converted = peers.comparable(x)  # a GraphBLAS result
+    if converted is not None:
+        return converted
     if isinstance(x, scorch.SparseTensor):
         if x.dim() == 2:
             try:
@@ -132,6 +147,8 @@ def _status(e: Exception) -> str:
         msg = msg[:157] + "..."
     if isinstance(e, NotImplementedError):
         return f"not supported yet ({msg})"
+    if isinstance(e, peers.NotInstalled):
+        return f"not installed ({msg})"
     return f"error: {type(e).__name__}: {msg}"
 
 
@@ -194,9 +211,52 @@ def _ratio_target(table: Table, text: str, goal: float, num: str, den: str, high
     return t
 
 
+# --- anchors and the memory floor ------------------------------------------------------------------------------
+
+def csr_bytes(m) -> int:
+    """Bytes of a float32 CSR matrix with int32 indices (a ``data.Matrix`` or scipy matrix)."""
+    s = m.scipy if isinstance(m, data.Matrix) else m
+    return (s.shape[0] + 1) * 4 + s.nnz * 8
+
+
+def anchored(t: Table, inputs: Inputs, anchors, floor_bytes: int) -> None:
+    """Name the table's anchor rows and set its memory floor: ``floor_bytes`` (what must move at least once:
+    the operands read, the result written) over the machine's measured bandwidth."""
+    t.anchors = list(anchors)
+    t.floor_bytes = floor_bytes
+    t.floor_s = floor_bytes / inputs.bandwidth
+
+
+def anchor_target(t: Table, goal: float) -> Target:
+    """scorch's speedup over the fastest anchor that ran."""
+    best = t.best_anchor()
+    tg = _ratio_target(t, f"scorch >= {goal:g}x faster than the best anchor"
+                          f" ({best.name.split()[0] if best else 'none ran'})", goal,
+                       best.name if best else t.scorch, t.scorch)
+    if best is None:
+        tg.value, tg.why_missing = None, "no anchor ran: " + "; ".join(
+            f"{n}: {t.row(n).status if t.row(n) else 'absent'}" for n in t.anchors)
+    return tg
+
+
+def floor_target(t: Table, goal: float = 3.0) -> Target:
+    """scorch's time over the memory floor (lower is better; 1 would move every byte at copy speed)."""
+    s = t.row(t.scorch)
+    value = s.timing.median / t.floor_s if s is not None and s.timing is not None and t.floor_s else None
+    return Target(f"scorch within {goal:g}x of the memory floor (scorch time / floor time)", goal, value,
+                  higher=False, why_missing="" if value is not None else (s.status if s else "no scorch row"))
+
+
 # --- SpMM ----------------------------------------------------------------------------------------------------
 
 SCORCH_SPMM, TORCH_SPMM, SCIPY_SPMM = "scorch  S @ X", "torch CSR  A @ X", "scipy csr @ ndarray"
+SPMM_ANCHORS = (TORCH_SPMM, SCIPY_SPMM, peers.MKL_SPMM, peers.GB_SPMM)
+
+
+def spmm_bytes(a: data.Matrix, k: int) -> int:
+    """SpMM's floor: A once, X (columns x K) once, Y (rows x K) once."""
+    m, n = a.torch.shape
+    return csr_bytes(a) + (m + n) * k * 4
 
 
 def spmm(inputs: Inputs, which: str, k: int, variants: dict) -> Table:
@@ -224,10 +284,12 @@ def spmm(inputs: Inputs, which: str, k: int, variants: dict) -> Table:
     best_fn = kernels[best]
     hand_name = f"hand C++ ({best.split(' ', 1)[1]})"
 
-    peers = {SCORCH_SPMM: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x,
-             SCIPY_SPMM: lambda: a.scipy @ xn, hand_name: lambda: best_fn(a.torch, x)}
-    run_peers(t, peers, TORCH_SPMM, cfg)
+    calls = {SCORCH_SPMM: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x,
+             SCIPY_SPMM: lambda: a.scipy @ xn, **peers.spmm(a, xn), hand_name: lambda: best_fn(a.torch, x)}
+    run_peers(t, calls, TORCH_SPMM, cfg)
+    anchored(t, inputs, SPMM_ANCHORS, spmm_bytes(a, k))
     t.targets.append(_ratio_target(t, "scorch >= 2x faster than torch CSR", 2.0, TORCH_SPMM, SCORCH_SPMM))
+    t.targets += [anchor_target(t, 2.0), floor_target(t)]
     t.targets.append(_ratio_target(t, "scorch within 1.3x of the hand kernel (scorch time / hand time)", 1.3,
                                    SCORCH_SPMM, hand_name, higher=False))
     hand_vs_torch = t.ratio(TORCH_SPMM, hand_name)
@@ -248,13 +310,13 @@ SCORCH_SDDMM_EINSUM = "scorch  einsum('ij,ik,kj->ij', S, A, B)"
 SCORCH_SDDMM_BT = "scorch  einsum('ij,ik,jk->ij', S, A, Bt)  (B stored transposed)"
 
 
-def sddmm(inputs: Inputs) -> Table:
+def sddmm(inputs: Inputs, which: str = "uniform") -> Table:
     cfg = inputs.cfg
-    s, k = inputs.uniform, cfg.sddmm_k
+    s, k = inputs.matrix(which), cfg.sddmm_k
     n, m = s.torch.shape
     a, b = data.dense((n, k), seed=20), data.dense((k, m), seed=21)
     bt = b.t().contiguous()
-    t = Table("sddmm", f"SDDMM, uniform, K={k}",
+    t = Table("sddmm", f"SDDMM, {which}, K={k}",
               f"{s.describe()}; A: {n:,} x {k}, B: {k} x {m:,}; sampled_addmm = S + (A @ B) at S's nonzeros")
     t.scorch, t.torch = SCORCH_SDDMM, TORCH_SDDMM
 
@@ -262,13 +324,17 @@ def sddmm(inputs: Inputs) -> Table:
         prod = torch.sparse.sampled_addmm(s.torch, a, b, beta=0.0)
         return torch.sparse_csr_tensor(prod.crow_indices(), prod.col_indices(), prod.values() * s.torch.values(),
                                        prod.shape)
-    peers = {SCORCH_SDDMM: lambda: torch.sparse.sampled_addmm(s.scorch, a, b),
+    calls = {SCORCH_SDDMM: lambda: torch.sparse.sampled_addmm(s.scorch, a, b),
              TORCH_SDDMM: lambda: torch.sparse.sampled_addmm(s.torch, a, b),
+             **peers.sddmm(s, a.numpy(), bt.numpy()),
              SCORCH_SDDMM_EINSUM: lambda: scorch.einsum("ij,ik,kj->ij", s.scorch, a, b),
              SCORCH_SDDMM_BT: lambda: scorch.einsum("ij,ik,jk->ij", s.scorch, a, bt)}
-    run_peers(t, peers, TORCH_SDDMM, cfg, refs={SCORCH_SDDMM_EINSUM: einsum_ref, SCORCH_SDDMM_BT: einsum_ref})
+    run_peers(t, calls, TORCH_SDDMM, cfg, refs={SCORCH_SDDMM_EINSUM: einsum_ref, SCORCH_SDDMM_BT: einsum_ref})
+    # the floor: S once, A and B once, the result's values written (its pattern is S's)
+    anchored(t, inputs, (TORCH_SDDMM, peers.GB_SDDMM), csr_bytes(s) + s.nnz * 4 + (n + m) * k * 4)
     t.targets.append(_ratio_target(t, "scorch sampled_addmm >= 1.5x faster than torch", 1.5, TORCH_SDDMM,
                                    SCORCH_SDDMM))
+    t.targets += [anchor_target(t, 2.0), floor_target(t)]
     kernel_only = t.ratio(SCORCH_SDDMM, SCORCH_SDDMM_BT)
     if kernel_only is not None:
         t.notes.append(f"scorch's sampled_addmm takes {kernel_only:.2f}x the time of its einsum kernel alone on a "
@@ -293,8 +359,12 @@ def spmv(inputs: Inputs, which: str) -> Table:
     vn = v.numpy()
     t = Table("spmv", f"SpMV, {which}", f"{a.describe()}; y = A @ v")
     t.scorch, t.torch = SCORCH_SPMV, TORCH_SPMV
-    peers = {SCORCH_SPMV: lambda: a.scorch @ v, TORCH_SPMV: lambda: a.torch @ v, SCIPY_SPMV: lambda: a.scipy @ vn}
-    run_peers(t, peers, TORCH_SPMV, cfg)
+    calls = {SCORCH_SPMV: lambda: a.scorch @ v, TORCH_SPMV: lambda: a.torch @ v, SCIPY_SPMV: lambda: a.scipy @ vn,
+             **peers.spmv(a, vn)}
+    run_peers(t, calls, TORCH_SPMV, cfg)
+    m, n = a.torch.shape
+    anchored(t, inputs, (TORCH_SPMV, SCIPY_SPMV, peers.MKL_SPMV, peers.GB_SPMV), csr_bytes(a) + (m + n) * 4)
+    t.targets += [anchor_target(t, 1.1), floor_target(t)]
     return t
 
 
@@ -305,32 +375,42 @@ def spgemm(inputs: Inputs) -> Table:
     a = inputs.uniform
     t = Table("spgemm", "SpGEMM, uniform, A @ A", f"{a.describe()}; C = A @ A (sparse result)")
     t.scorch, t.torch = "scorch  S @ S", "torch CSR  A @ A"
-    peers = {t.scorch: lambda: a.scorch @ a.scorch, t.torch: lambda: a.torch @ a.torch,
-             "scipy csr @ csr": lambda: a.scipy @ a.scipy}
-    run_peers(t, peers, "scipy csr @ csr", cfg)
+    calls = {t.scorch: lambda: a.scorch @ a.scorch, t.torch: lambda: a.torch @ a.torch,
+             "scipy csr @ csr": lambda: a.scipy @ a.scipy, **peers.spgemm(a)}
+    run_peers(t, calls, "scipy csr @ csr", cfg)
+    product = a.scipy @ a.scipy
+    # the floor: A read once, C written once (a bound no SpGEMM reaches: A's rows are read once per use)
+    anchored(t, inputs, (t.torch, "scipy csr @ csr", peers.MKL_SPGEMM, peers.GB_SPGEMM),
+             csr_bytes(a) + csr_bytes(product))
     t.targets.append(_ratio_target(t, "scorch faster than scipy", 1.0, "scipy csr @ csr", t.scorch))
     t.targets.append(_ratio_target(t, "scorch >= 1.5x faster than torch CSR @ CSR", 1.5, t.torch, t.scorch))
-    nnz = (a.scipy @ a.scipy).nnz
-    t.notes.append(f"The product has {nnz:,} nonzeros.")
+    t.targets.append(anchor_target(t, 1.2))
+    t.notes.append(f"The product has {product.nnz:,} nonzeros.")
     return t
 
 
-def add_mul(inputs: Inputs, op: str) -> Table:
+def add_mul(inputs: Inputs, op: str, which: str = "uniform") -> Table:
     cfg = inputs.cfg
-    a, b = inputs.uniform, inputs.uniform2
+    a, b = inputs.matrix(which), inputs.second(which)
     sym = "+" if op == "add" else "*"
-    t = Table("addmul", f"sparse {sym} sparse, uniform",
-              f"{a.describe()}; B: same size and density, another pattern (seed 1); C = A {sym} B")
+    t = Table("addmul", f"sparse {sym} sparse, {which}",
+              f"{a.describe()}; B: same size and degrees, another pattern (seed 1); C = A {sym} B")
     t.scorch, t.torch = f"scorch  S1 {sym} S2", f"torch CSR  A {sym} B"
     if op == "add":
-        peers = {t.scorch: lambda: a.scorch + b.scorch, t.torch: lambda: a.torch + b.torch,
-                 "scipy  A + B": lambda: a.scipy + b.scipy}
-        reference = "scipy  A + B"
+        calls = {t.scorch: lambda: a.scorch + b.scorch, t.torch: lambda: a.torch + b.torch,
+                 "scipy  A + B": lambda: a.scipy + b.scipy, **peers.add(a, b)}
+        reference, result = "scipy  A + B", a.scipy + b.scipy
     else:
-        peers = {t.scorch: lambda: a.scorch * b.scorch, t.torch: lambda: a.torch * b.torch,
-                 "scipy  A.multiply(B)": lambda: a.scipy.multiply(b.scipy)}
-        reference = "scipy  A.multiply(B)"
-    run_peers(t, peers, reference, cfg)
+        calls = {t.scorch: lambda: a.scorch * b.scorch, t.torch: lambda: a.torch * b.torch,
+                 "scipy  A.multiply(B)": lambda: a.scipy.multiply(b.scipy), **peers.mul(a, b)}
+        reference, result = "scipy  A.multiply(B)", a.scipy.multiply(b.scipy).tocsr()
+    run_peers(t, calls, reference, cfg)
+    # the floor: A and B read once, C written once
+    anchored(t, inputs, (t.torch, reference, *(n for n in calls if n.startswith("GraphBLAS"))),
+             csr_bytes(a) + csr_bytes(b) + csr_bytes(result))
+    if op == "add":
+        t.targets.append(anchor_target(t, 1.2))
+        t.notes.append("MKL has no row here: sparse_dot_mkl does not wrap MKL's sparse + sparse.")
     return t
 
 
@@ -412,18 +492,24 @@ def real_spmm(inputs: Inputs, name: str, k: int) -> Table:
     t = Table("real", f"SpMM, {name}, K={k}", f"{a.describe()}; X: {n:,} x {k}, Y = A @ X")
     t.scorch, t.torch = SCORCH_AGG, TORCH_SPMM
     dense_a = a.torch.to_dense()
-    peers = {SCORCH_AGG: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x, SCIPY_SPMM: lambda: a.scipy @ x.numpy(),
-             "torch dense  A @ X": lambda: dense_a @ x}
+    xn = x.numpy()
+    calls = {SCORCH_AGG: lambda: a.scorch @ x, TORCH_SPMM: lambda: a.torch @ x, SCIPY_SPMM: lambda: a.scipy @ xn,
+             **peers.spmm(a, xn), "torch dense  A @ X": lambda: dense_a @ x}
     try:
         from torch_geometric.utils import scatter
         coo = a.torch.to_sparse_coo()
         dst, src = coo.indices()
         w = coo.values()[:, None]
-        peers[PYG_AGG] = lambda: scatter(x[src] * w, dst, dim=0, dim_size=n, reduce="sum")
+        calls[PYG_AGG] = lambda: scatter(x[src] * w, dst, dim=0, dim_size=n, reduce="sum")
     except ImportError:
         t.notes.append("torch_geometric is not installed: no PyG row.")
-    run_peers(t, peers, TORCH_SPMM, cfg)
+    run_peers(t, calls, TORCH_SPMM, cfg)
+    anchored(t, inputs, SPMM_ANCHORS, spmm_bytes(a, k))
     t.targets.append(_ratio_target(t, "scorch faster than PyG's message passing", 1.0, PYG_AGG, SCORCH_AGG))
+    if name == "cora":
+        t.targets.append(anchor_target(t, 1.5))
+    t.notes.append("Anchors are the sparse kernels of torch, scipy, MKL and GraphBLAS (not torch's dense matmul, "
+                   "nor PyG). The whole graph fits in cache, so the floor (DRAM bandwidth) is far below any call.")
     return t
 
 

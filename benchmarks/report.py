@@ -50,8 +50,9 @@ def versions() -> dict:
     commit = _git(root, "rev-parse", "--short", "HEAD")
     if commit and _git(root, "status", "--porcelain", "--", "scorch"):
         commit += " (with uncommitted changes in scorch/)"
+    from . import peers
     return {"python": platform.python_version(), "torch": torch.__version__, "scipy": scipy.__version__,
-            "sparse (pydata)": sparse.__version__, "numpy": numpy.__version__, "C++ compiler": gxx,
+            "sparse (pydata)": sparse.__version__, "numpy": numpy.__version__, **peers.versions(), "C++ compiler": gxx,
             "compiler flags": " ".join(runtime.flags()), "scorch": f"{scorch.__version__}, commit {commit or '?'}"}
 
 
@@ -85,7 +86,11 @@ def _speedup(r: float) -> str:
 def value_text(t: Target) -> str:
     if t.value is None:
         return "not measured"
-    return f"{t.value:.2f}{'x' if t.unit == 'x' else ' ' + t.unit}"
+    digits = 2
+    while digits < 6 and (float(f"{t.value:.{digits}f}") >= t.goal if t.higher
+                          else float(f"{t.value:.{digits}f}") <= t.goal) != t.met:
+        digits += 1  # 1.996 against 2x is "1.996x", not a "2.00x" beside "not met"
+    return f"{t.value:.{digits}f}{'x' if t.unit == 'x' else ' ' + t.unit}"
 
 
 def _verdict(t: Target) -> str:
@@ -130,6 +135,14 @@ def _table_md(t: Table) -> list[str]:
             cell = "(reference: scorch)" if r.name == t.scorch else ("" if ratio is None else _speedup(ratio))
             out.append(f"| {r.name} | {ms(r.timing.median)} | {ms(r.timing.min)} | {r.timing.runs} | {cell} |")
     out.append("")
+    best, s = t.best_anchor(), t.row(t.scorch)
+    if t.anchors:
+        out.append(f"- Anchors: {', '.join(t.anchors)}; the fastest that ran: "
+                   + (f"{best.name} ({ms(best.timing.median)} ms)." if best else "none."))
+    if t.floor_s:
+        out.append(f"- Memory floor: {t.floor_bytes / 1e6:.2f} MB must move (operands read once, result written "
+                   f"once), {ms(t.floor_s)} ms at the measured bandwidth"
+                   + (f"; scorch takes {s.timing.median / t.floor_s:.1f}x that." if s and s.timing else "."))
     for tg in t.targets:
         line = f"- Target: {tg.text}: measured {value_text(tg)}, {_verdict(tg)}."
         if tg.value is None and tg.why_missing:
@@ -138,6 +151,36 @@ def _table_md(t: Table) -> list[str]:
     out += [f"- {n}" for n in t.notes]
     out.append("")
     return out
+
+
+def _anchor_section(tables: list) -> list[str]:
+    """The kernel table: scorch against the best anchor and the memory floor, one row per case with anchors."""
+    rows = [t for t in tables if t.kind == "ratios" and t.anchors]
+    if not rows:
+        return []
+    out = ["", "## Kernels: scorch against the best anchor and the memory floor", "",
+           "The best anchor is the fastest of the case's torch, scipy, Intel MKL (`sparse-dot-mkl`) and "
+           "SuiteSparse:GraphBLAS (`python-graphblas`) rows that ran and passed the check (an anchor whose package is"
+           " missing shows as not installed in the case's table). The floor is the bytes that must move at least "
+           "once (operands read, result written; float32 values, int32 indices) over the measured copy bandwidth "
+           "(see Machine); scorch / floor is how many times the floor scorch's median takes.", "",
+           "| case | scorch ms | best anchor | anchor ms | scorch speedup vs best anchor | floor ms | scorch / floor |"
+           " anchors not timed |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    for t in rows:
+        s, best = t.row(t.scorch), t.best_anchor()
+        sc = ms(s.timing.median) if s and s.timing else (s.status if s else "")
+        speed = _speedup(best.timing.median / s.timing.median) if best and s and s.timing else ""
+        over = f"{s.timing.median / t.floor_s:.1f}x" if t.floor_s and s and s.timing else ""
+        missing = [f"{n.split()[0]} ({_short_status(t.row(n).status if t.row(n) else 'absent')})" for n in t.anchors
+                   if t.row(n) is None or t.row(n).timing is None]
+        out.append(f"| {t.title} | {sc} | {best.name if best else 'none'} | {ms(best.timing.median) if best else ''} | "
+                   f"{speed} | {ms(t.floor_s) if t.floor_s else ''} | {over} | {', '.join(missing)} |")
+    return out
+
+
+def _short_status(status: str) -> str:
+    return status.split(" (", 1)[0] if status.startswith(("not installed", "not supported")) else status[:60]
 
 
 # --- the SpMM story: generated loop vs hand kernel ---------------------------------------------------------------
@@ -257,6 +300,7 @@ def write(directory: str, tables: list, machine: dict, variants: dict, diagnoses
         tc = ms(tr.timing.median) if tr and tr.timing else (tr.status if tr else "")
         r = t.ratio(t.torch)
         lines.append(f"| {t.title} | {sc} | {tc} | {'' if r is None else _speedup(r)} |")
+    lines += _anchor_section(tables)
     lines += ["", "## Targets", "", "| case | target | measured | |", "| --- | --- | ---: | --- |"]
     for t in tables:
         for tg in t.targets:
@@ -293,6 +337,9 @@ def _plots(tables: list, directory: str) -> list:
     kernels = [t for t in tables if t.kind == "ratios"]
     if plot(kernels, os.path.join(directory, "kernels.png")):
         out.append(("kernel speedups vs torch", os.path.join(directory, "kernels.png")))
+    anchored = [t for t in kernels if t.anchors]
+    if plot_anchors(anchored, os.path.join(directory, "floor.png")):
+        out.append(("kernels: scorch / memory floor and speedup vs the best anchor", os.path.join(directory, "floor.png")))
     apps = [t for t in tables if t.kind == "app"]
     if plot_apps(apps, os.path.join(directory, "apps.png")):
         out.append(("app speedups", os.path.join(directory, "apps.png")))
@@ -338,6 +385,55 @@ def plot_apps(tables: list, path: str) -> bool:
     ax.set_xticklabels([t.title.replace(", ", "\n") for t, _ in cases], rotation=30, ha="right", fontsize=8)
     ax.set_title("apps: scorch against the other backends (above 1: scorch faster)")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_anchors(tables: list, path: str) -> bool:
+    """Two panels per kernel case: scorch's time over the memory floor (with the 3x line), and scorch's speedup
+    over the best anchor (its name on the bar, the case's anchor target as a tick). Log scales."""
+    cases = []
+    for t in tables:
+        s, best = t.row(t.scorch), t.best_anchor()
+        if s is None or s.timing is None:
+            continue
+        floor = s.timing.median / t.floor_s if t.floor_s else None
+        speed = best.timing.median / s.timing.median if best else None
+        goal = next((tg.goal for tg in t.targets if "best anchor" in tg.text), None)
+        cases.append((t.title, floor, speed, best.name.split()[0] if best else "", goal))
+    if not cases:
+        return False
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(9, 0.8 * len(cases) + 3), 9), sharex=True)
+    xs = list(range(len(cases)))
+    fl = [(x, c[1]) for x, c in zip(xs, cases) if c[1] is not None]
+    top.bar([x for x, _ in fl], [v for _, v in fl], color=["tab:green" if v <= 3 else "tab:orange" for _, v in fl])
+    for x, v in fl:
+        top.annotate(f"{v:.1f}x", (x, v), ha="center", va="bottom", fontsize=8)
+    top.axhline(1.0, color="black", linewidth=0.8)
+    top.axhline(3.0, color="black", linestyle=":", linewidth=1.2, label="3x the floor (target for SpMV, SpMM, SDDMM)")
+    top.set_yscale("log")
+    top.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+    top.set_ylabel("scorch time / memory floor (log)")
+    top.set_title("scorch against the memory floor (1x: every byte moved once at copy speed)")
+    top.legend(fontsize=8)
+    sp = [(x, c[2], c[3]) for x, c in zip(xs, cases) if c[2] is not None]
+    bottom.bar([x for x, _, _ in sp], [v for _, v, _ in sp], color=["tab:green" if v >= 1 else "tab:red" for _, v, _ in sp])
+    for x, v, name in sp:
+        bottom.annotate(f"{v:.2f}x\nvs {name}", (x, v), ha="center", va="bottom", fontsize=7)
+    for x, c in zip(xs, cases):
+        if c[4] is not None:
+            bottom.plot([x - 0.4, x + 0.4], [c[4], c[4]], color="black", linestyle=":", linewidth=1.5)
+    bottom.axhline(1.0, color="black", linewidth=0.8)
+    bottom.set_yscale("log")
+    bottom.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+    bottom.set_ylabel("scorch speedup over the best anchor (log)")
+    bottom.set_title("scorch vs the fastest of torch, scipy, MKL, GraphBLAS (dotted: target)")
+    bottom.set_xticks(xs)
+    bottom.set_xticklabels([c[0].replace(", ", "\n") for c in cases], rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -36,8 +36,9 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
                  diagnosis(f"SpMM, K={k}", "ij,jk->ik", uniform_and(lambda n, k=k: (n, k)))) for k in cfg.spmm_k]
     if "sddmm" in groups:
         k = cfg.sddmm_k
-        out += [("sddmm", "SDDMM", lambda: cases.sddmm(inputs)),
-                ("sddmm", "SDDMM generated code", diagnosis(
+        out += [("sddmm", f"SDDMM, {which}", lambda which=which: cases.sddmm(inputs, which))
+                for which in ("uniform", "power-law")]
+        out += [("sddmm", "SDDMM generated code", diagnosis(
                     f"SDDMM einsum 'ij,ik,kj->ij', K={k}", "ij,ik,kj->ij",
                     uniform_and(lambda n: (n, k), lambda n: (k, n)))),
                 ("sddmm", "SDDMM generated code, B transposed", diagnosis(
@@ -50,8 +51,9 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
     if "spgemm" in groups:
         out.append(("spgemm", "SpGEMM", lambda: cases.spgemm(inputs)))
     if "addmul" in groups:
-        out += [("addmul", "sparse + sparse", lambda: cases.add_mul(inputs, "add")),
-                ("addmul", "sparse * sparse", lambda: cases.add_mul(inputs, "mul"))]
+        out += [("addmul", f"sparse + sparse, {which}", lambda which=which: cases.add_mul(inputs, "add", which))
+                for which in ("uniform", "power-law")]
+        out.append(("addmul", "sparse * sparse", lambda: cases.add_mul(inputs, "mul")))
     if "chain" in groups:
         out.append(("chain", "einsum ij,jk,kl->il", lambda: cases.chain(inputs)))
     if "mttkrp" in groups:
@@ -116,6 +118,9 @@ def run(args) -> int:
                 tables.append(table)
                 tqdm.write(_summary_line(table))
     machine["load_after"] = report.load_average()
+    if "bandwidth" in inputs._cache:
+        machine["memory bandwidth (floors)"] = (f"{inputs.bandwidth / 1e9:.1f} GB/s (the fastest of 11 copies of a "
+                                               f"{(64 if cfg.quick else 512)} MiB buffer by torch, read + write)")
     machine.update(report.versions())
     md, png = report.write(out_dir, tables, machine, variants, diagnoses, report.command_line(),
                            time.perf_counter() - start, args.quick)

@@ -8,6 +8,7 @@ the median of the timed calls, with the minimum beside it.
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,21 @@ def measure(peers: dict[str, Callable[[], object]], repeat: int, warmup: int = 2
         if enabled:
             gc.enable()
     return {n: Timing(statistics.median(s), min(s), len(s)) for n, s in samples.items()}
+
+
+def copy_bandwidth(nbytes: int, rounds: int = 10) -> float:
+    """Memory bandwidth in bytes per second: a torch copy of an ``nbytes`` float32 buffer into another (read and
+    write both counted, so 2 * nbytes move), on torch's threads; the fastest of ``rounds`` copies, so the floor it
+    gives is the lowest the machine allows."""
+    import torch
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / best
 
 
 def per_call(fns: dict[str, Callable[[], object]], batch_s: float, rounds: int) -> dict[str, Timing]:
@@ -94,6 +110,14 @@ class Target:
     higher: bool = True
     why_missing: str = ""
 
+    def __post_init__(self):
+        # the goal and the text must agree: a text saying "aim 1.5x" over a goal of 1.0 once read "met" at 1.02x
+        number = r"(?<![\w.])(\d+(?:\.\d+)?)"
+        pattern = number + (r"x\b" if self.unit == "x" else rf" {self.unit}\b")
+        said = [float(n) for n in re.findall(pattern, self.text)]
+        if said and self.goal not in said:
+            raise ValueError(f"target {self.text!r} has the goal {self.goal:g}{self.unit}, which its text does not say")
+
     @property
     def met(self) -> Optional[bool]:
         if self.value is None:
@@ -118,6 +142,10 @@ class Table:
     notes: list = field(default_factory=list)
     series: dict = field(default_factory=dict)  # "series": peer -> [(x, seconds)], x named by ``x_label``
     x_label: str = ""
+    anchors: list = field(default_factory=list)  # rows that are anchors (torch, scipy, MKL, GraphBLAS): the
+    #                                              fastest of them that ran is the case's best anchor
+    floor_s: Optional[float] = None  # the memory floor: bytes that must move / measured copy bandwidth
+    floor_bytes: int = 0
 
     def row(self, name: str) -> Optional[Row]:
         return next((r for r in self.rows if r.name == name), None)
@@ -128,6 +156,11 @@ class Table:
         if a is None or b is None or a.timing is None or b.timing is None:
             return None
         return a.timing.median / b.timing.median
+
+    def best_anchor(self) -> Optional[Row]:
+        """The fastest anchor row that was timed, or None."""
+        timed = [r for r in (self.row(n) for n in self.anchors) if r is not None and r.timing is not None]
+        return min(timed, key=lambda r: r.timing.median, default=None)
 
     def infer_ratio(self, name: str) -> Optional[float]:
         """Apps: ``name``'s inference median over scorch's."""
