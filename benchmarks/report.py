@@ -39,7 +39,6 @@ def versions() -> dict:
     import sparse
     import torch
 
-    import scorch
     from scorch.compiler import runtime
 
     try:
@@ -53,7 +52,16 @@ def versions() -> dict:
     from . import peers
     return {"python": platform.python_version(), "torch": torch.__version__, "scipy": scipy.__version__,
             "sparse (pydata)": sparse.__version__, "numpy": numpy.__version__, **peers.versions(), "C++ compiler": gxx,
-            "compiler flags": " ".join(runtime.flags()), "scorch": f"{scorch.__version__}, commit {commit or '?'}"}
+            "compiler flags": " ".join(runtime.flags()), "scorch": f"{_scorch_version()}, commit {commit or '?'}"}
+
+
+def _scorch_version() -> str:
+    """The installed distribution's version (``scorch.__version__`` is torch's: scorch stands in for torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("scorch")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _git(root, *args) -> str:
@@ -163,7 +171,8 @@ def _anchor_section(tables: list) -> list[str]:
            "SuiteSparse:GraphBLAS (`python-graphblas`) rows that ran and passed the check (an anchor whose package is"
            " missing shows as not installed in the case's table). The floor is the bytes that must move at least "
            "once (operands read, result written; float32 values, int32 indices) over the measured copy bandwidth "
-           "(see Machine); scorch / floor is how many times the floor scorch's median takes.", "",
+           "(see Machine); scorch / floor is how many times the floor scorch's median takes. The kernel cases alone: "
+           "`python -m benchmarks --only kernels` (written under `$TMPDIR/scorch-bench/` unless `--out` is given).", "",
            "| case | scorch ms | best anchor | anchor ms | scorch speedup vs best anchor | floor ms | scorch / floor |"
            " anchors not timed |",
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
