@@ -95,7 +95,6 @@ class _Lowering:
         self.block_loops = {}  # loop variable of a dense level over a block's offsets -> the block size
         self.tile = None       # (rows, columns) of a register tile, for explain
         self.block_covering = set()  # loops over all of a dense ``i / b`` or ``i % b`` level of an output index
-        self.reduction_loops = set()  # loops that only add into a scalar accumulator: vectorized (omp simd)
 
     def param(self, name, kind, type_, arg_kind, output=False, **where):
         if all(p.name != name for p in self.params):
@@ -177,7 +176,7 @@ class _Lowering:
         body = self._output(items)
         if any(isinstance(it[4], L.Parallel) for it in items if it[0] == "for"):
             self.param("nthreads", "scalar", "i64", "threads")
-        inner = {self.vname[v] for v in sched.inner} | self.reduction_loops
+        inner = {self.vname[v] for v in sched.inner}
         body = L.mark_simd(L.block(body), lambda name: name in inner)
         kernel = L.Kernel("scorch_kernel", tuple(self.params), body)
         return Lowered(kernel, tuple(self.args), self.ct, self.writes_every_output)
@@ -491,10 +490,6 @@ class _Lowering:
         counts = self.param("counts", "array", "i64", "counts", output=True) if red != "sum" else None
         if any(it[0] == "for" for it in rest):
             acc, cnt = L.Var("acc", self.ct), L.Var("cnt")
-            if red == "sum" and self.ct in ("f32", "f64") and self.target.vectors:
-                # the sum over a row's entries in several partial sums (a vector's lanes): one chain of dependent
-                # adds would bound the loop by the add's latency (SpMV)
-                self.reduction_loops |= {it[1].name for it in rest if it[0] == "for"}
             once = op is not None and not shared and all(
                 it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in items[:ready + 1])
             if once:  # every output written by exactly one iteration: stored, not added (no zero-filled output)

@@ -323,7 +323,8 @@ PLAN_STORE_VERSION = "p2"
 
 
 def _fingerprint() -> str:
-    return PLAN_STORE_VERSION + runtime.source_fingerprint("compiler", "loopir.py", "formats")
+    # (the vector width: the register tiles are sized for the machine, target.native_vector_bytes)
+    return f"{PLAN_STORE_VERSION}v{CPU.vector_bytes}" + runtime.source_fingerprint("compiler", "loopir.py", "formats")
 
 
 def _stored_plan(plan_key, backend):

@@ -6,6 +6,7 @@ pipeline: ``codegen.cpp`` for ``cpu``; for ``cuda``, the GPU mapping pass (``map
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -27,7 +28,28 @@ class Target:
         return self.vector_bytes // (4 if compute_type == "f32" else 8)
 
 
-#: the CPU: one AVX-512 register per explicit vector (GCC splits it where the machine's are narrower)
-CPU = Target("cpu", vector_bytes=64)
+def native_vector_bytes() -> int:
+    """The width of this machine's vector registers in bytes: 64 with AVX-512, 32 with AVX/AVX2, 16 otherwise
+    (SSE, NEON); ``$SCORCH_VECTOR_BYTES`` (16, 32 or 64) overrides it. The register tiles are sized in these
+    vectors: a tile of AVX-512-wide vectors on an AVX2 machine is split by GCC into twice as many registers as
+    it has, and spills (SpMM 9x slower, measured on an AMD EPYC)."""
+    forced = os.environ.get("SCORCH_VECTOR_BYTES", "").strip()
+    if forced:
+        if forced not in ("16", "32", "64"):
+            raise ValueError(f"scorch: SCORCH_VECTOR_BYTES must be 16, 32 or 64, got {forced!r}")
+        return int(forced)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    return 64 if "avx512f" in flags else 32 if flags & {"avx2", "avx"} else 16
+    except OSError:
+        pass
+    return 32
+
+
+#: the CPU: one machine vector register per explicit vector
+CPU = Target("cpu", vector_bytes=native_vector_bytes())
 #: a CUDA GPU (or its CPU emulation): no explicit vectors
 CUDA = Target("cuda")

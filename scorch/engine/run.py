@@ -13,6 +13,7 @@ from ..compiler import library, relayout, runtime
 from ..compiler.caches import cache
 from ..compiler.pipeline import coiteration_plan, compiled_plan, kept_plan, planned, target_of
 from ..compiler.schedule import discordant_format, transposed_for_parallel
+from ..compiler.target import CPU
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, dtype_of, needs_grad
@@ -250,7 +251,7 @@ def row_plan(inputs, out, ops, backend="cpp"):
 
 
 def _code() -> str:
-    return "c1" + runtime.source_fingerprint(".")
+    return f"c1v{CPU.vector_bytes}" + runtime.source_fingerprint(".")
 
 
 def kept_call(sig):

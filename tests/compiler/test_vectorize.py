@@ -7,6 +7,7 @@ import torch
 
 import scorch
 from scorch.compiler import runtime
+from scorch.compiler.target import CPU
 
 
 def _kernel_source(eq, *ops):
@@ -49,12 +50,13 @@ def test_inner_dense_loop_vectorizes(eq, k, tmp_path):
     assert f"< INT64_C({k})" in src or f"< INT64_C({k // 64})" in src, "the dense extent should be compiled in"
     if eq == "ij,jk->ik":
         # SpMM's output tile is held in explicit vectors across the row's entries (a register tile)
-        assert re.search(r"scorch_vf32 wtile\[\d+\]", src) and "bv += 16" in src
+        assert re.search(r"scorch_vf32 wtile\[\d+\]", src) and f"bv += {CPU.lanes('f32')}" in src
         assert re.search(r"\(\*\(const scorch_vf32u\*\)\(&t1\[", src), "the dense operand is read as vectors"
         return
-    # SDDMM: 16 entries at a time, each a vector of partial sums over k, added up together (a transposed tree);
+    # SDDMM: a vector's lanes of entries at a time (16 with AVX-512), each a vector of partial sums over k, added
+    # up together (a transposed tree);
     # the entries left over one vector each
-    assert re.search(r"scorch_vf32 esum\[16\]", src) and "scorch_tsum(esum, etot)" in src
+    assert re.search(rf"scorch_vf32 esum\[{CPU.lanes('f32')}\]", src) and "scorch_tsum(esum, etot)" in src
     assert re.search(r"esum1\[INT64_C\(0\)\] \+= ", src)
     assert re.search(r"\(\*\(const scorch_vf32u\*\)\(&t2\[", src), "the dense operands are read as vectors"
     src = _kernel_source(eq, ops[0], ops[1][:, :k - 1].contiguous(), ops[2][:, :k - 1].contiguous())
@@ -75,7 +77,7 @@ def test_dot_tile_interpreted_matches_compiled(dtype):
     """The SDDMM dot tile (whole vectors of entries, their lane sums added up together, then the entries left
     over) through the bounds-checked loop-IR interpreter gives the compiled kernel's values, and torch's."""
     from scorch import engine
-    lanes = 16 if dtype == torch.float32 else 8
+    lanes = CPU.lanes("f32" if dtype == torch.float32 else "f64")  # (the machine's vector width: target.py)
     torch.manual_seed(1)
     dense = torch.randn(6, 2000, dtype=dtype) * (torch.rand(6, 2000) < 0.02)  # sparse: the planner samples
     dense[2] = 0  # an empty row

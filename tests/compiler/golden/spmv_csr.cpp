@@ -46,7 +46,6 @@ extern "C" void scorch_kernel(
       const int64_t p0 = (c0 - t0_l0_lo);
       const int64_t d0 = c0;
       float acc = 0.0f;
-      #pragma omp simd reduction(+:acc)
       for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
         const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
         const int64_t d1 = c1;
