@@ -81,8 +81,6 @@ class _Lowering:
     def __init__(self, asg, sched, vt, broadcast, scatter=None, target=CPU):
         # vt: the output's value type; ct: the type arithmetic is done in (f32 for the 16-bit floats)
         self.asg, self.sched, self.vt, self.ct, self.broadcast = asg, sched, vt, L.compute_type(vt), broadcast
-        # explicit vector tiles only where every value array holds the compute type (16-bit arrays: plain loops)
-        self.narrow = vt != self.ct or any(L.type_of(t.dtype) != self.ct for t in asg.operands)
         self.target = target
         self.scatter = scatter
         self.covering = set()  # loops that visit each coordinate of an output index exactly once

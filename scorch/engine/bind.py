@@ -352,11 +352,17 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
     return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
 
 
+def _offsets(counts):
+    """The row pointers of rows of ``counts`` entries (0, then the running sums)."""
+    row_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts, 0, out=row_ptr[1:])
+    return row_ptr
+
+
 def _row_arrays(counts, ws, dtype):
     """``(row_ptr, crd, vals)`` for rows of ``counts`` entries: coordinates of 32 bits where a row's workspace has
     at most ``NARROW_COORDINATES`` entries."""
-    row_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts, 0, out=row_ptr[1:])
+    row_ptr = _offsets(counts)
     nnz = int(row_ptr[-1])
     crd = torch.empty(nnz, dtype=torch.int32 if ws <= NARROW_COORDINATES else torch.int64, device=counts.device)
     return row_ptr, crd, torch.empty(nnz, dtype=dtype, device=counts.device)
@@ -381,8 +387,7 @@ def _hash_rows(plan, launch, rows, ws, threads, out_shape, sizes, dtype, dev):
     counts = torch.zeros(rows, dtype=torch.int64, device=dev)
     launch("hfill32" if crd.dtype == torch.int32 else "hfill", {"row_ptr": bound, "out_crd": crd, "out": vals,
                                                                 "counts": counts, "hcap": cap})
-    row_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(counts, 0, out=row_ptr[1:])
+    row_ptr = _offsets(counts)
     if int(row_ptr[-1]) != total:  # (rows with repeated keys: their slots past the distinct entries are dropped)
         offset = torch.arange(total, device=dev) - torch.repeat_interleave(bound[:-1], terms)
         keep = offset < torch.repeat_interleave(counts, terms)

@@ -139,6 +139,46 @@ static inline void scorch_atomic_add(_Float16* p, float v) {
 }
 """
 
+#: 16-bit floats in explicit vectors: ``scorch_widen(p)`` the float vector of the 16-bit values at ``p``,
+#: ``scorch_narrow(p, v)`` the float vector ``v`` rounded into them (bf16 as the scalar struct rounds it)
+WIDE16 = f"""#ifndef SCORCH_WIDE16
+#define SCORCH_WIDE16
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+typedef uint16_t scorch_vu16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
+typedef uint32_t scorch_vu32 __attribute__((vector_size({VECTOR_BYTES})));
+typedef _Float16 scorch_vh16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
+static inline scorch_vf32 scorch_widen(const scorch_bf16* p) {{
+  return (scorch_vf32)(__builtin_convertvector(*(const scorch_vu16*)p, scorch_vu32) << 16);
+}}
+static inline scorch_vf32 scorch_widen(const _Float16* p) {{
+#if defined(__F16C__) && {VECTOR_BYTES} == 32
+  return (scorch_vf32)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX512F__) && {VECTOR_BYTES} == 64
+  return (scorch_vf32)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+  return __builtin_convertvector(*(const scorch_vh16*)p, scorch_vf32);  // (GCC converts it lane by lane)
+#endif
+}}
+static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
+  const scorch_vu32 u = (scorch_vu32)v;
+  const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  *(scorch_vu16*)p = __builtin_convertvector(r, scorch_vu16);
+}}
+static inline void scorch_narrow(_Float16* p, scorch_vf32 v) {{
+#if defined(__F16C__) && {VECTOR_BYTES} == 32
+  _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__AVX512F__) && {VECTOR_BYTES} == 64
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  *(scorch_vh16*)p = __builtin_convertvector(v, scorch_vh16);
+#endif
+}}
+#endif
+"""
+
+
 _HELPERS = {
     "scorch_bf16": BF16,
     "scorch_atomic_add": ATOMIC16,
@@ -150,10 +190,9 @@ _HELPERS = {
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
         _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
-    # 16-bit floats in explicit vectors: ``scorch_widen(p)`` the float vector of the 16-bit values at ``p``,
-    # ``scorch_narrow(p, v)`` the float vector ``v`` rounded into them (bf16 as the scalar struct rounds it)
-    "scorch_widen": "",
-    "scorch_narrow": "",
+    # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
+    "scorch_widen": BF16 + WIDE16,
+    "scorch_narrow": BF16 + WIDE16,
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
 struct scorch_buf {
@@ -193,43 +232,6 @@ static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
 }
 
 
-WIDE16 = f"""#ifndef SCORCH_WIDE16
-#define SCORCH_WIDE16
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-typedef uint16_t scorch_vu16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
-typedef uint32_t scorch_vu32 __attribute__((vector_size({VECTOR_BYTES})));
-typedef _Float16 scorch_vh16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
-static inline scorch_vf32 scorch_widen(const scorch_bf16* p) {{
-  return (scorch_vf32)(__builtin_convertvector(*(const scorch_vu16*)p, scorch_vu32) << 16);
-}}
-static inline scorch_vf32 scorch_widen(const _Float16* p) {{
-#if defined(__F16C__) && {VECTOR_BYTES} == 32
-  return (scorch_vf32)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#elif defined(__AVX512F__) && {VECTOR_BYTES} == 64
-  return (scorch_vf32)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#else
-  return __builtin_convertvector(*(const scorch_vh16*)p, scorch_vf32);  // (GCC converts it lane by lane)
-#endif
-}}
-static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
-  const scorch_vu32 u = (scorch_vu32)v;
-  const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  *(scorch_vu16*)p = __builtin_convertvector(r, scorch_vu16);
-}}
-static inline void scorch_narrow(_Float16* p, scorch_vf32 v) {{
-#if defined(__F16C__) && {VECTOR_BYTES} == 32
-  _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
-#elif defined(__AVX512F__) && {VECTOR_BYTES} == 64
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
-#else
-  *(scorch_vh16*)p = __builtin_convertvector(v, scorch_vh16);
-#endif
-}}
-#endif
-"""
-_HELPERS["scorch_widen"] = _HELPERS["scorch_narrow"] = BF16 + WIDE16
 
 
 def _includes(body: str) -> str:
