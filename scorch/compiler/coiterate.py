@@ -7,9 +7,12 @@ two-pointer (k-pointer) merge over their coordinates for an intersection or a un
 be nonzero where none of them has an entry, a dense loop with the compressed levels following along.
 An operand absent at a coordinate is "dead" below it: its deeper levels iterate nothing and its value is 0.
 
-Outputs are dense (scattered with ``+=``), or assembled row by row through a dense workspace with a list of
-touched entries in two passes: ``count`` (entries per row) and, after a prefix sum, ``fill`` (sorted
-coordinates and values). The workspace is private to each thread, so the row loop runs in parallel.
+Outputs are dense (scattered with ``+=``), or assembled row by row in two passes: ``count`` (entries per row) and,
+after a prefix sum, ``fill`` (sorted coordinates and values). Where the loops below the row are the workspace's
+indices in order (an add or an elementwise product: a merge meets each coordinate once, ascending), the entries
+are written straight from the loops (``direct``: no workspace, no sort); else they go through a dense workspace
+with a list of touched entries (sorted at the row's end), or a hash workspace. A workspace is private to each
+thread, so the row loop runs in parallel.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozen
                       target: Target = CPU) -> Lowered:
     """``phase``: None for a dense output; ``"count"``, or ``"fill"`` / ``"fill32"`` (64- or 32-bit output
     coordinates), for the two passes of a rows output with a dense workspace; ``"hcount"``, ``"hfill"`` /
-    ``"hfill32"`` for the same with a hash workspace (``HASH``). ``target``: the machine, as for ``lower``."""
+    ``"hfill32"`` for the same with a hash workspace (``HASH``), ``"dcount"``, ``"dfill"`` / ``"dfill32"`` written
+    directly (``schedule.direct_rows``). ``target``: the machine, as for ``lower``."""
     low = _CoLowering(asg, cs, ct, broadcast, phase, target).run()
     return accumulated(low, lambda: _CoLowering(asg, cs, low.compute_type, broadcast, phase, target).run())
 
@@ -39,7 +43,8 @@ class _CoLowering(_Lowering):
         self.asg, self.cs, self.vt, self.ct = asg, cs, ct, L.compute_type(ct)
         self.broadcast, self.target = broadcast, target
         self.hash = phase is not None and phase.startswith("h")
-        phase = phase[1:] if self.hash else phase
+        self.direct = phase is not None and phase.startswith("d")
+        phase = phase[1:] if self.hash or self.direct else phase
         self.phase = "fill" if phase == "fill32" else phase
         self.crd_type = "i32" if phase == "fill32" else "i64"
         self.params, self.args = [], []
@@ -73,18 +78,21 @@ class _CoLowering(_Lowering):
             self.ws_size = L.Const(1)
             for v in cs.ws_vars:
                 self.ws_size = L.binary("mul", self.ws_size, self.size(v))
-            if self.hash:
+            if self.direct:
+                self.setup = []
+            elif self.hash:
                 cap = None if self.phase == "count" else L.Var(self.param("hcap", "scalar", "i64", "hcap"))
                 self.setup = [] if cap is None else [
                     L.Alloc(a, t, cap) for a, t in (("hkeys", "i64"), ("hvals", self.ct), ("touched", "i64"),
                                                     ("slots", "i64"), ("sort_tmp", "i64"))]
             else:
                 self.setup = [L.Alloc("mark", "bool", self.ws_size), L.Alloc("touched", "i64", self.ws_size)]
-            if self.phase == "fill" and not self.hash:
+            if self.phase == "fill" and not self.hash and not self.direct:
                 self.setup += [L.Alloc("ws", self.ct, self.ws_size), L.Alloc("sort_tmp", "i64", self.ws_size)]
         state = {k: (0, L.Const(0), None) for k in self.access}
         if self.phase and cs.row_var is None:
-            body = [L.Decl(L.Var("nt"), L.Const(0))] + self.gen(0, state) + self.row_end(L.Const(0))
+            body = [L.Decl(L.Var("nt"), L.Const(0))] + self.row_start(L.Const(0)) + self.gen(0, state) + \
+                self.row_end(L.Const(0))
         else:
             body = self.gen(0, state)
         if self.phase and not self.setup_placed:
@@ -206,7 +214,8 @@ class _CoLowering(_Lowering):
 
     def body_at(self, i, st):
         if i == 0 and self.phase and self.cs.row_var is not None:
-            return [L.Decl(L.Var("nt"), L.Const(0))] + self.gen(1, st) + self.row_end(self.bound[self.cs.row_var])
+            row = self.bound[self.cs.row_var]
+            return [L.Decl(L.Var("nt"), L.Const(0))] + self.row_start(row) + self.gen(1, st) + self.row_end(row)
         return self.gen(i + 1, st)
 
     # --- innermost: value and output ------------------------------------------------------------------------
@@ -224,8 +233,13 @@ class _CoLowering(_Lowering):
             w = L.binary("add", L.binary("mul", w, self.size(v)), self.bound[v])
         wv = L.Var("w")
         nt = L.Var("nt")
+        if self.phase == "count" and (self.hash or self.direct):
+            return [L.Assign(nt, L.Const(1), "add")]
         if self.hash:
-            return [L.Assign(nt, L.Const(1), "add")] if self.phase == "count" else [L.Let(wv, w)] + _hash_add(wv, value, self.ct)
+            return [L.Let(wv, w)] + _hash_add(wv, value, self.ct)
+        if self.direct:  # each coordinate once, ascending: the row's next entry
+            at = L.binary("add", L.Var("base"), nt)
+            return [L.Store(self.out_crd(), at, w), L.Store(self.out_vals(), at, value), L.Assign(nt, L.Const(1), "add")]
         mark = [L.Store("mark", wv, L.Const(True, "bool")), L.Store("touched", nt, wv),
                 L.Assign(nt, L.Const(1), "add")]
         stmts = [L.Let(wv, w), L.If(L.Unary("not", L.Load("mark", wv, "bool"), "bool"), L.block(mark))]
@@ -233,18 +247,32 @@ class _CoLowering(_Lowering):
             stmts.append(L.Store("ws", wv, value, "add"))
         return stmts
 
+    def out_crd(self):
+        return self.param("out_crd", "array", self.crd_type, "out_crd", output=True)
+
+    def out_vals(self):
+        return self.param("out", "array", self.vt, "out", output=True)
+
+    def row_start(self, row):
+        """Before a row's loops: where a direct fill writes the row (``base``)."""
+        if self.direct and self.phase == "fill":
+            return [L.Let(L.Var("base"), L.Load(self.param("row_ptr", "array", "i64", "row_ptr"), row, "i64"))]
+        return []
+
     def row_end(self, row):
         t, nt = L.Var("t"), L.Var("nt")
         if self.hash:
             return self._hash_row_end(row)
+        if self.direct:
+            return [L.Store(self.param("counts", "array", "i64", "counts", output=True), row, nt)] \
+                if self.phase == "count" else []
         if self.phase == "count":
             counts = self.param("counts", "array", "i64", "counts", output=True)
             return [L.Store(counts, row, nt),
                     L.For(t, L.Const(0), nt, L.block(L.Store("mark", L.Load("touched", t, "i64"),
                                                              L.Const(False, "bool"))))]
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
-        crd = self.param("out_crd", "array", self.crd_type, "out_crd", output=True)
-        vals = self.param("out", "array", self.vt, "out", output=True)
+        crd, vals = self.out_crd(), self.out_vals()
         base, wv = L.Var("base"), L.Var("w")
         at = L.binary("add", base, t)
         return [L.Sort("touched", L.Const(0), nt, self.ws_size, "sort_tmp"), L.Let(base, L.Load(row_ptr, row, "i64")),
@@ -262,8 +290,7 @@ class _CoLowering(_Lowering):
         if self.phase == "count":
             return [L.Store(counts, row, nt)]
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
-        crd = self.param("out_crd", "array", self.crd_type, "out_crd", output=True)
-        vals = self.param("out", "array", self.vt, "out", output=True)
+        crd, vals = self.out_crd(), self.out_vals()
         base, wv, h = L.Var("base"), L.Var("w"), L.Var("h")
         at = L.binary("add", base, t)
         return [L.Sort("touched", L.Const(0), nt, self.ws_size, "sort_tmp"), L.Let(base, L.Load(row_ptr, row, "i64")),

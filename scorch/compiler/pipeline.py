@@ -255,6 +255,10 @@ class CoPlan:
             lines.append(f"assembly:     per {row}: {self.workspace} workspace keyed by ({', '.join(cs.ws_vars)});"
                          " count pass (terms: a bound), prefix sum, fill pass (distinct entries, sorted), the"
                          " unused slots dropped")
+        elif cs.output == "rows" and self.workspace == "direct":
+            row = cs.row_var or "(one virtual row)"
+            lines.append(f"assembly:     per {row}: written straight from the loops (each entry met once, in order: no"
+                         " workspace, no sort); count pass, prefix sum, fill pass")
         elif cs.output == "rows":
             row = cs.row_var or "(one virtual row)"
             lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) with a touched list;"

@@ -251,13 +251,24 @@ def _inner_order(vs, asg):
 WORKSPACE_LIMIT_BYTES = 1 << 30
 
 
-def row_workspace(entries: int, threads: int, itemsize: int, requested=None) -> str:
-    """The workspace a rows output is assembled in (``CoSchedule``): ``"dense"`` (per thread, a value, a mark and
-    a touched slot per coordinate of a row: ``itemsize + 17`` bytes each) where all threads' copies fit in
+def direct_rows(cs: "CoSchedule") -> bool:
+    """Whether a rows output can be written straight from its loops, without a workspace: the loops below the row
+    are the workspace's indices, in its order, so that (their levels unique and ordered) each entry of a row is met
+    once and in ascending order (an add or an elementwise product: a merge per row)."""
+    below = cs.order[1:] if cs.row_var is not None else cs.order
+    return cs.output == "rows" and tuple(below) == tuple(cs.ws_vars)
+
+
+def row_workspace(entries: int, threads: int, itemsize: int, requested=None, direct=False) -> str:
+    """The workspace a rows output is assembled in (``CoSchedule``): ``"direct"`` (none: ``direct`` says the loops
+    meet each entry once, in order, ``direct_rows``), ``"dense"`` (per thread, a value, a mark and a touched slot
+    per coordinate of a row: ``itemsize + 17`` bytes each) where all threads' copies fit in
     ``WORKSPACE_LIMIT_BYTES``, else ``"hash"`` (memory by the row's terms, not its width); ``requested`` (the
     user's ``Directives.workspace``) decides where given."""
     if requested is not None:
         return requested
+    if direct:
+        return "direct"
     return "dense" if entries * threads * (itemsize + 17) <= WORKSPACE_LIMIT_BYTES else "hash"
 
 

@@ -16,7 +16,7 @@ import threading
 import torch
 
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
-from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, row_workspace
+from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, row_workspace
 from ..loopir import TO_TORCH
 from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
@@ -309,7 +309,7 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
             ws *= sizes[v]
         # (a GPU launcher runs as many workers as fit its scratch: one workspace is what must fit)
         threads = torch.get_num_threads() if cs.parallel and target_of(backend) == "cpu" else 1
-        plan.workspace = row_workspace(ws, threads, dtype.itemsize, workspace)
+        plan.workspace = row_workspace(ws, threads, dtype.itemsize, workspace, direct_rows(cs))
         if plan.workspace == "dense" and ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
             raise ValueError(
                 f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
@@ -345,10 +345,11 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
             " keeps a count per row)")
     if plan.workspace == "hash":
         return _hash_rows(plan, launch, rows, ws, threads, out_shape, sizes, dtype, dev)
+    p = "d" if plan.workspace == "direct" else ""  # (written straight from the loops, or through a dense workspace)
     counts = torch.zeros(rows, dtype=torch.int64, device=dev)
-    launch("count", {"counts": counts})
+    launch(p + "count", {"counts": counts})
     row_ptr, crd, vals = _row_arrays(counts, ws, dtype)
-    launch("fill32" if crd.dtype == torch.int32 else "fill", {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
+    launch(p + ("fill32" if crd.dtype == torch.int32 else "fill"), {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
     return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
 
 

@@ -46,9 +46,10 @@ def test_value_types(dtype):
 
 
 def test_a_row_full_of_colliding_keys():
-    """One row (a vector) with hundreds of keys spread over 2**40 coordinates: many share a first slot, so the
-    probing and the clean-up through the slots list both run; and repeated keys (the same coordinate in both
-    operands) are summed once each."""
+    """One row with hundreds of keys spread over 2**40 coordinates (the product of [1, 1] and two such rows): many
+    share a first slot, so the probing and the clean-up through the slots list both run; and repeated keys (the
+    same coordinate in both rows) are summed once each. The sum of the two rows as vectors (a merge, written
+    directly: no workspace) gives the same entries."""
     n = 2**40
     g = torch.Generator().manual_seed(3)
     ka = torch.randint(0, n, (300,), generator=g).unique()
@@ -56,12 +57,19 @@ def test_a_row_full_of_colliding_keys():
     va, vb = torch.randint(1, 9, (ka.numel(),), generator=g) / 4, torch.randint(1, 9, (kb.numel(),), generator=g) / 4
     a = scorch.sparse_coo_tensor(ka.unsqueeze(0), va, (n,))
     b = scorch.sparse_coo_tensor(kb.unsqueeze(0), vb, (n,))
-    r = a + b  # the dense workspace would take 2**40 entries: the compiler chooses a hash one
+    rows = torch.stack([torch.cat([torch.zeros_like(ka), torch.ones_like(kb)]), torch.cat([ka, kb])])
+    both = scorch.asformat(scorch.sparse_coo_tensor(rows, torch.cat([va, vb]), (2, n)), "csr")
+    ones = scorch.asformat(torch.ones(1, 2), "csr")
     keys = torch.cat([ka, kb])
     uniq, inv = keys.unique(return_inverse=True)
     expected = torch.zeros(uniq.numel()).index_add_(0, inv, torch.cat([va, vb]))
+    r = a + b
     assert isinstance(r, SparseTensor)
     assert torch.equal(r.indices()[0], uniq) and torch.equal(r.values(), expected)
+    p = scorch.einsum("ij,jk->ik", ones, both)  # the dense workspace would take 2**40 entries: a hash one
+    assert isinstance(p, SparseTensor)
+    pos, crd = p._levels[1].pos.long(), p._levels[1].crd.long()
+    assert pos.tolist() == [0, uniq.numel()] and torch.equal(crd, uniq) and torch.equal(p.values(), expected)
 
 
 def test_wide_products_choose_the_hash_workspace():

@@ -5,12 +5,6 @@
 static inline int omp_get_num_threads() { return 1; }
 static inline int omp_get_thread_num() { return 0; }
 #endif
-#include <cstdlib>
-struct scorch_buf {
-  void* p;
-  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
-  ~scorch_buf() { std::free(p); }
-};
 
 extern "C" void scorch_count(
     int64_t n1_arg,
@@ -45,21 +39,17 @@ extern "C" void scorch_count(
   const int64_t nthreads = (int64_t)nthreads_arg;
   #pragma omp parallel num_threads(nthreads)
   {
-    scorch_buf buf_1((size_t)(n1), sizeof(bool));
-    bool* __restrict__ mark = static_cast<bool*>(buf_1.p);
-    scorch_buf buf_2((size_t)(n1), sizeof(int64_t));
-    int64_t* __restrict__ touched = static_cast<int64_t*>(buf_2.p);
-    const int64_t lo_3 = INT64_C(0), hi_4 = n0;
-    const int64_t nt_6 = omp_get_num_threads(), t_5 = omp_get_thread_num();
-    const int64_t total_7 = ((int64_t)t0_l1_pos[hi_4] - (int64_t)t0_l1_pos[lo_3]) + (hi_4 - lo_3);
+    const int64_t lo_1 = INT64_C(0), hi_2 = n0;
+    const int64_t nt_4 = omp_get_num_threads(), t_3 = omp_get_thread_num();
+    const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
     auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= nt_6) return hi_4;
-      const int64_t target = (int64_t)((__int128)total_7 * k / nt_6);
-      int64_t l = lo_3, h = hi_4;
-      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_3]) + (m - lo_3) < target) l = m + 1; else h = m; }
+      if (k >= nt_4) return hi_2;
+      const int64_t target = (int64_t)((__int128)total_5 * k / nt_4);
+      int64_t l = lo_1, h = hi_2;
+      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_1]) + (m - lo_1) < target) l = m + 1; else h = m; }
       return l;
     };
-    const int64_t r0 = first_row(t_5), r1 = first_row(t_5 + 1);
+    const int64_t r0 = first_row(t_3), r1 = first_row(t_3 + 1);
     for (int64_t x0 = r0; x0 < r1; ++x0) {
       const int64_t p0_0 = (x0 - t0_l0_lo);
       const int64_t p1_0 = (x0 - t1_l0_lo);
@@ -75,20 +65,12 @@ extern "C" void scorch_count(
         const bool f0_1 = (cc0_1 == x1);
         const bool f1_1 = (cc1_1 == x1);
         if ((f0_1 || f1_1)) {
-          const int64_t w = x1;
-          if ((!mark[w])) {
-            mark[w] = true;
-            touched[nt] = w;
-            nt += INT64_C(1);
-          }
+          nt += INT64_C(1);
         }
         q0_1 += ((int64_t)f0_1);
         q1_1 += ((int64_t)f1_1);
       }
       counts[x0] = nt;
-      for (int64_t t = INT64_C(0); t < nt; ++t) {
-        mark[touched[t]] = false;
-      }
     }
   }
 }

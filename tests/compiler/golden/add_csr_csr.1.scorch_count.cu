@@ -190,14 +190,10 @@ extern "C" __global__ void scorch_count_dev(
   const int64_t scorch_tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t scorch_nthreads = (int64_t)gridDim.x * blockDim.x;
   const int64_t scorch_worker = scorch_tid, scorch_nworkers = scorch_nthreads;
-  bool* __restrict__ mark = (bool*)(scorch_scratch + scorch_worker * scorch_stride + 0);
-  for (int64_t z_1 = 0; z_1 < (int64_t)(n1); ++z_1) mark[z_1] = bool();
-  int64_t* __restrict__ touched = (int64_t*)(scorch_scratch + scorch_worker * scorch_stride + (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16));
-  for (int64_t z_2 = 0; z_2 < (int64_t)(n1); ++z_2) touched[z_2] = int64_t();
-  const int64_t lo_3 = INT64_C(0), hi_4 = n0;
-  const int64_t total_5 = ((int64_t)t0_l1_pos[hi_4] - (int64_t)t0_l1_pos[lo_3]) + (hi_4 - lo_3);
-  const int64_t scorch_r0 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_5, scorch_worker, scorch_nworkers);
-  const int64_t scorch_r1 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_5, scorch_worker + 1, scorch_nworkers);
+  const int64_t lo_1 = INT64_C(0), hi_2 = n0;
+  const int64_t total_3 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
+  const int64_t scorch_r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_3, scorch_worker, scorch_nworkers);
+  const int64_t scorch_r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_3, scorch_worker + 1, scorch_nworkers);
   for (int64_t x0 = scorch_r0; x0 < scorch_r1; ++x0) {
     const int64_t p0_0 = (x0 - t0_l0_lo);
     const int64_t p1_0 = (x0 - t1_l0_lo);
@@ -213,20 +209,12 @@ extern "C" __global__ void scorch_count_dev(
       const bool f0_1 = (cc0_1 == x1);
       const bool f1_1 = (cc1_1 == x1);
       if ((f0_1 || f1_1)) {
-        const int64_t w = x1;
-        if ((!mark[w])) {
-          mark[w] = true;
-          touched[nt] = w;
-          nt += INT64_C(1);
-        }
+        nt += INT64_C(1);
       }
       q0_1 += ((int64_t)f0_1);
       q1_1 += ((int64_t)f1_1);
     }
     counts[x0] = nt;
-    for (int64_t t = INT64_C(0); t < nt; ++t) {
-      mark[touched[t]] = false;
-    }
   }
 }
 
@@ -263,22 +251,11 @@ extern "C" int scorch_count(
   const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
   const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  const int64_t scorch_stride_ = (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(int64_t) + 15) / 16 * 16);
+  const int64_t scorch_stride_ = 0;
   int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
   int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
-  if (scorch_stride_ > 0) {
-    int64_t most = 268435456LL / scorch_stride_;
-    if (most < 1) most = 1;
-    if (scorch_grid * scorch_block / 1 > most) {
-      scorch_block = SCORCH_EMULATED ? 32 : (most * 1 < scorch_block ? (most * 1 + 31) / 32 * 32 : scorch_block);
-      scorch_grid = (most * 1 + scorch_block - 1) / scorch_block;
-    }
-  }
   char* scorch_scratch = nullptr;
-  const int64_t scorch_workers = scorch_grid * scorch_block / 1;
-  { const cudaError_t e = scorch_scratch_alloc(&scorch_scratch, scorch_workers * scorch_stride_, scorch_stream); if (e) return (int)e; }
   SCORCH_LAUNCH(scorch_count_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, counts, nthreads_arg, scorch_scratch, scorch_stride_);
-  scorch_scratch_free(scorch_scratch, scorch_stream);
   return (int)scorch_last_error();
 }
 

@@ -5,38 +5,6 @@
 static inline int omp_get_num_threads() { return 1; }
 static inline int omp_get_thread_num() { return 0; }
 #endif
-#include <cstdlib>
-struct scorch_buf {
-  void* p;
-  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
-  ~scorch_buf() { std::free(p); }
-};
-static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
-  // keys in [0, bound): insertion sort for short runs, else a least-significant-digit radix sort by bytes
-  if (n <= 32) {
-    for (int64_t k = 1; k < n; ++k) {
-      const int64_t v = a[k];
-      int64_t q = k - 1;
-      while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
-      a[q + 1] = v;
-    }
-    return;
-  }
-  int64_t* src = a;
-  int64_t* dst = scratch;
-  for (int shift = 0; shift < 63 && (bound - 1) >> shift; shift += 8) {
-    int64_t count[257] = {0};
-    for (int64_t k = 0; k < n; ++k) ++count[((src[k] >> shift) & 255) + 1];
-    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
-    for (int64_t k = 0; k < n; ++k) dst[count[(src[k] >> shift) & 255]++] = src[k];
-    int64_t* t = src; src = dst; dst = t;
-  }
-  if (src != a) for (int64_t k = 0; k < n; ++k) a[k] = src[k];
-}
-static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
-  for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
-  return true;
-}
 
 extern "C" void scorch_fill(
     int64_t n1_arg,
@@ -49,13 +17,13 @@ extern "C" void scorch_fill(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n0_arg,
+    const int64_t* __restrict__ row_ptr,
     const int32_t* __restrict__ t1_l1_pos,
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
     const float* __restrict__ t0_vals,
     const float* __restrict__ t1_vals,
-    const int64_t* __restrict__ row_ptr,
     int32_t* __restrict__ out_crd,
     float* __restrict__ out,
     int64_t nthreads_arg)
@@ -73,29 +41,22 @@ extern "C" void scorch_fill(
   const int64_t nthreads = (int64_t)nthreads_arg;
   #pragma omp parallel num_threads(nthreads)
   {
-    scorch_buf buf_1((size_t)(n1), sizeof(bool));
-    bool* __restrict__ mark = static_cast<bool*>(buf_1.p);
-    scorch_buf buf_2((size_t)(n1), sizeof(int64_t));
-    int64_t* __restrict__ touched = static_cast<int64_t*>(buf_2.p);
-    scorch_buf buf_3((size_t)(n1), sizeof(float));
-    float* __restrict__ ws = static_cast<float*>(buf_3.p);
-    scorch_buf buf_4((size_t)(n1), sizeof(int64_t));
-    int64_t* __restrict__ sort_tmp = static_cast<int64_t*>(buf_4.p);
-    const int64_t lo_5 = INT64_C(0), hi_6 = n0;
-    const int64_t nt_8 = omp_get_num_threads(), t_7 = omp_get_thread_num();
-    const int64_t total_9 = ((int64_t)t0_l1_pos[hi_6] - (int64_t)t0_l1_pos[lo_5]) + (hi_6 - lo_5);
+    const int64_t lo_1 = INT64_C(0), hi_2 = n0;
+    const int64_t nt_4 = omp_get_num_threads(), t_3 = omp_get_thread_num();
+    const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
     auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= nt_8) return hi_6;
-      const int64_t target = (int64_t)((__int128)total_9 * k / nt_8);
-      int64_t l = lo_5, h = hi_6;
-      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_5]) + (m - lo_5) < target) l = m + 1; else h = m; }
+      if (k >= nt_4) return hi_2;
+      const int64_t target = (int64_t)((__int128)total_5 * k / nt_4);
+      int64_t l = lo_1, h = hi_2;
+      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_1]) + (m - lo_1) < target) l = m + 1; else h = m; }
       return l;
     };
-    const int64_t r0 = first_row(t_7), r1 = first_row(t_7 + 1);
+    const int64_t r0 = first_row(t_3), r1 = first_row(t_3 + 1);
     for (int64_t x0 = r0; x0 < r1; ++x0) {
       const int64_t p0_0 = (x0 - t0_l0_lo);
       const int64_t p1_0 = (x0 - t1_l0_lo);
       int64_t nt = INT64_C(0);
+      const int64_t base = row_ptr[x0];
       int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
       const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
       int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
@@ -107,25 +68,12 @@ extern "C" void scorch_fill(
         const bool f0_1 = (cc0_1 == x1);
         const bool f1_1 = (cc1_1 == x1);
         if ((f0_1 || f1_1)) {
-          const int64_t w = x1;
-          if ((!mark[w])) {
-            mark[w] = true;
-            touched[nt] = w;
-            nt += INT64_C(1);
-          }
-          ws[w] += ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
+          out_crd[(base + nt)] = x1;
+          out[(base + nt)] = ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
+          nt += INT64_C(1);
         }
         q0_1 += ((int64_t)f0_1);
         q1_1 += ((int64_t)f1_1);
-      }
-      if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
-      const int64_t base = row_ptr[x0];
-      for (int64_t t = INT64_C(0); t < nt; ++t) {
-        const int64_t w = touched[t];
-        out_crd[(base + t)] = w;
-        out[(base + t)] = ws[w];
-        ws[w] = 0.0f;
-        mark[w] = false;
       }
     }
   }

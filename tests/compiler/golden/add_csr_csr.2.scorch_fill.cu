@@ -165,13 +165,13 @@ extern "C" __global__ void scorch_fill_dev(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n0_arg,
+    const int64_t* __restrict__ row_ptr,
     const int32_t* __restrict__ t1_l1_pos,
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
     const float* __restrict__ t0_vals,
     const float* __restrict__ t1_vals,
-    const int64_t* __restrict__ row_ptr,
     int32_t* __restrict__ out_crd,
     float* __restrict__ out,
     int64_t nthreads_arg,
@@ -192,22 +192,15 @@ extern "C" __global__ void scorch_fill_dev(
   const int64_t scorch_tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t scorch_nthreads = (int64_t)gridDim.x * blockDim.x;
   const int64_t scorch_worker = scorch_tid, scorch_nworkers = scorch_nthreads;
-  bool* __restrict__ mark = (bool*)(scorch_scratch + scorch_worker * scorch_stride + 0);
-  for (int64_t z_1 = 0; z_1 < (int64_t)(n1); ++z_1) mark[z_1] = bool();
-  int64_t* __restrict__ touched = (int64_t*)(scorch_scratch + scorch_worker * scorch_stride + (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16));
-  for (int64_t z_2 = 0; z_2 < (int64_t)(n1); ++z_2) touched[z_2] = int64_t();
-  float* __restrict__ ws = (float*)(scorch_scratch + scorch_worker * scorch_stride + (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(int64_t) + 15) / 16 * 16));
-  for (int64_t z_3 = 0; z_3 < (int64_t)(n1); ++z_3) ws[z_3] = float();
-  int64_t* __restrict__ sort_tmp = (int64_t*)(scorch_scratch + scorch_worker * scorch_stride + (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(int64_t) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(float) + 15) / 16 * 16));
-  for (int64_t z_4 = 0; z_4 < (int64_t)(n1); ++z_4) sort_tmp[z_4] = int64_t();
-  const int64_t lo_5 = INT64_C(0), hi_6 = n0;
-  const int64_t total_7 = ((int64_t)t0_l1_pos[hi_6] - (int64_t)t0_l1_pos[lo_5]) + (hi_6 - lo_5);
-  const int64_t scorch_r0 = scorch_first_row(t0_l1_pos, lo_5, hi_6, total_7, scorch_worker, scorch_nworkers);
-  const int64_t scorch_r1 = scorch_first_row(t0_l1_pos, lo_5, hi_6, total_7, scorch_worker + 1, scorch_nworkers);
+  const int64_t lo_1 = INT64_C(0), hi_2 = n0;
+  const int64_t total_3 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
+  const int64_t scorch_r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_3, scorch_worker, scorch_nworkers);
+  const int64_t scorch_r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_3, scorch_worker + 1, scorch_nworkers);
   for (int64_t x0 = scorch_r0; x0 < scorch_r1; ++x0) {
     const int64_t p0_0 = (x0 - t0_l0_lo);
     const int64_t p1_0 = (x0 - t1_l0_lo);
     int64_t nt = INT64_C(0);
+    const int64_t base = row_ptr[x0];
     int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
     const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
     int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
@@ -219,25 +212,12 @@ extern "C" __global__ void scorch_fill_dev(
       const bool f0_1 = (cc0_1 == x1);
       const bool f1_1 = (cc1_1 == x1);
       if ((f0_1 || f1_1)) {
-        const int64_t w = x1;
-        if ((!mark[w])) {
-          mark[w] = true;
-          touched[nt] = w;
-          nt += INT64_C(1);
-        }
-        ws[w] += ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
+        out_crd[(base + nt)] = x1;
+        out[(base + nt)] = ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
+        nt += INT64_C(1);
       }
       q0_1 += ((int64_t)f0_1);
       q1_1 += ((int64_t)f1_1);
-    }
-    if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
-    const int64_t base = row_ptr[x0];
-    for (int64_t t = INT64_C(0); t < nt; ++t) {
-      const int64_t w = touched[t];
-      out_crd[(base + t)] = w;
-      out[(base + t)] = ws[w];
-      ws[w] = 0.0f;
-      mark[w] = false;
     }
   }
 }
@@ -253,13 +233,13 @@ extern "C" int scorch_fill(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n0_arg,
+    const int64_t* row_ptr,
     const int32_t* t1_l1_pos,
     const int32_t* t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
     const float* t0_vals,
     const float* t1_vals,
-    const int64_t* row_ptr,
     int32_t* out_crd,
     float* out,
     int64_t nthreads_arg,
@@ -277,22 +257,11 @@ extern "C" int scorch_fill(
   const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
   const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  const int64_t scorch_stride_ = (((int64_t)(n1) * (int64_t)sizeof(bool) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(int64_t) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(float) + 15) / 16 * 16) + (((int64_t)(n1) * (int64_t)sizeof(int64_t) + 15) / 16 * 16);
+  const int64_t scorch_stride_ = 0;
   int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
   int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
-  if (scorch_stride_ > 0) {
-    int64_t most = 268435456LL / scorch_stride_;
-    if (most < 1) most = 1;
-    if (scorch_grid * scorch_block / 1 > most) {
-      scorch_block = SCORCH_EMULATED ? 32 : (most * 1 < scorch_block ? (most * 1 + 31) / 32 * 32 : scorch_block);
-      scorch_grid = (most * 1 + scorch_block - 1) / scorch_block;
-    }
-  }
   char* scorch_scratch = nullptr;
-  const int64_t scorch_workers = scorch_grid * scorch_block / 1;
-  { const cudaError_t e = scorch_scratch_alloc(&scorch_scratch, scorch_workers * scorch_stride_, scorch_stream); if (e) return (int)e; }
-  SCORCH_LAUNCH(scorch_fill_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, row_ptr, out_crd, out, nthreads_arg, scorch_scratch, scorch_stride_);
-  scorch_scratch_free(scorch_scratch, scorch_stream);
+  SCORCH_LAUNCH(scorch_fill_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, row_ptr, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, out_crd, out, nthreads_arg, scorch_scratch, scorch_stride_);
   return (int)scorch_last_error();
 }
 
