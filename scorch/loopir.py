@@ -200,8 +200,9 @@ class Alloc(Stmt):
 
 @dataclass(frozen=True)
 class Sort(Stmt):
-    """Sort ``array[lo:hi]`` ascending in place. Every key lies in ``[0, bound)``; ``scratch`` names an i64
-    array at least ``hi - lo`` long that the sort may use (a radix sort: comparison sorts mispredict)."""
+    """Sort ``array[lo:hi]`` ascending in place. The keys are distinct, each in ``[0, bound)``; ``scratch`` names
+    an i64 array at least ``hi - lo`` long that the sort may use (a radix sort: comparison sorts mispredict; or,
+    keys dense in their range, a bitmap of it)."""
     array: str
     lo: Expr
     hi: Expr

@@ -127,8 +127,24 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
   }
   return l;
 }
+#ifdef __CUDA_ARCH__
+#define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
+#else
+#define SCORCH_CTZ64(x) __builtin_ctzll(x)
+#endif
 static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
-  // keys in [0, bound): insertion sort for short runs, else a least-significant-digit radix sort by bytes
+  // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
+  // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
+  if (n > 32 && n * 64 >= bound) {
+    uint64_t* bits = (uint64_t*)scratch;
+    const int64_t words = (bound + 63) >> 6;
+    for (int64_t k = 0; k < words; ++k) bits[k] = 0;
+    for (int64_t k = 0; k < n; ++k) bits[a[k] >> 6] |= (uint64_t)1 << (a[k] & 63);
+    int64_t t = 0;
+    for (int64_t k = 0; k < words; ++k)
+      for (uint64_t x = bits[k]; x; x &= x - 1) a[t++] = (k << 6) + SCORCH_CTZ64(x);
+    return;
+  }
   if (n <= 32) {
     for (int64_t k = 1; k < n; ++k) {
       const int64_t v = a[k];
