@@ -171,6 +171,9 @@ class _CoLowering(_Lowering):
             lvl = self.asg.operands[k].format.level_types[idx]
             return lvl.emit_pos_access(self.sym(k, idx), q[k])
 
+        # two operands merge while both have entries (no end checks on their coordinates); what one has left
+        # after, its tail walks alone (``tails``)
+        two = not need_all and len(comp_its) == 2
         flags, lets = {}, []
         if need_all:
             for k in comp_its:
@@ -182,8 +185,8 @@ class _CoLowering(_Lowering):
             cc = {}
             for k in comp_its:
                 cc[k] = L.Var(f"cc{k}_{state[k][0]}")
-                lets.append(L.Let(cc[k], L.Select(L.binary("lt", q[k], end[k]), crd_at(k), L.Const(INT64_MAX),
-                                                  "i64")))
+                lets.append(L.Let(cc[k], crd_at(k) if two else L.Select(
+                    L.binary("lt", q[k], end[k]), crd_at(k), L.Const(INT64_MAX), "i64")))
             m = cc[comp_its[0]]
             for k in comp_its[1:]:
                 m = L.binary("min", m, cc[k])
@@ -200,9 +203,27 @@ class _CoLowering(_Lowering):
         body = L.block(lets, L.If(lattice.emit(cond, flags), L.block(dlets, self.body_at(i, st))), step)
         if need_all:
             loop = L.For(x, L.Const(0), self.size(v), body)
+        elif two:
+            loop = L.While(L.binary("and", *(L.binary("lt", q[k], end[k]) for k in comp_its)), body)
         else:
             loop = L.While(lattice.emit(cond, {k: L.binary("lt", q[k], end[k]) for k in comp_its}), body)
-        return [L.Block(tuple(decls) + (loop,))]
+        tails = self.tails(i, state, comp_its, cond, q, end, crd_at, locate) if two else []
+        return [L.Block(tuple(decls) + (loop,) + tuple(tails))]
+
+    def tails(self, i, state, comp_its, cond, q, end, crd_at, locate):
+        """After a two-way merge's loop, the entries one operand has left, walked alone where the lattice lets the
+        result be nonzero without the other (a union; none for an intersection), the other's flag false."""
+        x, out = self.bound[self.cs.order[i]], []
+        for k in comp_its:
+            if not lattice.evaluate(cond, {o: o == k for o in comp_its}):
+                continue
+            dlets, st = locate(state)
+            for o in comp_its:
+                idx, _, alive = state[o]
+                st[o] = (idx + 1, q[o], alive if o == k else L.Const(False, "bool"))
+            body = L.block(L.Let(x, crd_at(k)), dlets, self.body_at(i, st), L.Assign(q[k], L.Const(1), "add"))
+            out.append(L.While(L.binary("lt", q[k], end[k]), body))
+        return out
 
     def bounds(self, k, st):
         idx, parent, alive = st

@@ -218,9 +218,9 @@ extern "C" __global__ void scorch_count_dev(
     const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
     int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
     const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-    while (((q0_1 < end0_1) || (q1_1 < end1_1))) {
-      const int64_t cc0_1 = ((q0_1 < end0_1) ? ((int64_t)t0_l1_crd[q0_1]) : INT64_C(9223372036854775807));
-      const int64_t cc1_1 = ((q1_1 < end1_1) ? ((int64_t)t1_l1_crd[q1_1]) : INT64_C(9223372036854775807));
+    while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
+      const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
+      const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
       const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
       const bool f0_1 = (cc0_1 == x1);
       const bool f1_1 = (cc1_1 == x1);
@@ -229,6 +229,16 @@ extern "C" __global__ void scorch_count_dev(
       }
       q0_1 += ((int64_t)f0_1);
       q1_1 += ((int64_t)f1_1);
+    }
+    while ((q0_1 < end0_1)) {
+      const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
+      nt += INT64_C(1);
+      q0_1 += INT64_C(1);
+    }
+    while ((q1_1 < end1_1)) {
+      const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+      nt += INT64_C(1);
+      q1_1 += INT64_C(1);
     }
     counts[x0] = nt;
   }

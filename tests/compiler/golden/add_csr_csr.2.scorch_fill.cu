@@ -221,9 +221,9 @@ extern "C" __global__ void scorch_fill_dev(
     const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
     int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
     const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-    while (((q0_1 < end0_1) || (q1_1 < end1_1))) {
-      const int64_t cc0_1 = ((q0_1 < end0_1) ? ((int64_t)t0_l1_crd[q0_1]) : INT64_C(9223372036854775807));
-      const int64_t cc1_1 = ((q1_1 < end1_1) ? ((int64_t)t1_l1_crd[q1_1]) : INT64_C(9223372036854775807));
+    while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
+      const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
+      const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
       const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
       const bool f0_1 = (cc0_1 == x1);
       const bool f1_1 = (cc1_1 == x1);
@@ -234,6 +234,20 @@ extern "C" __global__ void scorch_fill_dev(
       }
       q0_1 += ((int64_t)f0_1);
       q1_1 += ((int64_t)f1_1);
+    }
+    while ((q0_1 < end0_1)) {
+      const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
+      out_crd[(base + nt)] = x1;
+      out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
+      nt += INT64_C(1);
+      q0_1 += INT64_C(1);
+    }
+    while ((q1_1 < end1_1)) {
+      const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+      out_crd[(base + nt)] = x1;
+      out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
+      nt += INT64_C(1);
+      q1_1 += INT64_C(1);
     }
   }
 }
