@@ -22,6 +22,7 @@ from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info
 from .convert import asformat
+from . import memory
 
 
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
@@ -181,7 +182,7 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     if backend == "interp" and dtype in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {dtype} values (NumPy has no bfloat16)")
     if red == "sum":
-        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+        alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
         out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
     else:
         ident = float("-inf") if red == "max" else float("inf")
@@ -233,7 +234,7 @@ def prepared_call(plan: Plan, sizes, dtype):
     k_drv = plan.schedule.driver.operand
     out_shape = tuple(sizes[v] for v in asg.out)
     m = written.shared_levels
-    alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+    alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
     wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
     template, dynamic = [], []
     for n, a in enumerate(plan.lowered.args):
