@@ -377,6 +377,8 @@ class _Emitter:
                 return [f"{pad}scorch_atomic_add(&{target}, {self.expr(s.value)});"]
             line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
+        if isinstance(s, L.Prefetch):
+            return [f"{pad}__builtin_prefetch(&{ident(s.array)}[{self.expr(s.index)}]);"]
         if isinstance(s, L.LocalArray) and s.sums:
             n = ident(s.name)
             if s.type not in ("f32", "f64") or s.sums != CPU.lanes(s.type):
