@@ -1,4 +1,5 @@
-"""Kernel output buffers with huge-page advice (``scorch.engine.memory``)."""
+"""What a kernel call takes from the machine: output buffers with huge-page advice (``scorch.engine.memory``) and
+the thread count (``engine.bind.call_threads``)."""
 from __future__ import annotations
 
 import os
@@ -50,3 +51,21 @@ def test_large_outputs_get_huge_pages():
     y = s @ x                            # 16 MiB of float32
     assert torch.equal(y[:2048], x) and not y[2048:].any()
     assert _huge_kib(y) >= 2048, _huge_kib(y)
+
+
+def test_small_calls_run_on_one_thread(monkeypatch):
+    """A prepared call below ``SMALL_WORK`` multiply-adds passes one thread to its kernel; a larger one torch's
+    thread count; both give the dense result."""
+    from scorch.engine import bind
+    assert bind.call_threads(bind.SMALL_WORK - 1) == 1
+    assert bind.call_threads(bind.SMALL_WORK) == torch.get_num_threads()
+    seen = []
+    real = bind.call_threads
+    monkeypatch.setattr(bind, "call_threads", lambda work: seen.append(work) or real(work))
+    a = torch.randn(300, 200) * (torch.rand(300, 200) < 0.1)
+    s = scorch.asformat(a, "csr")
+    for k in (4, 4096):
+        x = torch.randn(200, k)
+        for _ in range(2):  # (a signature's first call may plan instead)
+            torch.testing.assert_close(s @ x, a @ x)
+    assert s.nnz * 4 in seen and s.nnz * 4096 in seen, seen
