@@ -11,10 +11,12 @@ sum and a fill pass (a sparse output).
 from __future__ import annotations
 
 import contextlib
+import struct
 import threading
 
 import torch
 
+from ..compiler.codegen.cpp import pack_format
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
 from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, row_workspace
 from ..loopir import TO_TORCH
@@ -222,14 +224,15 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     return out_arr
 
 
-#: multiply-adds (stored values x the other indices' sizes) below which a prepared call runs on one thread
-SMALL_WORK = 1 << 19
+#: work (stored values x the 8-value vectors the other indices span: SpMV 1 per entry, SpMM K=64 8) below which
+#: a prepared call runs on one thread: about 50 us of one core
+SMALL_WORK = 1 << 16
 
 
 def call_threads(work: int) -> int:
-    """Threads for a call of ``work`` multiply-adds: one below ``SMALL_WORK`` (on 2 cores a Cora-sized SpMM,
-    ~200k multiply-adds, took as long on one thread as on two, and waited milliseconds for the second core when
-    other work held it), else torch's thread count."""
+    """Threads for a call of ``work`` (see ``SMALL_WORK``): one below it (on 2 cores a Cora-sized SpMM at K=16,
+    13k entries x 2 vectors, took as long on one thread as on two, and waited milliseconds for the second core
+    when other work held it), else torch's thread count."""
     return 1 if work < SMALL_WORK else torch.get_num_threads()
 
 
@@ -263,18 +266,23 @@ def prepared_call(plan: Plan, sizes, dtype):
             template.append(None)
         else:
             template.append(sizes[a.var] if k == "size" else None)
-    # work per call: the driver's stored values times the sizes of the indices it does not have (SpMM: nnz * K);
-    # below SMALL_WORK one thread does it (a parallel region costs more than it saves, and waits for a core)
+    # work per call: the driver's stored values times the vectors the indices it does not have span (SpMM:
+    # nnz * K / 8); below SMALL_WORK one thread does it (a parallel region costs more than it saves)
     drv = next(a for a in asg.rhs.accesses() if a.operand == k_drv)
-    per_entry = 1
+    span = 1
     for v in set(asg.out).union(*(a.indices for a in asg.rhs.accesses())) - set(drv.indices):
-        per_entry *= sizes[v]
+        span *= sizes[v]
+    per_entry = -(-span // 8)
     # the remaining static values (level bounds and operand dimensions) come from the first call
     statics = {}
     out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
     thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
     scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
     fn = plan.kernel.fn
+    packed = getattr(plan.kernel, "packed", None)
+    if packed is not None:  # (one bytes argument instead of a ctypes conversion per argument)
+        pack = struct.Struct(pack_format(plan.lowered.kernel)).pack
+        fn = lambda *args: packed(pack(*args))  # noqa: E731
 
     def call(ops, scalars):
         if not statics:

@@ -315,7 +315,28 @@ def generate(kernel: L.Kernel) -> str:
     sig = ",\n    ".join(params)
     text = "\n".join(casts + body)
     return (PRELUDE + _includes(sig + text) + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
-            + text + "\n}\n")
+            + text + "\n}\n" + _packed(kernel))
+
+
+def _packed(kernel: L.Kernel) -> str:
+    """``<name>_packed(const int64_t* a)``: the kernel with its arguments in one buffer of 8-byte words (pointers
+    and integers as int64, floats as the bits of a double), so that Python converts one argument, not one per
+    parameter (``runtime.Kernel.packed``; ``pack_format`` gives the buffer's ``struct`` format)."""
+    name, words = ident(kernel.name), []
+    for i, p in enumerate(kernel.params):
+        if p.kind == "array":
+            words.append(f"({'' if p.output else 'const '}{CTYPE[p.type]}*)(intptr_t)a[{i}]")
+        elif p.type in _FLOATS:
+            words.append(f"__builtin_bit_cast(double, a[{i}])")
+        else:
+            words.append(f"a[{i}]")
+    return f'extern "C" void {name}_packed(const int64_t* a) {{\n  {name}({", ".join(words)});\n}}\n'
+
+
+def pack_format(kernel: L.Kernel) -> str:
+    """The ``struct`` format of ``<name>_packed``'s buffer (little-endian words: ``q`` integer or pointer, ``d``
+    float)."""
+    return "<" + "".join("d" if p.kind != "array" and p.type in _FLOATS else "q" for p in kernel.params)
 
 
 class _Emitter:
