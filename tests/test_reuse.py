@@ -119,3 +119,31 @@ def test_copy_of_another_pattern_drops_kept_conversions():
     scorch.asformat(S, "csc")  # kept on S
     S.copy_(scorch.asformat(b, "csr"))
     assert torch.equal(scorch.asformat(S, "csc").to_dense(), b)
+
+
+def test_a_recurring_pattern_is_transposed_for_a_product_that_reads_it_transposed():
+    """``A^T G`` on a pattern that comes back with new values every step (GAT's attention gradient): the first call
+    weighs the pattern and runs the loop nest over the rows (its kernel kept under no signature, so the choice is
+    not fixed); from the second on, a transposition by the pattern's kept permutation (one gather) and a product
+    parallel over the output's rows. The values equal dense torch's at every step, and an in-place change of the
+    pattern is followed."""
+    n, k = 300, 8
+    mask = (torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)
+    x = mask.float().to_sparse_csr()
+    crow, col = x.crow_indices().clone(), x.col_indices().clone()
+    reformats = []
+    for step in range(4):
+        a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+        g = torch.randn(n, k)
+        torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+        text = scorch.explain("ij,ik->jk", a, g, file=open("/dev/null", "w"))
+        reformats.append("reformat:" in text)
+    assert reformats == [True] * 4, reformats  # (the first call weighed it; explain's calls see it again)
+    other = scorch.sparse_csr_tensor(crow.clone(), col.clone(), torch.randn(col.numel()), (n, n))
+    text = scorch.explain("ij,ik->jk", other, torch.randn(n, k), file=open("/dev/null", "w"))
+    assert "reformat:" not in text, "a pattern never seen before is not transposed for one product"
+    col[0], col[1] = col[1].item(), col[0].item()  # (row 0's first two entries swapped: unordered now)
+    col[0], col[1] = col[1].item(), col[0].item()  # and back: the same pattern, new versions
+    a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+    g = torch.randn(n, k)
+    torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)

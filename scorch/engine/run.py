@@ -20,7 +20,7 @@ from ..sparse_tensor import SparseTensor, dtype_of, needs_grad
 from .args import tensor_type, worker_count
 from .bind import (STRUCTURAL, backend_for, call_coiteration, call_plan, cast, index_sizes, prepared_call,
                    result_dtype)
-from .convert import asformat, converted_already
+from .convert import asformat, converted_already, recurring_pattern
 
 
 class _Explaining(threading.local):
@@ -111,7 +111,9 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         return _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
                            directives, name)
     target = out  # the index order the kernel writes the output in
-    alt = _reformat(asg, sched0, ops, sizes, backend, directives, explain)
+    weighed = []  # (a pattern weighed for a transposition the first time: the next call may transpose, so this
+    alt = _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed)  # one's kernel is not kept
+    first_weighing = bool(weighed) and not weighed[-1]                                # under its signature)
     if alt is not None:
         k, fmt = alt
         ops = list(ops)
@@ -141,7 +143,9 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
     fast = None
-    if not prepared_ok:  # the kernel gets other operands than the call's: its prepared call is kept under theirs
+    if first_weighing:
+        sig = None
+    elif not prepared_ok:  # the kernel gets other operands than the call's: its prepared call is kept under theirs
         sig = call_signature(inputs, target, ops, format, rhs, reduce, directives)
         fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
     result = fast(ops, scalars) if fast is not None else _kernel(
@@ -156,11 +160,12 @@ def _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives):
     return (key,) + planned(key)
 
 
-def _reformat(asg, sched0, ops, sizes, backend, directives, explain):
+def _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed):
     """``(operand, format)``: the sparse operand converted before the kernel, or None. For the user's loop order
     where it walks the operand against its storage (``discordant_format``; ``planned`` gives no schedule then);
     else, without directives, where its first level writes conflicting outputs and a transposition costs less
-    than a serial loop (``transposed_for_parallel``)."""
+    than a serial loop (``transposed_for_parallel``; its answers on whether the pattern recurs are appended to
+    ``weighed``)."""
     if sched0 is None:
         k = next(j for j, x in enumerate(ops) if type(x) is SparseTensor)
         fmt = discordant_format(asg, directives)
@@ -169,7 +174,8 @@ def _reformat(asg, sched0, ops, sizes, backend, directives, explain):
         k = sched0.driver.operand
         x = ops[k]
         fmt = transposed_for_parallel(asg, sched0, x.format, x.nnz, sizes, worker_count(backend),
-                                      lambda f: converted_already(x, f))
+                                      lambda f: converted_already(x, f),
+                                      lambda f: weighed.append(recurring_pattern(x, f)) or weighed[-1])
         why = "its first level writes conflicting outputs, and a transposition costs less than a serial loop"
     else:
         return None
@@ -184,7 +190,7 @@ def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, bac
     """The compiled kernel of one sparse operand's plan run on ``ops`` (or the measured faster library call, on a
     GPU); its prepared call kept under ``sig``."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
-    if backend == "cpp" and len(PREPARED) < 4096:
+    if backend == "cpp" and len(PREPARED) < 4096 and sig is not None:
         PREPARED[sig] = fast = prepared_call(plan, sizes, dtype)
         fast.made_of = (plan_key, sizes, dtype)  # what a call kept on disk needs to make it again (keep_call)
     if plan.library_call is not None and rhs is None and library.ENABLED:
