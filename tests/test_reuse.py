@@ -71,6 +71,36 @@ def test_segment_softmax_matches_torch(fmt, log):
         torch.autograd.gradgradcheck(lambda v: f(s.with_values(v), dim).values(), (vals,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("log", [False, True])
+def test_segment_softmax_short_and_long_rows(dtype, log):
+    """Rows shorter than ``fuse.SHORT_ROW`` run plain loops, longer ones simd loops: both give torch's softmax and
+    its gradient (row lengths 0 to 40, one row of -inf, large values that would overflow unshifted)."""
+    from scorch.compiler import fuse
+    lengths = list(range(0, 41)) + [fuse.SHORT_ROW - 1, fuse.SHORT_ROW, fuse.SHORT_ROW + 1, 3, 200]
+    n = max(lengths)
+    x = torch.randn(len(lengths), n, dtype=dtype) * 30
+    keep = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+    keep = keep[:, torch.randperm(n)]
+    s = scorch.asformat(x * keep, "csr")
+    vals = x[keep].clone()
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    vals[rows == 5] = float("-inf")  # (row 5 all -inf: NaN, as torch gives)
+    vals = vals.requires_grad_()
+    f = torch.sparse.log_softmax if log else torch.sparse.softmax
+    got = f(s.with_values(vals), 1).values()
+    ref_in = vals.detach().clone().requires_grad_()
+    dense = torch.full((len(lengths), n), float("-inf"), dtype=dtype)
+    dense = dense.masked_scatter(keep, ref_in)
+    want = (torch.log_softmax if log else torch.softmax)(dense, 1)[keep]
+    torch.testing.assert_close(got, want, equal_nan=True)
+    g = torch.randn_like(got)
+    g[rows == 5] = 0
+    (dv,), (dref,) = torch.autograd.grad(got, vals, g), torch.autograd.grad(want, ref_in, g)
+    ok = rows != 5
+    torch.testing.assert_close(dv[ok], dref[ok])
+
+
 def test_csr_softmax_runs_the_segment_kernel():
     s = scorch.asformat(torch.randn(6, 6) * (torch.rand(6, 6) < 0.5), "csr")
     assert segment.SegmentSoftmax is not None
