@@ -157,6 +157,7 @@ def test_a_recurring_pattern_is_transposed_for_a_product_that_reads_it_transpose
     not fixed); from the second on, a transposition by the pattern's kept permutation (one gather) and a product
     parallel over the output's rows. The values equal dense torch's at every step, and an in-place change of the
     pattern is followed."""
+    scorch.clear_caches()
     n, k = 300, 8
     mask = (torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)
     x = mask.float().to_sparse_csr()
@@ -177,3 +178,61 @@ def test_a_recurring_pattern_is_transposed_for_a_product_that_reads_it_transpose
     a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
     g = torch.randn(n, k)
     torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+
+
+def test_steps_before_a_kernel_are_replayed_without_planning(monkeypatch):
+    """A call whose operands take steps before the kernel (a dense operand relaid; a recurring pattern transposed)
+    replays them from the second call on without planning (``run.STEPS``); another pattern of the same signature,
+    or one changed in place, is weighed again. Values equal dense torch's throughout."""
+    import importlib
+    run = importlib.import_module("scorch.engine.run")
+    scorch.clear_caches()
+    planned = []
+    real = run._planned
+    monkeypatch.setattr(run, "_planned", lambda *a: planned.append(1) or real(*a))
+    x = scorch.asformat(torch.randn(50, 70) * (torch.rand(50, 70) < 0.1), "csr")
+    w = torch.randn(24, 70)                   # read along its first dimension: relaid before the kernel
+    for step in range(3):
+        planned.clear()
+        torch.testing.assert_close(scorch.einsum("ij,oj->io", x, w), x.to_dense() @ w.T)
+        if step:
+            assert not planned, "replayed: no planning"
+    n, k = 300, 8
+    mask = ((torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)).float().to_sparse_csr()
+    crow, col = mask.crow_indices().clone(), mask.col_indices().clone()
+    for step in range(4):
+        planned.clear()
+        a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+        g = torch.randn(n, k)
+        torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+        if step >= 2:
+            assert not planned, "replayed: the pattern's transposition and the kept call"
+    other = scorch.sparse_csr_tensor(crow.clone(), col.clone(), torch.randn(col.numel()), (n, n))
+    planned.clear()
+    torch.testing.assert_close(scorch.einsum("ij,ik->jk", other, g), other.to_dense().T @ g)
+    assert planned, "another pattern of the same signature is weighed again"
+    col[0], col[1] = col[1].item(), col[0].item()
+    col[0], col[1] = col[1].item(), col[0].item()   # the same pattern, changed in place (new versions)
+    a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+    torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+
+
+def test_patterns_that_do_not_recur_are_kept_as_before(monkeypatch):
+    """A transposed product on a new pattern every call (same signature): after a few, the call is kept under its
+    signature (no planning each call), and the values stay right."""
+    import importlib
+    run = importlib.import_module("scorch.engine.run")
+    scorch.clear_caches()
+    planned = []
+    real = run._planned
+    monkeypatch.setattr(run, "_planned", lambda *a: planned.append(1) or real(*a))
+    n, k = 310, 8
+    for step in range(8):
+        mask = ((torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)).float().to_sparse_csr()
+        a = scorch.sparse_csr_tensor(mask.crow_indices(), mask.col_indices(), torch.randn(mask.values().numel()),
+                                     (n, n))
+        g = torch.randn(n, k)
+        planned.clear()
+        torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+        if step >= 5:
+            assert not planned, step
