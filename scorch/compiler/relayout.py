@@ -5,14 +5,22 @@ stride: every step of that loop touches another cache line (``B[k, j]`` in the S
 The execution layer (``engine.run``) then copies the operand with that dimension moved last, when the copy is
 small next to the reads, and runs the kernel on the copy. The copy is a tiled transpose of a batch of
 matrices, built like the other kernels; ``torch``'s own strided copy is 3-5x slower on this machine.
+
+A copy is kept for the next call with the same operand (``kept``): the same tensor object, unchanged since (its
+version counter, data pointer, shape and strides), gets the same copy instead of another transposition (SDDMM's
+``B`` in ``sampled_addmm(S, A, B)`` called again with the same ``B``: the copy had cost half the kernel's time).
+The copy dies with its source tensor; writes that bypass the version counter (through ``.data`` or a NumPy view)
+are not seen, as elsewhere in torch where saved tensors are checked by version.
 """
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
 from . import runtime
+from .caches import register
 
 #: a copy is made when the operand's elements number less than this fraction of the kernel's reads of it
 COPY_FRACTION = 0.25
@@ -86,6 +94,42 @@ def gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: the copies kept (``kept``): ``id(source) -> (weak reference, key, copy)``, oldest first; at most
+#: ``KEEP_BYTES`` of copies in all
+_KEPT: dict = {}
+KEEP_BYTES = 1 << 30
+
+
+def _key(x: torch.Tensor, d: int) -> tuple:
+    return (d, x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+
+
+def kept(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``dim_last(x, d)``, the copy kept from an earlier call on the same, unchanged ``x`` where there is one."""
+    entry = _KEPT.get(id(x))
+    if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
+        _KEPT[id(x)] = _KEPT.pop(id(x))  # the most recently used last
+        return entry[2]
+    out = dim_last(x, d)
+    if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2:
+        return out  # a view (nothing to keep), or a copy to keep out of the cache
+    _KEPT.pop(id(x), None)
+    used = sum(e[2].numel() * e[2].element_size() for e in _KEPT.values())
+    for k in list(_KEPT):
+        if used + out.numel() * out.element_size() <= KEEP_BYTES:
+            break
+        e = _KEPT.pop(k)
+        used -= e[2].numel() * e[2].element_size()
+    key = id(x)
+    ref = weakref.ref(x, lambda r, key=key: _KEPT.pop(key, None) if _KEPT.get(key, (None,))[0] is r else None)
+    _KEPT[key] = (ref, _key(x, d), out)
+    return out
+
+
+register("relaid", "dense operands' copies with a dimension moved last, per source tensor (relayout.kept)",
+         lambda: len(_KEPT), _KEPT.clear)
+
+
 def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy, or a view where
     ``x``'s memory already is in that order."""
@@ -153,5 +197,5 @@ def apply(moves, inputs, ops):
     for k, d in moves:
         idx = inputs[k]
         inputs[k] = tuple(idx[:d]) + tuple(idx[d + 1:]) + (idx[d],)
-        ops[k] = dim_last(ops[k], d)
+        ops[k] = kept(ops[k], d)
     return tuple(inputs), ops
