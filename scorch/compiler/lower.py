@@ -445,6 +445,9 @@ class _Lowering:
             L.LocalArray("esum1", ct, 1, L.Const(0, ct), sums=lanes), one,
             L.Store(out, index, product(L.Load("esum1", L.Const(0), ct)))])
         self.tile = (U, lanes)
+        # every stored entry is written (a tile's or the plain loop's), unguarded, under loops that walk every
+        # position of the shared levels: the output need not be zero-filled first
+        self.writes_every_output = not self.sched.outer and not any(it[0] == "if" for it in items[:ready + 1])
         return [_nest(items[:P], [blocked, plain])]
 
     def _output(self, items):

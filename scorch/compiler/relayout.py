@@ -191,6 +191,17 @@ def output_order(out, sched, output):
     return tuple(w for w in out if w != v) + (v,)
 
 
+def relaid_call(moves, call):
+    """A prepared call (``call(ops, scalars)``) of the kernel compiled for the operands after ``moves``, taking
+    the operands before them."""
+    def relaid(ops, scalars):
+        ops = list(ops)
+        for k, d in moves:
+            ops[k] = kept(ops[k], d)
+        return call(ops, scalars)
+    return relaid
+
+
 def apply(moves, inputs, ops):
     """The inputs and operands with ``moves`` (``moves()``) made."""
     inputs, ops = list(inputs), list(ops)

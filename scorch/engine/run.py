@@ -131,6 +131,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
     moves = relayout.moves(inputs, ops, sched0, sizes, broadcast) if rhs is None else ()
+    given = sig if prepared_ok and moves else None  # (the relayout is the one step between the call and the kernel)
     if moves:
         if explain:
             for k, d in moves:
@@ -146,6 +147,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
     result = fast(ops, scalars) if fast is not None else _kernel(
         key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig)
+    if given is not None and backend == "cpp" and PREPARED.get(sig) is not None and len(PREPARED) < 4096:
+        # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
+        # kernel's prepared call (not kept on disk: it has no ``made_of``)
+        PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig])
     return result if perm is None else result.permute(*[perm.index(v) for v in out])
 
 
