@@ -15,6 +15,7 @@ are not seen, as elsewhere in torch where saved tensors are checked by version.
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 
 import torch
@@ -130,6 +131,33 @@ register("relaid", "dense operands' copies with a dimension moved last, per sour
          lambda: len(_KEPT), _KEPT.clear)
 
 
+_HUGE_PAGE = 2 << 20
+_madvise = None
+
+
+def _empty(shape, dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor; from 8 MiB on, on transparent huge pages where Linux gives them on request
+    (``madvise``): a relaid operand's rows are read in random order (SDDMM's ``B[j, :]`` at a row's columns),
+    and on 4 KiB pages nearly every row read missed the TLB (uniform 20k SDDMM, 1 thread: 5.3 -> 3.4 ms)."""
+    global _madvise
+    n = dtype.itemsize
+    for e in shape:
+        n *= e
+    if n < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    buf = torch.empty(n + _HUGE_PAGE, dtype=torch.uint8)  # (not touched yet: the advice applies to its pages)
+    off = (-buf.data_ptr()) % _HUGE_PAGE
+    if _madvise:
+        _madvise(buf.data_ptr() + off, n, 14)  # MADV_HUGEPAGE; refused (no THP): 4 KiB pages, as before
+    return buf[off:off + n].view(dtype).view(shape)
+
+
 def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy, or a view where
     ``x``'s memory already is in that order."""
@@ -142,7 +170,7 @@ def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     shape = tuple(x.shape)
     if x.device.type != "cpu":  # torch's own copy kernel on the GPU
         return x.permute(perm).contiguous()
-    out = torch.empty([shape[k] for k in perm], dtype=x.dtype)
+    out = _empty([shape[k] for k in perm], x.dtype)
     if x.numel() == 0 or x.element_size() not in (1, 2, 4, 8):
         return out.copy_(x.permute(perm)) if x.numel() else out
     batch = 1

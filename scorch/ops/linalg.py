@@ -191,10 +191,13 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         # the product's values are its own new array: scaled and added to in place (one pass, no new arrays;
         # three passes with two new arrays took a quarter of the kernel's time)
         vals = prod._vals
-        if alpha != 1:
-            vals.mul_(alpha)
-        if beta != 0:
-            vals.add_(s.values(), alpha=beta)
+        if beta == 1:
+            torch.add(s.values(), vals, alpha=alpha, out=vals)
+        else:
+            if alpha != 1:
+                vals.mul_(alpha)
+            if beta != 0:
+                vals.add_(s.values(), alpha=beta)
         return s.with_values(vals)
     # a dense-format input gives a dense product, whose row-major values are the format's values
     vals = (prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)) * alpha
