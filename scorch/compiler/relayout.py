@@ -109,18 +109,19 @@ def kept(x: torch.Tensor, d: int) -> torch.Tensor:
     """``dim_last(x, d)``, the copy kept from an earlier call on the same, unchanged ``x`` where there is one."""
     entry = _KEPT.get(id(x))
     if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
-        _KEPT[id(x)] = _KEPT.pop(id(x))  # the most recently used last
+        _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
+        _KEPT[id(x)] = entry
         return entry[2]
     out = dim_last(x, d)
     if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2:
         return out  # a view (nothing to keep), or a copy to keep out of the cache
     _KEPT.pop(id(x), None)
-    used = sum(e[2].numel() * e[2].element_size() for e in _KEPT.values())
+    used = sum(e[2].numel() * e[2].element_size() for e in list(_KEPT.values()))
     for k in list(_KEPT):
         if used + out.numel() * out.element_size() <= KEEP_BYTES:
             break
-        e = _KEPT.pop(k)
-        used -= e[2].numel() * e[2].element_size()
+        e = _KEPT.pop(k, None)
+        used -= e[2].numel() * e[2].element_size() if e is not None else 0
     key = id(x)
     ref = weakref.ref(x, lambda r, key=key: _KEPT.pop(key, None) if _KEPT.get(key, (None,))[0] is r else None)
     _KEPT[key] = (ref, _key(x, d), out)
