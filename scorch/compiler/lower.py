@@ -18,6 +18,7 @@ from .. import loopir as L
 from .infer import factors
 from .ir import Access, Add, Assignment, Map, Mul, Scalar
 from .schedule import Schedule
+from .prefetch import prefetch_ahead
 from .target import CPU, Target
 
 
@@ -357,7 +358,8 @@ class _Lowering:
         self.writes_every_output = once
         store = [L.For(bv, L.Const(0), L.Const(T), L.block(
             L.Store(out, index, L.Load(w, lin, ct), None if once else "add")), vector=lanes)]
-        copies, reduce = self._entry_copies(kept, accumulate, Rt * V)
+        ahead = None if rows else prefetch_ahead(pre, kept, value, bv, T)
+        copies, reduce = self._entry_copies(kept, accumulate, Rt * V, ahead)
         stmts = [L.LocalArray(w, ct, copies * Rt * T, L.Const(0, ct), vector=lanes), reduce]
         for c in range(1, copies):  # the copies added into the first
             x = L.Var("bx")
@@ -371,7 +373,7 @@ class _Lowering:
         return [_nest(pre, [_strided(bt, S, T, body)])]
 
     @staticmethod
-    def _entry_copies(kept, accumulate, vectors):
+    def _entry_copies(kept, accumulate, vectors, ahead=None):
         """``(copies, statement)``: the reduction loops ``kept`` around ``accumulate()``, their innermost loop
         (over a row's entries: SpMM) unrolled into ``copies`` copies of the tile, one per entry of a group, so that
         a small tile (``vectors`` registers) still has several independent multiply-add chains: with one tile of 2
@@ -380,13 +382,15 @@ class _Lowering:
         where the innermost loop is not the last loop of ``kept`` or the tile is large."""
         copies = max(1, min(4, 8 // vectors))
         f = max((i for i, it in enumerate(kept) if it[0] == "for"), default=None)
+        hint = ahead or []  # (prefetches of a later entry's row, after the entry's lets)
         if copies == 1 or f is None or kept[f][4] is not None:
-            return 1, _nest(kept, [accumulate()])
+            return 1, _nest(kept, [accumulate()] + hint)
         _, pv, lo, hi, _ = kept[f]
         per_entry, e = kept[f + 1:], L.Var("g")
         groups, left = _in_groups(lo, hi, copies, "g", lambda base: [L.For(e, L.Const(0), L.Const(copies), _nest(
-            [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)]), unroll=True)])
-        return copies, _nest(kept[:f], [groups, _nest([("for", pv, left, hi, None)] + per_entry, [accumulate()])])
+            [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)] + hint), unroll=True)])
+        return copies, _nest(kept[:f], [groups, _nest([("for", pv, left, hi, None)] + per_entry,
+                                                      [accumulate()] + hint)])
 
     def _dot_tile(self, items, ready, out, index, value):
         """Dot products at the stored entries (SDDMM: ``out[p] = sum_k A[i, k] B[j, k]``) for ``U`` entries at

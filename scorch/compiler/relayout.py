@@ -15,7 +15,6 @@ are not seen, as elsewhere in torch where saved tensors are checked by version.
 from __future__ import annotations
 
 import ctypes
-import sys
 import weakref
 
 import torch
@@ -95,6 +94,10 @@ def gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 #: the copies kept (``kept``): ``id(source) -> (weak reference, key, copy)``, oldest first; at most
 #: ``KEEP_BYTES`` of copies in all
 _KEPT: dict = {}
@@ -105,14 +108,16 @@ def _key(x: torch.Tensor, d: int) -> tuple:
     return (d, x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
 
 
-def kept(x: torch.Tensor, d: int) -> torch.Tensor:
-    """``dim_last(x, d)``, the copy kept from an earlier call on the same, unchanged ``x`` where there is one."""
+def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
+    """``dim_last(x, d, alloc)``, the copy kept from an earlier call on the same, unchanged ``x`` where there is
+    one. (The engine passes an allocator on huge pages: the copy's rows are read in random order, SDDMM's
+    ``B[j, :]`` at a row's columns, and on 4 KiB pages nearly every row read missed the TLB.)"""
     entry = _KEPT.get(id(x))
     if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
         _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
         _KEPT[id(x)] = entry
         return entry[2]
-    out = dim_last(x, d)
+    out = dim_last(x, d, alloc)
     if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2:
         return out  # a view (nothing to keep), or a copy to keep out of the cache
     _KEPT.pop(id(x), None)
@@ -132,36 +137,9 @@ register("relaid", "dense operands' copies with a dimension moved last, per sour
          lambda: len(_KEPT), _KEPT.clear)
 
 
-_HUGE_PAGE = 2 << 20
-_madvise = None
-
-
-def _empty(shape, dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor; from 8 MiB on, on transparent huge pages where Linux gives them on request
-    (``madvise``): a relaid operand's rows are read in random order (SDDMM's ``B[j, :]`` at a row's columns),
-    and on 4 KiB pages nearly every row read missed the TLB (uniform 20k SDDMM, 1 thread: 5.3 -> 3.4 ms)."""
-    global _madvise
-    n = dtype.itemsize
-    for e in shape:
-        n *= e
-    if n < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
-        return torch.empty(shape, dtype=dtype)
-    if _madvise is None:
-        try:
-            _madvise = ctypes.CDLL(None, use_errno=True).madvise
-            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        except (OSError, AttributeError):
-            _madvise = False
-    buf = torch.empty(n + _HUGE_PAGE, dtype=torch.uint8)  # (not touched yet: the advice applies to its pages)
-    off = (-buf.data_ptr()) % _HUGE_PAGE
-    if _madvise:
-        _madvise(buf.data_ptr() + off, n, 14)  # MADV_HUGEPAGE; refused (no THP): 4 KiB pages, as before
-    return buf[off:off + n].view(dtype).view(shape)
-
-
-def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
-    """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy, or a view where
-    ``x``'s memory already is in that order."""
+def dim_last(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
+    """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy (in a CPU buffer
+    from ``alloc(shape, dtype)``), or a view where ``x``'s memory already is in that order."""
     global _kernel
     perm = [k for k in range(x.dim()) if k != d] + [d]
     view = x.permute(perm)
@@ -171,7 +149,7 @@ def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     shape = tuple(x.shape)
     if x.device.type != "cpu":  # torch's own copy kernel on the GPU
         return x.permute(perm).contiguous()
-    out = _empty([shape[k] for k in perm], x.dtype)
+    out = alloc([shape[k] for k in perm], x.dtype)
     if x.numel() == 0 or x.element_size() not in (1, 2, 4, 8):
         return out.copy_(x.permute(perm)) if x.numel() else out
     batch = 1
@@ -220,22 +198,22 @@ def output_order(out, sched, output):
     return tuple(w for w in out if w != v) + (v,)
 
 
-def relaid_call(moves, call):
+def relaid_call(moves, call, alloc=_empty):
     """A prepared call (``call(ops, scalars)``) of the kernel compiled for the operands after ``moves``, taking
     the operands before them."""
     def relaid(ops, scalars):
         ops = list(ops)
         for k, d in moves:
-            ops[k] = kept(ops[k], d)
+            ops[k] = kept(ops[k], d, alloc)
         return call(ops, scalars)
     return relaid
 
 
-def apply(moves, inputs, ops):
+def apply(moves, inputs, ops, alloc=_empty):
     """The inputs and operands with ``moves`` (``moves()``) made."""
     inputs, ops = list(inputs), list(ops)
     for k, d in moves:
         idx = inputs[k]
         inputs[k] = tuple(idx[:d]) + tuple(idx[d + 1:]) + (idx[d],)
-        ops[k] = kept(ops[k], d)
+        ops[k] = kept(ops[k], d, alloc)
     return tuple(inputs), ops

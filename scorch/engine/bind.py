@@ -22,6 +22,7 @@ from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info
 from .convert import asformat
+from . import memory
 
 
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
@@ -181,7 +182,7 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     if backend == "interp" and dtype in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {dtype} values (NumPy has no bfloat16)")
     if red == "sum":
-        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+        alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
         out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
     else:
         ident = float("-inf") if red == "max" else float("inf")
@@ -221,6 +222,17 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     return out_arr
 
 
+#: multiply-adds (stored values x the other indices' sizes) below which a prepared call runs on one thread
+SMALL_WORK = 1 << 19
+
+
+def call_threads(work: int) -> int:
+    """Threads for a call of ``work`` multiply-adds: one below ``SMALL_WORK`` (on 2 cores a Cora-sized SpMM,
+    ~200k multiply-adds, took as long on one thread as on two, and waited milliseconds for the second core when
+    other work held it), else torch's thread count."""
+    return 1 if work < SMALL_WORK else torch.get_num_threads()
+
+
 def prepared_call(plan: Plan, sizes, dtype):
     """A call of ``plan`` for operands of one signature, with everything that depends only on the signature
     (sizes, level bounds, the argument list's constant entries) computed once: a repeated call then costs
@@ -233,7 +245,7 @@ def prepared_call(plan: Plan, sizes, dtype):
     k_drv = plan.schedule.driver.operand
     out_shape = tuple(sizes[v] for v in asg.out)
     m = written.shared_levels
-    alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+    alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
     wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
     template, dynamic = [], []
     for n, a in enumerate(plan.lowered.args):
@@ -251,6 +263,12 @@ def prepared_call(plan: Plan, sizes, dtype):
             template.append(None)
         else:
             template.append(sizes[a.var] if k == "size" else None)
+    # work per call: the driver's stored values times the sizes of the indices it does not have (SpMM: nnz * K);
+    # below SMALL_WORK one thread does it (a parallel region costs more than it saves, and waits for a core)
+    drv = next(a for a in asg.rhs.accesses() if a.operand == k_drv)
+    per_entry = 1
+    for v in set(asg.out).union(*(a.indices for a in asg.rhs.accesses())) - set(drv.indices):
+        per_entry *= sizes[v]
     # the remaining static values (level bounds and operand dimensions) come from the first call
     statics = {}
     out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
@@ -280,8 +298,10 @@ def prepared_call(plan: Plan, sizes, dtype):
         else:
             out_arr = alloc(out_shape, dtype=dtype)
         args[out_pos] = out_arr.data_ptr()
-        for n in thr_pos:
-            args[n] = torch.get_num_threads()
+        if thr_pos:
+            threads = call_threads(ops[k_drv]._vals.numel() * per_entry)
+            for n in thr_pos:
+                args[n] = threads
         for n, v in scal:
             args[n] = scalars[v]
         fn(*args)

@@ -17,6 +17,7 @@ from ..compiler.target import CPU
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, dtype_of, needs_grad
+from . import memory
 from .args import tensor_type, worker_count
 from .bind import (STRUCTURAL, backend_for, call_coiteration, call_plan, cast, index_sizes, prepared_call,
                    result_dtype)
@@ -137,7 +138,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
             for k, d in moves:
                 print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
                       " reads it along that dimension")
-        inputs, ops = relayout.apply(moves, inputs, ops)
+        inputs, ops = relayout.apply(moves, inputs, ops, memory.empty)
         sizes, broadcast = index_sizes(inputs, ops, name)
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
@@ -150,7 +151,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     if given is not None and backend == "cpp" and PREPARED.get(sig) is not None and len(PREPARED) < 4096:
         # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
         # kernel's prepared call (not kept on disk: it has no ``made_of``)
-        PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig])
+        PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig], memory.empty)
     return result if perm is None else result.permute(*[perm.index(v) for v in out])
 
 

@@ -88,7 +88,7 @@ def test_the_copy_is_kept_for_the_same_unchanged_operand(monkeypatch):
     dense, s, a, b = _sddmm_operands()
     copies = []
     real = relayout.dim_last
-    monkeypatch.setattr(relayout, "dim_last", lambda x, d: copies.append(d) or real(x, d))
+    monkeypatch.setattr(relayout, "dim_last", lambda x, d, *alloc: copies.append(d) or real(x, d, *alloc))
     for _ in range(3):
         torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
     torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), dense + (a @ b) * (dense != 0))
