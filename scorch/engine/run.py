@@ -17,6 +17,7 @@ from ..compiler.target import CPU
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, dtype_of, needs_grad
+from . import memory
 from .args import tensor_type, worker_count
 from .bind import (STRUCTURAL, backend_for, call_coiteration, call_plan, cast, index_sizes, prepared_call,
                    result_dtype)
@@ -142,12 +143,13 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
     moves = relayout.moves(inputs, ops, sched0, sizes, broadcast) if rhs is None else ()
+    given = sig if prepared_ok and moves else None  # (the relayout is the one step between the call and the kernel)
     if moves:
         if explain:
             for k, d in moves:
                 print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
                       " reads it along that dimension")
-        inputs, ops = relayout.apply(moves, inputs, ops)
+        inputs, ops = relayout.apply(moves, inputs, ops, memory.empty)
         sizes, broadcast = index_sizes(inputs, ops, name)
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
@@ -159,7 +161,11 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
     result = fast(ops, scalars) if fast is not None else _kernel(
         key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig)
-    if replayable and sig is not None and sig is not sig0 and perm is None and (alt is not None or moves) and \
+    if given is not None and backend == "cpp" and PREPARED.get(sig) is not None and len(PREPARED) < 4096:
+        # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
+        # kernel's prepared call (not kept on disk: it has no ``made_of``)
+        PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig], memory.empty)
+    elif replayable and sig is not None and sig is not sig0 and perm is None and (alt is not None or moves) and \
             sig in PREPARED and len(STEPS) < 4096:
         STEPS[sig0] = (alt, moves, format, sig, PREPARED[sig])
     return result if perm is None else result.permute(*[perm.index(v) for v in out])
@@ -191,7 +197,7 @@ def _replayed(steps, inputs, out, ops, rhs, reduce, directives, scalars):
             return None
         ops[k] = asformat(ops[k], fmt)
     if moves:
-        inputs, ops = relayout.apply(moves, inputs, ops)
+        inputs, ops = relayout.apply(moves, inputs, ops, memory.empty)
     if call_signature(inputs, out, ops, format, rhs, reduce, directives) != sig:
         return None
     return fast(ops, scalars)
