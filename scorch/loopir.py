@@ -163,6 +163,14 @@ class Store(Stmt):
 
 
 @dataclass(frozen=True)
+class Prefetch(Stmt):
+    """A hint that ``array[index]`` will be read soon (a software prefetch of its cache line): no effect on the
+    results, and the address is never read here; the index must still be in bounds (it is computed)."""
+    array: str
+    index: Expr
+
+
+@dataclass(frozen=True)
 class LocalArray(Stmt):
     """A workspace of compile-time ``size`` (kept in registers or on the stack), filled with ``init``.
     ``vector``: held as vectors of that many lanes (a register tile); only ``vector`` loops index it, at

@@ -71,6 +71,36 @@ def test_segment_softmax_matches_torch(fmt, log):
         torch.autograd.gradgradcheck(lambda v: f(s.with_values(v), dim).values(), (vals,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("log", [False, True])
+def test_segment_softmax_short_and_long_rows(dtype, log):
+    """Rows shorter than ``fuse.SHORT_ROW`` run plain loops, longer ones simd loops: both give torch's softmax and
+    its gradient (row lengths 0 to 40, one row of -inf, large values that would overflow unshifted)."""
+    from scorch.compiler import fuse
+    lengths = list(range(0, 41)) + [fuse.SHORT_ROW - 1, fuse.SHORT_ROW, fuse.SHORT_ROW + 1, 3, 200]
+    n = max(lengths)
+    x = torch.randn(len(lengths), n, dtype=dtype) * 30
+    keep = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+    keep = keep[:, torch.randperm(n)]
+    s = scorch.asformat(x * keep, "csr")
+    vals = x[keep].clone()
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    vals[rows == 5] = float("-inf")  # (row 5 all -inf: NaN, as torch gives)
+    vals = vals.requires_grad_()
+    f = torch.sparse.log_softmax if log else torch.sparse.softmax
+    got = f(s.with_values(vals), 1).values()
+    ref_in = vals.detach().clone().requires_grad_()
+    dense = torch.full((len(lengths), n), float("-inf"), dtype=dtype)
+    dense = dense.masked_scatter(keep, ref_in)
+    want = (torch.log_softmax if log else torch.softmax)(dense, 1)[keep]
+    torch.testing.assert_close(got, want, equal_nan=True)
+    g = torch.randn_like(got)
+    g[rows == 5] = 0
+    (dv,), (dref,) = torch.autograd.grad(got, vals, g), torch.autograd.grad(want, ref_in, g)
+    ok = rows != 5
+    torch.testing.assert_close(dv[ok], dref[ok])
+
+
 def test_csr_softmax_runs_the_segment_kernel():
     s = scorch.asformat(torch.randn(6, 6) * (torch.rand(6, 6) < 0.5), "csr")
     assert segment.SegmentSoftmax is not None
@@ -119,3 +149,90 @@ def test_copy_of_another_pattern_drops_kept_conversions():
     scorch.asformat(S, "csc")  # kept on S
     S.copy_(scorch.asformat(b, "csr"))
     assert torch.equal(scorch.asformat(S, "csc").to_dense(), b)
+
+
+def test_a_recurring_pattern_is_transposed_for_a_product_that_reads_it_transposed():
+    """``A^T G`` on a pattern that comes back with new values every step (GAT's attention gradient): the first call
+    weighs the pattern and runs the loop nest over the rows (its kernel kept under no signature, so the choice is
+    not fixed); from the second on, a transposition by the pattern's kept permutation (one gather) and a product
+    parallel over the output's rows. The values equal dense torch's at every step, and an in-place change of the
+    pattern is followed."""
+    scorch.clear_caches()
+    n, k = 300, 8
+    mask = (torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)
+    x = mask.float().to_sparse_csr()
+    crow, col = x.crow_indices().clone(), x.col_indices().clone()
+    reformats = []
+    for step in range(4):
+        a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+        g = torch.randn(n, k)
+        torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+        text = scorch.explain("ij,ik->jk", a, g, file=open("/dev/null", "w"))
+        reformats.append("reformat:" in text)
+    assert reformats == [True] * 4, reformats  # (the first call weighed it; explain's calls see it again)
+    other = scorch.sparse_csr_tensor(crow.clone(), col.clone(), torch.randn(col.numel()), (n, n))
+    text = scorch.explain("ij,ik->jk", other, torch.randn(n, k), file=open("/dev/null", "w"))
+    assert "reformat:" not in text, "a pattern never seen before is not transposed for one product"
+    col[0], col[1] = col[1].item(), col[0].item()  # (row 0's first two entries swapped: unordered now)
+    col[0], col[1] = col[1].item(), col[0].item()  # and back: the same pattern, new versions
+    a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+    g = torch.randn(n, k)
+    torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+
+
+def test_steps_before_a_kernel_are_replayed_without_planning(monkeypatch):
+    """A call whose operands take steps before the kernel (a dense operand relaid; a recurring pattern transposed)
+    replays them from the second call on without planning (``run.STEPS``); another pattern of the same signature,
+    or one changed in place, is weighed again. Values equal dense torch's throughout."""
+    import importlib
+    run = importlib.import_module("scorch.engine.run")
+    scorch.clear_caches()
+    planned = []
+    real = run._planned
+    monkeypatch.setattr(run, "_planned", lambda *a: planned.append(1) or real(*a))
+    x = scorch.asformat(torch.randn(50, 70) * (torch.rand(50, 70) < 0.1), "csr")
+    w = torch.randn(24, 70)                   # read along its first dimension: relaid before the kernel
+    for step in range(3):
+        planned.clear()
+        torch.testing.assert_close(scorch.einsum("ij,oj->io", x, w), x.to_dense() @ w.T)
+        if step:
+            assert not planned, "replayed: no planning"
+    n, k = 300, 8
+    mask = ((torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)).float().to_sparse_csr()
+    crow, col = mask.crow_indices().clone(), mask.col_indices().clone()
+    for step in range(4):
+        planned.clear()
+        a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+        g = torch.randn(n, k)
+        torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+        if step >= 2:
+            assert not planned, "replayed: the pattern's transposition and the kept call"
+    other = scorch.sparse_csr_tensor(crow.clone(), col.clone(), torch.randn(col.numel()), (n, n))
+    planned.clear()
+    torch.testing.assert_close(scorch.einsum("ij,ik->jk", other, g), other.to_dense().T @ g)
+    assert planned, "another pattern of the same signature is weighed again"
+    col[0], col[1] = col[1].item(), col[0].item()
+    col[0], col[1] = col[1].item(), col[0].item()   # the same pattern, changed in place (new versions)
+    a = scorch.sparse_csr_tensor(crow, col, torch.randn(col.numel()), (n, n))
+    torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+
+
+def test_patterns_that_do_not_recur_are_kept_as_before(monkeypatch):
+    """A transposed product on a new pattern every call (same signature): after a few, the call is kept under its
+    signature (no planning each call), and the values stay right."""
+    import importlib
+    run = importlib.import_module("scorch.engine.run")
+    scorch.clear_caches()
+    planned = []
+    real = run._planned
+    monkeypatch.setattr(run, "_planned", lambda *a: planned.append(1) or real(*a))
+    n, k = 310, 8
+    for step in range(8):
+        mask = ((torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)).float().to_sparse_csr()
+        a = scorch.sparse_csr_tensor(mask.crow_indices(), mask.col_indices(), torch.randn(mask.values().numel()),
+                                     (n, n))
+        g = torch.randn(n, k)
+        planned.clear()
+        torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
+        if step >= 5:
+            assert not planned, step

@@ -27,13 +27,35 @@ class GraphTensors:
     val_idx: object
     test_idx: object
     num_nodes: int
+    _heads: dict = dataclasses.field(default_factory=dict, init=False, repr=False)  # heads -> (row, col, crow)
 
-    def on_pattern(self, torch, values):
-        """A sparse matrix on the pattern of A + I holding ``values`` (one per edge, in row-major order)."""
-        n = self.num_nodes
+    def edges(self, torch, heads=1):
+        """``(row, col, crow)`` of the pattern of A + I, or with ``heads`` > 1 of its block-diagonal version for
+        every head at once: an (n * heads) x (n * heads) pattern whose row ``i * heads + k`` holds head ``k``'s
+        edges of node ``i``, at columns ``j * heads + k``. A row-major (n, heads) array flattened indexes its rows
+        and columns, so the heads' scores, softmax and products are one sparse op each (no loop over heads)."""
+        if heads == 1:
+            return self.row, self.col, self.crow
+        got = self._heads.get(heads)
+        if got is None:
+            deg = self.crow[1:] - self.crow[:-1]
+            big_deg = deg.repeat_interleave(heads)                       # row i * heads + k: node i's degree
+            big_crow = torch.zeros(len(big_deg) + 1, dtype=self.crow.dtype, device=self.crow.device)
+            big_crow[1:] = torch.cumsum(big_deg, 0)
+            big_row = torch.arange(len(big_deg), device=self.crow.device).repeat_interleave(big_deg)
+            node, head = big_row // heads, big_row % heads
+            edge = self.crow[node] + torch.arange(len(big_row), device=self.crow.device) - big_crow[big_row]
+            got = self._heads[heads] = (big_row, self.col[edge] * heads + head, big_crow)
+        return got
+
+    def on_pattern(self, torch, values, heads=1):
+        """A sparse matrix on the pattern of ``edges(torch, heads)`` holding ``values`` (one per entry, in
+        row-major order)."""
+        row, col, crow = self.edges(torch, heads)
+        n = self.num_nodes * heads
         if self.attention_layout == "coo":
-            return torch.sparse_coo_tensor(torch.stack([self.row, self.col]), values, (n, n), is_coalesced=True)
-        return torch.sparse_csr_tensor(self.crow, self.col, values, (n, n))
+            return torch.sparse_coo_tensor(torch.stack([row, col]), values, (n, n), is_coalesced=True)
+        return torch.sparse_csr_tensor(crow, col, values, (n, n))
 
 
 def graph_tensors(torch, g: Graph, attention_layout: str = "csr", dense_features: bool = False) -> GraphTensors:
@@ -105,7 +127,9 @@ def build(torch, arch: str, d_in: int, d_hidden: int, d_out: int, heads: int = 8
 
     class GATLayer(nn.Module):
         """Velickovic et al.: per head, e_ij = LeakyReLU(a_dst . W h_i + a_src . W h_j) on the edges of A + I,
-        softmax over each row (a sparse softmax), then the attention-weighted sum of W h_j (an SpMM)."""
+        softmax over each row (a sparse softmax), then the attention-weighted sum of W h_j (an SpMM). Every head
+        at once: the heads' attention matrices are the diagonal blocks of one sparse matrix (``edges``), so each
+        step is one op over all heads' edges (a loop over heads costs each op's overhead once per head)."""
 
         def __init__(self, d_in_, d_out_, heads_, concat):
             super().__init__()
@@ -118,15 +142,15 @@ def build(torch, arch: str, d_in: int, d_hidden: int, d_out: int, heads: int = 8
             nn.init.xavier_uniform_(self.att_dst)
 
         def forward(self, x, g):
-            h = self.lin(x).view(-1, self.heads, self.d)
-            src = (h * self.att_src).sum(-1).t()                  # (heads, nodes)
-            dst = (h * self.att_dst).sum(-1).t()
-            scores = F.leaky_relu(dst[:, g.row] + src[:, g.col], 0.2)   # (heads, edges)
-            outs = []
-            for k in range(self.heads):
-                attention = torch.sparse.softmax(g.on_pattern(torch, scores[k]), dim=1)
-                outs.append(torch.sparse.mm(attention, h[:, k]))
-            out = torch.cat(outs, dim=1) if self.concat else torch.stack(outs).mean(0)
+            n, heads = x.shape[0], self.heads
+            h = self.lin(x).view(n, heads, self.d)
+            src = (h * self.att_src).sum(-1).reshape(-1)         # (nodes * heads): node i's head k at i * heads + k
+            dst = (h * self.att_dst).sum(-1).reshape(-1)
+            row, col, _ = g.edges(torch, heads)
+            scores = F.leaky_relu(dst.index_select(0, row) + src.index_select(0, col), 0.2)
+            attention = torch.sparse.softmax(g.on_pattern(torch, scores, heads), dim=1)
+            out = torch.sparse.mm(attention, h.reshape(n * heads, self.d))  # row i * heads + k: node i, head k
+            out = out.reshape(n, heads * self.d) if self.concat else out.reshape(n, heads, self.d).mean(1)
             return out + self.bias
 
     class GAT(nn.Module):

@@ -155,7 +155,21 @@ def track_max(kernel: L.Kernel, array: str, name: str, vtype: str, lanes: int) -
     return L.Kernel(kernel.name, kernel.params, L.block(replace(loop, body=body)))
 
 
-def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = None, log: bool = False) -> L.Kernel:
+#: rows shorter than this many entries run the segment softmax kernels' loops without ``omp simd``: GCC's simd loop
+#: with a reduction costs more than it saves on a few entries (a graph's rows, ~5 on Cora: 2.4x slower than plain)
+SHORT_ROW = 16
+
+
+def _short_or_long(row, short: int):
+    """``row(simd)`` (a row body), the plain loops for rows of fewer than ``short`` entries (0: always simd)."""
+    if not short:
+        return row(True)
+    length = L.binary("sub", L.Var("hi"), L.Var("lo"))
+    return L.block(L.If(L.binary("lt", length, L.Const(short)), row(False), row(True)))
+
+
+def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = None, log: bool = False,
+                 short: int = 0) -> L.Kernel:
     """``y[p] = softmax(scale * x[p])`` within each row ``[pos[i], pos[i + 1])`` of a CSR pattern, as the row loop
     the lowering makes for CSR (parameters named as for operand 0: ``t0_l0_lo``, ``t0_l0_ext``, ``t0_l1_pos``).
     A row whose scaled entries are all -inf (or NaN) gives NaN, as torch's softmax does. ``normalize=False``:
@@ -163,47 +177,52 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = 
     factor that normalizes them, for a later part to apply to what it makes of them (``scale_stores``).
     ``peak_of``: the values come scaled already (no ``scale`` parameter), and their max is read from the partial
     maxima of that name (``track_max``) instead of a pass over them. ``log``: ``y`` the log-softmax,
-    ``scale * x[p] - peak - log(total)``."""
+    ``scale * x[p] - peak - log(total)``. ``short``: rows of fewer entries run plain loops (``_short_or_long``)."""
     p, lo, hi = L.Var("p"), L.Var("lo"), L.Var("hi")
     peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
     x = L.Load("x", p, vtype) if peak_of else L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
     ninf, zero = L.Const(float("-inf"), vtype), L.Const(0.0, vtype)
-    row = L.block(
-        L.Decl(peak, L.Load(peak_of, L.Const(0), vtype)) if peak_of else L.Decl(peak, ninf),
-        None if peak_of else
-        L.For(p, lo, hi, L.block(L.Assign(peak, x, "max")), simd=True, reductions=(("max", "peak"),)),
-        L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, zero))),
-        L.Decl(total, zero),
-        L.For(p, lo, hi, L.block(
-            L.Let(e, L.Unary("exp", L.binary("sub", x, peak), vtype)),
-            L.Store("y", p, e),
-            L.Assign(total, e, "add")), simd=True, reductions=(("add", "total"),)),
-        L.Assign(inv, L.binary("div", L.Const(1.0, vtype), total)),
-        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=True)
-        if normalize and not log else None,
-        L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("sub", L.binary("sub", x, peak),
-                                                            L.Unary("log", total, vtype)))), simd=True)
-        if log else None,
-    )
-    return row_kernel("scorch_softmax_rows", itype, _csr_row(itype, row, L.Decl(inv, zero)), (
+
+    def row(simd):
+        return L.block(
+            L.Decl(peak, L.Load(peak_of, L.Const(0), vtype)) if peak_of else L.Decl(peak, ninf),
+            None if peak_of else
+            L.For(p, lo, hi, L.block(L.Assign(peak, x, "max")), simd=simd, reductions=(("max", "peak"),)),
+            L.If(L.Unary("not", L.binary("gt", peak, ninf), "bool"), L.block(L.Assign(peak, zero))),
+            L.Decl(total, zero),
+            L.For(p, lo, hi, L.block(
+                L.Let(e, L.Unary("exp", L.binary("sub", x, peak), vtype)),
+                L.Store("y", p, e),
+                L.Assign(total, e, "add")), simd=simd, reductions=(("add", "total"),)),
+            L.Assign(inv, L.binary("div", L.Const(1.0, vtype), total)),
+            L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=simd)
+            if normalize and not log else None,
+            L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("sub", L.binary("sub", x, peak),
+                                                                L.Unary("log", total, vtype)))), simd=simd)
+            if log else None,
+        )
+    return row_kernel("scorch_softmax_rows", itype, _csr_row(itype, _short_or_long(row, short), L.Decl(inv, zero)), (
         L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True)) +
         (() if peak_of else (L.Param("scale", "scalar", vtype),)))
 
 
-def softmax_backward_rows(vtype: str, itype: str, log: bool = False) -> L.Kernel:
+def softmax_backward_rows(vtype: str, itype: str, log: bool = False, short: int = 0) -> L.Kernel:
     """``dx[p] = scale * y[p] * (g[p] - sum of y * g over the row)``: the gradient of the row softmax's input (times
     ``scale``) from its output ``y`` and the output's gradient ``g``, as a CSR row loop like ``softmax_rows``.
-    ``log``: of the log-softmax, ``dx[p] = scale * (g[p] - exp(y[p]) * sum of g over the row)``."""
+    ``log``: of the log-softmax, ``dx[p] = scale * (g[p] - exp(y[p]) * sum of g over the row)``. ``short``: as
+    for ``softmax_rows``."""
     p, lo, hi, t = L.Var("p"), L.Var("lo"), L.Var("hi"), L.Var("t", vtype)
     y, g, scale = L.Load("y", p, vtype), L.Load("g", p, vtype), L.Var("scale", vtype)
     dx = L.binary("mul", scale, L.binary("sub", g, L.binary("mul", L.Unary("exp", y, vtype), t))) if log else \
         L.binary("mul", L.binary("mul", scale, y), L.binary("sub", g, t))
-    row = L.block(
-        L.Decl(t, L.Const(0.0, vtype)),
-        L.For(p, lo, hi, L.block(L.Assign(t, g if log else L.binary("mul", y, g), "add")), simd=True,
-              reductions=(("add", "t"),)),
-        L.For(p, lo, hi, L.block(L.Store("dx", p, dx)), simd=True))
-    return row_kernel("scorch_softmax_backward_rows", itype, _csr_row(itype, row), (
+
+    def row(simd):
+        return L.block(
+            L.Decl(t, L.Const(0.0, vtype)),
+            L.For(p, lo, hi, L.block(L.Assign(t, g if log else L.binary("mul", y, g), "add")), simd=simd,
+                  reductions=(("add", "t"),)),
+            L.For(p, lo, hi, L.block(L.Store("dx", p, dx)), simd=simd))
+    return row_kernel("scorch_softmax_backward_rows", itype, _csr_row(itype, _short_or_long(row, short)), (
         L.Param("y", "array", vtype), L.Param("g", "array", vtype), L.Param("dx", "array", vtype, output=True),
         L.Param("scale", "scalar", vtype)))
 

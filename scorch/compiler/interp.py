@@ -91,6 +91,8 @@ class _Interp:
             if hi > lo and not (0 <= arr[lo:hi].min() and arr[lo:hi].max() < bound):
                 raise IndexError(f"sort of {s.array}[{lo}:{hi}]: a key lies outside [0, {bound})")
             arr[lo:hi] = np.sort(arr[lo:hi])
+        elif isinstance(s, L.Prefetch):
+            self._index(s.array, s.index, env)  # (a hint: only the bounds of its address are checked)
         elif isinstance(s, L.LocalArray):
             self.arrays[s.name] = np.full(s.size, self.expr(s.init, env), dtype=NP[s.type])
         elif isinstance(s, L.SumLanes):

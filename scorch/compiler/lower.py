@@ -18,6 +18,7 @@ from .. import loopir as L
 from .infer import factors
 from .ir import Access, Add, Assignment, Map, Mul, Scalar
 from .schedule import Schedule
+from .prefetch import prefetch_ahead
 from .target import CPU, Target
 
 
@@ -357,7 +358,8 @@ class _Lowering:
         self.writes_every_output = once
         store = [L.For(bv, L.Const(0), L.Const(T), L.block(
             L.Store(out, index, L.Load(w, lin, ct), None if once else "add")), vector=lanes)]
-        copies, reduce = self._entry_copies(kept, accumulate, Rt * V)
+        ahead = None if rows else prefetch_ahead(pre, kept, value, bv, T)
+        copies, reduce = self._entry_copies(kept, accumulate, Rt * V, ahead)
         stmts = [L.LocalArray(w, ct, copies * Rt * T, L.Const(0, ct), vector=lanes), reduce]
         for c in range(1, copies):  # the copies added into the first
             x = L.Var("bx")
@@ -371,7 +373,7 @@ class _Lowering:
         return [_nest(pre, [_strided(bt, S, T, body)])]
 
     @staticmethod
-    def _entry_copies(kept, accumulate, vectors):
+    def _entry_copies(kept, accumulate, vectors, ahead=None):
         """``(copies, statement)``: the reduction loops ``kept`` around ``accumulate()``, their innermost loop
         (over a row's entries: SpMM) unrolled into ``copies`` copies of the tile, one per entry of a group, so that
         a small tile (``vectors`` registers) still has several independent multiply-add chains: with one tile of 2
@@ -380,13 +382,15 @@ class _Lowering:
         where the innermost loop is not the last loop of ``kept`` or the tile is large."""
         copies = max(1, min(4, 8 // vectors))
         f = max((i for i, it in enumerate(kept) if it[0] == "for"), default=None)
+        hint = ahead or []  # (prefetches of a later entry's row, after the entry's lets)
         if copies == 1 or f is None or kept[f][4] is not None:
-            return 1, _nest(kept, [accumulate()])
+            return 1, _nest(kept, [accumulate()] + hint)
         _, pv, lo, hi, _ = kept[f]
         per_entry, e = kept[f + 1:], L.Var("g")
         groups, left = _in_groups(lo, hi, copies, "g", lambda base: [L.For(e, L.Const(0), L.Const(copies), _nest(
-            [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)]), unroll=True)])
-        return copies, _nest(kept[:f], [groups, _nest([("for", pv, left, hi, None)] + per_entry, [accumulate()])])
+            [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)] + hint), unroll=True)])
+        return copies, _nest(kept[:f], [groups, _nest([("for", pv, left, hi, None)] + per_entry,
+                                                      [accumulate()] + hint)])
 
     def _dot_tile(self, items, ready, out, index, value):
         """Dot products at the stored entries (SDDMM: ``out[p] = sum_k A[i, k] B[j, k]``) for ``U`` entries at
@@ -394,8 +398,8 @@ class _Lowering:
         independent chains hide the multiply-add latency and A's row is loaded once for U entries; U is a
         vector's lane count, so that the U partial sums are added up together (``SumLanes``: a transposed tree,
         about 3 shuffles and adds per entry instead of 8: an f32 SDDMM with 32 columns, 4096 rows of 133
-        entries, went from 0.58 to 0.39 ms). The entries left over (fewer than U) take one vector of partial
-        sums each. None when the loop nest has another shape."""
+        entries, went from 0.58 to 0.39 ms). The entries left over (fewer than U) take one more tile with its
+        extra lanes masked. None when the loop nest has another shape."""
         ct, rest = self.ct, items[ready + 1:]
         loops = [it for it in rest if it[0] == "for"]
         if ct not in ("f32", "f64") or len(loops) != 1 or loops[0] is not rest[-1]:
@@ -425,27 +429,33 @@ class _Lowering:
         lets = [it for it in items[P + 1:ready + 1] if it[0] == "let"] + rest_lets
         product = (lambda t: t if outer is None else L.Binary("mul", outer, t, ct))
 
-        def block_of_entries(base):
-            entry = [("let", pv, L.binary("add", base, u))]
+        def block_of_entries(base, count=None):
+            # ``count``: a row's last, partial tile: its lanes past the row's end repeat the row's last entry
+            # (their loads hit L1) and are not written
+            at = L.binary("add", base, u)
+            entry = [("let", pv, at if count is None else L.binary("min", at, L.binary("sub", hi, L.Const(1))))]
             accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
                 u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
                 vector=lanes)
             total = product(L.Load("etot", u, ct))
-            write = _lane_store(entry + lets, u, lanes, out, index, total, ct) or L.For(
-                u, L.Const(0), L.Const(U), _nest(entry + lets, [L.Store(out, index, total)]), unroll=True)
+            write = (count is None and _lane_store(entry + lets, u, lanes, out, index, total, ct)) or L.For(
+                u, L.Const(0), L.Const(U), _nest(entry + lets + ([] if count is None else [
+                    ("if", L.binary("lt", u, count))]), [L.Store(out, index, total)]), unroll=True)
             return [L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate,
                     L.SumLanes("etot", sums, ct, U), write]
 
         blocked, start = _in_groups(lo, hi, U, "e", block_of_entries)
-        # the entries left over (fewer than U): one vector of partial sums each
-        left = ("for", pv, start, hi, None)
-        one = L.For(kloop[1], kloop[2], kloop[3], _nest([it for it in rest[:-1] if it[0] != "let"], [
-            L.Store("esum1", L.Const(0), value, "add")]), vector=lanes)
-        plain = _nest([left] + items[P + 1:ready + 1] + rest_lets, [
-            L.LocalArray("esum1", ct, 1, L.Const(0, ct), sums=lanes), one,
-            L.Store(out, index, product(L.Load("esum1", L.Const(0), ct)))])
+        # the entries left over (fewer than U): one more tile, its extra lanes masked, instead of one entry at a
+        # time (one chain of dependent multiply-adds each, and a horizontal sum: a uniform 20k matrix's rows of
+        # 20 left 4 entries of every row to that loop)
+        rest_at = L.Var("e_rest")
+        partial = L.block(L.Let(rest_at, start), L.If(L.binary("lt", rest_at, hi), L.block(
+            *block_of_entries(rest_at, L.binary("sub", hi, rest_at)))))
         self.tile = (U, lanes)
-        return [_nest(items[:P], [blocked, plain])]
+        # every stored entry is written (by a whole or a partial tile), unguarded, under loops that walk every
+        # position of the shared levels: the output need not be zero-filled first
+        self.writes_every_output = not self.sched.outer and not any(it[0] == "if" for it in items[:ready + 1])
+        return [_nest(items[:P], [blocked, partial])]
 
     def _output(self, items):
         asg, sched = self.asg, self.sched

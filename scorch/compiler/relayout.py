@@ -5,14 +5,22 @@ stride: every step of that loop touches another cache line (``B[k, j]`` in the S
 The execution layer (``engine.run``) then copies the operand with that dimension moved last, when the copy is
 small next to the reads, and runs the kernel on the copy. The copy is a tiled transpose of a batch of
 matrices, built like the other kernels; ``torch``'s own strided copy is 3-5x slower on this machine.
+
+A copy is kept for the next call with the same operand (``kept``): the same tensor object, unchanged since (its
+version counter, data pointer, shape and strides), gets the same copy instead of another transposition (SDDMM's
+``B`` in ``sampled_addmm(S, A, B)`` called again with the same ``B``: the copy had cost half the kernel's time).
+The copy dies with its source tensor; writes that bypass the version counter (through ``.data`` or a NumPy view)
+are not seen, as elsewhere in torch where saved tensors are checked by version.
 """
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
 from . import runtime
+from .caches import register
 
 #: a copy is made when the operand's elements number less than this fraction of the kernel's reads of it
 COPY_FRACTION = 0.25
@@ -86,9 +94,52 @@ def gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
-    """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy, or a view where
-    ``x``'s memory already is in that order."""
+def _empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+#: the copies kept (``kept``): ``id(source) -> (weak reference, key, copy)``, oldest first; at most
+#: ``KEEP_BYTES`` of copies in all
+_KEPT: dict = {}
+KEEP_BYTES = 1 << 30
+
+
+def _key(x: torch.Tensor, d: int) -> tuple:
+    return (d, x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+
+
+def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
+    """``dim_last(x, d, alloc)``, the copy kept from an earlier call on the same, unchanged ``x`` where there is
+    one. (The engine passes an allocator on huge pages: the copy's rows are read in random order, SDDMM's
+    ``B[j, :]`` at a row's columns, and on 4 KiB pages nearly every row read missed the TLB.)"""
+    entry = _KEPT.get(id(x))
+    if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
+        _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
+        _KEPT[id(x)] = entry
+        return entry[2]
+    out = dim_last(x, d, alloc)
+    if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2:
+        return out  # a view (nothing to keep), or a copy to keep out of the cache
+    _KEPT.pop(id(x), None)
+    used = sum(e[2].numel() * e[2].element_size() for e in list(_KEPT.values()))
+    for k in list(_KEPT):
+        if used + out.numel() * out.element_size() <= KEEP_BYTES:
+            break
+        e = _KEPT.pop(k, None)
+        used -= e[2].numel() * e[2].element_size() if e is not None else 0
+    key = id(x)
+    ref = weakref.ref(x, lambda r, key=key: _KEPT.pop(key, None) if _KEPT.get(key, (None,))[0] is r else None)
+    _KEPT[key] = (ref, _key(x, d), out)
+    return out
+
+
+register("relaid", "dense operands' copies with a dimension moved last, per source tensor (relayout.kept)",
+         lambda: len(_KEPT), _KEPT.clear)
+
+
+def dim_last(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
+    """``x`` with dimension ``d`` moved last (the others keep their order), contiguous: a copy (in a CPU buffer
+    from ``alloc(shape, dtype)``), or a view where ``x``'s memory already is in that order."""
     global _kernel
     perm = [k for k in range(x.dim()) if k != d] + [d]
     view = x.permute(perm)
@@ -98,7 +149,7 @@ def dim_last(x: torch.Tensor, d: int) -> torch.Tensor:
     shape = tuple(x.shape)
     if x.device.type != "cpu":  # torch's own copy kernel on the GPU
         return x.permute(perm).contiguous()
-    out = torch.empty([shape[k] for k in perm], dtype=x.dtype)
+    out = alloc([shape[k] for k in perm], x.dtype)
     if x.numel() == 0 or x.element_size() not in (1, 2, 4, 8):
         return out.copy_(x.permute(perm)) if x.numel() else out
     batch = 1
@@ -147,11 +198,22 @@ def output_order(out, sched, output):
     return tuple(w for w in out if w != v) + (v,)
 
 
-def apply(moves, inputs, ops):
+def relaid_call(moves, call, alloc=_empty):
+    """A prepared call (``call(ops, scalars)``) of the kernel compiled for the operands after ``moves``, taking
+    the operands before them."""
+    def relaid(ops, scalars):
+        ops = list(ops)
+        for k, d in moves:
+            ops[k] = kept(ops[k], d, alloc)
+        return call(ops, scalars)
+    return relaid
+
+
+def apply(moves, inputs, ops, alloc=_empty):
     """The inputs and operands with ``moves`` (``moves()``) made."""
     inputs, ops = list(inputs), list(ops)
     for k, d in moves:
         idx = inputs[k]
         inputs[k] = tuple(idx[:d]) + tuple(idx[d + 1:]) + (idx[d],)
-        ops[k] = dim_last(ops[k], d)
+        ops[k] = kept(ops[k], d, alloc)
     return tuple(inputs), ops

@@ -160,16 +160,20 @@ class Kernel:
     """One loaded function. ``origin`` is ``"compiled"`` (built by this call), ``"disk"`` (an existing ``.so``)
     or ``"memory"`` (already loaded in this process); ``compile_seconds`` is 0.0 unless compiled now."""
 
-    __slots__ = ("name", "path", "source_path", "origin", "compile_seconds", "fn")
+    __slots__ = ("name", "path", "source_path", "origin", "compile_seconds", "fn", "packed")
 
     def __init__(self, name: str, path: pathlib.Path, source_path: pathlib.Path, origin: str,
-                 compile_seconds: float, fn):
+                 compile_seconds: float, fn, packed=None):
         self.name = name
         self.path = path
         self.source_path = source_path
         self.origin = origin
         self.compile_seconds = compile_seconds
         self.fn = fn
+        #: ``<name>_packed`` where the library exports it (generated C++ kernels): the same function taking all
+        #: its arguments as one buffer of 8-byte words (``bytes``), one ctypes conversion instead of one per
+        #: argument (13 arguments: 6.3 -> 2.1 us a call)
+        self.packed = packed
 
     def __call__(self, *args):
         # Nothing but the ctypes call: hot loops may call ``kernel.fn`` directly to skip even this frame.
@@ -621,4 +625,9 @@ def _kernel(lib, symbol, argtypes, restype, path, source_path, origin, seconds) 
                            "is it declared extern \"C\"?", source_path) from None
     fn.argtypes = list(argtypes)
     fn.restype = restype
-    return Kernel(symbol, path, source_path, origin, seconds, fn)
+    try:
+        packed = lib[symbol + "_packed"]
+        packed.argtypes, packed.restype = [ctypes.c_char_p], None
+    except AttributeError:
+        packed = None
+    return Kernel(symbol, path, source_path, origin, seconds, fn, packed)

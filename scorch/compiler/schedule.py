@@ -436,10 +436,13 @@ def compressed_target(fmt):
     return None
 
 
-def transposed_for_parallel(asg, sched, fmt, nnz, sizes, threads, converted=lambda alt: False):
+def transposed_for_parallel(asg, sched, fmt, nnz, sizes, threads, converted=lambda alt: False,
+                            recurring=lambda alt: False):
     """A format for the driver (format ``fmt``, ``nnz`` entries) whose first level is an output index (so the loop
     over it runs in parallel without write conflicts), when converting costs less than the serial loop loses; else
-    None. ``converted(alt)``: whether the operand is already held in ``alt`` (then it costs nothing).
+    None. ``converted(alt)``: whether the operand is already held in ``alt`` (then it costs nothing);
+    ``recurring(alt)``: whether its pattern's conversion is one gather of the values (the pattern's permutation
+    kept, or to be kept: a graph's pattern with new values every step).
 
     The choice between this transposition and a privatized output workspace is by this estimate; only
     formats with plain-index levels are transposed. With one thread the transposition still pays where the
@@ -469,6 +472,8 @@ def transposed_for_parallel(asg, sched, fmt, nnz, sizes, threads, converted=lamb
     # (blocks move whole: their pattern converts by counting sort, the values by one gather)
     passes = 2 if compressed_target(alt) is not None or blocked else max(1.0, int(nnz).bit_length())
     convert = CONVERT_COST * (nnz + sizes[drv.indices[fmt.exprs[firsts[0]].dim]]) * passes
+    if convert >= work * (1 - 1 / (threads * (VECTOR_GAIN if sched.outer else 1.0))) and recurring(alt):
+        convert = CONVERT_COST * nnz  # (asked only where the full conversion would not pay: it counts the asking)
     gain = VECTOR_GAIN if sched.outer else 1.0
     if convert >= work * (1 - 1 / (threads * gain)):
         return None

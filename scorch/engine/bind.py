@@ -11,10 +11,12 @@ sum and a fill pass (a sparse output).
 from __future__ import annotations
 
 import contextlib
+import struct
 import threading
 
 import torch
 
+from ..compiler.codegen.cpp import pack_format
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
 from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, row_workspace
 from ..loopir import TO_TORCH
@@ -22,6 +24,7 @@ from ..formats import named
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info
 from .convert import asformat
+from . import memory
 
 
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
@@ -181,7 +184,7 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     if backend == "interp" and dtype in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {dtype} values (NumPy has no bfloat16)")
     if red == "sum":
-        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+        alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
         out_arr, counted = alloc(n_out, dtype=dtype, device=dev), None
     else:
         ident = float("-inf") if red == "max" else float("inf")
@@ -221,6 +224,18 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     return out_arr
 
 
+#: work (stored values x the 8-value vectors the other indices span: SpMV 1 per entry, SpMM K=64 8) below which
+#: a prepared call runs on one thread: about 50 us of one core
+SMALL_WORK = 1 << 16
+
+
+def call_threads(work: int) -> int:
+    """Threads for a call of ``work`` (see ``SMALL_WORK``): one below it (on 2 cores a Cora-sized SpMM at K=16,
+    13k entries x 2 vectors, took as long on one thread as on two, and waited milliseconds for the second core
+    when other work held it), else torch's thread count."""
+    return 1 if work < SMALL_WORK else torch.get_num_threads()
+
+
 def prepared_call(plan: Plan, sizes, dtype):
     """A call of ``plan`` for operands of one signature, with everything that depends only on the signature
     (sizes, level bounds, the argument list's constant entries) computed once: a repeated call then costs
@@ -233,7 +248,7 @@ def prepared_call(plan: Plan, sizes, dtype):
     k_drv = plan.schedule.driver.operand
     out_shape = tuple(sizes[v] for v in asg.out)
     m = written.shared_levels
-    alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros
+    alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
     wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
     template, dynamic = [], []
     for n, a in enumerate(plan.lowered.args):
@@ -251,12 +266,23 @@ def prepared_call(plan: Plan, sizes, dtype):
             template.append(None)
         else:
             template.append(sizes[a.var] if k == "size" else None)
+    # work per call: the driver's stored values times the vectors the indices it does not have span (SpMM:
+    # nnz * K / 8); below SMALL_WORK one thread does it (a parallel region costs more than it saves)
+    drv = next(a for a in asg.rhs.accesses() if a.operand == k_drv)
+    span = 1
+    for v in set(asg.out).union(*(a.indices for a in asg.rhs.accesses())) - set(drv.indices):
+        span *= sizes[v]
+    per_entry = -(-span // 8)
     # the remaining static values (level bounds and operand dimensions) come from the first call
     statics = {}
     out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
     thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
     scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
     fn = plan.kernel.fn
+    packed = getattr(plan.kernel, "packed", None)
+    if packed is not None:  # (one bytes argument instead of a ctypes conversion per argument)
+        pack = struct.Struct(pack_format(plan.lowered.kernel)).pack
+        fn = lambda *args: packed(pack(*args))  # noqa: E731
 
     def call(ops, scalars):
         if not statics:
@@ -280,8 +306,10 @@ def prepared_call(plan: Plan, sizes, dtype):
         else:
             out_arr = alloc(out_shape, dtype=dtype)
         args[out_pos] = out_arr.data_ptr()
-        for n in thr_pos:
-            args[n] = torch.get_num_threads()
+        if thr_pos:
+            threads = call_threads(ops[k_drv]._vals.numel() * per_entry)
+            for n in thr_pos:
+                args[n] = threads
         for n, v in scal:
             args[n] = scalars[v]
         fn(*args)
@@ -368,45 +396,8 @@ def _row_arrays(counts, ws, dtype):
     crd = torch.empty(nnz, dtype=torch.int32 if ws <= NARROW_COORDINATES else torch.int64, device=counts.device)
     vals = torch.empty(nnz, dtype=dtype, device=counts.device)
     for t in (crd, vals):
-        huge_pages(t)
+        memory.advise_huge(t)
     return row_ptr, crd, vals
-
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # (Linux)
-#: arrays from this size on are advised huge pages: glibc maps arrays this large afresh (or trims them from the heap
-#: after), so each call faults them in again (SpGEMM's 31.6 MB arrays: 15.4k faults a call); smaller ones are reused
-#: from the heap without faults (the power-law add's 16.8 MB: none), where the advice only split the heap's mapping
-#: (about 1k extra faults a call)
-HUGE_PAGE_FROM = 24 << 20
-
-
-def _madvise():
-    import ctypes
-    import sys
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    f.argtypes, f.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    return f
-
-
-_MADVISE = _madvise()
-
-
-def huge_pages(t):
-    """Ask Linux for transparent huge pages under the whole 2 MiB pages of a large, fresh CPU array that a kernel is
-    about to write: one page fault per 2 MiB instead of per 4 KiB (SpGEMM's 60 MiB result spent about 40 ms of CPU
-    time in faults, a third of the kernels' time). Advice only: nothing changes where it is not taken."""
-    if _MADVISE is None or t.device.type != "cpu" or t.nbytes < HUGE_PAGE_FROM:
-        return
-    start = (t.data_ptr() + HUGE_PAGE - 1) & -HUGE_PAGE
-    end = (t.data_ptr() + t.nbytes) & -HUGE_PAGE
-    if end > start:
-        _MADVISE(start, end - start, MADV_HUGEPAGE)
 
 
 def _hash_rows(plan, launch, rows, ws, threads, out_shape, sizes, dtype, dev):

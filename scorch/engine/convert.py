@@ -246,6 +246,28 @@ def _block_matrices(x: SparseTensor, fmt):
     return src, as_matrix(b), x._levels[2:]
 
 
+# Patterns weighed for a transposition (``recurring_pattern``), by their index arrays.
+_WEIGHED = _storage.PatternMemo(64)
+register("weighed-patterns", "patterns weighed for a transposition before, by their index arrays", _WEIGHED.__len__,
+         _WEIGHED.clear)
+
+
+def recurring_pattern(x: SparseTensor, fmt) -> bool:
+    """Whether converting ``x`` to ``fmt`` costs one gather of its values: its pattern's permutation is kept
+    (``_PERMUTATIONS``: another tensor on the same index arrays was converted), or the same arrays were weighed
+    for this conversion before (a graph's pattern holding new values every step, as GAT's attention: the
+    conversion that follows keeps the permutation, its sort paid once). Each call counts as one weighing."""
+    if type(x) is not SparseTensor or x._format.padded or compressed_target(fmt) is None or x.device.type != "cpu":
+        return False
+    extra = (x._format, fmt, None, tuple(x._shape))
+    if _PERMUTATIONS.get(extra, x._levels) is not None:
+        return True
+    seen = _WEIGHED.get(extra, x._levels) is not None
+    if not seen:
+        _WEIGHED.put(extra, x._levels, True)
+    return seen
+
+
 def converted_already(x, fmt) -> bool:
     """Whether ``asformat(x, fmt)`` would return a kept conversion (no work)."""
     memo = x.__dict__.get("_conversions") if type(x) is SparseTensor else None

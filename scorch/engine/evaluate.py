@@ -28,6 +28,7 @@ from .run import PREPARED, call_signature, keep_call, kept_call, run, signature
 
 _FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
 _PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
+_NOT_KEPT = cache("not-kept-calls", "equation signatures (and thread counts) with no prepared call kept on disk")
 
 
 def prepare(operands):
@@ -81,9 +82,14 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         sig = (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
         fast = _FAST_EQ.get(sig)
         if fast is None and len(_FAST_EQ) < 4096:
-            fast = kept_call(sig)  # (a new process: the call as a former one prepared it)
+            # (a new process: the call as a former one prepared it; looked for once per signature, since a call
+            # that is never kept, such as a gradient's on a pattern of ones, would read the disk every time)
+            missed = (sig, torch.get_num_threads())
+            fast = None if missed in _NOT_KEPT else kept_call(sig)
             if fast is not None:
                 _FAST_EQ[sig] = fast
+            elif len(_NOT_KEPT) < 4096:
+                _NOT_KEPT[missed] = True
         if fast is not None:
             return fast(operands, None)
     early = _diagonals_and_sums(equation, operands, explain)

@@ -17,10 +17,11 @@ from ..compiler.target import CPU
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, dtype_of, needs_grad
+from . import memory
 from .args import tensor_type, worker_count
 from .bind import (STRUCTURAL, backend_for, call_coiteration, call_plan, cast, index_sizes, prepared_call,
                    result_dtype)
-from .convert import asformat, converted_already
+from .convert import asformat, converted_already, recurring_pattern
 
 
 class _Explaining(threading.local):
@@ -38,6 +39,8 @@ def explained(plan):
 
 
 PREPARED = cache("prepared", "prepared calls per signature (expression, operand formats, dtypes, shapes)")
+STEPS = cache("steps", "per call signature, the steps its operands take before the kernel (a transposition, dense"
+              " operands relaid) and the prepared call of the operands they give")
 
 
 def signature(x):
@@ -87,6 +90,12 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     fast = PREPARED.get(sig)
     if fast is not None and not explain and backend == "cpp":
         return fast(ops, scalars)
+    steps = STEPS.get(sig) if not explain and backend == "cpp" else None
+    if steps is not None:
+        result = _replayed(steps, inputs, out, ops, rhs, reduce, directives, scalars)
+        if result is not None:
+            return result
+    sig0 = sig
     prepared_ok = all(type(x) is SparseTensor or x.is_contiguous() for x in ops)  # the prepared call passes
     sizes, broadcast = index_sizes(inputs, ops, name)                                  # data pointers as they are
     dtype = result_dtype(ops, name)
@@ -111,7 +120,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         return _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
                            directives, name)
     target = out  # the index order the kernel writes the output in
-    alt = _reformat(asg, sched0, ops, sizes, backend, directives, explain)
+    replayable = prepared_ok and backend == "cpp" and not explain and rhs is None  # (the operands as given)
+    weighed = []  # (a pattern weighed for a transposition the first time: the next call may transpose, so this
+    alt = _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed)  # one's kernel is not kept
+    first_weighing = bool(weighed) and not weighed[-1] and _few_fresh(sig0)          # under its signature)
     if alt is not None:
         k, fmt = alt
         ops = list(ops)
@@ -131,22 +143,64 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
     moves = relayout.moves(inputs, ops, sched0, sizes, broadcast) if rhs is None else ()
+    given = sig if prepared_ok and moves else None  # (the relayout is the one step between the call and the kernel)
     if moves:
         if explain:
             for k, d in moves:
                 print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
                       " reads it along that dimension")
-        inputs, ops = relayout.apply(moves, inputs, ops)
+        inputs, ops = relayout.apply(moves, inputs, ops, memory.kept_empty)
         sizes, broadcast = index_sizes(inputs, ops, name)
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
     fast = None
-    if not prepared_ok:  # the kernel gets other operands than the call's: its prepared call is kept under theirs
+    if first_weighing:
+        sig = None
+    elif not prepared_ok:  # the kernel gets other operands than the call's: its prepared call is kept under theirs
         sig = call_signature(inputs, target, ops, format, rhs, reduce, directives)
         fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
     result = fast(ops, scalars) if fast is not None else _kernel(
         key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig)
+    if given is not None and backend == "cpp" and PREPARED.get(sig) is not None and len(PREPARED) < 4096:
+        # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
+        # kernel's prepared call (not kept on disk: it has no ``made_of``)
+        PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig], memory.kept_empty)
+    elif replayable and sig is not None and sig is not sig0 and perm is None and (alt is not None or moves) and \
+            sig in PREPARED and len(STEPS) < 4096:
+        STEPS[sig0] = (alt, moves, format, sig, PREPARED[sig])
     return result if perm is None else result.permute(*[perm.index(v) for v in out])
+
+
+_FRESH = cache("fresh-patterns", "per call signature, how many new patterns were weighed for a transposition")
+
+
+def _few_fresh(sig) -> bool:
+    """Whether a call that weighed a new pattern for a transposition (and declined it) keeps no prepared call, so
+    that the pattern, if it recurs, is transposed next time: yes for the first 3 new patterns of a signature; after
+    that its patterns do not recur (a new mask every step), and the call is kept as any other."""
+    n = _FRESH.get(sig, 0)
+    if len(_FRESH) < 4096:
+        _FRESH[sig] = n + 1
+    return n < 3
+
+
+def _replayed(steps, inputs, out, ops, rhs, reduce, directives, scalars):
+    """A call whose signature was seen before with steps before its kernel (``STEPS``): the same steps, then the
+    kept prepared call, without planning again; None (the call planned anew) where the transposition is no longer
+    a cheap one (another pattern of the same signature: its cost is weighed again) or the operands it gives have
+    another signature."""
+    alt, moves, format, sig, fast = steps  # (format: the kernel's, which a transposition names)
+    ops = list(ops)
+    if alt is not None:
+        k, fmt = alt
+        if not (converted_already(ops[k], fmt) or recurring_pattern(ops[k], fmt)):
+            return None
+        ops[k] = asformat(ops[k], fmt)
+    if moves:
+        inputs, ops = relayout.apply(moves, inputs, ops, memory.kept_empty)
+    if call_signature(inputs, out, ops, format, rhs, reduce, directives) != sig:
+        return None
+    return fast(ops, scalars)
 
 
 def _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives):
@@ -156,11 +210,12 @@ def _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives):
     return (key,) + planned(key)
 
 
-def _reformat(asg, sched0, ops, sizes, backend, directives, explain):
+def _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed):
     """``(operand, format)``: the sparse operand converted before the kernel, or None. For the user's loop order
     where it walks the operand against its storage (``discordant_format``; ``planned`` gives no schedule then);
     else, without directives, where its first level writes conflicting outputs and a transposition costs less
-    than a serial loop (``transposed_for_parallel``)."""
+    than a serial loop (``transposed_for_parallel``; its answers on whether the pattern recurs are appended to
+    ``weighed``)."""
     if sched0 is None:
         k = next(j for j, x in enumerate(ops) if type(x) is SparseTensor)
         fmt = discordant_format(asg, directives)
@@ -169,7 +224,8 @@ def _reformat(asg, sched0, ops, sizes, backend, directives, explain):
         k = sched0.driver.operand
         x = ops[k]
         fmt = transposed_for_parallel(asg, sched0, x.format, x.nnz, sizes, worker_count(backend),
-                                      lambda f: converted_already(x, f))
+                                      lambda f: converted_already(x, f),
+                                      lambda f: weighed.append(recurring_pattern(x, f)) or weighed[-1])
         why = "its first level writes conflicting outputs, and a transposition costs less than a serial loop"
     else:
         return None
@@ -184,7 +240,7 @@ def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, bac
     """The compiled kernel of one sparse operand's plan run on ``ops`` (or the measured faster library call, on a
     GPU); its prepared call kept under ``sig``."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
-    if backend == "cpp" and len(PREPARED) < 4096:
+    if backend == "cpp" and len(PREPARED) < 4096 and sig is not None:
         PREPARED[sig] = fast = prepared_call(plan, sizes, dtype)
         fast.made_of = (plan_key, sizes, dtype)  # what a call kept on disk needs to make it again (keep_call)
     if plan.library_call is not None and rhs is None and library.ENABLED:

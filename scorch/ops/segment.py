@@ -26,8 +26,8 @@ def _run(backward: bool, log_space: bool, pos, **arrays):
     key = (backward, log_space, vtype, itype)
     entry = _kernels.get(key)
     if entry is None:
-        kernel = (fuse.softmax_backward_rows(vtype, itype, log=log_space) if backward else
-                  fuse.softmax_rows(vtype, itype, log=log_space))
+        kernel = (fuse.softmax_backward_rows(vtype, itype, log=log_space, short=fuse.SHORT_ROW) if backward else
+                  fuse.softmax_rows(vtype, itype, log=log_space, short=fuse.SHORT_ROW))
         entry = _kernels[key] = (kernel, cpp.load(kernel))
     cpp.call(*entry, {"t0_l0_lo": 0, "t0_l0_ext": pos.numel() - 1, "t0_l1_pos": pos, "scale": 1.0,
                       "nthreads": torch.get_num_threads(), **arrays})

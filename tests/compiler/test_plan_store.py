@@ -165,3 +165,20 @@ def test_a_kept_call_whose_plan_is_gone_is_planned_again(call_cache, tmp_path):
     for p in _plans(cache):
         p.unlink()
     assert _call(cache)["planned"] >= 1
+
+
+def test_a_call_never_kept_looks_on_disk_once(monkeypatch):
+    """A call that is not kept under its equation (here the dense operand is relaid before the kernel) looks for a
+    kept call once per signature, not on every call (a file name hashed and a file opened each time)."""
+    import torch
+    import scorch
+    from scorch.engine import evaluate
+    looked = []
+    real = evaluate.kept_call
+    monkeypatch.setattr(evaluate, "kept_call", lambda sig: looked.append(sig) or real(sig))
+    scorch.clear_caches()
+    s = scorch.asformat(torch.randn(30, 40) * (torch.rand(30, 40) < 0.2), "csr")
+    w = torch.randn(16, 40)
+    for _ in range(3):
+        torch.testing.assert_close(scorch.einsum("ij,oj->io", s, w), s.to_dense() @ w.T)
+    assert len(looked) == 1, looked

@@ -73,3 +73,75 @@ def test_gather_matches_index_select(dtype, index_dtype, n):
     src = (torch.randn(n + 3, generator=g) * 100).to(dtype)
     index = torch.randint(0, n + 3, (n,), generator=g).to(index_dtype)
     assert torch.equal(relayout.gather(src, index), torch.index_select(src, 0, index))
+
+
+def _sddmm_operands(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.rand(300, 400, generator=g) < 0.02) * torch.randn(300, 400, generator=g)
+    return dense, scorch.asformat(dense, "csr"), torch.randn(300, 16, generator=g), torch.randn(16, 400, generator=g)
+
+
+def test_the_copy_is_kept_for_the_same_unchanged_operand(monkeypatch):
+    """A second call with the same ``B`` reuses the copy made at the first; an in-place change of ``B`` (its version
+    counter), another tensor with the same values, or ``B`` reshaped in place make a new one; the copy dies with
+    ``B``."""
+    dense, s, a, b = _sddmm_operands()
+    copies = []
+    real = relayout.dim_last
+    monkeypatch.setattr(relayout, "dim_last", lambda x, d, *alloc: copies.append(d) or real(x, d, *alloc))
+    for _ in range(3):
+        torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
+    torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), dense + (a @ b) * (dense != 0))
+    assert len(copies) == 1
+    b.mul_(-2)  # in place: the kept copy is stale
+    torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
+    assert len(copies) == 2
+    with torch.no_grad():
+        b[3, 7] = 100.0  # (an indexed write, under no_grad, counts too)
+    torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
+    assert len(copies) == 3
+    b2 = b.clone()
+    torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b2).to_dense(), dense * (a @ b2))
+    assert len(copies) == 4
+    kept = scorch.cache_info()["relaid"][0]
+    assert kept >= 2
+    del b, b2
+    assert scorch.cache_info()["relaid"][0] == kept - 2
+    scorch.clear_caches()
+    assert scorch.cache_info()["relaid"][0] == 0
+
+
+def test_kept_copies_stay_under_their_budget(monkeypatch):
+    monkeypatch.setattr(relayout, "KEEP_BYTES", 3 * 16 * 400 * 4)  # room for three copies of B
+    dense, s, a, _ = _sddmm_operands()
+    bs = [torch.randn(16, 400) for _ in range(5)]
+    for b in bs:
+        torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
+    assert sum(e[2].numel() * 4 for e in relayout._KEPT.values()) <= relayout.KEEP_BYTES
+    assert [e[0]() for e in relayout._KEPT.values()][-3:] == bs[-3:]  # the most recent kept
+
+
+def test_a_copy_is_not_kept_for_a_view():
+    _, s, a, b = _sddmm_operands()
+    k = b.t().contiguous()
+    before = scorch.cache_info()["relaid"][0]
+    scorch.einsum("ij,ik,kj->ij", s, a, k.T)
+    assert scorch.cache_info()["relaid"][0] == before
+
+
+def test_a_kept_copy_of_a_parameter_follows_its_updates():
+    """An optimizer's step changes a parameter in place (under no_grad): the next call sees the new values, and the
+    gradients are those of the dense product."""
+    dense, s, a, b0 = _sddmm_operands(3)
+    b = torch.nn.Parameter(b0.clone())
+    opt = torch.optim.SGD([b], lr=0.01)
+    for _ in range(3):
+        ref_b = b.detach().clone().requires_grad_()
+        want = dense * (a @ ref_b)
+        got = scorch.einsum("ij,ik,kj->ij", s, a, b)
+        torch.testing.assert_close(got.to_dense(), want.detach(), rtol=1e-4, atol=1e-4)
+        opt.zero_grad()
+        (got.values() ** 2).sum().backward()
+        (want ** 2).sum().backward()
+        torch.testing.assert_close(b.grad, ref_b.grad, rtol=1e-4, atol=1e-4)
+        opt.step()

@@ -55,9 +55,9 @@ def test_inner_dense_loop_vectorizes(eq, k, tmp_path):
         return
     # SDDMM: a vector's lanes of entries at a time (16 with AVX-512), each a vector of partial sums over k, added
     # up together (a transposed tree);
-    # the entries left over one vector each
-    assert re.search(rf"scorch_vf32 esum\[{CPU.lanes('f32')}\]", src) and "scorch_tsum(esum, etot)" in src
-    assert re.search(r"esum1\[INT64_C\(0\)\] \+= ", src)
+    # the entries left over one more tile, its lanes past the row's end repeating the last entry and not written
+    assert re.search(rf"scorch_vf32 esum\[{CPU.lanes('f32')}\]", src) and src.count("scorch_tsum(esum, etot)") == 2
+    assert "e_rest" in src and " ? " in src  # (the lanes clamped to the last entry)
     assert re.search(r"\(\*\(const scorch_vf32u\*\)\(&t2\[", src), "the dense operands are read as vectors"
     src = _kernel_source(eq, ops[0], ops[1][:, :k - 1].contiguous(), ops[2][:, :k - 1].contiguous())
     line = _innermost_loop_line(src)  # g++ names the loop's line or its body's
@@ -111,3 +111,55 @@ def test_register_tile_interpreted_matches_compiled(fmt, dtype):
     ref = engine.einsum("ij,jk->ik", s, x, backend="interp")
     torch.testing.assert_close(cpp, ref)
     torch.testing.assert_close(cpp, dense @ x)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "csc", "bsr(2, 2)", "dcsr"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dot_tile_writes_every_entry(fmt, dtype, monkeypatch):
+    """The dot tile writes every stored entry of its output, so the output is not zero-filled first: with
+    uninitialized memory made NaN, every entry (empty rows, whole tiles, left-over entries) still comes out
+    right."""
+    from scorch import engine
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    scorch.clear_caches()  # (prepared calls keep the allocator they were made with)
+    lanes = CPU.lanes("f32")
+    g = torch.Generator().manual_seed(4)
+    dense = torch.randn(40, 300, generator=g) * (torch.rand(40, 300, generator=g) < 0.03)
+    dense[5] = 0  # an empty row
+    dense[7, :2 * lanes + 3] = 1.5  # whole tiles and a remainder
+    dense[9, :1] = 2.0  # one entry
+    dense = dense.to(dtype)
+    s = scorch.asformat(dense, fmt)
+    a, b = torch.randn(40, 32, generator=g).to(dtype), torch.randn(300, 32, generator=g).to(dtype)
+    for _ in range(2):  # the first call and the prepared one
+        got = engine.einsum("ij,ik,jk->ij", s, a, b)
+        want = dense.float() * (a.float() @ b.float().T)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(got.to_dense().float(), want, **tol)
+        got = torch.sparse.sampled_addmm(s, a, b.T, beta=0)
+        stored = s.with_values(torch.ones_like(s.values())).to_dense() != 0  # (a block's zeros are stored)
+        torch.testing.assert_close(got.to_dense().float(), stored * (a.float() @ b.float().T), **tol)
+    scorch.clear_caches()
+
+
+@pytest.mark.parametrize("fmt, shape, k", [("csr", (40, 30), 64), ("csr", (1, 1), 32), ("dcsr", (50, 20), 32),
+                                           ("ell", (12, 9), 32), ("csr", (0, 5), 32), ("coo", (30, 25), 32)])
+@pytest.mark.parametrize("backend", ["cpp", "interp"])
+def test_register_tile_prefetches_rows_found_through_coordinates(fmt, shape, k, backend):
+    """SpMM's register tile prefetches the row of X that an entry 16 positions later reads (one hint per cache line
+    of the tile), the later entry clamped to the last entry of the whole matrix; no tile, no hint. The interpreter
+    checks each hint's address is in bounds."""
+    from scorch import engine
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 0.3)
+    s, x = scorch.asformat(a, fmt), torch.randn(shape[1], k, generator=g)
+    if fmt == "csr" and backend == "cpp":
+        assert "__builtin_prefetch(&t1[" in _kernel_source("ij,jk->ik", s, x)
+        assert "__builtin_prefetch" not in _kernel_source("ij,jk->ik", s, torch.randn(shape[1], 5))  # (no tile)
+    got = engine.einsum("ij,jk->ik", s, x, backend=backend)
+    torch.testing.assert_close(got, a @ x)

@@ -182,3 +182,20 @@ def test_sddmm_in_vector_tiles(fmt, k, dtype):
     x, y = torch.randint(-64, 65, (200, k), generator=g) / 8, torch.randint(-64, 65, (150, k), generator=g) / 8
     got = torch.sparse.sampled_addmm(s, x.to(dtype), y.t().to(dtype), beta=0)
     _check(got, (a != 0) * (x @ y.t()), dtype)
+
+
+@pytest.mark.parametrize("dtype, cols, paired", [(torch.bfloat16, 4 * 16, True), (torch.float16, 4 * 16, False),
+                                                 (torch.bfloat16, 3 * 8, False)])
+def test_bfloat16_tiles_in_lane_pairs(dtype, cols, paired):
+    """A bfloat16 register tile reads two vectors' values as one vector of 32-bit words (even elements in the
+    low halves, odd ones in the high) when every vector loop runs whole pairs and touches only bfloat16 memory;
+    float16 (converted by the CPU) and rows of an odd number of vectors keep the lanes in order. Either way the
+    result is the float32 one rounded once."""
+    from scorch.compiler.target import CPU
+    lanes = CPU.lanes("f32")
+    s, a = _pair((40, 30), "csr", dtype, seed=14)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randint(-64, 65, (30, cols), generator=g) / 8
+    src = scorch.explain("ij,jk->ik", s, x.to(dtype))
+    assert ("scorch_widen_pair(&" in src) == (paired and cols % (2 * lanes) == 0), src
+    _check(s @ x.to(dtype), a @ x, dtype)

@@ -162,6 +162,27 @@ def test_sampled_addmm(fmt):
         assert_matches_dense(r, beta * a + alpha * (m1 @ m2) * mask)
 
 
+def test_sampled_addmm_leaves_its_operands_alone():
+    """The product's values are scaled and added to in place: the input's values, the matrices and an earlier
+    result stay as they were; with gradients on, the same values through the graph."""
+    s, a = sparse((30, 40), "csr", seed=20)
+    m1, m2 = quarters((30, 8), 21), quarters((8, 40), 22)
+    before = (s.values().clone(), m1.clone(), m2.clone())
+    want = 0.5 * a + 2.0 * (m1 @ m2) * (a != 0)
+    r1 = torch.sparse.sampled_addmm(s, m1, m2, beta=0.5, alpha=2.0)
+    r2 = torch.sparse.sampled_addmm(s, m1, m2, beta=0.5, alpha=2.0)
+    assert_matches_dense(r1, want)
+    assert_matches_dense(r2, want)
+    assert r1.values().data_ptr() != r2.values().data_ptr() != s.values().data_ptr()
+    for x, y in zip(before, (s.values(), m1, m2)):
+        assert torch.equal(x, y)
+    g1 = m1.clone().requires_grad_()
+    r3 = torch.sparse.sampled_addmm(s, g1, m2, beta=0.5, alpha=2.0)
+    assert_matches_dense(r3, want)
+    r3.values().sum().backward()
+    torch.testing.assert_close(g1.grad, 2.0 * (a != 0).to(m2.dtype) @ m2.t())
+
+
 def test_sampled_addmm_matches_torch_csr():
     s, a = sparse((6, 5), "csr", seed=17)
     m1, m2 = quarters((6, 3), 18), quarters((3, 5), 19)

@@ -166,6 +166,25 @@ static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
   const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   *(scorch_vu16*)p = __builtin_convertvector(r, scorch_vu16);
 }}
+// bfloat16 in lane pairs: two vectors' 16-bit values as one vector of 32-bit words, the even elements in the
+// low halves and the odd ones in the high halves, widen with one shift or one mask each (no shuffle); the first
+// vector of a pair holds the pair's even elements, the second its odd ones (``lane``: the vector loop's index)
+typedef uint32_t scorch_vu32u __attribute__((vector_size({VECTOR_BYTES}), aligned(2), may_alias));
+static inline scorch_vf32 scorch_widen_pair(const scorch_bf16* p, int64_t lane) {{
+  if ((lane / {VECTOR_BYTES // 4}) & 1) return (scorch_vf32)(*(const scorch_vu32u*)(p - {VECTOR_BYTES // 4}) & 0xffff0000u);
+  return (scorch_vf32)(*(const scorch_vu32u*)p << 16);
+}}
+static inline void scorch_narrow_pair(scorch_bf16* p, scorch_vf32 v, int64_t lane) {{
+  const scorch_vu32 u = (scorch_vu32)v;
+  const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  if ((lane / {VECTOR_BYTES // 4}) & 1) {{
+    scorch_vu32u* q = (scorch_vu32u*)(p - {VECTOR_BYTES // 4});
+    *q = (*q & 0xffffu) | (r << 16);
+  }} else {{
+    scorch_vu32u* q = (scorch_vu32u*)p;
+    *q = (*q & 0xffff0000u) | r;
+  }}
+}}
 static inline void scorch_narrow(_Float16* p, scorch_vf32 v) {{
 #if defined(__F16C__) && {VECTOR_BYTES} == 32
   _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
@@ -305,18 +324,42 @@ def signature(kernel: L.Kernel, restrict=True) -> tuple[list, list]:
 def generate(kernel: L.Kernel) -> str:
     """The complete translation unit for ``kernel``."""
     params, casts = signature(kernel)
-    narrow = {p.name for p in kernel.params if p.type in L.NARROW}
-    body = _Emitter(any(p.name == "nthreads" for p in kernel.params), narrow).block(kernel.body, 1)
+    narrow = {p.name: p.type for p in kernel.params if p.type in L.NARROW}
+    emitter = _Emitter(any(p.name == "nthreads" for p in kernel.params), narrow)
+    emitter.pairs = _lane_pairs(kernel.body, narrow, CPU.lanes("f32"))
+    body = emitter.block(kernel.body, 1)
     sig = ",\n    ".join(params)
     text = "\n".join(casts + body)
     return (PRELUDE + _includes(sig + text) + f'\nextern "C" void {ident(kernel.name)}(\n    {sig})\n{{\n'
-            + text + "\n}\n")
+            + text + "\n}\n" + _packed(kernel))
+
+
+def _packed(kernel: L.Kernel) -> str:
+    """``<name>_packed(const int64_t* a)``: the kernel with its arguments in one buffer of 8-byte words (pointers
+    and integers as int64, floats as the bits of a double), so that Python converts one argument, not one per
+    parameter (``runtime.Kernel.packed``; ``pack_format`` gives the buffer's ``struct`` format)."""
+    name, words = ident(kernel.name), []
+    for i, p in enumerate(kernel.params):
+        if p.kind == "array":
+            words.append(f"({'' if p.output else 'const '}{CTYPE[p.type]}*)(intptr_t)a[{i}]")
+        elif p.type in _FLOATS:
+            words.append(f"__builtin_bit_cast(double, a[{i}])")
+        else:
+            words.append(f"a[{i}]")
+    return f'extern "C" void {name}_packed(const int64_t* a) {{\n  {name}({", ".join(words)});\n}}\n'
+
+
+def pack_format(kernel: L.Kernel) -> str:
+    """The ``struct`` format of ``<name>_packed``'s buffer (little-endian words: ``q`` integer or pointer, ``d``
+    float)."""
+    return "<" + "".join("d" if p.kind != "array" and p.type in _FLOATS else "q" for p in kernel.params)
 
 
 class _Emitter:
     def __init__(self, threads: bool, narrow=frozenset()):
         self.n = 0
-        self.narrow = narrow   # the arrays of a 16-bit float type
+        self.narrow = narrow   # the arrays of a 16-bit float type (name -> type)
+        self.pairs = False     # bfloat16 vectors in lane pairs (``_lane_pairs``)
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.vec_arrays = set()  # local arrays held as vectors
@@ -356,6 +399,9 @@ class _Emitter:
             if s.op is not None or self.vec[2] != "f32":
                 raise ValueError(f"a vector {s.op or 'store'} into the 16-bit array {s.array}")
             self.vector_ref(s.array, s.index, const=False)  # (checks the access is contiguous)
+            if self.pairs:
+                return [f"{pad}scorch_narrow_pair(&{ident(s.array)}[{self.expr(s.index)}], {self.expr(s.value)},"
+                        f" {ident(self.vec[0])});"]
             return [f"{pad}scorch_narrow(&{ident(s.array)}[{self.expr(s.index)}], {self.expr(s.value)});"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
@@ -368,6 +414,8 @@ class _Emitter:
                 return [f"{pad}scorch_atomic_add(&{target}, {self.expr(s.value)});"]
             line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
+        if isinstance(s, L.Prefetch):
+            return [f"{pad}__builtin_prefetch(&{ident(s.array)}[{self.expr(s.index)}]);"]
         if isinstance(s, L.LocalArray) and s.sums:
             n = ident(s.name)
             if s.type not in ("f32", "f64") or s.sums != CPU.lanes(s.type):
@@ -539,12 +587,81 @@ class _Emitter:
             if e.type != "f32" or self.vec[2] != "f32":
                 raise ValueError(f"16-bit {e.a.array} read as {e.type} vectors")
             self.vector_ref(e.a.array, e.a.index, const=True)  # (checks the access is contiguous)
+            if self.pairs:
+                return f"scorch_widen_pair(&{ident(e.a.array)}[{self.expr(e.a.index)}], {ident(self.vec[0])})"
             return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
         if isinstance(e, L.Select):
             return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"
         raise TypeError(f"unknown expression {type(e).__name__}")
+
+
+def _lane_pairs(body, narrow: dict, lanes: int) -> bool:
+    """Whether the kernel's vector loops can hold bfloat16 in lane pairs (``scorch_widen_pair``): a vector and
+    the next one then stand for the even and the odd elements of their 2 * ``lanes`` entries, a permutation of
+    the lanes that every vector must share. So: some vector loop reads bfloat16; every vector loop runs whole
+    pairs from a multiple of 2 * ``lanes`` (constant bounds); the only arrays a vector loop reads or writes in
+    memory are bfloat16 (a float32 or float16 array has its lanes in order); and every register-tile index is
+    the loop's index plus a multiple of 2 * ``lanes`` (so a tile vector pairs with the loads of its parity).
+    Lane sums and maxima do not see the order of the lanes."""
+    local = {s.name for s in L.walk(body) if isinstance(s, L.LocalArray) and (s.vector or s.sums)}
+    loops = [s for s in L.walk(body) if isinstance(s, L.For) and s.vector]
+    found = False
+    for loop in loops:
+        v, pair = loop.var.name, 2 * lanes
+        if not (isinstance(loop.lo, L.Const) and isinstance(loop.hi, L.Const) and loop.lo.value % pair == 0
+                and (loop.hi.value - loop.lo.value) % pair == 0):
+            return False
+        for array, index in _accesses(loop.body):
+            if not L.depends(index, v):
+                continue
+            if array in local:
+                if not _offset_by(index, v, pair):
+                    return False
+            elif narrow.get(array) != "bf16":
+                return False
+            else:
+                found = True
+    return found
+
+
+def _accesses(body):
+    """(array, index) of every load and store in ``body``."""
+    out = []
+
+    def loads(e):
+        if isinstance(e, L.Load):
+            out.append((e.array, e.index))
+        for f in ("index", "a", "b", "cond"):
+            c = getattr(e, f, None)
+            if isinstance(c, L.Expr):
+                loads(c)
+
+    for s in L.walk(body):
+        if isinstance(s, L.Store):
+            out.append((s.array, s.index))
+        for f in ("value", "index", "cond", "lo", "hi", "init"):
+            c = getattr(s, f, None)
+            if isinstance(c, L.Expr):
+                loads(c)
+    return out
+
+
+def _offset_by(e, var: str, m: int) -> bool:
+    """Whether the integer expression ``e`` is ``var`` plus terms each a provable multiple of ``m``."""
+    def multiple(x):
+        if isinstance(x, L.Const):
+            return int(x.value) % m == 0
+        if isinstance(x, L.Binary) and x.op in ("add", "sub"):
+            return multiple(x.a) and multiple(x.b)
+        return isinstance(x, L.Binary) and x.op == "mul" and (multiple(x.a) or multiple(x.b))
+
+    if isinstance(e, L.Var):
+        return e.name == var
+    if isinstance(e, L.Binary) and e.op == "add":
+        return (_offset_by(e.a, var, m) and multiple(e.b)) or (_offset_by(e.b, var, m) and multiple(e.a))
+    return False
 
 
 def _vector_type(body) -> str:

@@ -275,6 +275,8 @@ class _Emitter(cpp._Emitter):
                     f"{pad}for (int64_t {i} = 0; {i} < (int64_t)({self.expr(s.size)}); ++{i}) {n}[{i}] = {t}();"]
         if isinstance(s, L.For):
             return self.loop(s, d)
+        if isinstance(s, L.Prefetch):
+            return []  # (a CPU cache hint)
         return super().stmt(s, d)
 
     def _store(self, s, d):

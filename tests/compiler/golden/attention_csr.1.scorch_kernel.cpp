@@ -61,3 +61,6 @@ extern "C" void scorch_kernel(
     }
   }
 }
+extern "C" void scorch_kernel_packed(const int64_t* a) {
+  scorch_kernel(a[0], a[1], (const int32_t*)(intptr_t)a[2], a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], (float*)(intptr_t)a[8], (const float*)(intptr_t)a[9], (const float*)(intptr_t)a[10], a[11], (const float*)(intptr_t)a[12], a[13], a[14]);
+}

@@ -205,3 +205,6 @@ extern "C" void scorch_attention(
     }
   }
 }
+extern "C" void scorch_attention_packed(const int64_t* a) {
+  scorch_attention(a[0], a[1], (const int32_t*)(intptr_t)a[2], a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], (const float*)(intptr_t)a[8], a[9], (const float*)(intptr_t)a[10], a[11], a[12], a[13], a[14], (float*)(intptr_t)a[15], (const float*)(intptr_t)a[16], a[17], __builtin_bit_cast(double, a[18]), a[19]);
+}

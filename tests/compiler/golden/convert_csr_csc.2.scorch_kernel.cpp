@@ -39,3 +39,6 @@ extern "C" void scorch_kernel(
     }
   }
 }
+extern "C" void scorch_kernel_packed(const int64_t* a) {
+  scorch_kernel(a[0], a[1], a[2], (const int32_t*)(intptr_t)a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], (const double*)(intptr_t)a[8], (int64_t*)(intptr_t)a[9], (int64_t*)(intptr_t)a[10], (double*)(intptr_t)a[11]);
+}

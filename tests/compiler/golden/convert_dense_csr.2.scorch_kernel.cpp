@@ -40,3 +40,6 @@ extern "C" void scorch_kernel(
     }
   }
 }
+extern "C" void scorch_kernel_packed(const int64_t* a) {
+  scorch_kernel(a[0], a[1], a[2], a[3], a[4], a[5], (const float*)(intptr_t)a[6], (int64_t*)(intptr_t)a[7], (int64_t*)(intptr_t)a[8], (float*)(intptr_t)a[9]);
+}

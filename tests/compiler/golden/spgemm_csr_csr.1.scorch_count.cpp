@@ -83,3 +83,6 @@ extern "C" void scorch_count(
     }
   }
 }
+extern "C" void scorch_count_packed(const int64_t* a) {
+  scorch_count(a[0], a[1], a[2], (const int32_t*)(intptr_t)a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], a[8], a[9], (const int32_t*)(intptr_t)a[10], (const int32_t*)(intptr_t)a[11], a[12], a[13], (const float*)(intptr_t)a[14], (const float*)(intptr_t)a[15], (int64_t*)(intptr_t)a[16], a[17]);
+}

@@ -1,0 +1,60 @@
+"""Software prefetches for the register tile (``lower._register_tile``): SpMM reads a row of the dense operand
+at each entry's column, in an order only the sparse operand knows, so the hardware prefetcher cannot follow it;
+the tile asks for the row an entry ``PREFETCH_ENTRIES`` positions later while it works on this one. Measured on
+the power-law 100k graph (AVX2, machine loaded by other jobs, ratios to torch in one process): K=32 2.7x -> 4.1x,
+K=128 2.1x -> 2.9x; uniform 20k K=128 2.8x -> 4.0x."""
+from __future__ import annotations
+
+from .. import loopir as L
+
+#: how many entries ahead a register tile prefetches the dense row it will read
+PREFETCH_ENTRIES = 16
+_ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "bool": 1}
+
+
+def prefetch_ahead(pre, kept, value, bv, T):
+    """Prefetches of the dense rows the register tile will read ``PREFETCH_ENTRIES`` entries later (SpMM: the row
+    of X at a later entry's column), one per 64-byte line of the tile's ``T`` columns; the later entry is clamped
+    to the last entry of the whole loop nest (the innermost loop's bound with every enclosing loop at its last
+    iteration), so its coordinate is read in bounds, and it crosses rows: the next rows' first entries are
+    fetched while this row ends. Only where an entry's row is found through a loaded coordinate (a dense row in
+    order needs no hint: the hardware prefetcher follows it). None where the tile has no such loop."""
+    f = max((i for i, it in enumerate(kept) if it[0] == "for"), default=None)
+    if f is None or kept[f][4] is not None or not PREFETCH_ENTRIES:
+        return None
+    _, pv, _, hi, _ = kept[f]
+    per_entry = kept[f + 1:]
+    if any(it[0] == "if" for it in per_entry):
+        return None
+    found = {pv.name}  # variables that follow from the entry, and those read through an array
+    indirect = set()
+    for it in per_entry:
+        if it[0] == "let" and L.uses(it[2]) & (found | indirect):
+            (indirect if _array_reads(it[2]) or L.uses(it[2]) & indirect else found).add(it[1].name)
+    rows = [(a, i, t) for a, i, t in _array_reads(value) if L.depends(i, bv.name) and L.uses(i) & indirect]
+    if not rows:
+        return None
+    last = {}
+    for it in pre + kept[:f]:
+        if it[0] == "for":
+            last[it[1].name] = L.substitute(L.binary("sub", it[3], L.Const(1)), last)
+        elif it[0] == "let":
+            last[it[1].name] = L.substitute(it[2], last)
+    end = L.substitute(hi, last)
+    later = {pv.name: L.binary("min", L.binary("add", pv, L.Const(PREFETCH_ENTRIES)),
+                               L.binary("sub", end, L.Const(1)))}
+    for it in per_entry:
+        later[it[1].name] = L.substitute(it[2], later)
+    later[bv.name] = L.Const(0)
+    out = []
+    for array, index, t in dict.fromkeys(rows):
+        at, line = L.substitute(index, later), 64 // _ITEMSIZE[t]
+        out += [L.Prefetch(array, L.binary("add", at, L.Const(k))) for k in range(0, T, line)]
+    return out
+
+
+def _array_reads(e) -> list:
+    """(array, index, type) of every load in ``e``, the loads inside indices too."""
+    out = [(e.array, e.index, e.type)] + _array_reads(e.index) if isinstance(e, L.Load) else []
+    return out + [x for c in (getattr(e, f, None) for f in ("a", "b", "cond")) if isinstance(c, L.Expr)
+                  for x in _array_reads(c)]

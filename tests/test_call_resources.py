@@ -1,0 +1,95 @@
+"""What a kernel call takes from the machine: output buffers with huge-page advice (``scorch.engine.memory``) and
+the thread count (``engine.bind.call_threads``)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import scorch
+from scorch.engine import memory
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _huge_kib(t):
+    """AnonHugePages (KiB) of the mappings that hold ``t``'s memory."""
+    lo, hi, total, inside = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < hi and b > lo
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("make", [memory.empty, memory.zeros])
+@pytest.mark.parametrize("shape", [(0,), (3, 5), (4096, 2048)])
+def test_buffers_are_plain_tensors(make, shape):
+    t = make(shape, torch.float32)
+    assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
+    if make is memory.zeros:
+        assert not t.any()
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always") or not os.path.exists("/proc/self/smaps"),
+                    reason="transparent huge pages are off here")
+def test_large_outputs_get_huge_pages():
+    """A large SpMM output is faulted in 2 MiB pages (checked in /proc/self/smaps), and its values are right."""
+    s = scorch.asformat(torch.eye(4096)[:, :2048].contiguous(), "csr")
+    x = torch.randn(2048, 2048)
+    y = s @ x                            # 32 MiB of float32
+    assert torch.equal(y[:2048], x) and not y[2048:].any()
+    assert _huge_kib(y) >= 2048, _huge_kib(y)
+
+
+def test_small_calls_run_on_one_thread(monkeypatch):
+    """A prepared call below ``SMALL_WORK`` (entries x vectors of 8 values) passes one thread to its kernel; a
+    larger one torch's thread count; both give the dense result."""
+    from scorch.engine import bind
+    assert bind.call_threads(bind.SMALL_WORK - 1) == 1
+    assert bind.call_threads(bind.SMALL_WORK) == torch.get_num_threads()
+    seen = []
+    real = bind.call_threads
+    monkeypatch.setattr(bind, "call_threads", lambda work: seen.append(work) or real(work))
+    a = torch.randn(300, 200) * (torch.rand(300, 200) < 0.1)
+    s = scorch.asformat(a, "csr")
+    for k in (4, 4096):
+        x = torch.randn(200, k)
+        for _ in range(2):  # (a signature's first call may plan instead)
+            torch.testing.assert_close(s @ x, a @ x)
+    assert s.nnz * 1 in seen and s.nnz * 512 in seen, seen  # (entries x vectors of 8 values)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.5, -0.125])
+def test_packed_arguments_carry_pointers_integers_and_floats(alpha):
+    """Generated C++ kernels export ``<name>_packed``, which takes every argument in one buffer of 8-byte words
+    (``runtime.Kernel.packed``, what a prepared call uses): a float scalar (``alpha``) travels as a double's bits,
+    arrays as addresses, sizes as integers."""
+    from scorch.compiler import runtime
+    from scorch.compiler.codegen import cpp
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(37, 23, generator=g) * (torch.rand(37, 23, generator=g) < 0.3)
+    s, d = scorch.asformat(a, "csr"), torch.randn(37, 23, generator=g)
+    for _ in range(3):  # (the first call of a signature may plan; the later ones take the prepared call)
+        torch.testing.assert_close(torch.add(d, s, alpha=alpha), d + alpha * a)
+        x = torch.randn(23, 16, generator=g)
+        torch.testing.assert_close(s @ x, a @ x)
+    src = scorch.explain("ij,jk->ik", s, x)
+    assert 'extern "C" void scorch_kernel_packed(const int64_t* a)' in src
+    loaded = [runtime._libs[p] for p in list(runtime._libs)]
+    assert any(hasattr(lib, "scorch_kernel_packed") for lib in loaded)
+    from scorch import loopir as L
+    k = L.Kernel("k", (L.Param("x", "array", "f32"), L.Param("n", "scalar", "i64"), L.Param("c", "scalar", "f64")),
+                 L.block())
+    assert cpp.pack_format(k) == "<qqd"
