@@ -142,6 +142,8 @@ def build(torch, arch: str, d_in: int, d_hidden: int, d_out: int, heads: int = 8
             nn.init.xavier_uniform_(self.att_dst)
 
         def forward(self, x, g):
+            if torch.__name__ == "torch":
+                return self.per_head(x, g)
             n, heads = x.shape[0], self.heads
             h = self.lin(x).view(n, heads, self.d)
             src = (h * self.att_src).sum(-1).reshape(-1)         # (nodes * heads): node i's head k at i * heads + k
@@ -151,6 +153,21 @@ def build(torch, arch: str, d_in: int, d_hidden: int, d_out: int, heads: int = 8
             attention = torch.sparse.softmax(g.on_pattern(torch, scores, heads), dim=1)
             out = torch.sparse.mm(attention, h.reshape(n * heads, self.d))  # row i * heads + k: node i, head k
             out = out.reshape(n, heads * self.d) if self.concat else out.reshape(n, heads, self.d).mean(1)
+            return out + self.bias
+
+        def per_head(self, x, g):
+            """The same layer with one sparse softmax and product per head: torch.sparse's fastest form (on the
+            heads' block-diagonal pattern its softmax and product took 10x as long: Cora 117 ms -> 1.2 s an
+            epoch), so the torch.sparse baseline runs this one."""
+            h = self.lin(x).view(-1, self.heads, self.d)
+            src = (h * self.att_src).sum(-1).t()                  # (heads, nodes)
+            dst = (h * self.att_dst).sum(-1).t()
+            scores = F.leaky_relu(dst[:, g.row] + src[:, g.col], 0.2)   # (heads, edges)
+            outs = []
+            for k in range(self.heads):
+                attention = torch.sparse.softmax(g.on_pattern(torch, scores[k]), dim=1)
+                outs.append(torch.sparse.mm(attention, h[:, k]))
+            out = torch.cat(outs, dim=1) if self.concat else torch.stack(outs).mean(0)
             return out + self.bias
 
     class GAT(nn.Module):

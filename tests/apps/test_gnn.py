@@ -134,8 +134,9 @@ def test_to_device_moves_dataclass_fields(small):
 
 @pytest.mark.parametrize("backend", ["scorch", "torch"])
 def test_gat_layer_matches_dense_attention_per_head(small, backend):
-    """The GAT layer runs every head at once on the block-diagonal pattern (``GraphTensors.edges``): its output
-    and gradients equal each head's dense masked softmax attention, computed one head at a time."""
+    """The GAT layer (scorch: every head at once on the block-diagonal pattern, ``GraphTensors.edges``; torch.sparse:
+    one head at a time, its faster form): its output and gradients equal each head's dense masked softmax
+    attention, computed one head at a time."""
     tmod = common.backend_module(backend)
     gt = gmodel.graph_tensors(tmod, small, attention_layout="csr" if backend == "scorch" else "coo")
     torch.manual_seed(0)
