@@ -332,6 +332,32 @@ def _has_loop(stmt):
     return any(isinstance(s, (For, While)) for s in _walk(stmt))
 
 
+def expressions(s):
+    """The expressions of the statement ``s`` itself (its value, index, condition, bounds, initial value)."""
+    for f in ("value", "index", "cond", "lo", "hi", "init"):
+        e = getattr(s, f, None)
+        if isinstance(e, Expr):
+            yield e
+
+
+def loads(e):
+    """Every ``Load`` in the expression ``e``, the loads inside indices too (outer first)."""
+    if isinstance(e, Load):
+        yield e
+    for f in ("index", "a", "b", "cond"):
+        c = getattr(e, f, None)
+        if isinstance(c, Expr):
+            yield from loads(c)
+
+
+def accesses(s):
+    """``(array, index)`` of every store and load in the statement ``s`` itself (not in nested statements)."""
+    out = [(s.array, s.index)] if isinstance(s, Store) else []
+    for e in expressions(s):
+        out += [(ld.array, ld.index) for ld in loads(e)]
+    return out
+
+
 def uses(e) -> set:
     """The variable names an expression reads."""
     if isinstance(e, Var):

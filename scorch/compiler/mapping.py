@@ -126,14 +126,14 @@ def _hazards(loop: L.For, lanes: frozenset) -> bool:
     stored_lane = {s.array for s, _ in in_lane if isinstance(s, L.Store)}
     stored_out = {s.array for s, _ in outside if isinstance(s, L.Store)}
     for s, _ in outside:
-        for e in _exprs(s):
-            if any(ld.array in stored_lane | stored_out for ld in _loads(e)):
+        for e in L.expressions(s):
+            if any(ld.array in stored_lane | stored_out for ld in L.loads(e)):
                 return True
     local = {s.name for s in L.walk(loop.body) if isinstance(s, L.LocalArray)}
     # a private array touched in lane loops: every access the same index, linear in the same loop variable
     seen = {}
     for s, owner in in_lane:
-        for array, index in _accesses(s):
+        for array, index in L.accesses(s):
             if array in stored_out:
                 return True
             if array in local:
@@ -152,31 +152,9 @@ def _compressed(loop: L.For, lanes: frozenset) -> frozenset:
     for s in L.walk(loop.body):
         if isinstance(s, L.For) and id(s) in lanes:
             for t in L.walk(s.body):
-                for array, index in _accesses(t):
+                for array, index in L.accesses(t):
                     if array in indices:
                         indices[array].add(index)
     return frozenset(name for name, idx in indices.items() if idx and all(isinstance(i, L.Var) for i in idx))
 
 
-def _accesses(s):
-    """``(array, index)`` of every store and load in the statement ``s`` itself (not in nested statements)."""
-    out = [(s.array, s.index)] if isinstance(s, L.Store) else []
-    for e in _exprs(s):
-        out += [(ld.array, ld.index) for ld in _loads(e)]
-    return out
-
-
-def _exprs(s):
-    for f in ("value", "index", "cond", "lo", "hi", "init"):
-        e = getattr(s, f, None)
-        if isinstance(e, L.Expr):
-            yield e
-
-
-def _loads(e):
-    if isinstance(e, L.Load):
-        yield e
-    for f in ("index", "a", "b", "cond"):
-        c = getattr(e, f, None)
-        if isinstance(c, L.Expr):
-            yield from _loads(c)

@@ -9,7 +9,6 @@ from .. import loopir as L
 
 #: how many entries ahead a register tile prefetches the dense row it will read
 PREFETCH_ENTRIES = 16
-_ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "bool": 1}
 
 
 def prefetch_ahead(pre, kept, value, bv, T):
@@ -30,8 +29,9 @@ def prefetch_ahead(pre, kept, value, bv, T):
     indirect = set()
     for it in per_entry:
         if it[0] == "let" and L.uses(it[2]) & (found | indirect):
-            (indirect if _array_reads(it[2]) or L.uses(it[2]) & indirect else found).add(it[1].name)
-    rows = [(a, i, t) for a, i, t in _array_reads(value) if L.depends(i, bv.name) and L.uses(i) & indirect]
+            (indirect if any(L.loads(it[2])) or L.uses(it[2]) & indirect else found).add(it[1].name)
+    rows = [(ld.array, ld.index, ld.type) for ld in L.loads(value)
+            if L.depends(ld.index, bv.name) and L.uses(ld.index) & indirect]
     if not rows:
         return None
     last = {}
@@ -48,13 +48,7 @@ def prefetch_ahead(pre, kept, value, bv, T):
     later[bv.name] = L.Const(0)
     out = []
     for array, index, t in dict.fromkeys(rows):
-        at, line = L.substitute(index, later), 64 // _ITEMSIZE[t]
+        at, line = L.substitute(index, later), 64 // L.TO_TORCH[t].itemsize
         out += [L.Prefetch(array, L.binary("add", at, L.Const(k))) for k in range(0, T, line)]
     return out
 
-
-def _array_reads(e) -> list:
-    """(array, index, type) of every load in ``e``, the loads inside indices too."""
-    out = [(e.array, e.index, e.type)] + _array_reads(e.index) if isinstance(e, L.Load) else []
-    return out + [x for c in (getattr(e, f, None) for f in ("a", "b", "cond")) if isinstance(c, L.Expr)
-                  for x in _array_reads(c)]

@@ -161,10 +161,13 @@ static inline scorch_vf32 scorch_widen(const _Float16* p) {{
   return __builtin_convertvector(*(const scorch_vh16*)p, scorch_vf32);  // (GCC converts it lane by lane)
 #endif
 }}
-static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
+// the bfloat16 bits of each lane (low 16 bits of its word), rounded as the scalar struct rounds
+static inline scorch_vu32 scorch_bf16_bits(scorch_vf32 v) {{
   const scorch_vu32 u = (scorch_vu32)v;
-  const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  *(scorch_vu16*)p = __builtin_convertvector(r, scorch_vu16);
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}}
+static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
+  *(scorch_vu16*)p = __builtin_convertvector(scorch_bf16_bits(v), scorch_vu16);
 }}
 // bfloat16 in lane pairs: two vectors' 16-bit values as one vector of 32-bit words, the even elements in the
 // low halves and the odd ones in the high halves, widen with one shift or one mask each (no shuffle); the first
@@ -175,8 +178,7 @@ static inline scorch_vf32 scorch_widen_pair(const scorch_bf16* p, int64_t lane) 
   return (scorch_vf32)(*(const scorch_vu32u*)p << 16);
 }}
 static inline void scorch_narrow_pair(scorch_bf16* p, scorch_vf32 v, int64_t lane) {{
-  const scorch_vu32 u = (scorch_vu32)v;
-  const scorch_vu32 r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const scorch_vu32 r = scorch_bf16_bits(v);
   if ((lane / {VECTOR_BYTES // 4}) & 1) {{
     scorch_vu32u* q = (scorch_vu32u*)(p - {VECTOR_BYTES // 4});
     *q = (*q & 0xffffu) | (r << 16);
@@ -613,7 +615,7 @@ def _lane_pairs(body, narrow: dict, lanes: int) -> bool:
         if not (isinstance(loop.lo, L.Const) and isinstance(loop.hi, L.Const) and loop.lo.value % pair == 0
                 and (loop.hi.value - loop.lo.value) % pair == 0):
             return False
-        for array, index in _accesses(loop.body):
+        for array, index in (a for t in L.walk(loop.body) for a in L.accesses(t)):
             if not L.depends(index, v):
                 continue
             if array in local:
@@ -624,28 +626,6 @@ def _lane_pairs(body, narrow: dict, lanes: int) -> bool:
             else:
                 found = True
     return found
-
-
-def _accesses(body):
-    """(array, index) of every load and store in ``body``."""
-    out = []
-
-    def loads(e):
-        if isinstance(e, L.Load):
-            out.append((e.array, e.index))
-        for f in ("index", "a", "b", "cond"):
-            c = getattr(e, f, None)
-            if isinstance(c, L.Expr):
-                loads(c)
-
-    for s in L.walk(body):
-        if isinstance(s, L.Store):
-            out.append((s.array, s.index))
-        for f in ("value", "index", "cond", "lo", "hi", "init"):
-            c = getattr(s, f, None)
-            if isinstance(c, L.Expr):
-                loads(c)
-    return out
 
 
 def _offset_by(e, var: str, m: int) -> bool:
