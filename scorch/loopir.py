@@ -13,12 +13,14 @@ import torch
 
 #: loop-IR scalar types, and the torch dtypes that map to them. ``bf16`` and ``f16`` are storage types: arrays
 #: hold them, arithmetic is done in their ``compute_type`` (``f32``), and a store into such an array rounds
-TYPES = ("bool", "i32", "i64", "f32", "f64", "bf16", "f16")
-FROM_TORCH = {torch.bool: "bool", torch.int32: "i32", torch.int64: "i64", torch.float32: "f32",
+TYPES = ("bool", "i8", "i16", "i32", "i64", "f32", "f64", "bf16", "f16")
+FROM_TORCH = {torch.bool: "bool", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float32: "f32",
               torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 TO_TORCH = {v: k for k, v in FROM_TORCH.items()}
 #: the storage-only types
 NARROW = ("bf16", "f16")
+#: the integer types (``i8`` and ``i16`` only as index arrays' storage: narrow offsets such as ``nm(n, m)``'s)
+INTS = ("i8", "i16", "i32", "i64")
 
 
 def compute_type(t: str) -> str:
@@ -102,7 +104,7 @@ def binary(op, a, b) -> Expr:
     if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or"):
         return Binary(op, a, b, "bool")
     t = wider(a.type, b.type)
-    if t in ("i32", "i64"):
+    if t in INTS:
         za, zb = _is_const(a, 0), _is_const(b, 0)
         if op == "add" and (za or zb):
             return b if za else a

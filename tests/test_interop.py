@@ -602,7 +602,9 @@ def test_asformat_argument_errors():
     with pytest.raises(ValueError, match="0-d"):
         scorch.asformat(torch.tensor(3.), "dense")
     with pytest.raises(ValueError, match="index_dtype"):
-        scorch.asformat(_matrix(), "csr", index_dtype=torch.int16)
+        scorch.asformat(_matrix(), "csr", index_dtype=torch.float32)
+    with pytest.raises(ValueError, match="cannot hold"):  # int8 only where every position and coordinate fits
+        scorch.asformat(torch.ones(20, 20), "csr", index_dtype=torch.int8)
     with pytest.raises(ValueError):
         scorch.asformat(_matrix((3, 4, 5)), "csr")  # a 2-d format for a 3-d tensor
 

@@ -146,7 +146,9 @@ def test_asformat_errors():
     with pytest.raises(ValueError, match="0-d"):
         scorch.asformat(torch.tensor(1.0), "coo")
     with pytest.raises(ValueError, match="index_dtype"):
-        scorch.asformat(X, "csr", index_dtype=torch.int16)
+        scorch.asformat(X, "csr", index_dtype=torch.uint8)
+    with pytest.raises(ValueError, match="cannot hold"):
+        scorch.asformat(torch.ones(200, 200), "csr", index_dtype=torch.int16)
     with pytest.raises(ValueError, match="is for 2-d tensors, but the tensor is 1-d"):
         scorch.asformat(torch.ones(3), "csr")
 

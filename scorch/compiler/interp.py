@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import loopir as L
 
-NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+NP = {"bool": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
 
 
 def run(kernel: L.Kernel, args: dict) -> None:
@@ -35,7 +35,7 @@ def run(kernel: L.Kernel, args: dict) -> None:
 def _cast(v, t):
     if t == "bool":
         return bool(v)
-    if t in ("i32", "i64"):
+    if t in L.INTS:
         return int(v)
     return NP[t](v)
 
@@ -154,7 +154,7 @@ def _binary(op, a, b, t):
     if op == "mul":
         return a * b
     if op == "div":
-        if t in ("i32", "i64", "bool"):
+        if t in L.INTS or t == "bool":
             q = abs(int(a)) // abs(int(b))
             return q if (a >= 0) == (b >= 0) else -q
         return a / b

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import loopir as L
+from ..formats.storage import wide_index
 from . import library, runtime
 from .caches import cache
 from .codegen import cpp, cuda
@@ -286,7 +287,7 @@ def _compile_coiteration(asg, output, broadcast, backend="cpp", weights=None) ->
     ops = list(asg.operands)
     for k, f in cs.reformat:
         t = ops[k]
-        ops[k] = TensorType(t.ndim, t.dtype, f, t.index_dtype, t.device)
+        ops[k] = TensorType(t.ndim, t.dtype, f, wide_index(t.index_dtype), t.device)  # (as bind converts it)
     inner = Assignment(asg.out, asg.rhs, tuple(ops), asg.reduce, asg.out_format)
     plan = CoPlan(asg, output, cs, inner, broadcast=broadcast, backend=backend)
     if cs.output == "dense":

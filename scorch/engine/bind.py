@@ -20,7 +20,7 @@ from ..compiler.codegen.cpp import pack_format
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
 from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, row_workspace
 from ..loopir import TO_TORCH
-from ..formats import named
+from ..formats import named, storage
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info
 from .convert import asformat
@@ -146,7 +146,6 @@ def structural_result(plan: Plan, ops, sizes, dtype, scalars, backend, out_arr):
     """``out_arr`` (the dense workspace of ``plan``'s result) in the result's format, keeping the entries where the
     kernel run on the patterns (ones at every stored position, ones for dense operands: no cancellation) is
     nonzero."""
-    from ..formats import storage
     ones = [x.with_values(pattern_ones(x, dtype)) if type(x) is SparseTensor else torch.ones_like(x) for x in ops]
     reach = call_plan(plan, ones, sizes, dtype, {v: 1 for v in scalars}, backend, raw=True)
     dims = reach.nonzero().T
@@ -328,7 +327,7 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
     cs, asg = plan.schedule, plan.asg
     ops = list(ops)
     for k, f in cs.reformat:
-        ops[k] = asformat(ops[k], f, index_dtype=ops[k].index_dtype)
+        ops[k] = asformat(ops[k], f, index_dtype=storage.wide_index(ops[k].index_dtype))
     infos = {k: level_info(x)[0] for k, x in enumerate(ops) if isinstance(x, SparseTensor)}
     out_shape = tuple(sizes[v] for v in asg.out)
     if cs.output == "rows":

@@ -29,6 +29,7 @@ from ..compiler.pipeline import conversion_plan
 from ..compiler.schedule import compressed_target
 from ..formats import LevelStorage, named, resolve
 from ..formats import storage as _storage
+from ..formats.levels.base import INDEX_DTYPES
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad
 from .args import SUPPORTED, argument, level_info, tensor_type
@@ -83,7 +84,9 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     """``x`` (a dense tensor, a torch sparse tensor or a SparseTensor) stored in ``format``.
 
     ``format`` is a ``scorch.Format``, format text, or a name (``"csr"``, ``"bsr(2, 2)"``...).
-    ``index_dtype`` forces int32 or int64 index arrays (default: int32 when the sizes allow).
+    ``index_dtype`` forces the index arrays' dtype (default: int32 when the sizes allow; int8 or int16 for
+    formats whose only index arrays are small coordinates, such as ``nm(n, m)``'s offsets). int8 and int16
+    are refused (``ValueError``) where a position or coordinate does not fit.
     ``check=True`` validates the source storage (when sparse) and the result.
     Returns ``x`` itself when it already has that format and index type.
     """
@@ -92,8 +95,9 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     if x.dim() == 0:
         raise ValueError("scorch formats store tensors of at least one dimension, got a 0-d tensor")
     fmt = resolve(format, x.dim())
-    if index_dtype not in (None, torch.int32, torch.int64):
-        raise ValueError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+    if index_dtype is not None and index_dtype not in INDEX_DTYPES:
+        raise ValueError(f"index_dtype must be torch.int8, torch.int16, torch.int32 or torch.int64, got {index_dtype}")
+    narrow = index_dtype in INDEX_DTYPES[:2]  # (assembled by storage.pack, which checks that every value fits)
     check = check or checking_invariants()
     if x.layout in _SPARSE_LAYOUTS:
         x = from_torch(x, check=check)
@@ -107,17 +111,17 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
             x.check_invariants()
         if x.format == fmt and index_dtype in (None, x.index_dtype):
             return x
-        fast = _compiled_conversion(x, fmt, index_dtype, drop_zeros=False)
+        fast = None if narrow else _compiled_conversion(x, fmt, index_dtype, drop_zeros=False)
         if fast is not None:
             return fast
         dims, vals = _storage.unpack(x.format, x.shape, x.levels, x.values())
     else:
         if x.layout != torch.strided:
             raise ValueError(f"cannot convert a tensor of layout {x.layout} to a scorch format")
-        rows = compressed_rows(x, fmt, index_dtype, check)
+        rows = None if narrow else compressed_rows(x, fmt, index_dtype, check)
         if rows is not None:
             return rows
-        if x.dim() == 2:
+        if x.dim() == 2 and not narrow:
             view = SparseTensor(named.dense, x.shape, [LevelStorage(), LevelStorage()], x.detach().reshape(-1),
                                 check=False)
             fast = _compiled_conversion(view, fmt, index_dtype, drop_zeros=True)

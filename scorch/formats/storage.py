@@ -10,10 +10,11 @@ import weakref
 
 import torch
 
-from .expr import Var, dim_name
+from .expr import Mod, Var, dim_name
 from .format import Format
 from .levels import Compressed, Dense, LevelStorage, Singleton
-from .levels.fixed import SlotsExceeded
+from .levels.base import INDEX_DTYPES
+from .levels.fixed import Fixed, SlotsExceeded
 
 INT32_MAX = 2**31 - 1
 
@@ -21,6 +22,37 @@ INT32_MAX = 2**31 - 1
 def pick_index_dtype(*extents: int) -> torch.dtype:
     """int32 when every coordinate, position and count fits, else int64."""
     return torch.int32 if max((abs(int(e)) for e in extents), default=0) < INT32_MAX else torch.int64
+
+
+def narrow_index_dtype(fmt: Format, shape):
+    """int8 or int16 for a format whose only index arrays are fixed levels storing an offset in a group
+    (coordinate ``j % m``: ``nm(n, m)``'s offset of each kept entry in its group of m) when every offset fits,
+    else None. Such arrays hold offsets only, never positions, counts or whole coordinates, so their largest
+    value is the group's size whatever the shape: an nm(2, 4) weight then stores a byte per kept entry instead
+    of four. (Other formats keep int32 or int64 by default, as torch's index arrays are.)"""
+    extent = 0
+    for e, lvl, (lo, hi) in zip(fmt.exprs, fmt.level_types, fmt.level_bounds(shape)):
+        if isinstance(lvl, Fixed) and isinstance(e, Mod):
+            extent = max(extent, abs(int(lo)), abs(int(hi)))
+        elif not isinstance(lvl, Dense):
+            return None
+    if extent == 0:
+        return None  # (no index array at all)
+    return next((d for d in INDEX_DTYPES[:2] if extent <= torch.iinfo(d).max + 1), None)
+
+
+def wide_index(index_dtype):
+    """The index dtype of a converted copy of a tensor with ``index_dtype`` (a co-iteration's operand in a
+    mergeable format): the same, except int64 for int8 and int16, which hold small coordinates only while the
+    copy's arrays hold positions (the plan types the copy before its sizes are known)."""
+    return torch.int64 if index_dtype in INDEX_DTYPES[:2] else index_dtype
+
+
+def _fits(levels, index_dtype) -> bool:
+    """Whether every index array's values fit ``index_dtype``."""
+    info = torch.iinfo(index_dtype)
+    return all(a.numel() == 0 or (info.min <= int(a.min()) and int(a.max()) <= info.max)
+               for st in levels for a in st.arrays().values())
 
 
 def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dtype=None):
@@ -75,9 +107,12 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
     out = torch.zeros(count, dtype=values.dtype, device=values.device)
     out[parent] = values
     if index_dtype is None:
-        index_dtype = pick_index_dtype(*largest)
+        index_dtype = narrow_index_dtype(fmt, shape) or pick_index_dtype(*largest)
     elif max(abs(x) for x in largest) >= INT32_MAX and index_dtype == torch.int32:
         raise ValueError("index_dtype=int32 cannot address this tensor: sizes exceed 2**31 - 1")
+    elif index_dtype in INDEX_DTYPES[:2] and not _fits(levels, index_dtype):
+        raise ValueError(f"index_dtype={index_dtype} cannot hold this tensor's index arrays (positions or"
+                         f" coordinates beyond {torch.iinfo(index_dtype).max}): use torch.int32 or torch.int64")
     levels = [st.map(lambda a: a.to(index_dtype)) for st in levels]
     rows = len(levels) if split is None else split
     if rows > 1 and all(type(lvl) is Singleton for lvl in fmt.level_types[1:rows]):
@@ -311,14 +346,15 @@ def index_dtypes(levels) -> set:
 
 
 def uniform_index_dtype(levels) -> tuple:
-    """``levels`` with one index dtype for all arrays: int64 when any integer array is int64 (a widening, so
-    every value fits), else the arrays as they are. Kernels are specialized on one index type per tensor and
-    read every array of it with that width: an int32 ``crd`` read as int64 runs past its end, an int64 ``pos``
-    read as int32 gives wrong positions. Non-integer arrays are left for ``validate`` to reject."""
+    """``levels`` with one index dtype for all arrays: the widest of their index dtypes (a widening, so every
+    value fits), else the arrays as they are. Kernels are specialized on one index type per tensor and read
+    every array of it with that width: an int32 ``crd`` read as int64 runs past its end, an int64 ``pos`` read
+    as int32 gives wrong positions. Non-integer arrays are left for ``validate`` to reject."""
     levels = tuple(levels)
-    if {torch.int32, torch.int64} <= index_dtypes(levels):
-        widen = (lambda a: a.to(torch.int64) if a.dtype == torch.int32 else a)
-        levels = tuple(st.map(widen) for st in levels)
+    found = [d for d in INDEX_DTYPES if d in index_dtypes(levels)]
+    if len(found) > 1:
+        widest = found[-1]
+        levels = tuple(st.map(lambda a: a.to(widest) if a.dtype in found else a) for st in levels)
     return levels
 
 
@@ -328,12 +364,12 @@ def validate_uncached(fmt: Format, shape, levels, values) -> None:
     bounds = fmt.level_bounds(shape)
     if len(levels) != len(fmt.levels):
         raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
-    if {torch.int32, torch.int64} <= index_dtypes(levels):
+    if len(index_dtypes(levels) & set(INDEX_DTYPES)) > 1:
         found = ", ".join(f"level {k} {name}: {a.dtype}" for k, st in enumerate(levels)
                           for name, a in st.arrays().items())
-        raise ValueError(f"format {fmt.name or fmt}: the index arrays mix int32 and int64 ({found}); all index"
+        raise ValueError(f"format {fmt.name or fmt}: the index arrays mix integer widths ({found}); all index"
                          " arrays of a tensor must have one dtype: convert them, e.g. with .long(), or build the"
-                         " tensor with scorch's constructors, which widen them to int64")
+                         " tensor with scorch's constructors, which widen them to the widest")
     parent = torch.zeros(1, dtype=torch.int64, device=values.device)
     count, group = 1, torch.zeros(1, dtype=torch.int64, device=values.device)
     for k, ((lo, hi), lvl, st) in enumerate(zip(bounds, fmt.level_types, levels)):

@@ -94,7 +94,7 @@ def test_fixed_slots_pin_the_width():
     (Compressed(), LevelStorage(pos=L([0, 2, 1]), crd=L([0, 1])), 2, r"pos decreases at pos\[2\]"),
     (Compressed(), LevelStorage(pos=L([0, 1, 3]), crd=L([0, 1])), 2, r"pos\[-1\] = 3 but crd has 2"),
     (Compressed(), LevelStorage(pos=L([0, 1, 2]), crd=L([0, 9])), 2, r"crd\[1\] = 9 is out of range \[0, 4\)"),
-    (Compressed(), LevelStorage(pos=L([0, 1, 2]), crd=L([0.0, 1.0])), 2, "crd must be int32 or int64"),
+    (Compressed(), LevelStorage(pos=L([0, 1, 2]), crd=L([0.0, 1.0])), 2, "crd must be int8, int16, int32 or int64"),
     (Singleton(), LevelStorage(crd=L([0, 1, 2])), 2, "crd has 3 entries, expected 2"),
     (Singleton(), LevelStorage(crd=L([0, -1])), 2, r"crd\[1\] = -1 is out of range"),
     (Fixed(), LevelStorage(crd=L([0, 1, 2])), 2, "not a multiple"),

@@ -116,9 +116,50 @@ def test_nm_storage_is_the_standard_layout(fmt, case):
     s = scorch.asformat(w, fmt)
     groups = w.shape[0] * (w.shape[1] // m)
     assert s.levels[2].crd.numel() == s.values().numel() == groups * n
-    assert s.index_dtype == torch.int32  # int8 offsets would do, but scorch's index arrays are int32 or int64
+    assert s.index_dtype == torch.int8  # an offset in a group of m < 128: one byte per kept entry
     assert s.format.name == fmt and scorch.formats.resolve(fmt.replace(" ", "")) == s.format
 
+
+
+@settings(max_examples=12, deadline=None)
+@given(nm=st.sampled_from([(2, 4), (1, 4), (4, 8), (3, 128), (5, 200)]), rows=st.integers(0, 5),
+       groups=st.integers(1, 3), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_nm_offsets_take_the_narrowest_index_dtype(nm, rows, groups, seed, dtype):
+    """An n:m weight stores one offset in its group of m per kept entry: int8 where m <= 128, else int16, unless
+    asked otherwise; every product and conversion on it (a kernel reading 1- or 2-byte offsets, a merge with a
+    CSR operand that converts it first) gives what the int32 storage of the same weight gives."""
+    n, m = nm
+    g = torch.Generator().manual_seed(seed)
+    w = quarters((rows, groups * m), seed, 1.0, torch.float64)
+    order = torch.rand(rows, groups, m, generator=g).argsort(-1).argsort(-1)
+    w = (w.reshape(rows, groups, m) * (order < n)).reshape(rows, groups * m).to(dtype)
+    narrow = scorch.asformat(w, f"nm({n}, {m})")
+    wide = scorch.asformat(w, f"nm({n}, {m})", index_dtype=torch.int32)
+    assert narrow.index_dtype == (torch.int8 if m <= 128 else torch.int16) and wide.index_dtype == torch.int32
+    assert narrow.levels[2].crd.dtype == narrow.index_dtype
+    assert scorch.asformat(w, f"nm({n}, {m})", index_dtype=torch.int64).index_dtype == torch.int64
+    assert torch.equal(narrow.to_dense(), w)
+    x = quarters((3, w.shape[1]), seed + 1, 1.0, dtype)
+    c = scorch.asformat(quarters(w.shape, seed + 2, 1.0, dtype) * (torch.rand(w.shape, generator=g) < 0.3), "csr")
+    for op in (lambda s: F.linear(x, s), lambda s: s + c, lambda s: s * c, lambda s: scorch.asformat(s, "csr"),
+               lambda s: s.t().to_dense(), lambda s: s.sum(1)):
+        a, b = op(narrow), op(wide)
+        a, b = (t.to_dense() if isinstance(t, SparseTensor) else t for t in (a, b))
+        assert torch.equal(a, b)
+    assert_matches_dense(F.linear(x.double(), narrow.double()), F.linear(x.double(), w.double()))
+    # the gradient lands on the narrow pattern
+    p = narrow.clone().requires_grad_()
+    F.linear(x, p).sum().backward()
+    grad = p.grad.to_dense() if isinstance(p.grad, SparseTensor) else p.grad
+    assert torch.equal(grad, x.sum(0).expand_as(w) * (w != 0))
+
+
+def test_narrow_index_dtype_refused_where_it_cannot_hold_the_arrays():
+    w = torch.ones(20, 300)
+    with pytest.raises(ValueError, match="cannot hold"):
+        scorch.asformat(w, "csr", index_dtype=torch.int8)
+    assert scorch.asformat(torch.eye(5), "csr", index_dtype=torch.int8).index_dtype == torch.int8
+    assert scorch.asformat(torch.eye(5), "csr").index_dtype == torch.int32  # the default stays int32
 
 # --- products ---------------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from ... import loopir as L
 from .. import runtime
 from ..target import CPU
 
-CTYPE = {"bool": "bool", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double", "bf16": "scorch_bf16",
+CTYPE = {"bool": "bool", "i8": "int8_t", "i16": "int16_t", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double", "bf16": "scorch_bf16",
          "f16": "_Float16"}
 _FLOATS = ("f32", "f64") + L.NARROW  # (scalars of these pass as double)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -655,7 +655,7 @@ def _vector_type(body) -> str:
 def _literal(v, t):
     if t == "bool":
         return "true" if v else "false"
-    if t in ("i32", "i64"):
+    if t in L.INTS:
         return f"INT64_C({int(v)})" if t == "i64" else str(int(v))
     v = float(v)
     if v != v:

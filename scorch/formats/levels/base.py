@@ -165,6 +165,11 @@ def check_length(arr: torch.Tensor, n: int, where: str, name: str) -> None:
         raise ValueError(f"{where}: {name} has {arr.numel()} entries, expected {n}")
 
 
+#: the dtypes of index arrays, narrowest first: int8 and int16 hold small coordinates only (the offsets of an
+#: ``nm(n, m)`` group: ``storage.narrow_index_dtype``), int32 where every size fits, else int64
+INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
 def check_index_dtype(arr: torch.Tensor, where: str, name: str) -> None:
-    if arr.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{where}: {name} must be int32 or int64, got {arr.dtype}")
+    if arr.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{where}: {name} must be int8, int16, int32 or int64, got {arr.dtype}")
