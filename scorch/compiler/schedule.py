@@ -259,17 +259,35 @@ def direct_rows(cs: "CoSchedule") -> bool:
     return cs.output == "rows" and tuple(below) == tuple(cs.ws_vars)
 
 
-def row_workspace(entries: int, threads: int, itemsize: int, requested=None, direct=False) -> str:
+#: the cost model of ``row_workspace``: a dense workspace costs about this many of its bytes per term a hash
+#: table would take in its place (measured, one thread, SpGEMM of 4k rows into widths 20k..4M: a fresh dense
+#: workspace costs ~3 ns a byte in page faults and zeroing, a term through the hash table ~150 ns more than
+#: through the dense array; dense / hash ms: 20k wide 87 / 329, 300k 60 / 88, 1M 34 / 26, 4M 252 / 25)
+DENSE_BYTES_PER_TERM = 50
+#: a thread's dense workspace up to this size is always kept: it stays in the core's cache and comes from the
+#: heap, not from fresh pages (the model above was measured on workspaces of megabytes)
+DENSE_WORKSPACE_CACHED = 1 << 20
+
+
+def row_workspace(entries: int, threads: int, itemsize: int, requested=None, direct=False, terms=None) -> str:
     """The workspace a rows output is assembled in (``CoSchedule``): ``"direct"`` (none: ``direct`` says the loops
     meet each entry once, in order, ``direct_rows``), ``"dense"`` (per thread, a value, a mark and a touched slot
-    per coordinate of a row: ``itemsize + 17`` bytes each) where all threads' copies fit in
-    ``WORKSPACE_LIMIT_BYTES``, else ``"hash"`` (memory by the row's terms, not its width); ``requested`` (the
-    user's ``Directives.workspace``) decides where given."""
+    per coordinate of a row: ``itemsize + 17`` bytes each), or ``"hash"`` (memory by the row's terms, not its
+    width). Dense unless all threads' copies exceed ``WORKSPACE_LIMIT_BYTES`` or, with ``terms`` (an estimate of
+    the terms the call adds into its rows), a thread's copy exceeds ``DENSE_WORKSPACE_CACHED`` and all copies
+    ``DENSE_BYTES_PER_TERM`` bytes per term: a wide, thinly filled output, where zeroing and faulting in the
+    dense array costs more than hashing the few terms.
+    ``requested`` (the user's ``Directives.workspace``) decides where given."""
     if requested is not None:
         return requested
     if direct:
         return "direct"
-    return "dense" if entries * threads * (itemsize + 17) <= WORKSPACE_LIMIT_BYTES else "hash"
+    one = entries * (itemsize + 17)
+    dense = one * threads
+    if dense > WORKSPACE_LIMIT_BYTES or (terms is not None and one > DENSE_WORKSPACE_CACHED and
+                                         dense > DENSE_BYTES_PER_TERM * terms):
+        return "hash"
+    return "dense"
 
 
 @dataclass(frozen=True)

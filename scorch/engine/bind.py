@@ -336,7 +336,8 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
             ws *= sizes[v]
         # (a GPU launcher runs as many workers as fit its scratch: one workspace is what must fit)
         threads = torch.get_num_threads() if cs.parallel and target_of(backend) == "cpu" else 1
-        plan.workspace = row_workspace(ws, threads, dtype.itemsize, workspace, direct_rows(cs))
+        terms = _terms(asg, ops, sizes) if target_of(backend) == "cpu" else None
+        plan.workspace = row_workspace(ws, threads, dtype.itemsize, workspace, direct_rows(cs), terms)
         if plan.workspace == "dense" and ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
             raise ValueError(
                 f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"
@@ -378,6 +379,21 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
     row_ptr, crd, vals = _row_arrays(counts, ws, dtype)
     launch(p + ("fill32" if crd.dtype == torch.int32 else "fill"), {"row_ptr": row_ptr, "out_crd": crd, "out": vals})
     return _assemble(plan, out_shape, sizes, row_ptr, counts, crd, vals)
+
+
+def _terms(asg, ops, sizes) -> int:
+    """An estimate of the terms a co-iteration adds into its output rows, for ``row_workspace``: the product of
+    the sparse operands' stored entries over the extents of the summed indices (SpGEMM: ``nnz(A) * nnz(B) / J``,
+    exact for uniform rows), at least their sum (a merge meets each entry once) and at least 1."""
+    product, total = 1, 0
+    for x in ops:
+        if type(x) is SparseTensor:
+            product *= x._vals.numel()
+            total += x._vals.numel()
+    summed = 1
+    for v in asg.reduced:
+        summed *= max(1, sizes[v])
+    return max(1, total, product // summed)
 
 
 def _offsets(counts):

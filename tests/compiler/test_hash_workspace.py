@@ -84,6 +84,32 @@ def test_wide_products_choose_the_hash_workspace():
     assert got == {(0, n - 2): 4.0, (0, 5): 16.0, (1, n - 2): 12.0, (1, 5): 18.0}
 
 
+def _assembly(*args, **kw):
+    return [line for line in scorch.explain(*args, **kw).splitlines() if line.startswith("assembly:")]
+
+
+@pytest.mark.parametrize("width, m, per, hashed", [(20_000, 400, 5, False), (100_000, 400, 5, True),
+                                                  (100_000, 4000, 20, False), (4_000_000, 400, 5, True)])
+def test_the_cost_model_takes_a_hash_for_wide_thinly_filled_rows(width, m, per, hashed):
+    """Without a directive, ``row_workspace`` weighs a thread's dense workspace (bytes zeroed and faulted in per
+    call) against the terms the call adds (``bind._terms``: nnz(A) * nnz(B) / J for a product): 2,000 terms
+    into rows 100k or 4M wide take the hash table; 20k-wide rows (a workspace that stays in cache) and 1.6M
+    terms into 100k-wide rows a dense array; each result against torch."""
+    g = torch.Generator().manual_seed(width + m)
+    rows = torch.arange(m).repeat_interleave(per)
+    a = torch.sparse_coo_tensor(torch.stack([rows, torch.randint(0, m, (m * per,), generator=g)]),
+                                torch.ones(m * per), (m, m)).coalesce()
+    b = torch.sparse_coo_tensor(torch.stack([rows, torch.randint(0, width, (m * per,), generator=g)]),
+                                torch.rand(m * per, generator=g), (m, width)).coalesce()
+    sa, sb = scorch.asformat(a, "csr"), scorch.asformat(b, "csr")
+    line = _assembly("ij,jk->ik", sa, sb)
+    assert len(line) == 1 and ("hash" in line[0]) == hashed and ("dense workspace" in line[0]) != hashed
+    expected = (a @ b).coalesce()
+    got = scorch.asformat(sa @ sb, "coo")
+    torch.testing.assert_close(torch.sparse_coo_tensor(torch.stack([got.levels[0].crd, got.levels[1].crd]).long(),
+                                                       got.values(), got.shape).coalesce(), expected)
+
+
 def test_explain_shows_the_workspace():
     s = scorch.asformat(torch.eye(6), "csr")
     hashed = [line for line in scorch.explain("ij,jk->ik", s, s, schedule=HASH).splitlines()
