@@ -106,15 +106,16 @@ static inline float scorch_expf(float x) {
 #: an atomic ``+=`` on either, by compare-and-swap of the 16 bits (OpenMP's atomic takes no 16-bit floats).
 BF16 = """#ifndef SCORCH_BF16
 #define SCORCH_BF16
+// the bfloat16 bits (in the low 16 bits) of the float32 bits u: to nearest even, a NaN made quiet; u is a
+// uint32_t or a vector of them (the explicit-vector tiles round with the same expression, scorch_bf16_bits)
+template <class U> static inline U scorch_bf16_round(U u) {
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
 struct scorch_bf16 {
   uint16_t bits;
   scorch_bf16() = default;
   explicit scorch_bf16(float f) : bits(round(f)) {}
-  static uint16_t round(float f) {
-    const uint32_t u = __builtin_bit_cast(uint32_t, f);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
-                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
+  static uint16_t round(float f) { return (uint16_t)scorch_bf16_round(__builtin_bit_cast(uint32_t, f)); }
   operator float() const { return __builtin_bit_cast(float, (uint32_t)bits << 16); }
   scorch_bf16& operator=(float f) { bits = round(f); return *this; }
   scorch_bf16& operator+=(float f) { bits = round((float)*this + f); return *this; }
@@ -162,10 +163,7 @@ static inline scorch_vf32 scorch_widen(const _Float16* p) {{
 #endif
 }}
 // the bfloat16 bits of each lane (low 16 bits of its word), rounded as the scalar struct rounds
-static inline scorch_vu32 scorch_bf16_bits(scorch_vf32 v) {{
-  const scorch_vu32 u = (scorch_vu32)v;
-  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}}
+static inline scorch_vu32 scorch_bf16_bits(scorch_vf32 v) {{ return scorch_bf16_round((scorch_vu32)v); }}
 static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
   *(scorch_vu16*)p = __builtin_convertvector(scorch_bf16_bits(v), scorch_vu16);
 }}
