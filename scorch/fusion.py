@@ -91,6 +91,8 @@ def _finish(out):
 
 # --- lazy attention ops -------------------------------------------------------------------------------------
 
+#: the value types the fused kernels take (16-bit ones computed in float32, ``prepare``)
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: the SDDMM (values at the pattern's entries) and the product of a sparse matrix with a dense one, as letters
 _SDDMM = ((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"))
 _PRODUCT = ((("i", "j"), ("j", "k")), ("i", "k"))
@@ -239,7 +241,7 @@ def lazy_sddmm(mask, q, kt, alpha):
     """The deferred ``sampled_addmm(mask, q, kt, beta=0, alpha=alpha)``, or None where it is not fused."""
     if not active() or type(mask) is not SparseTensor or _rows_pos(mask) is None:
         return None
-    if q.dtype not in (torch.float32, torch.float64) or kt.dtype != q.dtype or mask._vals.dtype != q.dtype:
+    if q.dtype not in _FLOATS or kt.dtype != q.dtype or mask._vals.dtype != q.dtype:
         return None
     if type(q) is not torch.Tensor or type(kt) is not torch.Tensor or q.dim() != 2 or kt.dim() != 2:
         return None
@@ -343,6 +345,28 @@ _ATTENTION_MAPS = ({**_SHARED, "out": "scores"}, {**_SHARED, "x": "scores", "y":
                    {**_SHARED, "t0_vals": "probs", "out": "out"})
 _BACKWARD_MAPS = ({**_SHARED, "out": "dp"}, {**_SHARED, "y": "probs", "g": "dp", "dx": "ds", "scale": "scale"},
                   {**_SHARED, "t0_vals": "ds", "out": "dq"})
+#: ``(maps, the intermediate the product part reads)`` by (backward, 16-bit values): with 16-bit values that
+#: intermediate (the probabilities, the scores' gradient) is float32 (``p32``, ``ds32``: row buffers), and the row
+#: softmax part rounds it once into the kept array
+_KERNEL_MAPS = {(False, False): (_ATTENTION_MAPS, "probs"), (True, False): (_BACKWARD_MAPS, "ds"),
+                (False, True): ((_ATTENTION_MAPS[0], {**_ATTENTION_MAPS[1], "y": "p32", "y16": "probs"},
+                                 {**_ATTENTION_MAPS[2], "t0_vals": "p32"}), "p32"),
+                (True, True): ((_BACKWARD_MAPS[0], {**_BACKWARD_MAPS[1], "dx": "ds32", "dx16": "ds"},
+                                {**_BACKWARD_MAPS[2], "t0_vals": "ds32"}), "ds32")}
+
+
+def _parts(maps, vt, plan1, softmax, plan3, backward=False):
+    """The three parts of a fused kernel for ``fuse.rows`` (the row softmax's made by ``softmax(compute type,
+    rounded)``). With 16-bit values (``vt``) every part computes in float32: the first part's output and the last
+    part's sparse values are retyped to float32 (not rounded between the parts), the softmax part rounds the kept
+    values once, and the backward reads the probabilities widened."""
+    ct = L.compute_type(vt)
+    first, middle, last = plan1.lowered.kernel, softmax(ct, None if vt == ct else vt), plan3.lowered.kernel
+    if vt != ct:
+        first, last = fuse.retype(first, "out", ct), fuse.retype(last, "t0_vals", ct)
+        middle = fuse.retype(middle, "y", vt) if backward else middle
+    return [(first, maps[0]), (middle, maps[1]), (last, maps[2])]
+
 
 #: prepared calls of fused attention kernels by (pattern arrays' identity, format, shapes, dtype, keep_probs).
 #: Public for tests: ``tests/test_fusion.py`` checks that a call on a mask leaves its prepared call here.
@@ -445,23 +469,23 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
         return None
     (plan1, sizes1), (plan3, sizes3) = plans
     vt, it = L.type_of(q.dtype), L.type_of(p.index_dtype)
+    ct = L.compute_type(vt)
+    maps, inner = _KERNEL_MAPS[False, vt != ct]
 
     def build():
         # the scores are scaled as they are stored, and their max taken there too (no pass over the row for it);
         # without a backward, a row's normalization is applied to the product's output row (one multiply per
         # output instead of a pass over the row's probabilities)
-        softmax = fuse.softmax_rows(vt, it, normalize=keep_probs, peak_of="smax")
-        maps = _ATTENTION_MAPS
-        fused = fuse.rows("scorch_attention", [(plan1.lowered.kernel, maps[0]), (softmax, maps[1]),
-                                                (plan3.lowered.kernel, maps[2])])
-        fused = L.Kernel(fused.name, fused.params + (L.Param("scale", "scalar", vt),), fused.body)
-        fused = fuse.scale_stores(fused, "scores", L.Var("scale", vt))
-        fused = fuse.track_max(fused, "scores", "smax", vt, CPU.vector_bytes // q.element_size())
+        fused = fuse.rows("scorch_attention", _parts(maps, vt, plan1, lambda t, rounded: fuse.softmax_rows(
+            t, it, normalize=keep_probs, peak_of="smax", rounded=rounded if keep_probs else None), plan3))
+        fused = L.Kernel(fused.name, fused.params + (L.Param("scale", "scalar", ct),), fused.body)
+        fused = fuse.scale_stores(fused, "scores", L.Var("scale", ct))
+        fused = fuse.track_max(fused, "scores", "smax", ct, CPU.lanes(ct))
         if not keep_probs:
-            fused = fuse.scale_stores(fused, "out", L.Var("inv_f1", vt))
+            fused = fuse.scale_stores(fused, "out", L.Var("inv_f1", ct))
         # a row's scores (and, without a backward, its probabilities) in a row buffer of each thread; the
         # SDDMM's sampled values are the pattern's ones
-        fused = fuse.localize(fused, ("scores",) if keep_probs else ("scores", "probs"), it)
+        fused = fuse.localize(fused, ("scores",) if keep_probs and inner == "probs" else ("scores", inner), it)
         return fuse.constant(fused, "f0_t0_vals", 1.0)
 
     fused, compiled = _compiled((id(plan1), id(plan3), keep_probs), build)
@@ -471,8 +495,8 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
     # which would also wake torch's thread pool between the kernels)
     out = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(p._shape[0], v.shape[1], dtype=q.dtype)
     scores = torch.empty(0, dtype=q.dtype)  # (the SDDMM part's output: a row buffer in the kernel, only named here)
-    values = _part_values(_ATTENTION_MAPS, ((0, engine.arguments(plan1, [ones, q, k], sizes1, scores)),
-                                            (2, engine.arguments(plan3, [ones, v], sizes3, out))))
+    values = _part_values(maps, ((0, engine.arguments(plan1, [ones, q, k], sizes1, scores)),
+                                 (2, engine.arguments(plan3, [ones, v], sizes3, out))))
     values.update({"probs": probs, "out": out, "scale": sddmm.alpha, "nthreads": torch.get_num_threads(),
                    "longest": _longest(p)})
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
@@ -481,13 +505,14 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
 def _row_plans(sig, pattern, dtype, first_ops, last_ops):
     """The row plans (``engine.row_plan``, cached by ``sig``) of an SDDMM ``ij,ik,jk->ij`` on ``first_ops`` and
     an SpMM ``ij,jk->ik`` on ``last_ops`` (each after the pattern's ones), or None where either is not one row
-    loop."""
+    loop, or the SpMM adds into a 16-bit output more than once (``Lowered.out_type``: a float32 buffer rounded
+    after the kernel, which the fused kernels do not make)."""
     plans = _PLANS.get(sig)
     if plans is None:  # (planned once per signature: the schedule is not consulted again)
         ones = _ones(pattern, dtype)
         first = engine.row_plan(*_SDDMM, [ones, *first_ops])
         last = engine.row_plan(*_PRODUCT, [ones, *last_ops])
-        plans = _PLANS[sig] = None if first is None or last is None else (first, last)
+        plans = _PLANS[sig] = None if first is None or last is None or last[0].lowered.out_type else (first, last)
     return plans
 
 
@@ -507,7 +532,7 @@ def prepare_backward(pattern, p, g, v, k, alpha):
     """``(fused kernel IR, compiled kernel, argument values by parameter name)`` of ``attention_backward``.
     Public for tests: they run the IR in the loop-IR interpreter."""
     dtype = p.dtype
-    if dtype not in (torch.float32, torch.float64) or g.dtype != dtype or g.device.type != "cpu":
+    if dtype not in _FLOATS or g.dtype != dtype or g.device.type != "cpu":
         return None
     g = g.contiguous()
     sig = ("backward", pattern._format, pattern._shape, pattern._index_dtype, dtype, g.shape, v.shape, k.shape)
@@ -516,21 +541,21 @@ def prepare_backward(pattern, p, g, v, k, alpha):
         return None
     (plan1, sizes1), (plan3, sizes3) = plans
     vt, it = L.type_of(dtype), L.type_of(pattern._index_dtype)
+    maps, inner = _KERNEL_MAPS[True, vt != L.compute_type(vt)]
 
     def build():
-        maps = _BACKWARD_MAPS
-        fused = fuse.rows("scorch_attention_backward", [(plan1.lowered.kernel, maps[0]),
-                                                         (fuse.softmax_backward_rows(vt, it), maps[1]),
-                                                         (plan3.lowered.kernel, maps[2])])
-        return fuse.constant(fuse.localize(fused, ("dp",), it), "f0_t0_vals", 1.0)
+        fused = fuse.rows("scorch_attention_backward", _parts(maps, vt, plan1, lambda t, rounded: (
+            fuse.softmax_backward_rows(t, it, rounded=rounded)), plan3, backward=True))
+        return fuse.constant(fuse.localize(fused, ("dp",) if inner == "ds" else ("dp", inner), it), "f0_t0_vals",
+                             1.0)
 
     fused, compiled = _compiled(("backward", id(plan1), id(plan3)), build)
     ones = _ones(pattern, dtype)
     ds = torch.empty(p.shape, dtype=dtype)
     dq = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(pattern._shape[0], k.shape[1],
                                                                               dtype=dtype)
-    values = _part_values(_BACKWARD_MAPS, ((0, engine.arguments(plan1, [ones, g, v], sizes1, ds)),
-                                           (2, engine.arguments(plan3, [ones, k], sizes3, dq))))
+    values = _part_values(maps, ((0, engine.arguments(plan1, [ones, g, v], sizes1, ds)),
+                                 (2, engine.arguments(plan3, [ones, k], sizes3, dq))))
     values.update({"probs": p, "ds": ds, "dq": dq, "scale": alpha, "nthreads": torch.get_num_threads(),
                    "longest": _longest(pattern)})
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}

@@ -16,7 +16,9 @@ which all parts share. The parts' row loops must agree (bounds and parallel sche
 Passes over a fused kernel use what only the fused kernel knows: ``localize`` moves intermediates that a row
 writes and reads itself into per-thread row buffers, ``constant`` folds in an array known to be constant (a
 pattern's ones), ``scale_stores`` multiplies what is stored into an array (a scale, a row's normalization),
-``track_max`` keeps the max of the values stored into an array as partial maxima, for a later part to read.
+``track_max`` keeps the max of the values stored into an array as partial maxima, for a later part to read,
+``retype`` changes the type an array holds (a 16-bit one widened as it is read; an intermediate of 16-bit values
+in a float32 buffer instead).
 """
 from __future__ import annotations
 
@@ -105,6 +107,24 @@ def constant(kernel: L.Kernel, array: str, value) -> L.Kernel:
     return L.Kernel(kernel.name, tuple(p for p in kernel.params if p.name != array), body)
 
 
+def retype(kernel: L.Kernel, array: str, t: str) -> L.Kernel:
+    """``kernel`` with the array parameter ``array`` holding values of type ``t``: its loads read ``t`` and give
+    its compute type (a 16-bit array widened, ``Cast`` to ``f32``; a widening made needless by ``t = f32``
+    dropped), and its stores round into ``t`` (the code generators' rule). With 16-bit values, an intermediate
+    that one part writes and the next reads is made a float32 array so (then a row buffer, ``localize``): its
+    values are not rounded between the parts."""
+    ct = L.compute_type(t)
+
+    def typed(e):
+        if isinstance(e, L.Load) and e.array == array:
+            return L.Cast(replace(e, type=t), ct) if t != ct else replace(e, type=t)
+        if isinstance(e, L.Cast) and e.type == e.a.type and any(ld.array == array for ld in L.loads(e.a)):
+            return e.a  # (a widening made needless, or made twice)
+        return None
+    params = tuple(replace(p, type=t) if p.name == array else p for p in kernel.params)
+    return L.Kernel(kernel.name, params, _rewrite(kernel.body, typed))
+
+
 def _reindex(node, arrays: dict, base):
     """``node`` with every load and store of an array in ``arrays`` (name -> new name) moved to the new name, at
     its index minus ``base``."""
@@ -169,7 +189,7 @@ def _short_or_long(row, short: int):
 
 
 def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = None, log: bool = False,
-                 short: int = 0) -> L.Kernel:
+                 short: int = 0, rounded: str = None) -> L.Kernel:
     """``y[p] = softmax(scale * x[p])`` within each row ``[pos[i], pos[i + 1])`` of a CSR pattern, as the row loop
     the lowering makes for CSR (parameters named as for operand 0: ``t0_l0_lo``, ``t0_l0_ext``, ``t0_l1_pos``).
     A row whose scaled entries are all -inf (or NaN) gives NaN, as torch's softmax does. ``normalize=False``:
@@ -177,7 +197,9 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = 
     factor that normalizes them, for a later part to apply to what it makes of them (``scale_stores``).
     ``peak_of``: the values come scaled already (no ``scale`` parameter), and their max is read from the partial
     maxima of that name (``track_max``) instead of a pass over them. ``log``: ``y`` the log-softmax,
-    ``scale * x[p] - peak - log(total)``. ``short``: rows of fewer entries run plain loops (``_short_or_long``)."""
+    ``scale * x[p] - peak - log(total)``. ``short``: rows of fewer entries run plain loops (``_short_or_long``).
+    ``rounded`` (a 16-bit type; with ``normalize``): the normalized values are also stored into ``y16`` of that
+    type, rounded once, ``y`` being an intermediate of ``vtype`` (float32) for a later part to read."""
     p, lo, hi = L.Var("p"), L.Var("lo"), L.Var("hi")
     peak, total, inv, e = L.Var("peak", vtype), L.Var("total", vtype), L.Var("inv", vtype), L.Var("e", vtype)
     x = L.Load("x", p, vtype) if peak_of else L.binary("mul", L.Load("x", p, vtype), L.Var("scale", vtype))
@@ -195,7 +217,8 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = 
                 L.Store("y", p, e),
                 L.Assign(total, e, "add")), simd=simd, reductions=(("add", "total"),)),
             L.Assign(inv, L.binary("div", L.Const(1.0, vtype), total)),
-            L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv))), simd=simd)
+            L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("mul", L.Load("y", p, vtype), inv)),
+                                     _rounded(rounded, "y16", p, L.Load("y", p, vtype))), simd=simd)
             if normalize and not log else None,
             L.For(p, lo, hi, L.block(L.Store("y", p, L.binary("sub", L.binary("sub", x, peak),
                                                                 L.Unary("log", total, vtype)))), simd=simd)
@@ -203,14 +226,23 @@ def softmax_rows(vtype: str, itype: str, normalize: bool = True, peak_of: str = 
         )
     return row_kernel("scorch_softmax_rows", itype, _csr_row(itype, _short_or_long(row, short), L.Decl(inv, zero)), (
         L.Param("x", "array", vtype), L.Param("y", "array", vtype, output=True)) +
-        (() if peak_of else (L.Param("scale", "scalar", vtype),)))
+        (() if peak_of else (L.Param("scale", "scalar", vtype),)) + _rounded_param(rounded, "y16"))
 
 
-def softmax_backward_rows(vtype: str, itype: str, log: bool = False, short: int = 0) -> L.Kernel:
+def _rounded(t, array, p, value):
+    """``array[p] = value`` where ``t`` (a 16-bit type) is given: a store that rounds once; else nothing."""
+    return L.Store(array, p, value) if t else None
+
+
+def _rounded_param(t, array) -> tuple:
+    return (L.Param(array, "array", t, output=True),) if t else ()
+
+
+def softmax_backward_rows(vtype: str, itype: str, log: bool = False, short: int = 0, rounded: str = None) -> L.Kernel:
     """``dx[p] = scale * y[p] * (g[p] - sum of y * g over the row)``: the gradient of the row softmax's input (times
     ``scale``) from its output ``y`` and the output's gradient ``g``, as a CSR row loop like ``softmax_rows``.
-    ``log``: of the log-softmax, ``dx[p] = scale * (g[p] - exp(y[p]) * sum of g over the row)``. ``short``: as
-    for ``softmax_rows``."""
+    ``log``: of the log-softmax, ``dx[p] = scale * (g[p] - exp(y[p]) * sum of g over the row)``. ``short`` and
+    ``rounded`` (``dx`` also stored into ``dx16``): as for ``softmax_rows``."""
     p, lo, hi, t = L.Var("p"), L.Var("lo"), L.Var("hi"), L.Var("t", vtype)
     y, g, scale = L.Load("y", p, vtype), L.Load("g", p, vtype), L.Var("scale", vtype)
     dx = L.binary("mul", scale, L.binary("sub", g, L.binary("mul", L.Unary("exp", y, vtype), t))) if log else \
@@ -221,10 +253,11 @@ def softmax_backward_rows(vtype: str, itype: str, log: bool = False, short: int 
             L.Decl(t, L.Const(0.0, vtype)),
             L.For(p, lo, hi, L.block(L.Assign(t, g if log else L.binary("mul", y, g), "add")), simd=simd,
                   reductions=(("add", "t"),)),
-            L.For(p, lo, hi, L.block(L.Store("dx", p, dx)), simd=simd))
+            L.For(p, lo, hi, L.block(L.Store("dx", p, dx), _rounded(rounded, "dx16", p, L.Load("dx", p, vtype))),
+                  simd=simd))
     return row_kernel("scorch_softmax_backward_rows", itype, _csr_row(itype, _short_or_long(row, short)), (
         L.Param("y", "array", vtype), L.Param("g", "array", vtype), L.Param("dx", "array", vtype, output=True),
-        L.Param("scale", "scalar", vtype)))
+        L.Param("scale", "scalar", vtype)) + _rounded_param(rounded, "dx16"))
 
 
 def _csr_row(itype: str, row: L.Block, *before) -> L.Block:

@@ -21,7 +21,16 @@ _kernels: dict = {}
 
 def _run(backward: bool, log_space: bool, pos, **arrays):
     """The row softmax kernel (``fuse.softmax_rows``, or ``fuse.softmax_backward_rows``: loop IR, the same that
-    ``scorch.compile`` fuses into attention) over the segments of ``pos``, on ``arrays`` by parameter name."""
+    ``scorch.compile`` fuses into attention) over the segments of ``pos``, on ``arrays`` by parameter name.
+    16-bit values run the float32 kernel on widened copies, its result rounded once (stored in 16 bits, the
+    exponentials the kernel reads back to normalize would be rounded twice)."""
+    result = "dx" if backward else "y"
+    if arrays[result].dtype in (torch.bfloat16, torch.float16):
+        wide = {name: a.float() if name != result else torch.empty(a.shape, dtype=torch.float32)
+                for name, a in arrays.items()}
+        _run(backward, log_space, pos, **wide)
+        arrays[result].copy_(wide[result])
+        return
     vtype, itype = L.type_of(next(iter(arrays.values())).dtype), L.type_of(pos.dtype)
     key = (backward, log_space, vtype, itype)
     entry = _kernels.get(key)
@@ -33,12 +42,12 @@ def _run(backward: bool, log_space: bool, pos, **arrays):
                       "nthreads": torch.get_num_threads(), **arrays})
 
 
-SUPPORTED = (torch.float32, torch.float64)
+SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _check(pos, values):
     if values.dtype not in SUPPORTED or pos.dtype not in (torch.int32, torch.int64) or values.device.type != "cpu":
-        raise TypeError("segment softmax: float32/float64 values and int32/int64 positions on the CPU")
+        raise TypeError("segment softmax: float (64, 32 or 16-bit) values and int32/int64 positions on the CPU")
 
 
 class SegmentSoftmax(torch.autograd.Function):

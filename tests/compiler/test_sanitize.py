@@ -236,6 +236,21 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             n += 1
             if not close(scorch.compile(lambda s, x: torch.relu(s @ x + b))(mask, v), torch.relu(keep.double() @ v + b)):
                 bad.append(f"product epilogue {(rows, cols)}")
+        for dtype in (torch.bfloat16, torch.float16):  # float32 row buffers, probabilities rounded into 16 bits
+            keep = torch.rand(9, 7, generator=gen) < 0.4
+            mask = scorch.asformat(keep.to(dtype), "csr")
+            q, k, v = (values(shape, gen).to(dtype) for shape in ((9, 4), (7, 4), (7, 16)))
+            s = (q.double() @ k.double().T * 0.5).masked_fill(~keep, float("-inf"))
+            expected = torch.softmax(s, dim=1).nan_to_num(0.0) @ v.double()
+            qg = q.clone().requires_grad_()
+            for got in (attend(q, k, v, mask), attend(qg, k, v, mask)):
+                n += 1
+                if not torch.allclose(got.detach().double(), expected, atol=0.05, rtol=0.02):
+                    bad.append(f"{dtype} fused attention")
+            got.float().sum().backward()
+            n += 1
+            if qg.grad is None or not torch.isfinite(qg.grad.float()).all():
+                bad.append(f"{dtype} fused attention backward")
         return n, bad
 
 
