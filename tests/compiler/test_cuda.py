@@ -1,10 +1,12 @@
 """The CUDA backend without a GPU: every kernel of the compiler's test matrix (``test_einsum_matrix``) rendered as
 CUDA, run through the CPU emulation of ``codegen.cuda`` (blocks of one warp as OpenMP threads: lane splits,
 warp shuffles, grid-stride and nnz-balanced worker loops, scratch workspaces) against dense torch, and compiled
-by nvcc to PTX for sm_80 and sm_90. The tests that need a GPU are in ``tests/cuda``.
+by nvcc to PTX for sm_80 and sm_90; bf16 and f16 kernels against the float32 result rounded once. The tests that
+need a GPU are in ``tests/cuda``.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 
@@ -177,6 +179,158 @@ def test_matrix_cuda_sources_compile(arch):
     text = runtime.ptx(unit, arch)
     entries = set(re.findall(r"\.entry\s+(scorch_m\d+)_dev", text))
     assert len(entries) == len(kernels)
+
+
+# --- 16-bit values: bf16 and f16 in memory, float32 arithmetic, one rounding per stored result ------------------
+
+HALF = [torch.bfloat16, torch.float16]
+#: (equation, format of the sparse first operand, what it exercises); the dense operands' sizes follow the letters
+HALF_CASES = [
+    ("ij,j->i", "csr", "SpMV: a thread per row, rounded at the store"),
+    ("ij,jk->ik", "csr", "SpMM: a warp per row, the columns across the lanes"),
+    ("ij,ik,jk->ij", "csr", "SDDMM: warp sums (scorch_warp_add) of float products"),
+    ("ij,jk->ik", "coo", "COO: adds into the output, so a float32 buffer rounded once after"),
+    ("ij,i->j", "csr", "x^T A, a transposed product: adds into the output (float32 buffer)"),
+    ("ij->i", "csr", "row sums"),
+    ("ij->j", "csr", "column sums: adds into the output (float32 buffer)"),
+    ("ij,ij->ij", "csr", "a sparse output on the operand's pattern"),
+]
+HALF_SLOW = [("ij->", "csr", "the total"), ("ki,ij->kj", "csr", "dense times sparse"),
+             ("ij,j->i", "coo", "COO SpMV (float32 buffer)"), ("ij->ji", "csr", "a transpose (16-bit copies)"),
+             ("ij,jk->ik", "dcsr", "doubly compressed rows")]
+
+
+def _half_operands(eq, fmt, dtype, shape=(23, 19), k=40, seed=0, density=0.4):
+    """(16-bit operands, their float32 values): quarters in [-2, 2] (``conftest.quarters``), so products and sums
+    are exact in float32 but need more bits than the 16-bit types keep: a kernel that rounded every step, or
+    rounded otherwise than to nearest even, gives another result than the float32 one rounded once."""
+    from conftest import quarters
+    lhs = eq.split("->")[0].split(",")
+    sizes = {lhs[0][0]: shape[0], lhs[0][1]: shape[1]}
+    a = quarters(shape, seed, density)
+    ops, ref = [scorch.asformat(a.to(dtype), fmt)], [a]
+    g = torch.Generator().manual_seed(seed + 1)
+    for letters in lhs[1:]:
+        x = torch.randint(-8, 9, tuple(sizes.get(c, k) for c in letters), generator=g) / 4
+        ops.append(x.to(dtype))
+        ref.append(x)
+    return ops, ref
+
+
+def _half_check(result, ref32, dtype):
+    got = result.to_dense() if isinstance(result, scorch.SparseTensor) else result
+    assert got.dtype == dtype and tuple(got.shape) == tuple(ref32.shape)
+    assert torch.equal(got, ref32.to(dtype)), (got, ref32.to(dtype))
+
+
+def _half_case(eq, fmt, dtype, **kw):
+    ops, ref = _half_operands(eq, fmt, dtype, **kw)
+    text = _explain(eq, *ops)
+    _half_check(engine.einsum(eq, *ops, backend=EMU), torch.einsum(eq, *ref), dtype)
+    return text
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("eq,fmt,what", HALF_CASES, ids=[f"{e}|{f}" for e, f, _ in HALF_CASES])
+def test_emulated_cuda_16_bit_matches_float32_rounded_once(eq, fmt, what, dtype):
+    """The CUDA kernels of bf16 and f16 operands, run by the emulation (the C++ backend's 16-bit types: the same
+    rounding as ``__float2bfloat16_rn`` / ``__float2half_rn``), equal the float32 result rounded once."""
+    shape = (60, 50) if eq == "ij,ik,jk->ij" else (23, 19)  # (sparse enough for the SDDMM kernel)
+    text = _half_case(eq, fmt, dtype, shape=shape, density=0.05 if eq == "ij,ik,jk->ij" else 0.4)
+    name = {torch.bfloat16: "scorch_bf16", torch.float16: "scorch_f16"}[dtype]
+    assert "scorch_f32(" in text and "_Float16" not in text[text.index("__global__ void"):]  # (scorch_f16)
+    if "float32 buffer" in what:
+        assert f"{name}* out" not in text and "float* out" in text, text
+    if eq == "ij,ik,jk->ij":
+        assert "scorch_warp_add(" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("eq,fmt,what", HALF_SLOW, ids=[f"{e}|{f}" for e, f, _ in HALF_SLOW])
+def test_emulated_cuda_16_bit_more(eq, fmt, what, dtype):
+    _half_case(eq, fmt, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_emulated_cuda_16_bit_sums_accumulate_in_float32(fmt, dtype):
+    """1024 and 32 quarters sum to 1032, which both types hold; summed in 16 bits it stays 1024 (1024 + 0.25
+    rounds back). Every order of the terms must give 1032: thread sums, warp sums and the float32 buffers."""
+    a = torch.full((5, 33), 0.25)
+    a[:, 0] = 1024
+    for m in (a, a.flip(1)):
+        s = scorch.asformat(m.to(dtype), fmt)
+        ones = torch.ones(33, 40, dtype=dtype)
+        _half_check(engine.einsum("ij,jk->ik", s, ones, backend=EMU), m @ torch.ones(33, 40), dtype)
+        _half_check(engine.einsum("ij->i", s, backend=EMU), m.sum(1), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_emulated_cuda_16_bit_two_sparse_operands(dtype):
+    """Co-iteration with 16-bit values: the sum of two patterns (count and fill kernels, a workspace of floats per
+    worker, each entry rounded once when it is written)."""
+    from conftest import quarters
+    a, b = quarters((23, 19), 2, 0.3), quarters((23, 19), 3, 0.3)
+    s, t = scorch.asformat(a.to(dtype), "csr"), scorch.asformat(b.to(dtype), "csr")
+    with engine.cpu_backend(EMU):
+        _half_check(s + t, a + b, dtype)
+        if dtype == torch.bfloat16:
+            c = quarters((19, 17), 4, 0.3)
+            _half_check(s @ scorch.asformat(c.to(dtype), "csr"), a @ c, dtype)  # (SpGEMM)
+
+
+def _atomic_kernel(t):
+    """``out[i % 3] += vals[i]`` for every ``i``, atomically, into a 16-bit ``out`` (the IR allows it though the
+    lowering adds into a float32 buffer instead)."""
+    i = L.Var("i")
+    out, vals, n = L.Param("out", "array", t, True), L.Param("vals", "array", t), L.Param("n", "scalar", "i64")
+    value = L.Cast(L.Load("vals", i, t), "f32")
+    store = L.Store("out", L.binary("mod", i, L.Const(3)), value, "add", atomic=True)
+    return L.Kernel(f"atomic_{t}", (out, vals, n), L.block(L.For(i, L.Const(0), L.Var("n"), L.block(store),
+                                                                   parallel=L.Parallel("static"))))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_emulated_cuda_16_bit_atomic_add(dtype):
+    """An atomic add into a 16-bit array is a compare-and-swap loop on its 16 bits (each add rounded: in the
+    order the threads come, so the values here are exact in both types); max and min are refused."""
+    t = L.FROM_TORCH[dtype]
+    k = _atomic_kernel(t)
+    launcher = pipeline.load(cuda.generate(k, map_to_gpu(k)), k, EMU, map_to_gpu(k))
+    vals = (torch.arange(90) % 7 - 3).to(dtype) / 4
+    out = torch.zeros(3, dtype=dtype)
+    launcher(out.data_ptr(), vals.data_ptr(), 90)
+    assert torch.equal(out, vals.float().reshape(30, 3).sum(0).to(dtype))
+    store = next(s for s in L.walk(k.body) if isinstance(s, L.Store))
+    bad = L.Kernel("m", k.params, L.block(L.For(L.Var("i"), L.Const(0), L.Var("n"),
+                                                L.block(dataclasses.replace(store, op="max")),
+                                                parallel=L.Parallel("static"))))
+    with pytest.raises(ValueError, match="atomic max into the 16-bit"):
+        cuda.generate(bad, map_to_gpu(bad))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and shutil.which("nvcc", path="/usr/local/cuda/bin") is None,
+                    reason="nvcc (the CUDA toolkit) is not installed: the CUDA compile check needs it, not a GPU")
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=pytest.mark.slow), "sm_90"])
+def test_16_bit_cuda_sources_compile(arch):
+    """The 16-bit kernels (those of the tests above that ran in this process, at least SpMV and SpMM, and the
+    atomic adds) compile with ``__nv_bfloat16`` and ``__half`` for sm_80 and sm_90."""
+    for dtype in HALF:
+        for eq, fmt, _ in HALF_CASES[:2]:
+            engine.einsum(eq, *_half_operands(eq, fmt, dtype)[0], backend=EMU)
+    kernels = {}
+    for key, plan in pipeline.compiled_plans():
+        if key[-1] == "cuda":
+            for low in [plan.lowered] if isinstance(plan, pipeline.Plan) else list(plan.lowered.values()):
+                if any(p.type in L.NARROW for p in low.kernel.params):
+                    kernels[cuda.generate(low.kernel, map_to_gpu(low.kernel), prelude=False, symbol="k")] = low.kernel
+    kernels = list(kernels.values()) + [_atomic_kernel("bf16"), _atomic_kernel("f16")]
+    unit = cuda.PRELUDE + cuda.HALF + cuda.HELPERS + "\n".join(
+        cuda.generate(k, map_to_gpu(k), prelude=False, symbol=f"scorch_h{n}") for n, k in enumerate(kernels))
+    text = runtime.ptx(unit, arch)
+    assert set(re.findall(r"\.entry\s+(scorch_h\d+)_dev", text)) == {f"scorch_h{n}" for n in range(len(kernels))}
+    assert "cvt.rn.bf16.f32" in text and "cvt.rn.f16.f32" in text and "atom.global.cas.b16" in text
 
 
 # --- library kernels: recognized, equal to the compiler's result, chosen by measurement -----------------------

@@ -10,7 +10,7 @@ import torch
 import scorch
 from scorch.compiler import pipeline
 
-from conftest import assert_matches_dense
+from conftest import assert_matches_dense, quarters
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA GPU here (torch.cuda.is_available() is False); the CUDA kernels are"
@@ -55,6 +55,58 @@ def test_einsum_on_gpu_matches_dense(fmt, dtype, eq):
         got = r.to_dense() if isinstance(r, scorch.SparseTensor) else r
         assert got.device.type == "cuda"
         assert_matches_dense(got, torch.einsum(eq, *dense_ops))
+
+
+def _quarters(shape, fmt, dtype, seed, density=0.4):
+    """(float32 values on the GPU, the sparse tensor of them in ``dtype``): quarters in [-2, 2], whose products and
+    sums are exact in float32 but not in 16 bits (``tests/ops/test_half.py``)."""
+    a = quarters(shape, seed, density)
+    return a.cuda(), scorch.asformat(a.to(dtype), fmt).cuda()
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "csc", "dcsr"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("eq", ["ij,jk->ik", "ij,j->i", "ij,ik,jk->ij", "ij->i", "ij->j", "ij->", "ij,ij->ij",
+                                "ij,i->j"])
+def test_16_bit_einsum_on_gpu_is_float32_rounded_once(fmt, dtype, eq):
+    """bf16 and f16 operands: the CUDA kernels compute in float32 and round each result once (to nearest even),
+    whether they store it directly or add into a float32 buffer rounded after the kernel (COO, x^T A). (SDDMM only
+    where it is sparse enough for its kernel: a denser one takes a dense 16-bit product first, rounded twice.)"""
+    for shape, density, seed in [((33, 17), 0.3, 0), ((200, 150), 0.03, 1), ((0, 5), 0.5, 2)]:
+        if eq == "ij,ik,jk->ij" and density > 0.05:
+            continue
+        a, s = _quarters(shape, fmt, dtype, seed, density)
+        m, n = shape
+        g = torch.Generator().manual_seed(seed + 10)
+        dense = {"ij,jk->ik": [(n, 40)], "ij,j->i": [(n,)], "ij,ik,jk->ij": [(m, 40), (n, 40)], "ij,ij->ij": [(m, n)],
+                 "ij,i->j": [(m,)]}.get(eq, [])
+        dense = [(torch.randint(-8, 9, d, generator=g) / 4).cuda() for d in dense]
+        r = scorch.einsum(eq, s, *[x.to(dtype) for x in dense])
+        got = r.to_dense() if isinstance(r, scorch.SparseTensor) else r
+        assert got.device.type == "cuda" and got.dtype == dtype
+        assert torch.equal(got, torch.einsum(eq, a, *dense).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_sums_accumulate_in_float32_on_gpu(dtype):
+    """1024 and 32 quarters: 1032 in float32 and in both 16-bit types, 1024 if summed in 16 bits."""
+    a = torch.full((5, 33), 0.25, device="cuda")
+    a[:, 0] = 1024
+    for m in (a, a.flip(1)):
+        for fmt in ("csr", "coo"):
+            s = scorch.asformat(m.to(dtype), fmt)
+            ones = torch.ones(33, 40, dtype=dtype, device="cuda")
+            assert torch.equal(scorch.einsum("ij,jk->ik", s, ones), (m @ ones.float()).to(dtype))
+            assert torch.equal(scorch.einsum("ij->i", s), m.sum(1).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_spgemm_and_add_on_gpu(dtype):
+    a, s = _quarters((50, 40), "csr", dtype, 1, 0.1)
+    b, t = _quarters((40, 30), "csr", dtype, 2, 0.1)
+    c, u = _quarters((50, 40), "csr", dtype, 3, 0.1)
+    assert torch.equal((s @ t).to_dense(), (a @ b).to(dtype))
+    assert torch.equal((s + u).to_dense(), (a + c).to(dtype))
 
 
 @pytest.mark.parametrize("fa,fb", [("csr", "csr"), ("csr", "csc"), ("coo", "csr")])

@@ -129,13 +129,6 @@ def test_bf16_sparse_linear_trains_with_adamw():
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-def test_cuda_kernels_refuse_16_bit_values_clearly():
-    """The CUDA renderer does not take 16-bit values yet: a clear NotImplementedError, not a wrong kernel."""
-    s, _ = _pair((6, 8), "csr", torch.bfloat16)
-    with scorch.engine.cpu_backend("cuda-emulate"), pytest.raises(NotImplementedError, match="bf16"):
-        scorch.engine.einsum("ij,jk->ik", s, torch.ones(8, 3, dtype=torch.bfloat16))  # (never deferred)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sums_accumulate_in_float32(fmt, dtype):

@@ -305,19 +305,21 @@ def argtypes(kernel: L.Kernel) -> list:
     return out
 
 
-def signature(kernel: L.Kernel, restrict=True) -> tuple[list, list]:
+def signature(kernel: L.Kernel, restrict=True, ctype=None) -> tuple[list, list]:
     """The parameter declarations of ``kernel`` in the ABI above, and the statements that give each scalar
-    its own type (``const int32_t n = (int32_t)n_arg;``)."""
+    its own type (``const int32_t n = (int32_t)n_arg;``). ``ctype``: the C name of each loop-IR type (``CTYPE``
+    unless given: CUDA names its 16-bit types otherwise)."""
+    names = ctype or CTYPE
     params, casts = [], []
     for p in kernel.params:
         n = ident(p.name)
         if p.kind == "array":
             const = "" if p.output else "const "
-            params.append(f"{const}{CTYPE[p.type]}*{' __restrict__' if restrict else ''} {n}")
+            params.append(f"{const}{names[p.type]}*{' __restrict__' if restrict else ''} {n}")
         else:
             abi = "double" if p.type in _FLOATS else "int64_t"
             params.append(f"{abi} {n}_arg")
-            casts.append(f"  const {CTYPE[p.type]} {n} = ({CTYPE[p.type]}){n}_arg;")
+            casts.append(f"  const {names[p.type]} {n} = ({names[p.type]}){n}_arg;")
     return params, casts
 
 

@@ -13,6 +13,9 @@ How the renderer carries a ``Mapping`` out:
   where the IR declares them; the number of workers is capped so that the scratch stays small.
 * Write conflicts use atomics only where the IR marks a store atomic; a kernel without a parallel loop runs
   on one thread (the dispatcher transposes such operands first where it pays, as with many CPU threads).
+* 16-bit values (``bf16``, ``f16``) are storage types, as in C++: loads widen to float, arithmetic and warp
+  sums are float, a store rounds once to nearest even (``HALF``: ``__nv_bfloat16`` and ``__half`` on the GPU,
+  the C++ backend's ``scorch_bf16`` and ``_Float16`` in the emulation, so that both round alike).
 
 The translation unit holds the ``__global__`` kernel and an ``extern "C"`` host launcher with the CPU kernels'
 ABI (arrays as pointers, integers ``int64_t``, floats ``double``) plus the CUDA stream, returning a
@@ -28,7 +31,11 @@ import ctypes
 from ... import loopir as L
 from ..mapping import Mapping
 from . import cpp
-from .cpp import CTYPE, ident
+from .cpp import ident
+
+#: the C name of each loop-IR type: the C++ backend's, but float16 is ``scorch_f16`` (``HALF``: ``__half`` on the
+#: GPU, ``_Float16`` in the emulation) and bfloat16's ``scorch_bf16`` is ``__nv_bfloat16`` on the GPU
+CTYPE = {**cpp.CTYPE, "f16": "scorch_f16"}
 
 WARP = 32
 #: threads per block on a GPU (8 warps), and blocks per multiprocessor (2048 resident threads on sm_80/sm_90)
@@ -170,6 +177,44 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
 }
 """
 
+#: 16-bit floats, after ``PRELUDE`` in the units of kernels that have them: ``scorch_f32(x)`` widens,
+#: ``scorch_to_bf16(f)`` / ``scorch_to_f16(f)`` round a float to nearest even (a NaN stays a NaN),
+#: ``scorch_atomic_add(p, f)`` adds a float to a 16-bit value by compare-and-swap of its 16 bits, rounding the
+#: sum once. The emulation uses the C++ backend's types and atomics (``cpp.ATOMIC16``): the same rounding.
+HALF = r"""#ifdef SCORCH_EMULATE
+""" + cpp.ATOMIC16 + r"""typedef _Float16 scorch_f16;
+static inline float scorch_f32(scorch_bf16 x) { return (float)x; }
+static inline float scorch_f32(scorch_f16 x) { return (float)x; }
+static inline scorch_bf16 scorch_to_bf16(float f) { return scorch_bf16(f); }
+static inline scorch_f16 scorch_to_f16(float f) { return (scorch_f16)f; }
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+typedef __nv_bfloat16 scorch_bf16;
+typedef __half scorch_f16;
+static __device__ __forceinline__ float scorch_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+static __device__ __forceinline__ float scorch_f32(__half x) { return __half2float(x); }
+static __device__ __forceinline__ __nv_bfloat16 scorch_to_bf16(float f) { return __float2bfloat16_rn(f); }
+static __device__ __forceinline__ __half scorch_to_f16(float f) { return __float2half_rn(f); }
+/* (the rounding by the type of a value, for the CAS loop below) */
+static __device__ __forceinline__ __nv_bfloat16 scorch_round(__nv_bfloat16, float f) { return scorch_to_bf16(f); }
+static __device__ __forceinline__ __half scorch_round(__half, float f) { return scorch_to_f16(f); }
+template <class T> static __device__ void scorch_atomic_add16(T* p, float v) {
+  unsigned short* q = (unsigned short*)p;
+  unsigned short old = *q, seen, want;
+  do {
+    seen = old;
+    T cur; memcpy(&cur, &seen, 2);
+    const T next = scorch_round(cur, scorch_f32(cur) + v);
+    memcpy(&want, &next, 2);
+    old = atomicCAS(q, seen, want);
+  } while (old != seen);
+}
+static __device__ __forceinline__ void scorch_atomic_add(__nv_bfloat16* p, float v) { scorch_atomic_add16(p, v); }
+static __device__ __forceinline__ void scorch_atomic_add(__half* p, float v) { scorch_atomic_add16(p, v); }
+#endif
+"""
+
 
 def argtypes(kernel: L.Kernel) -> list:
     """The launcher's ctypes signature: the kernel's (``cpp.argtypes``) and the stream."""
@@ -180,18 +225,15 @@ def generate(kernel: L.Kernel, mapping: Mapping, prelude: bool = True, symbol: s
     """The translation unit of ``kernel`` on its GPU ``mapping`` (``mapping.map_to_gpu(kernel)``): prelude,
     ``__global__`` kernel ``<name>_dev`` and host launcher ``<name>`` (``symbol`` if given). Without ``prelude``
     (and the helpers), several kernels of distinct symbols concatenate behind one ``PRELUDE + HELPERS`` into one
-    unit, as the compile check does."""
-    narrow = sorted({p.type for p in kernel.params if p.type in L.NARROW})
-    if narrow:
-        raise NotImplementedError(f"scorch: {'/'.join(narrow)} values on CUDA are not supported yet (the C++ backend"
-                                  " runs them); cast to float32 on the GPU")
+    unit, as the compile check does (``PRELUDE + HALF + HELPERS`` where some have 16-bit values)."""
     name = ident(symbol or kernel.name)
-    params, casts = cpp.signature(kernel)
+    params, casts = cpp.signature(kernel, ctype=CTYPE)
     em = _Emitter(mapping, kernel, name)
     body = em.kernel_body(casts)
     dev_params = params + ["char* __restrict__ scorch_scratch", "int64_t scorch_stride"]
     names = [ident(p.name) + ("" if p.kind == "array" else "_arg") for p in kernel.params]
-    src = [PRELUDE + HELPERS] if prelude else []
+    half = HALF if any(p.type in L.NARROW for p in kernel.params) else ""
+    src = [PRELUDE + half + HELPERS] if prelude else []
     src += [f'extern "C" __global__ void {name}_dev(\n    ' + ",\n    ".join(dev_params) + ")\n{", *body, "}", ""]
     host_params = [p.replace(" __restrict__", "") for p in params] + ["void* scorch_stream_arg"]
     src += [f'extern "C" int {name}(\n    ' + ",\n    ".join(host_params) + ")\n{",
@@ -218,6 +260,10 @@ class _Emitter(cpp._Emitter):
         self.decl_types = {s.var.name: s.var.type for s in L.walk(kernel.body) if isinstance(s, (L.Decl, L.Let))}
         self.compressed = mapping.compressed
         self.in_lane = False
+        # the 16-bit arrays (name -> type): loaded through scorch_f32, stored through scorch_to_<type>
+        self.narrow = {p.name: p.type for p in kernel.params if p.type in L.NARROW}
+        self.narrow.update({s.name: s.type for s in L.walk(kernel.body)
+                            if isinstance(s, (L.LocalArray, L.Alloc)) and s.type in L.NARROW})
 
     # --- the kernel's body --------------------------------------------------------------------------------
     def kernel_body(self, casts):
@@ -260,6 +306,8 @@ class _Emitter(cpp._Emitter):
             return [f"{pad}if (scorch_lane == 0) {{"] + self._store(s, d + 1) + [f"{pad}}}"]
         if isinstance(s, L.Store):
             return self._store(s, d)
+        if isinstance(s, (L.Let, L.Decl)) and s.var.type in L.NARROW:
+            raise ValueError(f"a 16-bit scalar {s.var.name}: arithmetic is done in float32")
         if isinstance(s, L.LocalArray):
             n, t = ident(s.name), CTYPE[s.type]
             size = -(-int(s.size) // WARP) if s.name in self.compressed else int(s.size)
@@ -283,11 +331,33 @@ class _Emitter(cpp._Emitter):
         pad = "  " * d
         target = f"{ident(s.array)}[{self.index(s.array, s.index)}]"
         value = self.expr(s.value)
+        if s.array in self.narrow:
+            return [pad + self._narrow_store(s, target, value)]
         if s.atomic:
             if s.op not in ("add", "max", "min"):
                 raise ValueError(f"an atomic store must add, max or min, not {s.op!r}")
             return [f"{pad}scorch_atomic_{s.op}(&{target}, ({CTYPE[self._type(s.array)]})({value}));"]
         return [f"{pad}{self.update(target, s.op, value)};"]
+
+    def _narrow_store(self, s, target, value):
+        """A store into a 16-bit array: the float value rounded once (an update reads the stored value as float;
+        an atomic add is a compare-and-swap loop, ``HALF``)."""
+        t, vt = self.narrow[s.array], s.value.type
+        if s.op is None and vt == t and not s.atomic:
+            return f"{target} = {value};"  # (a copy)
+        f = f"scorch_f32({value})" if vt in L.NARROW else value if vt == "f32" else f"(float)({value})"
+        if s.atomic:
+            if s.op != "add":
+                raise ValueError(f"an atomic {s.op} into the 16-bit array {s.array}")
+            return f"scorch_atomic_add(&{target}, {f});"
+        if s.op is None:
+            return f"{target} = scorch_to_{t}({f});"
+        if s.op == "add":
+            return f"{target} = scorch_to_{t}(scorch_f32({target}) + {f});"
+        if s.op in ("max", "min"):
+            return (f"{{ const float u_ = {f}; if (u_ {'>' if s.op == 'max' else '<'} scorch_f32({target}))"
+                    f" {target} = scorch_to_{t}(u_); }}")
+        raise ValueError(f"unknown update {s.op!r}")
 
     def _type(self, array):
         for p in self.kernel_params:
@@ -347,6 +417,12 @@ class _Emitter(cpp._Emitter):
     def expr(self, e):
         if isinstance(e, L.Load):
             return f"{ident(e.array)}[{self.index(e.array, e.index)}]"
+        if isinstance(e, L.Cast) and e.a.type in L.NARROW:
+            a = f"scorch_f32({self.expr(e.a)})"
+            return a if e.type == "f32" else f"scorch_to_{e.type}({a})" if e.type in L.NARROW else \
+                f"(({CTYPE[e.type]}){a})"
+        if isinstance(e, L.Cast) and e.type in L.NARROW:
+            return f"scorch_to_{e.type}((float)({self.expr(e.a)}))"
         if isinstance(e, L.Unary) and e.op in ("abs", "sqrt", "sin", "tanh", "exp", "log"):
             a, t = self.expr(e.a), CTYPE[e.type]
             if e.type == "f32":
