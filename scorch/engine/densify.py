@@ -20,7 +20,7 @@ MIN_SIZE = 1 << 15
 
 def to_dense(fmt, shape, levels, values, min_size=MIN_SIZE):
     """The dense tensor of a storage by a generated kernel, or None where none applies: another device than
-    the CPU, a value type the kernels do not take (bool, complex, float16), more dimensions than letters, values
+    the CPU, a value type the kernels do not take (bool, complex, int8), more dimensions than letters, values
     that are not a plain 1-d tensor, or fewer than ``min_size`` stored values and dense elements."""
     from .args import SUPPORTED
     from .evaluate import einsum
