@@ -11,6 +11,7 @@ sum and a fill pass (a sparse output).
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 import threading
 
@@ -249,6 +250,8 @@ def prepared_call(plan: Plan, sizes, dtype):
     m = written.shared_levels
     alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
     wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
+    if not m and math.prod(out_shape) * dtype.itemsize < memory.THRESHOLD_BYTES:
+        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros  # (no huge-page advice to give)
     template, dynamic = [], []
     for n, a in enumerate(plan.lowered.args):
         k = a.kind

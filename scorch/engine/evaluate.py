@@ -51,12 +51,37 @@ def prepare(operands):
     return out
 
 
+def _seen(equation, operands, format):
+    """The prepared call kept in memory for these operands' signature (``_FAST_EQ``), looked for in one pass
+    where nothing has to happen first: SparseTensors with plain values, plain strided tensors, at least one of
+    them sparse, no graph to record, the "cpp" CPU backend; else None (``einsum`` looks in its own order, and
+    for the kept calls on disk). Every repeated call of a small product comes here first."""
+    if cpu_backend_name() != "cpp":
+        return None
+    grad, sparse = torch.is_grad_enabled(), False
+    for x in operands:
+        t = type(x)
+        if t is SparseTensor:
+            if type(x._vals) is not torch.Tensor or (grad and x._vals.requires_grad):
+                return None
+            sparse = True
+        elif t is not torch.Tensor or x.layout != torch.strided or (grad and x.requires_grad):
+            return None
+    if not sparse:
+        return None
+    return _FAST_EQ.get((equation, format, STRUCTURAL.on, None) + tuple(signature(x) for x in operands))
+
+
 def einsum(equation, *operands, format=None, explain=False, backend="cpp", schedule=None):
     """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler.
     ``schedule``: the user's directives for the kernel (``compiler.schedule.Directives``: a loop order, the
     parallel loop, whether the sparse operand may be converted, the format of a contraction's temporaries)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if schedule is None and not explain and backend == "cpp":
+        fast = _seen(equation, operands, format)
+        if fast is not None:
+            return fast(operands, None)
     directives = None if schedule is None else Directives.of(schedule)
     if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is RULES.lazy_type and \
             format in (None, "dense") and not explain and backend == "cpp":
