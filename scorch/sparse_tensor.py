@@ -105,6 +105,10 @@ class SparseTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling() and func not in _METADATA:  # Dynamo traces: one custom op in the graph
+            r = RULES.traced_op(func, types, args, kwargs)
+            if r is not NotImplemented:
+                return r
         impl = IMPLEMENTATIONS.get(func)
         if impl is not None:
             if RULES.lazy_type in types and not getattr(impl, "fuses", False):
@@ -150,6 +154,38 @@ class SparseTensor(torch.Tensor):
         with torch.no_grad():
             return dense_fallback(func, args, kwargs)
 
+    # --- torch.compile: a traceable wrapper subclass (torch.utils._python_dispatch) ---------------------------
+    def __tensor_flatten__(self):
+        """The inner tensors' attribute names (the values, then each level's ``pos``/``crd`` present, as
+        ``_pos<k>``/``_crd<k>``) and the static metadata: the format text (Dynamo guards on it)."""
+        names = ["_vals"]
+        for k, st in enumerate(self._levels):
+            if st.pos is not None:
+                names.append(f"_pos{k}")
+            if st.crd is not None:
+                names.append(f"_crd{k}")
+        return names, (str(self._format), len(self._levels))
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        fmt, n = ctx
+        levels = [LevelStorage(pos=inner.get(f"_pos{k}"), crd=inner.get(f"_crd{k}")) for k in range(n)]
+        return SparseTensor(Format(fmt) if not isinstance(fmt, Format) else fmt, outer_size, levels, inner["_vals"],
+                            check=False)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key of AOTAutograd's cache for this input: format text, shape and the inner arrays' types."""
+        names, _ = self.__tensor_flatten__()
+        arrays = [(n, tuple(getattr(self, n).shape), str(getattr(self, n).dtype)) for n in names]
+        return repr((str(self._format), tuple(self._shape), self.requires_grad, arrays))
+
+    def __getattr__(self, name):
+        # (only names not found otherwise: a level's arrays by the names __tensor_flatten__ gives them)
+        if name[:4] in ("_pos", "_crd") and name[4:].isdigit():
+            st = self._levels[int(name[4:])]
+            return st.pos if name[1:4] == "pos" else st.crd
+        raise AttributeError(f"'SparseTensor' object has no attribute {name!r}")
+
     # --- storage ---------------------------------------------------------------------------------------------
     @property
     def format(self) -> Format:
@@ -167,7 +203,11 @@ class SparseTensor(torch.Tensor):
     @property
     def layout(self) -> torch.layout:
         """torch's layout for this format: ``sparse_coo`` (COO, and formats torch has no layout for),
-        ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``, ``sparse_bsc``, or ``strided`` (dense)."""
+        ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``, ``sparse_bsc``, or ``strided`` (dense). While
+        ``torch.compile`` traces, the wrapper's own ``strided``: Dynamo refuses tensors of torch's sparse layouts,
+        and it meets a SparseTensor as a traceable wrapper of dense arrays (``__tensor_flatten__``)."""
+        if torch.compiler.is_compiling():
+            return torch.strided
         return _layout_of(self._format)
 
     @property
@@ -176,11 +216,11 @@ class SparseTensor(torch.Tensor):
         False for a parameter's ``.grad``: it is the gradient of the parameter's values on its own pattern,
         which optimizers apply like a dense gradient (torch's Adam refuses gradients that are "sparse" in
         torch's sense: index/value pairs to scatter)."""
-        return _layout_of(self._format) == torch.sparse_coo and not getattr(self, "_pattern_grad", False)
+        return self.layout == torch.sparse_coo and not getattr(self, "_pattern_grad", False)
 
     @property
     def is_sparse_csr(self) -> bool:
-        return _layout_of(self._format) == torch.sparse_csr
+        return self.layout == torch.sparse_csr
 
     @property
     def nnz(self) -> int:
@@ -368,7 +408,7 @@ class SparseTensor(torch.Tensor):
             head += f", device={self.device}"
         if self.requires_grad:
             head += ", requires_grad=True"
-        pic = self._picture()
+        pic = "" if torch.compiler.is_compiling() else self._picture()  # (fake arrays while compiling: no data)
         return head + ")" + ("\n" + pic if pic else "")
 
     __str__ = __repr__

@@ -1,0 +1,103 @@
+"""scorch under ``torch.compile`` (issue 20): a sparse x dense product is one custom op in one graph
+(``scorch/dynamo.py``), values and gradients equal to eager."""
+import pytest
+import torch
+import torch._dynamo
+
+import scorch
+
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles anew: no graph of another test, no on-disk cache (a cached graph would hide a change)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _graph(fmt, n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, n, generator=g).relu()
+    return scorch.asformat(dense, fmt), torch.randn(n, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def gcn_loss(A, X, W):
+    return torch.relu(A @ (X @ W)).sum()
+
+
+def _check_gcn(fmt, backend):
+    A, X, W = _graph(fmt)
+    X.requires_grad_()
+    W.requires_grad_()
+    ref = gcn_loss(A, X, W)
+    gx, gw = torch.autograd.grad(ref, (X, W))
+    out = torch.compile(gcn_loss, fullgraph=True, backend=backend)(A, X, W)
+    got_x, got_w = torch.autograd.grad(out, (X, W))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(got_x, gx)
+    torch.testing.assert_close(got_w, gw)
+
+
+def test_gcn_layer_csr_inductor():
+    _check_gcn("csr", "inductor")
+
+
+def test_issue_example():
+    S, X, _ = _graph("csr", 64)
+    fn = lambda S, X: (S @ X).relu().sum()  # noqa: E731
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(S, X), fn(S, X))
+
+
+def test_one_graph_no_breaks():
+    A, X, W = _graph("csr")
+    explained = torch._dynamo.explain(gcn_loss)(A, X, W)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained
+
+
+@pytest.mark.parametrize("spelling", ["mm", "matmul", "einsum", "rmatmul", "mv"])
+def test_spellings(spelling):
+    A, X, W = _graph("csr")
+    fns = {"mm": lambda A, X: torch.mm(A, X), "matmul": lambda A, X: torch.matmul(A, X),
+           "einsum": lambda A, X: torch.einsum("ij,jk->ik", A, X), "rmatmul": lambda A, X: X.t() @ A,
+           "mv": lambda A, X: A @ X[:, 0]}
+    fn = fns[spelling]
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(A, X), fn(A, X))
+
+
+def test_custom_op_opcheck():
+    from scorch.dynamo import _flatten
+    A, X, _ = _graph("csr")
+    meta, arrays = _flatten([A, X])
+    torch.library.opcheck(torch.ops.scorch.einsum_dense.default, ("ij,jk->ik", meta, arrays),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_sparse_input_requiring_grad_is_refused():
+    """Not yet supported: refused with a clear message, never a silently missing gradient."""
+    A, X, W = _graph("csr")
+    A.requires_grad_()
+    with pytest.raises(Exception, match="cannot receive a gradient yet"):
+        torch.compile(gcn_loss, fullgraph=True, backend="aot_eager")(A, X, W)
+
+
+def test_unsupported_op_names_itself():
+    A, X, _ = _graph("csr")
+    with pytest.raises(Exception, match="not supported under torch.compile"):
+        torch.compile(lambda A: torch.sin(A).to_dense().sum(), fullgraph=True, backend="aot_eager")(A)
+
+
+def test_eager_unchanged_after_compile():
+    A, X, W = _graph("csr")
+    torch.compile(gcn_loss, fullgraph=True, backend="aot_eager")(A, X, W)
+    assert A.layout == torch.sparse_csr and not torch.compiler.is_compiling()
+    torch.testing.assert_close(A @ X, A.to_dense() @ X)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["coo", "bsr(2, 2)", "csc", "dcsr"])
+def test_gcn_layer_formats(fmt):
+    _check_gcn(fmt, "inductor")
