@@ -1,18 +1,19 @@
 """scorch under ``torch.compile`` (issue 20): einsums with sparse operands as torch custom ops.
 
-Dynamo inlines ``SparseTensor.__torch_function__``; it cannot trace the engine behind it (einsum planning,
-generated kernels called through ctypes). While compiling, ``__torch_function__`` hands a supported op here
-(``RULES.traced_op``) and this module puts one opaque call in the graph instead:
+A SparseTensor is a traceable wrapper subclass (``scorch/_traceable.py``): Dynamo puts an op on it in the graph as
+it is, and AOTAutograd runs the graph on SparseTensors over fake arrays, through ``__torch_function__``. While
+compiling, ``__torch_function__`` hands the op here (``RULES.traced_op``): the engine behind it (einsum planning,
+generated kernels called through ctypes) cannot be traced, so a supported op becomes one opaque call,
 ``torch.ops.scorch.einsum_dense(equation, meta, arrays)``. ``arrays`` are plain tensors (the sparse operands' values
-and level arrays, and the dense operands), so the graph, AOTAutograd and Inductor see only dense tensors; ``meta``
-is text (each sparse operand's format, shape and which level arrays it has), a constant of the graph. The real
-implementation rebuilds the SparseTensors and runs scorch's eager einsum; the fake one gives the output's shape and
-dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager gradient
-(``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
+and level arrays, and the dense operands), so the graph AOTAutograd hands on to Inductor holds only dense tensors;
+``meta`` is text (each sparse operand's format, shape and which level arrays it has), a constant of the graph. The
+real implementation rebuilds the SparseTensors and runs scorch's eager einsum; the fake one gives the output's
+shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
+gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
 
-Supported today: ``@``, ``torch.matmul``, ``torch.mm`` and ``torch.einsum`` with a sparse operand and a dense
-result (sparse x dense). Any other op on a SparseTensor inside a compiled region raises ``NotCompilable``
-naming the op.
+Supported today: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.mv`` spelled as ``@``, and ``torch.einsum`` with a
+sparse operand and a dense result (sparse x dense); gradients of the dense operands and of a sparse input's leaf
+values. Any other op on a SparseTensor inside a compiled region raises ``NotCompilable`` naming the op.
 """
 from __future__ import annotations
 
@@ -233,17 +234,16 @@ _WRAPPER_METADATA = {torch.Tensor.stride, torch.Tensor.storage_offset, torch.Ten
                      torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.is_inference,
                      torch.Tensor._is_zerotensor}
 def _grad(outputs, inputs, *args, **kwargs):
-    """``torch.autograd.grad`` as AOTAutograd calls it for a SparseTensor input that requires grad. The gradient
-    of its values is in the graph (``einsum_grad``), but at run time AOTAutograd unwraps the input inside its
-    autograd Function and hands the gradient to the wrapper, which is no autograd leaf (the graph lives on the
-    values): it would be lost. Refused, rather than a silently missing gradient."""
-    sparse = [x for x in ([inputs] if isinstance(inputs, torch.Tensor) else inputs) if isinstance(x, SparseTensor)]
-    if sparse:
-        raise NotCompilable(
-            "scorch: under torch.compile a SparseTensor input cannot receive a gradient yet (its values require"
-            " grad): compile with S.detach(), or run the step eagerly (scorch issue 20)")
+    """``torch.autograd.grad`` as AOTAutograd calls it for a SparseTensor input that requires grad: the gradient of
+    its values, on its pattern (the graph lives on the values). At run time it reaches the wrapper, which passes it
+    on to the values (``SparseTensor._bridge_grad``)."""
+    single = isinstance(inputs, torch.Tensor)
+    inputs = [inputs] if single else list(inputs)
+    flat = [x._vals if isinstance(x, SparseTensor) else x for x in inputs]
     with torch._C.DisableTorchFunctionSubclass():
-        return torch.autograd.grad(outputs, inputs, *args, **kwargs)
+        grads = torch.autograd.grad(outputs, flat, *args, **kwargs)
+    return tuple(g if g is None or not isinstance(x, SparseTensor) else x.with_values(g)
+                 for x, g in zip(inputs, grads))
 
 
 _ATTRIBUTE_ACCESS = ("__get__", "__set__", "__delete__")

@@ -17,6 +17,7 @@ from .formats import Format, LevelStorage, resolve
 from .formats.named import short_name
 from .formats import storage as _storage
 from .rules import RULES
+from ._traceable import Traceable
 
 #: torch function or method -> scorch implementation, filled next to each implementation by ``implements``
 IMPLEMENTATIONS: dict = {}
@@ -61,7 +62,7 @@ def _as_storage(level):
     raise TypeError(f"a level's storage is a LevelStorage or a dict with 'pos'/'crd', got {type(level).__name__}")
 
 
-class SparseTensor(torch.Tensor):
+class SparseTensor(Traceable, torch.Tensor):
     """A sparse tensor in any scorch format. Build one with ``scorch.asformat`` or the ``sparse_*_tensor``
     constructors; ``SparseTensor(format, shape, levels, values)`` wraps existing arrays without copying
     (and validates them unless ``check=False``)."""
@@ -141,6 +142,8 @@ class SparseTensor(torch.Tensor):
         # reached below autograd (torch internals that skip __torch_function__): without a gradient to lose, the
         # op runs on the dense form as a fallback; with one, the dense result would not reach the stored values
         kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default and type(args[0]) is SparseTensor:  # (AccumulateGrad's)
+            return args[0].detach()
         if _getting.depth:  # an attribute read: __torch_function__ computes it, differentiably, under its name
             raise _ReachedDispatch(f"scorch: {func} reached torch's dispatcher")
         sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
@@ -153,38 +156,6 @@ class SparseTensor(torch.Tensor):
                                    " in place, and scorch has no implementation for it")
         with torch.no_grad():
             return dense_fallback(func, args, kwargs)
-
-    # --- torch.compile: a traceable wrapper subclass (torch.utils._python_dispatch) ---------------------------
-    def __tensor_flatten__(self):
-        """The inner tensors' attribute names (the values, then each level's ``pos``/``crd`` present, as
-        ``_pos<k>``/``_crd<k>``) and the static metadata: the format text (Dynamo guards on it)."""
-        names = ["_vals"]
-        for k, st in enumerate(self._levels):
-            if st.pos is not None:
-                names.append(f"_pos{k}")
-            if st.crd is not None:
-                names.append(f"_crd{k}")
-        return names, (str(self._format), len(self._levels))
-
-    @staticmethod
-    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        fmt, n = ctx
-        levels = [LevelStorage(pos=inner.get(f"_pos{k}"), crd=inner.get(f"_crd{k}")) for k in range(n)]
-        return SparseTensor(Format(fmt) if not isinstance(fmt, Format) else fmt, outer_size, levels, inner["_vals"],
-                            check=False)
-
-    def _stable_hash_for_caching(self) -> str:
-        """The key of AOTAutograd's cache for this input: format text, shape and the inner arrays' types."""
-        names, _ = self.__tensor_flatten__()
-        arrays = [(n, tuple(getattr(self, n).shape), str(getattr(self, n).dtype)) for n in names]
-        return repr((str(self._format), tuple(self._shape), self.requires_grad, arrays))
-
-    def __getattr__(self, name):
-        # (only names not found otherwise: a level's arrays by the names __tensor_flatten__ gives them)
-        if name[:4] in ("_pos", "_crd") and name[4:].isdigit():
-            st = self._levels[int(name[4:])]
-            return st.pos if name[1:4] == "pos" else st.crd
-        raise AttributeError(f"'SparseTensor' object has no attribute {name!r}")
 
     # --- storage ---------------------------------------------------------------------------------------------
     @property
@@ -280,10 +251,13 @@ class SparseTensor(torch.Tensor):
 
     @requires_grad.setter
     def requires_grad(self, flag: bool):
-        self._vals.requires_grad_(flag)
+        self.requires_grad_(flag)
 
     def requires_grad_(self, requires_grad: bool = True) -> "SparseTensor":
         self._vals.requires_grad_(requires_grad)
+        if getattr(self, "_bridged", False):  # (the wrapper's own flag follows: see _bridge_grad)
+            with torch._C.DisableTorchFunctionSubclass():
+                torch._C.TensorBase.requires_grad_(self, requires_grad)
         return self
 
     @property
