@@ -61,6 +61,13 @@ class Traceable:
         arrays = [(n, tuple(getattr(self, n).shape), str(getattr(self, n).dtype)) for n in names]
         return repr((str(self._format), tuple(self._shape), self.requires_grad, arrays))
 
+    @property
+    def _dynamo_static_indices(self):
+        """Every dimension of the wrapper static to Dynamo (the stored arrays' sizes, nnz, may still be dynamic): a
+        dynamic outer size makes AOTAutograd read the wrapper's ``stride()`` at run time, which a SparseTensor
+        refuses (it has no dense storage). A new sparse shape compiles a new graph."""
+        return set(range(len(self._shape)))
+
     def __getattr__(self, name):
         # (only names not found otherwise: a level's arrays by the names __tensor_flatten__ gives them)
         if name[:4] in ("_pos", "_crd") and name[4:].isdigit():

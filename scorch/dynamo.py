@@ -4,9 +4,10 @@ A SparseTensor is a traceable wrapper subclass (``scorch/_traceable.py``): Dynam
 it is, and AOTAutograd runs the graph on SparseTensors over fake arrays, through ``__torch_function__``. While
 compiling, ``__torch_function__`` hands the op here (``RULES.traced_op``): the engine behind it (einsum planning,
 generated kernels called through ctypes) cannot be traced, so a supported op becomes one opaque call,
-``torch.ops.scorch.einsum_dense(equation, meta, arrays)``. ``arrays`` are plain tensors (the sparse operands' values
+``torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)``. ``arrays`` are plain tensors (the sparse operands' values
 and level arrays, and the dense operands), so the graph AOTAutograd hands on to Inductor holds only dense tensors;
-``meta`` is text (each sparse operand's format, shape and which level arrays it has), a constant of the graph. The
+``meta`` is text (each sparse operand's format and which level arrays it has), a constant of the graph, and
+``sizes`` the sparse operands' shapes (symbolic under dynamic shapes). The
 real implementation rebuilds the SparseTensors and runs scorch's eager einsum; the fake one gives the output's
 shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
 gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
@@ -28,21 +29,24 @@ from .rules import RULES
 from .sparse_tensor import SparseTensor
 
 # --- meta text: one item per operand, ";" between them -------------------------------------------------------
-# a dense operand: "D"; a sparse one: "S|<format text>|<shape, comma separated>|<arrays>", <arrays> one letter pair
-# per level (p: pos present, c: crd present, -: absent), e.g. "S|(i, j) -> (i : dense, j : compressed)|64,64|--pc"
+# a dense operand: "D"; a sparse one: "S|<format text>|<arrays>", <arrays> one letter pair per level (p: pos present,
+# c: crd present, -: absent), e.g. "S|(i, j) -> (i : dense, j : compressed)|--pc". A sparse operand's shape is not
+# text: its sizes are an argument of the op (``sizes``, every sparse operand's in turn), symbolic where Dynamo
+# makes them dynamic.
 
 
-def _sparse_meta(fmt_text: str, shape, levels) -> str:
+def _sparse_meta(fmt_text: str, levels) -> str:
     have = "".join(("p" if st.pos is not None else "-") + ("c" if st.crd is not None else "-") for st in levels)
-    return "S|" + fmt_text + "|" + ",".join([str(n) for n in shape]) + "|" + have
+    return "S|" + fmt_text + "|" + have
 
 
 def _flatten(operands):
-    """``(meta, arrays)`` of ``operands`` (SparseTensors and dense tensors)."""
-    metas, arrays = [], []
+    """``(meta, arrays, sizes)`` of ``operands`` (SparseTensors and dense tensors)."""
+    metas, arrays, sizes = [], [], []
     for x in operands:
         if isinstance(x, SparseTensor):
-            metas.append(_sparse_meta(str(x._format), x._shape, x._levels))
+            metas.append(_sparse_meta(str(x._format), x._levels))
+            sizes.extend(x._shape)
             arrays.append(x._vals)
             for st in x._levels:
                 if st.pos is not None:
@@ -52,18 +56,21 @@ def _flatten(operands):
         else:
             metas.append("D")
             arrays.append(x)
-    return ";".join(metas), arrays
+    return ";".join(metas), arrays, sizes
 
 
-def _items(meta: str):
-    """Per operand: None (dense) or ``(format text, shape, arrays letters)``."""
-    out = []
+def _items(meta: str, sizes=None):
+    """Per operand: None (dense) or ``(format text, shape, arrays letters)`` (the shape from ``sizes``: the format's
+    number of dimensions of them)."""
+    out, at = [], 0
     for item in meta.split(";"):
         if item == "D":
             out.append(None)
         else:
-            _, fmt, shape, have = item.split("|")
-            out.append((fmt, tuple(int(n) for n in shape.split(",") if n), have))
+            _, fmt, have = item.split("|")
+            n = from_text(fmt).ndim
+            out.append((fmt, None if sizes is None else tuple(sizes[at:at + n]), have))
+            at += n
     return out
 
 
@@ -72,10 +79,10 @@ def _arity(item) -> int:
     return 1 if item is None else 1 + sum(c != "-" for c in item[2])
 
 
-def _rebuild(meta: str, arrays):
+def _rebuild(meta: str, arrays, sizes):
     """The operands ``_flatten`` flattened (SparseTensors wrapped again, not validated: they were valid)."""
     ops, k = [], 0
-    for item in _items(meta):
+    for item in _items(meta, sizes):
         if item is None:
             ops.append(arrays[k])
             k += 1
@@ -94,10 +101,10 @@ def _rebuild(meta: str, arrays):
     return ops
 
 
-def _shapes(meta: str, arrays):
-    """Each operand's shape (a sparse one's from the meta text, a dense one's from its array)."""
+def _shapes(meta: str, arrays, sizes):
+    """Each operand's shape (a sparse one's from ``sizes``, a dense one's from its array)."""
     shapes, k = [], 0
-    for item in _items(meta):
+    for item in _items(meta, sizes):
         shapes.append(tuple(arrays[k].shape) if item is None else item[1])
         k += _arity(item)
     return shapes
@@ -124,17 +131,18 @@ def _fresh(r: torch.Tensor, arrays) -> torch.Tensor:
 # --- the ops -------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("scorch::einsum_dense", mutates_args=())
-def einsum_dense(equation: str, meta: str, arrays: list[torch.Tensor]) -> torch.Tensor:
-    """``engine.einsum(equation, *operands, format="dense")`` of the operands ``meta`` and ``arrays`` describe."""
-    r = engine.einsum(equation, *_rebuild(meta, arrays), format="dense")
+def einsum_dense(equation: str, meta: str, arrays: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """``engine.einsum(equation, *operands, format="dense")`` of the operands ``meta``, ``arrays`` and ``sizes``
+    describe."""
+    r = engine.einsum(equation, *_rebuild(meta, arrays, sizes), format="dense")
     if isinstance(r, SparseTensor):
         r = r.to_dense()
     return _fresh(r.contiguous(), arrays)
 
 
 @einsum_dense.register_fake
-def _einsum_dense_fake(equation, meta, arrays):
-    shapes = _shapes(meta, arrays)
+def _einsum_dense_fake(equation, meta, arrays, sizes):
+    shapes = _shapes(meta, arrays, sizes)
     inputs, out = parse(equation, [len(s) for s in shapes])
     sizes = {}
     for letters, shape in zip(inputs, shapes):
@@ -148,10 +156,11 @@ def _einsum_dense_fake(equation, meta, arrays):
 
 
 @torch.library.custom_op("scorch::einsum_grad", mutates_args=())
-def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], grad: torch.Tensor) -> torch.Tensor:
+def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], sizes: list[int],
+                grad: torch.Tensor) -> torch.Tensor:
     """The gradient of operand ``k``'s values (sparse: aligned with its values array) or tensor (dense) from the
-    gradient ``grad`` of the dense result of ``einsum_dense(equation, meta, arrays)``."""
-    ops = _rebuild(meta, arrays)
+    gradient ``grad`` of the dense result of ``einsum_dense(equation, meta, arrays, sizes)``."""
+    ops = _rebuild(meta, arrays, sizes)
     inputs, out = parse(equation, [len(x._shape) if isinstance(x, SparseTensor) else x.dim() for x in ops])
     g = _einsum_grad(k, inputs, out, ops, grad)
     if isinstance(g, SparseTensor):
@@ -161,13 +170,13 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], gr
 
 
 @einsum_grad.register_fake
-def _einsum_grad_fake(equation, meta, k, arrays, grad):
+def _einsum_grad_fake(equation, meta, k, arrays, sizes, grad):
     return torch.empty_like(arrays[_value_arrays(meta, arrays)[k]])
 
 
 def _setup_context(ctx, inputs, output):
-    equation, meta, arrays = inputs
-    ctx.equation, ctx.meta, ctx.n = equation, meta, len(arrays)
+    equation, meta, arrays, sizes = inputs
+    ctx.equation, ctx.meta, ctx.sizes, ctx.n = equation, meta, sizes, len(arrays)
     ctx.save_for_backward(*arrays)
 
 
@@ -176,8 +185,8 @@ def _backward(ctx, grad):
     grads = [None] * ctx.n
     for k, at in enumerate(_value_arrays(ctx.meta, arrays)):
         if ctx.needs_input_grad[2] and arrays[at].dtype.is_floating_point:
-            grads[at] = torch.ops.scorch.einsum_grad(ctx.equation, ctx.meta, k, arrays, grad)
-    return None, None, grads
+            grads[at] = torch.ops.scorch.einsum_grad(ctx.equation, ctx.meta, k, arrays, ctx.sizes, grad)
+    return None, None, grads, None
 
 
 einsum_dense.register_autograd(_backward, setup_context=_setup_context)
@@ -225,8 +234,8 @@ def traced_op(func, types, args, kwargs):
         raise NotCompilable(
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
             " (supported: @, torch.matmul, torch.mm and torch.einsum with a sparse operand and a dense result)")
-    meta, arrays = _flatten(operands)
-    return torch.ops.scorch.einsum_dense(equation, meta, arrays)
+    meta, arrays, sizes = _flatten(operands)
+    return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
 
 
 #: what Dynamo reads of a wrapper itself (its own strides, as _make_wrapper_subclass made them)

@@ -377,7 +377,7 @@ class SparseTensor(Traceable, torch.Tensor):
         """Format, shape, dtype, nnz, density, and a picture of the pattern for small matrices."""
         fmt = short_name(self._format)
         head = (f"SparseTensor(format={fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz},"
-                f" density={self.density:.3g}")
+                f" density={_g3(self.density)}")
         if self.device.type != "cpu":
             head += f", device={self.device}"
         if self.requires_grad:
@@ -406,6 +406,11 @@ class SparseTensor(Traceable, torch.Tensor):
         return (_rebuild, (str(self._format), tuple(self.shape),
                            tuple((st.pos, st.crd) for st in self._levels), self._vals.detach(), self.requires_grad,
                            bool(getattr(self, "_is_param", False))))
+
+
+def _g3(x) -> str:
+    """``x`` to 3 digits; a symbolic size's expression as it is (a fake tensor's, while torch.compile traces)."""
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
 @functools.lru_cache(maxsize=256)

@@ -71,8 +71,8 @@ def test_spellings(spelling):
 def test_custom_op_opcheck():
     from scorch.dynamo import _flatten
     A, X, _ = _graph("csr")
-    meta, arrays = _flatten([A, X])
-    torch.library.opcheck(torch.ops.scorch.einsum_dense.default, ("ij,jk->ik", meta, arrays),
+    meta, arrays, sizes = _flatten([A, X])
+    torch.library.opcheck(torch.ops.scorch.einsum_dense.default, ("ij,jk->ik", meta, arrays, sizes),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -133,3 +133,15 @@ def test_gcn_layer_formats(fmt):
 @pytest.mark.parametrize("fmt", ["csr", "coo", "bsr(2, 2)"])
 def test_sparse_input_gradient_formats(fmt):
     _check_sparse_grad(fmt, "inductor")
+
+
+def test_new_patterns_and_shapes():
+    """Another pattern (nnz) reuses the graph once Dynamo makes the array sizes dynamic; another sparse shape
+    compiles a new graph (the wrapper's sizes are static: ``_traceable.Traceable._dynamo_static_indices``)."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(8, 4, generator=g, requires_grad=True)
+    compiled = torch.compile(gcn_loss, fullgraph=True, backend="aot_eager")
+    for n, density in [(16, 0.3), (16, 0.5), (16, 0.7), (24, 0.5)]:
+        dense = torch.randn(n, n, generator=g) * (torch.rand(n, n, generator=g) < density)
+        A, X = scorch.asformat(dense, "csr"), torch.randn(n, 8, generator=g)
+        torch.testing.assert_close(compiled(A, X, W), gcn_loss(A, X, W))
