@@ -12,8 +12,8 @@ real implementation rebuilds the SparseTensors and runs scorch's eager einsum; t
 shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
 gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
 
-Supported today: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.mv`` spelled as ``@``, and ``torch.einsum`` with a
-sparse operand and a dense result (sparse x dense); gradients of the dense operands and of a sparse input's leaf
+Supported today: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.mv`` spelled as ``@``, ``torch.einsum`` and
+``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x dense); gradients of the dense operands and of a sparse input's leaf
 values. Any other op on a SparseTensor inside a compiled region raises ``NotCompilable`` naming the op.
 """
 from __future__ import annotations
@@ -217,6 +217,8 @@ def traced_op(func, types, args, kwargs):
     if func in _WRAPPER_METADATA:  # Dynamo's own reads of the wrapper (fakeifying an input): the wrapper answers
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    if func is torch.nn.functional.linear:
+        return _linear(func, *args, **kwargs)
     if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm) and \
             len(args) == 2 and not kwargs:
         operands = list(args)
@@ -233,9 +235,25 @@ def traced_op(func, types, args, kwargs):
     if equation is None or not dense_out or not all(isinstance(x, torch.Tensor) for x in operands):
         raise NotCompilable(
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
-            " (supported: @, torch.matmul, torch.mm and torch.einsum with a sparse operand and a dense result)")
+            " (supported: @, torch.matmul, torch.mm, torch.einsum and F.linear with a sparse operand and a dense"
+            " result)")
     meta, arrays, sizes = _flatten(operands)
     return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
+
+
+def _linear(func, input, weight, bias=None):
+    """``F.linear`` with a sparse weight (out x in) or a sparse 2-d input: ``input @ weight.T + bias``, the product
+    one custom op."""
+    if isinstance(weight, SparseTensor) and not isinstance(input, SparseTensor):
+        lead = input.shape[:-1]
+        out = traced_op(torch.einsum, (), ("bi,oi->bo", input.reshape(-1, input.shape[-1]), weight), {})
+        out = out.reshape(*lead, out.shape[-1])
+    elif isinstance(input, SparseTensor) and not isinstance(weight, SparseTensor) and _ndim(input) == 2:
+        out = traced_op(torch.einsum, (), ("bi,oi->bo", input, weight), {})
+    else:
+        raise NotCompilable("scorch: linear under torch.compile takes a sparse weight and a dense input, or a 2-d"
+                            " sparse input and a dense weight")
+    return out if bias is None else out + bias
 
 
 #: what Dynamo reads of a wrapper itself (its own strides, as _make_wrapper_subclass made them)
