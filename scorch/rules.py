@@ -20,6 +20,8 @@ Rules, by owner:
   ``scorch.compile``, or None.
 - ``engine``: ``to_dense(format, shape, levels, values)``, ``asformat(x, format, **options)`` and ``to_torch(x)``,
   for ``SparseTensor``'s methods.
+- ``dynamo``: ``traced_op(func, types, args, kwargs)``, the graph's call for an op with a sparse operand while
+  ``torch.compile`` traces (a custom op over the operands' arrays).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class LazyNever:
 class Rules:
     __slots__ = ("differentiable_einsum", "differentiable_run", "differentiable_convert", "lazy_type",
                  "compute_lazy", "substitute_lazy", "fused_product", "lazy_epilogue", "to_dense", "asformat",
-                 "to_torch")
+                 "to_torch", "traced_op")
 
     def __init__(self):
         for name in self.__slots__:

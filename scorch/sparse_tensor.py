@@ -17,6 +17,7 @@ from .formats import Format, LevelStorage, resolve
 from .formats.named import short_name
 from .formats import storage as _storage
 from .rules import RULES
+from ._traceable import Traceable
 
 #: torch function or method -> scorch implementation, filled next to each implementation by ``implements``
 IMPLEMENTATIONS: dict = {}
@@ -61,7 +62,7 @@ def _as_storage(level):
     raise TypeError(f"a level's storage is a LevelStorage or a dict with 'pos'/'crd', got {type(level).__name__}")
 
 
-class SparseTensor(torch.Tensor):
+class SparseTensor(Traceable, torch.Tensor):
     """A sparse tensor in any scorch format. Build one with ``scorch.asformat`` or the ``sparse_*_tensor``
     constructors; ``SparseTensor(format, shape, levels, values)`` wraps existing arrays without copying
     (and validates them unless ``check=False``)."""
@@ -105,6 +106,10 @@ class SparseTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling() and func not in _METADATA:  # Dynamo traces: one custom op in the graph
+            r = RULES.traced_op(func, types, args, kwargs)
+            if r is not NotImplemented:
+                return r
         impl = IMPLEMENTATIONS.get(func)
         if impl is not None:
             if RULES.lazy_type in types and not getattr(impl, "fuses", False):
@@ -137,6 +142,8 @@ class SparseTensor(torch.Tensor):
         # reached below autograd (torch internals that skip __torch_function__): without a gradient to lose, the
         # op runs on the dense form as a fallback; with one, the dense result would not reach the stored values
         kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default and type(args[0]) is SparseTensor:  # (AccumulateGrad's)
+            return args[0].detach()
         if _getting.depth:  # an attribute read: __torch_function__ computes it, differentiably, under its name
             raise _ReachedDispatch(f"scorch: {func} reached torch's dispatcher")
         sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
@@ -167,7 +174,11 @@ class SparseTensor(torch.Tensor):
     @property
     def layout(self) -> torch.layout:
         """torch's layout for this format: ``sparse_coo`` (COO, and formats torch has no layout for),
-        ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``, ``sparse_bsc``, or ``strided`` (dense)."""
+        ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``, ``sparse_bsc``, or ``strided`` (dense). While
+        ``torch.compile`` traces, the wrapper's own ``strided``: Dynamo refuses tensors of torch's sparse layouts,
+        and it meets a SparseTensor as a traceable wrapper of dense arrays (``__tensor_flatten__``)."""
+        if torch.compiler.is_compiling():
+            return torch.strided
         return _layout_of(self._format)
 
     @property
@@ -176,11 +187,11 @@ class SparseTensor(torch.Tensor):
         False for a parameter's ``.grad``: it is the gradient of the parameter's values on its own pattern,
         which optimizers apply like a dense gradient (torch's Adam refuses gradients that are "sparse" in
         torch's sense: index/value pairs to scatter)."""
-        return _layout_of(self._format) == torch.sparse_coo and not getattr(self, "_pattern_grad", False)
+        return self.layout == torch.sparse_coo and not getattr(self, "_pattern_grad", False)
 
     @property
     def is_sparse_csr(self) -> bool:
-        return _layout_of(self._format) == torch.sparse_csr
+        return self.layout == torch.sparse_csr
 
     @property
     def nnz(self) -> int:
@@ -240,10 +251,13 @@ class SparseTensor(torch.Tensor):
 
     @requires_grad.setter
     def requires_grad(self, flag: bool):
-        self._vals.requires_grad_(flag)
+        self.requires_grad_(flag)
 
     def requires_grad_(self, requires_grad: bool = True) -> "SparseTensor":
         self._vals.requires_grad_(requires_grad)
+        if getattr(self, "_bridged", False):  # (the wrapper's own flag follows: see _bridge_grad)
+            with torch._C.DisableTorchFunctionSubclass():
+                torch._C.TensorBase.requires_grad_(self, requires_grad)
         return self
 
     @property
@@ -363,12 +377,12 @@ class SparseTensor(torch.Tensor):
         """Format, shape, dtype, nnz, density, and a picture of the pattern for small matrices."""
         fmt = short_name(self._format)
         head = (f"SparseTensor(format={fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz},"
-                f" density={self.density:.3g}")
+                f" density={_g3(self.density)}")
         if self.device.type != "cpu":
             head += f", device={self.device}"
         if self.requires_grad:
             head += ", requires_grad=True"
-        pic = self._picture()
+        pic = "" if torch.compiler.is_compiling() else self._picture()  # (fake arrays while compiling: no data)
         return head + ")" + ("\n" + pic if pic else "")
 
     __str__ = __repr__
@@ -392,6 +406,11 @@ class SparseTensor(torch.Tensor):
         return (_rebuild, (str(self._format), tuple(self.shape),
                            tuple((st.pos, st.crd) for st in self._levels), self._vals.detach(), self.requires_grad,
                            bool(getattr(self, "_is_param", False))))
+
+
+def _g3(x) -> str:
+    """``x`` to 3 digits; a symbolic size's expression as it is (a fake tensor's, while torch.compile traces)."""
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
 @functools.lru_cache(maxsize=256)

@@ -47,7 +47,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "scorch.engine": ("scorch.engine", "scorch.compiler", "scorch.formats", *LOOP_IR, "scorch.sparse_tensor",
                       "scorch._stats", "scorch.rules"),
     # the tensor type: above formats, below the engine (what it hands up goes through scorch.rules)
-    "scorch.sparse_tensor": ("scorch.sparse_tensor", "scorch.formats", *LOOP_IR, "scorch._stats", "scorch.rules"),
+    "scorch.sparse_tensor": ("scorch.sparse_tensor", "scorch.formats", *LOOP_IR, "scorch._stats", "scorch.rules",
+                             "scorch._traceable"),
+    # SparseTensor's mixin for torch.compile's subclass tracing (__tensor_flatten__...): beside it, above formats
+    "scorch._traceable": ("scorch._traceable", "scorch.formats", *LOOP_IR),
     "scorch.rules": ("scorch.rules",),  # the rule table the upper layers fill: a leaf
     **{ir: LOOP_IR for ir in LOOP_IR},  # the loop IR is a leaf: it imports nothing else of scorch
 }

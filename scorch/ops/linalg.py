@@ -211,5 +211,8 @@ for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):
 
 # ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
 # ``__torch_function__`` round trip (about 7 us a call)
-SparseTensor.__matmul__ = lambda self, other: matmul(self, other)
-SparseTensor.__rmatmul__ = lambda self, other: matmul(other, self)
+# (while torch.compile traces, through torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
+SparseTensor.__matmul__ = lambda self, other: torch.matmul(self, other) if torch.compiler.is_compiling() else \
+    matmul(self, other)
+SparseTensor.__rmatmul__ = lambda self, other: torch.matmul(other, self) if torch.compiler.is_compiling() else \
+    matmul(other, self)

@@ -1,0 +1,283 @@
+"""scorch under ``torch.compile`` (issue 20): einsums with sparse operands as torch custom ops.
+
+A SparseTensor is a traceable wrapper subclass (``scorch/_traceable.py``): Dynamo puts an op on it in the graph as
+it is, and AOTAutograd runs the graph on SparseTensors over fake arrays, through ``__torch_function__``. While
+compiling, ``__torch_function__`` hands the op here (``RULES.traced_op``): the engine behind it (einsum planning,
+generated kernels called through ctypes) cannot be traced, so a supported op becomes one opaque call,
+``torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)``. ``arrays`` are plain tensors (the sparse operands' values
+and level arrays, and the dense operands), so the graph AOTAutograd hands on to Inductor holds only dense tensors;
+``meta`` is text (each sparse operand's format and which level arrays it has), a constant of the graph, and
+``sizes`` the sparse operands' shapes (symbolic under dynamic shapes). The
+real implementation rebuilds the SparseTensors and runs scorch's eager einsum; the fake one gives the output's
+shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
+gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
+
+Supported today: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.mv`` spelled as ``@``, ``torch.einsum`` and
+``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x dense); gradients of the dense operands and of a sparse input's leaf
+values. Any other op on a SparseTensor inside a compiled region raises ``NotCompilable`` naming the op.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._autograd import _einsum_grad
+from . import engine
+from .compiler.einsum import parse
+from .formats.format import from_text
+from .formats import LevelStorage
+from .rules import RULES
+from .sparse_tensor import SparseTensor
+
+# --- meta text: one item per operand, ";" between them -------------------------------------------------------
+# a dense operand: "D"; a sparse one: "S|<format text>|<arrays>", <arrays> one letter pair per level (p: pos present,
+# c: crd present, -: absent), e.g. "S|(i, j) -> (i : dense, j : compressed)|--pc". A sparse operand's shape is not
+# text: its sizes are an argument of the op (``sizes``, every sparse operand's in turn), symbolic where Dynamo
+# makes them dynamic.
+
+
+def _sparse_meta(fmt_text: str, levels) -> str:
+    have = "".join(("p" if st.pos is not None else "-") + ("c" if st.crd is not None else "-") for st in levels)
+    return "S|" + fmt_text + "|" + have
+
+
+def _flatten(operands):
+    """``(meta, arrays, sizes)`` of ``operands`` (SparseTensors and dense tensors)."""
+    metas, arrays, sizes = [], [], []
+    for x in operands:
+        if isinstance(x, SparseTensor):
+            metas.append(_sparse_meta(str(x._format), x._levels))
+            sizes.extend(x._shape)
+            arrays.append(x._vals)
+            for st in x._levels:
+                if st.pos is not None:
+                    arrays.append(st.pos)
+                if st.crd is not None:
+                    arrays.append(st.crd)
+        else:
+            metas.append("D")
+            arrays.append(x)
+    return ";".join(metas), arrays, sizes
+
+
+def _items(meta: str, sizes=None):
+    """Per operand: None (dense) or ``(format text, shape, arrays letters)`` (the shape from ``sizes``: the format's
+    number of dimensions of them)."""
+    out, at = [], 0
+    for item in meta.split(";"):
+        if item == "D":
+            out.append(None)
+        else:
+            _, fmt, have = item.split("|")
+            n = from_text(fmt).ndim
+            out.append((fmt, None if sizes is None else tuple(sizes[at:at + n]), have))
+            at += n
+    return out
+
+
+def _arity(item) -> int:
+    """How many arrays an operand takes: 1 for a dense one, values plus its present level arrays for a sparse one."""
+    return 1 if item is None else 1 + sum(c != "-" for c in item[2])
+
+
+def _rebuild(meta: str, arrays, sizes):
+    """The operands ``_flatten`` flattened (SparseTensors wrapped again, not validated: they were valid)."""
+    ops, k = [], 0
+    for item in _items(meta, sizes):
+        if item is None:
+            ops.append(arrays[k])
+            k += 1
+            continue
+        fmt, shape, have = item
+        vals, k = arrays[k], k + 1
+        levels = []
+        for p, c in zip(have[0::2], have[1::2]):
+            pos = crd = None
+            if p != "-":
+                pos, k = arrays[k], k + 1
+            if c != "-":
+                crd, k = arrays[k], k + 1
+            levels.append(LevelStorage(pos=pos, crd=crd))
+        ops.append(SparseTensor(from_text(fmt), shape, levels, vals, check=False))
+    return ops
+
+
+def _shapes(meta: str, arrays, sizes):
+    """Each operand's shape (a sparse one's from ``sizes``, a dense one's from its array)."""
+    shapes, k = [], 0
+    for item in _items(meta, sizes):
+        shapes.append(tuple(arrays[k].shape) if item is None else item[1])
+        k += _arity(item)
+    return shapes
+
+
+def _value_arrays(meta: str, arrays):
+    """The index in ``arrays`` of each operand's values (sparse) or tensor (dense)."""
+    first, k = [], 0
+    for item in _items(meta):
+        first.append(k)
+        k += _arity(item)
+    return first
+
+
+def _fresh(r: torch.Tensor, arrays) -> torch.Tensor:
+    """A custom op's output may not alias an input: a copy where ``r`` shares storage with one."""
+    ptr = r.untyped_storage().data_ptr()
+    if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in arrays) or \
+            r._base is not None:
+        return r.clone()
+    return r
+
+
+# --- the ops -------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("scorch::einsum_dense", mutates_args=())
+def einsum_dense(equation: str, meta: str, arrays: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """``engine.einsum(equation, *operands, format="dense")`` of the operands ``meta``, ``arrays`` and ``sizes``
+    describe."""
+    r = engine.einsum(equation, *_rebuild(meta, arrays, sizes), format="dense")
+    if isinstance(r, SparseTensor):
+        r = r.to_dense()
+    return _fresh(r.contiguous(), arrays)
+
+
+@einsum_dense.register_fake
+def _einsum_dense_fake(equation, meta, arrays, sizes):
+    shapes = _shapes(meta, arrays, sizes)
+    inputs, out = parse(equation, [len(s) for s in shapes])
+    sizes = {}
+    for letters, shape in zip(inputs, shapes):
+        for v, n in zip(letters, shape):
+            if sizes.get(v, 1) == 1:
+                sizes[v] = n
+    dtype = arrays[0].dtype
+    for k in _value_arrays(meta, arrays)[1:]:
+        dtype = torch.promote_types(dtype, arrays[k].dtype)
+    return arrays[0].new_empty([sizes[v] for v in out], dtype=dtype)
+
+
+@torch.library.custom_op("scorch::einsum_grad", mutates_args=())
+def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], sizes: list[int],
+                grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of operand ``k``'s values (sparse: aligned with its values array) or tensor (dense) from the
+    gradient ``grad`` of the dense result of ``einsum_dense(equation, meta, arrays, sizes)``."""
+    ops = _rebuild(meta, arrays, sizes)
+    inputs, out = parse(equation, [len(x._shape) if isinstance(x, SparseTensor) else x.dim() for x in ops])
+    g = _einsum_grad(k, inputs, out, ops, grad)
+    if isinstance(g, SparseTensor):
+        g = g.to_dense()
+    target = arrays[_value_arrays(meta, arrays)[k]]
+    return _fresh(g.to(target.dtype).contiguous(), arrays + [grad])
+
+
+@einsum_grad.register_fake
+def _einsum_grad_fake(equation, meta, k, arrays, sizes, grad):
+    return torch.empty_like(arrays[_value_arrays(meta, arrays)[k]])
+
+
+def _setup_context(ctx, inputs, output):
+    equation, meta, arrays, sizes = inputs
+    ctx.equation, ctx.meta, ctx.sizes, ctx.n = equation, meta, sizes, len(arrays)
+    ctx.save_for_backward(*arrays)
+
+
+def _backward(ctx, grad):
+    arrays = list(ctx.saved_tensors)
+    grads = [None] * ctx.n
+    for k, at in enumerate(_value_arrays(ctx.meta, arrays)):
+        if ctx.needs_input_grad[2] and arrays[at].dtype.is_floating_point:
+            grads[at] = torch.ops.scorch.einsum_grad(ctx.equation, ctx.meta, k, arrays, ctx.sizes, grad)
+    return None, None, grads, None
+
+
+einsum_dense.register_autograd(_backward, setup_context=_setup_context)
+
+
+class NotCompilable(RuntimeError):
+    """An op on a SparseTensor that scorch cannot put in a compiled graph yet. (Not a NotImplementedError: Dynamo
+    takes that for a graph break and goes on tracing into the eager implementation, which fails obscurely.)"""
+
+
+# --- routing from SparseTensor.__torch_function__ while Dynamo traces ----------------------------------------
+
+def _matmul_equation(da: int, db: int):
+    if da == 2 and db == 2:
+        return "ij,jk->ik"
+    if da == 2 and db == 1:
+        return "ij,j->i"
+    if da == 1 and db == 2:
+        return "j,jk->k"
+    return None
+
+
+def traced_op(func, types, args, kwargs):
+    """The graph's call for ``func(*args, **kwargs)`` with a sparse operand, while Dynamo traces."""
+    equation, operands = None, None
+    if func is torch.autograd.grad:
+        return _grad(*args, **kwargs)
+    if func in _WRAPPER_METADATA:  # Dynamo's own reads of the wrapper (fakeifying an input): the wrapper answers
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if func is torch.nn.functional.linear:
+        return _linear(func, *args, **kwargs)
+    if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm) and \
+            len(args) == 2 and not kwargs:
+        operands = list(args)
+    elif func is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
+        operands = [args[1], args[0]]
+    elif func is torch.einsum and not kwargs and len(args) >= 2:
+        equation = args[0]
+        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    if operands is not None and equation is None and all(isinstance(x, torch.Tensor) for x in operands):
+        equation = _matmul_equation(_ndim(operands[0]), _ndim(operands[1]))
+    if operands is None and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+        return NotImplemented  # an attribute read (Dynamo reads some itself): as in eager
+    dense_out = operands is not None and any(not isinstance(x, SparseTensor) for x in operands)
+    if equation is None or not dense_out or not all(isinstance(x, torch.Tensor) for x in operands):
+        raise NotCompilable(
+            f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
+            " (supported: @, torch.matmul, torch.mm, torch.einsum and F.linear with a sparse operand and a dense"
+            " result)")
+    meta, arrays, sizes = _flatten(operands)
+    return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
+
+
+def _linear(func, input, weight, bias=None):
+    """``F.linear`` with a sparse weight (out x in) or a sparse 2-d input: ``input @ weight.T + bias``, the product
+    one custom op."""
+    if isinstance(weight, SparseTensor) and not isinstance(input, SparseTensor):
+        lead = input.shape[:-1]
+        out = traced_op(torch.einsum, (), ("bi,oi->bo", input.reshape(-1, input.shape[-1]), weight), {})
+        out = out.reshape(*lead, out.shape[-1])
+    elif isinstance(input, SparseTensor) and not isinstance(weight, SparseTensor) and _ndim(input) == 2:
+        out = traced_op(torch.einsum, (), ("bi,oi->bo", input, weight), {})
+    else:
+        raise NotCompilable("scorch: linear under torch.compile takes a sparse weight and a dense input, or a 2-d"
+                            " sparse input and a dense weight")
+    return out if bias is None else out + bias
+
+
+#: what Dynamo reads of a wrapper itself (its own strides, as _make_wrapper_subclass made them)
+_WRAPPER_METADATA = {torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
+                     torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.is_inference,
+                     torch.Tensor._is_zerotensor}
+def _grad(outputs, inputs, *args, **kwargs):
+    """``torch.autograd.grad`` as AOTAutograd calls it for a SparseTensor input that requires grad: the gradient of
+    its values, on its pattern (the graph lives on the values). At run time it reaches the wrapper, which passes it
+    on to the values (``SparseTensor._bridge_grad``)."""
+    single = isinstance(inputs, torch.Tensor)
+    inputs = [inputs] if single else list(inputs)
+    flat = [x._vals if isinstance(x, SparseTensor) else x for x in inputs]
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = torch.autograd.grad(outputs, flat, *args, **kwargs)
+    return tuple(g if g is None or not isinstance(x, SparseTensor) else x.with_values(g)
+                 for x, g in zip(inputs, grads))
+
+
+_ATTRIBUTE_ACCESS = ("__get__", "__set__", "__delete__")
+
+
+def _ndim(x) -> int:
+    return len(x._shape) if isinstance(x, SparseTensor) else x.dim()
+
+
+RULES.register(traced_op=traced_op)
