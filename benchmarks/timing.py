@@ -1,13 +1,17 @@
 """Timing and the shape of results: peers timed in interleaved rounds, results as tables of rows and targets.
 
-Peers of one case are timed round-robin (one call of each per round, the order rotated every round), so a
+Peers of one case are timed in rounds (one call of each per round, in a new random order every round), so a
 burst of load from another process on the machine lands on all of them alike instead of on one peer's block
-of runs. Each peer is called ``warmup`` times first (the first scorch call compiles); the reported figure is
+of runs, and each peer follows every other one about equally often. (The order was rotated at first; a
+rotation keeps the cyclic order, so the first peer always ran right after the last one: on Cora, scorch's
+SpMM always followed a 29 MB dense product that had just evicted its operands from the cache, 158 us median
+against 65 us after the others.) Each peer is called ``warmup`` times first (the first scorch call compiles); the reported figure is
 the median of the timed calls, with the minimum beside it.
 """
 from __future__ import annotations
 
 import gc
+import random
 import re
 import statistics
 import time
@@ -27,6 +31,7 @@ def measure(peers: dict[str, Callable[[], object]], repeat: int, warmup: int = 2
     """Median and minimum time of each zero-argument callable over ``repeat`` interleaved rounds. With
     ``budget_s``, rounds stop early once that many seconds have passed (never before ``min_rounds``)."""
     names = list(peers)
+    order = random.Random(len(names))  # (seeded: a run's orders repeat)
     for name in names:
         for _ in range(warmup):
             peers[name]()
@@ -37,7 +42,8 @@ def measure(peers: dict[str, Callable[[], object]], repeat: int, warmup: int = 2
     gc.disable()
     try:
         for r in range(repeat):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            order.shuffle(names)
+            for name in names:
                 fn = peers[name]
                 t0 = time.perf_counter()
                 fn()
