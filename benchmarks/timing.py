@@ -84,9 +84,11 @@ def per_call(fns: dict[str, Callable[[], object]], batch_s: float, rounds: int) 
         calls[name] = max(10, int(batch_s / ((time.perf_counter() - t0) / n)))
     batches: dict[str, list[float]] = {n: [] for n in fns}
     gc.collect()
+    order, names = random.Random(len(fns)), list(fns)
     for _ in range(rounds):
-        for name, fn in fns.items():
-            n = calls[name]
+        order.shuffle(names)  # (as ``measure``: each callable's batch follows every other one alike)
+        for name in names:
+            fn, n = fns[name], calls[name]
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
