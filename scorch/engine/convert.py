@@ -29,7 +29,7 @@ from ..compiler.pipeline import conversion_plan
 from ..compiler.schedule import compressed_target
 from ..formats import LevelStorage, named, resolve
 from ..formats import storage as _storage
-from ..formats.levels.base import INDEX_DTYPES
+from ..formats.levels.base import INDEX_DTYPES, NARROW_INDEX_DTYPES
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad
 from .args import SUPPORTED, argument, level_info, tensor_type
@@ -97,7 +97,7 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     fmt = resolve(format, x.dim())
     if index_dtype is not None and index_dtype not in INDEX_DTYPES:
         raise ValueError(f"index_dtype must be torch.int8, torch.int16, torch.int32 or torch.int64, got {index_dtype}")
-    narrow = index_dtype in INDEX_DTYPES[:2]  # (assembled by storage.pack, which checks that every value fits)
+    narrow = index_dtype in NARROW_INDEX_DTYPES  # (assembled by storage.pack, which checks that every value fits)
     check = check or checking_invariants()
     if x.layout in _SPARSE_LAYOUTS:
         x = from_torch(x, check=check)

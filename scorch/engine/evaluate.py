@@ -69,7 +69,13 @@ def _seen(equation, operands, format):
             return None
     if not sparse:
         return None
-    return _FAST_EQ.get((equation, format, STRUCTURAL.on, None) + tuple(signature(x) for x in operands))
+    return _FAST_EQ.get(_equation_signature(equation, format, None, operands))
+
+
+def _equation_signature(equation, format, directives, operands) -> tuple:
+    """The key of ``_FAST_EQ``: the equation, requested format, the user's directives, whether results are
+    structural, and each operand's ``signature``."""
+    return (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
 
 
 def einsum(equation, *operands, format=None, explain=False, backend="cpp", schedule=None):
@@ -104,7 +110,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
             isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands) and not needs_grad(operands):
         # a signature seen before (only calls with no early step, no gradient and one kernel on the operands as
         # given are kept under it: the end of this function)
-        sig = (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
+        sig = _equation_signature(equation, format, directives, operands)
         fast = _FAST_EQ.get(sig)
         if fast is None and len(_FAST_EQ) < 4096:
             # (a new process: the call as a former one prepared it; looked for once per signature, since a call

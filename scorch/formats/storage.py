@@ -13,7 +13,7 @@ import torch
 from .expr import Mod, Var, dim_name
 from .format import Format
 from .levels import Compressed, Dense, LevelStorage, Singleton
-from .levels.base import INDEX_DTYPES
+from .levels.base import INDEX_DTYPES, NARROW_INDEX_DTYPES
 from .levels.fixed import Fixed, SlotsExceeded
 
 INT32_MAX = 2**31 - 1
@@ -38,14 +38,14 @@ def narrow_index_dtype(fmt: Format, shape):
             return None
     if extent == 0:
         return None  # (no index array at all)
-    return next((d for d in INDEX_DTYPES[:2] if extent <= torch.iinfo(d).max + 1), None)
+    return next((d for d in NARROW_INDEX_DTYPES if extent <= torch.iinfo(d).max + 1), None)
 
 
 def wide_index(index_dtype):
     """The index dtype of a converted copy of a tensor with ``index_dtype`` (a co-iteration's operand in a
     mergeable format): the same, except int64 for int8 and int16, which hold small coordinates only while the
     copy's arrays hold positions (the plan types the copy before its sizes are known)."""
-    return torch.int64 if index_dtype in INDEX_DTYPES[:2] else index_dtype
+    return torch.int64 if index_dtype in NARROW_INDEX_DTYPES else index_dtype
 
 
 def _fits(levels, index_dtype) -> bool:
@@ -110,7 +110,7 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
         index_dtype = narrow_index_dtype(fmt, shape) or pick_index_dtype(*largest)
     elif max(abs(x) for x in largest) >= INT32_MAX and index_dtype == torch.int32:
         raise ValueError("index_dtype=int32 cannot address this tensor: sizes exceed 2**31 - 1")
-    elif index_dtype in INDEX_DTYPES[:2] and not _fits(levels, index_dtype):
+    elif index_dtype in NARROW_INDEX_DTYPES and not _fits(levels, index_dtype):
         raise ValueError(f"index_dtype={index_dtype} cannot hold this tensor's index arrays (positions or"
                          f" coordinates beyond {torch.iinfo(index_dtype).max}): use torch.int32 or torch.int64")
     levels = [st.map(lambda a: a.to(index_dtype)) for st in levels]
@@ -351,7 +351,8 @@ def uniform_index_dtype(levels) -> tuple:
     every array of it with that width: an int32 ``crd`` read as int64 runs past its end, an int64 ``pos`` read
     as int32 gives wrong positions. Non-integer arrays are left for ``validate`` to reject."""
     levels = tuple(levels)
-    found = [d for d in INDEX_DTYPES if d in index_dtypes(levels)]
+    present = index_dtypes(levels)
+    found = [d for d in INDEX_DTYPES if d in present]
     if len(found) > 1:
         widest = found[-1]
         levels = tuple(st.map(lambda a: a.to(widest) if a.dtype in found else a) for st in levels)

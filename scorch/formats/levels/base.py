@@ -168,6 +168,8 @@ def check_length(arr: torch.Tensor, n: int, where: str, name: str) -> None:
 #: the dtypes of index arrays, narrowest first: int8 and int16 hold small coordinates only (the offsets of an
 #: ``nm(n, m)`` group: ``storage.narrow_index_dtype``), int32 where every size fits, else int64
 INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+#: the narrow ones, for small coordinates only
+NARROW_INDEX_DTYPES = INDEX_DTYPES[:2]
 
 
 def check_index_dtype(arr: torch.Tensor, where: str, name: str) -> None:
