@@ -25,6 +25,7 @@ from . import engine
 from .compiler.einsum import parse
 from .formats.format import from_text
 from .formats import LevelStorage
+from .ops.linalg import matmul_equation
 from .rules import RULES
 from .sparse_tensor import SparseTensor
 
@@ -199,16 +200,6 @@ class NotCompilable(RuntimeError):
 
 # --- routing from SparseTensor.__torch_function__ while Dynamo traces ----------------------------------------
 
-def _matmul_equation(da: int, db: int):
-    if da == 2 and db == 2:
-        return "ij,jk->ik"
-    if da == 2 and db == 1:
-        return "ij,j->i"
-    if da == 1 and db == 2:
-        return "j,jk->k"
-    return None
-
-
 def traced_op(func, types, args, kwargs):
     """The graph's call for ``func(*args, **kwargs)`` with a sparse operand, while Dynamo traces."""
     equation, operands = None, None
@@ -228,7 +219,8 @@ def traced_op(func, types, args, kwargs):
         equation = args[0]
         operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     if operands is not None and equation is None and all(isinstance(x, torch.Tensor) for x in operands):
-        equation = _matmul_equation(_ndim(operands[0]), _ndim(operands[1]))
+        da, db = _ndim(operands[0]), _ndim(operands[1])  # (a sparse result, "j,j->", or a batched one: not yet)
+        equation = matmul_equation(da, db) if (da, db) in ((2, 2), (2, 1), (1, 2)) else None
     if operands is None and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
         return NotImplemented  # an attribute read (Dynamo reads some itself): as in eager
     dense_out = operands is not None and any(not isinstance(x, SparseTensor) for x in operands)

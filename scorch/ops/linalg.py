@@ -50,21 +50,25 @@ def matmul(a, b):
     da, db = len(sa), len(sb)
     if da == 0 or db == 0:
         raise ValueError("matmul: both arguments need at least one dimension")
-    if da == 1 and db == 1:
-        eq = "j,j->"
-    elif da == 2 and db == 1:
-        eq = "ij,j->i"
-    elif da == 1 and db == 2:
-        eq = "j,jk->k"
-    elif da == 2 and db == 2:
-        eq = "ij,jk->ik"
-    else:
-        eq = "...ij,...jk->...ik" if db > 1 else "...ij,j->...i"
-        if da == 1:
-            eq = "j,...jk->...k"
+    eq = matmul_equation(da, db)
     if sa[-1] != sb[-2 if db > 1 else 0]:
         _check_inner(a, b, -1, -2 if db > 1 else 0, "matmul")
     return _deferred_or_now(eq, a, b, _product_format(a, b))
+
+
+def matmul_equation(da: int, db: int) -> str:
+    """The einsum of ``a @ b`` for operands of ``da`` and ``db`` (>= 1) dimensions, with torch's broadcasting."""
+    if da == 1 and db == 1:
+        return "j,j->"
+    if da == 2 and db == 1:
+        return "ij,j->i"
+    if da == 1 and db == 2:
+        return "j,jk->k"
+    if da == 2 and db == 2:
+        return "ij,jk->ik"
+    if da == 1:
+        return "j,...jk->...k"
+    return "...ij,...jk->...ik" if db > 1 else "...ij,j->...i"
 
 
 def _deferred_or_now(eq, a, b, fmt):
