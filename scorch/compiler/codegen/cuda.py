@@ -30,7 +30,7 @@ import ctypes
 
 from ... import loopir as L
 from ..mapping import Mapping
-from . import cpp
+from . import cpp, prelude
 from .cpp import ident
 
 #: the C name of each loop-IR type: the C++ backend's, but float16 is ``scorch_f16`` (``HALF``: ``__half`` on the
@@ -180,9 +180,9 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
 #: 16-bit floats, after ``PRELUDE`` in the units of kernels that have them: ``scorch_f32(x)`` widens,
 #: ``scorch_to_bf16(f)`` / ``scorch_to_f16(f)`` round a float to nearest even (a NaN stays a NaN),
 #: ``scorch_atomic_add(p, f)`` adds a float to a 16-bit value by compare-and-swap of its 16 bits, rounding the
-#: sum once. The emulation uses the C++ backend's types and atomics (``cpp.ATOMIC16``): the same rounding.
+#: sum once. The emulation uses the C++ backend's types and atomics (``prelude.ATOMIC16``): the same rounding.
 HALF = r"""#ifdef SCORCH_EMULATE
-""" + cpp.ATOMIC16 + r"""typedef _Float16 scorch_f16;
+""" + prelude.ATOMIC16 + r"""typedef _Float16 scorch_f16;
 static inline float scorch_f32(scorch_bf16 x) { return (float)x; }
 static inline float scorch_f32(scorch_f16 x) { return (float)x; }
 static inline scorch_bf16 scorch_to_bf16(float f) { return scorch_bf16(f); }
@@ -244,7 +244,7 @@ def generate(kernel: L.Kernel, mapping: Mapping, prelude: bool = True, symbol: s
 
 
 #: device versions of the C++ helpers (the per-row radix sort of sparse output assembly)
-HELPERS = cpp._HELPERS["scorch_sort"].replace("static void", "static __device__ void").replace(
+HELPERS = prelude.HELPERS["scorch_sort"].replace("static void", "static __device__ void").replace(
     "static inline bool", "static __device__ inline bool")
 
 

@@ -1,0 +1,243 @@
+"""The C++ text a generated kernel may need besides its own function: vector types and lane sums, bfloat16 and
+float16 scalars and vectors, float atomics, a vectorizable ``exp``, heap buffers and a key sort. ``HELPERS`` maps
+a name to its text; the renderer (``cpp``) includes a text only where the kernel's source uses its name.
+"""
+from __future__ import annotations
+
+from ..target import CPU
+
+def _hsum(name, ctype, lanes, op="sum"):
+    """The sum (``op="max"``: the max) of a vector's lanes by halving (a tree: log2(lanes) dependent steps)."""
+    lines = [f"static inline {ctype} scorch_h{op}(scorch_v{name} v0) {{"]
+    join = (lambda a, b: f"{a} + {b}") if op == "sum" else (lambda a, b: f"({a} > {b} ? {a} : {b})")
+    width, k = lanes, 0
+    while width > 1:
+        half = width // 2
+        lo = ", ".join(str(i) for i in range(half))
+        hi = ", ".join(str(i) for i in range(half, width))
+        t = f"scorch_h{name}_{half}"
+        if half > 1:
+            lines.append(f"  typedef {ctype} {t} __attribute__((vector_size({half * (4 if name == 'f32' else 8)})));")
+            lines.append(f"  const {t} a{k} = __builtin_shufflevector(v{k}, v{k}, {lo}),"
+                         f" b{k} = __builtin_shufflevector(v{k}, v{k}, {hi});")
+            lines.append(f"  const {t} v{k + 1} = {join(f'a{k}', f'b{k}')};")
+        else:
+            lines.append(f"  return {join(f'v{k}[0]', f'v{k}[1]')};")
+        width, k = half, k + 1
+    return "\n".join(lines) + "\n}\n"
+
+
+def _tsum(name, ctype, lanes):
+    """The lane sums of ``lanes`` vectors at once, into ``out[0:lanes]``: a transposed tree. Each level adds
+    pairs of vectors after two two-source shuffles that put the first halves of every entry's partial sums in one
+    vector and the second halves in the other, halving the partial sums per entry and the vectors: lanes - 1
+    adds and twice as many shuffles in all, against about 2 log2(lanes) per vector reduced one by one."""
+    vt = f"scorch_v{name}"
+    lines = [f"static inline void scorch_tsum(const {vt}* v0, {ctype}* out) {{"]
+    count, m, k = lanes, lanes, 0
+    while count > 1:
+        half = m // 2
+        lo = [e * m + j for e in range(lanes // m) for j in range(half)]
+        lo = ", ".join(str(i) for i in lo + [lanes + i for i in lo])
+        hi = [e * m + j + half for e in range(lanes // m) for j in range(half)]
+        hi = ", ".join(str(i) for i in hi + [lanes + i for i in hi])
+        lines.append(f"  {vt} v{k + 1}[{count // 2}];")
+        lines.append(f"  for (int u = 0; u < {count // 2}; ++u) v{k + 1}[u] ="
+                     f" __builtin_shufflevector(v{k}[2 * u], v{k}[2 * u + 1], {lo}) +"
+                     f" __builtin_shufflevector(v{k}[2 * u], v{k}[2 * u + 1], {hi});")
+        count, m, k = count // 2, half, k + 1
+    lines.append(f"  *({vt}u*)out = v{k}[0];")
+    return "\n".join(lines) + "\n}\n"
+
+
+#: bytes of an explicit vector (``For.vector`` loops): the CPU target's (``target.CPU``)
+VECTOR_BYTES = CPU.vector_bytes
+
+#: ``exp`` of a float, branch-free (range reduction to [-ln 2 / 2, ln 2 / 2], Cephes' degree-6 polynomial, within
+#: 2 ulp of ``std::exp``), so that a loop over it vectorizes: ``std::exp`` is a scalar libm call unless the whole
+#: unit is built with -ffast-math. -inf gives 0, NaN stays NaN, overflow gives inf.
+EXPF = """#include <cstdint>
+#include <cmath>
+static inline float scorch_expf(float x) {
+  const float hi = 88.3762626647949f, lo = -87.3365478515625f;
+  const float c = x < lo ? lo : (x > hi ? hi : x);
+  const float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
+  const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float scale = __builtin_bit_cast(float, (int32_t)((int32_t)n + 127) << 23);
+  float y = (p * r * r + r + 1.0f) * scale;
+  y = x < lo ? 0.0f : y;
+  y = x > hi ? INFINITY : y;
+  return x != x ? x : y;
+}
+"""
+
+#: the 16-bit floats (storage types: loaded into float, rounded to nearest even when stored). bfloat16 is the top
+#: half of a float32 (a NaN stays a quiet NaN); float16 is the compiler's ``_Float16``. ``scorch_atomic_add``:
+#: an atomic ``+=`` on either, by compare-and-swap of the 16 bits (OpenMP's atomic takes no 16-bit floats).
+BF16 = """#ifndef SCORCH_BF16
+#define SCORCH_BF16
+// the bfloat16 bits (in the low 16 bits) of the float32 bits u: to nearest even, a NaN made quiet; u is a
+// uint32_t or a vector of them (the explicit-vector tiles round with the same expression, scorch_bf16_bits)
+template <class U> static inline U scorch_bf16_round(U u) {
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+struct scorch_bf16 {
+  uint16_t bits;
+  scorch_bf16() = default;
+  explicit scorch_bf16(float f) : bits(round(f)) {}
+  static uint16_t round(float f) { return (uint16_t)scorch_bf16_round(__builtin_bit_cast(uint32_t, f)); }
+  operator float() const { return __builtin_bit_cast(float, (uint32_t)bits << 16); }
+  scorch_bf16& operator=(float f) { bits = round(f); return *this; }
+  scorch_bf16& operator+=(float f) { bits = round((float)*this + f); return *this; }
+};
+#endif
+"""
+ATOMIC16 = BF16 + """static inline void scorch_atomic_add(scorch_bf16* p, float v) {
+  uint16_t* q = (uint16_t*)p;
+  uint16_t seen = __atomic_load_n(q, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint16_t next = scorch_bf16::round(__builtin_bit_cast(float, (uint32_t)seen << 16) + v);
+    if (__atomic_compare_exchange_n(q, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+  }
+}
+static inline void scorch_atomic_add(_Float16* p, float v) {
+  uint16_t* q = (uint16_t*)p;
+  uint16_t seen = __atomic_load_n(q, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint16_t next = __builtin_bit_cast(uint16_t, (_Float16)((float)__builtin_bit_cast(_Float16, seen) + v));
+    if (__atomic_compare_exchange_n(q, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+  }
+}
+"""
+
+#: 16-bit floats in explicit vectors: ``scorch_widen(p)`` the float vector of the 16-bit values at ``p``,
+#: ``scorch_narrow(p, v)`` the float vector ``v`` rounded into them (bf16 as the scalar struct rounds it)
+WIDE16 = f"""#ifndef SCORCH_WIDE16
+#define SCORCH_WIDE16
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+typedef uint16_t scorch_vu16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
+typedef uint32_t scorch_vu32 __attribute__((vector_size({VECTOR_BYTES})));
+typedef _Float16 scorch_vh16 __attribute__((vector_size({VECTOR_BYTES // 2}), aligned(2), may_alias));
+static inline scorch_vf32 scorch_widen(const scorch_bf16* p) {{
+  return (scorch_vf32)(__builtin_convertvector(*(const scorch_vu16*)p, scorch_vu32) << 16);
+}}
+static inline scorch_vf32 scorch_widen(const _Float16* p) {{
+#if defined(__F16C__) && {VECTOR_BYTES} == 32
+  return (scorch_vf32)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX512F__) && {VECTOR_BYTES} == 64
+  return (scorch_vf32)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+  return __builtin_convertvector(*(const scorch_vh16*)p, scorch_vf32);  // (GCC converts it lane by lane)
+#endif
+}}
+// the bfloat16 bits of each lane (low 16 bits of its word), rounded as the scalar struct rounds
+static inline scorch_vu32 scorch_bf16_bits(scorch_vf32 v) {{ return scorch_bf16_round((scorch_vu32)v); }}
+static inline void scorch_narrow(scorch_bf16* p, scorch_vf32 v) {{
+  *(scorch_vu16*)p = __builtin_convertvector(scorch_bf16_bits(v), scorch_vu16);
+}}
+// bfloat16 in lane pairs: two vectors' 16-bit values as one vector of 32-bit words, the even elements in the
+// low halves and the odd ones in the high halves, widen with one shift or one mask each (no shuffle); the first
+// vector of a pair holds the pair's even elements, the second its odd ones (``lane``: the vector loop's index)
+typedef uint32_t scorch_vu32u __attribute__((vector_size({VECTOR_BYTES}), aligned(2), may_alias));
+static inline scorch_vf32 scorch_widen_pair(const scorch_bf16* p, int64_t lane) {{
+  if ((lane / {VECTOR_BYTES // 4}) & 1) return (scorch_vf32)(*(const scorch_vu32u*)(p - {VECTOR_BYTES // 4}) & 0xffff0000u);
+  return (scorch_vf32)(*(const scorch_vu32u*)p << 16);
+}}
+static inline void scorch_narrow_pair(scorch_bf16* p, scorch_vf32 v, int64_t lane) {{
+  const scorch_vu32 r = scorch_bf16_bits(v);
+  if ((lane / {VECTOR_BYTES // 4}) & 1) {{
+    scorch_vu32u* q = (scorch_vu32u*)(p - {VECTOR_BYTES // 4});
+    *q = (*q & 0xffffu) | (r << 16);
+  }} else {{
+    scorch_vu32u* q = (scorch_vu32u*)p;
+    *q = (*q & 0xffff0000u) | r;
+  }}
+}}
+static inline void scorch_narrow(_Float16* p, scorch_vf32 v) {{
+#if defined(__F16C__) && {VECTOR_BYTES} == 32
+  _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__AVX512F__) && {VECTOR_BYTES} == 64
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  *(scorch_vh16*)p = __builtin_convertvector(v, scorch_vh16);
+#endif
+}}
+#endif
+"""
+
+
+HELPERS = {
+    "scorch_bf16": BF16,
+    "scorch_atomic_add": ATOMIC16,
+    "scorch_expf": EXPF,
+    # explicit vectors: ``scorch_vf32`` (aligned, for register tiles) and ``scorch_vf32u`` (any float address)
+    "scorch_vf": "".join(
+        f"typedef {t} scorch_v{n} __attribute__((vector_size({VECTOR_BYTES})));\n"
+        f"typedef {t} scorch_v{n}u __attribute__((vector_size({VECTOR_BYTES}), aligned({b}), may_alias));\n"
+        for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
+        _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
+        for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
+    # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
+    "scorch_widen": BF16 + WIDE16,
+    "scorch_narrow": BF16 + WIDE16,
+    # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
+    "scorch_buf": """#include <cstdlib>
+struct scorch_buf {
+  void* p;
+  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
+  ~scorch_buf() { std::free(p); }
+};
+""",
+    # ascending sort of int64 keys: quicksort (median of three) down to insertion sort (<algorithm> costs ~0.4 s)
+    "scorch_sort": """#ifdef __CUDA_ARCH__
+#define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
+#else
+#define SCORCH_CTZ64(x) __builtin_ctzll(x)
+#endif
+static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
+  // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
+  // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
+  if (n > 32 && n * 64 >= bound) {
+    uint64_t* bits = (uint64_t*)scratch;
+    const int64_t words = (bound + 63) >> 6;
+    for (int64_t k = 0; k < words; ++k) bits[k] = 0;
+    for (int64_t k = 0; k < n; ++k) bits[a[k] >> 6] |= (uint64_t)1 << (a[k] & 63);
+    int64_t t = 0;
+    for (int64_t k = 0; k < words; ++k)
+      for (uint64_t x = bits[k]; x; x &= x - 1) a[t++] = (k << 6) + SCORCH_CTZ64(x);
+    return;
+  }
+  if (n <= 32) {
+    for (int64_t k = 1; k < n; ++k) {
+      const int64_t v = a[k];
+      int64_t q = k - 1;
+      while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
+      a[q + 1] = v;
+    }
+    return;
+  }
+  int64_t* src = a;
+  int64_t* dst = scratch;
+  for (int shift = 0; shift < 63 && (bound - 1) >> shift; shift += 8) {
+    int64_t count[257] = {0};
+    for (int64_t k = 0; k < n; ++k) ++count[((src[k] >> shift) & 255) + 1];
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (int64_t k = 0; k < n; ++k) dst[count[(src[k] >> shift) & 255]++] = src[k];
+    int64_t* t = src; src = dst; dst = t;
+  }
+  if (src != a) for (int64_t k = 0; k < n; ++k) a[k] = src[k];
+}
+static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
+  for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
+  return true;
+}
+""",
+}
