@@ -244,6 +244,8 @@ class For(Stmt):
     reductions: tuple = ()
     vector: int = 0       # iterations run ``vector`` lanes at a time (hi - lo is a multiple): same results
     unroll: bool = False  # a short constant trip count, unrolled (so a register tile stays in registers)
+    tail: bool = False    # (a vector loop) hi - lo need not be a multiple: in the last, partial vector the lanes
+    #                       at or past hi are off (they read no memory and add nothing to partial sums)
 
 
 @dataclass(frozen=True)

@@ -508,6 +508,10 @@ class _Lowering:
                 it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in items[:ready + 1])
             if once:  # every output written by exactly one iteration: stored, not added (no zero-filled output)
                 op, self.writes_every_output = None, True
+            summed = red == "sum" and self.target.vectors and self.ct in ("f32", "f64") and _vector_sum(
+                rest, value, self.target.lanes(self.ct), self.ct)
+            if summed:
+                return [_nest(items[:ready + 1], summed[0] + [L.Store(out, index, summed[1], op)])]
             inner = [L.Decl(acc, identity(red, self.ct)), L.Decl(cnt, L.Const(0)) if counts else None,
                      _nest(rest, [L.Assign(acc, value, update), L.Assign(cnt, L.Const(1), "add") if counts else None]),
                      L.Store(out, index, acc, op), L.Store(counts, index, cnt, "add") if counts else None]
@@ -619,6 +623,44 @@ def _lane_store(lets, u, lanes, out, index, value, ct):
     if L.coefficient(index, u.name) != 1 or not plain(value):
         return None
     return L.For(u, L.Const(0), L.Const(lanes), L.block(L.Store(out, index, value)), vector=lanes)
+
+
+def _vector_sum(rest, value, lanes, ct):
+    """``(statements, total)``: the sum of ``value`` over the loop ``rest[0]`` (followed by lets only, inlined) in
+    one vector of partial sums, where every load that varies along the loop is contiguous in it or read at
+    positions that an integer array holds contiguously (a gather: SpMV's ``x[crd[p]]``), and the arithmetic is
+    add/sub/mul/div on ``ct``. The loop's last vector is partial (``For.tail``): a row's variable length costs no
+    scalar loop, whose exit the branch predictor misses about once a row (SpMV on a 20k matrix of ~20 entries a
+    row, one thread: 438 -> 348 us, measured by hand). The sum is reassociated (lane by lane). Else None."""
+    if not rest or rest[0][0] != "for" or rest[0][4] is not None or any(it[0] != "let" for it in rest[1:]):
+        return None
+    _, pv, lo, hi, _ = rest[0]
+    env = {}
+    for it in rest[1:]:
+        env[it[1].name] = L.substitute(it[2], env)
+    value = L.substitute(value, env)
+
+    def vectorizable(e):
+        if isinstance(e, L.Const):
+            return True
+        if isinstance(e, L.Var):
+            return e.name != pv.name
+        if isinstance(e, L.Load):
+            if not L.depends(e.index, pv.name):
+                return True
+            at = e.index.a if isinstance(e.index, L.Cast) else e.index
+            return e.type == ct and (L.coefficient(e.index, pv.name) == 1 or (
+                isinstance(at, L.Load) and at.type in L.INTS and L.coefficient(at.index, pv.name) == 1))
+        if isinstance(e, L.Cast):
+            return not L.depends(e.a, pv.name)
+        return isinstance(e, L.Binary) and e.op in ("add", "sub", "mul", "div") and e.type == ct \
+            and vectorizable(e.a) and vectorizable(e.b)
+
+    if not L.depends(value, pv.name) or not vectorizable(value):
+        return None
+    return [L.LocalArray("vsum", ct, 1, L.Const(0, ct), sums=lanes),
+            L.For(pv, lo, hi, L.block(L.Store("vsum", L.Const(0), value, "add")), vector=lanes, tail=True)], \
+        L.Load("vsum", L.Const(0), ct)
 
 
 def _contiguous(index, var) -> bool:

@@ -126,6 +126,7 @@ class _Emitter:
         self.pairs = False     # bfloat16 vectors in lane pairs (``_lane_pairs``)
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
+        self.mask = None       # in a ``tail`` loop's last vector: the variable counting the lanes that are on
         self.vec_arrays = set()  # local arrays held as vectors
         self.sum_arrays = {}  # local arrays held as vector partial results: name -> ("add" or "max", type)
 
@@ -155,10 +156,12 @@ class _Emitter:
             if combine == "add":
                 if not self.vec:
                     raise ValueError(f"partial sums {s.array} are added to in vector loops only")
-                return [f"{pad}{target} += {value};"]
+                return [f"{pad}{target} += {f'scorch_keep({value}, {self.mask})' if self.mask else value};"]
             vt = f"scorch_v{t}"
             value = value if self.vec else f"{vt}{{}} + ({value})"  # (a scalar takes part in every lane)
             return [f"{pad}{{ const {vt} u_ = {value}; {target} = u_ > {target} ? u_ : {target}; }}"]
+        if isinstance(s, L.Store) and self.mask:
+            raise ValueError(f"a store into {s.array} in the partial last vector of a loop")
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]) and s.array in self.narrow:
             if s.op is not None or self.vec[2] != "f32":
                 raise ValueError(f"a vector {s.op or 'store'} into the 16-bit array {s.array}")
@@ -249,12 +252,20 @@ class _Emitter:
             if s.parallel is not None or self.vec:
                 raise ValueError("a vector loop is neither parallel nor nested in another vector loop")
             self.vec = (s.var.name, s.vector, _vector_type(s.body))
+            end, left = self.fresh("end"), self.fresh("left")
             try:
-                body = self.block(s.body, d + 1)
+                body = self.block(s.body, d + 1 + s.tail)
+                self.mask = left  # (the last, partial vector of a ``tail`` loop: lanes from ``left`` on are off)
+                last = self.block(s.body, d + 2) if s.tail else []
             finally:
-                self.vec = None
-            return [f"{pad}#pragma GCC unroll 16",
-                    f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; {v} += {s.vector}) {{"] + body + [f"{pad}}}"]
+                self.vec, self.mask = None, None
+            if not s.tail:
+                return [f"{pad}#pragma GCC unroll 16",
+                        f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; {v} += {s.vector}) {{"] + body + [f"{pad}}}"]
+            return [f"{pad}{{", f"{pad}  const int64_t {end} = {hi};", f"{pad}  int64_t {v} = {lo};",
+                    f"{pad}  for (; {v} + {s.vector} <= {end}; {v} += {s.vector}) {{"] + body + [
+                    f"{pad}  }}", f"{pad}  if ({v} < {end}) {{",
+                    f"{pad}    const int64_t {left} = {end} - {v};"] + last + [f"{pad}  }}", f"{pad}}}"]
         if s.parallel is None and s.unroll:
             return [f"{pad}#pragma GCC unroll 64",
                     f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) + [f"{pad}}}"]
@@ -309,6 +320,23 @@ class _Emitter:
             return f"{ident(array)}[({self.expr(index)}) / {lanes}]"
         return f"(*({'const ' if const else ''}scorch_v{t}u*)(&{ident(array)}[{self.expr(index)}]))"
 
+    def vector_load(self, e):
+        """The vector of ``e``'s lanes inside a vector loop: a contiguous load, or a gather where the position is
+        read from an integer array contiguously (``x[crd[p]]``); in a partial last vector, the lanes that are off
+        read nothing (and hold 0)."""
+        var, _, t = self.vec
+        at = e.index.a if isinstance(e.index, L.Cast) else e.index
+        if isinstance(at, L.Load) and at.type in L.INTS and L.coefficient(at.index, var) == 1 and \
+                e.array not in self.sum_arrays and e.array not in self.vec_arrays:
+            if e.type != t:
+                raise ValueError(f"{e.array} gathered as {t} vectors holds {e.type}")
+            args = f"{ident(e.array)}, &{ident(at.array)}[{self.expr(at.index)}]"
+            return f"scorch_gathern({args}, {self.mask})" if self.mask else f"scorch_gather({args})"
+        ref = self.vector_ref(e.array, e.index, const=True)
+        if self.mask and e.array not in self.vec_arrays:
+            return f"scorch_loadn(&{ident(e.array)}[{self.expr(e.index)}], {self.mask})"
+        return ref
+
     def update(self, target, op, value):
         if op is None:
             return f"{target} = {value}"
@@ -331,7 +359,7 @@ class _Emitter:
                 op = "sum" if self.sum_arrays[e.array][0] == "add" else "max"
                 return f"scorch_h{op}({ident(e.array)}[{self.expr(e.index)}])"
             if self.vec and L.depends(e.index, self.vec[0]):
-                return self.vector_ref(e.array, e.index, const=True)
+                return self.vector_load(e)
             return f"{ident(e.array)}[{self.expr(e.index)}]"
         if isinstance(e, L.Binary):
             a, b = self.expr(e.a), self.expr(e.b)
@@ -351,6 +379,8 @@ class _Emitter:
             if e.type != "f32" or self.vec[2] != "f32":
                 raise ValueError(f"16-bit {e.a.array} read as {e.type} vectors")
             self.vector_ref(e.a.array, e.a.index, const=True)  # (checks the access is contiguous)
+            if self.mask:
+                raise ValueError(f"16-bit {e.a.array} read in the partial last vector of a loop")
             if self.pairs:
                 return f"scorch_widen_pair(&{ident(e.a.array)}[{self.expr(e.a.index)}], {ident(self.vec[0])})"
             return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"

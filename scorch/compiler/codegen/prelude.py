@@ -53,6 +53,75 @@ def _tsum(name, ctype, lanes):
 #: bytes of an explicit vector (``For.vector`` loops): the CPU target's (``target.CPU``)
 VECTOR_BYTES = CPU.vector_bytes
 
+def _gather() -> str:
+    """Vectors read at computed positions, for a vector loop whose loads are not contiguous (SpMV's ``x[crd[p]]``):
+    ``scorch_gather(base, idx)`` the vector of ``base[idx[u]]``; in the last, partial vector of a loop (``n`` lanes
+    on) ``scorch_loadn(p, n)`` (a contiguous load), ``scorch_gathern(base, idx, n)`` and ``scorch_keep(v, n)``
+    (``v`` with its lanes past ``n`` set to 0). Lanes that are off read no memory. AVX2's gather and masked-load
+    instructions where the vectors are 32 bytes, else lane by lane."""
+    out = ["#ifndef SCORCH_GATHER\n#define SCORCH_GATHER\n"]
+    for t, ctype, size in (("f32", "float", 4), ("f64", "double", 8)):
+        lanes, vt = VECTOR_BYTES // size, f"scorch_v{t}"
+        it = "int32_t" if size == 4 else "int64_t"
+        lane = ", ".join(str(u) for u in range(lanes))
+        out.append(f"""typedef {it} scorch_vi{t} __attribute__((vector_size({VECTOR_BYTES})));
+static inline {vt} scorch_keep({vt} v, int64_t n) {{
+  const scorch_vi{t} lane = {{{lane}}};
+  return (lane < ({it})n) ? v : {vt}{{}};
+}}
+template <typename I> static inline {vt} scorch_gather(const {ctype}* b, const I* i) {{
+  {vt} v;
+  for (int u = 0; u < {lanes}; ++u) v[u] = b[i[u]];
+  return v;
+}}
+template <typename I> static inline {vt} scorch_gathern(const {ctype}* b, const I* i, int64_t n) {{
+  {vt} v = {{}};
+  for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = b[i[u]];
+  return v;
+}}
+#if !(defined(__AVX2__) && {VECTOR_BYTES} == 32)
+static inline {vt} scorch_loadn(const {ctype}* p, int64_t n) {{
+  {vt} v = {{}};
+  for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = p[u];
+  return v;
+}}
+#endif
+""")
+    # (the same values with AVX2's instructions: overloads, preferred to the templates for int32 positions)
+    out.append(f"""#if defined(__AVX2__) && {VECTOR_BYTES} == 32
+#include <immintrin.h>
+static inline __m256i scorch_mask8(int64_t n) {{
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}}
+static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {{
+  return (scorch_vf32)_mm256_i32gather_ps(b, _mm256_loadu_si256((const __m256i*)i), 4);
+}}
+static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {{
+  const __m256i m = scorch_mask8(n);
+  return (scorch_vf32)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), b, _mm256_maskload_epi32(i, m),
+                                               _mm256_castsi256_ps(m), 4);
+}}
+static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {{
+  return (scorch_vf32)_mm256_maskload_ps(p, scorch_mask8(n));
+}}
+static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {{
+  return (scorch_vf64)_mm256_i32gather_pd(b, _mm_loadu_si128((const __m128i*)i), 8);
+}}
+static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {{
+  const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32((int)(n < 4 ? n : 4)), _mm_setr_epi32(0, 1, 2, 3));
+  return (scorch_vf64)_mm256_mask_i32gather_pd(_mm256_setzero_pd(), b, _mm_maskload_epi32(i, m),
+                                               _mm256_castsi256_pd(_mm256_cvtepi32_epi64(m)), 8);
+}}
+static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {{
+  const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32((int)(n < 4 ? n : 4)), _mm_setr_epi32(0, 1, 2, 3));
+  return (scorch_vf64)_mm256_maskload_pd(p, _mm256_cvtepi32_epi64(m));
+}}
+#endif
+#endif
+""")
+    return "".join(out)
+
+
 #: ``exp`` of a float, branch-free (range reduction to [-ln 2 / 2, ln 2 / 2], Cephes' degree-6 polynomial, within
 #: 2 ulp of ``std::exp``), so that a loop over it vectorizes: ``std::exp`` is a scalar libm call unless the whole
 #: unit is built with -ffast-math. -inf gives 0, NaN stays NaN, overflow gives inf.
@@ -185,6 +254,8 @@ HELPERS = {
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
         _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
+    # loads at computed positions and of a partial last vector (after ``scorch_vf``, whose types they use)
+    "scorch_gather": _gather(), "scorch_loadn": _gather(), "scorch_keep": _gather(),
     # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
     "scorch_widen": BF16 + WIDE16,
     "scorch_narrow": BF16 + WIDE16,

@@ -1,0 +1,86 @@
+"""A sum over a row's stored entries held in one vector of partial sums (``lower._vector_sum``: SpMV's
+``y[i] = sum_p vals[p] * x[crd[p]]``): whole vectors, with ``x`` gathered at the row's coordinates, then the row's
+last, partial vector with its lanes past the row's end off (``For.tail``: they read no memory and add nothing).
+Checked on every tail length, every index width, values that would poison a sum if an off lane were read, row
+slices, and the helpers' portable (non-AVX2) versions, against a float64 reference."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scorch
+
+
+def _rows_of_every_length(dtype, lengths=range(0, 19), n=24, seed=0):
+    """A matrix whose row ``r`` has ``lengths[r]`` entries (every tail length of 4- and 8-lane vectors, empty rows
+    too), values in eighths (exact in float32)."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.zeros(len(lengths), n, dtype=torch.float64)
+    for r, k in enumerate(lengths):
+        cols = torch.randperm(n, generator=g)[:k]
+        dense[r, cols] = torch.randint(-8, 9, (k,), generator=g).double().add(0.5) / 8
+    return dense.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
+def test_every_tail_length_and_index_width(dtype, index_dtype):
+    a = _rows_of_every_length(dtype, range(0, 16) if index_dtype == torch.int8 else range(0, 19))  # (int8: <= 127)
+    x = (torch.arange(a.shape[1], dtype=torch.float64) / 4 - 2).to(dtype)
+    s = scorch.asformat(a, "csr").asformat("csr", index_dtype=index_dtype)
+    torch.testing.assert_close(s @ x, (a.double() @ x.double()).to(dtype))
+
+
+def test_lanes_past_a_row_read_nothing():
+    """The entries right after each row (the next row's) are NaN and sit at columns where ``x`` is inf: a lane
+    past the row's end that read either would turn the row's sum into NaN."""
+    n = 40
+    a = torch.zeros(2 * 19, n)
+    for r in range(19):
+        a[2 * r, :r] = 1.0 + r            # the row under test: r entries, columns 0 .. r-1
+        a[2 * r + 1, 20:] = float("nan")  # the next row: NaN at columns 20 .. 39
+    x = torch.ones(n)
+    x[20:] = float("inf")
+    y = scorch.asformat(a, "csr") @ x
+    want = torch.tensor([float(r * (1 + r)) for r in range(19)])
+    torch.testing.assert_close(y[0::2], want)
+    assert torch.isnan(y[1::2]).all()
+
+
+def test_a_row_slice_sums_its_own_entries():
+    a = _rows_of_every_length(torch.float32, seed=3)
+    x = torch.linspace(-1, 1, a.shape[1])
+    s = scorch.asformat(a, "csr")
+    torch.testing.assert_close(s[5:13] @ x, a[5:13] @ x)
+    torch.testing.assert_close(scorch.einsum("ij,j->i", s, x), a @ x)
+
+
+def test_the_loop_is_vectorized_with_gathers():
+    s, x = scorch.asformat(_rows_of_every_length(torch.float32), "csr"), torch.ones(24)
+    text = scorch.explain("ij,j->i", s, x, file=open(os.devnull, "w"))
+    assert "scorch_gather(" in text and "scorch_gathern(" in text and "scorch_keep(" in text
+
+
+@pytest.mark.parametrize("vector_bytes", ["16", "64"])
+def test_portable_helpers(vector_bytes):
+    """With 16- or 64-byte vectors (``$SCORCH_VECTOR_BYTES``) the helpers are the lane-by-lane versions, not
+    AVX2's: the same sums."""
+    code = (
+        "import torch, scorch\n"
+        "from tests.compiler.test_vector_sum import _rows_of_every_length\n"
+        "for dt in (torch.float32, torch.float64):\n"
+        "    for it in (torch.int32, torch.int64):\n"
+        "        a = _rows_of_every_length(dt)\n"
+        "        x = (torch.arange(a.shape[1], dtype=torch.float64) / 4 - 2).to(dt)\n"
+        "        s = scorch.asformat(a, 'csr').asformat('csr', index_dtype=it)\n"
+        "        torch.testing.assert_close(s @ x, (a.double() @ x.double()).to(dt))\n"
+        "print('ok')\n")
+    env = {**os.environ, "SCORCH_VECTOR_BYTES": vector_bytes}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
