@@ -119,6 +119,10 @@ def pack_format(kernel: L.Kernel) -> str:
     return "<" + "".join("d" if p.kind != "array" and p.type in _FLOATS else "q" for p in kernel.params)
 
 
+#: the parts of a parallel loop balanced by positions (``Parallel("nnz")``) per thread, handed out dynamically
+PARTS_PER_THREAD = 8
+
+
 class _Emitter:
     def __init__(self, threads: bool, narrow=frozenset()):
         self.n = 0
@@ -288,28 +292,33 @@ class _Emitter:
         if s.parallel.kind != "nnz":
             raise ValueError(f"unknown parallel kind {s.parallel.kind!r}")
         # Balance rows by rows + positions under them: f(r) = (pos[r] - pos[lo]) + (r - lo) is increasing, so
-        # thread t takes the rows where f falls in [total * t / nt, total * (t + 1) / nt).
+        # part k of n takes the rows where f falls in [total * k / n, total * (k + 1) / n). PARTS_PER_THREAD parts
+        # a thread, handed out as threads come free: a thread slowed by another process (or a core still spun
+        # by another OpenMP runtime's threads) takes fewer parts instead of holding up the others at the end.
         pos = ident(s.parallel.pos)
-        a, b, t, nt, tot = (self.fresh(x) for x in ("lo", "hi", "t", "nt", "total"))
+        a, b, part, parts, tot = (self.fresh(x) for x in ("lo", "hi", "part", "parts", "total"))
         p2 = pad + "  "
         return [
             f"{pad}#pragma omp parallel{self.threads}",
             f"{pad}{{",
         ] + setup + [
             f"{p2}const int64_t {a} = {lo}, {b} = {hi};",
-            f"{p2}const int64_t {nt} = omp_get_num_threads(), {t} = omp_get_thread_num();",
+            f"{p2}const int64_t {parts} = omp_get_num_threads() > 1 ? omp_get_num_threads() * {PARTS_PER_THREAD}"
+            f" : 1;",
             f"{p2}const int64_t {tot} = ((int64_t){pos}[{b}] - (int64_t){pos}[{a}]) + ({b} - {a});",
             f"{p2}auto first_row = [&](int64_t k) -> int64_t {{",
-            f"{p2}  if (k >= {nt}) return {b};",
-            f"{p2}  const int64_t target = (int64_t)((__int128){tot} * k / {nt});",
+            f"{p2}  if (k >= {parts}) return {b};",
+            f"{p2}  const int64_t target = (int64_t)((__int128){tot} * k / {parts});",
             f"{p2}  int64_t l = {a}, h = {b};",
             f"{p2}  while (l < h) {{ int64_t m = l + (h - l) / 2;"
             f" if (((int64_t){pos}[m] - (int64_t){pos}[{a}]) + (m - {a}) < target) l = m + 1; else h = m; }}",
             f"{p2}  return l;",
             f"{p2}}};",
-            f"{p2}const int64_t r0 = first_row({t}), r1 = first_row({t} + 1);",
-            f"{p2}for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
-        ] + self.block(s.body, d + 2) + [f"{p2}}}", f"{pad}}}"]
+            f"{p2}#pragma omp for schedule(dynamic, 1) nowait",
+            f"{p2}for (int64_t {part} = 0; {part} < {parts}; ++{part}) {{",
+            f"{p2}  const int64_t r0 = first_row({part}), r1 = first_row({part} + 1);",
+            f"{p2}  for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
+        ] + self.block(s.body, d + 3) + [f"{p2}  }}", f"{p2}}}", f"{pad}}}"]
 
     def vector_ref(self, array, index, const):
         """The vector at ``array[index]`` (lanes ``index .. index + lanes - 1``) inside a vector loop."""

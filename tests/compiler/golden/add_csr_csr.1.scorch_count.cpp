@@ -40,47 +40,50 @@ extern "C" void scorch_count(
   #pragma omp parallel num_threads(nthreads)
   {
     const int64_t lo_1 = INT64_C(0), hi_2 = n0;
-    const int64_t nt_4 = omp_get_num_threads(), t_3 = omp_get_thread_num();
+    const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
     const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
     auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= nt_4) return hi_2;
-      const int64_t target = (int64_t)((__int128)total_5 * k / nt_4);
+      if (k >= parts_4) return hi_2;
+      const int64_t target = (int64_t)((__int128)total_5 * k / parts_4);
       int64_t l = lo_1, h = hi_2;
       while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_1]) + (m - lo_1) < target) l = m + 1; else h = m; }
       return l;
     };
-    const int64_t r0 = first_row(t_3), r1 = first_row(t_3 + 1);
-    for (int64_t x0 = r0; x0 < r1; ++x0) {
-      const int64_t p0_0 = (x0 - t0_l0_lo);
-      const int64_t p1_0 = (x0 - t1_l0_lo);
-      int64_t nt = INT64_C(0);
-      int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
-      const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
-      int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
-      const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-      while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
-        const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
-        const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
-        const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
-        const bool f0_1 = (cc0_1 == x1);
-        const bool f1_1 = (cc1_1 == x1);
-        if ((f0_1 || f1_1)) {
-          nt += INT64_C(1);
+    #pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
+      const int64_t r0 = first_row(part_3), r1 = first_row(part_3 + 1);
+      for (int64_t x0 = r0; x0 < r1; ++x0) {
+        const int64_t p0_0 = (x0 - t0_l0_lo);
+        const int64_t p1_0 = (x0 - t1_l0_lo);
+        int64_t nt = INT64_C(0);
+        int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
+        const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
+        int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
+        const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
+        while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
+          const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
+          const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
+          const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
+          const bool f0_1 = (cc0_1 == x1);
+          const bool f1_1 = (cc1_1 == x1);
+          if ((f0_1 || f1_1)) {
+            nt += INT64_C(1);
+          }
+          q0_1 += ((int64_t)f0_1);
+          q1_1 += ((int64_t)f1_1);
         }
-        q0_1 += ((int64_t)f0_1);
-        q1_1 += ((int64_t)f1_1);
+        while ((q0_1 < end0_1)) {
+          const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
+          nt += INT64_C(1);
+          q0_1 += INT64_C(1);
+        }
+        while ((q1_1 < end1_1)) {
+          const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+          nt += INT64_C(1);
+          q1_1 += INT64_C(1);
+        }
+        counts[x0] = nt;
       }
-      while ((q0_1 < end0_1)) {
-        const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
-        nt += INT64_C(1);
-        q0_1 += INT64_C(1);
-      }
-      while ((q1_1 < end1_1)) {
-        const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-        nt += INT64_C(1);
-        q1_1 += INT64_C(1);
-      }
-      counts[x0] = nt;
     }
   }
 }

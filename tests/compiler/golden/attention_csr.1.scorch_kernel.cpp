@@ -35,28 +35,31 @@ extern "C" void scorch_kernel(
   #pragma omp parallel num_threads(nthreads)
   {
     const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
-    const int64_t nt_4 = omp_get_num_threads(), t_3 = omp_get_thread_num();
+    const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
     const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
     auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= nt_4) return hi_2;
-      const int64_t target = (int64_t)((__int128)total_5 * k / nt_4);
+      if (k >= parts_4) return hi_2;
+      const int64_t target = (int64_t)((__int128)total_5 * k / parts_4);
       int64_t l = lo_1, h = hi_2;
       while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_1]) + (m - lo_1) < target) l = m + 1; else h = m; }
       return l;
     };
-    const int64_t r0 = first_row(t_3), r1 = first_row(t_3 + 1);
-    for (int64_t c0 = r0; c0 < r1; ++c0) {
-      const int64_t p0 = (c0 - t0_l0_lo);
-      const int64_t d0 = c0;
-      for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
-        float acc = 0.0f;
-        const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
-        const int64_t d1 = c1;
-        #pragma omp simd reduction(+:acc)
-        for (int64_t x2 = INT64_C(0); x2 < INT64_C(4); ++x2) {
-          acc += ((t0_vals[p1] * t1[((d0 * INT64_C(4)) + x2)]) * t2[((d1 * INT64_C(4)) + x2)]);
+    #pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
+      const int64_t r0 = first_row(part_3), r1 = first_row(part_3 + 1);
+      for (int64_t c0 = r0; c0 < r1; ++c0) {
+        const int64_t p0 = (c0 - t0_l0_lo);
+        const int64_t d0 = c0;
+        for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
+          float acc = 0.0f;
+          const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
+          const int64_t d1 = c1;
+          #pragma omp simd reduction(+:acc)
+          for (int64_t x2 = INT64_C(0); x2 < INT64_C(4); ++x2) {
+            acc += ((t0_vals[p1] * t1[((d0 * INT64_C(4)) + x2)]) * t2[((d1 * INT64_C(4)) + x2)]);
+          }
+          out[p1] = acc;
         }
-        out[p1] = acc;
       }
     }
   }

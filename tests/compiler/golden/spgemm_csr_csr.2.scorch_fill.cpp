@@ -98,41 +98,44 @@ extern "C" void scorch_fill(
     scorch_buf buf_4((size_t)(n1), sizeof(int64_t));
     int64_t* __restrict__ sort_tmp = static_cast<int64_t*>(buf_4.p);
     const int64_t lo_5 = INT64_C(0), hi_6 = n0;
-    const int64_t nt_8 = omp_get_num_threads(), t_7 = omp_get_thread_num();
+    const int64_t parts_8 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
     const int64_t total_9 = ((int64_t)t0_l1_pos[hi_6] - (int64_t)t0_l1_pos[lo_5]) + (hi_6 - lo_5);
     auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= nt_8) return hi_6;
-      const int64_t target = (int64_t)((__int128)total_9 * k / nt_8);
+      if (k >= parts_8) return hi_6;
+      const int64_t target = (int64_t)((__int128)total_9 * k / parts_8);
       int64_t l = lo_5, h = hi_6;
       while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_5]) + (m - lo_5) < target) l = m + 1; else h = m; }
       return l;
     };
-    const int64_t r0 = first_row(t_7), r1 = first_row(t_7 + 1);
-    for (int64_t x0 = r0; x0 < r1; ++x0) {
-      const int64_t p0_0 = (x0 - t0_l0_lo);
-      int64_t nt = INT64_C(0);
-      for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
-        const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
-        const int64_t p1_0 = (x2 - t1_l0_lo);
-        for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
-          const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-          const int64_t w = x1;
-          if ((!mark[w])) {
-            mark[w] = true;
-            touched[nt] = w;
-            nt += INT64_C(1);
+    #pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t part_7 = 0; part_7 < parts_8; ++part_7) {
+      const int64_t r0 = first_row(part_7), r1 = first_row(part_7 + 1);
+      for (int64_t x0 = r0; x0 < r1; ++x0) {
+        const int64_t p0_0 = (x0 - t0_l0_lo);
+        int64_t nt = INT64_C(0);
+        for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+          const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+          const int64_t p1_0 = (x2 - t1_l0_lo);
+          for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+            const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+            const int64_t w = x1;
+            if ((!mark[w])) {
+              mark[w] = true;
+              touched[nt] = w;
+              nt += INT64_C(1);
+            }
+            ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
           }
-          ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
         }
-      }
-      if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
-      const int64_t base = row_ptr[x0];
-      for (int64_t t = INT64_C(0); t < nt; ++t) {
-        const int64_t w = touched[t];
-        out_crd[(base + t)] = w;
-        out[(base + t)] = ws[w];
-        ws[w] = 0.0f;
-        mark[w] = false;
+        if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
+        const int64_t base = row_ptr[x0];
+        for (int64_t t = INT64_C(0); t < nt; ++t) {
+          const int64_t w = touched[t];
+          out_crd[(base + t)] = w;
+          out[(base + t)] = ws[w];
+          ws[w] = 0.0f;
+          mark[w] = false;
+        }
       }
     }
   }
