@@ -125,7 +125,7 @@ class SddmmExpr:
         # the pattern's own format: the values must line up with its entries (a differentiable einsum would give
         # a padded pattern's result unpadded)
         ones = _ones(self.pattern, self.q.dtype)
-        return engine.einsum("ij,ik,jk->ij", ones, self.q, self.k, format=ones.format).values() * self.alpha
+        return engine.scaled("ij,ik,jk->ij", self.alpha, ones, self.q, self.k, format=ones.format).values()
 
 
 class SoftmaxExpr:

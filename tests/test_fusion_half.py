@@ -200,3 +200,25 @@ def test_segment_softmax_rounds_once(dtype):
         yd, gd = y[lo:hi].double(), dy[lo:hi].double()
         ref = yd * (gd - (yd * gd).sum())
         _close(dx[lo:hi], ref, yd * (gd.abs() + (yd * gd.abs()).sum()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("compiled", [False, True], ids=["op by op", "scorch.compile"])
+def test_sampled_product_scaled_by_alpha_rounds_once(dtype, compiled):
+    """``sampled_addmm(S, A, B, beta=0, alpha)`` on 16-bit values with integer A and B: every dot product is an
+    integer exact in float32 (beyond the 16-bit types' integers) and so is its product with alpha = 3/8, however
+    the kernel orders the products, so scaling inside the kernel and rounding once gives exactly
+    ``(alpha * (A @ B)).to(dtype)``; rounding the product first and scaling it afterwards does not (the lazy SDDMM
+    of ``scorch.compile`` and the op-by-op one alike)."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(-16, 17, (24, 32), generator=g).to(dtype)
+    b = torch.randint(-16, 17, (32, 20), generator=g).to(dtype)
+    keep = torch.rand(24, 20, generator=g) < 0.5
+    mask = scorch.asformat(keep.to(dtype), "csr")
+
+    def scores(a, b, mask):
+        return torch.sparse.sampled_addmm(mask, a, b, beta=0.0, alpha=0.375)
+
+    got = (scorch.compile(scores) if compiled else scores)(a, b, mask)
+    want = (0.375 * (a.float() @ b.float())).to(dtype)[keep]
+    assert torch.equal(got.values(), want)

@@ -14,7 +14,7 @@ from ..compiler.caches import cache
 from ..compiler.einsum import equation as einsum_string
 from ..compiler.einsum import parse, to_index_notation
 from ..compiler.infer import infer
-from ..compiler.ir import Assignment, TensorType
+from ..compiler.ir import Access, Assignment, Mul, Scalar, TensorType
 from ..compiler.pipeline import Plan
 from ..compiler.schedule import Directives, directives_of
 from ..formats import named
@@ -338,6 +338,19 @@ class Explanation(str):
         if plan is None or not isinstance(plan, Plan):
             return None
         return directives_of(plan.asg, plan.schedule)
+
+
+def scaled(equation, alpha, *operands, format=None):
+    """``alpha * einsum(equation, *operands)`` with ``alpha`` inside the kernel: the sum is scaled in the compute
+    type and rounded once (a 16-bit result scaled afterwards is rounded twice). A product with a gradient to take
+    is the einsum scaled by torch (its gradient is the einsum's)."""
+    if alpha == 1 or needs_grad(operands):
+        r = einsum(equation, *operands, format=format)
+        return r if alpha == 1 else r * alpha
+    inputs, out = parse(equation, [x.dim() for x in operands])
+    rhs = Mul((Scalar("alpha"),) + tuple(Access(k, tuple(ix)) for k, ix in enumerate(inputs)))
+    return run(tuple(map(tuple, inputs)), tuple(out), prepare(list(operands)), format=format, rhs=rhs,
+               scalars={"alpha": alpha}, name="einsum")
 
 
 def explain(equation, *operands, format=None, file=None, schedule=None) -> Explanation:

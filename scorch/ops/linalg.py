@@ -189,22 +189,19 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
     # (the product on the input's own positions, requested: its values align with the input's, also where a
     # differentiable result would otherwise leave a padded format)
-    prod = engine.einsum("ij,ik,kj->ij", pattern, mat1, mat2, format=None if s.format.is_dense else s.format)
+    # (alpha inside the kernel, so that a 16-bit product is rounded once, where no gradient is taken)
+    fmt = None if s.format.is_dense else s.format
+    prod = engine.scaled("ij,ik,kj->ij", alpha, pattern, mat1, mat2, format=fmt)
     if type(prod) is SparseTensor and type(prod._vals) is torch.Tensor and prod._vals.dtype == s.dtype and \
             not needs_grad((s, mat1, mat2)):
-        # the product's values are its own new array: scaled and added to in place (one pass, no new arrays;
-        # three passes with two new arrays took a quarter of the kernel's time)
+        # the product's values are its own new array: added to in place (one pass, no new arrays; three passes
+        # with two new arrays took a quarter of the kernel's time)
         vals = prod._vals
-        if beta == 1:
-            torch.add(s.values(), vals, alpha=alpha, out=vals)
-        else:
-            if alpha != 1:
-                vals.mul_(alpha)
-            if beta != 0:
-                vals.add_(s.values(), alpha=beta)
+        if beta != 0:
+            vals.add_(s.values(), alpha=beta)
         return s.with_values(vals)
     # a dense-format input gives a dense product, whose row-major values are the format's values
-    vals = (prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)) * alpha
+    vals = prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)
     if beta != 0:
         vals = vals + beta * s.values()
     return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)
