@@ -160,14 +160,16 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     others = [d for d in range(n) if d != dim]
     key = storage.linear_index(dims[others], [x._shape[d] for d in others])
     groups, inv = torch.unique(key, return_inverse=True)
-    vals = v[leaf]
-    peak = torch.full((groups.numel(),), float("-inf"), dtype=v.dtype, device=v.device)
+    # 16-bit values: computed in float32 and rounded once (a 16-bit sum of a group's exponentials drifts)
+    ct = torch.float32 if v.dtype in (torch.bfloat16, torch.float16) else v.dtype
+    vals = v[leaf].to(ct)
+    peak = torch.full((groups.numel(),), float("-inf"), dtype=ct, device=v.device)
     peak = peak.scatter_reduce(0, inv, vals.detach(), "amax")  # a shift: softmax does not depend on it
     shifted = vals - peak[inv]
-    total = torch.zeros(groups.numel(), dtype=v.dtype, device=v.device).index_add(0, inv, shifted.exp())
+    total = torch.zeros(groups.numel(), dtype=ct, device=v.device).index_add(0, inv, shifted.exp())
     out = shifted - total.log()[inv] if log else shifted.exp() / total[inv]
     # padding keeps 0 (so it stays padding); positions are in the values' order
-    res = torch.zeros(v.shape, dtype=v.dtype, device=v.device).index_put((leaf,), out)
+    res = torch.zeros(v.shape, dtype=v.dtype, device=v.device).index_put((leaf,), out.to(v.dtype))
     return x.with_values(res)
 
 

@@ -75,6 +75,21 @@ def test_softmax_3d_and_gradients():
     assert gradcheck(lambda v: F.log_softmax(c.with_values(v), 0).to_dense(), (v,))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_16_bit_rounds_once_on_the_generic_path(dtype, log):
+    """A softmax over a COO tensor's columns (no row segments: the generic path) on 16-bit values: computed in
+    float32 and rounded once, so within an ulp of the exact result; 16-bit sums of a column's 300 exponentials
+    were further off."""
+    g = torch.Generator().manual_seed(5)
+    d = torch.randn(300, 4, generator=g).to(dtype)
+    s = scorch.asformat(d, "coo")
+    r = (torch.sparse.log_softmax if log else torch.sparse.softmax)(s, 0).to_dense()
+    exact = (torch.log_softmax if log else torch.softmax)(d.double(), 0)
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert r.dtype == dtype and ((r.double() - exact).abs() <= ulp).all()
+
+
 def test_softmax_errors():
     s = scorch.asformat(_matrix((3, 3), 5), "csr")
     with pytest.raises(IndexError, match="out of range"):
