@@ -141,7 +141,9 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         if tree.parts is not None or tree.grouped is not None:
             if explain:
                 print(f"contraction:  {contract.describe(tree, inputs)}")
-            return evaluate_tree(tree, inputs, ops, out, format, backend, explain, directives)
+            r = evaluate_tree(tree, inputs, ops, out, format, backend, explain, directives)
+            want = result_dtype(ops, name)  # (16-bit operands: dense steps ran in float32, see evaluate_tree)
+            return r if r.dtype == want else cast(r, want)
     result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend, directives=directives)
     if sig is not None and all(a is b for a, b in zip(ops, operands)):
         fast = PREPARED.get(call_signature(inputs, out, ops, format, None, "sum", directives))
@@ -281,8 +283,11 @@ def contraction_path(inputs, out, ops, name):
     return node
 
 
-def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain=False, directives=None):
-    """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense)."""
+def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain=False, directives=None,
+                  inner=False):
+    """Run a contraction tree: each node is one kernel (or one torch.einsum when all its inputs are dense). An
+    ``inner`` node's dense step on 16-bit operands runs in float32, so that the step that reads it rounds once
+    (the caller rounds the tree's result to the operands' type)."""
     if node.grouped is not None:
         idx = [inputs[k] for k in node.leaves]
         if explain:
@@ -305,7 +310,7 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
         parts = [(ops[k], inputs[k]) for k in node.leaves]
     else:
         temporary = directives.temporary if directives is not None else None  # (the user's format of temporaries)
-        parts = [(evaluate_tree(p, inputs, ops, p.indices, temporary, backend, explain), p.indices)
+        parts = [(evaluate_tree(p, inputs, ops, p.indices, temporary, backend, explain, inner=True), p.indices)
                  for p in node.parts]
     tensors = [t for t, _ in parts]
     idx = tuple(i for _, i in parts)
@@ -315,6 +320,8 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
         eq = einsum_string(idx, target)
         if explain:
             print(f"dense step:   torch.einsum({eq!r})")
+        if inner:
+            tensors = [t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in tensors]
         r = torch.einsum(eq, *tensors)
         fmt = None if format is None else named.resolve(format, len(target))
         return r if fmt is None or fmt.is_dense else asformat(r, fmt)

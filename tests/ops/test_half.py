@@ -112,6 +112,25 @@ def test_gradients(dtype):
     _check(xs.grad, xd.grad, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_dense_step_inside_a_contraction_is_not_rounded(dtype):
+    """``S * (A @ B)`` planned as a dense torch step then a sparse kernel: the dense step on 16-bit operands runs
+    in float32 and the result is rounded once. With integer A and B the product is exact in float32 and beyond
+    the 16-bit types' integers, so a 16-bit intermediate rounded first shows."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(-64, 65, (24, 32), generator=g).to(dtype)
+    b = torch.randint(-64, 65, (32, 20), generator=g).to(dtype)
+    keep = torch.rand(24, 20, generator=g) < 0.5
+    s = scorch.asformat(keep.to(dtype) * 0.375, "csr")
+    assert "dense step" in scorch.explain("ij,ik,kj->ij", s, a, b, file=open("/dev/null", "w"))
+    got = scorch.einsum("ij,ik,kj->ij", s, a, b)
+    assert got.dtype == dtype
+    assert torch.equal(got.to_dense(), (0.375 * (a.float() @ b.float())).to(dtype) * keep)
+    a.requires_grad_(True)
+    scorch.einsum("ij,ik,kj->ij", s, a, b).values().float().sum().backward()
+    torch.testing.assert_close(a.grad.float(), (0.375 * keep.float()) @ b.float().T, rtol=1e-2, atol=0)
+
+
 def test_bf16_sparse_linear_trains_with_adamw():
     torch.manual_seed(0)
     m = scorch.nn.SparseLinear(32, 16, density=0.3, format="csr").to(torch.bfloat16)
