@@ -1,0 +1,149 @@
+"""Run by ``torchrun --nproc_per_node 2`` (tests/distributed/test_ddp.py): torch's DistributedDataParallel over a
+model with SparseLinear layers, each rank on its half of every batch, against one process on the whole batch.
+
+Rank r builds its model from seed r, so the ranks start with different weights and different sparse patterns:
+DDP's construction must make them rank 0's. Then for each optimizer, DDP training and a one-process reference
+(a copy of the synchronized model, trained on the whole batch) must end with the same weights, equal on both
+ranks. Also checked: ``no_sync`` (gradients accumulated locally, synchronized on the next backward), a comm hook
+(called on buckets of the sparse parameters' values), ``gradient_as_bucket_view`` and a model whose sparse
+parameter has a different number of stored entries on each rank. Prints ``OK <rank>`` at the end.
+"""
+import copy
+import sys
+
+import scorch as torch
+import scorch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.02),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.02),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=0.02),
+    "radam": lambda p: torch.optim.RAdam(p, lr=0.02),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=0.02),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=0.05),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+}
+
+
+def make_model(seed, fmt="csr", density=0.3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(scorch.nn.SparseLinear(12, 24, format=fmt, density=density), torch.nn.ReLU(),
+                               torch.nn.Linear(24, 16), torch.nn.Tanh(), scorch.nn.SparseLinear(16, 3, density=0.5))
+
+
+def weights(model):
+    return [p.detach().to_dense() if isinstance(p, scorch.SparseTensor) else p.detach().clone()
+            for p in model.parameters()]
+
+
+def assert_same(a, b, what):
+    for x, y in zip(weights(a) if not isinstance(a, list) else a, weights(b) if not isinstance(b, list) else b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
+
+
+def assert_equal_across_ranks(model, what):
+    mine = weights(model)
+    theirs = [None] * dist.get_world_size()
+    dist.all_gather_object(theirs, mine)
+    for other in theirs:
+        assert_same(mine, other, what + " (ranks differ)")
+
+
+def batches(steps, n=16, seed=100):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 12, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(steps)]
+
+
+def half(t, rank, world):
+    n = t.shape[0] // world
+    return t[rank * n:(rank + 1) * n]
+
+
+def train(model, opt, data, rank=None, world=1):
+    F = torch.nn.functional
+    for x, y in data:
+        if rank is not None:
+            x, y = half(x, rank, world), half(y, rank, world)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(4)
+    names = list(OPTIMIZERS)
+    if len(sys.argv) > 1:
+        names = sys.argv[1].split(",")
+    for name in names:
+        model = make_model(seed=rank)
+        ddp = DDP(model)
+        assert isinstance(ddp.module[0].weight, scorch.SparseTensor)
+        assert_equal_across_ranks(model, f"{name}: after construction")
+        reference = copy.deepcopy(model)
+        train(ddp, OPTIMIZERS[name](ddp.parameters()), data, rank, world)
+        train(reference, OPTIMIZERS[name](reference.parameters()), data)
+        assert isinstance(model[0].weight, scorch.SparseTensor)
+        assert_equal_across_ranks(model, name)
+        assert_same(model, reference, f"{name}: 2 processes vs 1")
+
+    # no_sync: two half-batches accumulated without communication, the second synchronizes
+    model = make_model(seed=rank)
+    ddp = DDP(model)
+    reference = copy.deepcopy(model)
+    opt, opt_ref = torch.optim.Adam(ddp.parameters(), lr=0.02), torch.optim.Adam(reference.parameters(), lr=0.02)
+    F = torch.nn.functional
+    for x, y in data:
+        opt.zero_grad()
+        xs, ys = half(x, rank, world), half(y, rank, world)
+        with ddp.no_sync():
+            (F.cross_entropy(ddp(xs[:4]), ys[:4]) / 2).backward()
+        (F.cross_entropy(ddp(xs[4:]), ys[4:]) / 2).backward()
+        opt.step()
+        opt_ref.zero_grad()
+        for k in range(world):
+            xk, yk = half(x, k, world), half(y, k, world)
+            (F.cross_entropy(reference(xk[:4]), yk[:4]) / (2 * world)).backward()
+            (F.cross_entropy(reference(xk[4:]), yk[4:]) / (2 * world)).backward()
+        opt_ref.step()
+    assert_equal_across_ranks(model, "no_sync")
+    assert_same(model, reference, "no_sync: 2 processes vs 1")
+
+    # a comm hook sees the sparse parameters' values in its buckets; gradient_as_bucket_view
+    model = make_model(seed=rank)
+    ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.0001)
+    seen = []
+
+    def hook(state, bucket):
+        seen.extend(id(p) for p in bucket.parameters())
+        t = bucket.buffer() / world
+        return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, hook)
+    reference = copy.deepcopy(model)
+    train(ddp, torch.optim.Adam(ddp.parameters(), lr=0.02), data, rank, world)
+    train(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
+    assert id(model[0].weight.values()) in seen and id(model[4].weight.values()) in seen, "hook never saw values"
+    assert_same(model, reference, "comm hook: 2 processes vs 1")
+
+    # a different number of stored entries on each rank (density by rank): rank 0's pattern wins
+    model = make_model(seed=rank, density=0.2 + 0.3 * rank)
+    ddp = DDP(model)
+    assert_equal_across_ranks(model, "different nnz")
+    reference = copy.deepcopy(model)
+    train(ddp, torch.optim.Adam(ddp.parameters(), lr=0.02), data, rank, world)
+    train(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
+    assert_same(model, reference, "different nnz: 2 processes vs 1")
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
