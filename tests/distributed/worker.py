@@ -1,14 +1,20 @@
-"""Run by ``torchrun --nproc_per_node 2`` (tests/distributed/test_ddp.py): torch's DistributedDataParallel over a
-model with SparseLinear layers, each rank on its half of every batch, against one process on the whole batch.
+"""Run by ``torchrun --nproc_per_node 2`` (tests/distributed/): the 2-process checks, named on the command line and
+run in one launch (a launch costs seconds: torch, scorch and, for DDP, torch._dynamo imported in every process).
 
-Rank r builds its model from seed r, so the ranks start with different weights and different sparse patterns:
-DDP's construction must make them rank 0's. Then for each optimizer, DDP training and a one-process reference
-(a copy of the synchronized model, trained on the whole batch) must end with the same weights, equal on both
-ranks. Also checked: ``no_sync`` (gradients accumulated locally, synchronized on the next backward), a comm hook
-(called on buckets of the sparse parameters' values), ``gradient_as_bucket_view`` and a model whose sparse
-parameter has a different number of stored entries on each rank. Prints ``OK <rank>`` at the end.
+- ``ddp:<optimizers>``: torch's DistributedDataParallel over a model with SparseLinear layers, each rank on its half
+  of every batch, against one process on the whole batch. Rank r builds its model from seed r, so the ranks start
+  with different weights and sparse patterns: DDP's construction must make them rank 0's. For each optimizer, DDP
+  training and a one-process reference (a copy of the synchronized model) must end with the same weights, equal on
+  both ranks. Also: ``no_sync``, a comm hook (it must see the sparse parameters' values in its buckets) with
+  ``gradient_as_bucket_view``, and ranks whose sparse parameters differ in their number of stored entries.
+  Prints ``OK ddp <rank>``.
+- ``gnn:<nodes>:<epochs>:<partition>``: ``apps.gnn.distributed.run`` for GCN and SAGE on a small generated graph;
+  rank 0 prints each result as a JSON line (``RESULT {...}``) for the test to compare with one process.
+- ``moe``: expert parallelism (``apps.moe.distributed.ExpertParallel``) against the one-process MoE, top-1 and
+  top-2: outputs, gradients, and weights after Adam steps. Prints ``OK moe <rank>``.
 """
 import copy
+import json
 import sys
 
 import scorch as torch
@@ -75,13 +81,10 @@ def train(model, opt, data, rank=None, world=1):
         opt.step()
 
 
-def main():
-    dist.init_process_group("gloo")
+def check_ddp(names):
+    """DDP over SparseLinear models, each rank on half of every batch, against one process (module docstring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(4)
-    names = list(OPTIMIZERS)
-    if len(sys.argv) > 1:
-        names = sys.argv[1].split(",")
     for name in names:
         model = make_model(seed=rank)
         ddp = DDP(model)
@@ -141,8 +144,73 @@ def main():
     train(ddp, torch.optim.Adam(ddp.parameters(), lr=0.02), data, rank, world)
     train(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
     assert_same(model, reference, "different nnz: 2 processes vs 1")
+    print(f"OK ddp {rank}", flush=True)
+
+
+
+def check_gnn(nodes, epochs, method):
+    from apps.gnn import data, distributed
+    g = data.generate_sbm(num_nodes=nodes, num_classes=4, num_features=80, avg_degree=6.0, words_per_node=12, seed=3)
+    for model in ("gcn", "sage"):
+        result = distributed.run("scorch", model, epochs=epochs, graph=g, method=method)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({k: result[k] for k in ("model", "losses", "val_acc", "test_acc", "ranks",
+                                                                  "sent_bytes", "allgather_bytes")}), flush=True)
+
+
+def check_moe():
+    from apps.moe import model as moe_model
+    from apps.moe.distributed import ExpertParallel
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dim, hidden, experts, tokens = 16, 12, 5, 48
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(tokens, dim, generator=g) for _ in range(3)]
+    ys = [torch.randn(tokens, hidden, generator=g) for _ in range(3)]
+    share = tokens // world
+    mine = slice(rank * share, (rank + 1) * share)
+    for top_k in (1, 2):
+        torch.manual_seed(0)
+        one = moe_model.build(scorch, dim, hidden, experts, top_k, sparse_gate=True)
+        torch.manual_seed(0)
+        ep = ExpertParallel(scorch, moe_model.build(scorch, dim, hidden, experts, top_k, sparse_gate=True), rank,
+                            world)
+        lo, hi = ep.bounds[rank], ep.bounds[rank + 1]
+        opt, opt_one = torch.optim.Adam(ep.module.parameters(), lr=0.05), torch.optim.Adam(one.parameters(), lr=0.05)
+        for step, (x, y) in enumerate(zip(xs, ys)):
+            opt.zero_grad()
+            out = ep(x[mine])
+            (((out - y[mine]) ** 2).sum() / (tokens * hidden)).backward()
+            ep.sync_gradients()
+            opt_one.zero_grad()
+            out_one = one(x)
+            torch.nn.functional.mse_loss(out_one, y).backward()
+            what = f"moe top-{top_k} step {step}"
+            torch.testing.assert_close(out, out_one[mine].detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(ep.module.experts.grad, one.experts.grad[lo:hi], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{what}, experts' gradient: {m}")
+            torch.testing.assert_close(ep.module.gate.weight.grad, one.gate.weight.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{what}, gate's gradient: {m}")
+            opt.step()
+            opt_one.step()
+        torch.testing.assert_close(ep.module.experts.detach(), one.experts.detach()[lo:hi], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ep.module.gate.weight.detach(), one.gate.weight.detach(), rtol=1e-4, atol=1e-5)
+    print(f"OK moe {rank}", flush=True)
+
+
+def main():
+    dist.init_process_group("gloo")
+    for job in sys.argv[1:]:
+        name, _, rest = job.partition(":")
+        if name == "ddp":
+            check_ddp(rest.split(","))
+        elif name == "gnn":
+            nodes, epochs, method = rest.split(":")
+            check_gnn(int(nodes), int(epochs), method)
+        elif name == "moe":
+            check_moe()
+        else:
+            raise SystemExit(f"unknown check {job!r}")
     dist.destroy_process_group()
-    print(f"OK {rank}", flush=True)
 
 
 if __name__ == "__main__":
