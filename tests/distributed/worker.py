@@ -33,7 +33,6 @@ OPTIMIZERS = {
     "adamax": lambda p: torch.optim.Adamax(p, lr=0.02),
     "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
     "asgd": lambda p: torch.optim.ASGD(p, lr=0.05),
-    "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
 }
 
 
