@@ -122,9 +122,10 @@ def _rows_of(indptr, indices, values, rows):
     return ptr, indices[take], values[take]
 
 
-def block(torch, g, part: np.ndarray, rank: int, world: int, group=None) -> Block:
+def block(torch, g, part: np.ndarray, rank: int, world: int, group=None, device="cpu") -> Block:
     """Rank ``rank``'s ``Block`` of graph ``g`` under the partition ``part``. Collective: the ranks tell each other
-    which rows they read (one ``all_to_all_single`` of counts, one of node ids)."""
+    which rows they read (one ``all_to_all_single`` of counts, one of node ids, on ``device``: the process group's,
+    a GPU under NCCL)."""
     import torch as real_torch
     import torch.distributed as dist
     from scorch.nn.distributed import exchange_rows
@@ -144,11 +145,11 @@ def block(torch, g, part: np.ndarray, rank: int, world: int, group=None) -> Bloc
     halo_nodes = halo_nodes[np.lexsort((local_of[halo_nodes], part[halo_nodes]))]
     recv_splits = np.bincount(part[halo_nodes], minlength=world).tolist()
     # tell each owner which of its rows to send: counts first, then the node ids
-    wanted = real_torch.tensor(recv_splits, dtype=real_torch.int64)
+    wanted = real_torch.tensor(recv_splits, dtype=real_torch.int64, device=device)
     send_counts = real_torch.empty_like(wanted)
     dist.all_to_all_single(send_counts, wanted, group=group)
     send_splits = send_counts.tolist()
-    asked = exchange_rows(real_torch.from_numpy(halo_nodes), recv_splits, send_splits, group)
+    asked = exchange_rows(real_torch.from_numpy(halo_nodes).to(device), recv_splits, send_splits, group).cpu()
     from scorch.nn.distributed import traffic
     traffic.reset()                                        # (setup traffic is not an epoch's)
     column = np.full(g.num_nodes, -1, dtype=np.int64)
@@ -204,7 +205,7 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
         dist.broadcast_object_list(part, src=0)             # (rank 0's: float rounding may differ between ranks)
         part = part[0]
         scorch = common.backend_module("scorch")
-        b = common.to_device(block(scorch, g, part, rank, world), device)
+        b = common.to_device(block(scorch, g, part, rank, world, device=device), device)
         torch.manual_seed(seed)          # the same initial weights and dropout masks (Block.dropout) as one process
         net = build(scorch, model, g.num_features, hidden or d["hidden"], g.num_classes, heads=d["heads"],
                     dropout=d["dropout"] if dropout is None else dropout)
@@ -230,8 +231,9 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
                 net.eval()
                 pred = net(b.x, b).argmax(1)
                 counts = torch.tensor([loss.item() / world, *((pred[i] == b.labels[i]).sum().item()
-                                                              for i in (b.val_idx, b.test_idx))], dtype=torch.float64)
-            dist.all_reduce(counts)                         # (CPU tensors: gloo; a GPU all_reduce under NCCL)
+                                                              for i in (b.val_idx, b.test_idx))], dtype=torch.float64,
+                                      device=device)
+            dist.all_reduce(counts)
             losses.append(counts[0].item())
             val, test = counts[1].item() / len(g.val_idx), counts[2].item() / len(g.test_idx)
             if val > best_val:

@@ -38,7 +38,7 @@ class ExpertParallel:
             dist.broadcast(p.data, src=0, group=group)
         moe.experts = torch.nn.Parameter(moe.experts.detach()[lo:hi].clone())
         self.module = moe
-        self.owner = torch.zeros(n, dtype=torch.int64)       # expert -> rank
+        self.owner = torch.zeros(n, dtype=torch.int64, device=moe.experts.device)  # expert -> rank
         for r in range(world):
             self.owner[self.bounds[r]:self.bounds[r + 1]] = r
         self.pairs_sent = self.pairs_received = 0       # (token, expert) pairs to / from other ranks
@@ -77,7 +77,8 @@ class ExpertParallel:
         n = rows.shape[0]
         if n == 0:
             return rows.new_zeros((0, self.hidden))
-        gate = torch.sparse_csr_tensor(torch.arange(n + 1), local, torch.ones(n, dtype=rows.dtype),
+        gate = torch.sparse_csr_tensor(torch.arange(n + 1, device=rows.device), local,
+                                       torch.ones(n, dtype=rows.dtype, device=rows.device),
                                        (n, self.module.experts.shape[0]), check_invariants=False)
         return torch.einsum("bn,bd,ndh->bh", gate, rows, self.module.experts)
 
@@ -103,8 +104,6 @@ def run(backend: str = "scorch", epochs: int = 8, threads: int = 1, seed: int = 
     opt = {**DEFAULTS, **options}
     opt["hidden"] = opt["hidden"] or opt["dim"]
     rank, world, device = common.init_distributed("moe")
-    if device != "cpu":
-        raise NotImplementedError("apps.moe --distributed runs on the CPU (gloo) for now")
     common.set_threads(threads)
     torch = common.backend_module("scorch")
     dtype = getattr(real_torch, opt["dtype"])
@@ -114,13 +113,13 @@ def run(backend: str = "scorch", epochs: int = 8, threads: int = 1, seed: int = 
         raise ValueError(f"--tokens ({opt['tokens']}) must split evenly over {world} processes")
     torch.manual_seed(seed)
     moe = model_mod.build(torch, opt["dim"], opt["hidden"], opt["experts"], opt["top_k"], sparse_gate=True,
-                          einsum=opt["einsum"]).to(dtype)
+                          einsum=opt["einsum"]).to(dtype).to(device)
     ep = ExpertParallel(torch, moe, rank, world)
     optimizer = torch.optim.Adam(moe.parameters(), lr=opt["lr"])
     share = opt["tokens"] // world
 
     def mine(t):
-        return t[rank * share:(rank + 1) * share]
+        return t[rank * share:(rank + 1) * share].to(device)
 
     def global_mse(pred, y):                                 # this rank's share of the whole batch's mean
         return ((pred - y) ** 2).sum() / (opt["tokens"] * y.shape[1])
@@ -143,7 +142,7 @@ def run(backend: str = "scorch", epochs: int = 8, threads: int = 1, seed: int = 
                 losses.append(total.item())
         epoch_traffic.append((traffic.reset(), ep.pairs_sent, ep.pairs_received))
         with real_torch.no_grad():
-            total = real_torch.zeros((), dtype=real_torch.float64)
+            total = real_torch.zeros((), dtype=real_torch.float64, device=device)
             for x, y in zip(task.test_x, task.test_y):
                 total += global_mse(ep(mine(x)), mine(y)).double()
             dist.all_reduce(total)

@@ -138,8 +138,8 @@ for _m in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor
            torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.Tensor.neg_, torch.Tensor.sqrt_,
            torch.Tensor.abs_, torch.Tensor.relu_, torch.Tensor.__iadd__, torch.Tensor.__isub__,
            torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_,
-           torch.Tensor.sign_, torch.Tensor.zero_, torch.Tensor.reciprocal_):
-    _inplace(_m)
+           torch.Tensor.sign_, torch.Tensor.zero_, torch.Tensor.reciprocal_, torch.reciprocal_):
+    _inplace(_m)  # (reciprocal_ maps the stored values, as add_(eps) adds to them: RAdam's foreach state)
 
 
 def _with_new_pattern(self: SparseTensor, name, args, kwargs):
