@@ -168,3 +168,10 @@ def init_distributed(app: str) -> tuple:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def threads_per_process(threads: int) -> int:
+    """``threads``, at most this machine's cores shared by the processes ``torchrun`` started on it (more would
+    oversubscribe them)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(1, min(threads, (os.cpu_count() or 1) // local))

@@ -196,6 +196,7 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
     if model not in MODELS:
         raise ValueError(f"--distributed trains {', '.join(MODELS)}, not {model!r}")
     rank, world, device = common.init_distributed("gnn")
+    threads = common.threads_per_process(threads)
     common.set_threads(threads)
     g = graph if graph is not None else load(dataset, common.data_root(data), seed=seed)
     d = DEFAULTS[model]

@@ -46,7 +46,7 @@ def sparse_parameters(module: torch.nn.Module, ignore=()) -> list:
 
 def broadcast_sparse(params, src: int = 0, group=None) -> None:
     """Make every process's SparseTensor ``params`` (a list, in the same order everywhere) equal to those of rank
-    ``src``: format, index arrays and values. A process whose parameter has ``src``'s number of stored entries keeps
+    ``src`` of ``group`` (its rank in the group, as DDP counts): format, index arrays and values. A process whose parameter has ``src``'s number of stored entries keeps
     its values array (updated in place: an optimizer or a reducer holding it sees the new values); otherwise the
     parameter takes a new one. Shapes and dtypes must agree (``ValueError`` naming the parameter)."""
     import torch.distributed as dist
@@ -56,19 +56,19 @@ def broadcast_sparse(params, src: int = 0, group=None) -> None:
             raise TypeError(f"broadcast_sparse takes SparseTensors, got {type(p).__name__}")
     mine = [_describe(p) for p in params]
     meta = [mine]
-    dist.broadcast_object_list(meta, src=src, group=group, device=_object_device(params, group))
+    dist.broadcast_object_list(meta, group=group, device=_object_device(params, group), group_src=src)
     theirs = meta[0]
     if len(theirs) != len(params):
         raise ValueError(f"broadcast_sparse: rank {src} has {len(theirs)} sparse parameters, this rank "
                          f"{len(params)}")
-    rank = dist.get_rank(group) if group is not None else dist.get_rank()
+    rank = dist.get_rank(group)
     for k, (p, want) in enumerate(zip(params, theirs)):
         if (want["shape"], want["dtype"]) != (mine[k]["shape"], mine[k]["dtype"]):
             raise ValueError(f"broadcast_sparse: sparse parameter {k} is {want['shape']} {want['dtype']} on rank "
                              f"{src} but {mine[k]['shape']} {mine[k]['dtype']} here: the model differs")
         if rank == src:
             for a in _arrays(p):
-                dist.broadcast(a, src=src, group=group)
+                dist.broadcast(a, group=group, group_src=src)
             continue
         dev = p._vals.device
         levels = [{name: None if got is None else torch.empty(got[0], dtype=getattr(torch, got[1]), device=dev)
@@ -76,7 +76,7 @@ def broadcast_sparse(params, src: int = 0, group=None) -> None:
         same_nnz = want["nnz"] == p._vals.numel()
         values = p._vals.detach() if same_nnz else torch.empty(want["nnz"], dtype=p._vals.dtype, device=dev)
         for a in [a for lv in levels for a in (lv["pos"], lv["crd"]) if a is not None] + [values]:
-            dist.broadcast(a, src=src, group=group)
+            dist.broadcast(a, group=group, group_src=src)
         _adopt(p, want["format"], levels, values, same_nnz)
 
 
@@ -148,10 +148,11 @@ def install() -> bool:
 
     @functools.wraps(build)
     def _build_params_for_reducer(self):
-        sparse = [p for _, p in sparse_parameters(self.module, self.parameters_to_ignore) if p.requires_grad]
+        sparse = [p for _, p in sparse_parameters(self.module, self.parameters_to_ignore)]
         if sparse and (_constructing.init_sync[-1] if _constructing.init_sync else True):
-            broadcast_sparse(sparse, src=0, group=self.process_group)
+            broadcast_sparse(sparse, src=0, group=self.process_group)  # (all of them, as DDP broadcasts every one)
             _constructing.synced = self.module
+        sparse = [p for p in sparse if p.requires_grad]
         parameters, expect_sparse_gradient = build(self)
         given = {id(p): p._vals for p in sparse}
         parameters = [given.get(id(p), p) for p in parameters]

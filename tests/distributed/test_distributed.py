@@ -143,6 +143,10 @@ def test_partition_is_balanced_and_cuts_few_edges():
         partition(g.indptr, g.indices, 2, "metis")
 
 
-def test_distributed_flag_needs_torchrun():
-    done = run_app("gnn", "--distributed", "--epochs", "1", "--quiet")
-    assert done.returncode != 0 and "runs under torchrun" in done.stderr
+@pytest.mark.parametrize("app", ["gnn", "moe"])
+def test_distributed_flag_needs_torchrun(app, monkeypatch):
+    import importlib
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="runs under torchrun"):
+        importlib.import_module(f"apps.{app}").main(["--distributed", "--epochs", "1", "--quiet"])

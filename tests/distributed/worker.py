@@ -6,7 +6,8 @@ run in one launch (a launch costs seconds: torch, scorch and, for DDP, torch._dy
   with different weights and sparse patterns: DDP's construction must make them rank 0's. For each optimizer, DDP
   training and a one-process reference (a copy of the synchronized model) must end with the same weights, equal on
   both ranks. Also: ``no_sync``, a comm hook (it must see the sparse parameters' values in its buckets) with
-  ``gradient_as_bucket_view``, and ranks whose sparse parameters differ in their number of stored entries.
+  ``gradient_as_bucket_view``, ``find_unused_parameters`` with an unused and a frozen sparse layer, and ranks whose
+  sparse parameters differ in their number of stored entries.
   Prints ``OK ddp <rank>``.
 - ``gnn:<nodes>:<epochs>:<partition>``: ``apps.gnn.distributed.run`` for GCN and SAGE on a small generated graph;
   rank 0 prints each result as a JSON line (``RESULT {...}``) for the test to compare with one process.
@@ -134,6 +135,26 @@ def check_ddp(names):
     train(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
     assert id(model[0].weight.values()) in seen and id(model[4].weight.values()) in seen, "hook never saw values"
     assert_same(model, reference, "comm hook: 2 processes vs 1")
+
+    # find_unused_parameters with an unused sparse layer, and a frozen one (broadcast at construction, not reduced)
+    class WithUnused(torch.nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.used = make_model(seed)
+            self.unused = scorch.nn.SparseLinear(4, 4, density=0.5)
+            self.frozen = scorch.nn.SparseLinear(3, 3, density=0.5)
+            self.frozen.weight.requires_grad_(False)
+
+        def forward(self, x):
+            return self.frozen(self.used(x))
+
+    model = WithUnused(seed=rank)
+    ddp = DDP(model, find_unused_parameters=True)
+    assert_equal_across_ranks(model, "find_unused_parameters: after construction")
+    reference = copy.deepcopy(model)
+    train(ddp, torch.optim.Adam(ddp.parameters(), lr=0.02), data, rank, world)
+    train(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
+    assert_same(model, reference, "find_unused_parameters: 2 processes vs 1")
 
     # a different number of stored entries on each rank (density by rank): rank 0's pattern wins
     model = make_model(seed=rank, density=0.2 + 0.3 * rank)
