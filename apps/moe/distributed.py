@@ -157,7 +157,8 @@ def run(backend: str = "scorch", epochs: int = 8, threads: int = 1, seed: int = 
     dist.all_gather_object(ranks, mine_summary)
     steps = len(task.train_x)
     return {"backend": "scorch", "processes": world, "experts": opt["experts"], "top_k": opt["top_k"],
-            "tokens": opt["tokens"], "dim": opt["dim"], "hidden": opt["hidden"], "batches": steps, "epochs": epochs, "threads": threads,
+            "tokens": opt["tokens"], "dim": opt["dim"], "hidden": opt["hidden"], "batches": steps, "epochs": epochs,
+            "threads": threads,
             "target_var": task.target_var, "first_loss": losses[0], "train_loss": sum(losses[-steps:]) / steps,
             "loss": test_curve[-1], "r2": 1.0 - test_curve[-1] / task.target_var, "epoch_s": epoch_watch.median(1),
             "total_s": time.perf_counter() - start, "losses": losses, "test_loss_curve": test_curve, "ranks": ranks}

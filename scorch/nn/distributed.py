@@ -46,9 +46,10 @@ def sparse_parameters(module: torch.nn.Module, ignore=()) -> list:
 
 def broadcast_sparse(params, src: int = 0, group=None) -> None:
     """Make every process's SparseTensor ``params`` (a list, in the same order everywhere) equal to those of rank
-    ``src`` of ``group`` (its rank in the group, as DDP counts): format, index arrays and values. A process whose parameter has ``src``'s number of stored entries keeps
-    its values array (updated in place: an optimizer or a reducer holding it sees the new values); otherwise the
-    parameter takes a new one. Shapes and dtypes must agree (``ValueError`` naming the parameter)."""
+    ``src`` of ``group`` (its rank in the group, as DDP counts): format, index arrays and values. A process whose
+    parameter has ``src``'s number of stored entries keeps its values array (updated in place: an optimizer or a
+    reducer holding it sees the new values); otherwise the parameter takes a new one. Shapes and dtypes must agree
+    (``ValueError`` naming the parameter)."""
     import torch.distributed as dist
     params = list(params)
     for p in params:
@@ -102,6 +103,7 @@ def _adopt(p: SparseTensor, fmt: str, levels, values, in_place: bool) -> None:
         p._format, p._levels, p._index_dtype = new._format, new._levels, new._index_dtype
     else:
         p.data = new
+    p.__dict__.pop("_conversions", None)  # conversions kept for the old pattern (engine.convert)
 
 
 def _object_device(params, group):

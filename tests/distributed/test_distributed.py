@@ -99,6 +99,15 @@ def test_gnn_command_on_cora_reaches_one_process_accuracy():
 
 
 @pytest.mark.slow
+def test_gnn_100k_graph_exchanges_fewer_bytes_than_an_all_gather():
+    two = run_torchrun("-m", "apps.gnn", "--backend", "scorch", "--model", "gcn", "--dataset", "sbm-100000",
+                       "--epochs", "2", "--distributed", "--threads", "1", "--quiet", timeout=600)
+    assert two.returncode == 0, two.stdout + two.stderr[-4000:]
+    sent, allgather = _metric(two.stdout, "sent_bytes"), _metric(two.stdout, "allgather_bytes")
+    assert 0 < sent < 0.8 * allgather, (sent, allgather)
+
+
+@pytest.mark.slow
 def test_moe_command_trains_as_one_process():
     args = ("--backend", "scorch", "--epochs", "2", "--tokens", "256", "--dim", "32", "--batches", "4",
             "--experts", "6", "--threads", "1", "--quiet")
