@@ -6,8 +6,8 @@ run in one launch (a launch costs seconds: torch, scorch and, for DDP, torch._dy
   with different weights and sparse patterns: DDP's construction must make them rank 0's. For each optimizer, DDP
   training and a one-process reference (a copy of the synchronized model) must end with the same weights, equal on
   both ranks. Also: ``no_sync``, a comm hook (it must see the sparse parameters' values in its buckets) with
-  ``gradient_as_bucket_view``, ``find_unused_parameters`` with an unused and a frozen sparse layer, and ranks whose
-  sparse parameters differ in their number of stored entries.
+  ``gradient_as_bucket_view``, ``find_unused_parameters`` with an unused and a frozen sparse layer, ``join`` with
+  uneven inputs, and ranks whose sparse parameters differ in their number of stored entries.
   Prints ``OK ddp <rank>``.
 - ``gnn:<nodes>:<epochs>:<partition>``: ``apps.gnn.distributed.run`` for GCN and SAGE on a small generated graph;
   rank 0 prints each result as a JSON line (``RESULT {...}``) for the test to compare with one process.
@@ -155,6 +155,17 @@ def check_ddp(names):
     train(ddp, torch.optim.Adam(ddp.parameters(), lr=0.02), data, rank, world)
     train(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
     assert_same(model, reference, "find_unused_parameters: 2 processes vs 1")
+
+    # join: uneven inputs (rank 1 stops early); the last joiner's model, sparse parameters too, is broadcast at the end
+    model = make_model(seed=rank)
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.02)
+    with ddp.join():
+        for x, y in data[:len(data) - rank]:
+            opt.zero_grad()
+            F.cross_entropy(ddp(half(x, rank, world)), half(y, rank, world)).backward()
+            opt.step()
+    assert_equal_across_ranks(model, "join")
 
     # a different number of stored entries on each rank (density by rank): rank 0's pattern wins
     model = make_model(seed=rank, density=0.2 + 0.3 * rank)
