@@ -7,7 +7,8 @@ is fixed while it trains), and scorch's autograd graph lives on those values: th
 their gradient accumulators, all-reduces ``nnz`` numbers per sparse parameter (never the dense shape) and runs comm
 hooks and ``no_sync`` as for any dense parameter, while ``model.weight`` stays the SparseTensor and every
 ``torch.optim`` optimizer steps it as before (it reads ``p.grad``: the values' gradient). Importing scorch installs
-this into torch's ``DistributedDataParallel`` class at three seams (``install``):
+this into torch's ``DistributedDataParallel`` class at three seams (``install``; the constructor is wrapped only to
+read its ``init_sync``):
 
 - ``_build_params_for_reducer``: the reducer's parameter list holds each sparse parameter's values. Before, when
   the constructor synchronizes (``init_sync``, the default), rank 0's sparse parameters, pattern and values, are
