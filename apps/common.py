@@ -151,3 +151,27 @@ def run_and_report(app: str, run, args, options) -> dict:
                  data=args.data, **{k: getattr(args, k) for k in options})
     report(f"{app} ({args.backend})", result)
     return result
+
+
+def init_distributed(app: str) -> tuple:
+    """``(rank, world, device)`` of a ``torchrun`` launch (``--distributed``): the process group (NCCL where CUDA is
+    present, each process on the GPU of its local rank; else gloo on the CPU), made once."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RuntimeError(f"--distributed runs under torchrun (e.g. torchrun --nproc_per_node 2 -m apps.{app} "
+                               "--distributed), which sets RANK, WORLD_SIZE and the rendezvous address")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def threads_per_process(threads: int) -> int:
+    """``threads``, at most this machine's cores shared by the processes ``torchrun`` started on it (more would
+    oversubscribe them)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(1, min(threads, (os.cpu_count() or 1) // local))

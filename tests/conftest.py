@@ -120,3 +120,17 @@ def run_app(app, *args, timeout=120):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", f"apps.{app}", *args], cwd=root, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_torchrun(*args, nproc=2, timeout=120):
+    """``torchrun --standalone --nproc_per_node nproc *args`` (a script, or ``-m module``) from the repository root,
+    with this checkout first on the path and one thread a process; the completed process, output captured as text.
+    The timeout ends a launch that hangs (a collective waiting for a process that died)."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

@@ -104,7 +104,14 @@ def main(argv=None) -> dict:
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--dropout", type=float, default=None)
     common.add_device(p)
+    p.add_argument("--distributed", action="store_true", help="under torchrun: the graph's rows split across the "
+                   "processes, halo rows exchanged (apps/gnn/distributed.py; gcn and sage)")
+    p.add_argument("--partition", choices=("spectral", "contiguous"), default="spectral",
+                   help="with --distributed: how the nodes are split (distributed.partition)")
     a = p.parse_args(argv)
+    if a.distributed:
+        from . import distributed
+        return distributed.main(a)
     common.set_threads(a.threads)
     result = run(a.backend, a.model, a.dataset, a.epochs, a.threads, a.seed, a.quiet, a.data, a.hidden, a.heads,
                  a.lr, a.weight_decay, a.dropout, device=a.device)

@@ -48,6 +48,17 @@ class GraphTensors:
             got = self._heads[heads] = (big_row, self.col[edge] * heads + head, big_crow)
         return got
 
+    def aggregate(self, torch, matrix, h):
+        """``matrix @ h``: each node's sum of its neighbours' rows of ``h``, weighted by ``matrix`` (``adj`` or
+        ``mean``). A graph split across processes (``apps.gnn.distributed``) first fetches the rows of ``h`` its
+        block of ``matrix`` reads from other processes."""
+        return torch.sparse.mm(matrix, h)
+
+    def dropout(self, F, h, p, training):
+        """``F.dropout`` of the nodes' features ``h`` (a graph split across processes draws the whole graph's mask
+        and keeps its rows: the same masks as one process)."""
+        return F.dropout(h, p=p, training=training)
+
     def on_pattern(self, torch, values, heads=1):
         """A sparse matrix on the pattern of ``edges(torch, heads)`` holding ``values`` (one per entry, in
         row-major order)."""
@@ -106,9 +117,9 @@ def build(torch, arch: str, d_in: int, d_hidden: int, d_out: int, heads: int = 8
             self.bias2 = nn.Parameter(torch.zeros(d_out))
 
         def forward(self, x, g):
-            h = torch.sparse.mm(g.adj, self.lin1(x)) + self.bias1
-            h = F.dropout(F.relu(h), p=dropout, training=self.training)
-            return torch.sparse.mm(g.adj, self.lin2(h)) + self.bias2
+            h = g.aggregate(torch, g.adj, self.lin1(x)) + self.bias1
+            h = g.dropout(F, F.relu(h), dropout, self.training)
+            return g.aggregate(torch, g.adj, self.lin2(h)) + self.bias2
 
     class SAGE(nn.Module):
         """Hamilton et al., mean aggregator: H' = mean_{j in N(i)} H_j W_l + H_i W_r + b."""
@@ -121,9 +132,9 @@ def build(torch, arch: str, d_in: int, d_hidden: int, d_out: int, heads: int = 8
             self.root2 = nn.Linear(d_hidden, d_out)
 
         def forward(self, x, g):
-            h = torch.sparse.mm(g.mean, self.neigh1(x)) + self.root1(x)
-            h = F.dropout(F.relu(h), p=dropout, training=self.training)
-            return torch.sparse.mm(g.mean, self.neigh2(h)) + self.root2(h)
+            h = g.aggregate(torch, g.mean, self.neigh1(x)) + self.root1(x)
+            h = g.dropout(F, F.relu(h), dropout, self.training)
+            return g.aggregate(torch, g.mean, self.neigh2(h)) + self.root2(h)
 
     class GATLayer(nn.Module):
         """Velickovic et al.: per head, e_ij = LeakyReLU(a_dst . W h_i + a_src . W h_j) on the edges of A + I,

@@ -140,5 +140,10 @@ def main(argv=None) -> dict:
                         "'ncd,ndh->nch', combine 'bs,sh->bh' (default); fused 'bn,bd,ndh->bh'; dispatch 'bn,bd->bnd' "
                         "then 'bnd,ndh->bh'; combine 'bd,ndh->bnh' then 'bn,bnh->bh'")
     p.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"])
+    p.add_argument("--distributed", action="store_true", help="under torchrun: experts placed on the processes, "
+                   "tokens sent to them with all_to_all (apps/moe/distributed.py)")
     args = p.parse_args(argv)
+    if args.distributed:
+        from . import distributed
+        return distributed.main(args, DEFAULTS)
     return common.run_and_report("moe", run, args, DEFAULTS)

@@ -7,5 +7,8 @@ from .sparsify import (NM, BlockFraction, KeepAll, RandomFraction, ScalarFractio
                        Sparsifier)
 from .schedule import Schedule, storage_bytes  # noqa: F401
 from .layers import SparseLinear, patch_model, reformat_model  # noqa: F401
+from . import distributed  # noqa: E402
+
+distributed.install()  # torch's DistributedDataParallel trains SparseTensor parameters (issue 21)
 
 __getattr__, __dir__ = _forward.forward(globals(), _nn)

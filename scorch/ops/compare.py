@@ -94,12 +94,19 @@ def union_elementwise(op, name, a: SparseTensor, b: SparseTensor):
 
 def _union_op(op, name):
     def apply(a, b, *, out=None):
+        if isinstance(out, SparseTensor) and isinstance(a, SparseTensor) and isinstance(b, SparseTensor):
+            from .pattern import same_pattern
+            if same_pattern(a, out) and same_pattern(b, out):  # (Adamax's state: one pattern, values in place)
+                with torch.no_grad():
+                    op(a._vals, b._vals, out=out._vals)
+                return out
         if out is not None or not (isinstance(a, SparseTensor) and isinstance(b, SparseTensor)):
             raise NoSparseRule(f"{name} is sparse for two sparse operands only")
         return union_elementwise(op, name, a, b)
     apply.__name__ = apply.__qualname__ = name.rsplit(".", 1)[-1]
     apply.__doc__ = (f"{name} of two sparse tensors: the union of their patterns where op(0, 0) = 0 (else dense,"
-                     " counted); with a dense operand: the dense fallback.")
+                     " counted); with a dense operand: the dense fallback. ``out=`` a sparse tensor: written in place"
+                     " when both operands have its pattern.")
     return apply
 
 

@@ -8,11 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_tensor import NoSparseRule, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from .pattern import same_pattern
+
+
+def _into_first(op):
+    """``op(a, b, out=a)``: the in-place foreach ops with no Tensor method (``_foreach_maximum_``, Adamax's), for a
+    sparse ``a`` only where ``b`` has its pattern (else the foreach op's own refusal: it would write ``a``)."""
+    def method(a, b):
+        if isinstance(a, SparseTensor) and not (isinstance(b, SparseTensor) and same_pattern(a, b)):
+            raise NoSparseRule(f"torch.{op.__name__} into a sparse tensor with an operand of another pattern")
+        return op(a, b, out=a)
+    return method
+
+
+_NO_METHOD = {"_foreach_maximum_": _into_first(torch.maximum), "_foreach_minimum_": _into_first(torch.minimum)}
 
 
 def _per_element(name: str):
-    method = getattr(torch.Tensor, name.removeprefix("_foreach_"), None)
+    method = _NO_METHOD.get(name) or getattr(torch.Tensor, name.removeprefix("_foreach_"), None)
     keyword_value = name.removeprefix("_foreach_").rstrip("_") in ("addcmul", "addcdiv")
 
     def apply(tensors, *args, **kwargs):

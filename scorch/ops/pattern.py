@@ -15,8 +15,15 @@ Formats with padding (``nm(n, m)``, ``ell``): a position that holds 0 in ``S`` a
 holds 0 after the op (padding, and a stored zero, which such formats cannot tell from padding, stay zero:
 ``S.add_(1.0)`` adds to the entries only). Gradients are 0 at padding, so optimizer steps keep it zero.
 
-``torch.optim`` SGD (with momentum and nesterov), Adam and AdamW run on SparseTensor parameters through these
-ops and update the values in place; ``load_state_dict`` copies into a sparse parameter with ``copy_``.
+A dense operand of the same shape is taken at the pattern where that loses nothing: a factor of a product whose other
+factor is sparse with the pattern (``addcmul_``, ``addcdiv_``'s divisor, ``mul_``), or a tensor that is 0 off the
+pattern (checked), as the dense optimizer state that ``full_like`` makes gives (Adagrad, Adadelta, LBFGS's flat
+update).
+
+``torch.optim`` SGD, Adam, AdamW, RMSprop, Adagrad, NAdam, RAdam, Adamax, Adadelta, ASGD and LBFGS (for-loop and
+``foreach``) run on SparseTensor parameters through these ops and update the values in place
+(``tests/nn/test_optimizers.py``); Rprop raises (it sets its step sign to 1 where the gradient is 0, off the
+pattern too). ``load_state_dict`` copies into a sparse parameter with ``copy_``.
 """
 from __future__ import annotations
 
@@ -43,8 +50,12 @@ def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
     return True
 
 
-def _values(x, like: SparseTensor, name: str):
-    """The operand's values on ``like``'s pattern: a number or 0-d tensor stays as it is."""
+def _values(x, like: SparseTensor, name: str, sampled: bool = False):
+    """The operand's values on ``like``'s pattern: a number or 0-d tensor stays as it is. A dense tensor of
+    ``like``'s shape gives its entries at the pattern where that loses nothing: when ``sampled`` (the caller knows
+    the term is 0 off the pattern: a factor of a product with a sparse operand of the pattern), or when it is 0
+    off the pattern (checked: optimizers' dense state, e.g. Adadelta's update ``delta``, is 0 where the gradient
+    is)."""
     if isinstance(x, SparseTensor):
         if not same_pattern(x, like):
             raise ValueError(f"scorch: {name} of SparseTensors with different patterns (in-place ops keep the"
@@ -52,8 +63,35 @@ def _values(x, like: SparseTensor, name: str):
         return x._vals
     if isinstance(x, numbers.Number) or (isinstance(x, torch.Tensor) and x.dim() == 0):
         return x
+    if isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(like._shape) and not like._format.padded:
+        vals = at_pattern(x, like)
+        if sampled or int(torch.count_nonzero(x)) == int(torch.count_nonzero(vals)):
+            return vals
     raise NotImplementedError(f"scorch: {name} of a SparseTensor with a dense tensor of shape {tuple(x.shape)}"
-                              " (in place, the result could not keep the sparse pattern)")
+                              " that is not 0 off its pattern (in place, the result could not keep the pattern)")
+
+
+def at_pattern(dense: torch.Tensor, like: SparseTensor) -> torch.Tensor:
+    """``dense``'s entries at ``like``'s stored positions, in ``like``'s value order."""
+    from ..formats import storage
+    leaf, dims, inside = storage.coordinates(like._format, like._shape, like._levels)
+    out = torch.zeros(like._vals.shape, dtype=dense.dtype, device=dense.device)
+    out[leaf[inside]] = dense.detach()[tuple(dims[:, inside])]
+    return out
+
+
+def _sampled_factors(self: SparseTensor, name: str, args) -> list:
+    """Which positional operands of ``name`` may be taken at ``self``'s pattern unchecked: a product's dense factor
+    beside a sparse factor of the pattern (``addcmul_``'s either, ``addcdiv_``'s divisor) and ``mul_``'s operand."""
+    def patterned(a):
+        return isinstance(a, SparseTensor) and same_pattern(a, self)
+    if name == "addcmul_" and len(args) >= 2:
+        return [patterned(args[1]), patterned(args[0])] + [False] * (len(args) - 2)
+    if name == "addcdiv_" and len(args) >= 2:
+        return [False, patterned(args[0])] + [False] * (len(args) - 2)
+    if name in ("mul_", "__imul__"):
+        return [True] * len(args)
+    return [False] * len(args)
 
 
 # in-place ops with a sparse operand of another pattern: the out-of-place result that replaces the storage
@@ -83,8 +121,8 @@ def _inplace(method):
             zero = self._vals == 0
             for a in sparse:
                 zero &= a._vals == 0
-        args = [_values(a, self, name) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number) else a
-                for a in args]
+        args = [_values(a, self, name, sampled) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number)
+                else a for a, sampled in zip(args, _sampled_factors(self, name, args))]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         getattr(self._vals, name)(*args, **kwargs)
         if zero is not None:
@@ -100,8 +138,8 @@ for _m in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor
            torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.Tensor.neg_, torch.Tensor.sqrt_,
            torch.Tensor.abs_, torch.Tensor.relu_, torch.Tensor.__iadd__, torch.Tensor.__isub__,
            torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_,
-           torch.Tensor.sign_, torch.Tensor.zero_):
-    _inplace(_m)
+           torch.Tensor.sign_, torch.Tensor.zero_, torch.Tensor.reciprocal_, torch.reciprocal_):
+    _inplace(_m)  # (reciprocal_ maps the stored values, as add_(eps) adds to them: RAdam's foreach state)
 
 
 def _with_new_pattern(self: SparseTensor, name, args, kwargs):

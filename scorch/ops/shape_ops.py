@@ -163,7 +163,10 @@ def reshape(x: SparseTensor, *shape, **kwargs):
 
 @implements(torch.Tensor.reshape_as, torch.Tensor.view_as)
 def reshape_as(x: SparseTensor, other):
-    """``reshape`` to ``other``'s shape."""
+    """``reshape`` to ``other``'s shape. A dense ``x`` shaped like a sparse ``other`` stays dense, reshaped (a view
+    where torch can make one): LBFGS shapes its flat update ``update[a:b].view_as(p)`` for a sparse parameter."""
+    if not isinstance(x, SparseTensor):
+        return x.reshape(tuple(other.shape))
     return _reshape_to(x, tuple(other.shape), "reshape_as")
 
 
