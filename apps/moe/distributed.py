@@ -64,7 +64,7 @@ class ExpertParallel:
         local = exchange_rows(expert[order], send, recv, self.group) - self.bounds[self.rank]
         y = exchange_rows(self.experts(rows, local), recv, send, self.group)
         pairs = torch.empty_like(order)
-        pairs[order] = torch.arange(len(order))
+        pairs[order] = torch.arange(len(order), device=order.device)
         out = y.index_select(0, pairs).reshape(x.shape[0], k, self.hidden)
         self.pairs_sent += sum(send) - send[self.rank]
         self.pairs_received += sum(recv) - recv[self.rank]

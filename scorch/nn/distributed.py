@@ -27,6 +27,8 @@ gradient goes back along the reversed splits), with the bytes each process sends
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import functools
 import inspect
@@ -229,7 +231,7 @@ def _all_to_all(x, send_splits, recv_splits, group):
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
                            group=group)
-    _count(send_splits, recv_splits, x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size())
+    _count(send_splits, recv_splits, math.prod(x.shape[1:]) * x.element_size())  # (x may have no rows to send)
     return out
 
 

@@ -132,6 +132,23 @@ def test_exchange_rows_checks_its_splits():
         scorch.nn.distributed.exchange_rows(torch.zeros(2, 2), [3, -1], [2, 0])
 
 
+def test_exchange_rows_with_nothing_to_send_in_a_one_process_group(tmp_path):
+    """A rank with no rows to send (here the only rank of a one-process group: a launch with
+    ``--nproc_per_node 1``) exchanges an empty block, forward and backward, and counts no bytes."""
+    import torch.distributed as dist
+    from scorch.nn import distributed as sd
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        before = sd.traffic.sent
+        x = torch.zeros(0, 4, requires_grad=True)
+        out = sd.exchange_rows(x, [0], [0])
+        assert out.shape == (0, 4)
+        out.sum().backward()
+        assert x.grad.shape == (0, 4) and sd.traffic.sent == before
+    finally:
+        dist.destroy_process_group()
+
+
 def test_broadcast_sparse_takes_sparse_tensors_only():
     with pytest.raises(TypeError, match="SparseTensors"):
         scorch.nn.distributed.broadcast_sparse([torch.zeros(3)])
