@@ -19,6 +19,7 @@ values. Any other op on a SparseTensor inside a compiled region raises ``NotComp
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ._autograd import _einsum_grad
 from . import engine
@@ -129,6 +130,12 @@ def _fresh(r: torch.Tensor, arrays) -> torch.Tensor:
     return r
 
 
+def _like(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` of ``target`` in a new tensor laid out as ``target`` (``empty_like``: the strides the fake
+    implementation promises, a transposed operand's included)."""
+    return torch.empty_like(target).copy_(g)
+
+
 # --- the ops -------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("scorch::einsum_dense", mutates_args=())
@@ -148,7 +155,7 @@ def _einsum_dense_fake(equation, meta, arrays, sizes):
     sizes = {}
     for letters, shape in zip(inputs, shapes):
         for v, n in zip(letters, shape):
-            if sizes.get(v, 1) == 1:
+            if guard_or_true(sizes.get(v, 1) == 1):  # (a size computed from data: not 1, as a broadcast)
                 sizes[v] = n
     dtype = arrays[0].dtype
     for k in _value_arrays(meta, arrays)[1:]:
@@ -166,8 +173,7 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], si
     g = _einsum_grad(k, inputs, out, ops, grad)
     if isinstance(g, SparseTensor):
         g = g.to_dense()
-    target = arrays[_value_arrays(meta, arrays)[k]]
-    return _fresh(g.to(target.dtype).contiguous(), arrays + [grad])
+    return _like(arrays[_value_arrays(meta, arrays)[k]], g)
 
 
 @einsum_grad.register_fake
@@ -200,6 +206,11 @@ class NotCompilable(RuntimeError):
 
 # --- routing from SparseTensor.__torch_function__ while Dynamo traces ----------------------------------------
 
+#: torch function -> its traced implementation with a sparse result (``scorch/dynamo_sparse.py`` fills it)
+TRACED = {}
+#: ``hook(equation, operands)``: a product's graph call other than ``einsum_dense`` (the fused attention), or None
+PRODUCT_HOOKS = []
+
 def traced_op(func, types, args, kwargs):
     """The graph's call for ``func(*args, **kwargs)`` with a sparse operand, while Dynamo traces."""
     equation, operands = None, None
@@ -210,7 +221,10 @@ def traced_op(func, types, args, kwargs):
             return func(*args, **kwargs)
     if func is torch.nn.functional.linear:
         return _linear(func, *args, **kwargs)
-    if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm) and \
+    traced = TRACED.get(func)
+    if traced is not None:
+        return traced(*args, **kwargs)
+    if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.sparse.mm) and \
             len(args) == 2 and not kwargs:
         operands = list(args)
     elif func is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
@@ -229,6 +243,10 @@ def traced_op(func, types, args, kwargs):
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
             " (supported: @, torch.matmul, torch.mm, torch.einsum and F.linear with a sparse operand and a dense"
             " result)")
+    for hook in PRODUCT_HOOKS:
+        r = hook(equation, operands)
+        if r is not None:
+            return r
     meta, arrays, sizes = _flatten(operands)
     return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
 

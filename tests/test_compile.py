@@ -113,7 +113,7 @@ def test_sparse_input_non_leaf_is_refused():
 def test_unsupported_op_names_itself():
     A, X, _ = _graph("csr")
     with pytest.raises(Exception, match="not supported under torch.compile"):
-        torch.compile(lambda A: torch.sin(A).to_dense().sum(), fullgraph=True, backend="aot_eager")(A)
+        torch.compile(lambda A: torch.exp(A).sum(), fullgraph=True, backend="aot_eager")(A)
 
 
 def test_eager_unchanged_after_compile():

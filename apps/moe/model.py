@@ -67,7 +67,9 @@ def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: b
             (``rows`` must then be sorted)."""
             if not self.sparse_gate:
                 return torch.zeros(shape, dtype=values.dtype).index_put((rows, cols), values)
-            crow = torch.cat([torch.zeros(1, dtype=torch.int64), torch.bincount(rows, minlength=shape[0]).cumsum(0)])
+            # (each row's count by index_add, not bincount: its size is known, so torch.compile keeps one graph)
+            counts = torch.zeros(shape[0], dtype=torch.int64).index_add(0, rows, torch.ones_like(rows))
+            crow = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
             return torch.sparse_csr_tensor(crow, cols, values, shape, check_invariants=False)
 
         def gates(self, x):
