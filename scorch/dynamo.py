@@ -184,6 +184,7 @@ def _einsum_grad_fake(equation, meta, k, arrays, sizes, grad):
 def _setup_context(ctx, inputs, output):
     equation, meta, arrays, sizes = inputs
     ctx.equation, ctx.meta, ctx.sizes, ctx.n = equation, meta, sizes, len(arrays)
+    ctx.wanted = [a.requires_grad for a in arrays]  # (per array: needs_input_grad has one flag for the list)
     ctx.save_for_backward(*arrays)
 
 
@@ -191,7 +192,7 @@ def _backward(ctx, grad):
     arrays = list(ctx.saved_tensors)
     grads = [None] * ctx.n
     for k, at in enumerate(_value_arrays(ctx.meta, arrays)):
-        if ctx.needs_input_grad[2] and arrays[at].dtype.is_floating_point:
+        if ctx.needs_input_grad[2] and ctx.wanted[at] and arrays[at].dtype.is_floating_point:
             grads[at] = torch.ops.scorch.einsum_grad(ctx.equation, ctx.meta, k, arrays, ctx.sizes, grad)
     return None, None, grads, None
 

@@ -92,10 +92,9 @@ class _Both:
 
 @torch.library.custom_op("scorch::eager_grad", mutates_args=())
 def eager_grad(name: str, meta: str, arrays: list[torch.Tensor], sizes: list[int], scalars: list[float],
-               grad: torch.Tensor) -> list[torch.Tensor]:
-    """The gradients of ``eager(name, meta, arrays, sizes, scalars)``'s floating arrays from its result's gradient
-    ``grad``, by scorch's eager autograd (zeros where an array does not reach the result)."""
-    wanted = _floating(arrays)
+               wanted: list[int], grad: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of the arrays ``wanted`` (their indices) of ``eager(name, meta, arrays, sizes, scalars)`` from its
+    result's gradient ``grad``, by scorch's eager autograd (zeros where an array does not reach the result)."""
     inputs = list(arrays)
     for k in wanted:
         inputs[k] = arrays[k].detach().requires_grad_()
@@ -107,13 +106,14 @@ def eager_grad(name: str, meta: str, arrays: list[torch.Tensor], sizes: list[int
 
 
 @eager_grad.register_fake
-def _eager_grad_fake(name, meta, arrays, sizes, scalars, grad):
-    return [torch.empty_like(arrays[k]) for k in _floating(arrays)]
+def _eager_grad_fake(name, meta, arrays, sizes, scalars, wanted, grad):
+    return [torch.empty_like(arrays[k]) for k in wanted]
 
 
 def _setup_context(ctx, inputs, output):
     name, meta, arrays, sizes, scalars = inputs
     ctx.args = (name, meta, sizes, scalars)
+    ctx.wanted = [k for k in _floating(arrays) if arrays[k].requires_grad]  # (needs_input_grad: one flag, the list)
     ctx.save_for_backward(*arrays)
 
 
@@ -121,8 +121,8 @@ def _backward(ctx, grad):
     arrays = list(ctx.saved_tensors)
     name, meta, sizes, scalars = ctx.args
     grads = [None] * len(arrays)
-    if ctx.needs_input_grad[2]:
-        for k, g in zip(_floating(arrays), torch.ops.scorch.eager_grad(name, meta, arrays, sizes, scalars, grad)):
+    if ctx.needs_input_grad[2] and ctx.wanted:
+        for k, g in zip(ctx.wanted, torch.ops.scorch.eager_grad(name, meta, arrays, sizes, scalars, ctx.wanted, grad)):
             grads[k] = g
     return None, None, grads, None, None
 
