@@ -12,9 +12,12 @@ real implementation rebuilds the SparseTensors and runs scorch's eager einsum; t
 shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
 gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
 
-Supported today: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.mv`` spelled as ``@``, ``torch.einsum`` and
-``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x dense); gradients of the dense operands and of a sparse input's leaf
-values. Any other op on a SparseTensor inside a compiled region raises ``NotCompilable`` naming the op.
+Supported here: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.sparse.mm``, ``torch.mv`` spelled as ``@``,
+``torch.einsum`` and ``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x
+dense); gradients of the dense operands and of a sparse input's leaf values. Ops with a sparse result of a known
+pattern (``sampled_addmm``, the sparse softmax, zero-preserving maps) and the fused attention are
+``scorch/dynamo_sparse.py``'s, through ``TRACED`` and ``PRODUCT_HOOKS``. Any other op on a SparseTensor inside a
+compiled region raises ``NotCompilable`` naming the op.
 """
 from __future__ import annotations
 
@@ -243,7 +246,7 @@ def traced_op(func, types, args, kwargs):
         raise NotCompilable(
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
             " (supported: @, torch.matmul, torch.mm, torch.einsum and F.linear with a sparse operand and a dense"
-            " result)")
+            " result; sampled_addmm, sparse softmax and zero-preserving maps with a sparse one)")
     for hook in PRODUCT_HOOKS:
         r = hook(equation, operands)
         if r is not None:

@@ -192,7 +192,9 @@ def _softmax_traced(log):
             raise NotCompilable(f"scorch: {'log_' if log else ''}softmax under torch.compile takes a SparseTensor"
                                 " without duplicates, a dim and no other dtype")
         n = len(x._shape)
-        dim = dim % n if -n <= dim < n else dim
+        if not -n <= dim < n:
+            raise IndexError(f"softmax: dimension {dim} is out of range for a {n}-d tensor")
+        dim %= n
         vals = call("softmax", [x], [dim, log])
         expr = getattr(x, "_graph_expr", None)
         fusable = not log and dim == 1 and expr is not None and expr[0] == "sddmm"
@@ -216,7 +218,7 @@ def fused_product(equation, operands):
 
 #: zero-preserving maps: the result keeps the pattern, its values torch's op on the values
 _ZERO_PRESERVING = ("relu", "neg", "abs", "tanh", "sin", "sqrt", "sinh", "tan", "asin", "atan", "asinh", "atanh",
-                    "expm1", "log1p", "sign", "sgn", "trunc", "floor", "ceil", "round", "square", "erf", "deg2rad",
+                    "expm1", "log1p", "sign", "trunc", "floor", "ceil", "round", "square", "erf", "deg2rad",
                     "rad2deg", "frac")
 
 
@@ -224,6 +226,8 @@ def _unary(name):
     fn = getattr(torch, name)
 
     def traced(x, *args, **kwargs):
+        if kwargs.get("inplace") is False:  # (F.relu's default)
+            del kwargs["inplace"]
         if args or kwargs or not isinstance(x, SparseTensor):
             raise NotCompilable(f"scorch: {name} under torch.compile takes one SparseTensor and no other argument")
         return _with_values(x, fn(x._vals))
