@@ -167,6 +167,12 @@ def test_moe_sparse_gate():
     _check_moe("fused")
 
 
+def test_moe_slots_default_spelling():
+    """The app's default spelling (``slots``): under torch.compile the slot capacity is its static bound (the tokens),
+    one graph, the same values and gradients as eager's capacity read from the routing."""
+    _check_moe("slots")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("einsum", ["dispatch", "combine"])
 def test_moe_sparse_gate_spellings(einsum):
