@@ -285,3 +285,39 @@ def test_unsupported_sparse_result_names_itself():
     mask, _ = _mask(8, 0.3)
     with pytest.raises(Exception, match="exp on a SparseTensor is not supported under torch.compile"):
         torch.compile(lambda A: torch.exp(A).sum(), fullgraph=True, backend="aot_eager")(mask)
+
+
+def test_eager_op_opcheck():
+    """``scorch::eager`` (schema, fake kernel, autograd registration) for the SDDMM, the sparse softmax and the fused
+    attention."""
+    from scorch.dynamo import _flatten
+    mask, _ = _mask(10, 0.3)
+    q, k, v = _qkv(10, 4)
+    scores = torch.sparse.sampled_addmm(mask, q.detach(), k.detach().t(), beta=0.0, alpha=0.5)
+    cases = [("sddmm", [mask, q, k.t()], [0.0, 0.5]), ("attention", [mask, q, k.t(), v], [0.5]),
+             ("softmax", [scores.with_values(scores.values().clone().requires_grad_())], [1.0, 0.0])]
+    for name, operands, scalars in cases:
+        meta, arrays, sizes = _flatten(operands)
+        torch.library.opcheck(torch.ops.scorch.eager.default, (name, meta, arrays, sizes, scalars))
+
+
+@pytest.mark.slow
+def test_gcn_new_nnz_inductor():
+    """The GCN layer under Inductor with a new pattern (nnz) each call: values and gradients equal to eager, at most
+    one recompile (the arrays' sizes symbolic in the generated code)."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    gcn = lambda A, X, W: torch.relu(A @ (X @ W)).sum()  # noqa: E731
+    compiled = torch.compile(gcn, fullgraph=True, backend=counter)
+    W = torch.randn(8, 4, requires_grad=True)
+    for seed, density in enumerate([0.2, 0.3, 0.4, 0.5]):
+        g = torch.Generator().manual_seed(seed)
+        A = scorch.asformat(torch.randn(16, 16, generator=g) * (torch.rand(16, 16, generator=g) < density), "csr")
+        X = torch.randn(16, 8, generator=g, requires_grad=True)
+        out = compiled(A, X, W)
+        got = torch.autograd.grad(out, (X, W))
+        ref = gcn(A, X, W)
+        want = torch.autograd.grad(ref, (X, W))
+        torch.testing.assert_close(out, ref)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert counter.frame_count <= 2, counter.frame_count
