@@ -321,3 +321,42 @@ def test_gcn_new_nnz_inductor():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     assert counter.frame_count <= 2, counter.frame_count
+
+
+@pytest.mark.slow
+def test_dynamic_schedule_trains():
+    """A dynamic schedule (the pattern recomputed after every optimizer step, ``attach``) under ``torch.compile``:
+    eager's losses and patterns. Dynamo keeps a module parameter's shapes static, so a new nnz recompiles unless
+    ``force_parameter_static_shapes`` and ``force_nn_module_property_static_shapes`` are off: then at most once."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
+        s = scorch.schedule(model)
+        s.glob("*.weight").sparsify(scorch.nn.ScalarThreshold(0.1), dynamic=True).set_format("csr")
+        s.apply()
+        return model, s
+
+    g = torch.Generator().manual_seed(6)
+    X, Y = torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
+
+    def train(model, s, fwd):
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        s.attach(opt)
+        seen = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(fwd(X), Y)
+            loss.backward()
+            opt.step()
+            seen.append((loss.detach(), model[0].weight.nnz))
+        return seen
+
+    (a, sa), (b, sb) = make(), make()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    want = train(a, sa, a)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False):
+        got = train(b, sb, torch.compile(b, backend=counter))
+    assert len({nnz for _, nnz in want}) > 2  # the pattern did change
+    assert [n for _, n in got] == [n for _, n in want]
+    torch.testing.assert_close(torch.stack([x for x, _ in got]), torch.stack([x for x, _ in want]))
+    assert counter.frame_count <= 2, counter.frame_count
