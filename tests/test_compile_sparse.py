@@ -206,6 +206,22 @@ def test_sparse_tensor_built_inside():
     torch.testing.assert_close(got_w, gw)
 
 
+def _train(model, fwd, X, Y, steps, schedule=None):
+    """``steps`` Adam steps of ``fwd`` (the model, or it compiled) on the MSE to ``Y``: each step's loss and the
+    first layer's nnz (``schedule``, where given, attached to the optimizer: a dynamic pattern)."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    if schedule is not None:
+        schedule.attach(opt)
+    seen = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(fwd(X), Y)
+        loss.backward()
+        opt.step()
+        seen.append((loss.detach(), model[0].weight.nnz))
+    return seen
+
+
 def _scheduled(fmt):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
@@ -224,20 +240,9 @@ def _check_scheduled_training(fmt, backend):
     g = torch.Generator().manual_seed(5)
     X, Y = torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
 
-    def train(model, fwd):
-        opt = torch.optim.Adam(model.parameters(), lr=0.05)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(fwd(X), Y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-
-    a = train(eager, eager)
-    b = train(compiled_model, torch.compile(compiled_model, fullgraph=True, backend=backend))
-    torch.testing.assert_close(b, a)
+    a = _train(eager, eager, X, Y, 3)
+    b = _train(compiled_model, torch.compile(compiled_model, fullgraph=True, backend=backend), X, Y, 3)
+    torch.testing.assert_close(torch.stack([x for x, _ in b]), torch.stack([x for x, _ in a]))
     for p, q in zip(compiled_model.parameters(), eager.parameters()):
         torch.testing.assert_close(getattr(p, "_vals", p), getattr(q, "_vals", q))
 
@@ -339,23 +344,11 @@ def test_dynamic_schedule_trains():
     g = torch.Generator().manual_seed(6)
     X, Y = torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
 
-    def train(model, s, fwd):
-        opt = torch.optim.Adam(model.parameters(), lr=0.05)
-        s.attach(opt)
-        seen = []
-        for _ in range(5):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(fwd(X), Y)
-            loss.backward()
-            opt.step()
-            seen.append((loss.detach(), model[0].weight.nnz))
-        return seen
-
     (a, sa), (b, sb) = make(), make()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    want = train(a, sa, a)
+    want = _train(a, a, X, Y, 5, sa)
     with torch._dynamo.config.patch(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False):
-        got = train(b, sb, torch.compile(b, backend=counter))
+        got = _train(b, torch.compile(b, backend=counter), X, Y, 5, sb)
     assert len({nnz for _, nnz in want}) > 2  # the pattern did change
     assert [n for _, n in got] == [n for _, n in want]
     torch.testing.assert_close(torch.stack([x for x, _ in got]), torch.stack([x for x, _ in want]))
