@@ -102,8 +102,22 @@ def _rebuild(meta: str, arrays, sizes):
             if c != "-":
                 crd, k = arrays[k], k + 1
             levels.append(LevelStorage(pos=pos, crd=crd))
-        ops.append(SparseTensor(from_text(fmt), shape, levels, vals, check=False))
+        ops.append(assemble(fmt, shape, levels, vals))
     return ops
+
+
+def assemble(fmt: str, shape, levels, vals) -> SparseTensor:
+    """A SparseTensor over arrays a graph holds (valid: they came from one, or its own ops made them), made directly
+    (``SparseTensor.__new__``'s checks cost about 80 us a call, and would guard on a size computed from data);
+    through ``__new__`` where an array is not contiguous or the index types differ."""
+    arrays = [a for st in levels for a in (st.pos, st.crd) if a is not None]
+    if not vals.is_contiguous() or any(not a.is_contiguous() for a in arrays) or \
+            len({a.dtype for a in arrays}) > 1:
+        return SparseTensor(from_text(fmt), shape, levels, vals, check=False)
+    r = torch.Tensor._make_wrapper_subclass(SparseTensor, shape, dtype=vals.dtype, device=vals.device)
+    r._format, r._shape, r._levels, r._vals = from_text(fmt), torch.Size(shape), tuple(levels), vals
+    r._index_dtype = arrays[0].dtype if arrays else torch.int64
+    return r
 
 
 def _shapes(meta: str, arrays, sizes):

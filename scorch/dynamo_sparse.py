@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import deferred
-from .dynamo import PRODUCT_HOOKS, TRACED, NotCompilable, _flatten, _fresh, _like, _rebuild
+from .dynamo import PRODUCT_HOOKS, TRACED, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble
 from .formats import LevelStorage
 from .formats.format import from_text
 from .rules import RULES
@@ -268,8 +268,7 @@ PRODUCT_HOOKS.append(fused_product)
 # --- sparse tensors made inside the compiled function -------------------------------------------------------------
 
 _COMPRESSED = {torch.sparse_csr: "csr", torch.sparse_csc: "csc"}
-_FORMATS = {"csr": from_text("(i, j) -> (i : dense, j : compressed)"),
-            "csc": from_text("(i, j) -> (j : dense, i : compressed)")}
+_FORMATS = {"csr": "(i, j) -> (i : dense, j : compressed)", "csc": "(i, j) -> (j : dense, i : compressed)"}
 
 
 @torch._dynamo.allow_in_graph
@@ -278,18 +277,17 @@ def build_compressed(fmt: str, compressed, plain, values, n: int, m: int):
     ``SparseTensor.__new__``'s checks would guard on a size computed from data)."""
     if compressed.dtype != plain.dtype:
         compressed, plain = compressed.long(), plain.long()
-    r = torch.Tensor._make_wrapper_subclass(SparseTensor, (n, m), dtype=values.dtype, device=values.device)
-    r._format, r._shape = _FORMATS[fmt], torch.Size((n, m))
-    r._levels, r._vals = (LevelStorage(), LevelStorage(pos=compressed, crd=plain)), values
-    r._index_dtype = compressed.dtype
-    return r
+    return assemble(_FORMATS[fmt], (n, m), (LevelStorage(), LevelStorage(pos=compressed.contiguous(),
+                                                                          crd=plain.contiguous())),
+                    values.contiguous())
 
 
-def traced_compressed(layout, compressed, plain, values, size, dtype=None):
+def traced_compressed(layout, compressed, plain, values, size, dtype=None, requires_grad=False):
     """``torch.sparse_csr_tensor`` / ``sparse_csc_tensor`` while compiling (``scorch/interop.py``)."""
-    if layout not in _COMPRESSED or size is None or len(size) != 2 or values.dim() != 1:
+    if layout not in _COMPRESSED or size is None or len(size) != 2 or values.dim() != 1 or requires_grad:
         raise NotCompilable(f"scorch: sparse_compressed_tensor({layout}) under torch.compile takes 1-d values and a"
-                            " 2-d size (CSR or CSC)")
+                            " 2-d size (CSR or CSC), and no requires_grad (values computed in the function carry"
+                            " their gradient)")
     if dtype is not None and dtype != values.dtype:
         values = values.to(dtype)
     for n in size:  # (a size computed from data, as the MoE's slot capacity: an unbacked symbol, known to be >= 0)

@@ -81,7 +81,7 @@ def _compressed_ctor(torch_fn, compressed: str, plain: str, layout):
         size = args[3] if len(args) == 4 else size
         values = given[2]
         if torch.compiler.is_compiling():  # torch.compile traces: one call in the graph (scorch/dynamo_sparse.py)
-            return RULES.traced_tensor(layout, *given, size, dtype)
+            return RULES.traced_tensor(layout, *given, size, dtype, requires_grad)
         return _build(torch_fn, tuple(given) + (() if size is None else (size,)), values, dtype, device,
                       requires_grad, check_invariants, pin_memory=pin_memory)
     ctor.__name__ = torch_fn.__name__

@@ -22,7 +22,8 @@ Rules, by owner:
   for ``SparseTensor``'s methods.
 - ``dynamo``: ``traced_op(func, types, args, kwargs)``, the graph's call for an op with a sparse operand while
   ``torch.compile`` traces (a custom op over the operands' arrays); ``traced_tensor(layout, compressed, plain,
-  values, size, dtype)``, a compressed sparse tensor made while ``torch.compile`` traces (one call in the graph).
+  values, size, dtype, requires_grad)``, a compressed sparse tensor made while ``torch.compile`` traces (one call
+  in the graph).
 """
 from __future__ import annotations
 
