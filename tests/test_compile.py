@@ -35,6 +35,9 @@ def _check_gcn(fmt, backend):
     W.requires_grad_()
     ref = gcn_loss(A, X, W)
     gx, gw = torch.autograd.grad(ref, (X, W))
+    explained = torch._dynamo.explain(gcn_loss)(A, X, W)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained
+    torch._dynamo.reset()
     out = torch.compile(gcn_loss, fullgraph=True, backend=backend)(A, X, W)
     got_x, got_w = torch.autograd.grad(out, (X, W))
     torch.testing.assert_close(out, ref)
