@@ -50,6 +50,21 @@ def add_device(p: argparse.ArgumentParser) -> None:
                    "scorch backend on a GPU, sparse ops run generated CUDA kernels); default cpu")
 
 
+def add_compile(p: argparse.ArgumentParser) -> None:
+    """The ``--compile`` option: the model's forward (and so its backward) under ``torch.compile``."""
+    p.add_argument("--compile", action="store_true", help="run the model under torch.compile (scorch: its sparse "
+                   "ops are custom ops in the graph; the first epochs compile, and are not timed)")
+
+
+def compiled(module, on: bool):
+    """``torch.compile(module)`` where ``on``, else ``module``: call the result, keep training ``module`` (the
+    compiled module shares its parameters, ``train()`` / ``eval()``, and recompiles once for each mode)."""
+    if not on:
+        return module
+    import torch
+    return torch.compile(module)
+
+
 def set_threads(threads: int) -> None:
     """OpenMP's thread count is read once, when torch loads: set it in the environment first, then in torch."""
     if threads < 1:

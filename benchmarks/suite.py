@@ -11,7 +11,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from . import GROUPS, apps, cases, linear, overhead, report
+from . import GROUPS, apps, cases, compiled, linear, overhead, report
 from .diagnose import diagnose
 from .timing import Table
 
@@ -82,6 +82,9 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
     if "transformer" in groups:
         out.append(("transformer", "sparse transformer", lambda: apps.transformer(threads, cfg.quick,
                                                                                   app_cfg.seq_lens)))
+    if "compile" in groups:
+        out += [("compile", "GCN under torch.compile", lambda: compiled.gnn(threads, cfg.quick)),
+                ("compile", "sparse transformer under torch.compile", lambda: compiled.transformer(threads, cfg.quick))]
     if "overhead" in groups:
         out += [("overhead", "compile and disk-cache overhead",
                  lambda: overhead.compile_and_load(threads, cfg.compile_runs)),

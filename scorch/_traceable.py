@@ -25,6 +25,8 @@ class Traceable:
     def __tensor_flatten__(self):
         """The inner tensors' attribute names (the values, then each level's ``pos``/``crd`` present, as
         ``_pos<k>``/``_crd<k>``) and the static metadata: the format text and the number of levels."""
+        if _sparse_base(self._vals) or any(_sparse_base(a) for st in self._levels for a in (st.pos, st.crd)):
+            self._vals, self._levels = _unviewed(self._vals), tuple(st.map(_unviewed) for st in self._levels)
         names = ["_vals"]
         for k, st in enumerate(self._levels):
             if st.pos is not None:
@@ -74,6 +76,22 @@ class Traceable:
             st = self._levels[int(name[4:])]
             return st.pos if name[1:4] == "pos" else st.crd
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
+
+def _sparse_base(a) -> bool:
+    """Whether ``a`` is a view of a torch sparse tensor (``crow_indices()``, ``values()`` of one: a SparseTensor
+    viewing a torch CSR tensor holds such arrays), which Dynamo would fakeify with its base and refuse."""
+    return a is not None and a._base is not None and a._base.layout != torch.strided
+
+
+def _unviewed(a):
+    """``a``'s memory as a tensor of its own (no ``_base``: Dynamo fakeifies it as a plain input); ``a`` itself
+    where it is no view of a torch sparse tensor, or where autograd tracks it (a parameter's values stay the same
+    object)."""
+    if not _sparse_base(a) or a.requires_grad:
+        return a
+    return torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage(), a.storage_offset(), a.shape,
+                                                               a.stride())
 
 
 def _move_grad_to_values(x):

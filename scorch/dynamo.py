@@ -12,13 +12,17 @@ real implementation rebuilds the SparseTensors and runs scorch's eager einsum; t
 shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
 gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
 
-Supported today: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.mv`` spelled as ``@``, ``torch.einsum`` and
-``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x dense); gradients of the dense operands and of a sparse input's leaf
-values. Any other op on a SparseTensor inside a compiled region raises ``NotCompilable`` naming the op.
+Supported here: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.sparse.mm``, ``torch.mv`` spelled as ``@``,
+``torch.einsum`` and ``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x
+dense); gradients of the dense operands and of a sparse input's leaf values. Ops with a sparse result of a known
+pattern (``sampled_addmm``, the sparse softmax, zero-preserving maps) and the fused attention are
+``scorch/dynamo_sparse.py``'s, through ``TRACED`` and ``PRODUCT_HOOKS``. Any other op on a SparseTensor inside a
+compiled region raises ``NotCompilable`` naming the op.
 """
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ._autograd import _einsum_grad
 from . import engine
@@ -98,8 +102,22 @@ def _rebuild(meta: str, arrays, sizes):
             if c != "-":
                 crd, k = arrays[k], k + 1
             levels.append(LevelStorage(pos=pos, crd=crd))
-        ops.append(SparseTensor(from_text(fmt), shape, levels, vals, check=False))
+        ops.append(assemble(fmt, shape, levels, vals))
     return ops
+
+
+def assemble(fmt: str, shape, levels, vals) -> SparseTensor:
+    """A SparseTensor over arrays a graph holds (valid: they came from one, or its own ops made them), made directly
+    (``SparseTensor.__new__``'s checks cost about 80 us a call, and would guard on a size computed from data);
+    through ``__new__`` where an array is not contiguous or the index types differ."""
+    arrays = [a for st in levels for a in (st.pos, st.crd) if a is not None]
+    if not vals.is_contiguous() or any(not a.is_contiguous() for a in arrays) or \
+            len({a.dtype for a in arrays}) > 1:
+        return SparseTensor(from_text(fmt), shape, levels, vals, check=False)
+    r = torch.Tensor._make_wrapper_subclass(SparseTensor, shape, dtype=vals.dtype, device=vals.device)
+    r._format, r._shape, r._levels, r._vals = from_text(fmt), torch.Size(shape), tuple(levels), vals
+    r._index_dtype = arrays[0].dtype if arrays else torch.int64
+    return r
 
 
 def _shapes(meta: str, arrays, sizes):
@@ -129,6 +147,12 @@ def _fresh(r: torch.Tensor, arrays) -> torch.Tensor:
     return r
 
 
+def _like(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` of ``target`` in a new tensor laid out as ``target`` (``empty_like``: the strides the fake
+    implementation promises, a transposed operand's included)."""
+    return torch.empty_like(target).copy_(g)
+
+
 # --- the ops -------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("scorch::einsum_dense", mutates_args=())
@@ -148,7 +172,7 @@ def _einsum_dense_fake(equation, meta, arrays, sizes):
     sizes = {}
     for letters, shape in zip(inputs, shapes):
         for v, n in zip(letters, shape):
-            if sizes.get(v, 1) == 1:
+            if guard_or_true(sizes.get(v, 1) == 1):  # (a size computed from data: not 1, as a broadcast)
                 sizes[v] = n
     dtype = arrays[0].dtype
     for k in _value_arrays(meta, arrays)[1:]:
@@ -166,8 +190,7 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], si
     g = _einsum_grad(k, inputs, out, ops, grad)
     if isinstance(g, SparseTensor):
         g = g.to_dense()
-    target = arrays[_value_arrays(meta, arrays)[k]]
-    return _fresh(g.to(target.dtype).contiguous(), arrays + [grad])
+    return _like(arrays[_value_arrays(meta, arrays)[k]], g)
 
 
 @einsum_grad.register_fake
@@ -178,6 +201,7 @@ def _einsum_grad_fake(equation, meta, k, arrays, sizes, grad):
 def _setup_context(ctx, inputs, output):
     equation, meta, arrays, sizes = inputs
     ctx.equation, ctx.meta, ctx.sizes, ctx.n = equation, meta, sizes, len(arrays)
+    ctx.wanted = [a.requires_grad for a in arrays]  # (per array: needs_input_grad has one flag for the list)
     ctx.save_for_backward(*arrays)
 
 
@@ -185,7 +209,7 @@ def _backward(ctx, grad):
     arrays = list(ctx.saved_tensors)
     grads = [None] * ctx.n
     for k, at in enumerate(_value_arrays(ctx.meta, arrays)):
-        if ctx.needs_input_grad[2] and arrays[at].dtype.is_floating_point:
+        if ctx.needs_input_grad[2] and ctx.wanted[at] and arrays[at].dtype.is_floating_point:
             grads[at] = torch.ops.scorch.einsum_grad(ctx.equation, ctx.meta, k, arrays, ctx.sizes, grad)
     return None, None, grads, None
 
@@ -200,6 +224,11 @@ class NotCompilable(RuntimeError):
 
 # --- routing from SparseTensor.__torch_function__ while Dynamo traces ----------------------------------------
 
+#: torch function -> its traced implementation with a sparse result (``scorch/dynamo_sparse.py`` fills it)
+TRACED = {}
+#: ``hook(equation, operands)``: a product's graph call other than ``einsum_dense`` (the fused attention), or None
+PRODUCT_HOOKS = []
+
 def traced_op(func, types, args, kwargs):
     """The graph's call for ``func(*args, **kwargs)`` with a sparse operand, while Dynamo traces."""
     equation, operands = None, None
@@ -210,7 +239,10 @@ def traced_op(func, types, args, kwargs):
             return func(*args, **kwargs)
     if func is torch.nn.functional.linear:
         return _linear(func, *args, **kwargs)
-    if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm) and \
+    traced = TRACED.get(func)
+    if traced is not None:
+        return traced(*args, **kwargs)
+    if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.sparse.mm) and \
             len(args) == 2 and not kwargs:
         operands = list(args)
     elif func is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
@@ -228,7 +260,11 @@ def traced_op(func, types, args, kwargs):
         raise NotCompilable(
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
             " (supported: @, torch.matmul, torch.mm, torch.einsum and F.linear with a sparse operand and a dense"
-            " result)")
+            " result; sampled_addmm, sparse softmax and zero-preserving maps with a sparse one)")
+    for hook in PRODUCT_HOOKS:
+        r = hook(equation, operands)
+        if r is not None:
+            return r
     meta, arrays, sizes = _flatten(operands)
     return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
 

@@ -62,6 +62,8 @@ def compile(fn=None, *, fullgraph=False, dynamic=None, mode=None, backend=None):
 
     @functools.wraps(fn)
     def compiled(*args, **kwargs):
+        if torch.compiler.is_compiling():  # inside torch.compile: the graph fuses (scorch/dynamo_sparse.py)
+            return fn(*args, **kwargs)
         _region.depth += 1
         mode = deferred._mode.value
         deferred._mode.value = "all"  # (as ``with deferred.deferral("all")``, without the context manager's calls)

@@ -7,6 +7,7 @@ import torch
 
 from .engine.convert import asformat, coo_from_entries, from_torch, quiet_beta, to_torch  # noqa: F401
 from .formats import storage as _storage
+from .rules import RULES
 from .sparse_tensor import checking_invariants, needs_grad
 
 
@@ -66,7 +67,7 @@ def sparse_compressed_tensor(compressed_indices, plain_indices, values, size=Non
                   layout=layout, pin_memory=pin_memory)
 
 
-def _compressed_ctor(torch_fn, compressed: str, plain: str):
+def _compressed_ctor(torch_fn, compressed: str, plain: str, layout):
     """A constructor with ``torch_fn``'s signature; its index arrays may also be given by torch's keyword names
     (``crow_indices=``, ``col_indices=``...)."""
     def ctor(*args, size=None, dtype=None, device=None, pin_memory=False, requires_grad=False,
@@ -79,6 +80,8 @@ def _compressed_ctor(torch_fn, compressed: str, plain: str):
                             f" {len(args)} positional argument(s) and keywords {sorted(named_arrays) or 'as above'}")
         size = args[3] if len(args) == 4 else size
         values = given[2]
+        if torch.compiler.is_compiling():  # torch.compile traces: one call in the graph (scorch/dynamo_sparse.py)
+            return RULES.traced_tensor(layout, *given, size, dtype, requires_grad)
         return _build(torch_fn, tuple(given) + (() if size is None else (size,)), values, dtype, device,
                       requires_grad, check_invariants, pin_memory=pin_memory)
     ctor.__name__ = torch_fn.__name__
@@ -87,13 +90,13 @@ def _compressed_ctor(torch_fn, compressed: str, plain: str):
     return ctor
 
 
-sparse_csr_tensor = _compressed_ctor(torch.sparse_csr_tensor, "crow_indices", "col_indices")
+sparse_csr_tensor = _compressed_ctor(torch.sparse_csr_tensor, "crow_indices", "col_indices", torch.sparse_csr)
 
 
-sparse_csc_tensor = _compressed_ctor(torch.sparse_csc_tensor, "ccol_indices", "row_indices")
+sparse_csc_tensor = _compressed_ctor(torch.sparse_csc_tensor, "ccol_indices", "row_indices", torch.sparse_csc)
 
 
-sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor, "crow_indices", "col_indices")
+sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor, "crow_indices", "col_indices", torch.sparse_bsr)
 
 
-sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor, "ccol_indices", "row_indices")
+sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor, "ccol_indices", "row_indices", torch.sparse_bsc)

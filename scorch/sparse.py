@@ -24,6 +24,8 @@ def routed(fn):
     ``TorchFunctionMode`` is active (it must see the call)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if _torch.compiler.is_compiling():  # torch.compile traces: torch's function, as the graph's call
+            return fn(*args, **kwargs)
         args = [_view(a) for a in args]
         kwargs = {k: _view(v) for k, v in kwargs.items()} if kwargs else kwargs
         if args and type(args[0]) is SparseTensor and fn in IMPLEMENTATIONS and \

@@ -41,10 +41,11 @@ def prepare(backend: str, model: str, graph, hidden=None, heads=None, dropout=No
 
 def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epochs: int = 200, threads: int = 2,
         seed: int = 0, quiet: bool = True, data=None, hidden=None, heads=None, lr=None, weight_decay=None,
-        dropout=None, graph=None, device="cpu") -> dict:
+        dropout=None, graph=None, device="cpu", compile=False) -> dict:
     """Train ``model`` on ``dataset`` with ``backend``; returns accuracies and the median times of a training
     epoch (forward, backward, optimizer step) and of an inference forward. ``graph`` (an ``apps.gnn.data.Graph``)
-    skips loading. ``device``: where the model and the graph's tensors live ("cuda": sparse ops on the GPU)."""
+    skips loading. ``device``: where the model and the graph's tensors live ("cuda": sparse ops on the GPU).
+    ``compile``: the model under ``torch.compile``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose {', '.join(BACKENDS)}")
     import torch
@@ -63,6 +64,7 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
         opt = torch.optim.Adam(net.parameters(), lr=lr or d["lr"],
                                weight_decay=d["weight_decay"] if weight_decay is None else weight_decay)
         labels, train_idx = gt.labels, gt.train_idx
+        forward = common.compiled(net, compile)
         train_watch, infer_watch = common.Stopwatch(), common.Stopwatch()
         best_val, test_at_best, losses = -1.0, 0.0, []
         bar = common.progress(range(epochs), f"{model} {backend} {g.name}", quiet)
@@ -70,13 +72,13 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
             with train_watch:
                 net.train()
                 opt.zero_grad()
-                out = net(*inputs)
+                out = forward(*inputs)
                 loss_t = torch.nn.functional.cross_entropy(out[train_idx], labels[train_idx])
                 loss_t.backward()
                 opt.step()
             with infer_watch, torch.no_grad():
                 net.eval()
-                pred = net(*inputs).argmax(1)
+                pred = forward(*inputs).argmax(1)
             val = (pred[gt.val_idx] == labels[gt.val_idx]).float().mean().item()
             if val > best_val:
                 best_val = val
@@ -90,7 +92,7 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
             "val_acc": best_val, "test_acc": test_at_best,
             "epoch_s": train_watch.median(skip=warm), "infer_s": infer_watch.median(skip=warm),
             "epoch_times": train_watch.times[warm:], "infer_times": infer_watch.times[warm:], "threads": threads,
-            "device": str(device)}
+            "device": str(device), "compiled": bool(compile)}
 
 
 def main(argv=None) -> dict:
@@ -108,12 +110,13 @@ def main(argv=None) -> dict:
                    "processes, halo rows exchanged (apps/gnn/distributed.py; gcn and sage)")
     p.add_argument("--partition", choices=("spectral", "contiguous"), default="spectral",
                    help="with --distributed: how the nodes are split (distributed.partition)")
+    common.add_compile(p)
     a = p.parse_args(argv)
     if a.distributed:
         from . import distributed
         return distributed.main(a)
     common.set_threads(a.threads)
     result = run(a.backend, a.model, a.dataset, a.epochs, a.threads, a.seed, a.quiet, a.data, a.hidden, a.heads,
-                 a.lr, a.weight_decay, a.dropout, device=a.device)
+                 a.lr, a.weight_decay, a.dropout, device=a.device, compile=a.compile)
     common.report(f"apps.gnn: {a.model} on {result['data']} with {a.backend}", result)
     return result

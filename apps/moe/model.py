@@ -36,6 +36,18 @@ The only switch between the backends is how the gate tensors (``G``; ``dispatch`
 SPELLINGS = ("slots", "fused", "dispatch", "combine")
 
 
+def _static_capacity(tokens: int):
+    """The slot capacity while ``torch.compile`` traces without ``capture_scalar_outputs``: ``tokens``, the most any
+    expert can receive (each token picks an expert once), so that the graph does not break on reading the
+    capacity from data. The result is the same (the extra slots hold no token); the expert product runs on
+    ``experts * tokens`` rows. None otherwise: the capacity is read from the routing (with
+    ``capture_scalar_outputs``, inside the graph)."""
+    import torch as real_torch
+    if real_torch.compiler.is_compiling() and not real_torch._dynamo.config.capture_scalar_outputs:
+        return tokens
+    return None
+
+
 def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: bool, einsum: str = "slots"):
     """The MoE block as an ``nn.Module``: ``forward(x)`` maps (tokens, dim) to (tokens, hidden)."""
     if einsum not in SPELLINGS:
@@ -67,7 +79,9 @@ def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: b
             (``rows`` must then be sorted)."""
             if not self.sparse_gate:
                 return torch.zeros(shape, dtype=values.dtype).index_put((rows, cols), values)
-            crow = torch.cat([torch.zeros(1, dtype=torch.int64), torch.bincount(rows, minlength=shape[0]).cumsum(0)])
+            # (each row's count by index_add, not bincount: its size is known, so torch.compile keeps one graph)
+            counts = torch.zeros(shape[0], dtype=torch.int64).index_add(0, rows, torch.ones_like(rows))
+            crow = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
             return torch.sparse_csr_tensor(crow, cols, values, shape, check_invariants=False)
 
         def gates(self, x):
@@ -83,7 +97,8 @@ def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: b
             expert = index.reshape(-1)                              # token-major: (token 0, choice 0), ...
             onehot = F.one_hot(expert, experts)
             slot = (onehot.cumsum(0) * onehot).sum(1) - 1           # the rank among that expert's tokens
-            capacity = int(onehot.sum(0).max())
+            capacity = _static_capacity(x.shape[0])
+            capacity = int(onehot.sum(0).max()) if capacity is None else capacity
             column = expert * capacity + slot
             tokens = torch.arange(x.shape[0]).repeat_interleave(self.top_k)
             n_slots = experts * capacity

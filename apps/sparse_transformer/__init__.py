@@ -28,7 +28,7 @@ from . import model as _model
 BACKENDS = ("scorch", "dense", "sparse")
 
 DEFAULTS = dict(seq_len=512, window=64, n_globals=2, random_blocks=1, block=64, d_model=64, heads=2, layers=2,
-                batch=4, train_size=64, test_size=16, vocab=8, lr=3e-3, fuse=False)
+                batch=4, train_size=64, test_size=16, vocab=8, lr=3e-3, fuse=False, compile=False)
 
 
 def _torch_for(backend):
@@ -60,6 +60,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     ``accuracy`` and ``loss``, ``epoch_s`` (median epoch time, leaving out the first, which compiles kernels),
     ``step_s`` (median training step, leaving out the first epoch's), ``infer_s`` (median forward of one batch).
     ``device``: where the model, mask and batches live ("cuda": the attention's sparse ops on the GPU).
+    ``compile``: the encoder under ``torch.compile``.
     """
     from .pattern import density
     from .task import CLASSES, IGNORE, make_task
@@ -80,6 +81,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         net, mask = net.to(device), common.to_device(mask, device)
         x_train, y_train, x_test, y_test = common.to_device((x_train, y_train, x_test, y_test), device)
     opt = torch.optim.Adam(net.parameters(), lr=cfg["lr"])
+    forward = common.compiled(net, cfg["compile"])
     F = torch.nn.functional
     bs = cfg["batch"]
     order_gen = real_torch.Generator().manual_seed(seed + 3)
@@ -94,7 +96,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         with epoch_watch:
             for idx in common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
                 with step_watch:
-                    logits = net(x_train[idx], mask)
+                    logits = forward(x_train[idx], mask)
                     loss = F.cross_entropy(logits.reshape(-1, CLASSES), y_train[idx].reshape(-1),
                                            ignore_index=IGNORE)
                     opt.zero_grad()
@@ -109,7 +111,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     with torch.no_grad():
         for i in range(0, cfg["test_size"], bs):
             with infer_watch:
-                logits = net(x_test[i:i + bs], mask)
+                logits = forward(x_test[i:i + bs], mask)
             y = y_test[i:i + bs]
             keep = y != IGNORE
             test_loss += float(F.cross_entropy(logits[keep], y[keep], reduction="sum"))
@@ -124,6 +126,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
         "epoch_s": epoch_watch.median(skip=1), "step_s": step_watch.median(skip=steps_per_epoch),
         "infer_s": infer_watch.median(skip=1), "device": str(device), "fuse": cfg["fuse"],
+        "compiled": cfg["compile"],
     }
 
 
@@ -281,6 +284,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed repeats for --time-attention (default 5)")
     p.add_argument("--fuse", action="store_true", help="scorch backend: run each head's SDDMM -> softmax -> SpMM as"
                    " one fused kernel (scorch.compile)")
+    common.add_compile(p)
     a = p.parse_args(argv)
     common.set_threads(a.threads)
     common.data_root(a.data)  # checked for existence only: the task is synthetic, generated from --seed
@@ -301,7 +305,7 @@ def main(argv=None):
     r = run(a.backend, epochs=a.epochs, threads=a.threads, seed=a.seed, quiet=a.quiet, data=a.data,
             seq_len=a.seq_len, window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
             d_model=a.d_model, heads=a.heads, layers=a.layers, batch=a.batch, train_size=a.train_size,
-            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device, fuse=a.fuse)
+            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device, fuse=a.fuse, compile=a.compile)
     shown = {k: v for k, v in r.items() if k != "losses"}
     common.report(f"sparse_transformer ({a.backend})", shown)
     return r

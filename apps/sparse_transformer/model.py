@@ -21,7 +21,9 @@ import math
 
 
 def is_sparse_mask(torch, mask) -> bool:
-    return mask.layout != torch.strided
+    # (a scorch.SparseTensor by its type: while torch.compile traces, its layout reads strided)
+    sparse_type = getattr(torch, "SparseTensor", None)
+    return (sparse_type is not None and isinstance(mask, sparse_type)) or mask.layout != torch.strided
 
 
 def sparse_attention(torch, q, k, v, mask, state=None):

@@ -22,6 +22,8 @@ def einsum(equation, *operands, format=None, schedule=None):
     A large all-dense einsum may return a deferred result (``scorch.deferred``)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if torch.compiler.is_compiling() and format is None and schedule is None:  # torch.compile traces: the graph's
+        return torch.einsum(equation, *operands)                               # call (scorch/dynamo.py)
     if schedule is not None:
         return engine.einsum(equation, *operands, format=format, schedule=schedule)
     if format is None and all(type(x) in _DEFERRABLE for x in operands) and operands:

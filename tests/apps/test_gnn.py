@@ -165,3 +165,14 @@ def test_gat_layer_matches_dense_attention_per_head(small, backend):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     row, col, crow = gt.edges(tmod, heads)
     assert row.numel() == col.numel() == heads * gt.col.numel() and crow[-1] == row.numel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gcn", "sage", "gat"])
+def test_compiled_trains_as_eager(small, arch):
+    """``--compile`` (``run(compile=True)``): the model under ``torch.compile`` trains as eager scorch, step by step
+    (no dropout: compiled code draws other random numbers)."""
+    opts = dict(epochs=6, graph=small, hidden=8, heads=2, lr=0.05, dropout=0.0)
+    eager, compiled = gnn.run("scorch", arch, **opts), gnn.run("scorch", arch, compile=True, **opts)
+    assert compiled["compiled"] and not eager["compiled"]
+    np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=1e-4, atol=1e-5)

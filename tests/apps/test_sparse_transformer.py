@@ -234,3 +234,19 @@ def test_cli_tiny_run():
     assert p.returncode == 0, p.stderr
     for key in ("backend                scorch", "accuracy", "epoch_s", "infer_s", "nnz", "density"):
         assert key in p.stdout, (key, p.stdout)
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(monkeypatch):
+    """``compile=True`` (the encoder under ``torch.compile``): the attention is scorch's fused kernel inside the graph,
+    and training gives eager's losses step by step."""
+    from scorch import fusion
+    calls = []
+    kernel = fusion.attention
+    monkeypatch.setattr(fusion, "attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    opts = dict(epochs=1, threads=1, seed=1, train_size=8, test_size=4, batch=4, d_model=32, heads=2, layers=1,
+                **TINY)
+    compiled, plain = st.run("scorch", compile=True, **opts), st.run("scorch", **opts)
+    assert calls, "the compiled graph runs the fused attention kernel"
+    assert compiled["compiled"] and compiled["losses"] == pytest.approx(plain["losses"], rel=1e-4)
+    assert compiled["accuracy"] == pytest.approx(plain["accuracy"], abs=1e-6)
