@@ -65,6 +65,7 @@ def test_the_loop_is_vectorized_with_gathers():
     assert "scorch_gather(" in text and "scorch_gathern(" in text and "scorch_keep(" in text
 
 
+@pytest.mark.slow  # (each builds its kernels afresh in a child process: ~5 s, more from an empty cache)
 @pytest.mark.parametrize("vector_bytes", ["16", "64"])
 def test_portable_helpers(vector_bytes):
     """With 16- or 64-byte vectors (``$SCORCH_VECTOR_BYTES``) the helpers are the lane-by-lane versions, not
