@@ -311,7 +311,7 @@ class _Lowering:
         bt, bv = L.Var("bt"), L.Var("bv")
         self.bound[bvar] = L.binary("add", bt, bv)
         value = self._value(self.asg.rhs)
-        # the tile's vectors: 4 (with copies, 8 accumulators), or 8 where every row the tile reads is 16-bit, so
+        # the tile's vectors: 4, or 8 where every row the tile reads is 16-bit, so
         # that an entry's tile still reads as many bytes of it (on AVX2, 64 bf16 columns: 128 bytes; with 32
         # columns the same row took twice the passes over the entries: K=128 bf16 SpMM 1.2x -> 1.75x float32's
         # speed, one thread; float32 with 8 vectors was slower, 6.4 -> 7.1 ms)
@@ -344,10 +344,8 @@ class _Lowering:
         if rows:
             i0, ir = L.Var("i0"), L.Var("ir")
             row_lets = [("let", rows[1], L.binary("add", i0, ir))]
-        def accumulate(copy=None):  # into the tile, or into copy ``copy`` (a variable) of it
-            at = lin if copy is None else L.binary("add", lin, L.binary("mul", copy, L.Const(Rt * T)))
-            update = [L.For(bv, L.Const(0), L.Const(T), L.block(L.Store(w, at, value, "add")), vector=lanes)]
-            return ir_loop(_nest(row_lets + moved, update)) if rows else _nest(row_lets + moved, update)
+        update = [L.For(bv, L.Const(0), L.Const(T), L.block(L.Store(w, lin, value, "add")), vector=lanes)]
+        accumulate = ir_loop(_nest(row_lets + moved, update)) if rows else _nest(row_lets + moved, update)
         # the write-back needs the row's output coordinates only: the lets that do not read the reduction
         unknown = {it[1].name for it in kept if it[0] != "if"}
         back = []
@@ -364,39 +362,17 @@ class _Lowering:
         self.writes_every_output = once
         store = [L.For(bv, L.Const(0), L.Const(T), L.block(
             L.Store(out, index, L.Load(w, lin, ct), None if once else "add")), vector=lanes)]
+        # (prefetches of a later entry's row, after the entry's lets.) One tile for all of a row's entries: copies
+        # of it taking a group of entries each (independent multiply-add chains) were slower on every case
+        # measured (SpMM K=8..128 on Cora, uniform and power-law, the fused attention's product)
         ahead = None if rows else prefetch_ahead(pre, kept, value, bv, T)
-        copies, reduce = self._entry_copies(kept, accumulate, Rt * V, ahead)
-        stmts = [L.LocalArray(w, ct, copies * Rt * T, L.Const(0, ct), vector=lanes), reduce]
-        for c in range(1, copies):  # the copies added into the first
-            x = L.Var("bx")
-            stmts.append(L.For(x, L.Const(0), L.Const(Rt * T), L.block(
-                L.Store(w, x, L.Load(w, L.binary("add", x, L.Const(c * Rt * T)), ct), "add")), vector=lanes))
-        stmts.append(ir_loop(_nest(row_lets + back, store)) if rows else _nest([], store))
+        stmts = [L.LocalArray(w, ct, Rt * T, L.Const(0, ct), vector=lanes), _nest(kept, [accumulate] + (ahead or [])),
+                 ir_loop(_nest(row_lets + back, store)) if rows else _nest([], store)]
         body = L.block(stmts)
         if rows:
             body = L.block(L.Let(L.Var("i0"), L.Const(0)), body) if Rt == R else _strided(L.Var("i0"), R, Rt, body)
         self.tile = (Rt, T)
         return [_nest(pre, [_strided(bt, S, T, body)])]
-
-    @staticmethod
-    def _entry_copies(kept, accumulate, vectors, ahead=None):
-        """``(copies, statement)``: the reduction loops ``kept`` around ``accumulate()``, their innermost loop
-        (over a row's entries: SpMM) unrolled into ``copies`` copies of the tile, one per entry of a group, so that
-        a small tile (``vectors`` registers) still has several independent multiply-add chains: with one tile of 2
-        vectors each entry's multiply-adds wait for the previous entry's (latency-bound; 4 copies: the fused
-        attention kernel 0.79 -> 0.66 ms). Entries past the last whole group go into the first copy. One copy
-        where the innermost loop is not the last loop of ``kept`` or the tile is large."""
-        copies = max(1, min(4, 8 // vectors))
-        f = max((i for i, it in enumerate(kept) if it[0] == "for"), default=None)
-        hint = ahead or []  # (prefetches of a later entry's row, after the entry's lets)
-        if copies == 1 or f is None or kept[f][4] is not None:
-            return 1, _nest(kept, [accumulate()] + hint)
-        _, pv, lo, hi, _ = kept[f]
-        per_entry, e = kept[f + 1:], L.Var("g")
-        groups, left = _in_groups(lo, hi, copies, "g", lambda base: [L.For(e, L.Const(0), L.Const(copies), _nest(
-            [("let", pv, L.binary("add", base, e))] + per_entry, [accumulate(e)] + hint), unroll=True)])
-        return copies, _nest(kept[:f], [groups, _nest([("for", pv, left, hi, None)] + per_entry,
-                                                      [accumulate()] + hint)])
 
     def _dot_tile(self, items, ready, out, index, value):
         """Dot products at the stored entries (SDDMM: ``out[p] = sum_k A[i, k] B[j, k]``) for ``U`` entries at
