@@ -577,14 +577,20 @@ def _in_groups(lo, hi, size, name, body):
     return loop, L.binary("add", lo, L.binary("mul", full, L.Const(size)))
 
 
+def _inlined(lets, *exprs) -> tuple:
+    """``exprs`` with the variables of the nest items ``lets`` (``("let", var, value)``, in order, each value able to
+    read the earlier ones) replaced by their values."""
+    env = {}
+    for it in lets:
+        env[it[1].name] = L.substitute(it[2], env)
+    return tuple(L.substitute(e, env) for e in exprs)
+
+
 def _lane_store(lets, u, lanes, out, index, value, ct):
     """``for u in [0, lanes): out[index] = value`` (after ``lets``) as one vector store, the lets inlined, when
     the index is ``u`` plus a constant offset and the value is arithmetic on ``ct`` loads contiguous in ``u`` (or
     not depending on it) and scalars; else None."""
-    env = {}
-    for it in lets:
-        env[it[1].name] = L.substitute(it[2], env)
-    index, value = L.substitute(index, env), L.substitute(value, env)
+    index, value = _inlined(lets, index, value)
 
     def plain(e):
         if isinstance(e, L.Const):
@@ -611,10 +617,7 @@ def _vector_sum(rest, value, lanes, ct):
     if not rest or rest[0][0] != "for" or rest[0][4] is not None or any(it[0] != "let" for it in rest[1:]):
         return None
     _, pv, lo, hi, _ = rest[0]
-    env = {}
-    for it in rest[1:]:
-        env[it[1].name] = L.substitute(it[2], env)
-    value = L.substitute(value, env)
+    (value,) = _inlined(rest[1:], value)
 
     def vectorizable(e):
         if isinstance(e, L.Const):
