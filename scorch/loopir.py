@@ -387,6 +387,15 @@ def substitute(e, env: dict):
     return replace(e, **changes) if changes else e
 
 
+def gathered(index, var):
+    """The load of positions a vector loop over ``var`` gathers through where ``index`` is one read contiguously
+    from an integer array (``crd[p]``, widened or not: SpMV's ``x[crd[p]]``), else None."""
+    at = index.a if isinstance(index, Cast) else index
+    if isinstance(at, Load) and at.type in INTS and coefficient(at.index, var) == 1:
+        return at
+    return None
+
+
 def coefficient(e, var):
     """The coefficient of ``var`` in the integer expression ``e`` when ``e`` is affine in it, else None."""
     if not depends(e, var):

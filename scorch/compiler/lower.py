@@ -627,9 +627,7 @@ def _vector_sum(rest, value, lanes, ct):
         if isinstance(e, L.Load):
             if not L.depends(e.index, pv.name):
                 return True
-            at = e.index.a if isinstance(e.index, L.Cast) else e.index
-            return e.type == ct and (L.coefficient(e.index, pv.name) == 1 or (
-                isinstance(at, L.Load) and at.type in L.INTS and L.coefficient(at.index, pv.name) == 1))
+            return e.type == ct and (L.coefficient(e.index, pv.name) == 1 or L.gathered(e.index, pv.name) is not None)
         if isinstance(e, L.Cast):
             return not L.depends(e.a, pv.name)
         return isinstance(e, L.Binary) and e.op in ("add", "sub", "mul", "div") and e.type == ct \

@@ -334,9 +334,8 @@ class _Emitter:
         read from an integer array contiguously (``x[crd[p]]``); in a partial last vector, the lanes that are off
         read nothing (and hold 0)."""
         var, _, t = self.vec
-        at = e.index.a if isinstance(e.index, L.Cast) else e.index
-        if isinstance(at, L.Load) and at.type in L.INTS and L.coefficient(at.index, var) == 1 and \
-                e.array not in self.sum_arrays and e.array not in self.vec_arrays:
+        at = L.gathered(e.index, var)
+        if at is not None and e.array not in self.sum_arrays and e.array not in self.vec_arrays:
             if e.type != t:
                 raise ValueError(f"{e.array} gathered as {t} vectors holds {e.type}")
             args = f"{ident(e.array)}, &{ident(at.array)}[{self.expr(at.index)}]"
