@@ -4,7 +4,7 @@ Nothing here imports torch at package import time: ``__main__`` sets ``OMP_NUM_T
 """
 
 #: the case groups, in run order (``--only`` picks among them)
-KERNEL_GROUPS = ("spmm", "sddmm", "spmv", "spgemm", "addmul", "chain", "mttkrp", "real", "scaling", "linear", "overhead")
+KERNEL_GROUPS = ("spmm", "sddmm", "spmv", "spgemm", "addmul", "chain", "mttkrp", "real", "scaling", "linear", "half", "overhead")
 APP_GROUPS = ("gnn", "moe", "recsys", "transformer", "sparsify", "compile")
 GROUPS = KERNEL_GROUPS + APP_GROUPS
 #: names for several groups at once in ``--only``

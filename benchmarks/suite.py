@@ -11,7 +11,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from . import GROUPS, apps, cases, compiled, linear, overhead, report
+from . import GROUPS, apps, cases, compiled, half, linear, overhead, report
 from .diagnose import diagnose
 from .timing import Table
 
@@ -68,6 +68,9 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
         n, batches = linear.size(cfg)
         out += [("linear", f"Sparse linear layer, batch {b}, {'forward + backward' if bw else 'forward'}",
                  lambda b=b, bw=bw: linear.linear_layer(cfg, n, b, bw)) for bw in (False, True) for b in batches]
+    if "half" in groups:
+        out += [("half", f"16-bit SpMM, {which}, K={k}", lambda which=which, k=k: half.table(inputs, which, k))
+                for which in ("uniform", "power-law") for k in cfg.spmm_k]
     if "gnn" in groups:
         for model in ("gcn", "sage", "gat"):
             for dataset, epochs in app_cfg.gnn_datasets + (app_cfg.gnn_big,):
