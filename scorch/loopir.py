@@ -6,7 +6,7 @@ the semantics; the C++ and CUDA generators must agree with it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
 import torch
@@ -92,10 +92,28 @@ class Cast(Expr):
 
 @dataclass(frozen=True)
 class Select(Expr):
+    """``cond ? a : b``. ``eager``: ``a`` is evaluated whatever ``cond`` is (the lowering knows it is safe: a
+    load at a position inside its array), so the choice compiles to a blend rather than a branch; a two-way
+    merge's ``f ? vals[q] : 0`` is a coin toss per step for the branch predictor."""
     cond: Expr
     a: Expr
     b: Expr
     type: str = "f32"
+    eager: bool = False
+
+
+@dataclass(frozen=True)
+class Common(Expr):
+    """How many values the strictly increasing ranges ``a_array[a_lo:a_hi]`` and ``b_array[b_lo:b_hi]`` share:
+    the size of two sorted coordinate lists' intersection, counted a block of each at a time rather than by a
+    merge, whose every step waits for the load the last one chose."""
+    a_array: str
+    a_lo: Expr
+    a_hi: Expr
+    b_array: str
+    b_lo: Expr
+    b_hi: Expr
+    type: str = "i64"
 
 
 def binary(op, a, b) -> Expr:
@@ -348,10 +366,8 @@ def loads(e):
     """Every ``Load`` in the expression ``e``, the loads inside indices too (outer first)."""
     if isinstance(e, Load):
         yield e
-    for f in ("index", "a", "b", "cond"):
-        c = getattr(e, f, None)
-        if isinstance(c, Expr):
-            yield from loads(c)
+    for c in _parts(e).values():
+        yield from loads(c)
 
 
 def accesses(s):
@@ -362,28 +378,30 @@ def accesses(s):
     return out
 
 
+def _parts(e) -> dict:
+    """The sub-expressions of ``e`` by field name."""
+    return {f.name: getattr(e, f.name) for f in fields(e) if isinstance(getattr(e, f.name), Expr)}
+
+
 def uses(e) -> set:
     """The variable names an expression reads."""
     if isinstance(e, Var):
         return {e.name}
-    return set().union(set(), *(uses(c) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
-                                if isinstance(c, Expr)))
+    return set().union(set(), *(uses(c) for c in _parts(e).values()))
 
 
 def depends(e, var) -> bool:
     """Whether the expression ``e`` reads the variable named ``var``."""
     if isinstance(e, Var):
         return e.name == var
-    return any(depends(c, var) for c in (getattr(e, f, None) for f in ("index", "a", "b", "cond"))
-               if isinstance(c, Expr))
+    return any(depends(c, var) for c in _parts(e).values())
 
 
 def substitute(e, env: dict):
     """The expression ``e`` with the variables named in ``env`` replaced by their expressions."""
     if isinstance(e, Var):
         return env.get(e.name, e)
-    changes = {f: substitute(getattr(e, f), env) for f in ("index", "a", "b", "cond")
-               if isinstance(getattr(e, f, None), Expr)}
+    changes = {f: substitute(c, env) for f, c in _parts(e).items()}
     return replace(e, **changes) if changes else e
 
 

@@ -55,6 +55,7 @@ class _CoLowering(_Lowering):
         self.formula = lattice.presence(asg.rhs, asg.operands)
         self.access = {a.operand: a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse}
         self.setup_placed = False
+        self.inside = set()  # positions known to lie inside their level (``_value``'s eager reads)
 
     # --- operand levels -----------------------------------------------------------------------------------
     def var_of(self, k, idx):
@@ -195,12 +196,19 @@ class _CoLowering(_Lowering):
                 f = L.Var(f"f{k}_{state[k][0]}", "bool")
                 lets.append(L.Let(f, L.binary("eq", cc[k], x)))
                 flags[k] = f
+        self.state_idx = {k: state[k][0] for k in comp_its}
+        counted = self.counted(i, comp_its, cond, q, end, crd_at) if two and not dense_its else None
+        if counted is not None:
+            return [L.Block(tuple(decls) + (L.Assign(L.Var("nt"), counted, "add"),))]
         dlets, st = locate(state)
         for k in comp_its:
             idx, _, alive = state[k]
             st[k] = (idx + 1, q[k], flags[k] if alive is None else L.binary("and", alive, flags[k]))
         step = [L.Assign(q[k], L.Cast(flags[k], "i64"), "add") for k in comp_its]
+        if two:  # (inside a two-way merge's loop both positions are inside their levels: ``_value`` reads eagerly)
+            self.inside |= {q[k].name for k in comp_its}
         body = L.block(lets, L.If(lattice.emit(cond, flags), L.block(dlets, self.body_at(i, st))), step)
+        self.inside -= {q[k].name for k in comp_its}
         if need_all:
             loop = L.For(x, L.Const(0), self.size(v), body)
         elif two:
@@ -209,6 +217,29 @@ class _CoLowering(_Lowering):
             loop = L.While(lattice.emit(cond, {k: L.binary("lt", q[k], end[k]) for k in comp_its}), body)
         tails = self.tails(i, state, comp_its, cond, q, end, crd_at, locate) if two else []
         return [L.Block(tuple(decls) + (loop,) + tuple(tails))]
+
+    def counted(self, i, comp_its, cond, q, end, crd_at):
+        """A count pass's entries from the innermost two-way merge of plain coordinate lists, without walking it
+        (or None): an intersection has ``Common`` of them, a union both lengths less that. (The merge's loop
+        carries its positions from step to step, each waiting on the load the last step chose.)"""
+        if self.phase != "count" or not (self.direct or self.hash) or i != len(self.cs.order) - 1:
+            return None
+        crd = [crd_at(k) for k in comp_its]
+        crd = [c.a if isinstance(c, L.Cast) else c for c in crd]
+        levels = [self.asg.operands[k].format.level_types[self.state_idx[k]] for k in comp_its]
+        if not all(isinstance(c, L.Load) and c.index == q[k] and getattr(lv, "unique", False) and
+                   getattr(lv, "ordered", False) for c, k, lv in zip(crd, comp_its, levels)):
+            return None
+        k0, k1 = comp_its
+        only0, only1, both = (lattice.evaluate(cond, {k0: f0, k1: f1}) for f0, f1 in
+                              ((True, False), (False, True), (True, True)))
+        common = L.Common(crd[0].array, q[k0], end[k0], crd[1].array, q[k1], end[k1])
+        if both and not only0 and not only1:
+            return common
+        if both and only0 and only1:
+            lengths = L.binary("add", L.binary("sub", end[k0], q[k0]), L.binary("sub", end[k1], q[k1]))
+            return L.binary("sub", lengths, common)
+        return None
 
     def tails(self, i, state, comp_its, cond, q, end, crd_at, locate):
         """After a two-way merge's loop, the entries one operand has left, walked alone where the lattice lets the
@@ -329,7 +360,8 @@ class _CoLowering(_Lowering):
             _, p, alive = self.state[e.operand]
             vals = self.param(f"t{e.operand}_vals", "array", L.type_of(t.dtype), "values", operand=e.operand)
             v = _cast(L.Load(vals, p, L.type_of(t.dtype)), self.ct)
-            return v if alive is None else L.Select(alive, v, L.Const(0, self.ct), self.ct)
+            eager = isinstance(p, L.Var) and p.name in self.inside
+            return v if alive is None else L.Select(alive, v, L.Const(0, self.ct), self.ct, eager)
         return super()._value(e)
 
 

@@ -127,6 +127,14 @@ class _Interp:
             return _cast(self.expr(e.a, env), e.type)
         if isinstance(e, L.Select):
             return self.expr(e.a, env) if self.expr(e.cond, env) else self.expr(e.b, env)
+        if isinstance(e, L.Common):
+            ranges = []
+            for name, lo, hi in ((e.a_array, e.a_lo, e.a_hi), (e.b_array, e.b_lo, e.b_hi)):
+                arr, lo, hi = self.arrays[name], int(self.expr(lo, env)), int(self.expr(hi, env))
+                if not 0 <= lo <= hi <= arr.shape[0] and lo < hi:
+                    raise IndexError(f"{name}[{lo}:{hi}] is out of bounds (length {arr.shape[0]})")
+                ranges.append(arr[lo:hi] if lo < hi else arr[:0])
+            return _cast(np.intersect1d(*ranges).size, e.type)
         raise TypeError(f"unknown expression {type(e).__name__}")
 
 

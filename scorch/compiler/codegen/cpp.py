@@ -394,6 +394,13 @@ class _Emitter:
             return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
+        if isinstance(e, L.Common):
+            a, b = ident(e.a_array), ident(e.b_array)
+            alo, blo = self.expr(e.a_lo), self.expr(e.b_lo)
+            return (f"scorch_common({a} + {alo}, ({self.expr(e.a_hi)}) - ({alo}), {b} + {blo}, "
+                    f"({self.expr(e.b_hi)}) - ({blo}))")
+        if isinstance(e, L.Select) and e.eager:  # (both read, then chosen by a mask: no branch)
+            return f"scorch_pick<{CTYPE[e.type]}>({self.expr(e.cond)}, {self.expr(e.a)}, {self.expr(e.b)})"
         if isinstance(e, L.Select):
             return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"
         raise TypeError(f"unknown expression {type(e).__name__}")

@@ -243,9 +243,11 @@ def generate(kernel: L.Kernel, mapping: Mapping, prelude: bool = True, symbol: s
     return "\n".join(src)
 
 
-#: device versions of the C++ helpers (the per-row radix sort of sparse output assembly)
+#: device versions of the C++ helpers (the per-row radix sort of sparse output assembly, the size of two sorted
+#: lists' intersection)
 HELPERS = prelude.HELPERS["scorch_sort"].replace("static void", "static __device__ void").replace(
-    "static inline bool", "static __device__ inline bool")
+    "static inline bool", "static __device__ inline bool") + prelude.COMMON_MERGE.replace(
+    "static inline", "static __device__ inline")
 
 
 class _Emitter(cpp._Emitter):
@@ -417,6 +419,8 @@ class _Emitter(cpp._Emitter):
     def expr(self, e):
         if isinstance(e, L.Load):
             return f"{ident(e.array)}[{self.index(e.array, e.index)}]"
+        if isinstance(e, L.Select):  # (a GPU predicates the ternary: no eager form)
+            return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"
         if isinstance(e, L.Cast) and e.a.type in L.NARROW:
             a = f"scorch_f32({self.expr(e.a)})"
             return a if e.type == "f32" else f"scorch_to_{e.type}({a})" if e.type in L.NARROW else \

@@ -243,6 +243,55 @@ static inline void scorch_narrow(_Float16* p, scorch_vf32 v) {{
 """
 
 
+#: ``loopir.Common`` by a merge without branches (any index types; the GPU's version)
+COMMON_MERGE = """template <class I, class J> static inline int64_t scorch_common(const I* a, int64_t na, const J* b, int64_t nb) {
+  int64_t i = 0, j = 0, c = 0;
+  while (i < na && j < nb) {
+    const int64_t x = (int64_t)a[i], y = (int64_t)b[j];
+    c += x == y;
+    i += x <= y;
+    j += y <= x;
+  }
+  return c;
+}
+"""
+COMMON = "#include <cstdint>\n" + COMMON_MERGE + """#if defined(__AVX2__) && defined(__GNUC__) && __GNUC__ >= 12
+typedef int32_t scorch_v8i __attribute__((vector_size(32)));
+static inline scorch_v8i scorch_block8(const int32_t* p, int64_t n, int32_t missing) {
+  scorch_v8i v;
+  if (n >= 8) {
+    __builtin_memcpy(&v, p, 32);
+    return v;
+  }
+  const scorch_v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const scorch_v8i on = lane < (int32_t)n;
+  v = __builtin_ia32_maskloadd256((const scorch_v8i*)p, on);
+  return on ? v : scorch_v8i{} + missing;
+}
+static inline int64_t scorch_common(const int32_t* a, int64_t na, const int32_t* b, int64_t nb) {
+  int64_t i = 0, j = 0;
+  scorch_v8i found = {};
+  while (i < na && j < nb) {
+    const int64_t ra = na - i < 8 ? na - i : 8, rb = nb - j < 8 ? nb - j : 8;
+    const scorch_v8i x = scorch_block8(a + i, ra, -1), y = scorch_block8(b + j, rb, -2);
+    found -= (x == y) | (x == __builtin_shufflevector(y, y, 1, 2, 3, 4, 5, 6, 7, 0))
+           | (x == __builtin_shufflevector(y, y, 2, 3, 4, 5, 6, 7, 0, 1))
+           | (x == __builtin_shufflevector(y, y, 3, 4, 5, 6, 7, 0, 1, 2))
+           | (x == __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3))
+           | (x == __builtin_shufflevector(y, y, 5, 6, 7, 0, 1, 2, 3, 4))
+           | (x == __builtin_shufflevector(y, y, 6, 7, 0, 1, 2, 3, 4, 5))
+           | (x == __builtin_shufflevector(y, y, 7, 0, 1, 2, 3, 4, 5, 6));
+    const int32_t la = a[i + ra - 1], lb = b[j + rb - 1];
+    i += la <= lb ? ra : 0;
+    j += lb <= la ? rb : 0;
+  }
+  int64_t c = 0;
+  for (int u = 0; u < 8; ++u) c += found[u];
+  return c;
+}
+#endif
+"""
+
 HELPERS = {
     "scorch_bf16": BF16,
     "scorch_atomic_add": ATOMIC16,
@@ -259,6 +308,23 @@ HELPERS = {
     # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
     "scorch_widen": BF16 + WIDE16,
     "scorch_narrow": BF16 + WIDE16,
+    # ``c ? a : b`` with both already evaluated, chosen by a bit mask (a compiler keeps a branch for a ternary
+    # over floats, mispredicted where ``c`` is a coin toss, as in a merge)
+    "scorch_pick": """#include <cstdint>
+template <class T> static inline T scorch_pick(bool c, T a, T b) { return c ? a : b; }
+template <> inline float scorch_pick<float>(bool c, float a, float b) {
+  const uint32_t m = 0u - (uint32_t)c;
+  return __builtin_bit_cast(float, (__builtin_bit_cast(uint32_t, a) & m) | (__builtin_bit_cast(uint32_t, b) & ~m));
+}
+template <> inline double scorch_pick<double>(bool c, double a, double b) {
+  const uint64_t m = 0ull - (uint64_t)c;
+  return __builtin_bit_cast(double, (__builtin_bit_cast(uint64_t, a) & m) | (__builtin_bit_cast(uint64_t, b) & ~m));
+}
+""",
+    # the size of two sorted lists' intersection (``loopir.Common``): int32 lists a block of 8 of each at a time
+    # (every pair compared, the block with the smaller last value replaced; lanes past a list's end hold values
+    # no coordinate has, and read no memory), others by a merge without branches
+    "scorch_common": COMMON,
     # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
     "scorch_buf": """#include <cstdlib>
 struct scorch_buf {

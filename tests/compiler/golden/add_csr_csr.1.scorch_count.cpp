@@ -5,6 +5,52 @@
 static inline int omp_get_num_threads() { return 1; }
 static inline int omp_get_thread_num() { return 0; }
 #endif
+#include <cstdint>
+template <class I, class J> static inline int64_t scorch_common(const I* a, int64_t na, const J* b, int64_t nb) {
+  int64_t i = 0, j = 0, c = 0;
+  while (i < na && j < nb) {
+    const int64_t x = (int64_t)a[i], y = (int64_t)b[j];
+    c += x == y;
+    i += x <= y;
+    j += y <= x;
+  }
+  return c;
+}
+#if defined(__AVX2__) && defined(__GNUC__) && __GNUC__ >= 12
+typedef int32_t scorch_v8i __attribute__((vector_size(32)));
+static inline scorch_v8i scorch_block8(const int32_t* p, int64_t n, int32_t missing) {
+  scorch_v8i v;
+  if (n >= 8) {
+    __builtin_memcpy(&v, p, 32);
+    return v;
+  }
+  const scorch_v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const scorch_v8i on = lane < (int32_t)n;
+  v = __builtin_ia32_maskloadd256((const scorch_v8i*)p, on);
+  return on ? v : scorch_v8i{} + missing;
+}
+static inline int64_t scorch_common(const int32_t* a, int64_t na, const int32_t* b, int64_t nb) {
+  int64_t i = 0, j = 0;
+  scorch_v8i found = {};
+  while (i < na && j < nb) {
+    const int64_t ra = na - i < 8 ? na - i : 8, rb = nb - j < 8 ? nb - j : 8;
+    const scorch_v8i x = scorch_block8(a + i, ra, -1), y = scorch_block8(b + j, rb, -2);
+    found -= (x == y) | (x == __builtin_shufflevector(y, y, 1, 2, 3, 4, 5, 6, 7, 0))
+           | (x == __builtin_shufflevector(y, y, 2, 3, 4, 5, 6, 7, 0, 1))
+           | (x == __builtin_shufflevector(y, y, 3, 4, 5, 6, 7, 0, 1, 2))
+           | (x == __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3))
+           | (x == __builtin_shufflevector(y, y, 5, 6, 7, 0, 1, 2, 3, 4))
+           | (x == __builtin_shufflevector(y, y, 6, 7, 0, 1, 2, 3, 4, 5))
+           | (x == __builtin_shufflevector(y, y, 7, 0, 1, 2, 3, 4, 5, 6));
+    const int32_t la = a[i + ra - 1], lb = b[j + rb - 1];
+    i += la <= lb ? ra : 0;
+    j += lb <= la ? rb : 0;
+  }
+  int64_t c = 0;
+  for (int u = 0; u < 8; ++u) c += found[u];
+  return c;
+}
+#endif
 
 extern "C" void scorch_count(
     int64_t n1_arg,
@@ -21,8 +67,6 @@ extern "C" void scorch_count(
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
-    const float* __restrict__ t0_vals,
-    const float* __restrict__ t1_vals,
     int64_t* __restrict__ counts,
     int64_t nthreads_arg)
 {
@@ -60,33 +104,12 @@ extern "C" void scorch_count(
         const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
         int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
         const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-        while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
-          const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
-          const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
-          const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
-          const bool f0_1 = (cc0_1 == x1);
-          const bool f1_1 = (cc1_1 == x1);
-          if ((f0_1 || f1_1)) {
-            nt += INT64_C(1);
-          }
-          q0_1 += ((int64_t)f0_1);
-          q1_1 += ((int64_t)f1_1);
-        }
-        while ((q0_1 < end0_1)) {
-          const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
-          nt += INT64_C(1);
-          q0_1 += INT64_C(1);
-        }
-        while ((q1_1 < end1_1)) {
-          const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-          nt += INT64_C(1);
-          q1_1 += INT64_C(1);
-        }
+        nt += (((end0_1 - q0_1) + (end1_1 - q1_1)) - scorch_common(t0_l1_crd + q0_1, (end0_1) - (q0_1), t1_l1_crd + q1_1, (end1_1) - (q1_1)));
         counts[x0] = nt;
       }
     }
   }
 }
 extern "C" void scorch_count_packed(const int64_t* a) {
-  scorch_count(a[0], a[1], a[2], a[3], a[4], (const int32_t*)(intptr_t)a[5], (const int32_t*)(intptr_t)a[6], a[7], a[8], a[9], (const int32_t*)(intptr_t)a[10], (const int32_t*)(intptr_t)a[11], a[12], a[13], (const float*)(intptr_t)a[14], (const float*)(intptr_t)a[15], (int64_t*)(intptr_t)a[16], a[17]);
+  scorch_count(a[0], a[1], a[2], a[3], a[4], (const int32_t*)(intptr_t)a[5], (const int32_t*)(intptr_t)a[6], a[7], a[8], a[9], (const int32_t*)(intptr_t)a[10], (const int32_t*)(intptr_t)a[11], a[12], a[13], (int64_t*)(intptr_t)a[14], a[15]);
 }

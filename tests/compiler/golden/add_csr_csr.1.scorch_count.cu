@@ -169,6 +169,16 @@ static __device__ inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
   for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
   return true;
 }
+template <class I, class J> static __device__ inline int64_t scorch_common(const I* a, int64_t na, const J* b, int64_t nb) {
+  int64_t i = 0, j = 0, c = 0;
+  while (i < na && j < nb) {
+    const int64_t x = (int64_t)a[i], y = (int64_t)b[j];
+    c += x == y;
+    i += x <= y;
+    j += y <= x;
+  }
+  return c;
+}
 
 extern "C" __global__ void scorch_count_dev(
     int64_t n1_arg,
@@ -185,8 +195,6 @@ extern "C" __global__ void scorch_count_dev(
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
-    const float* __restrict__ t0_vals,
-    const float* __restrict__ t1_vals,
     int64_t* __restrict__ counts,
     int64_t nthreads_arg,
     char* __restrict__ scorch_scratch,
@@ -218,28 +226,7 @@ extern "C" __global__ void scorch_count_dev(
     const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
     int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
     const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-    while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
-      const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
-      const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
-      const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
-      const bool f0_1 = (cc0_1 == x1);
-      const bool f1_1 = (cc1_1 == x1);
-      if ((f0_1 || f1_1)) {
-        nt += INT64_C(1);
-      }
-      q0_1 += ((int64_t)f0_1);
-      q1_1 += ((int64_t)f1_1);
-    }
-    while ((q0_1 < end0_1)) {
-      const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
-      nt += INT64_C(1);
-      q0_1 += INT64_C(1);
-    }
-    while ((q1_1 < end1_1)) {
-      const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-      nt += INT64_C(1);
-      q1_1 += INT64_C(1);
-    }
+    nt += (((end0_1 - q0_1) + (end1_1 - q1_1)) - scorch_common(t0_l1_crd + q0_1, (end0_1) - (q0_1), t1_l1_crd + q1_1, (end1_1) - (q1_1)));
     counts[x0] = nt;
   }
 }
@@ -259,8 +246,6 @@ extern "C" int scorch_count(
     const int32_t* t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
-    const float* t0_vals,
-    const float* t1_vals,
     int64_t* counts,
     int64_t nthreads_arg,
     void* scorch_stream_arg)
@@ -281,7 +266,7 @@ extern "C" int scorch_count(
   int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
   int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
   char* scorch_scratch = nullptr;
-  SCORCH_LAUNCH(scorch_count_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, counts, nthreads_arg, scorch_scratch, scorch_stride_);
+  SCORCH_LAUNCH(scorch_count_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, counts, nthreads_arg, scorch_scratch, scorch_stride_);
   return (int)scorch_last_error();
 }
 

@@ -5,6 +5,16 @@
 static inline int omp_get_num_threads() { return 1; }
 static inline int omp_get_thread_num() { return 0; }
 #endif
+#include <cstdint>
+template <class T> static inline T scorch_pick(bool c, T a, T b) { return c ? a : b; }
+template <> inline float scorch_pick<float>(bool c, float a, float b) {
+  const uint32_t m = 0u - (uint32_t)c;
+  return __builtin_bit_cast(float, (__builtin_bit_cast(uint32_t, a) & m) | (__builtin_bit_cast(uint32_t, b) & ~m));
+}
+template <> inline double scorch_pick<double>(bool c, double a, double b) {
+  const uint64_t m = 0ull - (uint64_t)c;
+  return __builtin_bit_cast(double, (__builtin_bit_cast(uint64_t, a) & m) | (__builtin_bit_cast(uint64_t, b) & ~m));
+}
 
 extern "C" void scorch_fill(
     int64_t n1_arg,
@@ -71,7 +81,7 @@ extern "C" void scorch_fill(
           const bool f1_1 = (cc1_1 == x1);
           if ((f0_1 || f1_1)) {
             out_crd[(base + nt)] = x1;
-            out[(base + nt)] = ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
+            out[(base + nt)] = (scorch_pick<float>(f0_1, t0_vals[q0_1], 0.0f) + scorch_pick<float>(f1_1, t1_vals[q1_1], 0.0f));
             nt += INT64_C(1);
           }
           q0_1 += ((int64_t)f0_1);

@@ -169,6 +169,16 @@ static __device__ inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
   for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
   return true;
 }
+template <class I, class J> static __device__ inline int64_t scorch_common(const I* a, int64_t na, const J* b, int64_t nb) {
+  int64_t i = 0, j = 0, c = 0;
+  while (i < na && j < nb) {
+    const int64_t x = (int64_t)a[i], y = (int64_t)b[j];
+    c += x == y;
+    i += x <= y;
+    j += y <= x;
+  }
+  return c;
+}
 
 extern "C" __global__ void scorch_kernel_dev(
     int64_t t0_l0_lo_arg,
