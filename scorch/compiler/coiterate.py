@@ -267,7 +267,13 @@ class _CoLowering(_Lowering):
     def body_at(self, i, st):
         if i == 0 and self.phase and self.cs.row_var is not None:
             row = self.bound[self.cs.row_var]
-            return [L.Decl(L.Var("nt"), L.Const(0))] + self.row_start(row) + self.gen(1, st) + self.row_end(row)
+            walk = self.gen(1, st) + self.row_end(row)
+            if self.direct and self.phase == "fill":  # (a row the count pass found empty is not walked again:
+                # an intersection of rows that rarely meet, as sparse * sparse, writes almost nothing)
+                row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
+                walk = [L.If(L.binary("lt", L.Load(row_ptr, row, "i64"),
+                                      L.Load(row_ptr, L.binary("add", row, L.Const(1)), "i64")), L.block(walk))]
+            return [L.Decl(L.Var("nt"), L.Const(0))] + self.row_start(row) + walk
         return self.gen(i + 1, st)
 
     # --- innermost: value and output ------------------------------------------------------------------------

@@ -27,7 +27,6 @@ extern "C" void scorch_fill(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n0_arg,
-    const int64_t* __restrict__ row_ptr,
     const int32_t* __restrict__ t1_l1_pos,
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
@@ -36,6 +35,7 @@ extern "C" void scorch_fill(
     const float* __restrict__ t1_vals,
     int32_t* __restrict__ out_crd,
     float* __restrict__ out,
+    const int64_t* __restrict__ row_ptr,
     int64_t nthreads_arg)
 {
   const int64_t n1 = (int64_t)n1_arg;
@@ -69,42 +69,44 @@ extern "C" void scorch_fill(
         const int64_t p1_0 = (x0 - t1_l0_lo);
         int64_t nt = INT64_C(0);
         const int64_t base = row_ptr[x0];
-        int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
-        const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
-        int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
-        const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-        while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
-          const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
-          const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
-          const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
-          const bool f0_1 = (cc0_1 == x1);
-          const bool f1_1 = (cc1_1 == x1);
-          if ((f0_1 || f1_1)) {
-            out_crd[(base + nt)] = x1;
-            out[(base + nt)] = (scorch_pick<float>(f0_1, t0_vals[q0_1], 0.0f) + scorch_pick<float>(f1_1, t1_vals[q1_1], 0.0f));
-            nt += INT64_C(1);
+        if ((row_ptr[x0] < row_ptr[(x0 + INT64_C(1))])) {
+          int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
+          const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
+          int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
+          const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
+          while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
+            const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
+            const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
+            const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
+            const bool f0_1 = (cc0_1 == x1);
+            const bool f1_1 = (cc1_1 == x1);
+            if ((f0_1 || f1_1)) {
+              out_crd[(base + nt)] = x1;
+              out[(base + nt)] = (scorch_pick<float>(f0_1, t0_vals[q0_1], 0.0f) + scorch_pick<float>(f1_1, t1_vals[q1_1], 0.0f));
+              nt += INT64_C(1);
+            }
+            q0_1 += ((int64_t)f0_1);
+            q1_1 += ((int64_t)f1_1);
           }
-          q0_1 += ((int64_t)f0_1);
-          q1_1 += ((int64_t)f1_1);
-        }
-        while ((q0_1 < end0_1)) {
-          const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
-          out_crd[(base + nt)] = x1;
-          out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
-          nt += INT64_C(1);
-          q0_1 += INT64_C(1);
-        }
-        while ((q1_1 < end1_1)) {
-          const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-          out_crd[(base + nt)] = x1;
-          out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
-          nt += INT64_C(1);
-          q1_1 += INT64_C(1);
+          while ((q0_1 < end0_1)) {
+            const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
+            out_crd[(base + nt)] = x1;
+            out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
+            nt += INT64_C(1);
+            q0_1 += INT64_C(1);
+          }
+          while ((q1_1 < end1_1)) {
+            const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+            out_crd[(base + nt)] = x1;
+            out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
+            nt += INT64_C(1);
+            q1_1 += INT64_C(1);
+          }
         }
       }
     }
   }
 }
 extern "C" void scorch_fill_packed(const int64_t* a) {
-  scorch_fill(a[0], a[1], a[2], a[3], a[4], (const int32_t*)(intptr_t)a[5], (const int32_t*)(intptr_t)a[6], a[7], a[8], a[9], (const int64_t*)(intptr_t)a[10], (const int32_t*)(intptr_t)a[11], (const int32_t*)(intptr_t)a[12], a[13], a[14], (const float*)(intptr_t)a[15], (const float*)(intptr_t)a[16], (int32_t*)(intptr_t)a[17], (float*)(intptr_t)a[18], a[19]);
+  scorch_fill(a[0], a[1], a[2], a[3], a[4], (const int32_t*)(intptr_t)a[5], (const int32_t*)(intptr_t)a[6], a[7], a[8], a[9], (const int32_t*)(intptr_t)a[10], (const int32_t*)(intptr_t)a[11], a[12], a[13], (const float*)(intptr_t)a[14], (const float*)(intptr_t)a[15], (int32_t*)(intptr_t)a[16], (float*)(intptr_t)a[17], (const int64_t*)(intptr_t)a[18], a[19]);
 }

@@ -191,7 +191,6 @@ extern "C" __global__ void scorch_fill_dev(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n0_arg,
-    const int64_t* __restrict__ row_ptr,
     const int32_t* __restrict__ t1_l1_pos,
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
@@ -200,6 +199,7 @@ extern "C" __global__ void scorch_fill_dev(
     const float* __restrict__ t1_vals,
     int32_t* __restrict__ out_crd,
     float* __restrict__ out,
+    const int64_t* __restrict__ row_ptr,
     int64_t nthreads_arg,
     char* __restrict__ scorch_scratch,
     int64_t scorch_stride)
@@ -227,37 +227,39 @@ extern "C" __global__ void scorch_fill_dev(
     const int64_t p1_0 = (x0 - t1_l0_lo);
     int64_t nt = INT64_C(0);
     const int64_t base = row_ptr[x0];
-    int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
-    const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
-    int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
-    const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-    while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
-      const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
-      const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
-      const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
-      const bool f0_1 = (cc0_1 == x1);
-      const bool f1_1 = (cc1_1 == x1);
-      if ((f0_1 || f1_1)) {
-        out_crd[(base + nt)] = x1;
-        out[(base + nt)] = ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
-        nt += INT64_C(1);
+    if ((row_ptr[x0] < row_ptr[(x0 + INT64_C(1))])) {
+      int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
+      const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
+      int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
+      const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
+      while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
+        const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
+        const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
+        const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
+        const bool f0_1 = (cc0_1 == x1);
+        const bool f1_1 = (cc1_1 == x1);
+        if ((f0_1 || f1_1)) {
+          out_crd[(base + nt)] = x1;
+          out[(base + nt)] = ((f0_1 ? t0_vals[q0_1] : 0.0f) + (f1_1 ? t1_vals[q1_1] : 0.0f));
+          nt += INT64_C(1);
+        }
+        q0_1 += ((int64_t)f0_1);
+        q1_1 += ((int64_t)f1_1);
       }
-      q0_1 += ((int64_t)f0_1);
-      q1_1 += ((int64_t)f1_1);
-    }
-    while ((q0_1 < end0_1)) {
-      const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
-      out_crd[(base + nt)] = x1;
-      out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
-      nt += INT64_C(1);
-      q0_1 += INT64_C(1);
-    }
-    while ((q1_1 < end1_1)) {
-      const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-      out_crd[(base + nt)] = x1;
-      out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
-      nt += INT64_C(1);
-      q1_1 += INT64_C(1);
+      while ((q0_1 < end0_1)) {
+        const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
+        out_crd[(base + nt)] = x1;
+        out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
+        nt += INT64_C(1);
+        q0_1 += INT64_C(1);
+      }
+      while ((q1_1 < end1_1)) {
+        const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+        out_crd[(base + nt)] = x1;
+        out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
+        nt += INT64_C(1);
+        q1_1 += INT64_C(1);
+      }
     }
   }
 }
@@ -273,7 +275,6 @@ extern "C" int scorch_fill(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n0_arg,
-    const int64_t* row_ptr,
     const int32_t* t1_l1_pos,
     const int32_t* t1_l1_crd,
     int64_t t1_l1_lo_arg,
@@ -282,6 +283,7 @@ extern "C" int scorch_fill(
     const float* t1_vals,
     int32_t* out_crd,
     float* out,
+    const int64_t* row_ptr,
     int64_t nthreads_arg,
     void* scorch_stream_arg)
 {
@@ -301,7 +303,7 @@ extern "C" int scorch_fill(
   int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
   int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
   char* scorch_scratch = nullptr;
-  SCORCH_LAUNCH(scorch_fill_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, row_ptr, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, out_crd, out, nthreads_arg, scorch_scratch, scorch_stride_);
+  SCORCH_LAUNCH(scorch_fill_dev, scorch_grid, scorch_block, scorch_stream, n1_arg, t0_l0_lo_arg, t0_l0_ext_arg, t1_l0_lo_arg, t1_l0_ext_arg, t0_l1_pos, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n0_arg, t1_l1_pos, t1_l1_crd, t1_l1_lo_arg, t1_l1_ext_arg, t0_vals, t1_vals, out_crd, out, row_ptr, nthreads_arg, scorch_scratch, scorch_stride_);
   return (int)scorch_last_error();
 }
 
