@@ -94,7 +94,7 @@ def _finish(out):
 # --- lazy attention ops -------------------------------------------------------------------------------------
 
 #: the value types the fused kernels take (16-bit ones computed in float32, ``prepare``)
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_FLOATS = (torch.float32, torch.float64) + L.HALF_DTYPES
 #: the SDDMM (values at the pattern's entries) and the product of a sparse matrix with a dense one, as letters
 _SDDMM = ((("i", "j"), ("i", "k"), ("j", "k")), ("i", "j"))
 _PRODUCT = ((("i", "j"), ("j", "k")), ("i", "k"))

@@ -19,6 +19,8 @@ FROM_TORCH = {torch.bool: "bool", torch.int8: "i8", torch.int16: "i16", torch.in
 TO_TORCH = {v: k for k, v in FROM_TORCH.items()}
 #: the storage-only types
 NARROW = ("bf16", "f16")
+#: their torch dtypes: values stored in 16 bits, computed (and summed) in float32
+HALF_DTYPES = tuple(TO_TORCH[t] for t in NARROW)
 #: the integer types (``i8`` and ``i16`` only as index arrays' storage: narrow offsets such as ``nm(n, m)``'s)
 INTS = ("i8", "i16", "i32", "i64")
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import loopir as L
 from ..compiler.ir import TensorType
 from ..compiler.pipeline import Plan, target_of
 from ..sparse_tensor import SparseTensor, shape_of
 
 
 #: the value dtypes kernels take (bfloat16 and float16 stored as such, computed in float32)
-SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16)
+SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64) + L.HALF_DTYPES
 
 
 def tensor_type(x) -> TensorType:

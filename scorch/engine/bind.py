@@ -20,6 +20,7 @@ import torch
 from ..compiler.codegen.cpp import pack_format
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
 from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, row_workspace
+from .. import loopir as L
 from ..loopir import TO_TORCH
 from ..formats import named, storage
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
@@ -181,7 +182,7 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     red = asg.reduce
     dev = s._vals.device
     wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
-    if backend == "interp" and dtype in (torch.bfloat16, torch.float16):
+    if backend == "interp" and dtype in L.HALF_DTYPES:
         raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {dtype} values (NumPy has no bfloat16)")
     if red == "sum":
         alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros

@@ -17,6 +17,7 @@ from ..compiler.infer import infer
 from ..compiler.ir import Assignment, Mul, Scalar, TensorType
 from ..compiler.pipeline import Plan
 from ..compiler.schedule import Directives, directives_of
+from .. import loopir as L
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, needs_grad, shape_of
@@ -321,7 +322,7 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
         if explain:
             print(f"dense step:   torch.einsum({eq!r})")
         if inner:
-            tensors = [t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in tensors]
+            tensors = [t.float() if t.dtype in L.HALF_DTYPES else t for t in tensors]
         r = torch.einsum(eq, *tensors)
         fmt = None if format is None else named.resolve(format, len(target))
         return r if fmt is None or fmt.is_dense else asformat(r, fmt)
@@ -353,7 +354,7 @@ def scaled(equation, alpha, *operands, format=None):
     gradient to take, are the einsum scaled by torch: a kernel with a scalar in its product runs on the operands as
     given (``run`` neither relays them out nor replays prepared steps for an explicit ``rhs``), which made a float32
     ``sampled_addmm(alpha=0.5)`` on the uniform 20k matrix 5x slower (14.8 against 3.0 ms at alpha=1)."""
-    if alpha == 1 or needs_grad(operands) or result_dtype(operands, "einsum") not in (torch.bfloat16, torch.float16):
+    if alpha == 1 or needs_grad(operands) or result_dtype(operands, "einsum") not in L.HALF_DTYPES:
         r = einsum(equation, *operands, format=format)
         return r if alpha == 1 else r * alpha
     inputs, out = parse(equation, [x.dim() for x in operands])

@@ -25,7 +25,7 @@ def _run(backward: bool, log_space: bool, pos, **arrays):
     16-bit values run the float32 kernel on widened copies, its result rounded once (stored in 16 bits, the
     exponentials the kernel reads back to normalize would be rounded twice)."""
     result = "dx" if backward else "y"
-    if arrays[result].dtype in (torch.bfloat16, torch.float16):
+    if arrays[result].dtype in L.HALF_DTYPES:
         wide = {name: a.float() if name != result else torch.empty(a.shape, dtype=torch.float32)
                 for name, a in arrays.items()}
         _run(backward, log_space, pos, **wide)
@@ -42,7 +42,7 @@ def _run(backward: bool, log_space: bool, pos, **arrays):
                       "nthreads": torch.get_num_threads(), **arrays})
 
 
-SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+SUPPORTED = (torch.float32, torch.float64) + L.HALF_DTYPES
 
 
 def _check(pos, values):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import fusion
+from .. import loopir as L
 from ..deferred import Deferred
 from ..formats import Compressed, Singleton, Var, named, storage
 from ..sparse_tensor import SparseTensor, implements, shape_of
@@ -161,7 +162,7 @@ def _softmax(x: SparseTensor, dim, dtype, log: bool):
     key = storage.linear_index(dims[others], [x._shape[d] for d in others])
     groups, inv = torch.unique(key, return_inverse=True)
     # 16-bit values: computed in float32 and rounded once (a 16-bit sum of a group's exponentials drifts)
-    ct = torch.float32 if v.dtype in (torch.bfloat16, torch.float16) else v.dtype
+    ct = torch.float32 if v.dtype in L.HALF_DTYPES else v.dtype
     vals = v[leaf].to(ct)
     peak = torch.full((groups.numel(),), float("-inf"), dtype=ct, device=v.device)
     peak = peak.scatter_reduce(0, inv, vals.detach(), "amax")  # a shift: softmax does not depend on it
