@@ -100,6 +100,24 @@ class Scalar(IndexExpr):
         return self.name
 
 
+def reindexed(e: IndexExpr, operand: int, old: tuple, new: tuple) -> IndexExpr:
+    """``e`` with operand ``operand``'s accesses by ``old`` indexed by ``new`` instead (its dimensions stored in
+    another order); raises ``ValueError`` where it is accessed otherwise."""
+    if isinstance(e, Access):
+        if e.operand != operand:
+            return e
+        if tuple(e.indices) != tuple(old):
+            raise ValueError(f"T{operand} is accessed as {e}, not by {old}")
+        return Access(operand, tuple(new))
+    if isinstance(e, Mul):
+        return Mul(tuple(reindexed(f, operand, old, new) for f in e.factors))
+    if isinstance(e, Add):
+        return Add(tuple(reindexed(t, operand, old, new) for t in e.terms))
+    if isinstance(e, Map):
+        return Map(e.op, reindexed(e.arg, operand, old, new))
+    return e
+
+
 @dataclass(frozen=True)
 class Assignment:
     out: tuple

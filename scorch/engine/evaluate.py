@@ -349,12 +349,12 @@ class Explanation(str):
 
 
 def scaled(equation, alpha, *operands, format=None):
-    """``alpha * einsum(equation, *operands)``. A 16-bit result has ``alpha`` inside the kernel: the sum is scaled
-    in float32 and rounded once (scaled afterwards it is rounded twice). Other results, and a product with a
-    gradient to take, are the einsum scaled by torch: a kernel with a scalar in its product runs on the operands as
-    given (``run`` neither relays them out nor replays prepared steps for an explicit ``rhs``), which made a float32
-    ``sampled_addmm(alpha=0.5)`` on the uniform 20k matrix 5x slower (14.8 against 3.0 ms at alpha=1)."""
-    if alpha == 1 or needs_grad(operands) or result_dtype(operands, "einsum") not in L.HALF_DTYPES:
+    """``alpha * einsum(equation, *operands)`` with ``alpha`` inside the kernel: the sum is scaled in float32 and
+    rounded once (a 16-bit result scaled afterwards is rounded twice), and no second pass goes over the values.
+    A product with a gradient to take is the einsum scaled by torch (its gradient rules are the einsum's). The
+    kernel's explicit product still has its dense operands relaid like the einsum's (``run``): without that, a
+    float32 ``sampled_addmm(alpha=0.5)`` on the uniform 20k matrix took 14.8 ms against 3.0 at alpha=1."""
+    if alpha == 1 or needs_grad(operands):
         r = einsum(equation, *operands, format=format)
         return r if alpha == 1 else r * alpha
     inputs, out = parse(equation, [x.dim() for x in operands])

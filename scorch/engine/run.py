@@ -12,6 +12,7 @@ import torch
 from ..compiler import library, relayout, runtime
 from ..compiler.caches import cache
 from ..compiler.pipeline import coiteration_plan, compiled_plan, kept_plan, planned, target_of
+from ..compiler.ir import reindexed
 from ..compiler.schedule import discordant_format, transposed_for_parallel
 from ..compiler.target import CPU
 from ..formats import named
@@ -142,14 +143,20 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         target = perm
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False
-    moves = relayout.moves(inputs, ops, sched0, sizes, broadcast) if rhs is None else ()
+    moves = relayout.moves(inputs, ops, sched0, sizes, broadcast)
+    if rhs is not None:  # (an explicit expression: only operands it reads as the inputs give them)
+        moves = tuple((k, d) for k, d in moves
+                      if all(tuple(a.indices) == tuple(inputs[k]) for a in rhs.accesses() if a.operand == k))
     given = sig if prepared_ok and moves else None  # (the relayout is the one step between the call and the kernel)
     if moves:
         if explain:
             for k, d in moves:
                 print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
                       " reads it along that dimension")
+        before = inputs
         inputs, ops = relayout.apply(moves, inputs, ops, memory.kept_empty)
+        for k, _ in moves if rhs is not None else ():
+            rhs = reindexed(rhs, k, before[k], inputs[k])
         sizes, broadcast = index_sizes(inputs, ops, name)
         key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
         prepared_ok = False

@@ -145,3 +145,35 @@ def test_a_kept_copy_of_a_parameter_follows_its_updates():
         (want ** 2).sum().backward()
         torch.testing.assert_close(b.grad, ref_b.grad, rtol=1e-4, atol=1e-4)
         opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_explicit_product_is_relaid_too(dtype):
+    """``sampled_addmm(alpha=...)`` runs a kernel with an explicit product (alpha inside it): its k-major mat2 is
+    relaid as the plain SDDMM's, twice (a repeated call replays the relayout), with torch's values."""
+    from scorch import engine
+    from scorch.compiler.ir import Access, Mul, Scalar
+    g = torch.Generator().manual_seed(2)
+    dense = (torch.rand(400, 500, generator=g) < 0.02) * torch.randn(400, 500, generator=g)
+    s = scorch.asformat(dense, "csr").to(dtype)
+    a, b = torch.randn(400, 16, generator=g).to(dtype), torch.randn(16, 500, generator=g).to(dtype)
+    rhs = Mul((Scalar("alpha"), Access(0, ("i", "j")), Access(1, ("i", "k")), Access(2, ("k", "j"))))
+    buf = io.StringIO()
+    import contextlib
+    with contextlib.redirect_stdout(buf):
+        engine.run((("i", "j"), ("i", "k"), ("k", "j")), ("i", "j"), [s, a, b], rhs=rhs, scalars={"alpha": 0.5},
+                   explain=True)
+    assert "relayout:     T2" in buf.getvalue()
+    want = (0.5 * (dense != 0) * (a.float() @ b.float())).to(dtype)  # (the product sampled at the pattern)
+    for _ in range(2):
+        r = scorch.sparse.sampled_addmm(s, a, b, beta=0.0, alpha=0.5)
+        torch.testing.assert_close(r.to_dense().float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_reindexed_rewrites_one_operands_accesses():
+    from scorch.compiler.ir import Access, Add, Map, Mul, Scalar, reindexed
+    e = Add((Mul((Scalar("a"), Access(0, ("i", "j")), Access(1, ("k", "j")))), Map("neg", Access(1, ("k", "j")))))
+    r = reindexed(e, 1, ("k", "j"), ("j", "k"))
+    assert [a.indices for a in r.accesses()] == [("i", "j"), ("j", "k"), ("j", "k")]
+    with pytest.raises(ValueError, match="accessed as"):
+        reindexed(e, 1, ("j", "k"), ("k", "j"))
