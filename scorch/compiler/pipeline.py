@@ -230,6 +230,7 @@ class CoPlan:
     broadcast: frozenset = frozenset()
     backend: str = "cpp"
     workspace: str = "dense"  # the workspace the last call assembled a rows output in (the engine's choice)
+    workspace_why: str = ""   # ... and why (``schedule.workspace_choice``)
 
     def kernel(self, phase):
         """The kernel of ``phase`` (None, "count", "fill" or "fill32"), lowered and loaded on first use: a rows
@@ -264,6 +265,8 @@ class CoPlan:
             row = cs.row_var or "(one virtual row)"
             lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) with a touched list;"
                          " count pass, prefix sum, fill pass")
+        if cs.output == "rows" and self.workspace_why:
+            lines.append(f"workspace:    {self.workspace.split(' ')[0]}: {self.workspace_why}")
         lines.append(f"parallel:     {'the outermost loop' if cs.parallel else 'none'}"
                      f"{' (balanced by nnz)' if cs.balance else ''}")
         for phase, k in self.kernels.items():

@@ -278,16 +278,26 @@ def row_workspace(entries: int, threads: int, itemsize: int, requested=None, dir
     ``DENSE_BYTES_PER_TERM`` bytes per term: a wide, thinly filled output, where zeroing and faulting in the
     dense array costs more than hashing the few terms.
     ``requested`` (the user's ``Directives.workspace``) decides where given."""
+    return workspace_choice(entries, threads, itemsize, requested, direct, terms)[0]
+
+
+def workspace_choice(entries: int, threads: int, itemsize: int, requested=None, direct=False, terms=None):
+    """``row_workspace``'s choice and the reason for it, in words (``scorch.explain``'s ``workspace:`` line)."""
     if requested is not None:
-        return requested
+        return requested, "asked for (schedule={'workspace': ...})"
     if direct:
-        return "direct"
+        return "direct", "each entry of a row is met once, in order"
     one = entries * (itemsize + 17)
     dense = one * threads
-    if dense > WORKSPACE_LIMIT_BYTES or (terms is not None and one > DENSE_WORKSPACE_CACHED and
-                                         dense > DENSE_BYTES_PER_TERM * terms):
-        return "hash"
-    return "dense"
+    sizes = (f"a dense one takes {one / 2**20:.2f} MiB a thread, {dense / 2**20:.2f} MiB in all"
+             + ("" if terms is None else f", for about {terms:,} terms"))
+    if dense > WORKSPACE_LIMIT_BYTES:
+        return "hash", f"{sizes}: over the {WORKSPACE_LIMIT_BYTES >> 20} MiB limit"
+    if terms is not None and one > DENSE_WORKSPACE_CACHED and dense > DENSE_BYTES_PER_TERM * terms:
+        return "hash", (f"{sizes}: over {DENSE_WORKSPACE_CACHED >> 20} MiB a thread and {DENSE_BYTES_PER_TERM} "
+                        "bytes a term, where zeroing it costs more than hashing the terms")
+    return "dense", (f"{sizes}: within {DENSE_WORKSPACE_CACHED >> 20} MiB a thread (it stays in cache)"
+                     if one <= DENSE_WORKSPACE_CACHED else f"{sizes}: at most {DENSE_BYTES_PER_TERM} bytes a term")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from ..compiler.codegen.cpp import pack_format
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
-from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, row_workspace
+from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, workspace_choice
 from .. import loopir as L
 from ..loopir import TO_TORCH
 from ..formats import named, storage
@@ -341,7 +341,8 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
         # (a GPU launcher runs as many workers as fit its scratch: one workspace is what must fit)
         threads = torch.get_num_threads() if cs.parallel and target_of(backend) == "cpu" else 1
         terms = _terms(asg, ops, sizes) if target_of(backend) == "cpu" else None
-        plan.workspace = row_workspace(ws, threads, dtype.itemsize, workspace, direct_rows(cs), terms)
+        plan.workspace, plan.workspace_why = workspace_choice(ws, threads, dtype.itemsize, workspace,
+                                                              direct_rows(cs), terms)
         if plan.workspace == "dense" and ws * threads * (dtype.itemsize + 17) > WORKSPACE_LIMIT_BYTES:
             raise ValueError(
                 f"scorch: the dense workspace over ({', '.join(cs.ws_vars)}) would take"

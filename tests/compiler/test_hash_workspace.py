@@ -102,8 +102,13 @@ def test_the_cost_model_takes_a_hash_for_wide_thinly_filled_rows(width, m, per, 
     b = torch.sparse_coo_tensor(torch.stack([rows, torch.randint(0, width, (m * per,), generator=g)]),
                                 torch.rand(m * per, generator=g), (m, width)).coalesce()
     sa, sb = scorch.asformat(a, "csr"), scorch.asformat(b, "csr")
-    line = _assembly("ij,jk->ik", sa, sb)
+    text = scorch.explain("ij,jk->ik", sa, sb).splitlines()
+    line = [x for x in text if x.startswith("assembly:")]
     assert len(line) == 1 and ("hash" in line[0]) == hashed and ("dense workspace" in line[0]) != hashed
+    # the cost model's reason: the dense workspace's size against the terms, and which bound decided
+    why = [x for x in text if x.startswith("workspace:")]
+    assert len(why) == 1 and why[0].split()[1] == ("hash:" if hashed else "dense:") and "terms" in why[0]
+    assert ("zeroing it costs more than hashing" in why[0]) == hashed
     expected = (a @ b).coalesce()
     got = scorch.asformat(sa @ sb, "coo")
     torch.testing.assert_close(torch.sparse_coo_tensor(torch.stack([got.levels[0].crd, got.levels[1].crd]).long(),
@@ -117,6 +122,11 @@ def test_explain_shows_the_workspace():
     dense = [line for line in scorch.explain("ij,jk->ik", s, s).splitlines() if line.startswith("assembly:")]
     assert len(hashed) == 1 and "hash" in hashed[0] and "slots" in hashed[0]
     assert len(dense) == 1 and "dense workspace" in dense[0]
+    asked = [line for line in scorch.explain("ij,jk->ik", s, s, schedule=HASH).splitlines()
+             if line.startswith("workspace:")]
+    assert asked == ["workspace:    hash: asked for (schedule={'workspace': ...})"]
+    merged = [line for line in scorch.explain("ij,ij->ij", s, s + s).splitlines() if line.startswith("workspace:")]
+    assert merged == ["workspace:    direct: each entry of a row is met once, in order"]
 
 
 def test_the_loop_ir_interpreter_agrees():
