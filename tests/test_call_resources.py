@@ -50,6 +50,14 @@ def test_large_outputs_get_huge_pages():
     x = torch.randn(2048, 2048)
     y = s @ x                            # 32 MiB of float32
     assert torch.equal(y[:2048], x) and not y[2048:].any()
+    if _huge_kib(y) < 2048:
+        # the kernel may have no free 2 MiB pages at the moment (memory fragmented by a long run: it happened
+        # once in CI's second pass); the advice is what scorch controls, so a buffer advised by hand decides
+        control = torch.empty(8 << 20)
+        memory.advise_huge(control)
+        control.fill_(1.0)
+        if _huge_kib(control) < 2048:
+            pytest.skip("the kernel gives no huge pages now, even to a buffer advised by hand")
     assert _huge_kib(y) >= 2048, _huge_kib(y)
 
 
