@@ -66,10 +66,11 @@ def test_the_loop_is_vectorized_with_gathers():
 
 
 @pytest.mark.slow  # (each builds its kernels afresh in a child process: ~5 s, more from an empty cache)
-@pytest.mark.parametrize("vector_bytes", ["16", "64"])
+@pytest.mark.parametrize("vector_bytes", ["16", "32", "64"])
 def test_portable_helpers(vector_bytes):
-    """With 16- or 64-byte vectors (``$SCORCH_VECTOR_BYTES``) the helpers are the lane-by-lane versions, not
-    AVX2's: the same sums."""
+    """Every vector width (``$SCORCH_VECTOR_BYTES``) gives the same sums: 16 bytes is always the lane-by-lane
+    versions; 32 is AVX2's instructions where the machine has them, 64 AVX-512's, each the lane-by-lane ones
+    elsewhere."""
     code = (
         "import torch, scorch\n"
         "from tests.compiler.test_vector_sum import _rows_of_every_length\n"

@@ -58,7 +58,8 @@ def _gather() -> str:
     ``scorch_gather(base, idx)`` the vector of ``base[idx[u]]``; in the last, partial vector of a loop (``n`` lanes
     on) ``scorch_loadn(p, n)`` (a contiguous load), ``scorch_gathern(base, idx, n)`` and ``scorch_keep(v, n)``
     (``v`` with its lanes past ``n`` set to 0). Lanes that are off read no memory. AVX2's gather and masked-load
-    instructions where the vectors are 32 bytes, else lane by lane."""
+    instructions where the vectors are 32 bytes, AVX-512's (mask registers) where they are 64, else lane by
+    lane."""
     out = ["#ifndef SCORCH_GATHER\n#define SCORCH_GATHER\n"]
     for t, ctype, size in (("f32", "float", 4), ("f64", "double", 8)):
         lanes, vt = VECTOR_BYTES // size, f"scorch_v{t}"
@@ -79,7 +80,7 @@ template <typename I> static inline {vt} scorch_gathern(const {ctype}* b, const 
   for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }}
-#if !(defined(__AVX2__) && {VECTOR_BYTES} == 32)
+#if !((defined(__AVX2__) && {VECTOR_BYTES} == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && {VECTOR_BYTES} == 64))
 static inline {vt} scorch_loadn(const {ctype}* p, int64_t n) {{
   {vt} v = {{}};
   for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = p[u];
@@ -87,7 +88,8 @@ static inline {vt} scorch_loadn(const {ctype}* p, int64_t n) {{
 }}
 #endif
 """)
-    # (the same values with AVX2's instructions: overloads, preferred to the templates for int32 positions)
+    # (the same values with AVX2's or AVX-512's instructions: overloads, preferred to the templates for int32
+    # positions)
     out.append(f"""#if defined(__AVX2__) && {VECTOR_BYTES} == 32
 #include <immintrin.h>
 static inline __m256i scorch_mask8(int64_t n) {{
@@ -115,6 +117,29 @@ static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int6
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {{
   const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32((int)(n < 4 ? n : 4)), _mm_setr_epi32(0, 1, 2, 3));
   return (scorch_vf64)_mm256_maskload_pd(p, _mm256_cvtepi32_epi64(m));
+}}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VL__) && {VECTOR_BYTES} == 64
+#include <immintrin.h>
+static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {{
+  return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
+}}
+static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {{
+  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
+}}
+static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {{
+  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+}}
+static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {{
+  return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
+}}
+static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {{
+  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
+}}
+static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {{
+  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
 }}
 #endif
 #endif

@@ -88,7 +88,7 @@ template <typename I> static inline scorch_vf32 scorch_gathern(const float* b, c
   for (int u = 0; u < 16; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }
-#if !(defined(__AVX2__) && 64 == 32)
+#if !((defined(__AVX2__) && 64 == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64))
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
   scorch_vf32 v = {};
   for (int u = 0; u < 16; ++u) if (u < n) v[u] = p[u];
@@ -110,7 +110,7 @@ template <typename I> static inline scorch_vf64 scorch_gathern(const double* b, 
   for (int u = 0; u < 8; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }
-#if !(defined(__AVX2__) && 64 == 32)
+#if !((defined(__AVX2__) && 64 == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64))
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
   scorch_vf64 v = {};
   for (int u = 0; u < 8; ++u) if (u < n) v[u] = p[u];
@@ -144,6 +144,29 @@ static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int6
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
   const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32((int)(n < 4 ? n : 4)), _mm_setr_epi32(0, 1, 2, 3));
   return (scorch_vf64)_mm256_maskload_pd(p, _mm256_cvtepi32_epi64(m));
+}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64
+#include <immintrin.h>
+static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {
+  return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
+}
+static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {
+  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
+}
+static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
+  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+}
+static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {
+  return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
+}
+static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {
+  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
+}
+static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
+  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
 }
 #endif
 #endif
@@ -164,7 +187,7 @@ template <typename I> static inline scorch_vf32 scorch_gathern(const float* b, c
   for (int u = 0; u < 16; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }
-#if !(defined(__AVX2__) && 64 == 32)
+#if !((defined(__AVX2__) && 64 == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64))
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
   scorch_vf32 v = {};
   for (int u = 0; u < 16; ++u) if (u < n) v[u] = p[u];
@@ -186,7 +209,7 @@ template <typename I> static inline scorch_vf64 scorch_gathern(const double* b, 
   for (int u = 0; u < 8; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }
-#if !(defined(__AVX2__) && 64 == 32)
+#if !((defined(__AVX2__) && 64 == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64))
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
   scorch_vf64 v = {};
   for (int u = 0; u < 8; ++u) if (u < n) v[u] = p[u];
@@ -220,6 +243,29 @@ static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int6
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
   const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32((int)(n < 4 ? n : 4)), _mm_setr_epi32(0, 1, 2, 3));
   return (scorch_vf64)_mm256_maskload_pd(p, _mm256_cvtepi32_epi64(m));
+}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64
+#include <immintrin.h>
+static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {
+  return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
+}
+static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {
+  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
+}
+static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
+  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+}
+static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {
+  return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
+}
+static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {
+  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
+}
+static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
+  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
 }
 #endif
 #endif
@@ -240,7 +286,7 @@ template <typename I> static inline scorch_vf32 scorch_gathern(const float* b, c
   for (int u = 0; u < 16; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }
-#if !(defined(__AVX2__) && 64 == 32)
+#if !((defined(__AVX2__) && 64 == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64))
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
   scorch_vf32 v = {};
   for (int u = 0; u < 16; ++u) if (u < n) v[u] = p[u];
@@ -262,7 +308,7 @@ template <typename I> static inline scorch_vf64 scorch_gathern(const double* b, 
   for (int u = 0; u < 8; ++u) if (u < n) v[u] = b[i[u]];
   return v;
 }
-#if !(defined(__AVX2__) && 64 == 32)
+#if !((defined(__AVX2__) && 64 == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64))
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
   scorch_vf64 v = {};
   for (int u = 0; u < 8; ++u) if (u < n) v[u] = p[u];
@@ -296,6 +342,29 @@ static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int6
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
   const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32((int)(n < 4 ? n : 4)), _mm_setr_epi32(0, 1, 2, 3));
   return (scorch_vf64)_mm256_maskload_pd(p, _mm256_cvtepi32_epi64(m));
+}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64
+#include <immintrin.h>
+static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {
+  return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
+}
+static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {
+  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
+}
+static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
+  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+}
+static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {
+  return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
+}
+static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {
+  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
+}
+static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
+  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
 }
 #endif
 #endif
