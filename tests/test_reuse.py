@@ -236,3 +236,75 @@ def test_patterns_that_do_not_recur_are_kept_as_before(monkeypatch):
         torch.testing.assert_close(scorch.einsum("ij,ik->jk", a, g), a.to_dense().T @ g)
         if step >= 5:
             assert not planned, step
+
+
+def _kept_product_cases():
+    g = torch.Generator().manual_seed(7)
+    d = torch.randn(9, 7, generator=g) * (torch.rand(9, 7, generator=g) < 0.4)
+    return d, scorch.asformat(d, "csr"), torch.randn(7, 5, generator=g), torch.randn(4, 9, generator=g)
+
+
+def test_a_repeated_operator_product_takes_the_call_kept_on_the_tensor():
+    """``S @ X`` and ``X @ S`` keep their prepared call on ``S`` and reuse it (``engine.kept_product``), with the
+    same results as the first call; every other operand kind goes the long way and is right. (Under
+    ``SCORCH_DEFER=all`` products defer instead: the default mode here.)"""
+    from scorch.engine import evaluate
+    with scorch.deferred.deferral("auto"):
+        _repeated_operator_products(evaluate)
+
+
+def _repeated_operator_products(evaluate):
+    d, s, x, w = _kept_product_cases()
+    v, u = x[:, 0].contiguous(), w[0].contiguous()
+    for _ in range(3):
+        torch.testing.assert_close(s @ x, d @ x)
+        torch.testing.assert_close(w @ s, w @ d)
+        torch.testing.assert_close(s @ v, d @ v)
+        torch.testing.assert_close(u @ s, u @ d)
+    assert evaluate.kept_product(s, x, True) and evaluate.kept_product(s, w, False)
+    assert evaluate.kept_product(s, v, True) and evaluate.kept_product(s, u, False)
+    # other operands of the kept shapes: none of them takes the kept call
+    xt = torch.randn(5, 7).t()                         # not contiguous
+    assert evaluate.kept_product(s, xt, True) is None
+    torch.testing.assert_close(s @ xt, d @ xt)
+    xg = x.clone().requires_grad_(True)                # a gradient to record
+    assert evaluate.kept_product(s, xg, True) is None
+    (s @ xg).sum().backward()
+    torch.testing.assert_close(xg.grad, d.t() @ torch.ones(9, 5))
+    x64 = x.double()                                   # another dtype
+    assert evaluate.kept_product(s, x64, True) is None
+    torch.testing.assert_close(s.double() @ x64, d.double() @ x64)
+    xs = x.to_sparse_csr()                             # a torch sparse operand
+    assert evaluate.kept_product(s, xs, True) is None
+    torch.testing.assert_close((s @ xs).to_dense(), d @ x)
+
+
+def test_a_kept_product_follows_the_pattern_and_the_caches():
+    """An in-place change of ``S``'s pattern, its values' dtype, the caches emptied, another CPU backend, or
+    deferral: the kept call is not used where it would be wrong or would skip what the mode asks for."""
+    from scorch.engine import evaluate
+    with scorch.deferred.deferral("auto"):
+        _kept_product_follows_changes(evaluate)
+
+
+def _kept_product_follows_changes(evaluate):
+    d, s, x, _ = _kept_product_cases()
+    torch.testing.assert_close(s @ x, d @ x)
+    torch.testing.assert_close(s @ x, d @ x)
+    d2 = torch.randn(9, 7) * (torch.rand(9, 7) < 0.6)
+    s.copy_(scorch.asformat(d2, "coo"))                # another pattern (and format) in place
+    torch.testing.assert_close(s @ x, d2 @ x)
+    torch.testing.assert_close(s @ x, d2 @ x)
+    s.values().mul_(2)                                 # values changed in place: read at each call
+    torch.testing.assert_close(s @ x, 2 * d2 @ x)
+    assert evaluate.kept_product(s, x, True)
+    scorch.clear_caches()
+    assert evaluate.kept_product(s, x, True) is None
+    torch.testing.assert_close(s @ x, 2 * d2 @ x)
+    with scorch.engine.cpu_backend("interp"):
+        assert evaluate.kept_product(s, x, True) is None
+        torch.testing.assert_close(s @ x, 2 * d2 @ x)
+    with scorch.deferred.deferral("all"):
+        r = s @ x
+        assert isinstance(r, scorch.deferred.Deferred)
+        torch.testing.assert_close(r.compute(), 2 * d2 @ x)

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 
 class Cache(dict):
-    """A named memo table (a plain dict otherwise)."""
+    """A named memo table (a plain dict otherwise). ``generation`` counts its ``clear()``s: a copy of an entry
+    kept elsewhere (on a tensor) is valid while the generation it was taken in is the cache's."""
 
     def __init__(self, name: str, what: str):
         super().__init__()
         self.name, self.what = name, what
+        self.generation = 0
+
+    def clear(self):
+        self.generation += 1
+        super().clear()
 
     def __repr__(self):
         return f"<cache {self.name}: {len(self)} entries: {self.what}>"

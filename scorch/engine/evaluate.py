@@ -73,6 +73,47 @@ def _seen(equation, operands, format):
     return _FAST_EQ.get(_equation_signature(equation, format, None, operands))
 
 
+def kept_product(s, other, left: bool):
+    """The prepared call of ``s @ other`` (``left``) or ``other @ s`` for the 2-d SparseTensor ``s`` and a dense
+    ``other``, kept on ``s`` by ``keep_product`` (the ``@`` operators); None where there is none, False where
+    ``keep_product`` looked and found none often enough to stop looking. A repeated product skips ``matmul``'s
+    checks and the signature ``_seen`` builds (a tuple of both operands' formats, dtypes and shapes, hashed): on
+    a call after other work, with the interpreter's data out of cache, those cost about as much as a Cora-sized
+    SpMM's kernel. It stands only where ``_seen`` would give the same call: ``other`` a plain contiguous strided
+    CPU tensor of the kept shape and dtype, no gradient to record, ``s`` with plain values of the kept dtype and
+    the kept format and index width (compared by identity: an in-place change of pattern may swap them),
+    ``structural_results`` as kept, the "cpp" backend, ``_FAST_EQ`` not cleared since (the caller checks that
+    products are not deferred)."""
+    memo = s.__dict__.get("_products")
+    if memo is None or type(other) is not torch.Tensor:
+        return None
+    entry = memo.get((left, other.shape, other.dtype))
+    if entry is None:
+        return None
+    v = s._vals
+    if entry[1] is not v.dtype or entry[2] is not s._format or entry[3] is not s._index_dtype or \
+            entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or type(v) is not torch.Tensor or \
+            (torch.is_grad_enabled() and (v.requires_grad or other.requires_grad)) or not other.is_cpu or \
+            other.layout is not torch.strided or not other.is_contiguous() or cpu_backend_name() != "cpp":
+        return None
+    return entry[0] if entry[0] is not None else (False if entry[6] >= 3 else None)
+
+
+def keep_product(s, other, left: bool, equation: str):
+    """Keep on ``s`` the prepared call ``_seen`` finds for ``einsum(equation, ...)`` of ``s @ other`` (``left``)
+    or ``other @ s`` with a dense result, for ``kept_product``; where there is none, count the look."""
+    if type(other) is not torch.Tensor or not other.is_cpu or s._vals.device.type != "cpu":
+        return
+    fast = _seen(equation, (s, other) if left else (other, s), "dense")
+    memo = s.__dict__.setdefault("_products", {})
+    key = (left, other.shape, other.dtype)
+    if key not in memo and len(memo) >= 16:
+        return
+    entry = memo.get(key)
+    tries = 0 if fast is not None else entry[6] + 1 if entry is not None and entry[0] is None else 1
+    memo[key] = (fast, s._vals.dtype, s._format, s._index_dtype, _FAST_EQ.generation, STRUCTURAL.on, tries)
+
+
 def _equation_signature(equation, format, directives, operands) -> tuple:
     """The key of ``_FAST_EQ``: the equation, requested format, the user's directives, whether results are
     structural, and each operand's ``signature``."""

@@ -212,10 +212,25 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
 for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):
     _fn.fuses = True  # deferred dense operands are substituted into the product (``engine.einsum``)
 
+def _operator(s, other, left: bool):
+    """``s @ other`` (``left``) or ``other @ s`` for the SparseTensor ``s``: a repeated product with a dense
+    matrix or vector straight to the prepared call kept on ``s`` (``engine.kept_product``), else ``matmul``
+    (and the call it prepared kept for next time)."""
+    if torch.compiler.is_compiling():  # (torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
+        return torch.matmul(s, other) if left else torch.matmul(other, s)
+    operands = (s, other) if left else (other, s)
+    fast = engine.kept_product(s, other, left)
+    if fast and deferred.mode() != "all":
+        return fast(operands, None)
+    result = matmul(*operands)
+    if fast is None and len(s._shape) == 2 and type(other) is torch.Tensor and 1 <= other.dim() <= 2 and \
+            deferred.mode() != "all":
+        engine.keep_product(s, other, left, matmul_equation(2, other.dim()) if left else
+                            matmul_equation(other.dim(), 2))
+    return result
+
+
 # ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
-# ``__torch_function__`` round trip (about 7 us a call)
-# (while torch.compile traces, through torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
-SparseTensor.__matmul__ = lambda self, other: torch.matmul(self, other) if torch.compiler.is_compiling() else \
-    matmul(self, other)
-SparseTensor.__rmatmul__ = lambda self, other: torch.matmul(other, self) if torch.compiler.is_compiling() else \
-    matmul(other, self)
+# ``__torch_function__`` round trip (about 7 us a call), and a repeated product its signature too
+SparseTensor.__matmul__ = lambda self, other: _operator(self, other, True)
+SparseTensor.__rmatmul__ = lambda self, other: _operator(self, other, False)
