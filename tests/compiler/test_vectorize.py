@@ -56,9 +56,9 @@ def test_inner_dense_loop_vectorizes(eq, k, tmp_path):
         return
     # SDDMM: a vector's lanes of entries at a time (16 with AVX-512), each a vector of partial sums over k, added
     # up together (a transposed tree);
-    # the entries left over one more tile, its lanes past the row's end repeating the last entry and not written
-    assert re.search(rf"scorch_vf32 esum\[{CPU.lanes('f32')}\]", src) and src.count("scorch_tsum(esum, etot)") == 2
-    assert "e_rest" in src and " ? " in src  # (the lanes clamped to the last entry)
+    # the entries left over one at a time, each in one vector of partial sums added up at its end
+    assert re.search(rf"scorch_vf32 esum\[{CPU.lanes('f32')}\]", src) and src.count("scorch_tsum(esum, etot)") == 1
+    assert "e_rest" in src and "scorch_vf32 vsum[1]" in src and "scorch_hsum(vsum[INT64_C(0)])" in src
     assert re.search(r"\(\*\(const scorch_vf32u\*\)\(&t2\[", src), "the dense operands are read as vectors"
     src = _kernel_source(eq, ops[0], ops[1][:, :k - 1].contiguous(), ops[2][:, :k - 1].contiguous())
     line = _innermost_loop_line(src)  # g++ names the loop's line or its body's
