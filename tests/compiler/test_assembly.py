@@ -38,6 +38,22 @@ def _assert_rows_strictly_increasing(r):
     assert bool((step | row_start[1:]).all())
 
 
+@pytest.mark.parametrize("width, per_row", [(300, 60), (3000, 12), (20000, 40)])
+def test_spgemm_rows_sorted_through_the_bitmap(width, per_row):
+    """Rows of more than 32 entries that fill at least a 64th of their width are sorted through a bitmap (its
+    words read 4 keys at a time, then the rest, then the row's last keys one by one): words holding 0 to 64 keys,
+    checked against dense torch."""
+    da, a = _random_csr(24, 200, per_row // 4 + 1, 3)
+    db, b = _random_csr(200, width, per_row, 4)
+    r = a @ b
+    assert r.format.name == "csr"
+    torch.testing.assert_close(r.to_dense(), da @ db)
+    rows = r.to_torch()
+    for i in range(24):  # each row's columns strictly increasing
+        c = rows.col_indices()[rows.crow_indices()[i]:rows.crow_indices()[i + 1]]
+        assert bool((c[1:] > c[:-1]).all())
+
+
 def test_rows_output_with_a_two_dimensional_workspace():
     # rows i of a CSF output, assembled over (j, k): keys up to 2000 * 1500, three radix passes
     g = torch.Generator().manual_seed(3)

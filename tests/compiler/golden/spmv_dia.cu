@@ -129,8 +129,10 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
 }
 #ifdef __CUDA_ARCH__
 #define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
+#define SCORCH_POPC64(x) __popcll(x)
 #else
 #define SCORCH_CTZ64(x) __builtin_ctzll(x)
+#define SCORCH_POPC64(x) __builtin_popcountll(x)
 #endif
 static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
@@ -140,9 +142,25 @@ static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t
     const int64_t words = (bound + 63) >> 6;
     for (int64_t k = 0; k < words; ++k) bits[k] = 0;
     for (int64_t k = 0; k < n; ++k) bits[a[k] >> 6] |= (uint64_t)1 << (a[k] & 63);
+    // each word's first 4 keys written whatever its count (an emptied word reads as bit 63: its ctz is defined),
+    // the rest, rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill
+    // on the uniform 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below n and is
+    // overwritten by the next keys
     int64_t t = 0;
-    for (int64_t k = 0; k < words; ++k)
-      for (uint64_t x = bits[k]; x; x &= x - 1) a[t++] = (k << 6) + SCORCH_CTZ64(x);
+    for (int64_t k = 0; k < words; ++k) {
+      uint64_t x = bits[k];
+      const int64_t base = k << 6, c = SCORCH_POPC64(x);
+      if (t + 4 <= n) {
+        for (int u = 0; u < 4; ++u) {
+          a[t + u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
+          x &= x - 1;
+        }
+        for (int64_t u = t + 4; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
+      } else {
+        for (int64_t u = t; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
+      }
+      t += c;
+    }
     return;
   }
   if (n <= 32) {
