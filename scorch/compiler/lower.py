@@ -436,7 +436,7 @@ class _Lowering:
                _nest(lets, [L.Store(out, index, product(L.Load("vsum", L.Const(0), ct)))])]
         partial = L.block(L.Let(rest_at, start), L.For(pv, rest_at, hi, L.block(*one)))
         self.tile = (U, lanes)
-        # every stored entry is written (by a whole or a partial tile), unguarded, under loops that walk every
+        # every stored entry is written (by a whole tile or one at a time), unguarded, under loops that walk every
         # position of the shared levels: the output need not be zero-filled first
         self.writes_every_output = not self.sched.outer and not any(it[0] == "if" for it in items[:ready + 1])
         return [_nest(items[:P], [blocked, partial])]

@@ -102,8 +102,8 @@ def kept_product(s, other, left: bool):
 def keep_product(s, other, left: bool, equation: str):
     """Keep on ``s`` the prepared call ``_seen`` finds for ``einsum(equation, ...)`` of ``s @ other`` (``left``)
     or ``other @ s`` with a dense result, for ``kept_product``; where there is none, count the look."""
-    if type(other) is not torch.Tensor or not other.is_cpu or s._vals.device.type != "cpu" or (
-            torch.is_grad_enabled() and (s._vals.requires_grad or other.requires_grad)):
+    if type(other) is not torch.Tensor or not other.is_cpu or s._vals.device.type != "cpu" or \
+            needs_grad((s, other)):
         return  # (a product recording a gradient has no prepared call to keep: nothing to look for or count)
     fast = _seen(equation, (s, other) if left else (other, s), "dense")
     memo = s.__dict__.setdefault("_products", {})

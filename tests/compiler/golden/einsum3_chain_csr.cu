@@ -150,15 +150,14 @@ static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t
     for (int64_t k = 0; k < words; ++k) {
       uint64_t x = bits[k];
       const int64_t base = k << 6, c = SCORCH_POPC64(x);
+      int64_t u = t;
       if (t + 4 <= n) {
-        for (int u = 0; u < 4; ++u) {
-          a[t + u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
+        for (; u < t + 4; ++u) {
+          a[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
           x &= x - 1;
         }
-        for (int64_t u = t + 4; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
-      } else {
-        for (int64_t u = t; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
       }
+      for (; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
       t += c;
     }
     return;

@@ -148,25 +148,27 @@ static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64
 #include <immintrin.h>
+static inline __mmask16 scorch_kmask16(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+static inline __mmask8 scorch_kmask8(int64_t n) { return (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1); }
 static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {
   return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
 }
 static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {
-  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 m = scorch_kmask16(n);
   return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
 }
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
-  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+  return (scorch_vf32)_mm512_maskz_loadu_ps(scorch_kmask16(n), p);
 }
 static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {
   return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
 }
 static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {
-  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  const __mmask8 m = scorch_kmask8(n);
   return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
 }
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
-  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
+  return (scorch_vf64)_mm512_maskz_loadu_pd(scorch_kmask8(n), p);
 }
 #endif
 #endif
@@ -247,25 +249,27 @@ static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64
 #include <immintrin.h>
+static inline __mmask16 scorch_kmask16(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+static inline __mmask8 scorch_kmask8(int64_t n) { return (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1); }
 static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {
   return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
 }
 static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {
-  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 m = scorch_kmask16(n);
   return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
 }
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
-  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+  return (scorch_vf32)_mm512_maskz_loadu_ps(scorch_kmask16(n), p);
 }
 static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {
   return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
 }
 static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {
-  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  const __mmask8 m = scorch_kmask8(n);
   return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
 }
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
-  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
+  return (scorch_vf64)_mm512_maskz_loadu_pd(scorch_kmask8(n), p);
 }
 #endif
 #endif
@@ -346,25 +350,27 @@ static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VL__) && 64 == 64
 #include <immintrin.h>
+static inline __mmask16 scorch_kmask16(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+static inline __mmask8 scorch_kmask8(int64_t n) { return (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1); }
 static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {
   return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
 }
 static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64_t n) {
-  const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 m = scorch_kmask16(n);
   return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_maskz_loadu_epi32(m, i), b, 4);
 }
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {
-  return (scorch_vf32)_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+  return (scorch_vf32)_mm512_maskz_loadu_ps(scorch_kmask16(n), p);
 }
 static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {
   return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
 }
 static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int64_t n) {
-  const __mmask8 m = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1);
+  const __mmask8 m = scorch_kmask8(n);
   return (scorch_vf64)_mm512_mask_i32gather_pd(_mm512_setzero_pd(), m, _mm256_maskz_loadu_epi32(m, i), b, 8);
 }
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {
-  return (scorch_vf64)_mm512_maskz_loadu_pd((__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), p);
+  return (scorch_vf64)_mm512_maskz_loadu_pd(scorch_kmask8(n), p);
 }
 #endif
 #endif
