@@ -335,9 +335,27 @@ def write(directory: str, tables: list, machine: dict, variants: dict, diagnoses
         lines += ["## Generated kernels: what the measurements and the source show", ""] + analysis
     if plots:
         lines += ["## Plots", ""] + [f"![{title}](plots/{os.path.basename(path)})" for title, path in plots] + [""]
+    gpu = gpu_sections(md)
     with open(md, "w") as f:
-        f.write("\n".join(lines).rstrip() + "\n")
+        f.write("\n".join(lines).rstrip() + "\n" + ("\n" + gpu if gpu else ""))
     return md, ", ".join(path for _, path in plots)
+
+
+def gpu_sections(md: str) -> str:
+    """The ``## GPU: ...`` sections of the RESULTS.md at ``md`` (``python -m benchmarks.gpu --write`` appends them on a
+    machine with a GPU, which a CPU run does not have): a CPU run's rewrite keeps them, each to the next ``## ``."""
+    try:
+        with open(md) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    keep, out = False, []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            keep = line.startswith("## GPU:")
+        if keep:
+            out.append(line)
+    return "\n".join(out).rstrip() + "\n" if out else ""
 
 
 def _plots(tables: list, directory: str) -> list:

@@ -32,3 +32,21 @@ def test_report_writes_tables_and_plots(tmp_path):
     for name in ("apps.png", "spmm_time_against_nnz.png"):
         assert os.path.getsize(tmp_path / "plots" / name) > 1000
     assert "## Summary" in report.summary_section(md)
+
+
+def test_report_keeps_the_gpu_sections_of_the_file_it_replaces(tmp_path):
+    """``benchmarks.gpu --write`` appends ``## GPU: ...`` tables on a machine with a GPU; a CPU run rewriting
+    RESULTS.md keeps them (and only them) from the old file."""
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# old\n\n## Summary\n\nold summary\n\n## GPU: NVIDIA H100\n\n| a |\n\n## GPU: NVIDIA H200\n\n"
+                  "| b |\n\n## Plots\n\nold plot\n")
+    series = Table("scaling", "SpMM time against nnz", "setup", kind="series", x_label="nonzeros",
+                   series={"scorch": [(100, 1e-4), (1000, 5e-4)]})
+    machine = {"cpu": "test", "cores": 2, "threads": 2, "load_before": "0", "load_after": "0"}
+    report.write(str(tmp_path), [series], machine, {}, [], "python -m benchmarks", 1.0, True)
+    text = md.read_text()
+    assert "old summary" not in text and "old plot" not in text
+    assert text.index("## GPU: NVIDIA H100") < text.index("| a |") < text.index("## GPU: NVIDIA H200") < text.index("| b |")
+    assert text.index("## Plots") < text.index("## GPU: NVIDIA H100")
+    report.write(str(tmp_path), [series], machine, {}, [], "python -m benchmarks", 1.0, True)
+    assert md.read_text().count("## GPU: NVIDIA H200") == 1

@@ -115,9 +115,10 @@ def test_command_line():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("arch", ["gcn", "sage", "gat"])
 def test_scorch_trains_on_the_gpu_as_on_the_cpu(small, arch):
-    """--device cuda: the same losses as on the CPU (the sparse ops run generated CUDA kernels)."""
-    c = gnn.run("scorch", arch, epochs=20, graph=small, hidden=8, heads=2, lr=0.05)
-    g = gnn.run("scorch", arch, epochs=20, graph=small, hidden=8, heads=2, lr=0.05, device="cuda")
+    """--device cuda: the same losses as on the CPU (the sparse ops run generated CUDA kernels). Without dropout:
+    the CPU and CUDA generators draw different masks from the same seed (on an H200 the losses parted by 0.19)."""
+    c = gnn.run("scorch", arch, epochs=20, graph=small, hidden=8, heads=2, lr=0.05, dropout=0.0)
+    g = gnn.run("scorch", arch, epochs=20, graph=small, hidden=8, heads=2, lr=0.05, dropout=0.0, device="cuda")
     assert g["device"] == "cuda"
     np.testing.assert_allclose(g["losses"], c["losses"], rtol=1e-3, atol=1e-4)
     assert abs(g["test_acc"] - c["test_acc"]) < 0.02
