@@ -241,6 +241,24 @@ class Sort(Stmt):
 
 
 @dataclass(frozen=True)
+class SetBit(Stmt):
+    """Set bit ``index`` of the bitmap held in the i64 array ``array`` (word ``index >> 6``, bit ``index & 63``)."""
+    array: str
+    index: Expr
+
+
+@dataclass(frozen=True)
+class BitKeys(Stmt):
+    """The positions of the set bits of ``bits[0:words]`` (a bitmap in an i64 array, as ``SetBit`` sets), ascending,
+    into ``keys`` (room for ``cap`` of them), their number into the variable ``count``; the words read are zeroed."""
+    bits: str
+    words: Expr
+    keys: str
+    cap: Expr
+    count: Var
+
+
+@dataclass(frozen=True)
 class Parallel:
     """How a loop runs in parallel. ``kind="static"``: equal iteration counts per thread. ``kind="nnz"``:
     iterations balanced by the work under them, read from the non-decreasing ``pos`` array (positions

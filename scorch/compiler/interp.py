@@ -91,6 +91,22 @@ class _Interp:
             if hi > lo and not (0 <= arr[lo:hi].min() and arr[lo:hi].max() < bound):
                 raise IndexError(f"sort of {s.array}[{lo}:{hi}]: a key lies outside [0, {bound})")
             arr[lo:hi] = np.sort(arr[lo:hi])
+        elif isinstance(s, L.SetBit):
+            arr, i = self.arrays[s.array], int(self.expr(s.index, env))
+            if not 0 <= i < 64 * arr.shape[0]:
+                raise IndexError(f"bit {i} of {s.array} is out of bounds ({64 * arr.shape[0]} bits)")
+            arr.view(np.uint64)[i >> 6] |= np.uint64(1) << np.uint64(i & 63)
+        elif isinstance(s, L.BitKeys):
+            bits, keys = self.arrays[s.bits], self.arrays[s.keys]
+            words, cap = int(self.expr(s.words, env)), int(self.expr(s.cap, env))
+            if not 0 <= words <= bits.shape[0] or cap > keys.shape[0]:
+                raise IndexError(f"bit keys of {s.bits}[0:{words}] into {s.keys}[0:{cap}] are out of bounds")
+            found = np.flatnonzero(np.unpackbits(bits[:words].view(np.uint8), bitorder="little"))
+            if found.size > cap:
+                raise IndexError(f"{found.size} bits set in {s.bits}, room for {cap} keys")
+            keys[:found.size] = found
+            bits[:words] = 0
+            env[s.count.name] = _cast(found.size, s.count.type)
         elif isinstance(s, L.Prefetch):
             self._index(s.array, s.index, env)  # (a hint: only the bounds of its address are checked)
         elif isinstance(s, L.LocalArray):

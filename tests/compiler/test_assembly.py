@@ -80,3 +80,33 @@ def test_merges_are_written_directly(fmt):
     letters = "ijk"[:len(shape)]
     text = scorch.explain(f"{letters},{letters}->{letters}", a, b, file=__import__("io").StringIO())
     assert "written straight from the loops" in text
+
+
+@pytest.mark.parametrize("width", [64, 650, 2100])
+@pytest.mark.parametrize("dtype, index, backend", [
+    (torch.float32, torch.int32, "cpp"), (torch.float64, torch.int64, "cpp"), (torch.bfloat16, torch.int32, "cpp"),
+    (torch.float64, torch.int32, "interp")])  # (the interpreter, NumPy, has no bfloat16)
+def test_spgemm_fill_marks_long_rows_in_a_bitmap(width, dtype, index, backend):
+    """A fill's row with more than 32 entries and at least one per 64 columns is marked in a bitmap and read in
+    order (no touched list, no sort); other rows keep the touched list. Rows of exactly 0, 1, 32, 33, one short
+    of a word's worth, a word's worth, a full word's 64 columns and the whole width, in widths that end inside a
+    word; each output row the sum of two rows of B (overlapping columns added), against dense torch."""
+    g = torch.Generator().manual_seed(width)
+    words = -(-width // 64)
+    sizes = [0, 1, 32, 33, max(words - 1, 0), words, 64, width]
+    db = torch.zeros(2 * len(sizes), width, dtype=torch.float64)
+    for r, c in enumerate(sizes):
+        for half in (0, 1):  # two rows of B per output row: the second overlaps the first's columns
+            cols = torch.randperm(width, generator=g)[:min(c, width)]
+            db[2 * r + half, cols] = torch.randn(cols.numel(), generator=g, dtype=torch.float64)
+    da = torch.zeros(len(sizes), 2 * len(sizes), dtype=torch.float64)
+    for r in range(len(sizes)):
+        da[r, 2 * r], da[r, 2 * r + 1] = 1.5, -0.5
+    a = scorch.asformat(da.to(dtype), "csr", index_dtype=index)
+    b = scorch.asformat(db.to(dtype), "csr", index_dtype=index)
+    with scorch.engine.cpu_backend(backend):
+        r = a @ b
+    expected = da.to(dtype).to(torch.float32) @ db.to(dtype).to(torch.float32)
+    torch.testing.assert_close(r.to_dense().to(torch.float32), expected,
+                               **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}))
+    _assert_rows_strictly_increasing(r)

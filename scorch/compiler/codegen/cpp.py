@@ -230,6 +230,11 @@ class _Emitter:
             n = f"({hi}) - ({lo})"
             return [f"{pad}if (!scorch_is_sorted({a} + {lo}, {n}))"
                     f" scorch_sort({a} + {lo}, {n}, {self.expr(s.bound)}, {ident(s.scratch)});"]
+        if isinstance(s, L.SetBit):
+            return [f"{pad}scorch_set_bit({ident(s.array)}, {self.expr(s.index)});"]
+        if isinstance(s, L.BitKeys):
+            return [f"{pad}{ident(s.count.name)} = scorch_bit_keys({ident(s.bits)}, {self.expr(s.words)}, "
+                    f"{ident(s.keys)}, {self.expr(s.cap)});"]
         if isinstance(s, L.For):
             return self.loop(s, d)
         if isinstance(s, L.While):

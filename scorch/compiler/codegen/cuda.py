@@ -246,6 +246,7 @@ def generate(kernel: L.Kernel, mapping: Mapping, prelude: bool = True, symbol: s
 #: device versions of the C++ helpers (the per-row radix sort of sparse output assembly, the size of two sorted
 #: lists' intersection)
 HELPERS = prelude.HELPERS["scorch_sort"].replace("static void", "static __device__ void").replace(
+    "static int64_t", "static __device__ int64_t").replace(
     "static inline bool", "static __device__ inline bool") + prelude.COMMON_MERGE.replace(
     "static inline", "static __device__ inline")
 

@@ -18,32 +18,41 @@ struct scorch_buf {
 #define SCORCH_CTZ64(x) __builtin_ctzll(x)
 #define SCORCH_POPC64(x) __builtin_popcountll(x)
 #endif
+// a bitmap of keys in an int64 array: scorch_set_bit marks one; scorch_bit_keys writes the marked keys of
+// bits[0:words] ascending into keys (room for cap) and zeroes the words, returning their number. Each word's
+// first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
+// rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
+// 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
+// the next keys
+static void scorch_set_bit(int64_t* bits, int64_t k) {
+  ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
+}
+static int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int64_t cap) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    uint64_t x = (uint64_t)bits[k];
+    bits[k] = 0;
+    const int64_t base = k << 6, c = SCORCH_POPC64(x);
+    int64_t u = t;
+    if (t + 4 <= cap) {
+      for (; u < t + 4; ++u) {
+        keys[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
+        x &= x - 1;
+      }
+    }
+    for (; x; x &= x - 1) keys[u++] = base + SCORCH_CTZ64(x);
+    t += c;
+  }
+  return t;
+}
 static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
   // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
   if (n > 32 && n * 64 >= bound) {
-    uint64_t* bits = (uint64_t*)scratch;
     const int64_t words = (bound + 63) >> 6;
-    for (int64_t k = 0; k < words; ++k) bits[k] = 0;
-    for (int64_t k = 0; k < n; ++k) bits[a[k] >> 6] |= (uint64_t)1 << (a[k] & 63);
-    // each word's first 4 keys written whatever its count (an emptied word reads as bit 63: its ctz is defined),
-    // the rest, rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill
-    // on the uniform 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below n and is
-    // overwritten by the next keys
-    int64_t t = 0;
-    for (int64_t k = 0; k < words; ++k) {
-      uint64_t x = bits[k];
-      const int64_t base = k << 6, c = SCORCH_POPC64(x);
-      int64_t u = t;
-      if (t + 4 <= n) {
-        for (; u < t + 4; ++u) {
-          a[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
-          x &= x - 1;
-        }
-      }
-      for (; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
-      t += c;
-    }
+    for (int64_t k = 0; k < words; ++k) scratch[k] = 0;
+    for (int64_t k = 0; k < n; ++k) scorch_set_bit(scratch, a[k]);
+    scorch_bit_keys(scratch, words, a, n);
     return;
   }
   if (n <= 32) {
@@ -114,44 +123,67 @@ extern "C" void scorch_fill(
     float* __restrict__ ws = static_cast<float*>(buf_3.p);
     scorch_buf buf_4((size_t)(n1), sizeof(int64_t));
     int64_t* __restrict__ sort_tmp = static_cast<int64_t*>(buf_4.p);
-    const int64_t lo_5 = INT64_C(0), hi_6 = n0;
-    const int64_t parts_8 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_9 = ((int64_t)t0_l1_pos[hi_6] - (int64_t)t0_l1_pos[lo_5]) + (hi_6 - lo_5);
+    scorch_buf buf_5((size_t)(((n1 + INT64_C(63)) / INT64_C(64))), sizeof(int64_t));
+    int64_t* __restrict__ bits = static_cast<int64_t*>(buf_5.p);
+    const int64_t lo_6 = INT64_C(0), hi_7 = n0;
+    const int64_t parts_9 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+    const int64_t total_10 = ((int64_t)t0_l1_pos[hi_7] - (int64_t)t0_l1_pos[lo_6]) + (hi_7 - lo_6);
     auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= parts_8) return hi_6;
-      const int64_t target = (int64_t)((__int128)total_9 * k / parts_8);
-      int64_t l = lo_5, h = hi_6;
-      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_5]) + (m - lo_5) < target) l = m + 1; else h = m; }
+      if (k >= parts_9) return hi_7;
+      const int64_t target = (int64_t)((__int128)total_10 * k / parts_9);
+      int64_t l = lo_6, h = hi_7;
+      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_6]) + (m - lo_6) < target) l = m + 1; else h = m; }
       return l;
     };
     #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_7 = 0; part_7 < parts_8; ++part_7) {
-      const int64_t r0 = first_row(part_7), r1 = first_row(part_7 + 1);
+    for (int64_t part_8 = 0; part_8 < parts_9; ++part_8) {
+      const int64_t r0 = first_row(part_8), r1 = first_row(part_8 + 1);
       for (int64_t x0 = r0; x0 < r1; ++x0) {
         const int64_t p0_0 = (x0 - t0_l0_lo);
         int64_t nt = INT64_C(0);
-        for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
-          const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
-          const int64_t p1_0 = (x2 - t1_l0_lo);
-          for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
-            const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-            const int64_t w = x1;
-            if ((!mark[w])) {
-              mark[w] = true;
-              touched[nt] = w;
-              nt += INT64_C(1);
+        if ((((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) > INT64_C(32)) && (((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) * INT64_C(64)) >= n1))) {
+          for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+            const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+            const int64_t p1_0 = (x2 - t1_l0_lo);
+            for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+              const int64_t w = x1;
+              scorch_set_bit(bits, w);
+              ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
             }
-            ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
           }
-        }
-        if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
-        const int64_t base = row_ptr[x0];
-        for (int64_t t = INT64_C(0); t < nt; ++t) {
-          const int64_t w = touched[t];
-          out_crd[(base + t)] = w;
-          out[(base + t)] = ws[w];
-          ws[w] = 0.0f;
-          mark[w] = false;
+          nt = scorch_bit_keys(bits, ((n1 + INT64_C(63)) / INT64_C(64)), touched, n1);
+          const int64_t base = row_ptr[x0];
+          for (int64_t t = INT64_C(0); t < nt; ++t) {
+            const int64_t w = touched[t];
+            out_crd[(base + t)] = w;
+            out[(base + t)] = ws[w];
+            ws[w] = 0.0f;
+          }
+        } else {
+          for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+            const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+            const int64_t p1_0 = (x2 - t1_l0_lo);
+            for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+              const int64_t w = x1;
+              if ((!mark[w])) {
+                mark[w] = true;
+                touched[nt] = w;
+                nt += INT64_C(1);
+              }
+              ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
+            }
+          }
+          if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
+          const int64_t base = row_ptr[x0];
+          for (int64_t t = INT64_C(0); t < nt; ++t) {
+            const int64_t w = touched[t];
+            out_crd[(base + t)] = w;
+            out[(base + t)] = ws[w];
+            ws[w] = 0.0f;
+            mark[w] = false;
+          }
         }
       }
     }

@@ -134,32 +134,41 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
 #define SCORCH_CTZ64(x) __builtin_ctzll(x)
 #define SCORCH_POPC64(x) __builtin_popcountll(x)
 #endif
+// a bitmap of keys in an int64 array: scorch_set_bit marks one; scorch_bit_keys writes the marked keys of
+// bits[0:words] ascending into keys (room for cap) and zeroes the words, returning their number. Each word's
+// first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
+// rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
+// 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
+// the next keys
+static __device__ void scorch_set_bit(int64_t* bits, int64_t k) {
+  ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
+}
+static __device__ int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int64_t cap) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    uint64_t x = (uint64_t)bits[k];
+    bits[k] = 0;
+    const int64_t base = k << 6, c = SCORCH_POPC64(x);
+    int64_t u = t;
+    if (t + 4 <= cap) {
+      for (; u < t + 4; ++u) {
+        keys[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
+        x &= x - 1;
+      }
+    }
+    for (; x; x &= x - 1) keys[u++] = base + SCORCH_CTZ64(x);
+    t += c;
+  }
+  return t;
+}
 static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
   // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
   if (n > 32 && n * 64 >= bound) {
-    uint64_t* bits = (uint64_t*)scratch;
     const int64_t words = (bound + 63) >> 6;
-    for (int64_t k = 0; k < words; ++k) bits[k] = 0;
-    for (int64_t k = 0; k < n; ++k) bits[a[k] >> 6] |= (uint64_t)1 << (a[k] & 63);
-    // each word's first 4 keys written whatever its count (an emptied word reads as bit 63: its ctz is defined),
-    // the rest, rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill
-    // on the uniform 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below n and is
-    // overwritten by the next keys
-    int64_t t = 0;
-    for (int64_t k = 0; k < words; ++k) {
-      uint64_t x = bits[k];
-      const int64_t base = k << 6, c = SCORCH_POPC64(x);
-      int64_t u = t;
-      if (t + 4 <= n) {
-        for (; u < t + 4; ++u) {
-          a[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
-          x &= x - 1;
-        }
-      }
-      for (; x; x &= x - 1) a[u++] = base + SCORCH_CTZ64(x);
-      t += c;
-    }
+    for (int64_t k = 0; k < words; ++k) scratch[k] = 0;
+    for (int64_t k = 0; k < n; ++k) scorch_set_bit(scratch, a[k]);
+    scorch_bit_keys(scratch, words, a, n);
     return;
   }
   if (n <= 32) {
