@@ -70,12 +70,33 @@ def _sddmm(o):
     return s.with_values(r.values() * s.values())
 
 
+def _p2(n) -> int:
+    """``n`` rounded up to a power of two."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def row_skew(x) -> int:
+    """For a CSR SparseTensor ``x``: its longest row over its mean row, rounded up to a power of two (1 for even
+    rows, 256 for a power-law graph of mean degree 16 and a 4,000-entry row), else 0. Kept on the row level's
+    storage (one device-to-host read a pattern), so a repeated call reads no device memory."""
+    if getattr(x, "format", None) != named.csr or x.dim() != 2:
+        return 0
+    level = x._levels[1]
+    kept = level.__dict__.get("_row_skew")
+    if kept is None:
+        rows, nnz = x.shape[0], int(x.nnz)
+        longest = int((level.pos[1:] - level.pos[:-1]).max()) if rows and nnz else 0
+        kept = level.__dict__["_row_skew"] = _p2(-(-longest * rows // nnz)) if nnz else 1
+    return kept
+
+
 def key_of(plan_key, ops) -> tuple:
-    """The choice's key: the plan's, and every operand's shape rounded up to a power of two and nnz likewise."""
-    def p2(n):
-        return 1 << max(int(n) - 1, 0).bit_length()
-    return plan_key + tuple((tuple(p2(n) for n in x.shape), p2(x.nnz) if hasattr(x, "nnz") and x.layout !=
-                             torch.strided else 0) for x in ops)
+    """The choice's key: the plan's, every operand's shape rounded up to a power of two and nnz likewise, and a
+    CSR operand's ``row_skew``: a uniform matrix and a power-law graph of the same size and nnz want different
+    paths (on one H200, SpMM K=128: scorch's kernel 0.44 ms against cuSPARSE's 0.47 on the uniform matrix,
+    1.33 against 0.39 on the graph; without the skew the graph took the uniform matrix's kept choice)."""
+    return plan_key + tuple((tuple(_p2(n) for n in x.shape), _p2(x.nnz) if hasattr(x, "nnz") and x.layout !=
+                             torch.strided else 0, row_skew(x)) for x in ops)
 
 
 def choose(key, name, run_scorch: Callable, run_library: Callable, clock: Callable = None) -> Choice:
