@@ -6,13 +6,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 if [ "$#" -gt 0 ]; then
     exec python -m pytest -q "$@"
 fi
-python -m pytest -q
+# one test process per core (pytest-xdist; SCORCH_TEST_WORKERS overrides): on 2 cores the first pass took 655 s
+# from an empty kernel cache where one process took 880-1240 s; the kernel cache on disk is shared between them
+WORKERS="${SCORCH_TEST_WORKERS:-auto}"
+python -m pytest -q -n "$WORKERS"
 echo "scorch: the suite again with every dense einsum result deferred (SCORCH_DEFER=all)" >&2
 # (less the tests that only build kernels in child processes with their own cache and environment, ~3 minutes:
 # sources compiled to PTX, the sanitizer builds of the einsum matrix and of damaged cache entries, plans kept on
 # disk, the golden sources: deferral does not change what they build; and the 2-process launch of
 # tests/distributed, ~20 s a pass, checked under deferral by hand: `SCORCH_DEFER=all bash scripts/test.sh tests/distributed`)
-SCORCH_DEFER=all exec python -m pytest -q -p no:cacheprovider \
+SCORCH_DEFER=all exec python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
     --deselect "tests/distributed/test_distributed.py::test_ddp_sparse_linear_adam_matches_one_process" \
     --deselect "tests/distributed/test_distributed.py::test_gnn_split_graph_trains_as_one_process" \
     --deselect "tests/distributed/test_distributed.py::test_moe_expert_parallel_matches_one_process" \

@@ -196,9 +196,7 @@ def call_plan(plan: Plan, ops, sizes, dtype, scalars, backend="cpp", raw=False):
     args = [counted if a.kind == "counts" else argument(a, ops, info, sizes, scalars, out_arr, backend)
             for a in plan.lowered.args]
     if backend == "interp":
-        from ..compiler import interp
-        interp.run(plan.lowered.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
-                                         for a, v in zip(plan.lowered.args, args)})
+        interpret(plan.lowered, args)
     else:
         plan.kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
     plan.calls += 1
@@ -325,6 +323,18 @@ def prepared_call(plan: Plan, sizes, dtype):
     return call
 
 
+def interpret(low, args) -> None:
+    """Run the lowered kernel ``low`` on ``args`` (tensors and scalars, in ``low.args``' order) through the loop-IR
+    interpreter (the "interp" CPU backend), its arrays NumPy views of the tensors."""
+    from ..compiler import interp
+    half = [v.dtype for v in args if isinstance(v, torch.Tensor) and v.dtype in L.HALF_DTYPES]
+    if half:
+        raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {half[0]} arrays (NumPy has no "
+                                  "bfloat16): use the \"cpp\" backend")
+    interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
+                            for a, v in zip(low.args, args)})
+
+
 def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspace=None):
     """Run a co-iteration plan; a rows output is assembled in the workspace ``row_workspace`` chooses (``workspace``:
     the user's directive)."""
@@ -357,9 +367,7 @@ def call_coiteration(plan: CoPlan, ops, sizes, dtype, scalars, backend, workspac
         args = [extra[a.kind] if a.kind in extra else
                 argument(a, ops, infos.get(a.operand), sizes, scalars, None, backend) for a in low.args]
         if backend == "interp":
-            from ..compiler import interp
-            interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
-                                    for a, v in zip(low.args, args)})
+            interpret(low, args)
         else:
             kernel(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args])
 

@@ -110,3 +110,11 @@ def test_spgemm_fill_marks_long_rows_in_a_bitmap(width, dtype, index, backend):
     torch.testing.assert_close(r.to_dense().to(torch.float32), expected,
                                **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}))
     _assert_rows_strictly_increasing(r)
+
+
+def test_interpreter_refuses_16_bit_operands_by_name():
+    """The loop-IR interpreter (NumPy) has no bfloat16: a 16-bit operand is refused with the reason, not a NumPy
+    conversion error."""
+    a = scorch.asformat(torch.eye(40, dtype=torch.bfloat16), "csr")
+    with scorch.engine.cpu_backend("interp"), pytest.raises(NotImplementedError, match="interpreter takes no"):
+        a @ a
