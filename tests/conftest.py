@@ -39,11 +39,11 @@ def compile_ahead(request, job_for):
     jobs = [j for j in (job_for(item) for item in request.session.items if item.module is request.module) if j]
     workers = os.cpu_count() or 1
     # under pytest-xdist every test process collects every test: each compiles its share of the module's jobs
-    # (the kernel cache on disk is shared) on its share of the cores
+    # (the kernel cache on disk is shared) on its share of the cores; on 2 cores none (both already run tests)
     shards = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if shards > 1:
-        me = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
-        jobs, workers = jobs[me::shards], max(1, workers // shards)
+        jobs = jobs[int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])::shards]
+        workers //= shards
     if workers < 2 or len(jobs) < 8:
         return
 

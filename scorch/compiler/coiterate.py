@@ -275,15 +275,15 @@ class _CoLowering(_Lowering):
         """The 64-bit words of a bitmap over the workspace."""
         return L.binary("floordiv", L.binary("add", self.ws_size, L.Const(63)), L.Const(64))
 
-    def bitmap_row(self, row, walk):
-        """A fill's row ``walk`` (its loops and ``row_end``), and beside it the same loops marking a bitmap (one
+    def bitmap_row(self, row, st, walk):
+        """A fill's row ``walk`` (its loops from state ``st`` and ``row_end``), and beside it the same loops marking a bitmap (one
         bit set per term: no test, no touched list), read in order at the row's end (no sort), taken when the row
         has more than 32 entries and at least one per word of the bitmap (``scorch_sort``'s own bitmap rule: there
         the marks' touched list is sorted through a bitmap anyway). SpGEMM's fill on the uniform 20k matrix (rows of
         ~400 entries in 20,000 columns), measured by hand: as fast as the fill without any sort."""
         self.bitmap = True
         try:
-            marked = self.gen(1, self.row_state) + self.row_end(row)
+            marked = self.gen(1, st) + self.row_end(row)
         finally:
             self.bitmap = False
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
@@ -295,10 +295,9 @@ class _CoLowering(_Lowering):
     def body_at(self, i, st):
         if i == 0 and self.phase and self.cs.row_var is not None:
             row = self.bound[self.cs.row_var]
-            self.row_state = st
             walk = self.gen(1, st) + self.row_end(row)
             if self.bitmap_rows:
-                walk = self.bitmap_row(row, walk)
+                walk = self.bitmap_row(row, st, walk)
             if self.direct and self.phase == "fill":  # (a row the count pass found empty is not walked again:
                 # an intersection of rows that rarely meet, as sparse * sparse, writes almost nothing)
                 row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
