@@ -250,7 +250,9 @@ class SetBit(Stmt):
 @dataclass(frozen=True)
 class BitKeys(Stmt):
     """The positions of the set bits of ``bits[0:words]`` (a bitmap in an i64 array, as ``SetBit`` sets), ascending,
-    into ``keys`` (room for ``cap`` of them), their number into the variable ``count``; the words read are zeroed."""
+    into ``keys`` (room for ``cap`` of them), their number into the variable ``count``; the words read are zeroed.
+    Entries of ``keys`` past the count and below ``cap`` may be overwritten (the C++ helper writes a word's first
+    4 keys unconditionally)."""
     bits: str
     words: Expr
     keys: str

@@ -76,9 +76,10 @@ def _p2(n) -> int:
 
 
 def row_skew(x) -> int:
-    """For a CSR SparseTensor ``x``: its longest row over its mean row, rounded up to a power of two (1 for even
-    rows, 256 for a power-law graph of mean degree 16 and a 4,000-entry row), else 0. Kept on the row level's
-    storage (one device-to-host read a pattern), so a repeated call reads no device memory."""
+    """For a CSR SparseTensor ``x``: its longest row over its mean row, rounded up to a power of two (1 for rows
+    of one length or no entries, 4 for `benchmarks.gpu`'s uniform matrix, 256 for its power-law graph of mean
+    degree 16 and a 4,000-entry row), else 0. Kept on the row level's storage (one device-to-host read a
+    pattern), so a repeated call reads no device memory."""
     if getattr(x, "format", None) != named.csr or x.dim() != 2:
         return 0
     level = x._levels[1]

@@ -329,8 +329,8 @@ def interpret(low, args) -> None:
     from ..compiler import interp
     half = [v.dtype for v in args if isinstance(v, torch.Tensor) and v.dtype in L.HALF_DTYPES]
     if half:
-        raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {half[0]} arrays (NumPy has no "
-                                  "bfloat16): use the \"cpp\" backend")
+        raise NotImplementedError(f"scorch: the loop-IR interpreter takes no {half[0]} arrays (its arrays are "
+                                  "NumPy's, without the 16-bit floats' rounding): use the \"cpp\" backend")
     interp.run(low.kernel, {a.param.name: (v.reshape(-1).numpy() if isinstance(v, torch.Tensor) else v)
                             for a, v in zip(low.args, args)})
 
