@@ -85,9 +85,11 @@ def row_skew(x) -> int:
     level = x._levels[1]
     kept = level.__dict__.get("_row_skew")
     if kept is None:
-        rows, nnz = x.shape[0], int(x.nnz)
-        longest = int((level.pos[1:] - level.pos[:-1]).max()) if rows and nnz else 0
-        kept = level.__dict__["_row_skew"] = _p2(-(-longest * rows // nnz)) if nnz else 1
+        nnz, kept = int(x.nnz), 1
+        if nnz:  # (then there is a row)
+            longest = int((level.pos[1:] - level.pos[:-1]).max())
+            kept = _p2(-(-longest * x.shape[0] // nnz))
+        level.__dict__["_row_skew"] = kept
     return kept
 
 
