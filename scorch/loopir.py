@@ -286,6 +286,9 @@ class For(Stmt):
     unroll: bool = False  # a short constant trip count, unrolled (so a register tile stays in registers)
     tail: bool = False    # (a vector loop) hi - lo need not be a multiple: in the last, partial vector the lanes
     #                       at or past hi are off (they read no memory and add nothing to partial sums)
+    lead: Optional[Expr] = None  # (a tail loop) the trip count expected, the same in every run of the loop in a
+    #                       call: the code generator runs up to 3 partial vectors before the loop, as many as it
+    #                       fills, with no test of hi (a hint: the results are the same whatever its value)
 
 
 @dataclass(frozen=True)
@@ -378,7 +381,7 @@ def _has_loop(stmt):
 
 def expressions(s):
     """The expressions of the statement ``s`` itself (its value, index, condition, bounds, initial value)."""
-    for f in ("value", "index", "cond", "lo", "hi", "init"):
+    for f in ("value", "index", "cond", "lo", "hi", "init", "lead"):
         e = getattr(s, f, None)
         if isinstance(e, Expr):
             yield e

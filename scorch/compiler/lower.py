@@ -28,6 +28,7 @@ class Arg:
 
     ``kind``: ``values`` / ``pos`` / ``crd`` (sparse operand ``operand``, level ``level``), ``dense``
     (operand's data), ``lo`` / ``extent`` / ``width`` (a level's coordinate range start, length, fixed width),
+    ``mean`` (a level's positions per position of its parent, rounded up: a hint, ``For.lead``),
     ``dim`` (operand's size along ``level``), ``size`` (index variable ``var``'s extent), ``scalar``
     (a named scalar), ``out`` (the output array), ``threads``.
     """
@@ -226,6 +227,21 @@ class _Lowering:
             body = [L.Let(L.Var("v", self.ct), value),
                     L.If(L.binary("ne", L.Var("v", self.ct), L.Const(0, self.ct)), L.block(body))]
         return [_nest(items, body)]
+
+    def _mean_length(self, rest):
+        """Where ``rest`` starts with the loop over a driver level's positions under their parent (CSR's row): a
+        parameter holding that level's positions per parent, rounded up (``Arg`` kind ``mean``), the expected
+        trip count of the loop. Else None."""
+        if not rest or rest[0][0] != "for":
+            return None
+        names = [p.name for p in self.positions]
+        if rest[0][1].name not in names:
+            return None
+        k = names.index(rest[0][1].name)
+        if self.asg.operands[self.sched.driver.operand].format.levels[k][1].coord_iter:
+            return None
+        o = self.sched.driver.operand
+        return L.Var(self.param(f"t{o}_l{k}_mean", "scalar", "i64", "mean", operand=o, level=k))
 
     def _row_workspace(self, items, out, index, value):
         """A workspace for the output tile of the innermost dense loops, held across the reduction loops that
@@ -487,7 +503,7 @@ class _Lowering:
             if once:  # every output written by exactly one iteration: stored, not added (no zero-filled output)
                 op, self.writes_every_output = None, True
             summed = red == "sum" and self.target.vectors and self.ct in ("f32", "f64") and _vector_sum(
-                rest, value, self.target.lanes(self.ct), self.ct)
+                rest, value, self.target.sum_lanes(self.ct), self.ct, self._mean_length(rest))
             if summed:
                 return [_nest(items[:ready + 1], summed[0] + [L.Store(out, index, summed[1], op)])]
             inner = [L.Decl(acc, identity(red, self.ct)), L.Decl(cnt, L.Const(0)) if counts else None,
@@ -609,13 +625,14 @@ def _lane_store(lets, u, lanes, out, index, value, ct):
     return L.For(u, L.Const(0), L.Const(lanes), L.block(L.Store(out, index, value)), vector=lanes)
 
 
-def _vector_sum(rest, value, lanes, ct):
+def _vector_sum(rest, value, lanes, ct, lead=None):
     """``(statements, total)``: the sum of ``value`` over the loop ``rest[0]`` (followed by lets only, inlined) in
     one vector of partial sums, where every load that varies along the loop is contiguous in it or read at
     positions that an integer array holds contiguously (a gather: SpMV's ``x[crd[p]]``), and the arithmetic is
     add/sub/mul/div on ``ct``. The loop's last vector is partial (``For.tail``): a row's variable length costs no
     scalar loop, whose exit the branch predictor misses about once a row (SpMV on a 20k matrix of ~20 entries a
-    row, one thread: 438 -> 348 us, measured by hand). The sum is reassociated (lane by lane). Else None."""
+    row, one thread: 438 -> 348 us, measured by hand). The sum is reassociated (lane by lane). ``lead``: the
+    loop's expected trip count, for ``For.lead``. Else None."""
     if not rest or rest[0][0] != "for" or rest[0][4] is not None or any(it[0] != "let" for it in rest[1:]):
         return None
     _, pv, lo, hi, _ = rest[0]
@@ -638,7 +655,8 @@ def _vector_sum(rest, value, lanes, ct):
     if not L.depends(value, pv.name) or not vectorizable(value):
         return None
     return [L.LocalArray("vsum", ct, 1, L.Const(0, ct), sums=lanes),
-            L.For(pv, lo, hi, L.block(L.Store("vsum", L.Const(0), value, "add")), vector=lanes, tail=True)], \
+            L.For(pv, lo, hi, L.block(L.Store("vsum", L.Const(0), value, "add")), vector=lanes, tail=True,
+                  lead=lead)], \
         L.Load("vsum", L.Const(0), ct)
 
 

@@ -33,6 +33,22 @@ def level_info(x: SparseTensor):
     return info, counts
 
 
+def mean_length(x: SparseTensor, level: int) -> int:
+    """The positions of ``x``'s level ``level`` per position of its parent, rounded up (0 where the parent has
+    none): a row's expected length, for a kernel's ``For.lead``. Kept on the level's storage with the arrays it
+    was read from (compared by identity), so a repeated call costs a dict lookup (level_info: ~2.6 us)."""
+    st = x._levels[level]
+    arrays = (getattr(st, "pos", None), getattr(st, "crd", None))
+    kept = st.__dict__.get("_mean")
+    if kept is not None and kept[0] is arrays[0] and kept[1] is arrays[1]:
+        return kept[2]
+    _, counts = level_info(x)
+    parents = counts[level - 1] if level else 1
+    mean = -(-counts[level] // parents) if parents else 0
+    st.__dict__["_mean"] = arrays + (mean,)
+    return mean
+
+
 def worker_count(backend) -> int:
     """How many workers a parallel loop gets, for the schedule's cost estimates: on a GPU, many."""
     return 1 << 14 if target_of(backend) == "cuda" else torch.get_num_threads()
@@ -51,6 +67,8 @@ def argument(a, ops, info, sizes, scalars, out_arr, backend="cpp"):
         return info[a.level][("lo", "extent", "width").index(k)]
     if k == "dim":
         return shape_of(ops[a.operand])[a.level]
+    if k == "mean":
+        return mean_length(ops[a.operand], a.level)
     if k == "size":
         return sizes[a.var]
     if k == "scalar":

@@ -24,7 +24,7 @@ from .. import loopir as L
 from ..loopir import TO_TORCH
 from ..formats import named, storage
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
-from .args import SUPPORTED, argument, level_info
+from .args import SUPPORTED, argument, level_info, mean_length
 from .convert import asformat
 from . import memory
 
@@ -263,6 +263,9 @@ def prepared_call(plan: Plan, sizes, dtype):
         elif k == "dense":
             dynamic.append((n, a.operand, -1, 3))
             template.append(None)
+        elif k == "mean":  # (per call: the same signature may come with another pattern)
+            dynamic.append((n, a.operand, a.level, 4))
+            template.append(None)
         elif k in ("out", "threads", "scalar"):
             template.append(None)
         else:
@@ -298,8 +301,9 @@ def prepared_call(plan: Plan, sizes, dtype):
         args = list(template)
         for n, op, lvl, what in dynamic:
             x = ops[op]
-            args[n] = (x._levels[lvl].pos if what == 0 else x._levels[lvl].crd if what == 1 else
-                       x._vals if what == 2 else x).data_ptr()
+            args[n] = mean_length(x, lvl) if what == 4 else (
+                x._levels[lvl].pos if what == 0 else x._levels[lvl].crd if what == 1 else
+                x._vals if what == 2 else x).data_ptr()
         if m:
             s = ops[k_drv]
             _, counts = level_info(s)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import scorch
+from scorch.compiler.codegen.prelude import VECTOR_BYTES
 
 
 def _rows_of_every_length(dtype, lengths=range(0, 19), n=24, seed=0):
@@ -62,7 +63,42 @@ def test_a_row_slice_sums_its_own_entries():
 def test_the_loop_is_vectorized_with_gathers():
     s, x = scorch.asformat(_rows_of_every_length(torch.float32), "csr"), torch.ones(24)
     text = scorch.explain("ij,j->i", s, x, file=open(os.devnull, "w"))
-    assert "scorch_gather(" in text and "scorch_gathern(" in text and "scorch_keep(" in text
+    # (a row sum's vectors are at most 32 bytes: where the machine's are 64, the half-width helpers)
+    pre = "scorch_hv" if VECTOR_BYTES == 64 else "scorch_"
+    assert all(f"{pre}{h}(" in text for h in ("gather", "gathern", "keep", "hsum")), text
+    assert "t0_l1_mean" in text and ">= 3" in text  # (the lead vectors, by the row's mean length)
+
+
+@pytest.mark.parametrize("filler", [0, 8, 16, 24, 40, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lead_vectors_read_nothing_past_a_row(filler, dtype):
+    """``For.lead``: up to 3 vectors run before the loop whatever a row's length, as many as the matrix's mean row
+    length fills. Rows of every length 0 .. 40 between rows of ``filler`` NaN entries at columns where ``x`` is
+    inf (moving the mean: 1, 2, 3 lead vectors and more than 3): a lead vector past its row's end that read the
+    next row's entries, or the row's own past its end, would show as NaN."""
+    n = 48 + filler
+    lengths = range(0, 41)
+    a = torch.zeros(2 * len(lengths), n, dtype=dtype)
+    for r, k in enumerate(lengths):
+        a[2 * r, :k] = torch.arange(1, k + 1, dtype=dtype) / 8
+        a[2 * r + 1, 48:48 + filler] = float("nan")
+    x = torch.ones(n, dtype=dtype)
+    x[48:] = float("inf")
+    y = scorch.asformat(a, "csr") @ x
+    want = torch.tensor([k * (k + 1) / 16 for k in lengths], dtype=dtype)
+    torch.testing.assert_close(y[0::2], want)
+    assert torch.isnan(y[1::2]).all() if filler else (y[1::2] == 0).all()
+
+
+def test_the_mean_row_length_follows_the_pattern():
+    """The kept mean (``args.mean_length``, a per-call hint) is read again when the level's arrays change."""
+    from scorch.engine.args import mean_length
+    a = scorch.asformat(_rows_of_every_length(torch.float32, range(0, 19)), "csr")
+    assert mean_length(a, 1) == 9  # (171 entries in 19 rows)
+    b = scorch.asformat(torch.ones(19, 30), "csr")  # (the same rows, another pattern)
+    a._levels[1].pos, a._levels[1].crd = b._levels[1].pos, b._levels[1].crd
+    assert mean_length(a, 1) == 30
+    assert mean_length(scorch.asformat(torch.zeros(0, 5), "csr"), 1) == 0
 
 
 @pytest.mark.slow  # (each builds its kernels afresh in a child process: ~5 s, more from an empty cache)

@@ -131,8 +131,8 @@ class _Emitter:
         self.threads = " num_threads(nthreads)" if threads else ""
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.mask = None       # in a ``tail`` loop's last vector: the variable counting the lanes that are on
-        self.vec_arrays = set()  # local arrays held as vectors
-        self.sum_arrays = {}  # local arrays held as vector partial results: name -> ("add" or "max", type)
+        self.vec_arrays = {}  # local arrays held as vectors: name -> lanes
+        self.sum_arrays = {}  # local arrays held as vector partial results: name -> ("add" or "max", type, lanes)
 
     def fresh(self, base):
         self.n += 1
@@ -153,15 +153,17 @@ class _Emitter:
         if isinstance(s, L.Assign):
             return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
         if isinstance(s, L.Store) and s.array in self.sum_arrays:
-            combine, t = self.sum_arrays[s.array]
+            combine, t, lanes = self.sum_arrays[s.array]
             target, value = f"{ident(s.array)}[{self.expr(s.index)}]", self.expr(s.value)
             if s.op != combine:
                 raise ValueError(f"partial {combine}s {s.array} only take {combine}")
+            if self.vec and self.vec[1] != lanes:
+                raise ValueError(f"partial {combine}s {s.array} in {lanes} lanes, in a loop of {self.vec[1]}")
+            vt, pre = _vectors(t, lanes)
             if combine == "add":
                 if not self.vec:
                     raise ValueError(f"partial sums {s.array} are added to in vector loops only")
-                return [f"{pad}{target} += {f'scorch_keep({value}, {self.mask})' if self.mask else value};"]
-            vt = f"scorch_v{t}"
+                return [f"{pad}{target} += {f'{pre}keep({value}, {self.mask})' if self.mask else value};"]
             value = value if self.vec else f"{vt}{{}} + ({value})"  # (a scalar takes part in every lane)
             return [f"{pad}{{ const {vt} u_ = {value}; {target} = u_ > {target} ? u_ : {target}; }}"]
         if isinstance(s, L.Store) and self.mask:
@@ -189,17 +191,19 @@ class _Emitter:
             return [f"{pad}__builtin_prefetch(&{ident(s.array)}[{self.expr(s.index)}]);"]
         if isinstance(s, L.LocalArray) and s.sums:
             n = ident(s.name)
-            if s.type not in ("f32", "f64") or s.sums != CPU.lanes(s.type):
+            if s.type not in ("f32", "f64") or s.sums not in (CPU.lanes(s.type), CPU.sum_lanes(s.type)):
                 raise ValueError(f"partial sums {s.name}: {s.type} in {s.sums} lanes")
-            if s.combine not in ("add", "max"):
-                raise ValueError(f"partial results {s.name}: unknown combination {s.combine!r}")
-            self.sum_arrays[s.name] = (s.combine, s.type)
+            if s.combine not in ("add", "max") or (s.combine == "max" and s.sums != CPU.lanes(s.type)):
+                raise ValueError(f"partial results {s.name}: unknown combination {s.combine!r} in {s.sums} lanes")
+            self.sum_arrays[s.name] = (s.combine, s.type, s.sums)
+            vt = _vectors(s.type, s.sums)[0]
             if isinstance(s.init, L.Const) and s.init.value == 0:
-                return [f"{pad}scorch_v{s.type} {n}[{int(s.size)}] = {{}};"]
-            return self.vector_array(n, s.type, int(s.size), s.init, pad)
+                return [f"{pad}{vt} {n}[{int(s.size)}] = {{}};"]
+            return self.vector_array(n, vt, int(s.size), s.init, pad)
         if isinstance(s, L.SumLanes):
             n, src = ident(s.name), ident(s.array)
-            if self.sum_arrays.get(s.array, ("",))[0] != "add" or s.type not in ("f32", "f64"):
+            if self.sum_arrays.get(s.array, ("",))[0] != "add" or s.type not in ("f32", "f64") or \
+                    self.sum_arrays[s.array][2] != CPU.lanes(s.type):
                 raise ValueError(f"lane sums of {s.array}: not partial sums of a float type")
             lanes = CPU.lanes(s.type)
             if s.size == lanes:
@@ -212,8 +216,8 @@ class _Emitter:
             n, lanes = ident(s.name), s.vector
             if s.size % lanes or s.type not in ("f32", "f64"):
                 raise ValueError(f"vector workspace {s.name}: {s.size} {s.type} entries in vectors of {lanes}")
-            self.vec_arrays.add(s.name)
-            return self.vector_array(n, s.type, s.size // lanes, s.init, pad)
+            self.vec_arrays[s.name] = lanes
+            return self.vector_array(n, _vectors(s.type, lanes)[0], s.size // lanes, s.init, pad)
         if isinstance(s, L.LocalArray):
             n, t = ident(s.name), CTYPE[s.type]
             i = self.fresh("w")
@@ -248,11 +252,11 @@ class _Emitter:
             return [f"{pad}{{"] + self.block(s, d + 1) + [f"{pad}}}"]
         raise TypeError(f"unknown statement {type(s).__name__}")
 
-    def vector_array(self, n, t, count, init, pad):
-        """The declaration of ``count`` vectors ``n``, each lane set to ``init``."""
+    def vector_array(self, n, vt, count, init, pad):
+        """The declaration of ``count`` vectors ``n`` of type ``vt``, each lane set to ``init``."""
         i = self.fresh("w")
-        return [f"{pad}scorch_v{t} {n}[{count}];",
-                f"{pad}for (int64_t {i} = 0; {i} < {count}; ++{i}) {n}[{i}] = scorch_v{t}{{}} + {self.expr(init)};"]
+        return [f"{pad}{vt} {n}[{count}];",
+                f"{pad}for (int64_t {i} = 0; {i} < {count}; ++{i}) {n}[{i}] = {vt}{{}} + {self.expr(init)};"]
 
     def loop(self, s, d):
         pad, v = "  " * d, ident(s.var.name)
@@ -266,12 +270,13 @@ class _Emitter:
                 body = self.block(s.body, d + 1 + s.tail)
                 self.mask = left  # (the last, partial vector of a ``tail`` loop: lanes from ``left`` on are off)
                 last = self.block(s.body, d + 2) if s.tail else []
+                lead = self.lead(s, v, end, left, d) if s.lead is not None else []
             finally:
                 self.vec, self.mask = None, None
             if not s.tail:
                 return [f"{pad}#pragma GCC unroll 16",
                         f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; {v} += {s.vector}) {{"] + body + [f"{pad}}}"]
-            return [f"{pad}{{", f"{pad}  const int64_t {end} = {hi};", f"{pad}  int64_t {v} = {lo};",
+            return [f"{pad}{{", f"{pad}  const int64_t {end} = {hi};", f"{pad}  int64_t {v} = {lo};"] + lead + [
                     f"{pad}  for (; {v} + {s.vector} <= {end}; {v} += {s.vector}) {{"] + body + [
                     f"{pad}  }}", f"{pad}  if ({v} < {end}) {{",
                     f"{pad}    const int64_t {left} = {end} - {v};"] + last + [f"{pad}  }}", f"{pad}}}"]
@@ -325,29 +330,50 @@ class _Emitter:
             f"{p2}  for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
         ] + self.block(s.body, d + 3) + [f"{p2}  }}", f"{p2}}}", f"{pad}}}"]
 
+    def lead(self, s, v, end, left, d):
+        """A tail loop's ``For.lead`` vectors: the expected trip count ``e`` (a call constant) rounded up to
+        vectors, at most 3, run as partial vectors before the loop whatever the row's length (a vector past the
+        row's end has no lane on: it reads nothing and adds nothing). A row of up to that many vectors then takes
+        no branch on its length, whose outcome the predictor misses on rows of varying length, and the tests on
+        the count, the same in every row, are predicted. Rows of ~20 entries (SpMV, 8 lanes, Intel Xeon, one
+        process, by hand): 148 -> 137 us; ~4 entries: 505 -> 348 us."""
+        pad = "  " * (d + 1)
+        n = self.fresh("lead")
+
+        def vector(k):  # one partial vector, ``k`` levels in
+            p = pad + "  " * k
+            return [f"{p}{{", f"{p}  const int64_t {left} = {end} - {v};"] + self.block(s.body, d + k + 2) + [
+                f"{p}}}", f"{p}{v} += {s.vector};"]
+        third = [f"{pad}  if ({n} >= 3) {{"] + vector(2) + [f"{pad}  }}"]
+        return [f"{pad}const int64_t {n} = ({self.expr(s.lead)} + {s.vector - 1}) / {s.vector};"] + vector(0) + [
+            f"{pad}if ({n} >= 2) {{"] + vector(1) + third + [f"{pad}}}"]
+
     def vector_ref(self, array, index, const):
         """The vector at ``array[index]`` (lanes ``index .. index + lanes - 1``) inside a vector loop."""
         var, lanes, t = self.vec
         if L.coefficient(index, var) != 1:
             raise ValueError(f"vector access to {array} is not contiguous in the vector loop")
         if array in self.vec_arrays:
+            if self.vec_arrays[array] != lanes:
+                raise ValueError(f"vectors {array} of {self.vec_arrays[array]} lanes in a loop of {lanes}")
             return f"{ident(array)}[({self.expr(index)}) / {lanes}]"
-        return f"(*({'const ' if const else ''}scorch_v{t}u*)(&{ident(array)}[{self.expr(index)}]))"
+        return f"(*({'const ' if const else ''}{_vectors(t, lanes)[0]}u*)(&{ident(array)}[{self.expr(index)}]))"
 
     def vector_load(self, e):
         """The vector of ``e``'s lanes inside a vector loop: a contiguous load, or a gather where the position is
         read from an integer array contiguously (``x[crd[p]]``); in a partial last vector, the lanes that are off
         read nothing (and hold 0)."""
-        var, _, t = self.vec
+        var, lanes, t = self.vec
+        pre = _vectors(t, lanes)[1]
         at = L.gathered(e.index, var)
         if at is not None and e.array not in self.sum_arrays and e.array not in self.vec_arrays:
             if e.type != t:
                 raise ValueError(f"{e.array} gathered as {t} vectors holds {e.type}")
             args = f"{ident(e.array)}, &{ident(at.array)}[{self.expr(at.index)}]"
-            return f"scorch_gathern({args}, {self.mask})" if self.mask else f"scorch_gather({args})"
+            return f"{pre}gathern({args}, {self.mask})" if self.mask else f"{pre}gather({args})"
         ref = self.vector_ref(e.array, e.index, const=True)
         if self.mask and e.array not in self.vec_arrays:
-            return f"scorch_loadn(&{ident(e.array)}[{self.expr(e.index)}], {self.mask})"
+            return f"{pre}loadn(&{ident(e.array)}[{self.expr(e.index)}], {self.mask})"
         return ref
 
     def update(self, target, op, value):
@@ -369,8 +395,9 @@ class _Emitter:
             if e.array in self.sum_arrays:
                 if self.vec:
                     raise ValueError(f"partial sums {e.array} are read after the vector loop")
-                op = "sum" if self.sum_arrays[e.array][0] == "add" else "max"
-                return f"scorch_h{op}({ident(e.array)}[{self.expr(e.index)}])"
+                combine, t, lanes = self.sum_arrays[e.array]
+                op = "sum" if combine == "add" else "max"
+                return f"{_vectors(t, lanes)[1]}h{op}({ident(e.array)}[{self.expr(e.index)}])"
             if self.vec and L.depends(e.index, self.vec[0]):
                 return self.vector_load(e)
             return f"{ident(e.array)}[{self.expr(e.index)}]"
@@ -454,6 +481,18 @@ def _offset_by(e, var: str, m: int) -> bool:
     if isinstance(e, L.Binary) and e.op == "add":
         return (_offset_by(e.a, var, m) and multiple(e.b)) or (_offset_by(e.b, var, m) and multiple(e.a))
     return False
+
+
+def _vectors(t: str, lanes: int):
+    """``(vector type, helper prefix)`` of a vector of ``lanes`` ``t`` (``f32`` / ``f64``): the machine's
+    explicit vectors (``scorch_vf32``; ``scorch_gather``, ``scorch_hsum``...) or, where those are 64 bytes, the
+    32-byte vectors of a row sum (``scorch_hvf32``; ``scorch_hvgather``, ``scorch_hvhsum``...)."""
+    size = 4 if t == "f32" else 8
+    if lanes * size == VECTOR_BYTES:
+        return f"scorch_v{t}", "scorch_"
+    if lanes * size == 32 and VECTOR_BYTES == 64:
+        return f"scorch_hv{t}", "scorch_hv"
+    raise ValueError(f"no vectors of {lanes} {t} lanes on a machine of {VECTOR_BYTES}-byte vectors")
 
 
 def _vector_type(body) -> str:

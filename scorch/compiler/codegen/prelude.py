@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from ..target import CPU
 
-def _hsum(name, ctype, lanes, op="sum"):
-    """The sum (``op="max"``: the max) of a vector's lanes by halving (a tree: log2(lanes) dependent steps)."""
-    lines = [f"static inline {ctype} scorch_h{op}(scorch_v{name} v0) {{"]
+def _hsum(name, ctype, lanes, op="sum", vec=None, fname=None):
+    """The sum (``op="max"``: the max) of a vector's lanes by halving (a tree: log2(lanes) dependent steps);
+    ``vec`` / ``fname``: the vector type and the function's name (``scorch_v{name}``, ``scorch_h{op}``)."""
+    lines = [f"static inline {ctype} {fname or f'scorch_h{op}'}({vec or f'scorch_v{name}'} v0) {{"]
     join = (lambda a, b: f"{a} + {b}") if op == "sum" else (lambda a, b: f"({a} > {b} ? {a} : {b})")
     width, k = lanes, 0
     while width > 1:
@@ -53,6 +54,40 @@ def _tsum(name, ctype, lanes):
 #: bytes of an explicit vector (``For.vector`` loops): the CPU target's (``target.CPU``)
 VECTOR_BYTES = CPU.vector_bytes
 
+def _lane_by_lane(vt, pre, t, ctype, nbytes, keep_guard, load_guard) -> str:
+    """The portable helpers of ``nbytes``-byte vectors ``vt`` of ``ctype`` (``pre`` + ``keep``, ``gather``,
+    ``gathern``, ``loadn``: see ``_gather``), lane by lane; ``keep`` and ``loadn`` only where their guard (a
+    preprocessor condition for the machine's own instructions, or None) does not hold."""
+    size = 4 if t == "f32" else 8
+    lanes, it = nbytes // size, "int32_t" if size == 4 else "int64_t"
+    lane = ", ".join(str(u) for u in range(lanes))
+
+    def unless(guard, text):
+        return text if guard is None else f"#if !({guard})\n{text}#endif\n"
+    ivt = f"{vt[:-3]}i{t}"  # (the lanes' indices: scorch_vif32, scorch_hvif32)
+    return unless(keep_guard, f"""typedef {it} {ivt} __attribute__((vector_size({nbytes})));
+static inline {vt} {pre}keep({vt} v, int64_t n) {{
+  const {ivt} lane = {{{lane}}};
+  return (lane < ({it})n) ? v : {vt}{{}};
+}}
+""") + f"""template <typename I> static inline {vt} {pre}gather(const {ctype}* b, const I* i) {{
+  {vt} v;
+  for (int u = 0; u < {lanes}; ++u) v[u] = b[i[u]];
+  return v;
+}}
+template <typename I> static inline {vt} {pre}gathern(const {ctype}* b, const I* i, int64_t n) {{
+  {vt} v = {{}};
+  for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = b[i[u]];
+  return v;
+}}
+""" + unless(load_guard, f"""static inline {vt} {pre}loadn(const {ctype}* p, int64_t n) {{
+  {vt} v = {{}};
+  for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = p[u];
+  return v;
+}}
+""")
+
+
 def _gather() -> str:
     """Vectors read at computed positions, for a vector loop whose loads are not contiguous (SpMV's ``x[crd[p]]``):
     ``scorch_gather(base, idx)`` the vector of ``base[idx[u]]``; in the last, partial vector of a loop (``n`` lanes
@@ -61,33 +96,10 @@ def _gather() -> str:
     instructions where the vectors are 32 bytes, AVX-512's (mask registers) where they are 64, else lane by
     lane."""
     out = ["#ifndef SCORCH_GATHER\n#define SCORCH_GATHER\n"]
+    machine = f"(defined(__AVX2__) && {VECTOR_BYTES} == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && " \
+              f"{VECTOR_BYTES} == 64)"
     for t, ctype, size in (("f32", "float", 4), ("f64", "double", 8)):
-        lanes, vt = VECTOR_BYTES // size, f"scorch_v{t}"
-        it = "int32_t" if size == 4 else "int64_t"
-        lane = ", ".join(str(u) for u in range(lanes))
-        out.append(f"""typedef {it} scorch_vi{t} __attribute__((vector_size({VECTOR_BYTES})));
-static inline {vt} scorch_keep({vt} v, int64_t n) {{
-  const scorch_vi{t} lane = {{{lane}}};
-  return (lane < ({it})n) ? v : {vt}{{}};
-}}
-template <typename I> static inline {vt} scorch_gather(const {ctype}* b, const I* i) {{
-  {vt} v;
-  for (int u = 0; u < {lanes}; ++u) v[u] = b[i[u]];
-  return v;
-}}
-template <typename I> static inline {vt} scorch_gathern(const {ctype}* b, const I* i, int64_t n) {{
-  {vt} v = {{}};
-  for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = b[i[u]];
-  return v;
-}}
-#if !((defined(__AVX2__) && {VECTOR_BYTES} == 32) || (defined(__AVX512F__) && defined(__AVX512VL__) && {VECTOR_BYTES} == 64))
-static inline {vt} scorch_loadn(const {ctype}* p, int64_t n) {{
-  {vt} v = {{}};
-  for (int u = 0; u < {lanes}; ++u) if (u < n) v[u] = p[u];
-  return v;
-}}
-#endif
-""")
+        out.append(_lane_by_lane(f"scorch_v{t}", "scorch_", t, ctype, VECTOR_BYTES, None, machine))
     # (the same values with AVX2's or AVX-512's instructions: overloads, preferred to the templates for int32
     # positions)
     out.append(f"""#if defined(__AVX2__) && {VECTOR_BYTES} == 32
@@ -121,8 +133,8 @@ static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {{
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VL__) && {VECTOR_BYTES} == 64
 #include <immintrin.h>
-static inline __mmask16 scorch_kmask16(int64_t n) {{ return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }}
-static inline __mmask8 scorch_kmask8(int64_t n) {{ return (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1); }}
+static inline __mmask16 scorch_kmask16(int64_t n) {{ return (__mmask16)(n <= 0 ? 0 : n >= 16 ? 0xFFFF : (1u << n) - 1); }}
+static inline __mmask8 scorch_kmask8(int64_t n) {{ return (__mmask8)(n <= 0 ? 0 : n >= 8 ? 0xFF : (1u << n) - 1); }}
 static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {{
   return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
 }}
@@ -143,6 +155,64 @@ static inline scorch_vf64 scorch_gathern(const double* b, const int32_t* i, int6
 static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {{
   return (scorch_vf64)_mm512_maskz_loadu_pd(scorch_kmask8(n), p);
 }}
+#endif
+#endif
+""")
+    return "".join(out)
+
+
+def _half() -> str:
+    """32-byte vectors where the explicit vectors are 64 (``target.sum_lanes``: a row sum's vector):
+    ``scorch_hvf32`` / ``scorch_hvf64`` (and ``...u`` at any address), with the helpers of ``_gather`` for them
+    (``scorch_hvgather``, ``scorch_hvgathern``, ``scorch_hvloadn``, ``scorch_hvkeep``) and ``scorch_hvhsum``.
+    A partial vector's count ``n`` may be 0 or less (no lane on) or more than the lanes (every lane on): a
+    ``For.lead`` vector runs whatever the row's length. AVX-512's 256-bit masked instructions where there are
+    (``-mavx512vl``), else lane by lane."""
+    out = ["#ifndef SCORCH_HALF\n#define SCORCH_HALF\n#include <cstdint>\n"]
+    vl = "defined(__AVX512F__) && defined(__AVX512VL__)"
+    for t, ctype, size in (("f32", "float", 4), ("f64", "double", 8)):
+        vt = f"scorch_hv{t}"
+        out.append(f"typedef {ctype} {vt} __attribute__((vector_size(32)));\n"
+                   f"typedef {ctype} {vt}u __attribute__((vector_size(32), aligned({size}), may_alias));\n"
+                   + _lane_by_lane(vt, "scorch_hv", t, ctype, 32, vl, vl) + _hsum(t, ctype, 32 // size, vec=vt,
+                                                                                 fname="scorch_hvhsum"))
+    out.append("""#if defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+static inline __mmask8 scorch_hvmask(int64_t n, int lanes) {  // (no branch: a For.lead vector's count varies)
+  int64_t c = n < 0 ? 0 : n;
+  c = c < lanes ? c : lanes;
+#ifdef __BMI2__
+  return (__mmask8)_bzhi_u32(0xFFu, (unsigned)c);
+#else
+  return (__mmask8)((1u << c) - 1);
+#endif
+}
+static inline scorch_hvf32 scorch_hvgather(const float* b, const int32_t* i) {
+  return (scorch_hvf32)_mm256_i32gather_ps(b, _mm256_loadu_si256((const __m256i*)i), 4);
+}
+static inline scorch_hvf32 scorch_hvgathern(const float* b, const int32_t* i, int64_t n) {
+  const __mmask8 m = scorch_hvmask(n, 8);
+  return (scorch_hvf32)_mm256_mmask_i32gather_ps(_mm256_setzero_ps(), m, _mm256_maskz_loadu_epi32(m, i), b, 4);
+}
+static inline scorch_hvf32 scorch_hvloadn(const float* p, int64_t n) {
+  return (scorch_hvf32)_mm256_maskz_loadu_ps(scorch_hvmask(n, 8), p);
+}
+static inline scorch_hvf32 scorch_hvkeep(scorch_hvf32 v, int64_t n) {
+  return (scorch_hvf32)_mm256_maskz_mov_ps(scorch_hvmask(n, 8), (__m256)v);
+}
+static inline scorch_hvf64 scorch_hvgather(const double* b, const int32_t* i) {
+  return (scorch_hvf64)_mm256_i32gather_pd(b, _mm_loadu_si128((const __m128i*)i), 8);
+}
+static inline scorch_hvf64 scorch_hvgathern(const double* b, const int32_t* i, int64_t n) {
+  const __mmask8 m = scorch_hvmask(n, 4);
+  return (scorch_hvf64)_mm256_mmask_i32gather_pd(_mm256_setzero_pd(), m, _mm_maskz_loadu_epi32(m, i), b, 8);
+}
+static inline scorch_hvf64 scorch_hvloadn(const double* p, int64_t n) {
+  return (scorch_hvf64)_mm256_maskz_loadu_pd(scorch_hvmask(n, 4), p);
+}
+static inline scorch_hvf64 scorch_hvkeep(scorch_hvf64 v, int64_t n) {
+  return (scorch_hvf64)_mm256_maskz_mov_pd(scorch_hvmask(n, 4), (__m256d)v);
+}
 #endif
 #endif
 """)
@@ -331,6 +401,7 @@ HELPERS = {
         _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
     # loads at computed positions and of a partial last vector (after ``scorch_vf``, whose types they use)
+    "scorch_hv": _half(),
     "scorch_gather": _gather(), "scorch_loadn": _gather(), "scorch_keep": _gather(),
     # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
     "scorch_widen": BF16 + WIDE16,
