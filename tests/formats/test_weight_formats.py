@@ -187,6 +187,32 @@ def test_linear_forward_and_backward(fmt, case, dtype):
         assert not bool(grad.values()[W.values() == 0].any())
 
 
+@pytest.mark.parametrize("batch", [1, 129, 200])
+@pytest.mark.parametrize("fmt", ["csr", "bsr(4, 4)", "coo"])
+def test_linear_in_batch_tiles(monkeypatch, fmt, batch):
+    """Without a gradient to record, a large batch runs in tiles of rows (``linalg._batch_tiles``; its size
+    thresholds lowered here): the same result as dense torch, a partial last tile included. With one, the whole
+    batch is one product (its backward computes W's gradient once)."""
+    from scorch.ops import linalg
+    monkeypatch.setattr(linalg, "TILE_MIN_BYTES", 0)
+    monkeypatch.setattr(linalg, "TILE_MIN_ROWS", 0)
+    w = quarters((12, 16), 5) * (torch.arange(16) % 3 == 0)
+    x = quarters((batch, 16), 6)
+    W = scorch.asformat(w, fmt)
+    calls = []
+    real = linalg.engine.einsum
+    monkeypatch.setattr(linalg.engine, "einsum", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    with torch.no_grad():
+        assert_matches_dense(F.linear(x, W), F.linear(x, w))
+    rows = linalg.BATCH_TILE if fmt.startswith("bsr") else linalg.BATCH_TILE // 2
+    assert calls == ([batch] if batch <= 2 * rows else [len(t) for t in x.split(rows)])
+    calls.clear()
+    Wg = scorch.asformat(w, fmt).requires_grad_()
+    out = F.linear(x, Wg)
+    assert calls and set(calls) == {batch}  # (the autograd einsum calls the inner one: both see the whole batch)
+    assert_matches_dense(out, F.linear(x, w))
+
+
 @pytest.mark.parametrize("fmt, case, dtype", params())
 def test_products_with_dense(fmt, case, dtype):
     """``W @ X`` and ``X @ W.t()``: dense results, as torch's."""
