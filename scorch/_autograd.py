@@ -33,10 +33,11 @@ class _Spec:
     """What a Function needs besides its tensor inputs: the index letters, the sparse operands' structure,
     the requested format, and (after forward) the structure of a sparse result."""
 
-    __slots__ = ("inputs", "out", "format", "structure", "result", "schedule")
+    __slots__ = ("inputs", "out", "format", "structure", "result", "schedule", "compute")
 
-    def __init__(self, inputs, out, fmt, operands, schedule=None):
+    def __init__(self, inputs, out, fmt, operands, schedule=None, compute=None):
         self.inputs, self.out, self.format, self.schedule = inputs, out, fmt, schedule
+        self.compute = compute
         self.structure = [(x._format, x._shape, x._levels) if type(x) is SparseTensor else None for x in operands]
         self.result = None
 
@@ -60,8 +61,11 @@ class _Einsum(torch.autograd.Function):
     def forward(ctx, spec, *tensors):
         from . import engine
         with engine.structural_results():  # (every entry of the result gets its gradient)
-            r = engine.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors), format=spec.format,
-                              schedule=spec.schedule)
+            if spec.compute is not None:
+                r = spec.compute(*spec.operands(tensors))
+            else:
+                r = engine.einsum(einsum_string(spec.inputs, spec.out), *spec.operands(tensors),
+                                  format=spec.format, schedule=spec.schedule)
         if type(r) is SparseTensor:
             spec.result = (r._format, r._shape, r._levels)
             r = r._vals
@@ -81,15 +85,17 @@ class _Einsum(torch.autograd.Function):
         return tuple(grads)
 
 
-def differentiable_einsum(equation: str, operands, format=None, schedule=None):
+def differentiable_einsum(equation: str, operands, format=None, schedule=None, compute=None):
     """``engine.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``. The user's
-    ``schedule`` directs the forward kernel (the gradients are other expressions, scheduled by the compiler)."""
+    ``schedule`` directs the forward kernel (the gradients are other expressions, scheduled by the compiler).
+    ``compute(*operands)``: the forward result computed otherwise (the same einsum, in pieces: a sparse-weight
+    ``linear`` in batch tiles), the graph still one node whose gradients are the einsum's."""
     from .engine import prepare
     from .compiler.einsum import parse
     from .sparse_tensor import shape_of
     ops = prepare(operands)
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
-    spec = _Spec(inputs, out, format, ops, schedule)
+    spec = _Spec(inputs, out, format, ops, schedule, compute)
     values = _Einsum.apply(spec, *_tensors(ops))
     return spec.wrap(values)
 

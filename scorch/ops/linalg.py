@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import deferred, fusion
-from .._autograd import pattern_ones
+from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod
@@ -143,16 +143,17 @@ TILE_MIN_BYTES, TILE_MIN_ROWS = 2 << 20, 1024
 
 
 def _batch_tiles(weight, x, rows: int) -> bool:
-    """Whether ``linear`` runs the batch in tiles of ``rows``. Not where a gradient is recorded: each tile's
-    product is then its own differentiable einsum, whose backward computes W's gradient once per tile (an
-    SDDMM each, then their sum) and X's in pieces; one product over the whole batch was faster in every case
-    measured (forward + backward, 90% sparsity, batch 256-1024, 2 threads, Intel Xeon: CSR 4096 x 4096 60.8 ->
-    40.2 ms and 111 -> 77 ms, BSR 16 34.4 -> 25.3 ms, CSR 256 -> 2048 30.3 -> 7.5 ms). Not where X^T fits in
-    the L2 cache anyway or W has few rows to stream past it (forward, CSR 256 -> 2048 at batch 1024: 6.0 tiled
-    against 4.0 whole; 2048 -> 256: 7.0 against 6.2)."""
+    """Whether ``linear`` runs the batch in tiles of ``rows``: not where X^T fits in the L2 cache anyway or W has
+    few rows to stream past it (forward, CSR 256 -> 2048 at batch 1024: 6.0 ms tiled against 4.0 whole;
+    2048 -> 256: 7.0 against 6.2; 4096 x 4096 at batch 512: 32 against 59)."""
     n, n_in = x.shape
-    return n > 2 * rows and n * n_in * x.element_size() > TILE_MIN_BYTES and \
-        shape_of(weight)[0] >= TILE_MIN_ROWS and not needs_grad((weight, x))
+    return n > 2 * rows and n * n_in * x.element_size() > TILE_MIN_BYTES and shape_of(weight)[0] >= TILE_MIN_ROWS
+
+
+def _tiled_product(weight, x, rows: int):
+    """``einsum("oi,bi->ob", weight, x)`` in batch tiles of ``rows``: each tile's rows of X^T stay in cache while
+    W streams past."""
+    return torch.cat([engine.einsum("oi,bi->ob", weight, tile, format="dense") for tile in x.split(rows)], 1)
 
 
 @implements(torch.nn.functional.linear)
@@ -174,9 +175,13 @@ def linear(input, weight, bias=None):
         rows = BATCH_TILE if any(isinstance(e, Mod) for e in w.format.exprs) else BATCH_TILE // 2
         if not _batch_tiles(weight, x, rows):
             out = engine.einsum("oi,bi->ob", weight, x, format="dense")
-        else:  # batch tiles: each tile's rows of X^T stay in cache while W streams past
-            out = torch.cat([engine.einsum("oi,bi->ob", weight, tile, format="dense")
-                             for tile in x.split(rows)], 1)
+        elif needs_grad((weight, x)):
+            # one node of the graph: its backward is the whole batch's (W's gradient one SDDMM, not one a tile
+            # and their sum: a 2-layer BSR feed-forward step 99 -> 26 ms)
+            out = differentiable_einsum("oi,bi->ob", (weight, x), "dense",
+                                        compute=lambda w_, x_: _tiled_product(w_, x_, rows))
+        else:
+            out = _tiled_product(weight, x, rows)
         out = out.t().reshape(*lead, shape_of(weight)[0])
     elif _is_sparse(input) and not _is_sparse(weight):
         out = engine.einsum("...i,oi->...o", input, weight, format="dense")

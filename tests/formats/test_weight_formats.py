@@ -190,27 +190,39 @@ def test_linear_forward_and_backward(fmt, case, dtype):
 @pytest.mark.parametrize("batch", [1, 129, 200])
 @pytest.mark.parametrize("fmt", ["csr", "bsr(4, 4)", "coo"])
 def test_linear_in_batch_tiles(monkeypatch, fmt, batch):
-    """Without a gradient to record, a large batch runs in tiles of rows (``linalg._batch_tiles``; its size
-    thresholds lowered here): the same result as dense torch, a partial last tile included. With one, the whole
-    batch is one product (its backward computes W's gradient once)."""
+    """A large batch runs in tiles of rows (``linalg._batch_tiles``; its size thresholds lowered here): the same
+    result as dense torch, a partial last tile included. With a gradient to record the tiles are one node of the
+    graph: x's and W's gradients are the whole batch's (W's one SDDMM, not one per tile)."""
     from scorch.ops import linalg
     monkeypatch.setattr(linalg, "TILE_MIN_BYTES", 0)
     monkeypatch.setattr(linalg, "TILE_MIN_ROWS", 0)
     w = quarters((12, 16), 5) * (torch.arange(16) % 3 == 0)
     x = quarters((batch, 16), 6)
+    g = quarters((batch, 12), 7)
     W = scorch.asformat(w, fmt)
     calls = []
     real = linalg.engine.einsum
-    monkeypatch.setattr(linalg.engine, "einsum", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(linalg.engine, "einsum", lambda *a, **k: calls.append((a[0], a[2].shape[0])) or real(*a, **k))
+    rows = linalg.BATCH_TILE if fmt.startswith("bsr") else linalg.BATCH_TILE // 2
+    tiles = [("oi,bi->ob", batch)] if batch <= 2 * rows else [("oi,bi->ob", len(t)) for t in x.split(rows)]
     with torch.no_grad():
         assert_matches_dense(F.linear(x, W), F.linear(x, w))
-    rows = linalg.BATCH_TILE if fmt.startswith("bsr") else linalg.BATCH_TILE // 2
-    assert calls == ([batch] if batch <= 2 * rows else [len(t) for t in x.split(rows)])
+    assert calls == tiles
     calls.clear()
-    Wg = scorch.asformat(w, fmt).requires_grad_()
-    out = F.linear(x, Wg)
-    assert calls and set(calls) == {batch}  # (the autograd einsum calls the inner one: both see the whole batch)
+    Wg, xs = scorch.asformat(w, fmt).requires_grad_(), x.clone().requires_grad_()
+    out = F.linear(xs, Wg)
+    # (the same products; a product of the whole batch is called twice: the autograd einsum calls the inner one)
+    assert set(c for c in calls if c[0] == "oi,bi->ob") == set(tiles)
     assert_matches_dense(out, F.linear(x, w))
+    calls.clear()
+    (out * g).sum().backward()
+    assert len([c for c in calls if c[0].endswith("->oi")]) == 1  # (W's gradient: one product)
+    wd, xd = w.clone().requires_grad_(), x.clone().requires_grad_()
+    (F.linear(xd, wd) * g).sum().backward()
+    assert_matches_dense(xs.grad, xd.grad)
+    stored = Wg.detach()
+    mask = stored.with_values(torch.ones_like(stored.values())).to_dense() != 0  # (blocks keep their zeros)
+    assert_matches_dense(Wg.grad, wd.grad * mask)
 
 
 @pytest.mark.parametrize("fmt, case, dtype", params())
