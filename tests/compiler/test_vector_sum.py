@@ -122,3 +122,21 @@ def test_portable_helpers(vector_bytes):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("n", [3, 13, 40, 200])
+def test_lead_vectors_on_an_inner_level(n):
+    """A sum over the third level of a CSF tensor: the lead count is that level's positions per fiber (the
+    mean of ``t0_l2_mean``), empty slices and fibers included; x is inf at a column no entry holds."""
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(5, 7, n, generator=g) * (torch.rand(5, 7, n, generator=g) < 0.5)
+    a[1] = 0
+    a[2, 3] = 0
+    a[:, :, 0] = 0
+    x = torch.randn(n, generator=g)
+    x[0] = float("inf")
+    s = scorch.asformat(a, "csf")
+    text = scorch.explain("ijk,k->ij", s, x, format="dense", file=open(os.devnull, "w"))
+    assert "t0_l2_mean" in text
+    want = torch.einsum("ijk,k->ij", a.double(), torch.where(torch.isinf(x), 0, x).double()).float()
+    torch.testing.assert_close(scorch.einsum("ijk,k->ij", s, x, format="dense"), want)
