@@ -137,8 +137,8 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1):
 #: once per row of W. A blocked weight reads each row of the tile once per block row, so it takes a wider tile
 #: (measured on 4096 x 4096 weights at 90% sparsity: CSR fastest at 32 rows, BSR at 64)
 BATCH_TILE = 64
-#: batch tiles only where X^T is larger than this (bytes) and W has at least ``TILE_MIN_ROWS`` rows, and no
-#: gradient is recorded (``_batch_tiles``)
+#: batch tiles only where X^T is larger than this (bytes) and W has at least ``TILE_MIN_ROWS`` rows
+#: (``_batch_tiles``)
 TILE_MIN_BYTES, TILE_MIN_ROWS = 2 << 20, 1024
 
 

@@ -133,8 +133,8 @@ static inline scorch_vf64 scorch_loadn(const double* p, int64_t n) {{
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VL__) && {VECTOR_BYTES} == 64
 #include <immintrin.h>
-static inline __mmask16 scorch_kmask16(int64_t n) {{ return (__mmask16)(n <= 0 ? 0 : n >= 16 ? 0xFFFF : (1u << n) - 1); }}
-static inline __mmask8 scorch_kmask8(int64_t n) {{ return (__mmask8)(n <= 0 ? 0 : n >= 8 ? 0xFF : (1u << n) - 1); }}
+static inline __mmask16 scorch_kmask16(int64_t n) {{ return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }}
+static inline __mmask8 scorch_kmask8(int64_t n) {{ return (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1); }}
 static inline scorch_vf32 scorch_gather(const float* b, const int32_t* i) {{
   return (scorch_vf32)_mm512_i32gather_ps(_mm512_loadu_si512((const void*)i), b, 4);
 }}
