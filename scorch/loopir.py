@@ -247,6 +247,18 @@ class SetBit(Stmt):
     index: Expr
 
 
+#: distinct keys in [0, bound) are dense where there are more than this many and at least one per 64-bit word of
+#: the range: there a bitmap read in order sorts them (the C++ ``scorch_sort``) and a fill marks its row in one
+#: (``coiterate``'s ``bitmap_row``). The one rule for both: ``dense_keys``, and the prelude's
+#: ``SCORCH_BITMAP_MIN_KEYS``
+BITMAP_MIN_KEYS = 32
+
+
+def dense_keys(n: Expr, bound: Expr) -> Expr:
+    """Whether ``n`` distinct keys in [0, ``bound``) are dense (``BITMAP_MIN_KEYS``)."""
+    return binary("and", binary("gt", n, Const(BITMAP_MIN_KEYS)), binary("ge", binary("mul", n, Const(64)), bound))
+
+
 @dataclass(frozen=True)
 class BitKeys(Stmt):
     """The positions of the set bits of ``bits[0:words]`` (a bitmap in an i64 array, as ``SetBit`` sets), ascending,

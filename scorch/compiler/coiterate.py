@@ -276,11 +276,11 @@ class _CoLowering(_Lowering):
         return L.binary("floordiv", L.binary("add", self.ws_size, L.Const(63)), L.Const(64))
 
     def bitmap_row(self, row, st, walk):
-        """A fill's row ``walk`` (its loops from state ``st`` and ``row_end``), and beside it the same loops marking a bitmap (one
-        bit set per term: no test, no touched list), read in order at the row's end (no sort), taken when the row
-        has more than 32 entries and at least one per word of the bitmap (``scorch_sort``'s own bitmap rule: there
-        the marks' touched list is sorted through a bitmap anyway). SpGEMM's fill on the uniform 20k matrix (rows of
-        ~400 entries in 20,000 columns), measured by hand: as fast as the fill without any sort."""
+        """A fill's row ``walk`` (its loops from state ``st`` and ``row_end``), and beside it the same loops marking
+        a bitmap (one bit set per term: no test, no touched list), read in order at the row's end (no sort), taken
+        where the row's entries are dense in the workspace (``L.dense_keys``, ``scorch_sort``'s own bitmap rule:
+        there the marks' touched list is sorted through a bitmap anyway). SpGEMM's fill on the uniform 20k matrix
+        (rows of ~400 entries in 20,000 columns), measured by hand: as fast as the fill without any sort."""
         self.bitmap = True
         try:
             marked = self.gen(1, st) + self.row_end(row)
@@ -288,9 +288,7 @@ class _CoLowering(_Lowering):
             self.bitmap = False
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
         n = L.binary("sub", L.Load(row_ptr, L.binary("add", row, L.Const(1)), "i64"), L.Load(row_ptr, row, "i64"))
-        dense = L.binary("and", L.binary("gt", n, L.Const(32)),
-                         L.binary("ge", L.binary("mul", n, L.Const(64)), self.ws_size))
-        return [L.If(dense, L.block(marked), L.block(walk))]
+        return [L.If(L.dense_keys(n, self.ws_size), L.block(marked), L.block(walk))]
 
     def body_at(self, i, st):
         if i == 0 and self.phase and self.cs.row_var is not None:

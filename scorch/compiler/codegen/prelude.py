@@ -4,6 +4,7 @@ a name to its text; the renderer (``cpp``) includes a text only where the kernel
 """
 from __future__ import annotations
 
+from ... import loopir as L
 from ..target import CPU
 
 def _hsum(name, ctype, lanes, op="sum", vec=None, fname=None):
@@ -432,7 +433,7 @@ struct scorch_buf {
 };
 """,
     # ascending sort of int64 keys: quicksort (median of three) down to insertion sort (<algorithm> costs ~0.4 s)
-    "scorch_sort": """#ifdef __CUDA_ARCH__
+    "scorch_sort": f"#define SCORCH_BITMAP_MIN_KEYS {L.BITMAP_MIN_KEYS}\n" + """#ifdef __CUDA_ARCH__
 #define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
 #define SCORCH_POPC64(x) __popcll(x)
 #else
@@ -469,7 +470,7 @@ static int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int6
 static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
   // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
-  if (n > 32 && n * 64 >= bound) {
+  if (n > SCORCH_BITMAP_MIN_KEYS && n * 64 >= bound) {
     const int64_t words = (bound + 63) >> 6;
     for (int64_t k = 0; k < words; ++k) scratch[k] = 0;
     for (int64_t k = 0; k < n; ++k) scorch_set_bit(scratch, a[k]);

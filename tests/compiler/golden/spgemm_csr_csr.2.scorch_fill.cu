@@ -127,6 +127,7 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
   }
   return l;
 }
+#define SCORCH_BITMAP_MIN_KEYS 32
 #ifdef __CUDA_ARCH__
 #define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
 #define SCORCH_POPC64(x) __popcll(x)
@@ -164,7 +165,7 @@ static __device__ int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t*
 static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
   // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
-  if (n > 32 && n * 64 >= bound) {
+  if (n > SCORCH_BITMAP_MIN_KEYS && n * 64 >= bound) {
     const int64_t words = (bound + 63) >> 6;
     for (int64_t k = 0; k < words; ++k) scratch[k] = 0;
     for (int64_t k = 0; k < n; ++k) scorch_set_bit(scratch, a[k]);
