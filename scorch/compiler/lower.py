@@ -503,7 +503,8 @@ class _Lowering:
             if once:  # every output written by exactly one iteration: stored, not added (no zero-filled output)
                 op, self.writes_every_output = None, True
             summed = red == "sum" and self.target.vectors and self.ct in ("f32", "f64") and _vector_sum(
-                rest, value, self.target.sum_lanes(self.ct), self.ct, self._mean_length(rest))
+                rest, value, self.target.sum_lanes(self.ct), self.ct, lambda: self._mean_length(rest),
+                self.target.lead_gathers)
             if summed:
                 return [_nest(items[:ready + 1], summed[0] + [L.Store(out, index, summed[1], op)])]
             inner = [L.Decl(acc, identity(red, self.ct)), L.Decl(cnt, L.Const(0)) if counts else None,
@@ -625,14 +626,15 @@ def _lane_store(lets, u, lanes, out, index, value, ct):
     return L.For(u, L.Const(0), L.Const(lanes), L.block(L.Store(out, index, value)), vector=lanes)
 
 
-def _vector_sum(rest, value, lanes, ct, lead=None):
+def _vector_sum(rest, value, lanes, ct, lead=None, lead_gathers=True):
     """``(statements, total)``: the sum of ``value`` over the loop ``rest[0]`` (followed by lets only, inlined) in
     one vector of partial sums, where every load that varies along the loop is contiguous in it or read at
     positions that an integer array holds contiguously (a gather: SpMV's ``x[crd[p]]``), and the arithmetic is
     add/sub/mul/div on ``ct``. The loop's last vector is partial (``For.tail``): a row's variable length costs no
     scalar loop, whose exit the branch predictor misses about once a row (SpMV on a 20k matrix of ~20 entries a
     row, one thread: 438 -> 348 us, measured by hand). The sum is reassociated (lane by lane). ``lead``: the
-    loop's expected trip count, for ``For.lead``. Else None."""
+    loop's expected trip count, for ``For.lead``, made by calling ``lead()`` (it adds a kernel argument), not where
+    the sum gathers and ``lead_gathers`` is False (``target.native_lead_gathers``). Else None."""
     if not rest or rest[0][0] != "for" or rest[0][4] is not None or any(it[0] != "let" for it in rest[1:]):
         return None
     _, pv, lo, hi, _ = rest[0]
@@ -654,9 +656,10 @@ def _vector_sum(rest, value, lanes, ct, lead=None):
 
     if not L.depends(value, pv.name) or not vectorizable(value):
         return None
+    gathers = any(L.gathered(ld.index, pv.name) is not None for ld in L.loads(value))
     return [L.LocalArray("vsum", ct, 1, L.Const(0, ct), sums=lanes),
             L.For(pv, lo, hi, L.block(L.Store("vsum", L.Const(0), value, "add")), vector=lanes, tail=True,
-                  lead=lead)], \
+                  lead=lead() if lead is not None and (lead_gathers or not gathers) else None)], \
         L.Load("vsum", L.Const(0), ct)
 
 

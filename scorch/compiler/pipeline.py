@@ -331,8 +331,8 @@ PLAN_STORE_VERSION = "p2"
 
 
 def _fingerprint() -> str:
-    # (the vector width: the register tiles are sized for the machine, target.native_vector_bytes)
-    return f"{PLAN_STORE_VERSION}v{CPU.vector_bytes}" + runtime.source_fingerprint("compiler", "loopir.py", "formats")
+    # (the machine: the register tiles are sized for its vectors, and lead vectors gather or not: target.Target.key)
+    return f"{PLAN_STORE_VERSION}{CPU.key}" + runtime.source_fingerprint("compiler", "loopir.py", "formats")
 
 
 def _stored_plan(plan_key, backend):

@@ -314,7 +314,7 @@ def row_plan(inputs, out, ops, backend="cpp"):
 
 
 def _code() -> str:
-    return f"c1v{CPU.vector_bytes}" + runtime.source_fingerprint(".")
+    return f"c1{CPU.key}" + runtime.source_fingerprint(".")
 
 
 def kept_call(sig):

@@ -13,7 +13,8 @@ Every case and target is generated in a fresh process (one child process, forked
 ``import scorch``): the compiler's caches start empty, so every kernel of a case is generated again, whatever ran
 before, and nothing generated here is left in the test process's caches. The environment is fixed there: no
 ``SCORCH_*`` variables but ``SCORCH_VECTOR_BYTES=64`` (the register tiles are sized in AVX-512 vectors, whatever the
-machine's), ``torch.set_num_threads(THREADS)`` (thread counts enter the schedule's choices).
+machine's) and ``SCORCH_LEAD_GATHERS=1`` (lead vectors that gather, whatever the CPU's maker),
+``torch.set_num_threads(THREADS)`` (thread counts enter the schedule's choices).
 
 Refresh (after an intended change to the generated code; review the diff of ``tests/compiler/golden`` before
 committing it)::
@@ -216,6 +217,7 @@ def _emit(names) -> dict:
     for variable in [v for v in os.environ if v.startswith("SCORCH_")]:  # (SCORCH_DEFER=all: no kernel would run)
         del os.environ[variable]
     os.environ["SCORCH_VECTOR_BYTES"] = "64"  # (the files do not depend on the machine's vector width)
+    os.environ["SCORCH_LEAD_GATHERS"] = "1"  # (nor on whether its row sums' lead vectors gather: off on AMD)
     import scorch  # noqa: F401  (imported once, before forking: each child starts from here)
     result = {}
     for name in names:
