@@ -165,3 +165,22 @@ def test_lead_vectors_on_an_inner_level(n):
     assert ("t0_l2_mean" in text) == CPU.lead_gathers, text  # (see test_the_loop_is_vectorized_with_gathers)
     want = torch.einsum("ijk,k->ij", a.double(), torch.where(torch.isinf(x), 0, x).double()).float()
     torch.testing.assert_close(scorch.einsum("ijk,k->ij", s, x, format="dense"), want)
+
+
+def test_lead_gathers_setting(monkeypatch):
+    """``native_lead_gathers``: ``$SCORCH_LEAD_GATHERS`` 0 / 1 wins; anything else is refused by name; without it,
+    the CPU's maker decides (AMD: off), and the choice is part of the target's key."""
+    from scorch.compiler import target
+    monkeypatch.setenv("SCORCH_LEAD_GATHERS", "0")
+    assert target.native_lead_gathers() is False
+    monkeypatch.setenv("SCORCH_LEAD_GATHERS", "1")
+    assert target.native_lead_gathers() is True
+    monkeypatch.setenv("SCORCH_LEAD_GATHERS", "yes")
+    with pytest.raises(ValueError, match="SCORCH_LEAD_GATHERS"):
+        target.native_lead_gathers()
+    monkeypatch.delenv("SCORCH_LEAD_GATHERS")
+    with open("/proc/cpuinfo") as f:
+        amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    assert target.native_lead_gathers() is not amd
+    keys = {target.Target("cpu", 64, lead_gathers=g).key for g in (False, True)}
+    assert len(keys) == 2
