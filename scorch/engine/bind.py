@@ -299,11 +299,11 @@ def prepared_call(plan: Plan, sizes, dtype):
                     template[n] = shape_of(ops[a.operand])[a.level]
             statics["done"] = True
         args = list(template)
-        for n, op, lvl, what in dynamic:
+        for n, op, lvl, what in dynamic:  # (a SparseTensor's arrays from its __dict__: see kept_product)
             x = ops[op]
             args[n] = mean_length(x, lvl) if what == 4 else (
-                x._levels[lvl].pos if what == 0 else x._levels[lvl].crd if what == 1 else
-                x._vals if what == 2 else x).data_ptr()
+                x.__dict__["_levels"][lvl].pos if what == 0 else x.__dict__["_levels"][lvl].crd if what == 1 else
+                x.__dict__["_vals"] if what == 2 else x).data_ptr()
         if m:
             s = ops[k_drv]
             _, counts = level_info(s)
@@ -312,7 +312,7 @@ def prepared_call(plan: Plan, sizes, dtype):
             out_arr = alloc(out_shape, dtype=dtype)
         args[out_pos] = out_arr.data_ptr()
         if thr_pos:
-            threads = call_threads(ops[k_drv]._vals.numel() * per_entry)
+            threads = call_threads(ops[k_drv].__dict__["_vals"].numel() * per_entry)
             for n in thr_pos:
                 args[n] = threads
         for n, v in scal:

@@ -83,17 +83,21 @@ def kept_product(s, other, left: bool):
     CPU tensor of the kept shape and dtype, no gradient to record, ``s`` with plain values of the kept dtype and
     the kept format and index width (compared by identity: an in-place change of pattern may swap them),
     ``structural_results`` as kept, the "cpp" backend, ``_FAST_EQ`` not cleared since (the caller checks that
-    products are not deferred)."""
-    memo = s.__dict__.get("_products")
+    products are not deferred). ``s``'s attributes are read from its ``__dict__``: an attribute of a tensor
+    subclass is looked up through ``torch.Tensor``'s type first, a few microseconds each with the caches cold
+    (Cora K=16 in the benchmark's rounds, by hand: the identity checks below took 10-13 us as attributes); and the
+    grad mode is read only where a gradient could be recorded."""
+    d = s.__dict__
+    memo = d.get("_products")
     if memo is None or type(other) is not torch.Tensor:
         return None
     entry = memo.get((left, other.shape, other.dtype))
     if entry is None:
         return None
-    v = s._vals
-    if entry[1] is not v.dtype or entry[2] is not s._format or entry[3] is not s._index_dtype or \
-            entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or type(v) is not torch.Tensor or \
-            (torch.is_grad_enabled() and (v.requires_grad or other.requires_grad)) or not other.is_cpu or \
+    v = d["_vals"]
+    if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
+            entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
+            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()) or not other.is_cpu or \
             other.layout is not torch.strided or not other.is_contiguous() or cpu_backend_name() != "cpp":
         return None
     return entry[0] if entry[0] is not None else (False if entry[6] >= 3 else None)

@@ -232,11 +232,15 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
 for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):
     _fn.fuses = True  # deferred dense operands are substituted into the product (``engine.einsum``)
 
+
+_is_compiling = torch.compiler.is_compiling  # (bound once: two module lookups fewer a call, each costly cold)
+
+
 def _operator(s, other, left: bool):
     """``s @ other`` (``left``) or ``other @ s`` for the SparseTensor ``s``: a repeated product with a dense
     matrix or vector straight to the prepared call kept on ``s`` (``engine.kept_product``), else ``matmul``
     (and the call it prepared kept for next time)."""
-    if torch.compiler.is_compiling():  # (torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
+    if _is_compiling():  # (torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
         return torch.matmul(s, other) if left else torch.matmul(other, s)
     operands = (s, other) if left else (other, s)
     fast = engine.kept_product(s, other, left)
