@@ -6,6 +6,7 @@ pipeline: ``codegen.cpp`` for ``cpu``; for ``cuda``, the GPU mapping pass (``map
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -47,20 +48,15 @@ def native_vector_bytes() -> int:
     (SSE, NEON); ``$SCORCH_VECTOR_BYTES`` (16, 32 or 64) overrides it. The register tiles are sized in these
     vectors: a tile of AVX-512-wide vectors on an AVX2 machine is split by GCC into twice as many registers as
     it has, and spills (SpMM 9x slower, measured on an AMD EPYC)."""
-    forced = os.environ.get("SCORCH_VECTOR_BYTES", "").strip()
+    forced = _forced("SCORCH_VECTOR_BYTES", ("16", "32", "64"))
     if forced:
-        if forced not in ("16", "32", "64"):
-            raise ValueError(f"scorch: SCORCH_VECTOR_BYTES must be 16, 32 or 64, got {forced!r}")
         return int(forced)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    return 64 if "avx512f" in flags else 32 if flags & {"avx2", "avx"} else 16
-    except OSError:
-        pass
-    return 32
+    info = _cpuinfo()
+    listed = info.get("flags", info.get("Features"))  # (x86; ARM)
+    if listed is None:
+        return 32
+    flags = set(listed.split())
+    return 64 if "avx512f" in flags else 32 if flags & {"avx2", "avx"} else 16
 
 
 def native_lead_gathers() -> bool:
@@ -72,19 +68,38 @@ def native_lead_gathers() -> bool:
     them was faster: uniform 20k (rows of ~20) 155 -> 141 us and 151 -> 128, power-law 100k 1087 -> 1000 and
     1150 -> 1055, Cora 12.0 -> 11.6 (ctypes, interleaved medians, 2 threads; measured by hand). Lead vectors
     without gathers (contiguous row sums) stay on: there the power-law rows gained (518 -> 288 us, by hand)."""
-    forced = os.environ.get("SCORCH_LEAD_GATHERS", "").strip()
+    forced = _forced("SCORCH_LEAD_GATHERS", ("0", "1"))
     if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"scorch: SCORCH_LEAD_GATHERS must be 0 or 1, got {forced!r}")
         return forced == "1"
+    return _cpuinfo().get("vendor_id") != "AuthenticAMD"
+
+
+def _forced(variable: str, allowed: tuple) -> str:
+    """``$variable`` (stripped; "" where unset), refused by name unless one of ``allowed``."""
+    forced = os.environ.get(variable, "").strip()
+    if forced and forced not in allowed:
+        raise ValueError(f"scorch: {variable} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {forced!r}")
+    return forced
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> dict:
+    """The fields of the first processor in ``/proc/cpuinfo`` (its lines up to the first blank one; {} where
+    there is no such file), read once for every fact taken from it (``flags``, ``vendor_id``...)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip() != "AuthenticAMD"
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return True
+    return fields
 
 
 #: the CPU: one machine vector register per explicit vector
