@@ -273,6 +273,14 @@ class BitKeys(Stmt):
 
 
 @dataclass(frozen=True)
+class BitCount(Stmt):
+    """The number of set bits of ``bits[0:words]`` into the variable ``count``; the words read are zeroed."""
+    bits: str
+    words: Expr
+    count: Var
+
+
+@dataclass(frozen=True)
 class Parallel:
     """How a loop runs in parallel. ``kind="static"``: equal iteration counts per thread. ``kind="nnz"``:
     iterations balanced by the work under them, read from the non-decreasing ``pos`` array (positions

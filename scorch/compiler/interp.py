@@ -107,6 +107,13 @@ class _Interp:
             keys[:found.size] = found
             bits[:words] = 0
             env[s.count.name] = _cast(found.size, s.count.type)
+        elif isinstance(s, L.BitCount):
+            bits, words = self.arrays[s.bits], int(self.expr(s.words, env))
+            if not 0 <= words <= bits.shape[0]:
+                raise IndexError(f"bit count of {s.bits}[0:{words}] is out of bounds")
+            found = int(np.unpackbits(bits[:words].view(np.uint8)).sum())
+            bits[:words] = 0
+            env[s.count.name] = _cast(found, s.count.type)
         elif isinstance(s, L.Prefetch):
             self._index(s.array, s.index, env)  # (a hint: only the bounds of its address are checked)
         elif isinstance(s, L.LocalArray):

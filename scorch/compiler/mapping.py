@@ -99,7 +99,7 @@ def _independent(f: L.For) -> bool:
     local = {s.var.name for s in L.walk(f.body) if isinstance(s, (L.Let, L.Decl))}
     reductions = {name for op, name in f.reductions if op in ("add", "max", "min")}
     for s in L.walk(f.body):
-        if isinstance(s, (L.For, L.While, L.Sort, L.Alloc, L.LocalArray, L.SetBit, L.BitKeys)):
+        if isinstance(s, (L.For, L.While, L.Sort, L.Alloc, L.LocalArray, L.SetBit, L.BitKeys, L.BitCount)):
             return False
         if isinstance(s, L.Store):
             c = L.coefficient(s.index, var)

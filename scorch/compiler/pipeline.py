@@ -263,7 +263,9 @@ class CoPlan:
                          " workspace, no sort); count pass, prefix sum, fill pass")
         elif cs.output == "rows":
             row = cs.row_var or "(one virtual row)"
-            lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) with a touched list;"
+            marks = "with a touched list" if target_for(self.backend).name != "cpu" else \
+                "with a touched list, or a bitmap where a row is dense in it"
+            lines.append(f"assembly:     per {row}: dense workspace over ({', '.join(cs.ws_vars)}) {marks};"
                          " count pass, prefix sum, fill pass")
         if cs.output == "rows" and self.workspace_why:
             lines.append(f"workspace:    {self.workspace.split(' ')[0]}: {self.workspace_why}")

@@ -112,6 +112,35 @@ def test_spgemm_fill_marks_long_rows_in_a_bitmap(width, dtype, index, backend):
     _assert_rows_strictly_increasing(r)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "interp"])
+def test_spgemm_count_pass_guesses_bitmap_rows_from_the_last_row(backend):
+    """The count pass marks a row in a bitmap (and counts its bits) where the thread's last row was dense in the
+    workspace, else with marks and a touched list: both give the exact count, so rows alternating between dense
+    and sparse (each taking the other's path), empty rows, rows at the threshold (32, 33 entries), a dense row
+    after an empty one and the last row, give the dense product; the source has both paths and prefetches the
+    rows of B it will walk."""
+    width = 1000  # 16 words: a row is dense from 33 entries
+    sizes = [400, 0, 500, 1, 33, 32, 33, 900, 2, 34, 0, 0, 700, 999, 5, 1000]
+    g = torch.Generator().manual_seed(11)
+    db = torch.zeros(2 * len(sizes), width, dtype=torch.float64)
+    for r, c in enumerate(sizes):
+        for half in (0, 1):
+            cols = torch.randperm(width, generator=g)[:c]
+            db[2 * r + half, cols] = torch.randn(c, generator=g, dtype=torch.float64)
+    da = torch.zeros(len(sizes), 2 * len(sizes), dtype=torch.float64)
+    for r in range(len(sizes)):
+        da[r, 2 * r], da[r, 2 * r + 1] = 2.0, 1.0
+    a, b = scorch.asformat(da, "csr"), scorch.asformat(db, "csr")
+    with scorch.engine.cpu_backend(backend):
+        r = a @ b
+    torch.testing.assert_close(r.to_dense(), da @ db)
+    _assert_rows_strictly_increasing(r)
+    if backend == "cpp":
+        text = scorch.explain("ij,jk->ik", a, b, file=__import__("io").StringIO())
+        count = text.split("kernel count")[1].split("kernel fill")[0]
+        assert "scorch_bit_count(" in count and "nt_last" in count and "__builtin_prefetch" in count
+
+
 def test_interpreter_refuses_16_bit_operands_by_name():
     """The loop-IR interpreter (NumPy) has no bfloat16: a 16-bit operand is refused with the reason, not a NumPy
     conversion error."""

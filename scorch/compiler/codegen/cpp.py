@@ -239,6 +239,8 @@ class _Emitter:
         if isinstance(s, L.BitKeys):
             return [f"{pad}{ident(s.count.name)} = scorch_bit_keys({ident(s.bits)}, {self.expr(s.words)}, "
                     f"{ident(s.keys)}, {self.expr(s.cap)});"]
+        if isinstance(s, L.BitCount):
+            return [f"{pad}{ident(s.count.name)} = scorch_bit_count({ident(s.bits)}, {self.expr(s.words)});"]
         if isinstance(s, L.For):
             return self.loop(s, d)
         if isinstance(s, L.While):

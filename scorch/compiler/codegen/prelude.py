@@ -390,6 +390,91 @@ static inline int64_t scorch_common(const int32_t* a, int64_t na, const int32_t*
 #endif
 """
 
+# bitmaps of keys (``loopir.SetBit``, ``BitKeys``, ``BitCount``), and the ascending sort of int64 keys
+# (``loopir.Sort``), which uses them; each guarded, so that a kernel naming both gets them once
+_BITMAP = f"#ifndef SCORCH_BITMAP\n#define SCORCH_BITMAP\n#define SCORCH_BITMAP_MIN_KEYS {L.BITMAP_MIN_KEYS}\n" + """#ifdef __CUDA_ARCH__
+#define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
+#define SCORCH_POPC64(x) __popcll(x)
+#else
+#define SCORCH_CTZ64(x) __builtin_ctzll(x)
+#define SCORCH_POPC64(x) __builtin_popcountll(x)
+#endif
+// a bitmap of keys in an int64 array: scorch_set_bit marks one; scorch_bit_keys writes the marked keys of
+// bits[0:words] ascending into keys (room for cap) and zeroes the words, returning their number. Each word's
+// first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
+// rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
+// 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
+// the next keys; scorch_bit_count returns the number of marked keys and zeroes the words
+static void scorch_set_bit(int64_t* bits, int64_t k) {
+  ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
+}
+static int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int64_t cap) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    uint64_t x = (uint64_t)bits[k];
+    bits[k] = 0;
+    const int64_t base = k << 6, c = SCORCH_POPC64(x);
+    int64_t u = t;
+    if (t + 4 <= cap) {
+      for (; u < t + 4; ++u) {
+        keys[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
+        x &= x - 1;
+      }
+    }
+    for (; x; x &= x - 1) keys[u++] = base + SCORCH_CTZ64(x);
+    t += c;
+  }
+  return t;
+}
+static int64_t scorch_bit_count(int64_t* bits, int64_t words) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    t += SCORCH_POPC64((uint64_t)bits[k]);
+    bits[k] = 0;
+  }
+  return t;
+}
+#endif
+"""
+_SORT = _BITMAP + """#ifndef SCORCH_SORT
+#define SCORCH_SORT
+static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
+  // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
+  // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
+  if (n > SCORCH_BITMAP_MIN_KEYS && n * 64 >= bound) {
+    const int64_t words = (bound + 63) >> 6;
+    for (int64_t k = 0; k < words; ++k) scratch[k] = 0;
+    for (int64_t k = 0; k < n; ++k) scorch_set_bit(scratch, a[k]);
+    scorch_bit_keys(scratch, words, a, n);
+    return;
+  }
+  if (n <= 32) {
+    for (int64_t k = 1; k < n; ++k) {
+      const int64_t v = a[k];
+      int64_t q = k - 1;
+      while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
+      a[q + 1] = v;
+    }
+    return;
+  }
+  int64_t* src = a;
+  int64_t* dst = scratch;
+  for (int shift = 0; shift < 63 && (bound - 1) >> shift; shift += 8) {
+    int64_t count[257] = {0};
+    for (int64_t k = 0; k < n; ++k) ++count[((src[k] >> shift) & 255) + 1];
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (int64_t k = 0; k < n; ++k) dst[count[(src[k] >> shift) & 255]++] = src[k];
+    int64_t* t = src; src = dst; dst = t;
+  }
+  if (src != a) for (int64_t k = 0; k < n; ++k) a[k] = src[k];
+}
+static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
+  for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
+  return true;
+}
+#endif
+"""
+
 HELPERS = {
     "scorch_bf16": BF16,
     "scorch_atomic_add": ATOMIC16,
@@ -432,74 +517,9 @@ struct scorch_buf {
   ~scorch_buf() { std::free(p); }
 };
 """,
-    # ascending sort of int64 keys: quicksort (median of three) down to insertion sort (<algorithm> costs ~0.4 s)
-    "scorch_sort": f"#define SCORCH_BITMAP_MIN_KEYS {L.BITMAP_MIN_KEYS}\n" + """#ifdef __CUDA_ARCH__
-#define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
-#define SCORCH_POPC64(x) __popcll(x)
-#else
-#define SCORCH_CTZ64(x) __builtin_ctzll(x)
-#define SCORCH_POPC64(x) __builtin_popcountll(x)
-#endif
-// a bitmap of keys in an int64 array: scorch_set_bit marks one; scorch_bit_keys writes the marked keys of
-// bits[0:words] ascending into keys (room for cap) and zeroes the words, returning their number. Each word's
-// first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
-// rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
-// 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
-// the next keys
-static void scorch_set_bit(int64_t* bits, int64_t k) {
-  ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
+    # ascending sort of distinct int64 keys, and bitmaps of keys (<algorithm> costs ~0.4 s); a count pass's bitmap
+    # rows name the bitmap helpers alone
+    "scorch_sort": _SORT,
+    "scorch_set_bit": _BITMAP,
 }
-static int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int64_t cap) {
-  int64_t t = 0;
-  for (int64_t k = 0; k < words; ++k) {
-    uint64_t x = (uint64_t)bits[k];
-    bits[k] = 0;
-    const int64_t base = k << 6, c = SCORCH_POPC64(x);
-    int64_t u = t;
-    if (t + 4 <= cap) {
-      for (; u < t + 4; ++u) {
-        keys[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
-        x &= x - 1;
-      }
-    }
-    for (; x; x &= x - 1) keys[u++] = base + SCORCH_CTZ64(x);
-    t += c;
-  }
-  return t;
-}
-static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
-  // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
-  // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
-  if (n > SCORCH_BITMAP_MIN_KEYS && n * 64 >= bound) {
-    const int64_t words = (bound + 63) >> 6;
-    for (int64_t k = 0; k < words; ++k) scratch[k] = 0;
-    for (int64_t k = 0; k < n; ++k) scorch_set_bit(scratch, a[k]);
-    scorch_bit_keys(scratch, words, a, n);
-    return;
-  }
-  if (n <= 32) {
-    for (int64_t k = 1; k < n; ++k) {
-      const int64_t v = a[k];
-      int64_t q = k - 1;
-      while (q >= 0 && a[q] > v) { a[q + 1] = a[q]; --q; }
-      a[q + 1] = v;
-    }
-    return;
-  }
-  int64_t* src = a;
-  int64_t* dst = scratch;
-  for (int shift = 0; shift < 63 && (bound - 1) >> shift; shift += 8) {
-    int64_t count[257] = {0};
-    for (int64_t k = 0; k < n; ++k) ++count[((src[k] >> shift) & 255) + 1];
-    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
-    for (int64_t k = 0; k < n; ++k) dst[count[(src[k] >> shift) & 255]++] = src[k];
-    int64_t* t = src; src = dst; dst = t;
-  }
-  if (src != a) for (int64_t k = 0; k < n; ++k) a[k] = src[k];
-}
-static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
-  for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
-  return true;
-}
-""",
-}
+

@@ -127,6 +127,8 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
   }
   return l;
 }
+#ifndef SCORCH_BITMAP
+#define SCORCH_BITMAP
 #define SCORCH_BITMAP_MIN_KEYS 32
 #ifdef __CUDA_ARCH__
 #define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
@@ -140,7 +142,7 @@ template <class P> static __device__ int64_t scorch_first_row(const P* pos, int6
 // first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
 // rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
 // 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
-// the next keys
+// the next keys; scorch_bit_count returns the number of marked keys and zeroes the words
 static __device__ void scorch_set_bit(int64_t* bits, int64_t k) {
   ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
 }
@@ -162,6 +164,17 @@ static __device__ int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t*
   }
   return t;
 }
+static __device__ int64_t scorch_bit_count(int64_t* bits, int64_t words) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    t += SCORCH_POPC64((uint64_t)bits[k]);
+    bits[k] = 0;
+  }
+  return t;
+}
+#endif
+#ifndef SCORCH_SORT
+#define SCORCH_SORT
 static __device__ void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
   // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
@@ -196,6 +209,7 @@ static __device__ inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
   for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
   return true;
 }
+#endif
 template <class I, class J> static __device__ inline int64_t scorch_common(const I* a, int64_t na, const J* b, int64_t nb) {
   int64_t i = 0, j = 0, c = 0;
   while (i < na && j < nb) {

@@ -11,6 +11,8 @@ struct scorch_buf {
   scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
   ~scorch_buf() { std::free(p); }
 };
+#ifndef SCORCH_BITMAP
+#define SCORCH_BITMAP
 #define SCORCH_BITMAP_MIN_KEYS 32
 #ifdef __CUDA_ARCH__
 #define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
@@ -24,7 +26,7 @@ struct scorch_buf {
 // first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
 // rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
 // 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
-// the next keys
+// the next keys; scorch_bit_count returns the number of marked keys and zeroes the words
 static void scorch_set_bit(int64_t* bits, int64_t k) {
   ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
 }
@@ -46,6 +48,17 @@ static int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int6
   }
   return t;
 }
+static int64_t scorch_bit_count(int64_t* bits, int64_t words) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    t += SCORCH_POPC64((uint64_t)bits[k]);
+    bits[k] = 0;
+  }
+  return t;
+}
+#endif
+#ifndef SCORCH_SORT
+#define SCORCH_SORT
 static void scorch_sort(int64_t* a, int64_t n, int64_t bound, int64_t* scratch) {
   // distinct keys in [0, bound): insertion sort for short runs; where they are dense (a bit per key of the range
   // fits in n words: the scratch) a bitmap read in order; else a least-significant-digit radix sort by bytes
@@ -80,6 +93,53 @@ static inline bool scorch_is_sorted(const int64_t* a, int64_t n) {
   for (int64_t k = 1; k < n; ++k) if (a[k] < a[k - 1]) return false;
   return true;
 }
+#endif
+#ifndef SCORCH_BITMAP
+#define SCORCH_BITMAP
+#define SCORCH_BITMAP_MIN_KEYS 32
+#ifdef __CUDA_ARCH__
+#define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
+#define SCORCH_POPC64(x) __popcll(x)
+#else
+#define SCORCH_CTZ64(x) __builtin_ctzll(x)
+#define SCORCH_POPC64(x) __builtin_popcountll(x)
+#endif
+// a bitmap of keys in an int64 array: scorch_set_bit marks one; scorch_bit_keys writes the marked keys of
+// bits[0:words] ascending into keys (room for cap) and zeroes the words, returning their number. Each word's
+// first 4 keys are written whatever its count (an emptied word reads as bit 63: its ctz is defined), the rest,
+// rare, by a loop: a loop over every word's bits missed its exit about once a word (SpGEMM's fill on the uniform
+// 20k matrix, 2 threads: 92-99 -> 76-77 ms); a write past the word's keys lands below cap and is overwritten by
+// the next keys; scorch_bit_count returns the number of marked keys and zeroes the words
+static void scorch_set_bit(int64_t* bits, int64_t k) {
+  ((uint64_t*)bits)[k >> 6] |= (uint64_t)1 << (k & 63);
+}
+static int64_t scorch_bit_keys(int64_t* bits, int64_t words, int64_t* keys, int64_t cap) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    uint64_t x = (uint64_t)bits[k];
+    bits[k] = 0;
+    const int64_t base = k << 6, c = SCORCH_POPC64(x);
+    int64_t u = t;
+    if (t + 4 <= cap) {
+      for (; u < t + 4; ++u) {
+        keys[u] = base + SCORCH_CTZ64(x | ((uint64_t)1 << 63));
+        x &= x - 1;
+      }
+    }
+    for (; x; x &= x - 1) keys[u++] = base + SCORCH_CTZ64(x);
+    t += c;
+  }
+  return t;
+}
+static int64_t scorch_bit_count(int64_t* bits, int64_t words) {
+  int64_t t = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    t += SCORCH_POPC64((uint64_t)bits[k]);
+    bits[k] = 0;
+  }
+  return t;
+}
+#endif
 
 extern "C" void scorch_fill(
     int64_t n1_arg,
@@ -96,8 +156,8 @@ extern "C" void scorch_fill(
     const int32_t* __restrict__ t1_l1_crd,
     int64_t t1_l1_lo_arg,
     int64_t t1_l1_ext_arg,
-    const float* __restrict__ t0_vals,
     const float* __restrict__ t1_vals,
+    const float* __restrict__ t0_vals,
     const int64_t* __restrict__ row_ptr,
     int32_t* __restrict__ out_crd,
     float* __restrict__ out,
@@ -146,6 +206,11 @@ extern "C" void scorch_fill(
           for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
             const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
             const int64_t p1_0 = (x2 - t1_l0_lo);
+            if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
+              const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
+              __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+              __builtin_prefetch(&t1_vals[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+            }
             for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
               const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
               const int64_t w = x1;
@@ -165,6 +230,11 @@ extern "C" void scorch_fill(
           for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
             const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
             const int64_t p1_0 = (x2 - t1_l0_lo);
+            if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
+              const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
+              __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+              __builtin_prefetch(&t1_vals[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+            }
             for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
               const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
               const int64_t w = x1;
