@@ -429,9 +429,12 @@ class _Lowering:
 
         def block_of_entries(base):
             entry = [("let", pv, L.binary("add", base, u))]
-            accumulate = L.For(kloop[1], kloop[2], kloop[3], L.block(L.For(
-                u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.Store(sums, u, value, "add")]), unroll=True)),
-                vector=lanes)
+            # entry by entry, each reading its whole row of B before the next: the lines of one row in a row (the
+            # k loop inside) were 14-20% faster than k outside, which reads one line of each of the U rows in turn
+            # (SDDMM K=64 on the uniform 20k matrix, 1.39 -> 1.14 and 1.70 -> 1.37 ms; power-law 25.1 -> 23.0 ms;
+            # 2 threads, AMD EPYC Zen 4, the generated kernel edited and called by hand, interleaved medians)
+            accumulate = L.For(u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.For(
+                kloop[1], kloop[2], kloop[3], L.block(L.Store(sums, u, value, "add")), vector=lanes)]), unroll=True)
             total = product(L.Load("etot", u, ct))
             write = _lane_store(entry + lets, u, lanes, out, index, total, ct) or L.For(
                 u, L.Const(0), L.Const(U), _nest(entry + lets, [L.Store(out, index, total)]), unroll=True)
