@@ -276,6 +276,15 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             if not close(scorch.einsum("ij,ij->ij", scorch.asformat(a, "csr"), scorch.asformat(a, "coo"),
                                        schedule=hashed), a * a):
                 bad.append(f"hash csr * coo {(m, k)}")
+        # the dense workspace's bitmap rows: a count pass guessing each row from the last (rows alternating between
+        # many entries and a few), the fill's bitmap and touched-list rows, rows of B prefetched two entries ahead
+        b = torch.cat([values((30, 200), gen, 0.9), values((30, 200), gen, 0.05)])
+        a = torch.zeros(12, 60, dtype=b.dtype)
+        a[0::2, :30] = values((6, 30), gen, 0.6)
+        a[1::2, 30:] = values((6, 30), gen, 0.1)
+        n += 1
+        if not close(scorch.einsum("ij,jk->ik", scorch.asformat(a, "csr"), scorch.asformat(b, "csr")), a @ b):
+            bad.append("bitmap rows csr @ csr")
         big = 2**40
         keys = torch.randint(0, big, (400,), generator=gen).unique()
         v = scorch.sparse_coo_tensor(keys.unsqueeze(0), torch.ones(keys.numel(), dtype=torch.float64), (big,))
