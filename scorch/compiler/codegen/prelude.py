@@ -392,7 +392,8 @@ static inline int64_t scorch_common(const int32_t* a, int64_t na, const int32_t*
 
 # bitmaps of keys (``loopir.SetBit``, ``BitKeys``, ``BitCount``), and the ascending sort of int64 keys
 # (``loopir.Sort``), which uses them; each guarded, so that a kernel naming both gets them once
-_BITMAP = f"#ifndef SCORCH_BITMAP\n#define SCORCH_BITMAP\n#define SCORCH_BITMAP_MIN_KEYS {L.BITMAP_MIN_KEYS}\n" + """#ifdef __CUDA_ARCH__
+_BITMAP = "#ifndef SCORCH_BITMAP\n#define SCORCH_BITMAP\n" + \
+    f"#define SCORCH_BITMAP_MIN_KEYS {L.BITMAP_MIN_KEYS}\n" + """#ifdef __CUDA_ARCH__
 #define SCORCH_CTZ64(x) (__ffsll((long long)(x)) - 1)
 #define SCORCH_POPC64(x) __popcll(x)
 #else
@@ -522,4 +523,3 @@ struct scorch_buf {
     "scorch_sort": _SORT,
     "scorch_set_bit": _BITMAP,
 }
-
