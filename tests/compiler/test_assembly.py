@@ -2,6 +2,7 @@
 above 2**32, and both widths of output coordinates, checked against dense torch."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import scorch
 from scorch.engine import bind
@@ -139,6 +140,32 @@ def test_spgemm_count_pass_guesses_bitmap_rows_from_the_last_row(backend):
         text = scorch.explain("ij,jk->ik", a, b, file=__import__("io").StringIO())
         count = text.split("kernel count")[1].split("kernel fill")[0]
         assert "scorch_bit_count(" in count and "nt_last" in count and "__builtin_prefetch" in count
+
+
+@settings(max_examples=30, deadline=None)
+@given(widths=st.lists(st.integers(0, 60), min_size=0, max_size=10), n=st.integers(1, 400),
+       fmt=st.sampled_from(["csr", "dcsr"]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       index=st.sampled_from([torch.int32, torch.int64]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_spgemm_rows_of_any_mix_of_sizes_match_dense(widths, n, fmt, dtype, index, threads, seed):
+    """Output rows of random sizes in a random order (each row of A picks ``w`` rows of B of random densities),
+    so the count pass's guess from the last row is wrong in both directions and rows fall on both sides of the
+    bitmap rule, in widths around a word's multiple, on one thread and two: equal to dense torch."""
+    g = torch.Generator().manual_seed(seed)
+    k = max(widths, default=0) + 1
+    db = (torch.rand(k, n, generator=g) < torch.rand(k, 1, generator=g)) * torch.randn(k, n, generator=g)
+    da = torch.zeros(len(widths), k)
+    for r, w in enumerate(widths):
+        cols = torch.randperm(k, generator=g)[:w]
+        da[r, cols] = torch.randn(cols.numel(), generator=g)
+    da, db = da.to(dtype), db.to(dtype)
+    a, b = scorch.asformat(da, fmt, index_dtype=index), scorch.asformat(db, fmt, index_dtype=index)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        r = scorch.einsum("ij,jk->ik", a, b)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(r.to_dense(), da @ db)
 
 
 def test_interpreter_refuses_16_bit_operands_by_name():
