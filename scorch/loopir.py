@@ -247,16 +247,18 @@ class SetBit(Stmt):
     index: Expr
 
 
-#: distinct keys in [0, bound) are dense where there are more than this many and at least one per 64-bit word of
-#: the range: there a bitmap read in order sorts them (the C++ ``scorch_sort``) and a fill marks its row in one
-#: (``coiterate``'s ``bitmap_row``). The one rule for both: ``dense_keys``, and the prelude's
-#: ``SCORCH_BITMAP_MIN_KEYS``
+#: distinct keys in [0, bound) are dense where there are more than this many and at least one per ``spread`` 64-bit
+#: words of the range: there a bitmap read in order sorts them (the C++ ``scorch_sort``, spread 1: its bitmap must
+#: fit in the keys' own scratch) and a row is marked in one (``coiterate``'s ``bitmap_row``, whose bitmap has all
+#: its words). The rule: ``dense_keys``, and the prelude's ``SCORCH_BITMAP_MIN_KEYS``
 BITMAP_MIN_KEYS = 32
 
 
-def dense_keys(n: Expr, bound: Expr) -> Expr:
-    """Whether ``n`` distinct keys in [0, ``bound``) are dense (``BITMAP_MIN_KEYS``)."""
-    return binary("and", binary("gt", n, Const(BITMAP_MIN_KEYS)), binary("ge", binary("mul", n, Const(64)), bound))
+def dense_keys(n: Expr, bound: Expr, spread: int = 1) -> Expr:
+    """Whether ``n`` distinct keys in [0, ``bound``) are dense (``BITMAP_MIN_KEYS``): more than that many, and at
+    least one per ``spread`` 64-bit words of the range."""
+    return binary("and", binary("gt", n, Const(BITMAP_MIN_KEYS)),
+                  binary("ge", binary("mul", n, Const(64 * spread)), bound))
 
 
 @dataclass(frozen=True)

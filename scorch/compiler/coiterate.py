@@ -28,6 +28,11 @@ INT64_MAX = 2**63 - 1
 #: how many entries ahead a loop prefetches the row the next loop will walk (``prefetch_rows``): 2, 4 and 8 were
 #: measured on the uniform 20k SpGEMM, 2 the fastest by a little
 PREFETCH_ROWS_AHEAD = 2
+#: a row is marked in a bitmap (``bitmap_row``) where it has at least one entry per this many of the bitmap's
+#: 64-bit words: reading 2 words a key costs less than the marks, touched list and radix sort of the other path.
+#: On the uniform 20k SpGEMM (rows of B touching ~130-600 of 20,000 columns), 1 -> 2: count 4.9-5.2 -> 4.5-4.6 ms,
+#: fill 20.1-22.5 -> 19.4-21.9 ms (4 a word measured the same; hand-edited sources, interleaved)
+BITMAP_ROW_SPREAD = 2
 
 
 def lower_coiteration(asg: Assignment, cs: CoSchedule, ct: str, broadcast=frozenset(), phase=None,
@@ -316,14 +321,13 @@ class _CoLowering(_Lowering):
     def bitmap_row(self, row, st, walk):
         """A row's ``walk`` (its loops from state ``st`` and ``row_end``), and beside it the same loops marking a
         bitmap (one bit set per term: no test, no touched list), read at the row's end, taken where the row's
-        entries are dense in the workspace (``L.dense_keys``, ``scorch_sort``'s own bitmap rule: there the marks'
-        touched list is sorted through a bitmap anyway). The fill reads the keys in order (no sort): SpGEMM's fill
-        on the uniform 20k matrix (rows of ~400 entries in 20,000 columns), measured by hand, was as fast as the
-        fill without any sort. The count pass counts the bits (``BitCount``), and since it does not know the row's
-        entries before its loops, it goes by the thread's last row (``nt_last``): either way the count is exact,
-        and where the guess is wrong the bitmap's words read are fewer than the last row's entries, so the pass
-        takes at most twice its time with marks. On the uniform 20k SpGEMM the count went from 9.9 to 7.0 ms
-        (hand-edited generated source, 2 threads, interleaved medians)."""
+        entries are dense in the workspace (``L.dense_keys`` with ``BITMAP_ROW_SPREAD``: at least one entry per 2
+        of the bitmap's words). The fill reads the keys in order (no sort): SpGEMM's fill on the uniform 20k matrix
+        (rows of ~400 entries in 20,000 columns), measured by hand, was as fast as the fill without any sort. The
+        count pass counts the bits (``BitCount``), and since it does not know the row's entries before its loops,
+        it goes by the thread's last row (``nt_last``): either way the count is exact, and where the guess is wrong
+        the bitmap's words read are at most twice the last row's entries. On the uniform 20k SpGEMM the count went
+        from 9.9 to 7.0 ms (hand-edited generated source, 2 threads, interleaved medians)."""
         self.bitmap = True
         try:
             marked = self.gen(1, st) + self.row_end(row)
@@ -331,11 +335,11 @@ class _CoLowering(_Lowering):
             self.bitmap = False
         if self.phase == "count":
             last = L.Var("nt_last")
-            return [L.If(L.dense_keys(last, self.ws_size), L.block(marked), L.block(walk)),
+            return [L.If(L.dense_keys(last, self.ws_size, BITMAP_ROW_SPREAD), L.block(marked), L.block(walk)),
                     L.Assign(last, L.Var("nt"))]
         row_ptr = self.param("row_ptr", "array", "i64", "row_ptr")
         n = L.binary("sub", L.Load(row_ptr, L.binary("add", row, L.Const(1)), "i64"), L.Load(row_ptr, row, "i64"))
-        return [L.If(L.dense_keys(n, self.ws_size), L.block(marked), L.block(walk))]
+        return [L.If(L.dense_keys(n, self.ws_size, BITMAP_ROW_SPREAD), L.block(marked), L.block(walk))]
 
     def body_at(self, i, st):
         if i == 0 and self.phase and self.cs.row_var is not None:

@@ -88,10 +88,11 @@ def test_merges_are_written_directly(fmt):
     (torch.float32, torch.int32, "cpp"), (torch.float64, torch.int64, "cpp"), (torch.bfloat16, torch.int32, "cpp"),
     (torch.float64, torch.int32, "interp")])  # (the interpreter, NumPy, has no bfloat16)
 def test_spgemm_fill_marks_long_rows_in_a_bitmap(width, dtype, index, backend):
-    """A fill's row with more than 32 entries and at least one per 64 columns is marked in a bitmap and read in
-    order (no touched list, no sort); other rows keep the touched list. Rows of exactly 0, 1, 32, 33, one short
-    of a word's worth, a word's worth, a full word's 64 columns and the whole width, in widths that end inside a
-    word; each output row the sum of two rows of B (overlapping columns added), against dense torch."""
+    """A fill's row with more than 32 entries and at least one per 2 words of columns (``BITMAP_ROW_SPREAD``) is
+    marked in a bitmap and read in order (no touched list, no sort); other rows keep the touched list. Rows of
+    exactly 0, 1, 32, 33, one short of a word's worth, a word's worth, a full word's 64 columns and the whole
+    width, in widths that end inside a word; each output row the sum of two rows of B (overlapping columns
+    added), against dense torch."""
     g = torch.Generator().manual_seed(width)
     words = -(-width // 64)
     sizes = [0, 1, 32, 33, max(words - 1, 0), words, 64, width]

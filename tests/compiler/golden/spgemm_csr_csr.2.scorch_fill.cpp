@@ -202,7 +202,7 @@ extern "C" void scorch_fill(
       for (int64_t x0 = r0; x0 < r1; ++x0) {
         const int64_t p0_0 = (x0 - t0_l0_lo);
         int64_t nt = INT64_C(0);
-        if ((((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) > INT64_C(32)) && (((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) * INT64_C(64)) >= n1))) {
+        if ((((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) > INT64_C(32)) && (((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) * INT64_C(128)) >= n1))) {
           for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
             const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
             const int64_t p1_0 = (x2 - t1_l0_lo);
