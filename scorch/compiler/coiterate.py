@@ -260,9 +260,8 @@ class _CoLowering(_Lowering):
                 continue
             at = walked.emit_pos_bounds(sym, here.emit_coord_access(self.sym(k, idx), parent, xl))[0]
             out.append(L.Prefetch(sym.crd, at))
-            if idx + 2 == len(fmt.levels) and (self.phase in (None, "fill")):
-                t = self.asg.operands[k]
-                out.append(L.Prefetch(self.param(f"t{k}_vals", "array", L.type_of(t.dtype), "values", operand=k), at))
+            if idx + 2 == len(fmt.levels) and self.phase in (None, "fill"):
+                out.append(L.Prefetch(self.values(k), at))
         if not out:
             return []
         return [L.If(L.binary("lt", later, end), L.block(L.Let(xl, crd_at(later)), out))]
@@ -451,8 +450,7 @@ class _CoLowering(_Lowering):
         if isinstance(e, Access) and self.asg.operands[e.operand].sparse:
             t = self.asg.operands[e.operand]
             _, p, alive = self.state[e.operand]
-            vals = self.param(f"t{e.operand}_vals", "array", L.type_of(t.dtype), "values", operand=e.operand)
-            v = _cast(L.Load(vals, p, L.type_of(t.dtype)), self.ct)
+            v = _cast(L.Load(self.values(e.operand), p, L.type_of(t.dtype)), self.ct)
             eager = isinstance(p, L.Var) and p.name in self.inside
             return v if alive is None else L.Select(alive, v, L.Const(0, self.ct), self.ct, eager)
         return super()._value(e)

@@ -103,6 +103,11 @@ class _Lowering:
             self.args.append(Arg(p, arg_kind, **where))
         return name
 
+    def values(self, k):
+        """The values array of sparse operand ``k`` (a kernel parameter, added on first use)."""
+        t = self.asg.operands[k]
+        return self.param(f"t{k}_vals", "array", L.type_of(t.dtype), "values", operand=k)
+
     def size(self, v):
         if v in self.spec:
             return L.Const(self.spec[v])
@@ -525,8 +530,7 @@ class _Lowering:
             if t.sparse:
                 if e != self.sched.driver:
                     raise NotImplementedError("scorch: einsum with more than one sparse operand is not supported yet")
-                vals = self.param(f"t{e.operand}_vals", "array", L.type_of(t.dtype), "values", operand=e.operand)
-                return _cast(L.Load(vals, self.leaf, L.type_of(t.dtype)), ct)
+                return _cast(L.Load(self.values(e.operand), self.leaf, L.type_of(t.dtype)), ct)
             data = self.param(f"t{e.operand}", "array", L.type_of(t.dtype), "dense", operand=e.operand)
             off = L.Const(0)
             for d, v in enumerate(e.indices):

@@ -301,9 +301,12 @@ def prepared_call(plan: Plan, sizes, dtype):
         args = list(template)
         for n, op, lvl, what in dynamic:  # (a SparseTensor's arrays from its __dict__: see kept_product)
             x = ops[op]
-            args[n] = mean_length(x, lvl) if what == 4 else (
-                x.__dict__["_levels"][lvl].pos if what == 0 else x.__dict__["_levels"][lvl].crd if what == 1 else
-                x.__dict__["_vals"] if what == 2 else x).data_ptr()
+            if what == 4:
+                args[n] = mean_length(x, lvl)
+                continue
+            d = x.__dict__
+            args[n] = (d["_levels"][lvl].pos if what == 0 else d["_levels"][lvl].crd if what == 1 else
+                       d["_vals"] if what == 2 else x).data_ptr()
         if m:
             s = ops[k_drv]
             _, counts = level_info(s)

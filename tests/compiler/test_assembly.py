@@ -83,6 +83,20 @@ def test_merges_are_written_directly(fmt):
     assert "written straight from the loops" in text
 
 
+def _rows_of_sizes(sizes, width, g):
+    """``(A, B)`` whose product's row ``r`` is the sum of two rows of B of ``sizes[r]`` random columns each (the
+    second overlapping the first's), in float64."""
+    db = torch.zeros(2 * len(sizes), width, dtype=torch.float64)
+    for r, c in enumerate(sizes):
+        for half in (0, 1):
+            cols = torch.randperm(width, generator=g)[:min(c, width)]
+            db[2 * r + half, cols] = torch.randn(cols.numel(), generator=g, dtype=torch.float64)
+    da = torch.zeros(len(sizes), 2 * len(sizes), dtype=torch.float64)
+    for r in range(len(sizes)):
+        da[r, 2 * r], da[r, 2 * r + 1] = 1.5, -0.5
+    return da, db
+
+
 @pytest.mark.parametrize("width", [64, 650, 2100])
 @pytest.mark.parametrize("dtype, index, backend", [
     (torch.float32, torch.int32, "cpp"), (torch.float64, torch.int64, "cpp"), (torch.bfloat16, torch.int32, "cpp"),
@@ -96,14 +110,7 @@ def test_spgemm_fill_marks_long_rows_in_a_bitmap(width, dtype, index, backend):
     g = torch.Generator().manual_seed(width)
     words = -(-width // 64)
     sizes = [0, 1, 32, 33, max(words - 1, 0), words, 64, width]
-    db = torch.zeros(2 * len(sizes), width, dtype=torch.float64)
-    for r, c in enumerate(sizes):
-        for half in (0, 1):  # two rows of B per output row: the second overlaps the first's columns
-            cols = torch.randperm(width, generator=g)[:min(c, width)]
-            db[2 * r + half, cols] = torch.randn(cols.numel(), generator=g, dtype=torch.float64)
-    da = torch.zeros(len(sizes), 2 * len(sizes), dtype=torch.float64)
-    for r in range(len(sizes)):
-        da[r, 2 * r], da[r, 2 * r + 1] = 1.5, -0.5
+    da, db = _rows_of_sizes(sizes, width, g)
     a = scorch.asformat(da.to(dtype), "csr", index_dtype=index)
     b = scorch.asformat(db.to(dtype), "csr", index_dtype=index)
     with scorch.engine.cpu_backend(backend):
@@ -124,14 +131,7 @@ def test_spgemm_count_pass_guesses_bitmap_rows_from_the_last_row(backend):
     width = 1000  # 16 words: a row is dense from 33 entries
     sizes = [400, 0, 500, 1, 33, 32, 33, 900, 2, 34, 0, 0, 700, 999, 5, 1000]
     g = torch.Generator().manual_seed(11)
-    db = torch.zeros(2 * len(sizes), width, dtype=torch.float64)
-    for r, c in enumerate(sizes):
-        for half in (0, 1):
-            cols = torch.randperm(width, generator=g)[:c]
-            db[2 * r + half, cols] = torch.randn(c, generator=g, dtype=torch.float64)
-    da = torch.zeros(len(sizes), 2 * len(sizes), dtype=torch.float64)
-    for r in range(len(sizes)):
-        da[r, 2 * r], da[r, 2 * r + 1] = 2.0, 1.0
+    da, db = _rows_of_sizes(sizes, width, g)
     a, b = scorch.asformat(da, "csr"), scorch.asformat(db, "csr")
     with scorch.engine.cpu_backend(backend):
         r = a @ b
