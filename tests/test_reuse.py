@@ -308,3 +308,55 @@ def _kept_product_follows_changes(evaluate):
         r = s @ x
         assert isinstance(r, scorch.deferred.Deferred)
         torch.testing.assert_close(r.compute(), 2 * d2 @ x)
+
+
+def test_a_repeated_sampled_addmm_takes_the_call_kept_on_the_input():
+    """``sampled_addmm`` keeps its prepared call and the pattern of ones on the input (``engine.kept_sddmm``):
+    a repeated call with operands of the kept shapes and dtypes takes it, with the same result as the first;
+    an in-place change of pattern, of values, of the caches, a gradient to record or another alpha does not
+    take it where it would be wrong."""
+    from scorch.engine import evaluate
+    g = torch.Generator().manual_seed(11)
+    # (sparse enough for one kernel, not a dense product masked after; 16 columns: a whole number of vectors,
+    # where the kernel reads its operands as given and the call is kept)
+    d = torch.randn(64, 48, generator=g) * (torch.rand(64, 48, generator=g) < 0.05)
+    s, a, b = scorch.asformat(d, "csr"), torch.randn(64, 16, generator=g), torch.randn(16, 48, generator=g)
+
+    def want(d, a, b, beta=1.0, alpha=1.0):
+        return beta * d + alpha * (d != 0) * (a @ b)
+
+    for _ in range(3):
+        torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), want(d, a, b))
+    assert evaluate.kept_sddmm(s, a, b)
+    r = torch.sparse.sampled_addmm(s, a, b, beta=0.5)
+    torch.testing.assert_close(r.to_dense(), want(d, a, b, beta=0.5))
+    assert r.levels[1].crd is s.levels[1].crd                       # the input's pattern, shared
+    torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b, alpha=2.0).to_dense(), want(d, a, b, alpha=2.0))
+    torch.testing.assert_close(torch.sparse.sampled_addmm(s, 2 * a, b).to_dense(), want(d, 2 * a, b))
+    bt = b.t().contiguous().t()                                       # not contiguous: the long way
+    assert evaluate.kept_sddmm(s, a, bt) is None
+    torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, bt).to_dense(), want(d, a, b))
+    assert evaluate.kept_sddmm(s, a, b)                               # (and the kept call still there)
+    a4, b4 = a[:, :4].contiguous(), b[:4].contiguous()                # other shapes: their own call
+    for _ in range(3):
+        torch.testing.assert_close(torch.sparse.sampled_addmm(s, a4, b4).to_dense(), want(d, a4, b4))
+        torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), want(d, a, b))
+    assert evaluate.kept_sddmm(s, a.double(), b.double()) is None
+    ag = a.clone().requires_grad_(True)                               # a gradient to record
+    assert evaluate.kept_sddmm(s, ag, b) is None
+    torch.sparse.sampled_addmm(s, ag, b).values().sum().backward()
+    torch.testing.assert_close(ag.grad, (d != 0).float() @ b.t())
+    s.values().mul_(3)                                                # values changed in place: read each call
+    torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), want(3 * d, a, b))
+    d2 = torch.randn(64, 48, generator=g) * (torch.rand(64, 48, generator=g) < 0.08)
+    s.copy_(scorch.asformat(d2, "csr"))                               # another pattern in place
+    assert evaluate.kept_sddmm(s, a, b) is None
+    for _ in range(2):
+        torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), want(d2, a, b))
+    assert evaluate.kept_sddmm(s, a, b)
+    scorch.clear_caches()
+    assert evaluate.kept_sddmm(s, a, b) is None
+    torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), want(d2, a, b))
+    with scorch.engine.cpu_backend("interp"):
+        assert evaluate.kept_sddmm(s, a, b) is None
+        torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), want(d2, a, b))

@@ -279,6 +279,10 @@ def prepared_call(plan: Plan, sizes, dtype):
     per_entry = -(-span // 8)
     # the remaining static values (level bounds and operand dimensions) come from the first call
     statics = {}
+    # (the output is the driver's whole pattern, in its format and order: only its wrapper is made, ``_wrap``)
+    fmt = asg.operands[k_drv].format
+    whole = bool(m) and out.format is not None and out.format == fmt and m == len(fmt.level_types) and \
+        tuple(asg.out) == tuple(drv.indices)
     out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
     thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
     scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
@@ -324,6 +328,8 @@ def prepared_call(plan: Plan, sizes, dtype):
         plan.calls += 1
         if dtype != wanted:
             out_arr = out_arr.to(wanted)
+        if whole:
+            return ops[k_drv]._wrap(out_arr)
         if m and out.format is not None:
             return SparseTensor(out.format, out_shape, ops[k_drv]._levels[:m], out_arr, check=False)
         return out_arr.reshape(out_shape) if m else out_arr

@@ -79,44 +79,95 @@ def kept_product(s, other, left: bool):
     ``keep_product`` looked and found none often enough to stop looking. A repeated product skips ``matmul``'s
     checks and the signature ``_seen`` builds (a tuple of both operands' formats, dtypes and shapes, hashed): on
     a call after other work, with the interpreter's data out of cache, those cost about as much as a Cora-sized
-    SpMM's kernel. It stands only where ``_seen`` would give the same call: ``other`` a plain contiguous strided
-    CPU tensor of the kept shape and dtype, no gradient to record, ``s`` with plain values of the kept dtype and
-    the kept format and index width (compared by identity: an in-place change of pattern may swap them),
-    ``structural_results`` as kept, the "cpp" backend, ``_FAST_EQ`` not cleared since (the caller checks that
-    products are not deferred). ``s``'s attributes are read from its ``__dict__``: an attribute of a tensor
-    subclass is looked up through ``torch.Tensor``'s type first, a few microseconds each with the caches cold
-    (Cora K=16 in the benchmark's rounds, by hand: the identity checks below took 10-13 us as attributes); and the
-    grad mode is read only where a gradient could be recorded."""
+    SpMM's kernel. It stands only where ``_seen`` would give the same call (``_current``)."""
     d = s.__dict__
     memo = d.get("_products")
     if memo is None or type(other) is not torch.Tensor:
         return None
     entry = memo.get((left, other.shape, other.dtype))
-    if entry is None:
+    if entry is None or not _current(d, entry, (other,)):
         return None
+    return entry[0] if entry[0] is not None else (False if entry[6] >= 3 else None)
+
+
+def _current(d, entry, dense) -> bool:
+    """Whether the call kept in ``entry`` (``_keep``) is the one ``_seen`` would give now, for the SparseTensor
+    whose ``__dict__`` is ``d`` and the ``dense`` operands of the kept shapes and dtypes: each a plain contiguous
+    strided CPU tensor, no gradient to record, ``s`` with plain values of the kept dtype and the kept format and
+    index width (compared by identity: an in-place change of pattern may swap them), ``structural_results`` as
+    kept, the "cpp" backend, ``_FAST_EQ`` not cleared since (the caller checks that products are not deferred).
+    ``s``'s attributes are read from its ``__dict__``: an attribute of a tensor subclass is looked up through
+    ``torch.Tensor``'s type first, a few microseconds each with the caches cold (Cora K=16 in the benchmark's
+    rounds, by hand: the identity checks below took 10-13 us as attributes); and the grad mode is read only
+    where a gradient could be recorded."""
     v = d["_vals"]
     if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
             entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
-            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()) or not other.is_cpu or \
-            other.layout is not torch.strided or not other.is_contiguous() or cpu_backend_name() != "cpp":
-        return None
-    return entry[0] if entry[0] is not None else (False if entry[6] >= 3 else None)
+            cpu_backend_name() != "cpp":
+        return False
+    grad = v.requires_grad
+    for x in dense:
+        if not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous():
+            return False
+        grad = grad or x.requires_grad
+    return not (grad and torch.is_grad_enabled())
+
+
+def _keep(s, key, fast, *extra):
+    """Keep ``fast`` (or, where it is None, count the look) on ``s`` under ``key``, with what ``_current``
+    compares and ``extra``."""
+    memo = s.__dict__.setdefault("_products", {})
+    if key not in memo and len(memo) >= 16:
+        return
+    entry = memo.get(key)
+    tries = 0 if fast is not None else entry[6] + 1 if entry is not None and entry[0] is None else 1
+    memo[key] = (fast, s._vals.dtype, s._format, s._index_dtype, _FAST_EQ.generation, STRUCTURAL.on, tries) + extra
 
 
 def keep_product(s, other, left: bool, equation: str):
     """Keep on ``s`` the prepared call ``_seen`` finds for ``einsum(equation, ...)`` of ``s @ other`` (``left``)
     or ``other @ s`` with a dense result, for ``kept_product``; where there is none, count the look."""
-    if type(other) is not torch.Tensor or not other.is_cpu or s._vals.device.type != "cpu" or \
-            needs_grad((s, other)):
-        return  # (a product recording a gradient has no prepared call to keep: nothing to look for or count)
-    fast = _seen(equation, (s, other) if left else (other, s), "dense")
-    memo = s.__dict__.setdefault("_products", {})
-    key = (left, other.shape, other.dtype)
-    if key not in memo and len(memo) >= 16:
+    if type(other) is not torch.Tensor or not other.is_cpu or other.layout is not torch.strided or \
+            not other.is_contiguous() or s._vals.device.type != "cpu" or needs_grad((s, other)):
+        return  # (a product recording a gradient, or one ``_current`` refuses, has nothing to keep or count)
+    _keep(s, (left, other.shape, other.dtype), _seen(equation, (s, other) if left else (other, s), "dense"))
+
+
+#: SDDMM's equation on a pattern of ones (``sampled_addmm``)
+SDDMM = "ij,ik,kj->ij"
+
+
+def kept_sddmm(s, mat1, mat2):
+    """The prepared call of ``einsum(SDDMM, pattern, mat1, mat2)`` and the ``pattern`` (``s``'s index arrays
+    with values of ones) kept on the SparseTensor ``s`` by ``keep_sddmm``, for ``sampled_addmm`` with
+    ``alpha`` 1; None where there is none (or it was looked for too often in vain). It stands where
+    ``kept_product``'s would (``_current``), and where ``s``'s index arrays are still the pattern's (an in-place
+    change of pattern swaps the tuple) and the pattern's values are still the ones they were (their version).
+    A repeated ``sampled_addmm`` then skips the checks, the pattern's wrapper and the signature of three
+    operands: 306 -> 135 us a call on a small matrix with the caches cold."""
+    d = s.__dict__
+    memo = d.get("_products")
+    if memo is None or type(mat1) is not torch.Tensor or type(mat2) is not torch.Tensor:
+        return None
+    entry = memo.get(("sddmm", mat1.shape, mat1.dtype, mat2.shape, mat2.dtype))
+    if entry is None or entry[0] is None or entry[7] is not d["_levels"] or \
+            entry[8]._vals._version != entry[9] or not _current(d, entry, (mat1, mat2)):
+        return None
+    return entry[0], entry[8]
+
+
+def keep_sddmm(s, pattern, mat1, mat2, format):
+    """Keep on ``s`` the prepared call ``_seen`` finds for ``einsum(SDDMM, pattern, mat1, mat2,
+    format=format)``, with ``pattern``, for ``kept_sddmm``; where there is none, count the look."""
+    dense = (mat1, mat2)
+    if any(type(x) is not torch.Tensor or not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous()
+           for x in dense) or s._vals.device.type != "cpu" or needs_grad((s, mat1, mat2)):
         return
-    entry = memo.get(key)
-    tries = 0 if fast is not None else entry[6] + 1 if entry is not None and entry[0] is None else 1
-    memo[key] = (fast, s._vals.dtype, s._format, s._index_dtype, _FAST_EQ.generation, STRUCTURAL.on, tries)
+    key = ("sddmm", mat1.shape, mat1.dtype, mat2.shape, mat2.dtype)
+    entry = s.__dict__.get("_products", {}).get(key)
+    if entry is not None and entry[0] is None and entry[6] >= 3:
+        return
+    _keep(s, key, _seen(SDDMM, (pattern, mat1, mat2), format), s._levels, pattern, pattern._vals._version)
 
 
 def _equation_signature(equation, format, directives, operands) -> tuple:

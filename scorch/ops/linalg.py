@@ -196,6 +196,13 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     The result has ``input``'s pattern and format (its index arrays are shared)."""
     if out is not None:
         raise NotImplementedError("scorch: sampled_addmm(out=...) is not supported")
+    kept = engine.kept_sddmm(input, mat1, mat2) if type(input) is SparseTensor and alpha == 1 and \
+        (beta != 0 or not fusion.active()) else None
+    if kept:  # a repeated call: the prepared call kept on the input (its checks passed when it was kept)
+        vals = kept[0]((kept[1], mat1, mat2), None).__dict__["_vals"]
+        if beta != 0:
+            vals.add_(input.values(), alpha=beta)
+        return input.with_values(vals)
     if not _is_sparse(input):
         raise ValueError("sampled_addmm: input must be sparse")
     s = engine.prepare([input])[0]
@@ -213,7 +220,7 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     # differentiable result would otherwise leave a padded format)
     # (alpha inside the kernel, so that a 16-bit product is rounded once, where no gradient is taken)
     fmt = None if s.format.is_dense else s.format
-    prod = engine.scaled("ij,ik,kj->ij", alpha, pattern, mat1, mat2, format=fmt)
+    prod = engine.scaled(engine.SDDMM, alpha, pattern, mat1, mat2, format=fmt)
     if type(prod) is SparseTensor and type(prod._vals) is torch.Tensor and prod._vals.dtype == s.dtype and \
             not needs_grad((s, mat1, mat2)):
         # the product's values are its own new array: added to in place (one pass, no new arrays; three passes
@@ -221,6 +228,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         vals = prod._vals
         if beta != 0:
             vals.add_(s.values(), alpha=beta)
+        if alpha == 1 and s is input:
+            engine.keep_sddmm(s, pattern, mat1, mat2, fmt)
         return s.with_values(vals)
     # a dense-format input gives a dense product, whose row-major values are the format's values
     vals = prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)
