@@ -1,18 +1,31 @@
 """Software prefetches for the register tile (``lower._register_tile``): SpMM reads a row of the dense operand
 at each entry's column, in an order only the sparse operand knows, so the hardware prefetcher cannot follow it;
-the tile asks for the row an entry ``PREFETCH_ENTRIES`` positions later while it works on this one. Measured on
+the tile asks for the row an entry ``prefetch_distance`` positions later while it works on this one. Measured on
 the power-law 100k graph (AVX2, machine loaded by other jobs, ratios to torch in one process): K=32 2.7x -> 4.1x,
 K=128 2.1x -> 2.9x; uniform 20k K=128 2.8x -> 4.0x."""
 from __future__ import annotations
 
 from .. import loopir as L
 
-#: how many entries ahead a register tile prefetches the dense row it will read
+#: how many entries ahead a register tile prefetches the dense row it will read: enough entries for about
+#: ``PREFETCH_LINES`` lines in flight, at least ``PREFETCH_ENTRIES`` and at most ``PREFETCH_MAX_ENTRIES``. Measured
+#: by hand (AMD EPYC Zen 4, 2 threads, the kernel's loop with distances 8 to 64, interleaved medians, warm and with
+#: the L3 flushed before each call): rows of 2 lines (K=32, float32) 16 -> 32 entries: power-law 100k 4.21 ->
+#: 3.89 ms warm, 5.16 -> 4.60 cold, uniform 20k cold 0.555 -> 0.521 ms (warm equal; 48 and 64 slower); rows of 4
+#: lines (K=64) 16 and 24 equal; rows of 8 lines (K=128) 16 best (8, 12 and 24 slower)
 PREFETCH_ENTRIES = 16
+PREFETCH_LINES = 64
+PREFETCH_MAX_ENTRIES = 32
+
+
+def prefetch_distance(row_bytes: int) -> int:
+    """Entries ahead for dense rows of ``row_bytes`` read at each entry (see ``PREFETCH_LINES``)."""
+    lines = max(1, -(-row_bytes // 64))
+    return min(max(PREFETCH_ENTRIES, PREFETCH_LINES // lines), PREFETCH_MAX_ENTRIES)
 
 
 def prefetch_ahead(pre, kept, value, bv, T):
-    """Prefetches of the dense rows the register tile will read ``PREFETCH_ENTRIES`` entries later (SpMM: the row
+    """Prefetches of the dense rows the register tile will read ``prefetch_distance`` entries later (SpMM: the row
     of X at a later entry's column), one per 64-byte line of the tile's ``T`` columns; the later entry is clamped
     to the last entry of the whole loop nest (the innermost loop's bound with every enclosing loop at its last
     iteration), so its coordinate is read in bounds, and it crosses rows: the next rows' first entries are
@@ -41,8 +54,8 @@ def prefetch_ahead(pre, kept, value, bv, T):
         elif it[0] == "let":
             last[it[1].name] = L.substitute(it[2], last)
     end = L.substitute(hi, last)
-    later = {pv.name: L.binary("min", L.binary("add", pv, L.Const(PREFETCH_ENTRIES)),
-                               L.binary("sub", end, L.Const(1)))}
+    ahead = prefetch_distance(T * max(L.TO_TORCH[t].itemsize for _, _, t in rows))
+    later = {pv.name: L.binary("min", L.binary("add", pv, L.Const(ahead)), L.binary("sub", end, L.Const(1)))}
     for it in per_entry:
         later[it[1].name] = L.substitute(it[2], later)
     later[bv.name] = L.Const(0)
