@@ -142,6 +142,33 @@ def test_transposed_product_of_fresh_values_on_one_pattern():
         torch.testing.assert_close(t.t() @ u, t.to_dense().t() @ u)
 
 
+@pytest.mark.parametrize("write", ["numpy", ".data", "one value"])
+def test_kept_conversions_follow_values_written_around_the_version_counter(write):
+    """Values written through a NumPy view or ``.data`` leave their version counter as it was: the conversions
+    kept on the tensor (and the last values moved by a kept permutation) are checked against the values' bytes,
+    so a transposed product after such a write is dense torch's, on the source and on a kept conversion."""
+    g = torch.Generator().manual_seed(5)
+    s = scorch.asformat(torch.randn(40, 30, generator=g) * (torch.rand(40, 30, generator=g) < 0.2), "csr")
+    x = torch.randn(40, 6, generator=g)
+    c = scorch.asformat(s, "csc")
+    for _ in range(2):
+        torch.testing.assert_close(s.t() @ x, s.to_dense().t() @ x)
+    version = s.values()._version
+    if write == "numpy":
+        s.values().numpy()[:] *= 2
+    elif write == ".data":
+        s.values().data.sub_(1.0)
+    else:
+        s.values().data[3] += 0.25
+    assert s.values()._version == version
+    torch.testing.assert_close(s.t() @ x, s.to_dense().t() @ x)
+    torch.testing.assert_close(scorch.asformat(s, "csc").to_dense(), s.to_dense())
+    c2 = scorch.asformat(s, "csc")
+    c2.values().numpy()[:] = 0.0            # the kept conversion itself written: made again from the source
+    torch.testing.assert_close(scorch.asformat(s, "csc").to_dense(), s.to_dense())
+    assert c.values().numel() == s.nnz
+
+
 def test_copy_of_another_pattern_drops_kept_conversions():
     a = torch.tensor([[1., 0, 2], [0, 3, 0]])
     b = torch.tensor([[0., 5, 0], [6, 0, 7]])

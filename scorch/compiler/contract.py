@@ -4,8 +4,10 @@ A dynamic program over subsets of operands (exhaustive up to ``EXHAUSTIVE`` oper
 compares, for every subset, evaluating it in one fused kernel against splitting it into two parts contracted
 pairwise. Costs are estimated multiply-adds: a kernel driven by sparse operands does work proportional to their
 nnz times the extents of the indices they do not store; a dense-only contraction goes to torch (BLAS), whose
-multiply-adds are ``DENSE_DISCOUNT`` times as cheap (measured: an SDDMM at 6% density runs faster
-fused than as a dense product then sampled, which 0.05 chose). This is opt_einsum's problem with a sparse-aware cost,
+multiply-adds are ``DENSE_DISCOUNT`` times as cheap, and every intermediate result (a pair's part that is not an
+operand) costs ``INTERMEDIATE_COST`` per entry, written and read back (an SDDMM at 6% density ran faster fused than
+as a dense product then sampled, which a discount of 0.05 chose; both constants are fitted below). This is
+opt_einsum's problem with a sparse-aware cost,
 which opt_einsum itself cannot take (it knows only dense shapes); dense-only sub-contractions are handed to
 ``torch.einsum``, which orders them with opt_einsum.
 """
@@ -17,7 +19,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 EXHAUSTIVE = 6
-DENSE_DISCOUNT = 0.2
+#: Fitted to where an SDDMM (``ij,ik,kj->ij``) run fused (nnz * K multiply-adds) and as torch's dense product then
+#: sampled (n * n * K, and an n x n intermediate) take the same time, on the AMD EPYC host (2 threads, interleaved
+#: medians): at K=256 (n 2048) densities above ~47% go faster dense, at K=64 above ~90%, at K=32 none up to 70%;
+#: with a discount of 0.2 and no intermediate cost every SDDMM above 20% density went dense, 2-4x slower than
+#: fused (the sparse transformer's 512 x 512 attention gradient at 25% density: 250 against 71 us; n=4096, K=64,
+#: 30%: 40.4 against 9.2 ms). A dense intermediate of n * n is allocated, faulted in, written and read back.
+DENSE_DISCOUNT = 1 / 3
+INTERMEDIATE_COST = 32
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,11 @@ def _result(ops, kept, sizes):
         if o.sparse and set(kept) <= o.stored and set(kept) == set(o.indices):
             return True, o.nnz  # the result lives on that operand's pattern
     return False, float(math.prod(sizes[v] for v in kept))
+
+
+def _stored(node) -> float:
+    """The cost of ``node``'s result kept between two steps: none for an operand."""
+    return 0.0 if node.parts is None and len(node.leaves) == 1 else INTERMEDIATE_COST * node.nnz
 
 
 def best_path(operands, out, sizes) -> Node:
@@ -111,7 +125,7 @@ def best_path(operands, out, sizes) -> Node:
                         pair = [as_operand(na), as_operand(nb)]
                         pidx = set(na.indices) | set(nb.indices)
                         psp, pnnz = _result(pair, keep, sizes)
-                        cost = na.cost + nb.cost + kernel_cost(pair, sizes, pidx)
+                        cost = na.cost + nb.cost + kernel_cost(pair, sizes, pidx) + _stored(na) + _stored(nb)
                         if cost < node.cost:
                             node = Node(node.leaves, keep, (na, nb), cost, psp, pnnz)
         memo[subset] = node

@@ -6,11 +6,13 @@ The execution layer (``engine.run``) then copies the operand with that dimension
 small next to the reads, and runs the kernel on the copy. The copy is a tiled transpose of a batch of
 matrices, built like the other kernels; ``torch``'s own strided copy is 3-5x slower on this machine.
 
-A copy is kept for the next call with the same operand (``kept``): the same tensor object, unchanged since (its
-version counter, data pointer, shape and strides), gets the same copy instead of another transposition (SDDMM's
-``B`` in ``sampled_addmm(S, A, B)`` called again with the same ``B``: the copy had cost half the kernel's time).
-The copy dies with its source tensor; writes that bypass the version counter (through ``.data`` or a NumPy view)
-are not seen, as elsewhere in torch where saved tensors are checked by version.
+A copy is kept for the next call with the same operand (``kept``): the same tensor object, unchanged since, gets
+the same copy instead of another transposition (SDDMM's ``B`` in ``sampled_addmm(S, A, B)`` called again with the
+same ``B``: the copy had cost half the kernel's time). Unchanged means the same version counter, data pointer,
+shape and strides, and the same contents: writes through ``.data`` or a NumPy view (a hand-written optimizer
+step ``p.data -= lr * p.grad``, gradcheck's perturbations) leave the version counter as it was, so the source's
+bytes are fingerprinted on each use (``fingerprint``: one read of the source, a fraction of a transposition's
+cost, which also writes a fresh buffer). The copy dies with its source tensor.
 """
 from __future__ import annotations
 
@@ -53,6 +55,55 @@ extern "C" void scorch_transpose(const void* src, void* dst, int64_t batch, int6
 }
 """
 _kernel = None
+
+_FINGERPRINT_SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+// A 64-bit fingerprint of n bytes. Each block of BLOCK bytes runs 8 lanes of h = (h ^ word) * P (P odd: a step is
+// a bijection of h for a given word and of the word for a given h, so one changed word always changes its
+// lane's end state); a block's lanes are mixed into one value, and the blocks' values, each mixed with its
+// index, are summed (any order: the threads' parts add up the same).
+static inline uint64_t mix(uint64_t x) {
+  x ^= x >> 33; x *= UINT64_C(0xff51afd7ed558ccd); x ^= x >> 33; x *= UINT64_C(0xc4ceb9fe1a85ec53);
+  return x ^ (x >> 33);
+}
+extern "C" uint64_t scorch_fingerprint(const void* data, int64_t n, int64_t nthreads) {
+  const int64_t BLOCK = 1 << 16, blocks = (n + BLOCK - 1) / BLOCK;
+  const unsigned char* base = (const unsigned char*)data;
+  uint64_t total = (uint64_t)n;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const unsigned char* p = base + b * BLOCK;
+    const int64_t len = n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK, words = len / 64 * 8;
+    uint64_t h[8];
+    for (int l = 0; l < 8; ++l) h[l] = UINT64_C(0x9e3779b97f4a7c15) * (uint64_t)(l + 1);
+    for (int64_t w = 0; w < words; w += 8) {
+      uint64_t v[8];
+      std::memcpy(v, p + w * 8, 64);
+      for (int l = 0; l < 8; ++l) h[l] = (h[l] ^ v[l]) * UINT64_C(0x100000001b3);
+    }
+    for (int64_t k = words * 8; k < len; ++k)  // the block's last bytes (fewer than 64)
+      h[k % 8] = (h[k % 8] ^ p[k]) * UINT64_C(0x100000001b3);
+    uint64_t f = (uint64_t)b;
+    for (int l = 0; l < 8; ++l) f = mix(f ^ h[l]);
+    total += f;
+  }
+  return total;
+}
+"""
+_fingerprint_kernel = None
+
+
+def fingerprint(x: torch.Tensor) -> int:
+    """A 64-bit fingerprint of the bytes of the contiguous CPU tensor ``x`` (any change of one 8-byte word always
+    changes it; more changes leave it equal with probability about 2**-64)."""
+    global _fingerprint_kernel
+    if _fingerprint_kernel is None:
+        _fingerprint_kernel = runtime.load(_FINGERPRINT_SOURCE, "scorch_fingerprint",
+                                           [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_uint64)
+    n = x.numel() * x.element_size()
+    return int(_fingerprint_kernel(x.data_ptr(), n, torch.get_num_threads() if n >= 1 << 18 else 1))
+
 
 _GATHER_SOURCE = r"""
 #include <cstdint>
@@ -110,16 +161,19 @@ def _key(x: torch.Tensor, d: int) -> tuple:
 
 def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
     """``dim_last(x, d, alloc)``, the copy kept from an earlier call on the same, unchanged ``x`` where there is
-    one. (The engine passes an allocator on huge pages: the copy's rows are read in random order, SDDMM's
-    ``B[j, :]`` at a row's columns, and on 4 KiB pages nearly every row read missed the TLB.)"""
+    one (unchanged: its key and its bytes' ``fingerprint``; only a contiguous CPU source is kept). (The engine
+    passes an allocator on huge pages: the copy's rows are read in random order, SDDMM's ``B[j, :]`` at a row's
+    columns, and on 4 KiB pages nearly every row read missed the TLB.)"""
     entry = _KEPT.get(id(x))
-    if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
+    if entry is not None and entry[0]() is x and entry[1] == _key(x, d) and entry[3] == fingerprint(x):
         _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
         _KEPT[id(x)] = entry
         return entry[2]
     out = dim_last(x, d, alloc)
-    if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2:
-        return out  # a view (nothing to keep), or a copy to keep out of the cache
+    if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2 or \
+            x.device.type != "cpu" or not x.is_contiguous():
+        return out  # a view (nothing to keep), a copy to keep out of the cache, or one whose source is not
+                    # fingerprinted
     _KEPT.pop(id(x), None)
     used = sum(e[2].numel() * e[2].element_size() for e in list(_KEPT.values()))
     for k in list(_KEPT):
@@ -129,7 +183,7 @@ def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
         used -= e[2].numel() * e[2].element_size() if e is not None else 0
     key = id(x)
     ref = weakref.ref(x, lambda r, key=key: _KEPT.pop(key, None) if _KEPT.get(key, (None,))[0] is r else None)
-    _KEPT[key] = (ref, _key(x, d), out)
+    _KEPT[key] = (ref, _key(x, d), out, fingerprint(x))
     return out
 
 

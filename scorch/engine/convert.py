@@ -166,19 +166,32 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
         return None
     # a sparse source keeps its last conversions: a constant operand read transposed every step (the features
     # in the backward pass of ``X @ W``) is converted once. An entry is used only while neither the source nor
-    # the converted tensor has been modified in place since (their arrays' and values' versions).
+    # the converted tensor has been modified in place since (``_stamp``).
     memo = x.__dict__.setdefault("_conversions", {}) if type(x) is SparseTensor and not x.format.is_dense else None
     key = (fmt, index_dtype, drop_zeros)
     if memo is not None and key in memo:
         stamp, result = memo[key]
-        if stamp == (_versions(x), _versions(result)):
+        if stamp == _stamp(x, result):
             return result
     result = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
     if result is None:
         result = convert(x, fmt, index_dtype, drop_zeros)
     if memo is not None and result is not None:
-        memo[key] = ((_versions(x), _versions(result)), result)
+        memo[key] = (_stamp(x, result), result)
     return result
+
+
+def _stamp(x: SparseTensor, result: SparseTensor) -> tuple:
+    """What a kept conversion of ``x`` to ``result`` is checked against: the versions of both tensors' arrays and
+    values, and the fingerprints of both tensors' values (``relayout.fingerprint``: writes through ``.data`` or a
+    NumPy view leave the version counter as it was; a values array is read once for it, a fraction of a
+    conversion). Index arrays are trusted by their versions."""
+    return _versions(x), _versions(result), _fingerprint(x._vals), _fingerprint(result._vals)
+
+
+def _fingerprint(v: torch.Tensor) -> int:
+    from ..compiler import relayout
+    return relayout.fingerprint(v if v.is_contiguous() else v.contiguous())
 
 
 # Conversions of a pattern, by the pattern's index arrays (identity and version): the target's index arrays and
@@ -215,15 +228,16 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
     src = x._vals.detach()
     last = entry[2] if len(entry) > 2 else None  # the last values moved: the same values ask again (a weight
     if last is not None and last[0]() is x._vals and (last[1], last[3]) == (  # read transposed by several
-            x._vals._version, last[2]._version):                                 # calls)
-        vals = last[2]
+            x._vals._version, last[2]._version) and last[4] == (_fingerprint(x._vals), _fingerprint(last[2])):
+        vals = last[2]                                                           # calls), unchanged (``_stamp``)
     else:
         if len(levels) != 2 and perm.numel():  # whole blocks
             vals = torch.index_select(src.view(perm.numel(), -1), 0, perm).reshape(-1)
         else:
             vals = relayout.gather(src, perm)
         _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), x._vals._version, vals,
-                                                            vals._version)))
+                                                            vals._version, (_fingerprint(x._vals),
+                                                                            _fingerprint(vals)))))
     return SparseTensor(fmt, x._shape, levels, vals, check=False)
 
 
@@ -276,7 +290,7 @@ def converted_already(x, fmt) -> bool:
     """Whether ``asformat(x, fmt)`` would return a kept conversion (no work)."""
     memo = x.__dict__.get("_conversions") if type(x) is SparseTensor else None
     entry = memo.get((resolve(fmt, x.dim()), None, False)) if memo else None
-    return entry is not None and entry[0] == (_versions(x), _versions(entry[1]))
+    return entry is not None and entry[0] == _stamp(x, entry[1])
 
 
 def _versions(s: SparseTensor):

@@ -111,6 +111,52 @@ def test_the_copy_is_kept_for_the_same_unchanged_operand(monkeypatch):
     assert scorch.cache_info()["relaid"][0] == 0
 
 
+def test_a_kept_copy_follows_writes_that_bypass_the_version_counter(monkeypatch):
+    """Writes through ``.data`` (a hand-written optimizer step), a NumPy view, or one element through ``.data``
+    (gradcheck's perturbations) leave ``B``'s version counter as it was: the copy is checked against ``B``'s bytes
+    (``relayout.fingerprint``) and made again, and every result is the dense product's."""
+    dense, s, a, b = _sddmm_operands()
+    copies = []
+    real = relayout.dim_last
+    monkeypatch.setattr(relayout, "dim_last", lambda x, d, *alloc: copies.append(d) or real(x, d, *alloc))
+
+    def check():
+        torch.testing.assert_close(torch.sparse.sampled_addmm(s, a, b).to_dense(), dense + (a @ b) * (dense != 0))
+        torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
+
+    check()
+    check()
+    assert len(copies) == 1
+    version = b._version
+    b.data.sub_(0.5 * torch.ones_like(b))       # p.data -= lr * p.grad
+    b.numpy()[2, 5] += 3.0                      # a NumPy view
+    assert b._version == version
+    check()
+    assert len(copies) == 2
+    b.data[0, 0] += 1e-6                        # one element, as gradcheck perturbs
+    check()
+    assert len(copies) == 3
+    check()
+    assert len(copies) == 3
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 63, 64, 65, 1000, (1 << 16) + 9, 3 << 17])
+def test_the_fingerprint_sees_every_changed_word(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    f = relayout.fingerprint(x)
+    assert relayout.fingerprint(x.clone()) == f
+    for at in sorted({0, n // 2, n - 1}) if n else ():
+        y = x.clone()
+        y[at] ^= 1 << (at % 8)
+        assert relayout.fingerprint(y) != f, at
+    if n >= 16:                                 # two words swapped
+        y = x.clone()
+        y[:8], y[8:16] = x[8:16].clone(), x[:8].clone()
+        assert torch.equal(y, x) or relayout.fingerprint(y) != f
+    assert relayout.fingerprint(x[: max(n - 1, 0)].clone()) != f or n == 0
+
+
 def test_kept_copies_stay_under_their_budget(monkeypatch):
     monkeypatch.setattr(relayout, "KEEP_BYTES", 3 * 16 * 400 * 4)  # room for three copies of B
     dense, s, a, _ = _sddmm_operands()

@@ -118,9 +118,10 @@ def test_a_dense_step_inside_a_contraction_is_not_rounded(dtype):
     in float32 and the result is rounded once. With integer A and B the product is exact in float32 and beyond
     the 16-bit types' integers, so a 16-bit intermediate rounded first shows."""
     g = torch.Generator().manual_seed(7)
-    a = torch.randint(-64, 65, (24, 32), generator=g).to(dtype)
-    b = torch.randint(-64, 65, (32, 20), generator=g).to(dtype)
-    keep = torch.rand(24, 20, generator=g) < 0.5
+    # (a long inner dimension and a dense pattern: the planner's dense step, see contract.DENSE_DISCOUNT)
+    a = torch.randint(-64, 65, (24, 256), generator=g).to(dtype)
+    b = torch.randint(-64, 65, (256, 20), generator=g).to(dtype)
+    keep = torch.rand(24, 20, generator=g) < 0.9
     s = scorch.asformat(keep.to(dtype) * 0.375, "csr")
     assert "dense step" in scorch.explain("ij,ik,kj->ij", s, a, b, file=open("/dev/null", "w"))
     got = scorch.einsum("ij,ik,kj->ij", s, a, b)

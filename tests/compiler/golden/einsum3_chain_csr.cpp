@@ -15,10 +15,14 @@ extern "C" void scorch_kernel(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n2_arg,
+    int64_t n3_arg,
     float* __restrict__ out,
     const float* __restrict__ t0_vals,
     const float* __restrict__ t1,
     int64_t t1_s0_arg,
+    int64_t t1_s1_arg,
+    const float* __restrict__ t2,
+    int64_t t2_s0_arg,
     int64_t nthreads_arg)
 {
   const int64_t t0_l0_lo = (int64_t)t0_l0_lo_arg;
@@ -27,7 +31,10 @@ extern "C" void scorch_kernel(
   const int64_t t0_l1_lo = (int64_t)t0_l1_lo_arg;
   const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
   const int64_t n2 = (int64_t)n2_arg;
+  const int64_t n3 = (int64_t)n3_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
+  const int64_t t1_s1 = (int64_t)t1_s1_arg;
+  const int64_t t2_s0 = (int64_t)t2_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
   #pragma omp parallel num_threads(nthreads)
   {
@@ -52,9 +59,11 @@ extern "C" void scorch_kernel(
         for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
           const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
           const int64_t d1 = c1;
-          #pragma omp simd
-          for (int64_t x1 = INT64_C(0); x1 < INT64_C(3); ++x1) {
-            wrow[x1] += (t0_vals[p1] * t1[((d1 * INT64_C(3)) + x1)]);
+          for (int64_t x3 = INT64_C(0); x3 < n3; ++x3) {
+            #pragma omp simd
+            for (int64_t x1 = INT64_C(0); x1 < INT64_C(3); ++x1) {
+              wrow[x1] += ((t0_vals[p1] * t1[((d1 * t1_s1) + x3)]) * t2[((x3 * INT64_C(3)) + x1)]);
+            }
           }
         }
         #pragma omp simd
@@ -66,5 +75,5 @@ extern "C" void scorch_kernel(
   }
 }
 extern "C" void scorch_kernel_packed(const int64_t* a) {
-  scorch_kernel(a[0], a[1], (const int32_t*)(intptr_t)a[2], a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], (float*)(intptr_t)a[8], (const float*)(intptr_t)a[9], (const float*)(intptr_t)a[10], a[11], a[12]);
+  scorch_kernel(a[0], a[1], (const int32_t*)(intptr_t)a[2], a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], a[8], (float*)(intptr_t)a[9], (const float*)(intptr_t)a[10], (const float*)(intptr_t)a[11], a[12], a[13], (const float*)(intptr_t)a[14], a[15], a[16]);
 }

@@ -230,10 +230,14 @@ extern "C" __global__ void scorch_kernel_dev(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n2_arg,
+    int64_t n3_arg,
     float* __restrict__ out,
     const float* __restrict__ t0_vals,
     const float* __restrict__ t1,
     int64_t t1_s0_arg,
+    int64_t t1_s1_arg,
+    const float* __restrict__ t2,
+    int64_t t2_s0_arg,
     int64_t nthreads_arg,
     char* __restrict__ scorch_scratch,
     int64_t scorch_stride)
@@ -244,7 +248,10 @@ extern "C" __global__ void scorch_kernel_dev(
   const int64_t t0_l1_lo = (int64_t)t0_l1_lo_arg;
   const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
   const int64_t n2 = (int64_t)n2_arg;
+  const int64_t n3 = (int64_t)n3_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
+  const int64_t t1_s1 = (int64_t)t1_s1_arg;
+  const int64_t t2_s0 = (int64_t)t2_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
   const int64_t scorch_tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t scorch_nthreads = (int64_t)gridDim.x * blockDim.x;
@@ -262,10 +269,12 @@ extern "C" __global__ void scorch_kernel_dev(
     for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
       const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
       const int64_t d1 = c1;
-      {
-        #pragma unroll
-        for (int64_t x1 = (INT64_C(0)) + ((scorch_lane - (INT64_C(0))) & 31); x1 < (INT64_C(3)); x1 += 32) {
-          wrow[(x1) >> 5] += (t0_vals[p1] * t1[((d1 * INT64_C(3)) + x1)]);
+      for (int64_t x3 = INT64_C(0); x3 < n3; ++x3) {
+        {
+          #pragma unroll
+          for (int64_t x1 = (INT64_C(0)) + ((scorch_lane - (INT64_C(0))) & 31); x1 < (INT64_C(3)); x1 += 32) {
+            wrow[(x1) >> 5] += ((t0_vals[p1] * t1[((d1 * t1_s1) + x3)]) * t2[((x3 * INT64_C(3)) + x1)]);
+          }
         }
       }
     }
@@ -287,10 +296,14 @@ extern "C" int scorch_kernel(
     int64_t t0_l1_lo_arg,
     int64_t t0_l1_ext_arg,
     int64_t n2_arg,
+    int64_t n3_arg,
     float* out,
     const float* t0_vals,
     const float* t1,
     int64_t t1_s0_arg,
+    int64_t t1_s1_arg,
+    const float* t2,
+    int64_t t2_s0_arg,
     int64_t nthreads_arg,
     void* scorch_stream_arg)
 {
@@ -301,13 +314,16 @@ extern "C" int scorch_kernel(
   const int64_t t0_l1_lo = (int64_t)t0_l1_lo_arg;
   const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
   const int64_t n2 = (int64_t)n2_arg;
+  const int64_t n3 = (int64_t)n3_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
+  const int64_t t1_s1 = (int64_t)t1_s1_arg;
+  const int64_t t2_s0 = (int64_t)t2_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
   const int64_t scorch_stride_ = 0;
   int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
   int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
   char* scorch_scratch = nullptr;
-  SCORCH_LAUNCH(scorch_kernel_dev, scorch_grid, scorch_block, scorch_stream, t0_l0_lo_arg, t0_l0_ext_arg, t0_l1_pos, n0_arg, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n2_arg, out, t0_vals, t1, t1_s0_arg, nthreads_arg, scorch_scratch, scorch_stride_);
+  SCORCH_LAUNCH(scorch_kernel_dev, scorch_grid, scorch_block, scorch_stream, t0_l0_lo_arg, t0_l0_ext_arg, t0_l1_pos, n0_arg, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n2_arg, n3_arg, out, t0_vals, t1, t1_s0_arg, t1_s1_arg, t2, t2_s0_arg, nthreads_arg, scorch_scratch, scorch_stride_);
   return (int)scorch_last_error();
 }
 

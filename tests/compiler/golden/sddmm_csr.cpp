@@ -19,7 +19,8 @@ extern "C" void scorch_kernel(
     const float* __restrict__ t0_vals,
     const float* __restrict__ t1,
     int64_t t1_s0_arg,
-    int64_t t1_s1_arg,
+    const float* __restrict__ t2,
+    int64_t t2_s0_arg,
     int64_t nthreads_arg)
 {
   const int64_t t0_l0_lo = (int64_t)t0_l0_lo_arg;
@@ -29,7 +30,7 @@ extern "C" void scorch_kernel(
   const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
   const int64_t n1 = (int64_t)n1_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
-  const int64_t t1_s1 = (int64_t)t1_s1_arg;
+  const int64_t t2_s0 = (int64_t)t2_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
   #pragma omp parallel num_threads(nthreads)
   {
@@ -50,14 +51,19 @@ extern "C" void scorch_kernel(
         const int64_t p0 = (c0 - t0_l0_lo);
         const int64_t d0 = c0;
         for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
+          float acc = 0.0f;
           const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
           const int64_t d1 = c1;
-          out[p1] = (t0_vals[p1] * t1[((d0 * t1_s1) + d1)]);
+          #pragma omp simd reduction(+:acc)
+          for (int64_t x2 = INT64_C(0); x2 < INT64_C(4); ++x2) {
+            acc += ((t0_vals[p1] * t1[((d0 * INT64_C(4)) + x2)]) * t2[((d1 * INT64_C(4)) + x2)]);
+          }
+          out[p1] = acc;
         }
       }
     }
   }
 }
 extern "C" void scorch_kernel_packed(const int64_t* a) {
-  scorch_kernel(a[0], a[1], (const int32_t*)(intptr_t)a[2], a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], (float*)(intptr_t)a[8], (const float*)(intptr_t)a[9], (const float*)(intptr_t)a[10], a[11], a[12], a[13]);
+  scorch_kernel(a[0], a[1], (const int32_t*)(intptr_t)a[2], a[3], (const int32_t*)(intptr_t)a[4], a[5], a[6], a[7], (float*)(intptr_t)a[8], (const float*)(intptr_t)a[9], (const float*)(intptr_t)a[10], a[11], (const float*)(intptr_t)a[12], a[13], a[14]);
 }

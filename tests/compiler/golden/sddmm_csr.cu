@@ -234,7 +234,8 @@ extern "C" __global__ void scorch_kernel_dev(
     const float* __restrict__ t0_vals,
     const float* __restrict__ t1,
     int64_t t1_s0_arg,
-    int64_t t1_s1_arg,
+    const float* __restrict__ t2,
+    int64_t t2_s0_arg,
     int64_t nthreads_arg,
     char* __restrict__ scorch_scratch,
     int64_t scorch_stride)
@@ -246,11 +247,12 @@ extern "C" __global__ void scorch_kernel_dev(
   const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
   const int64_t n1 = (int64_t)n1_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
-  const int64_t t1_s1 = (int64_t)t1_s1_arg;
+  const int64_t t2_s0 = (int64_t)t2_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
   const int64_t scorch_tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t scorch_nthreads = (int64_t)gridDim.x * blockDim.x;
-  const int64_t scorch_worker = scorch_tid, scorch_nworkers = scorch_nthreads;
+  const int64_t scorch_worker = scorch_tid / 32, scorch_nworkers = scorch_nthreads / 32;
+  const int64_t scorch_lane = threadIdx.x % 32;
   const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
   const int64_t total_3 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
   const int64_t scorch_r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_3, scorch_worker, scorch_nworkers);
@@ -259,9 +261,21 @@ extern "C" __global__ void scorch_kernel_dev(
     const int64_t p0 = (c0 - t0_l0_lo);
     const int64_t d0 = c0;
     for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
+      float acc = 0.0f;
       const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
       const int64_t d1 = c1;
-      out[p1] = (t0_vals[p1] * t1[((d0 * t1_s1) + d1)]);
+      {
+        const float keep_4 = acc;
+        acc = 0.0f;
+        #pragma unroll
+        for (int64_t x2 = (INT64_C(0)) + ((scorch_lane - (INT64_C(0))) & 31); x2 < (INT64_C(4)); x2 += 32) {
+          acc += ((t0_vals[p1] * t1[((d0 * INT64_C(4)) + x2)]) * t2[((d1 * INT64_C(4)) + x2)]);
+        }
+        acc = keep_4 + scorch_warp_add(acc);
+      }
+      if (scorch_lane == 0) {
+        out[p1] = acc;
+      }
     }
   }
 }
@@ -279,7 +293,8 @@ extern "C" int scorch_kernel(
     const float* t0_vals,
     const float* t1,
     int64_t t1_s0_arg,
-    int64_t t1_s1_arg,
+    const float* t2,
+    int64_t t2_s0_arg,
     int64_t nthreads_arg,
     void* scorch_stream_arg)
 {
@@ -291,13 +306,13 @@ extern "C" int scorch_kernel(
   const int64_t t0_l1_ext = (int64_t)t0_l1_ext_arg;
   const int64_t n1 = (int64_t)n1_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
-  const int64_t t1_s1 = (int64_t)t1_s1_arg;
+  const int64_t t2_s0 = (int64_t)t2_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
   const int64_t scorch_stride_ = 0;
   int64_t scorch_block = SCORCH_EMULATED ? 32 : 256;
   int64_t scorch_grid = SCORCH_EMULATED ? 3 : (int64_t)scorch_sms(scorch_stream) * 8;
   char* scorch_scratch = nullptr;
-  SCORCH_LAUNCH(scorch_kernel_dev, scorch_grid, scorch_block, scorch_stream, t0_l0_lo_arg, t0_l0_ext_arg, t0_l1_pos, n0_arg, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n1_arg, out, t0_vals, t1, t1_s0_arg, t1_s1_arg, nthreads_arg, scorch_scratch, scorch_stride_);
+  SCORCH_LAUNCH(scorch_kernel_dev, scorch_grid, scorch_block, scorch_stream, t0_l0_lo_arg, t0_l0_ext_arg, t0_l1_pos, n0_arg, t0_l1_crd, t0_l1_lo_arg, t0_l1_ext_arg, n1_arg, out, t0_vals, t1, t1_s0_arg, t2, t2_s0_arg, nthreads_arg, scorch_scratch, scorch_stride_);
   return (int)scorch_last_error();
 }
 
