@@ -15,7 +15,8 @@ Metadata reads (shape, dtype, device, ``requires_grad``, ``grad_fn``) are answer
 placeholder is one element repeated (stride 0), so a deferred result occupies no memory until it is computed.
 Errors are the eager call's: equations and shapes are checked when the einsum is
 called, and anything the check cannot vouch for runs eagerly. An operand modified in place between the einsum and
-the computation of its value is detected (``_version``) and raises, as autograd does for its saved tensors.
+the computation of its value is detected (``_version``, and a fingerprint of a CPU operand's bytes for writes
+through ``.data`` or a NumPy view) and raises, as autograd does for its saved tensors.
 
 Which einsums are deferred (``mode``): ``"auto"`` (the default) defers all-dense einsums of at least ``MIN_WORK``
 multiply-adds, whose run time makes the bookkeeping unmeasurable (a deferral costs 15 us in a tight loop, but
@@ -128,7 +129,7 @@ class Deferred(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             self.data = value
         self.__class__ = torch.Tensor
-        del self._expr, self._versions
+        del self._expr, self._versions, self._prints
         return self
 
 
@@ -154,11 +155,26 @@ class EinsumExpr:
 
 
 def check_versions(d):
+    """Raise where an operand of the deferred result ``d`` changed since the einsum was called: its version
+    counter, or (a CPU operand in one piece) its bytes' fingerprint, which sees writes through ``.data`` or a
+    NumPy view (``p.data -= lr * p.grad``) that leave the version counter as it was."""
     for t, v in zip(d._expr.operands, d._versions):
         if t._version != v:
             raise RuntimeError(f"scorch: an operand of a deferred result was modified in place before the result"
                                f" was used ({d._expr.describe()}); use the result before modifying its operands,"
                                " or run under scorch.deferral('off')")
+    if d._prints != fingerprints(d._expr.operands):
+        raise RuntimeError(f"scorch: an operand of a deferred result was written (through .data or a NumPy view)"
+                           f" before the result was used ({d._expr.describe()}); use the result before writing"
+                           " its operands, or run under scorch.deferral('off')")
+
+
+def fingerprints(operands) -> tuple:
+    """The fingerprints (``relayout.fingerprint``) of the operands that are contiguous CPU strided tensors; None
+    for the others (their version counters alone are checked)."""
+    from .compiler.relayout import fingerprint
+    return tuple(fingerprint(t) if isinstance(t, torch.Tensor) and t.layout == torch.strided and
+                 t.device.type == "cpu" and t.is_contiguous() else None for t in operands)
 
 
 def compute_all(items):
@@ -200,6 +216,7 @@ def make(expr, shape, dtype, device):
     d = torch.Tensor._make_subclass(Deferred, placeholder)
     d._expr = expr
     d._versions = tuple(t._version for t in expr.operands)
+    d._prints = fingerprints(expr.operands)
     return d
 
 

@@ -89,6 +89,25 @@ def test_operand_modified_in_place_raises():
         y + 0
 
 
+@pytest.mark.parametrize("write", [".data", "numpy"])
+def test_operand_written_around_the_version_counter_raises(write):
+    """A write through ``.data`` or a NumPy view leaves the version counter as it was: the operand's fingerprint
+    still tells, and the deferred result raises rather than give a value the eager call would not have."""
+    a, b = _pair()
+    y = scorch.einsum("ij,jk->ik", a, b)
+    version = b._version
+    if write == ".data":
+        b.data[0, 0] += 1.0
+    else:
+        b.numpy()[-1, -1] -= 1.0
+    assert b._version == version
+    with pytest.raises(RuntimeError, match="through .data or a NumPy view"):
+        y + 0
+    a, b = _pair()
+    y = scorch.einsum("ij,jk->ik", a, b)     # unchanged operands: the value, as before
+    torch.testing.assert_close(y + 0, a @ b)
+
+
 def test_dense_chain_computes_in_eager_order():
     a, b = _pair()
     y = scorch.einsum("ij,jk->ik", a, b)

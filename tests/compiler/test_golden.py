@@ -64,6 +64,9 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
       launcher and once for its ``<symbol>_error`` function: repeats of a text are dropped.)
     * ``scorch.compiler.runtime.Kernel(name, path, source_path, origin, compile_seconds, fn)``: what the recorder
       returns, with an ``fn`` that does nothing and returns 0 (a CUDA launcher's "no error").
+    * ``scorch.compiler.relayout.fingerprint(tensor)``: a fixed helper (not generated), loaded once per process
+      by whichever call is first to check a kept copy or a deferred operand; it is loaded before recording, so
+      that no case's files depend on what ran before it in the process.
     * ``scorch.engine.cpu_backend("cuda-emulate")`` (documented): for ``"cuda"`` the case runs in this block, where
       the calls that would give CPU tensors the ``"cpp"`` backend give ``"cuda-emulate"`` (as CUDA tensors get
       ``"cuda"``): every kernel of the execution layer is then lowered for and rendered as CUDA, from CPU tensors.
@@ -74,8 +77,9 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
     """
     import contextlib
     from scorch import engine
-    from scorch.compiler import runtime
+    from scorch.compiler import relayout, runtime
     torch.set_num_threads(THREADS)
+    relayout.fingerprint(torch.zeros(1))
     seen: list[tuple[str, str, str]] = []  # (toolchain, symbol, source) as loaded
 
     def record(source, symbol, argtypes, restype=None, toolchain="cxx", arch=""):
