@@ -165,10 +165,13 @@ def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
     passes an allocator on huge pages: the copy's rows are read in random order, SDDMM's ``B[j, :]`` at a row's
     columns, and on 4 KiB pages nearly every row read missed the TLB.)"""
     entry = _KEPT.get(id(x))
-    if entry is not None and entry[0]() is x and entry[1] == _key(x, d) and entry[3] == fingerprint(x):
-        _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
-        _KEPT[id(x)] = entry
-        return entry[2]
+    print_ = None  # (x's fingerprint, taken once)
+    if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
+        print_ = fingerprint(x)
+        if entry[3] == print_:
+            _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
+            _KEPT[id(x)] = entry
+            return entry[2]
     out = dim_last(x, d, alloc)
     if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2 or \
             x.device.type != "cpu" or not x.is_contiguous():
@@ -183,7 +186,7 @@ def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
         used -= e[2].numel() * e[2].element_size() if e is not None else 0
     key = id(x)
     ref = weakref.ref(x, lambda r, key=key: _KEPT.pop(key, None) if _KEPT.get(key, (None,))[0] is r else None)
-    _KEPT[key] = (ref, _key(x, d), out, fingerprint(x))
+    _KEPT[key] = (ref, _key(x, d), out, fingerprint(x) if print_ is None else print_)
     return out
 
 

@@ -173,20 +173,21 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
         stamp, result = memo[key]
         if stamp == _stamp(x, result):
             return result
-    result = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
-    if result is None:
-        result = convert(x, fmt, index_dtype, drop_zeros)
+    moved = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
+    result, prints = moved if moved is not None else (convert(x, fmt, index_dtype, drop_zeros), None)
     if memo is not None and result is not None:
-        memo[key] = (_stamp(x, result), result)
+        memo[key] = (_stamp(x, result, prints), result)
     return result
 
 
-def _stamp(x: SparseTensor, result: SparseTensor) -> tuple:
+def _stamp(x: SparseTensor, result: SparseTensor, prints=None) -> tuple:
     """What a kept conversion of ``x`` to ``result`` is checked against: the versions of both tensors' arrays and
     values, and the fingerprints of both tensors' values (``relayout.fingerprint``: writes through ``.data`` or a
     NumPy view leave the version counter as it was; a values array is read once for it, a fraction of a
-    conversion). Index arrays are trusted by their versions."""
-    return _versions(x), _versions(result), _fingerprint(x._vals), _fingerprint(result._vals)
+    conversion), or ``prints``, those fingerprints taken just now. Index arrays are trusted by their versions."""
+    if prints is None:
+        prints = _fingerprint(x._vals), _fingerprint(result._vals)
+    return (_versions(x), _versions(result)) + prints
 
 
 def _fingerprint(v: torch.Tensor) -> int:
@@ -205,6 +206,8 @@ register("validated", "index arrays already validated, per format, shape and num
 
 
 def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
+    """``(x converted to fmt, the fingerprints of x's and its values)`` by the pattern's kept permutation (made
+    here on its first conversion), or None where that path does not apply."""
     from ..compiler import relayout
     extra = (x._format, fmt, index_dtype, tuple(x._shape))
     entry = _PERMUTATIONS.get(extra, x._levels)
@@ -227,18 +230,20 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
     levels, perm = entry[:2]
     src = x._vals.detach()
     last = entry[2] if len(entry) > 2 else None  # the last values moved: the same values ask again (a weight
-    if last is not None and last[0]() is x._vals and (last[1], last[3]) == (  # read transposed by several
-            x._vals._version, last[2]._version) and last[4] == (_fingerprint(x._vals), _fingerprint(last[2])):
-        vals = last[2]                                                           # calls), unchanged (``_stamp``)
+    prints = None                                  # read transposed by several calls), unchanged (``_stamp``)
+    if last is not None and last[0]() is x._vals and (last[1], last[3]) == (x._vals._version, last[2]._version):
+        prints = _fingerprint(x._vals), _fingerprint(last[2])
+    if prints is not None and prints == last[4]:
+        vals = last[2]
     else:
         if len(levels) != 2 and perm.numel():  # whole blocks
             vals = torch.index_select(src.view(perm.numel(), -1), 0, perm).reshape(-1)
         else:
             vals = relayout.gather(src, perm)
+        prints = _fingerprint(x._vals) if prints is None else prints[0], _fingerprint(vals)
         _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), x._vals._version, vals,
-                                                            vals._version, (_fingerprint(x._vals),
-                                                                            _fingerprint(vals)))))
-    return SparseTensor(fmt, x._shape, levels, vals, check=False)
+                                                            vals._version, prints)))
+    return SparseTensor(fmt, x._shape, levels, vals, check=False), prints
 
 
 def _block_matrices(x: SparseTensor, fmt):
