@@ -18,8 +18,9 @@ from .. import loopir as L
 from .infer import factors
 from .ir import Access, Add, Assignment, Map, Mul, Scalar
 from .schedule import Schedule
-from .prefetch import prefetch_ahead
+from .prefetch import indirect_names, prefetch_ahead
 from .target import CPU, Target
+from .vectors import in_groups, lane_store, vector_sum
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,15 @@ def accumulated(low: Lowered, again) -> Lowered:
                                       for s in L.walk(low.kernel.body)):
         return low
     return replace(again(), out_type=low.compute_type)
+
+
+#: above this many bytes of dense rows read through loaded coordinates (SDDMM's ``B``), a dot tile's entries run
+#: one at a time with software prefetches instead of ``U`` at a time: measured by hand (K=64 float32, 2 threads,
+#: AMD EPYC Zen 4, interleaved medians, with the L3 flushed before each call / warm): power-law 100k (25.6 MB of
+#: B) 21.6 -> 16.6 / 21.1 -> 16.2 ms, uniform 20k (5.1 MB) 2.13 -> 1.84 / 1.24 -> 1.04 ms, 8192 rows of 60
+#: entries (2 MB) 1.38 -> 1.05 / 0.91 -> 0.91 ms, 4096 rows (1 MB) 0.59 -> 0.49 / 0.40 -> 0.44 ms; 4096 rows of
+#: 133 entries at K=32 (0.5 MB) 0.67 -> 0.68 / 0.47 -> 0.58 ms: the tile wins where B stays in a core's L2
+DOT_TILE_BYTES = 1 << 20
 
 
 class _Lowering:
@@ -441,12 +451,12 @@ class _Lowering:
             accumulate = L.For(u, L.Const(0), L.Const(U), _nest(entry + per_entry, [L.For(
                 kloop[1], kloop[2], kloop[3], L.block(L.Store(sums, u, value, "add")), vector=lanes)]), unroll=True)
             total = product(L.Load("etot", u, ct))
-            write = _lane_store(entry + lets, u, lanes, out, index, total, ct) or L.For(
+            write = lane_store(entry + lets, u, lanes, out, index, total, ct) or L.For(
                 u, L.Const(0), L.Const(U), _nest(entry + lets, [L.Store(out, index, total)]), unroll=True)
             return [L.LocalArray(sums, ct, U, L.Const(0, ct), sums=lanes), accumulate,
                     L.SumLanes("etot", sums, ct, U), write]
 
-        blocked, start = _in_groups(lo, hi, U, "e", block_of_entries)
+        blocked, start = in_groups(lo, hi, U, "e", block_of_entries)
         # the entries left over (fewer than U): one at a time, each dot product in one vector of partial sums
         # added up at its end. A tile of U with its extra lanes repeating the last entry was tried first: the
         # uniform 20k matrix's rows of ~20 entries then computed 32 products a row for 20 (K=64, 16 lanes: 2.40
@@ -454,16 +464,44 @@ class _Lowering:
         rest_at = L.Var("e_rest")
         # (the sum in a one-trip loop: a scope of its own, since the write binds the entry's lets again outside
         # the entry's guards, as a tile's write does)
-        one = [L.LocalArray("vsum", ct, 1, L.Const(0, ct), sums=lanes),
-               L.For(L.Var("e_one"), L.Const(0), L.Const(1), _nest(per_entry, [L.For(
-                   kloop[1], kloop[2], kloop[3], L.block(L.Store("vsum", L.Const(0), value, "add")), vector=lanes)])),
-               _nest(lets, [L.Store(out, index, product(L.Load("vsum", L.Const(0), ct)))])]
-        partial = L.block(L.Let(rest_at, start), L.For(pv, rest_at, hi, L.block(*one)))
+        def one(ahead=()):
+            return [L.LocalArray("vsum", ct, 1, L.Const(0, ct), sums=lanes),
+                    L.For(L.Var("e_one"), L.Const(0), L.Const(1), _nest(per_entry, [*ahead, L.For(
+                        kloop[1], kloop[2], kloop[3], L.block(L.Store("vsum", L.Const(0), value, "add")),
+                        vector=lanes)])),
+                    _nest(lets, [L.Store(out, index, product(L.Load("vsum", L.Const(0), ct)))])]
+        partial = L.block(L.Let(rest_at, start), L.For(pv, rest_at, hi, L.block(*one())))
         self.tile = (U, lanes)
         # every stored entry is written (by a whole tile or one at a time), unguarded, under loops that walk every
         # position of the shared levels: the output need not be zero-filled first
         self.writes_every_output = not self.sched.outer and not any(it[0] == "if" for it in items[:ready + 1])
-        return [_nest(items[:P], [blocked, partial])]
+        tiled = L.block(blocked, partial)
+        # where an entry's row is found through a loaded coordinate (SDDMM's row of B at the entry's column) and
+        # the rows so read are more than a core's cache keeps (``DOT_TILE_BYTES``), the entries go one at a time
+        # with the row ``prefetch_distance`` entries later asked for: the tile's burst of U rows' loads waits on
+        # memory together, while one entry at a time leaves room for the prefetches (see ``DOT_TILE_BYTES``)
+        ahead = prefetch_ahead(items[:P], items[P:ready + 1] + rest[:-1], value, kloop[1], self.spec[kvar])
+        gathered = self._gathered_bytes(inner_fs or fs, indirect_names(pv, per_entry)) if ahead else None
+        if gathered is None:
+            return [_nest(items[:P], [tiled])]
+        return [_nest(items[:P], [L.If(L.binary("gt", gathered, L.Const(DOT_TILE_BYTES)),
+                                       L.block(L.For(pv, lo, hi, L.block(*one(ahead)))), tiled)])]
+
+    def _gathered_bytes(self, fs, indirect):
+        """The bytes of the dense operands among the factors ``fs`` that are read at a position found through a
+        loaded coordinate (an index bound to one of the names ``indirect``), as an expression; None if none."""
+        total = None
+        for f in fs:
+            if not isinstance(f, Access) or self.asg.operands[f.operand].sparse or not any(
+                    v in self.bound and L.uses(self.bound[v]) & indirect for v in f.indices):
+                continue
+            t = self.asg.operands[f.operand]
+            size = L.Const(L.TO_TORCH[L.type_of(t.dtype)].itemsize)
+            for d, v in enumerate(f.indices):
+                size = L.binary("mul", size, self.size(v) if v in self.spec else L.Var(
+                    self.param(f"t{f.operand}_s{d}", "scalar", "i64", "dim", operand=f.operand, level=d)))
+            total = size if total is None else L.binary("add", total, size)
+        return total
 
     def _output(self, items):
         asg, sched = self.asg, self.sched
@@ -510,7 +548,7 @@ class _Lowering:
                 it[0] == "let" or (it[0] == "for" and it[1].name in self.covering) for it in items[:ready + 1])
             if once:  # every output written by exactly one iteration: stored, not added (no zero-filled output)
                 op, self.writes_every_output = None, True
-            summed = red == "sum" and self.target.vectors and self.ct in ("f32", "f64") and _vector_sum(
+            summed = red == "sum" and self.target.vectors and self.ct in ("f32", "f64") and vector_sum(
                 rest, value, self.target.sum_lanes(self.ct), self.ct, lambda: self._mean_length(rest),
                 self.target.lead_gathers)
             if summed:
@@ -590,84 +628,6 @@ def _loads(e) -> list:
     if isinstance(e, L.Load):
         return [e.index]
     return [x for c in (getattr(e, f, None) for f in ("a", "b", "cond")) if isinstance(c, L.Expr) for x in _loads(c)]
-
-
-def _in_groups(lo, hi, size, name, body):
-    """``(loop, start)``: a loop over the whole groups of ``size`` in ``[lo, hi)`` running ``body(base)`` (a list of
-    statements; ``base`` the group's first position, ``<name>_base``), and the first position past the last whole
-    group (the entries left over, for the caller's loop)."""
-    k, base = L.Var(f"{name}_k"), L.Var(f"{name}_base")
-    full = L.binary("div", L.binary("sub", hi, lo), L.Const(size))
-    loop = L.For(k, L.Const(0), full, L.block(L.Let(base, L.binary("add", lo, L.binary("mul", k, L.Const(size)))),
-                                               *body(base)))
-    return loop, L.binary("add", lo, L.binary("mul", full, L.Const(size)))
-
-
-def _inlined(lets, *exprs) -> tuple:
-    """``exprs`` with the variables of the nest items ``lets`` (``("let", var, value)``, in order, each value able to
-    read the earlier ones) replaced by their values."""
-    env = {}
-    for it in lets:
-        env[it[1].name] = L.substitute(it[2], env)
-    return tuple(L.substitute(e, env) for e in exprs)
-
-
-def _lane_store(lets, u, lanes, out, index, value, ct):
-    """``for u in [0, lanes): out[index] = value`` (after ``lets``) as one vector store, the lets inlined, when
-    the index is ``u`` plus a constant offset and the value is arithmetic on ``ct`` loads contiguous in ``u`` (or
-    not depending on it) and scalars; else None."""
-    index, value = _inlined(lets, index, value)
-
-    def plain(e):
-        if isinstance(e, L.Const):
-            return True
-        if isinstance(e, L.Var):
-            return e.name != u.name and e.type == ct
-        if isinstance(e, L.Load):
-            return e.type == ct and L.coefficient(e.index, u.name) in (0, 1)
-        return isinstance(e, L.Binary) and e.op in ("add", "sub", "mul", "div") and e.type == ct \
-            and plain(e.a) and plain(e.b)
-
-    if L.coefficient(index, u.name) != 1 or not plain(value):
-        return None
-    return L.For(u, L.Const(0), L.Const(lanes), L.block(L.Store(out, index, value)), vector=lanes)
-
-
-def _vector_sum(rest, value, lanes, ct, lead=None, lead_gathers=True):
-    """``(statements, total)``: the sum of ``value`` over the loop ``rest[0]`` (followed by lets only, inlined) in
-    one vector of partial sums, where every load that varies along the loop is contiguous in it or read at
-    positions that an integer array holds contiguously (a gather: SpMV's ``x[crd[p]]``), and the arithmetic is
-    add/sub/mul/div on ``ct``. The loop's last vector is partial (``For.tail``): a row's variable length costs no
-    scalar loop, whose exit the branch predictor misses about once a row (SpMV on a 20k matrix of ~20 entries a
-    row, one thread: 438 -> 348 us, measured by hand). The sum is reassociated (lane by lane). ``lead``: the
-    loop's expected trip count, for ``For.lead``, made by calling ``lead()`` (it adds a kernel argument), not where
-    the sum gathers and ``lead_gathers`` is False (``target.native_lead_gathers``). Else None."""
-    if not rest or rest[0][0] != "for" or rest[0][4] is not None or any(it[0] != "let" for it in rest[1:]):
-        return None
-    _, pv, lo, hi, _ = rest[0]
-    (value,) = _inlined(rest[1:], value)
-
-    def vectorizable(e):
-        if isinstance(e, L.Const):
-            return True
-        if isinstance(e, L.Var):
-            return e.name != pv.name
-        if isinstance(e, L.Load):
-            if not L.depends(e.index, pv.name):
-                return True
-            return e.type == ct and (L.coefficient(e.index, pv.name) == 1 or L.gathered(e.index, pv.name) is not None)
-        if isinstance(e, L.Cast):
-            return not L.depends(e.a, pv.name)
-        return isinstance(e, L.Binary) and e.op in ("add", "sub", "mul", "div") and e.type == ct \
-            and vectorizable(e.a) and vectorizable(e.b)
-
-    if not L.depends(value, pv.name) or not vectorizable(value):
-        return None
-    gathers = any(L.gathered(ld.index, pv.name) is not None for ld in L.loads(value))
-    return [L.LocalArray("vsum", ct, 1, L.Const(0, ct), sums=lanes),
-            L.For(pv, lo, hi, L.block(L.Store("vsum", L.Const(0), value, "add")), vector=lanes, tail=True,
-                  lead=lead() if lead is not None and (lead_gathers or not gathers) else None)], \
-        L.Load("vsum", L.Const(0), ct)
 
 
 def _contiguous(index, var) -> bool:

@@ -1,6 +1,8 @@
-"""Software prefetches for the register tile (``lower._register_tile``): SpMM reads a row of the dense operand
-at each entry's column, in an order only the sparse operand knows, so the hardware prefetcher cannot follow it;
-the tile asks for the row an entry ``prefetch_distance`` positions later while it works on this one. Measured on
+"""Software prefetches for the register tile (``lower._register_tile``) and for SDDMM's entries taken one at a
+time (``lower._dot_tile``, where ``B`` is larger than ``lower.DOT_TILE_BYTES``): SpMM reads a row of the dense
+operand at each entry's column, SDDMM a row of ``B``, in an order only the sparse operand knows, so the hardware
+prefetcher cannot follow it; the loop asks for the row an entry ``prefetch_distance`` positions later while it
+works on this one. Measured on
 the power-law 100k graph (AVX2, machine loaded by other jobs, ratios to torch in one process): K=32 2.7x -> 4.1x,
 K=128 2.1x -> 2.9x; uniform 20k K=128 2.8x -> 4.0x."""
 from __future__ import annotations
@@ -24,6 +26,17 @@ def prefetch_distance(row_bytes: int) -> int:
     return min(max(PREFETCH_ENTRIES, PREFETCH_LINES // lines), PREFETCH_MAX_ENTRIES)
 
 
+def indirect_names(entry, lets) -> set:
+    """The names of the nest items ``lets`` (of one entry, the loop variable ``entry``) whose values are read
+    through an array at a position that follows from the entry (a coordinate, and what is computed from it)."""
+    found = {entry.name}  # variables that follow from the entry, and those read through an array
+    indirect = set()
+    for it in lets:
+        if it[0] == "let" and L.uses(it[2]) & (found | indirect):
+            (indirect if any(L.loads(it[2])) or L.uses(it[2]) & indirect else found).add(it[1].name)
+    return indirect
+
+
 def prefetch_ahead(pre, kept, value, bv, T):
     """Prefetches of the dense rows the register tile will read ``prefetch_distance`` entries later (SpMM: the row
     of X at a later entry's column), one per 64-byte line of the tile's ``T`` columns; the later entry is clamped
@@ -38,11 +51,7 @@ def prefetch_ahead(pre, kept, value, bv, T):
     per_entry = kept[f + 1:]
     if any(it[0] == "if" for it in per_entry):
         return None
-    found = {pv.name}  # variables that follow from the entry, and those read through an array
-    indirect = set()
-    for it in per_entry:
-        if it[0] == "let" and L.uses(it[2]) & (found | indirect):
-            (indirect if any(L.loads(it[2])) or L.uses(it[2]) & indirect else found).add(it[1].name)
+    indirect = indirect_names(pv, per_entry)
     rows = [(ld.array, ld.index, ld.type) for ld in L.loads(value)
             if L.depends(ld.index, bv.name) and L.uses(ld.index) & indirect]
     if not rows:

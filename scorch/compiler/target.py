@@ -18,7 +18,7 @@ class Target:
     to warp lanes instead: ``mapping``)."""
     name: str
     vector_bytes: int = 0
-    #: whether a row sum's lead vectors (``For.lead``) may gather (``lower._vector_sum``): see
+    #: whether a row sum's lead vectors (``For.lead``) may gather (``vectors.vector_sum``): see
     #: ``native_lead_gathers``
     lead_gathers: bool = True
 
@@ -37,7 +37,7 @@ class Target:
         return self.vector_bytes // (4 if compute_type == "f32" else 8)
 
     def sum_lanes(self, compute_type: str) -> int:
-        """Lanes of a row sum's vector (``lower._vector_sum``): at most 32 bytes. On a 64-byte machine a row of
+        """Lanes of a row sum's vector (``vectors.vector_sum``): at most 32 bytes. On a 64-byte machine a row of
         ~20 entries in 16 lanes wastes most of its last gather, and 8-lane gathers are no slower per lane (SpMV,
         Intel Xeon with AVX-512: 8 lanes 4-8% faster, measured by hand)."""
         return min(self.vector_bytes, 32) // (4 if compute_type == "f32" else 8)

@@ -168,6 +168,20 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             n += 1
             if not close(scorch.einsum("ij,ik,jk->ij", s, y, x), (y @ x.T) * a.to(dtype)):
                 bad.append(f"dot tile {dtype}")
+        # SDDMM whose B is larger than DOT_TILE_BYTES: entries one at a time, B's row prefetched 16 entries ahead
+        # (clamped to the last entry: the last rows empty, a row of one entry, rows longer than the distance)
+        from scorch.compiler.lower import DOT_TILE_BYTES
+        cols = DOT_TILE_BYTES // (16 * 4) + 100
+        a = values((9, cols), gen, 0.002)
+        a[2], a[7:] = 0, 0
+        a[3, :40] = values((1, 40), gen)
+        a[6] = 0
+        a[6, cols - 1] = 1.5
+        s = scorch.asformat(a, "csr")
+        x, y = values((cols, 16), gen), values((9, 16), gen)
+        n += 1
+        if not close(scorch.einsum("ij,ik,jk->ij", s, y, x), (y @ x.T) * a):
+            bad.append("dot entries with prefetches")
         w = values((48, 32), gen, 0.3)
         from scorch.ops import linalg
         linalg.TILE_MIN_BYTES, linalg.TILE_MIN_ROWS = 0, 0  # (a child process: nothing to restore)

@@ -1,4 +1,4 @@
-"""A sum over a row's stored entries held in one vector of partial sums (``lower._vector_sum``: SpMV's
+"""A sum over a row's stored entries held in one vector of partial sums (``vectors.vector_sum``: SpMV's
 ``y[i] = sum_p vals[p] * x[crd[p]]``): whole vectors, with ``x`` gathered at the row's coordinates, then the row's
 last, partial vector with its lanes past the row's end off (``For.tail``: they read no memory and add nothing).
 Checked on every tail length, every index width, values that would poison a sum if an off lane were read, row

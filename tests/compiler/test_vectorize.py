@@ -148,6 +148,34 @@ def test_dot_tile_writes_every_entry(fmt, dtype, monkeypatch):
     scorch.clear_caches()
 
 
+@pytest.mark.parametrize("fmt", ["csr", "dcsr", "coo"])
+@pytest.mark.parametrize("backend", ["cpp", "interp"])
+def test_dot_tile_prefetches_rows_of_a_large_operand(fmt, backend):
+    """SDDMM whose rows of B (read at each entry's column) take more than ``DOT_TILE_BYTES``: the kernel runs the
+    entries one at a time with B's row 16 entries later prefetched (the later entry clamped to the last one of
+    the matrix), and the dot tile where B is smaller; both give the dense product. The interpreter checks each
+    hint's address is in bounds."""
+    from scorch import engine
+    from scorch.compiler.lower import DOT_TILE_BYTES
+    g = torch.Generator().manual_seed(6)
+    for cols in (DOT_TILE_BYTES // (16 * 4) + 1, 300):
+        a = torch.randn(12, cols, generator=g) * (torch.rand(12, cols, generator=g) < 40 / cols)
+        a[1], a[10:] = 0, 0  # an empty row, the last rows empty
+        a[4, :2 * CPU.lanes("f32") + 3] = 1.5  # whole tiles and a remainder
+        a[9] = 0
+        a[9, cols - 1] = 2.0  # the last entry alone in its row
+        s = scorch.asformat(a, fmt)
+        y, x = torch.randn(12, 16, generator=g), torch.randn(cols, 16, generator=g)
+        if fmt == "csr" and backend == "cpp":
+            assert "__builtin_prefetch(&t2[" in _kernel_source("ij,ik,jk->ij", s, y, x)
+        for _ in range(2):  # the first call and the prepared one
+            got = engine.einsum("ij,ik,jk->ij", s, y, x, backend=backend)
+            torch.testing.assert_close(got.to_dense(), a * (y @ x.T))
+        empty = scorch.asformat(torch.zeros(3, cols), fmt)
+        torch.testing.assert_close(engine.einsum("ij,ik,jk->ij", empty, y[:3], x, backend=backend).to_dense(),
+                                   torch.zeros(3, cols))
+
+
 @pytest.mark.parametrize("fmt, shape, k", [("csr", (40, 30), 64), ("csr", (1, 1), 32), ("dcsr", (50, 20), 32),
                                            ("ell", (12, 9), 32), ("csr", (0, 5), 32), ("coo", (30, 25), 32)])
 @pytest.mark.parametrize("backend", ["cpp", "interp"])
