@@ -36,8 +36,10 @@ def level_info(x: SparseTensor):
 def mean_length(x: SparseTensor, level: int) -> int:
     """The positions of ``x``'s level ``level`` per position of its parent, rounded up (0 where the parent has
     none): a row's expected length, for a kernel's ``For.lead``. Kept on the level's storage with the arrays it
-    was read from (compared by identity), so a repeated call costs a dict lookup (level_info: ~2.6 us)."""
-    st = x._levels[level]
+    was read from (compared by identity), so a repeated call costs a dict lookup (level_info: ~2.6 us). (The
+    levels are read from ``x.__dict__``: a tensor subclass's attribute is looked up through ``torch.Tensor``'s
+    type first, microseconds with the caches cold; see ``evaluate._current``.)"""
+    st = x.__dict__["_levels"][level]
     arrays = (getattr(st, "pos", None), getattr(st, "crd", None))
     kept = st.__dict__.get("_mean")
     if kept is not None and kept[0] is arrays[0] and kept[1] is arrays[1]:
