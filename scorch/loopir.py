@@ -187,9 +187,12 @@ class Store(Stmt):
 @dataclass(frozen=True)
 class Prefetch(Stmt):
     """A hint that ``array[index]`` will be read soon (a software prefetch of its cache line): no effect on the
-    results, and the address is never read here; the index must still be in bounds (it is computed)."""
+    results, and the address is never read here; the index must still be in bounds (it is computed).
+    ``locality``: 3 brings the line into the first-level cache (``prefetcht0``), 2 into the second
+    (``prefetcht1``: many lines in flight without evicting what the loop works on from L1)."""
     array: str
     index: Expr
+    locality: int = 3
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,18 @@ PREFETCH_LINES = 64
 PREFETCH_MAX_ENTRIES = 32
 
 
+#: the rows are prefetched into L2 (``prefetcht1``), not L1: 16 rows of 8 lines ahead (SpMM K=128) are 128 lines,
+#: a quarter of a 32 KiB L1, evicting the lines the tile is reading. Measured by hand (the register tile's loop,
+#: AMD EPYC Zen 4, 2 threads, interleaved medians, the L3 flushed before each call / warm): power-law 100k K=128
+#: 36.4 -> 25.0 ms, uniform 20k K=128 3.07 -> 2.74 / 2.64 -> 2.42 ms; K=64 power-law 11.8 -> 10.2 / 11.4 -> 10.4
+#: ms, uniform 1.56 -> 1.31 / 0.75 -> 0.75 ms; K=32 power-law 5.39 -> 4.96 / 4.74 -> 4.64 ms, uniform 0.64 -> 0.56
+#: / 0.40 -> 0.42 ms (the one case it loses, warm); SDDMM's entries (K=64) uniform 1.53 -> 1.33 / 0.85 -> 0.88
+#: ms, power-law 13.9 -> 13.7 / 12.5 -> 12.0 ms. `python -m benchmarks --only spmm,sddmm` (T0 -> T1): SpMM
+#: uniform K=128 2.44 -> 2.04 ms, power-law K=128 35.1 -> 29.7, K=32 3.71 -> 3.74, uniform K=32 0.53 -> 0.57;
+#: SDDMM uniform 1.84 -> 1.56, power-law 15.6 -> 12.7 ms
+PREFETCH_LOCALITY = 2
+
+
 def prefetch_distance(row_bytes: int) -> int:
     """Entries ahead for dense rows of ``row_bytes`` read at each entry (see ``PREFETCH_LINES``)."""
     lines = max(1, -(-row_bytes // 64))
@@ -71,6 +83,6 @@ def prefetch_ahead(pre, kept, value, bv, T):
     out = []
     for array, index, t in dict.fromkeys(rows):
         at, line = L.substitute(index, later), 64 // L.TO_TORCH[t].itemsize
-        out += [L.Prefetch(array, L.binary("add", at, L.Const(k))) for k in range(0, T, line)]
+        out += [L.Prefetch(array, L.binary("add", at, L.Const(k)), PREFETCH_LOCALITY) for k in range(0, T, line)]
     return out
 

@@ -185,15 +185,16 @@ def test_dot_tile_prefetches_rows_of_a_large_operand(fmt, dtype, backend):
                                            ("ell", (12, 9), 32), ("csr", (0, 5), 32), ("coo", (30, 25), 32)])
 @pytest.mark.parametrize("backend", ["cpp", "interp"])
 def test_register_tile_prefetches_rows_found_through_coordinates(fmt, shape, k, backend):
-    """SpMM's register tile prefetches the row of X that an entry 16 positions later reads (one hint per cache line
-    of the tile), the later entry clamped to the last entry of the whole matrix; no tile, no hint. The interpreter
+    """SpMM's register tile prefetches (into L2) the row of X that an entry 16 positions later reads (one hint per
+    cache line of the tile), the later entry clamped to the last entry of the whole matrix; no tile, no hint. The interpreter
     checks each hint's address is in bounds."""
     from scorch import engine
     g = torch.Generator().manual_seed(5)
     a = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 0.3)
     s, x = scorch.asformat(a, fmt), torch.randn(shape[1], k, generator=g)
     if fmt == "csr" and backend == "cpp":
-        assert "__builtin_prefetch(&t1[" in _kernel_source("ij,jk->ik", s, x)
+        source = _kernel_source("ij,jk->ik", s, x)
+        assert "__builtin_prefetch(&t1[" in source and ", 0, 2);" in source  # (into L2: prefetch.PREFETCH_LOCALITY)
         assert "__builtin_prefetch" not in _kernel_source("ij,jk->ik", s, torch.randn(shape[1], 5))  # (no tile)
     got = engine.einsum("ij,jk->ik", s, x, backend=backend)
     torch.testing.assert_close(got, a @ x)

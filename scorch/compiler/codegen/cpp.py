@@ -188,7 +188,8 @@ class _Emitter:
             line = f"{pad}{self.update(target, s.op, self.expr(s.value))};"
             return ([f"{pad}#pragma omp atomic"] if s.atomic else []) + [line]
         if isinstance(s, L.Prefetch):
-            return [f"{pad}__builtin_prefetch(&{ident(s.array)}[{self.expr(s.index)}]);"]
+            hint = "" if s.locality == 3 else f", 0, {s.locality}"
+            return [f"{pad}__builtin_prefetch(&{ident(s.array)}[{self.expr(s.index)}]{hint});"]
         if isinstance(s, L.LocalArray) and s.sums:
             n = ident(s.name)
             if s.type not in ("f32", "f64") or s.sums not in (CPU.lanes(s.type), CPU.sum_lanes(s.type)):
