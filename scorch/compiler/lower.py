@@ -79,7 +79,8 @@ def accumulated(low: Lowered, again) -> Lowered:
 
 
 #: above this many bytes of dense rows read through loaded coordinates (SDDMM's ``B``), a dot tile's entries run
-#: one at a time with software prefetches instead of ``U`` at a time: measured by hand (K=64 float32, 2 threads,
+#: one at a time with software prefetches instead of ``U`` at a time: measured by hand (prefetches into L1 then,
+#: see ``prefetch.PREFETCH_LOCALITY``; K=64 float32, 2 threads,
 #: AMD EPYC Zen 4, interleaved medians, with the L3 flushed before each call / warm): power-law 100k (25.6 MB of
 #: B) 21.6 -> 16.6 / 21.1 -> 16.2 ms, uniform 20k (5.1 MB) 2.13 -> 1.84 / 1.24 -> 1.04 ms, 8192 rows of 60
 #: entries (2 MB) 1.38 -> 1.05 / 0.91 -> 0.91 ms, 4096 rows (1 MB) 0.59 -> 0.49 / 0.40 -> 0.44 ms; 4096 rows of
@@ -495,13 +496,17 @@ class _Lowering:
             if not isinstance(f, Access) or self.asg.operands[f.operand].sparse or not any(
                     v in self.bound and L.uses(self.bound[v]) & indirect for v in f.indices):
                 continue
-            t = self.asg.operands[f.operand]
-            size = L.Const(L.TO_TORCH[L.type_of(t.dtype)].itemsize)
+            size = L.Const(self.asg.operands[f.operand].dtype.itemsize)
             for d, v in enumerate(f.indices):
-                size = L.binary("mul", size, self.size(v) if v in self.spec else L.Var(
-                    self.param(f"t{f.operand}_s{d}", "scalar", "i64", "dim", operand=f.operand, level=d)))
+                size = L.binary("mul", size, self._extent(f.operand, d, v))
             total = size if total is None else L.binary("add", total, size)
         return total
+
+    def _extent(self, operand, d, v):
+        """Dense operand ``operand``'s size along its dimension ``d`` (index ``v``): the specialized extent, else a
+        kernel argument."""
+        return self.size(v) if v in self.spec else L.Var(
+            self.param(f"t{operand}_s{d}", "scalar", "i64", "dim", operand=operand, level=d))
 
     def _output(self, items):
         asg, sched = self.asg, self.sched
@@ -573,8 +578,7 @@ class _Lowering:
             off = L.Const(0)
             for d, v in enumerate(e.indices):
                 bc = (e.operand, d) in self.broadcast
-                ext = L.Const(1) if bc else (self.size(v) if v in self.spec else L.Var(
-                    self.param(f"t{e.operand}_s{d}", "scalar", "i64", "dim", operand=e.operand, level=d)))
+                ext = L.Const(1) if bc else self._extent(e.operand, d, v)
                 off = L.binary("add", L.binary("mul", off, ext), L.Const(0) if bc else self.bound[v])
             return _cast(L.Load(data, off, L.type_of(t.dtype)), ct)
         if isinstance(e, Mul):
