@@ -59,6 +59,9 @@ class _Mode(threading.local):
 
 
 _mode = _Mode()
+#: the thread-local holder of the mode (``current.value``): ``mode()``'s value, read without a call on the hot path
+#: of ``S @ X`` (``ops.linalg._operator``), where each function a cold call enters costs microseconds
+current = _mode
 
 
 def mode() -> str:

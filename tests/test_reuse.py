@@ -298,6 +298,9 @@ def _repeated_operator_products(evaluate):
     assert evaluate.kept_product(s, xg, True) is None
     (s @ xg).sum().backward()
     torch.testing.assert_close(xg.grad, d.t() @ torch.ones(9, 5))
+    with torch.no_grad():                              # no gradient recorded: the kept call serves it
+        assert evaluate.kept_product(s, xg, True)
+        torch.testing.assert_close(s @ xg, d @ x)
     x64 = x.double()                                   # another dtype
     assert evaluate.kept_product(s, x64, True) is None
     torch.testing.assert_close(s.double() @ x64, d.double() @ x64)

@@ -287,10 +287,8 @@ def prepared_call(plan: Plan, sizes, dtype):
     thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
     scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
     fn = plan.kernel.fn
-    packed = getattr(plan.kernel, "packed", None)
-    if packed is not None:  # (one bytes argument instead of a ctypes conversion per argument)
-        pack = struct.Struct(pack_format(plan.lowered.kernel)).pack
-        fn = lambda *args: packed(pack(*args))  # noqa: E731
+    packed = getattr(plan.kernel, "packed", None)  # (one bytes argument instead of a ctypes conversion per argument)
+    pack = struct.Struct(pack_format(plan.lowered.kernel)).pack if packed is not None else None
 
     def call(ops, scalars):
         if not statics:
@@ -324,7 +322,10 @@ def prepared_call(plan: Plan, sizes, dtype):
                 args[n] = threads
         for n, v in scal:
             args[n] = scalars[v]
-        fn(*args)
+        if packed is not None:  # (called here, not through a function that packs: one function fewer entered)
+            packed(pack(*args))
+        else:
+            fn(*args)
         plan.calls += 1
         if dtype != wanted:
             out_arr = out_arr.to(wanted)

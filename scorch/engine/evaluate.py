@@ -24,7 +24,7 @@ from ..sparse_tensor import SparseTensor, needs_grad, shape_of
 from . import grouped
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
-from .bind import STRUCTURAL, backend_for, cast, cpu_backend_name, index_sizes, result_dtype
+from .bind import _CPU_BACKEND, STRUCTURAL, backend_for, cast, cpu_backend_name, index_sizes, result_dtype
 from .run import PREPARED, call_signature, keep_call, kept_call, run, signature
 
 _FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
@@ -79,19 +79,28 @@ def kept_product(s, other, left: bool):
     ``keep_product`` looked and found none often enough to stop looking. A repeated product skips ``matmul``'s
     checks and the signature ``_seen`` builds (a tuple of both operands' formats, dtypes and shapes, hashed): on
     a call after other work, with the interpreter's data out of cache, those cost about as much as a Cora-sized
-    SpMM's kernel. It stands only where ``_seen`` would give the same call (``_current``)."""
+    SpMM's kernel. It stands only where ``_seen`` would give the same call: ``_current``'s test, written out here
+    for the one dense operand (with the caches cold, each function a call enters costs microseconds: design
+    notes, stop 36)."""
     d = s.__dict__
     memo = d.get("_products")
     if memo is None or type(other) is not torch.Tensor:
         return None
     entry = memo.get((left, other.shape, other.dtype))
-    if entry is None or not _current(d, entry, (other,)):
+    if entry is None:
+        return None
+    v = d["_vals"]
+    if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
+            entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
+            _CPU_BACKEND.name != "cpp" or not other.is_cpu or other.layout is not torch.strided or \
+            not other.is_contiguous() or ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()):
         return None
     return entry[0] if entry[0] is not None else (False if entry[6] >= 3 else None)
 
 
 def _current(d, entry, dense) -> bool:
-    """Whether the call kept in ``entry`` (``_keep``) is the one ``_seen`` would give now, for the SparseTensor
+    """(``kept_product`` writes this test out for its one dense operand.) Whether the call kept in ``entry``
+    (``_keep``) is the one ``_seen`` would give now, for the SparseTensor
     whose ``__dict__`` is ``d`` and the ``dense`` operands of the kept shapes and dtypes: each a plain contiguous
     strided CPU tensor, no gradient to record, ``s`` with plain values of the kept dtype and the kept format and
     index width (compared by identity: an in-place change of pattern may swap them), ``structural_results`` as
@@ -103,7 +112,7 @@ def _current(d, entry, dense) -> bool:
     v = d["_vals"]
     if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
             entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
-            cpu_backend_name() != "cpp":
+            _CPU_BACKEND.name != "cpp":  # (``cpu_backend_name()``'s value, without the call)
         return False
     grad = v.requires_grad
     for x in dense:

@@ -245,15 +245,17 @@ for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):
 _is_compiling = torch.compiler.is_compiling  # (bound once: two module lookups fewer a call, each costly cold)
 
 
-def _operator(s, other, left: bool):
+def _operator(s, other, left: bool = True):
     """``s @ other`` (``left``) or ``other @ s`` for the SparseTensor ``s``: a repeated product with a dense
     matrix or vector straight to the prepared call kept on ``s`` (``engine.kept_product``), else ``matmul``
-    (and the call it prepared kept for next time)."""
+    (and the call it prepared kept for next time). It is ``SparseTensor.__matmul__`` itself (``left``'s default),
+    not a function that calls it, and reads the deferral mode without ``deferred.mode()``: on a call with the
+    caches cold each function entered costs microseconds (design notes, stop 36)."""
     if _is_compiling():  # (torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
         return torch.matmul(s, other) if left else torch.matmul(other, s)
     operands = (s, other) if left else (other, s)
     fast = engine.kept_product(s, other, left)
-    if fast and deferred.mode() != "all":
+    if fast and _deferral.value != "all":
         return fast(operands, None)
     result = matmul(*operands)
     if fast is None and len(s._shape) == 2 and type(other) is torch.Tensor and 1 <= other.dim() <= 2 and \
@@ -263,7 +265,9 @@ def _operator(s, other, left: bool):
     return result
 
 
+_deferral = deferred.current  # (``deferred.mode()``'s holder)
+
 # ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
 # ``__torch_function__`` round trip (about 7 us a call), and a repeated product its signature too
-SparseTensor.__matmul__ = lambda self, other: _operator(self, other, True)
+SparseTensor.__matmul__ = _operator
 SparseTensor.__rmatmul__ = lambda self, other: _operator(self, other, False)
