@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+import sys
 import threading
 
 import torch
@@ -26,7 +27,7 @@ from ..formats import named, storage
 from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info, mean_length
 from .convert import asformat
-from . import memory
+from . import direct, memory
 
 
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
@@ -300,6 +301,11 @@ def prepared_call(plan: Plan, sizes, dtype):
                 elif a.kind == "dim":
                     template[n] = shape_of(ops[a.operand])[a.level]
             statics["done"] = True
+            if not scal and not m and dtype == wanted and all(d[3] != 4 for d in dynamic):
+                fast = direct.program(plan, template, dynamic, out_pos, thr_pos, per_entry, k_drv, alloc, out_shape,
+                                      dtype, sys.modules[__name__])
+                if fast is not None:  # (what ``kept_product`` hands out from the next call on)
+                    call.direct = fast
         args = list(template)
         for n, op, lvl, what in dynamic:  # (a SparseTensor's arrays from its __dict__: see kept_product)
             x = ops[op]

@@ -95,7 +95,10 @@ def kept_product(s, other, left: bool):
             _CPU_BACKEND.name != "cpp" or not other.is_cpu or other.layout is not torch.strided or \
             not other.is_contiguous() or ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()):
         return None
-    return entry[0] if entry[0] is not None else (False if entry[6] >= 3 else None)
+    fast = entry[0]
+    if fast is None:
+        return False if entry[6] >= 3 else None
+    return getattr(fast, "direct", fast)  # (the prepared call's C form, once its first call made one: ``direct``)
 
 
 def _current(d, entry, dense) -> bool:

@@ -1,0 +1,250 @@
+"""A prepared call's repeated work in one C function: the direct call of a kept product.
+
+A prepared call (``bind.prepared_call``) reads its operands' array addresses, allocates the output, chooses the
+thread count and calls the kernel's packed entry point. In Python that is a few functions and a ctypes call; on a
+call that finds the caches cold (a small product after other work, as in a GNN layer after its dense transform)
+each function and each attribute read costs microseconds, and those decide a Cora-sized SpMM against torch's
+(design notes, stop 36). ``scorch_direct_call`` below does the same steps with the Python C API: the same torch
+methods are called (``data_ptr``, ``numel``, the allocation, ``bind.call_threads``), in the same order, with the
+kernel run with the GIL released, as ctypes runs it.
+
+It is built like any kernel (``runtime.load``: compiled once, cached on disk by a hash of its source, the
+library's stamp verified) and then imported from that library as an extension module (``scorch_direct``): called
+through ctypes (a ``PYFUNCTYPE``), the Cora call in the benchmark's rounds kept 5 of the 18-21 us a C call
+saves. Where this interpreter's ``Python.h`` is not found, or the helper does not build or import, ``program``
+returns None and the prepared call stays in Python (``SCORCH_DIRECT=0`` asks for that too).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import importlib.util
+import os
+import sysconfig
+import threading
+
+from ..compiler import runtime
+
+#: the most arguments a packed kernel may take here (the C side's buffer)
+MAX_ARGS = 64
+
+_SOURCE = r"""
+#include "@PYTHON_H@"
+#include <cstdint>
+
+typedef void (*scorch_packed_fn)(const int64_t*);
+
+static PyObject *scorch_k_data_ptr, *scorch_k_numel, *scorch_k_levels, *scorch_k_vals, *scorch_k_pos,
+    *scorch_k_crd, *scorch_k_calls, *scorch_k_call_threads, *scorch_one;
+
+static int scorch_names(void) {
+  if (scorch_k_data_ptr) return 0;
+  scorch_k_data_ptr = PyUnicode_InternFromString("data_ptr");
+  scorch_k_numel = PyUnicode_InternFromString("numel");
+  scorch_k_levels = PyUnicode_InternFromString("_levels");
+  scorch_k_vals = PyUnicode_InternFromString("_vals");
+  scorch_k_pos = PyUnicode_InternFromString("pos");
+  scorch_k_crd = PyUnicode_InternFromString("crd");
+  scorch_k_calls = PyUnicode_InternFromString("calls");
+  scorch_k_call_threads = PyUnicode_InternFromString("call_threads");
+  scorch_one = PyLong_FromLong(1);
+  return (scorch_k_data_ptr && scorch_k_numel && scorch_k_levels && scorch_k_vals && scorch_k_pos &&
+          scorch_k_crd && scorch_k_calls && scorch_k_call_threads && scorch_one) ? 0 : -1;
+}
+
+static int scorch_int(PyObject* o, int64_t* out) {  // (a Python int, or -1 with the exception set)
+  *out = (int64_t)PyLong_AsLongLong(o);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int scorch_address(PyObject* t, int64_t* out) {  // t.data_ptr()
+  PyObject* r = PyObject_CallMethodNoArgs(t, scorch_k_data_ptr);
+  if (!r) return -1;
+  const int rc = scorch_int(r, out);
+  Py_DECREF(r);
+  return rc;
+}
+
+// The array ``what`` (0 pos, 1 crd, 2 values) of the SparseTensor ``x`` (level ``lvl``), a new reference; read
+// from its __dict__, as the Python prepared call does.
+static PyObject* scorch_array(PyObject* x, long lvl, long what) {
+  PyObject* d = PyObject_GenericGetDict(x, NULL);
+  if (!d) return NULL;
+  PyObject* t = NULL;
+  if (what == 2) {
+    t = PyDict_GetItemWithError(d, scorch_k_vals);
+    Py_XINCREF(t);
+  } else {
+    PyObject* levels = PyDict_GetItemWithError(d, scorch_k_levels);
+    PyObject* level = levels ? PySequence_GetItem(levels, lvl) : NULL;
+    if (level) {
+      t = PyObject_GetAttr(level, what == 0 ? scorch_k_pos : scorch_k_crd);
+      Py_DECREF(level);
+    }
+  }
+  Py_DECREF(d);
+  if (!t && !PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "scorch: a sparse operand without its arrays");
+  return t;
+}
+
+// Whether the output's position ``out`` and the thread positions ``thr`` (a tuple) all lie in [0, n).
+static bool scorch_positions(PyObject* out, PyObject* thr, Py_ssize_t n) {
+  const long o = PyLong_AsLong(out);
+  if (o < 0 || o >= n || !PyTuple_Check(thr)) return false;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(thr); ++i) {
+    const long t = PyLong_AsLong(PyTuple_GET_ITEM(thr, i));
+    if (t < 0 || t >= n) return false;
+  }
+  PyErr_Clear();
+  return true;
+}
+
+// prog: (kernel address, template, dynamic, out position, thread positions, vectors per entry, driver operand,
+// alloc, alloc's arguments, alloc's keywords, the bind module, the plan)
+extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject* scalars) {
+  (void)scalars;
+  if (scorch_names()) return NULL;
+  if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 12 || !PyTuple_Check(ops)) {
+    PyErr_SetString(PyExc_TypeError, "scorch: a direct call takes its program and a tuple of operands");
+    return NULL;
+  }
+  int64_t a[@MAX_ARGS@];
+  PyObject* tmpl = PyTuple_GET_ITEM(prog, 1);
+  const Py_ssize_t n = PyTuple_GET_SIZE(tmpl);
+  if (n > @MAX_ARGS@ || !scorch_positions(PyTuple_GET_ITEM(prog, 3), PyTuple_GET_ITEM(prog, 4), n)) {
+    PyErr_SetString(PyExc_IndexError, "scorch: a direct call's argument positions are out of range");
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (scorch_int(PyTuple_GET_ITEM(tmpl, i), &a[i])) return NULL;
+  PyObject* dyn = PyTuple_GET_ITEM(prog, 2);
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dyn); ++i) {
+    PyObject* e = PyTuple_GET_ITEM(dyn, i);
+    const long pos = PyLong_AsLong(PyTuple_GET_ITEM(e, 0)), op = PyLong_AsLong(PyTuple_GET_ITEM(e, 1));
+    const long lvl = PyLong_AsLong(PyTuple_GET_ITEM(e, 2)), what = PyLong_AsLong(PyTuple_GET_ITEM(e, 3));
+    if (op < 0 || op >= PyTuple_GET_SIZE(ops) || pos < 0 || pos >= n) {
+      PyErr_SetString(PyExc_IndexError, "scorch: a direct call's operand or argument out of range");
+      return NULL;
+    }
+    PyObject* x = PyTuple_GET_ITEM(ops, op);
+    PyObject* t = what == 3 ? (Py_INCREF(x), x) : scorch_array(x, lvl, what);
+    if (!t) return NULL;
+    const int rc = scorch_address(t, &a[pos]);
+    Py_DECREF(t);
+    if (rc) return NULL;
+  }
+  PyObject* out = PyObject_Call(PyTuple_GET_ITEM(prog, 7), PyTuple_GET_ITEM(prog, 8), PyTuple_GET_ITEM(prog, 9));
+  if (!out) return NULL;
+  if (scorch_address(out, &a[PyLong_AsLong(PyTuple_GET_ITEM(prog, 3))])) {
+    Py_DECREF(out);
+    return NULL;
+  }
+  PyObject* thr = PyTuple_GET_ITEM(prog, 4);
+  if (PyTuple_GET_SIZE(thr)) {  // threads = bind.call_threads(driver's stored values * vectors per entry)
+    PyObject* vals = scorch_array(PyTuple_GET_ITEM(ops, PyLong_AsLong(PyTuple_GET_ITEM(prog, 6))), 0, 2);
+    PyObject* count = vals ? PyObject_CallMethodNoArgs(vals, scorch_k_numel) : NULL;
+    Py_XDECREF(vals);
+    int64_t entries = 0, per = 0, threads = 0;
+    PyObject* chooser = count ? PyObject_GetAttr(PyTuple_GET_ITEM(prog, 10), scorch_k_call_threads) : NULL;
+    PyObject* work = NULL;
+    if (chooser && !scorch_int(count, &entries) && !scorch_int(PyTuple_GET_ITEM(prog, 5), &per))
+      work = PyLong_FromLongLong((long long)(entries * per));
+    PyObject* chosen = work ? PyObject_CallOneArg(chooser, work) : NULL;
+    Py_XDECREF(count);
+    Py_XDECREF(chooser);
+    Py_XDECREF(work);
+    const int rc = chosen ? scorch_int(chosen, &threads) : -1;
+    Py_XDECREF(chosen);
+    if (rc) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(thr); ++i) a[PyLong_AsLong(PyTuple_GET_ITEM(thr, i))] = threads;
+  }
+  int64_t address = 0;
+  if (scorch_int(PyTuple_GET_ITEM(prog, 0), &address)) {
+    Py_DECREF(out);
+    return NULL;
+  }
+  const scorch_packed_fn kernel = (scorch_packed_fn)(intptr_t)address;
+  Py_BEGIN_ALLOW_THREADS
+  kernel(a);
+  Py_END_ALLOW_THREADS
+  PyObject* plan = PyTuple_GET_ITEM(prog, 11);  // plan.calls += 1
+  PyObject* calls = PyObject_GetAttr(plan, scorch_k_calls);
+  PyObject* more = calls ? PyNumber_Add(calls, scorch_one) : NULL;
+  const int rc = more ? PyObject_SetAttr(plan, scorch_k_calls, more) : -1;
+  Py_XDECREF(calls);
+  Py_XDECREF(more);
+  if (rc) {
+    Py_DECREF(out);
+    return NULL;
+  }
+  return out;
+}
+
+static PyObject* scorch_direct_fastcall(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  (void)self;
+  if (argc != 3) {
+    PyErr_SetString(PyExc_TypeError, "scorch: a direct call takes (program, operands, scalars)");
+    return NULL;
+  }
+  return scorch_direct_call(argv[0], argv[1], argv[2]);
+}
+
+static PyMethodDef scorch_direct_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))scorch_direct_fastcall, METH_FASTCALL, "a prepared call's direct form"},
+    {NULL, NULL, 0, NULL}};
+static struct PyModuleDef scorch_direct_module = {PyModuleDef_HEAD_INIT, "scorch_direct", NULL, -1,
+                                                  scorch_direct_methods};
+extern "C" PyObject* PyInit_scorch_direct(void) { return PyModule_Create(&scorch_direct_module); }
+"""
+
+_lock = threading.Lock()
+_function: list = []  # [the PYFUNCTYPE function, or None where it cannot be had]
+
+
+def _python_h() -> str | None:
+    include = sysconfig.get_paths().get("include")
+    path = os.path.join(include, "Python.h") if include else None
+    return path if path and os.path.isfile(path) and '"' not in path and "\n" not in path else None
+
+
+def function():
+    """``scorch_direct_call`` as a callable ``(prog, ops, scalars) -> tensor``, or None where this interpreter's
+    headers are missing or the helper does not build (the reason is not an error: the Python path serves)."""
+    if _function:
+        return _function[0]
+    with _lock:
+        if not _function:
+            fn = None
+            header = _python_h()
+            if header is not None and os.environ.get("SCORCH_DIRECT", "1") != "0":
+                source = _SOURCE.replace("@PYTHON_H@", header).replace("@MAX_ARGS@", str(MAX_ARGS))
+                try:
+                    kernel = runtime.load(source, "PyInit_scorch_direct", [], ctypes.c_void_p)
+                    loader = importlib.machinery.ExtensionFileLoader("scorch_direct", str(kernel.path))
+                    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("scorch_direct", loader))
+                    loader.exec_module(module)
+                    fn = module.call
+                except (runtime.CompileError, OSError, ImportError):
+                    fn = None
+            _function.append(fn)
+    return _function[0]
+
+
+def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc, out_shape, dtype, bind_module):
+    """The direct call of a prepared call whose every argument but the operands' addresses, the output's and the
+    thread count is known (``template``): a callable ``(ops, scalars) -> output``, or None where there is no
+    direct call (no helper, no packed kernel, too many arguments)."""
+    fn = function()
+    packed = getattr(plan.kernel, "packed", None)
+    given = {d[0] for d in dynamic} | {out_pos, *thr_pos}
+    if fn is None or packed is None or len(template) > MAX_ARGS or any(
+            not isinstance(v, int) for n, v in enumerate(template) if n not in given):
+        return None
+    address = ctypes.cast(packed, ctypes.c_void_p).value
+    prog = (address, tuple(0 if v is None else int(v) for v in template), tuple(tuple(d) for d in dynamic),
+            out_pos, tuple(thr_pos), per_entry, driver, alloc, (out_shape,), {"dtype": dtype}, bind_module, plan)
+    return functools.partial(fn, prog)
