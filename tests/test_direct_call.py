@@ -49,6 +49,23 @@ def test_direct_products_match_dense(fmt, dtype, index_dtype, k):
 
 
 @needs_direct
+@pytest.mark.parametrize("fmt", ["csr", "csc"])
+def test_direct_products_from_the_left(fmt):
+    """``X @ S`` keeps its call as ``S @ X`` does (the operands the other way round)."""
+    g = torch.Generator().manual_seed(8)
+    d = torch.randn(23, 31, generator=g) * (torch.rand(23, 31, generator=g) < 0.2)
+    s = scorch.asformat(d, fmt)
+    for w in (torch.randn(5, 23, generator=g), torch.randn(23, generator=g)):
+        for _ in range(4):
+            torch.testing.assert_close(w @ s, w @ d)
+        fast = evaluate.kept_product(s, w, False)
+        if fmt == "csc" and w.dim() == 1:  # (the others scatter, or convert first: not kept calls)
+            assert isinstance(fast, functools.partial) and fast.func is direct.function(), fast
+        w.mul_(2)  # the operand changed in place: read at each call
+        torch.testing.assert_close(w @ s, w @ d)
+
+
+@needs_direct
 @pytest.mark.parametrize("shape, density", [((0, 5), 0.0), ((5, 0), 0.0), ((1, 1), 1.0), ((7, 6), 0.0),
                                             ((7, 6), 1.0)])
 def test_direct_products_on_edge_shapes(shape, density):

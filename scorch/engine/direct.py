@@ -202,7 +202,7 @@ extern "C" PyObject* PyInit_scorch_direct(void) { return PyModule_Create(&scorch
 """
 
 _lock = threading.Lock()
-_function: list = []  # [the PYFUNCTYPE function, or None where it cannot be had]
+_function: list = []  # [the extension's ``call``, or None where it cannot be had]: decided once a process
 
 
 def _python_h() -> str | None:
@@ -213,7 +213,8 @@ def _python_h() -> str | None:
 
 def function():
     """``scorch_direct_call`` as a callable ``(prog, ops, scalars) -> tensor``, or None where this interpreter's
-    headers are missing or the helper does not build (the reason is not an error: the Python path serves)."""
+    headers are missing, the helper does not build or import, or ``SCORCH_DIRECT=0`` (read once, at the first
+    use): none of these is an error, the Python path serves."""
     if _function:
         return _function[0]
     with _lock:

@@ -75,7 +75,8 @@ def _seen(equation, operands, format):
 
 def kept_product(s, other, left: bool):
     """The prepared call of ``s @ other`` (``left``) or ``other @ s`` for the 2-d SparseTensor ``s`` and a dense
-    ``other``, kept on ``s`` by ``keep_product`` (the ``@`` operators); None where there is none, False where
+    ``other``, kept on ``s`` by ``keep_product`` (the ``@`` operators; its direct form, ``engine.direct``, once
+    its first call made one); None where there is none, False where
     ``keep_product`` looked and found none often enough to stop looking. A repeated product skips ``matmul``'s
     checks and the signature ``_seen`` builds (a tuple of both operands' formats, dtypes and shapes, hashed): on
     a call after other work, with the interpreter's data out of cache, those cost about as much as a Cora-sized

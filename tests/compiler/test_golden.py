@@ -67,6 +67,8 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
     * ``scorch.compiler.relayout.fingerprint(tensor)``: a fixed helper (not generated), loaded once per process
       by whichever call is first to check a kept copy or a deferred operand; it is loaded before recording, so
       that no case's files depend on what ran before it in the process.
+    * ``scorch.engine.direct.function()``: the fixed helper a kept product's repeated call runs (not generated),
+      loaded once per process by the first prepared call that can use it; loaded before recording likewise.
     * ``scorch.engine.cpu_backend("cuda-emulate")`` (documented): for ``"cuda"`` the case runs in this block, where
       the calls that would give CPU tensors the ``"cpp"`` backend give ``"cuda-emulate"`` (as CUDA tensors get
       ``"cuda"``): every kernel of the execution layer is then lowered for and rendered as CUDA, from CPU tensors.
@@ -80,6 +82,8 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
     from scorch.compiler import relayout, runtime
     torch.set_num_threads(THREADS)
     relayout.fingerprint(torch.zeros(1))
+    from scorch.engine import direct
+    direct.function()
     seen: list[tuple[str, str, str]] = []  # (toolchain, symbol, source) as loaded
 
     def record(source, symbol, argtypes, restype=None, toolchain="cxx", arch=""):
