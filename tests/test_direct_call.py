@@ -130,3 +130,20 @@ def test_direct_call_can_be_refused():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "function"
+
+
+@needs_direct
+def test_direct_calls_from_several_threads():
+    """The kernel runs with the GIL released: products from several Python threads at once, each right."""
+    import concurrent.futures
+    g = torch.Generator().manual_seed(9)
+    d = torch.randn(300, 200, generator=g) * (torch.rand(300, 200, generator=g) < 0.05)
+    s = scorch.asformat(d, "csr")
+    xs = [torch.randn(200, 16, generator=g) for _ in range(8)]
+    assert isinstance(_kept(s, xs[0]), functools.partial)
+
+    def work(x):
+        return all(torch.allclose(s @ x, d @ x, atol=1e-5) for _ in range(20))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, xs))
