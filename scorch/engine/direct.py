@@ -10,7 +10,7 @@ kernel run with the GIL released, as ctypes runs it.
 
 It is built like any kernel (``runtime.load``: compiled once, cached on disk by a hash of its source, the
 library's stamp verified) and then imported from that library as an extension module (``scorch_direct``): called
-through ctypes (a ``PYFUNCTYPE``), the Cora call in the benchmark's rounds kept 5 of the 18-21 us a C call
+through ctypes (a ``PYFUNCTYPE``), the Cora call in the benchmark's rounds kept 5 of the 13-21 us a C call
 saves. Where this interpreter's ``Python.h`` is not found, or the helper does not build or import, ``program``
 returns None and the prepared call stays in Python (``SCORCH_DIRECT=0`` asks for that too).
 """

@@ -186,8 +186,8 @@ def test_dot_tile_prefetches_rows_of_a_large_operand(fmt, dtype, backend):
 @pytest.mark.parametrize("backend", ["cpp", "interp"])
 def test_register_tile_prefetches_rows_found_through_coordinates(fmt, shape, k, backend):
     """SpMM's register tile prefetches (into L2) the row of X that an entry 16 positions later reads (one hint per
-    cache line of the tile), the later entry clamped to the last entry of the whole matrix; no tile, no hint. The interpreter
-    checks each hint's address is in bounds."""
+    cache line of the tile), the later entry clamped to the last entry of the whole matrix; no tile, no hint. The
+    interpreter checks each hint's address is in bounds."""
     from scorch import engine
     g = torch.Generator().manual_seed(5)
     a = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 0.3)
