@@ -121,15 +121,17 @@ def test_direct_call_refuses_bad_operands_with_an_exception():
 
 
 def test_direct_call_can_be_refused():
-    """``SCORCH_DIRECT=0``: kept products stay in Python, with the same results."""
-    code = ("import torch, scorch\nfrom scorch.engine import evaluate\n"
+    """``SCORCH_DIRECT=0``: kept products stay in Python, with the same results, and so do the operators
+    (``engine.direct.operators``)."""
+    code = ("import torch, scorch\nfrom scorch.engine import evaluate\nfrom scorch.ops import linalg\n"
             "d = torch.randn(9, 7) * (torch.rand(9, 7) < 0.4)\ns = scorch.asformat(d, 'csr')\nx = torch.randn(7, 3)\n"
             "for _ in range(3): torch.testing.assert_close(s @ x, d @ x)\n"
-            "f = evaluate.kept_product(s, x, True)\nprint(type(f).__name__)\n")
+            "f = evaluate.kept_product(s, x, True)\n"
+            "print(type(f).__name__, type(s).__matmul__ is linalg._operator)\n")
     env = dict(os.environ, SCORCH_DIRECT="0", SCORCH_DEFER="auto")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "function"
+    assert out.stdout.strip() == "function True"
 
 
 @needs_direct

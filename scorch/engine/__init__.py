@@ -14,6 +14,7 @@ from .args import SUPPORTED, argument, arguments, level_info, tensor_type  # noq
 from .bind import backend_for, cpu_backend, index_sizes, structural_results  # noqa: F401
 from .convert import asformat, convert, from_torch, to_torch  # noqa: F401
 from .evaluate import dense_result, einsum, explain, keep_product, kept_product, prepare, scaled  # noqa: F401
+from .evaluate import product_operators  # noqa: F401
 from .evaluate import SDDMM, keep_sddmm, kept_sddmm  # noqa: F401
 from .run import row_plan, run  # noqa: F401
 

@@ -24,6 +24,8 @@ import os
 import sysconfig
 import threading
 
+import torch
+
 from ..compiler import runtime
 
 #: the most arguments a packed kernel may take here (the C side's buffer)
@@ -184,6 +186,169 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
   return out;
 }
 
+// --- the product operator: ``S @ X`` and ``X @ S`` in one C call where a kept call stands ---------------------
+// ``SparseTensor.__matmul__`` / ``__rmatmul__`` once ``operators`` configured it: ``evaluate.kept_product``'s test,
+// in the same order, then the kept call (its direct form where it has one); every other call goes to the Python
+// operator (``fallback``), which tests again and takes the long way.
+
+struct scorch_ref {  // an owned reference, released at the end of its scope
+  PyObject* p;
+  explicit scorch_ref(PyObject* o) : p(o) {}
+  ~scorch_ref() { Py_XDECREF(p); }
+  scorch_ref(const scorch_ref&) = delete;
+  scorch_ref& operator=(const scorch_ref&) = delete;
+};
+
+enum { SCORCH_FAST_EQ, SCORCH_STRUCTURAL, SCORCH_BACKEND, SCORCH_DEFERRAL, SCORCH_TENSOR, SCORCH_STRIDED,
+       SCORCH_COMPILER, SCORCH_IS_COMPILING, SCORCH_GRAD_ENABLED, SCORCH_FALLBACK, SCORCH_CONFIG };
+static PyObject* scorch_config = NULL;  // the tuple ``operators`` passes, in the order above
+static long long scorch_counts[2];      // products the kept call served, products handed to the fallback
+static PyObject *scorch_k_products, *scorch_k_format, *scorch_k_index_dtype, *scorch_k_generation, *scorch_k_on,
+    *scorch_k_name, *scorch_k_value, *scorch_k_flag, *scorch_k_shape, *scorch_k_dtype, *scorch_k_is_cpu,
+    *scorch_k_layout, *scorch_k_is_contiguous, *scorch_k_requires_grad, *scorch_k_direct, *scorch_s_cpp,
+    *scorch_s_all;
+
+static int scorch_operator_names(void) {
+  if (scorch_k_products) return 0;
+  PyObject** slots[] = {&scorch_k_products, &scorch_k_format, &scorch_k_index_dtype, &scorch_k_generation,
+                        &scorch_k_on, &scorch_k_name, &scorch_k_value, &scorch_k_flag, &scorch_k_shape,
+                        &scorch_k_dtype, &scorch_k_is_cpu, &scorch_k_layout, &scorch_k_is_contiguous,
+                        &scorch_k_requires_grad, &scorch_k_direct, &scorch_s_cpp, &scorch_s_all};
+  const char* text[] = {"_products", "_format", "_index_dtype", "generation", "on", "name", "value",
+                        "_is_compiling_flag", "shape", "dtype", "is_cpu", "layout", "is_contiguous",
+                        "requires_grad", "direct", "cpp", "all"};
+  for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); ++i)
+    if (!(*slots[i] = PyUnicode_InternFromString(text[i]))) return -1;
+  return 0;
+}
+
+// getattr(o, name) against want: 1 where it is want (``is``; ``==`` where eq), 0 where not, -1 on an error
+static int scorch_attr_is(PyObject* o, PyObject* name, PyObject* want, bool eq) {
+  scorch_ref r(PyObject_GetAttr(o, name));
+  if (!r.p) return -1;
+  return eq ? PyObject_RichCompareBool(r.p, want, Py_EQ) : r.p == want;
+}
+
+#define SCORCH_CFG(i) PyTuple_GET_ITEM(cfg, i)
+
+// Whether torch.compile traces (``torch.compiler.is_compiling()``: its flag, or the call where there is no flag)
+static int scorch_compiling(PyObject* cfg) {
+  scorch_ref flag(PyObject_GetAttr(SCORCH_CFG(SCORCH_COMPILER), scorch_k_flag));
+  if (flag.p) return PyObject_IsTrue(flag.p);
+  PyErr_Clear();
+  scorch_ref r(PyObject_CallNoArgs(SCORCH_CFG(SCORCH_IS_COMPILING)));
+  return r.p ? PyObject_IsTrue(r.p) : -1;
+}
+
+// The kept call of ``s @ other`` (left) or ``other @ s`` (a new reference), or NULL where
+// ``evaluate.kept_product`` gives none or the deferral mode is "all" (as ``ops.linalg._operator`` reads them)
+static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool left) {
+  PyObject* tensor = SCORCH_CFG(SCORCH_TENSOR);
+  if ((PyObject*)Py_TYPE(other) != tensor) return NULL;
+  scorch_ref d(PyObject_GenericGetDict(s, NULL));
+  PyObject* memo = d.p ? PyDict_GetItemWithError(d.p, scorch_k_products) : NULL;
+  if (!memo || !PyDict_Check(memo)) return NULL;
+  scorch_ref shape(PyObject_GetAttr(other, scorch_k_shape));
+  scorch_ref dtype(shape.p ? PyObject_GetAttr(other, scorch_k_dtype) : NULL);
+  scorch_ref key(dtype.p ? PyTuple_Pack(3, left ? Py_True : Py_False, shape.p, dtype.p) : NULL);
+  PyObject* entry = key.p ? PyDict_GetItemWithError(memo, key.p) : NULL;
+  if (!entry || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 7) return NULL;
+  PyObject* v = PyDict_GetItemWithError(d.p, scorch_k_vals);
+  if (!v || (PyObject*)Py_TYPE(v) != tensor ||
+      scorch_attr_is(v, scorch_k_dtype, PyTuple_GET_ITEM(entry, 1), false) != 1 ||
+      PyDict_GetItemWithError(d.p, scorch_k_format) != PyTuple_GET_ITEM(entry, 2) ||
+      PyDict_GetItemWithError(d.p, scorch_k_index_dtype) != PyTuple_GET_ITEM(entry, 3) ||
+      scorch_attr_is(SCORCH_CFG(SCORCH_FAST_EQ), scorch_k_generation, PyTuple_GET_ITEM(entry, 4), true) != 1 ||
+      scorch_attr_is(SCORCH_CFG(SCORCH_STRUCTURAL), scorch_k_on, PyTuple_GET_ITEM(entry, 5), true) != 1 ||
+      scorch_attr_is(SCORCH_CFG(SCORCH_BACKEND), scorch_k_name, scorch_s_cpp, true) != 1 ||
+      scorch_attr_is(other, scorch_k_is_cpu, Py_True, false) != 1 ||
+      scorch_attr_is(other, scorch_k_layout, SCORCH_CFG(SCORCH_STRIDED), false) != 1)
+    return NULL;
+  {
+    scorch_ref contiguous(PyObject_CallMethodNoArgs(other, scorch_k_is_contiguous));
+    if (contiguous.p != Py_True) return NULL;
+  }
+  int grad = scorch_attr_is(v, scorch_k_requires_grad, Py_True, false);
+  if (grad == 0) grad = scorch_attr_is(other, scorch_k_requires_grad, Py_True, false);
+  if (grad < 0) return NULL;
+  if (grad) {
+    scorch_ref on(PyObject_CallNoArgs(SCORCH_CFG(SCORCH_GRAD_ENABLED)));
+    if (on.p != Py_False) return NULL;
+  }
+  PyObject* fast = PyTuple_GET_ITEM(entry, 0);
+  if (fast == Py_None || fast == Py_False ||
+      scorch_attr_is(SCORCH_CFG(SCORCH_DEFERRAL), scorch_k_value, scorch_s_all, true) != 0)
+    return NULL;
+  PyObject* fn = PyObject_GetAttr(fast, scorch_k_direct);  // (the prepared call's C form, once it has one)
+  if (fn) return fn;
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+  PyErr_Clear();
+  Py_INCREF(fast);
+  return fast;
+}
+
+static PyObject* scorch_product(PyObject* const* argv, Py_ssize_t argc, bool left) {
+  if (argc != 2) {
+    PyErr_SetString(PyExc_TypeError, "scorch: a product operator takes the SparseTensor and one other operand");
+    return NULL;
+  }
+  if (!scorch_config) {
+    PyErr_SetString(PyExc_RuntimeError, "scorch: the product operator is not configured");
+    return NULL;
+  }
+  PyObject *s = argv[0], *other = argv[1];
+  PyObject* cfg = scorch_config;  // (held for the call: a ``configure`` meanwhile replaces it, not under us)
+  Py_INCREF(cfg);
+  scorch_ref held(cfg);
+  if (scorch_compiling(cfg) == 0) {
+    scorch_ref fn(scorch_kept(cfg, s, other, left));
+    if (fn.p) {
+      scorch_ref ops(left ? PyTuple_Pack(2, s, other) : PyTuple_Pack(2, other, s));
+      if (!ops.p) return NULL;
+      ++scorch_counts[0];
+      PyObject* args[2] = {ops.p, Py_None};
+      return PyObject_Vectorcall(fn.p, args, 2, NULL);
+    }
+  }
+  PyErr_Clear();  // (a read that failed above fails again, and raises, on the Python operator's way)
+  ++scorch_counts[1];
+  PyObject* args[3] = {s, other, left ? Py_True : Py_False};
+  return PyObject_Vectorcall(SCORCH_CFG(SCORCH_FALLBACK), args, 3, NULL);
+}
+
+static PyObject* scorch_matmul(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  (void)self;
+  return scorch_product(argv, argc, true);
+}
+
+static PyObject* scorch_rmatmul(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  (void)self;
+  return scorch_product(argv, argc, false);
+}
+
+static PyObject* scorch_configure(PyObject* self, PyObject* config) {
+  (void)self;
+  if (!PyTuple_Check(config) || PyTuple_GET_SIZE(config) != SCORCH_CONFIG) {
+    PyErr_SetString(PyExc_TypeError, "scorch: the product operator's configuration is a tuple of its 10 parts");
+    return NULL;
+  }
+  if (scorch_names() || scorch_operator_names()) return NULL;
+  Py_INCREF(config);
+  Py_XSETREF(scorch_config, config);
+  Py_RETURN_NONE;
+}
+
+static PyObject* scorch_method(PyObject* self, PyObject* fn) {  // fn bound as a method (``instancemethod``)
+  (void)self;
+  return PyInstanceMethod_New(fn);
+}
+
+static PyObject* scorch_operator_counts(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return Py_BuildValue("(LL)", scorch_counts[0], scorch_counts[1]);
+}
+
 static PyObject* scorch_direct_fastcall(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
   (void)self;
   if (argc != 3) {
@@ -195,6 +360,11 @@ static PyObject* scorch_direct_fastcall(PyObject* self, PyObject* const* argv, P
 
 static PyMethodDef scorch_direct_methods[] = {
     {"call", (PyCFunction)(void (*)(void))scorch_direct_fastcall, METH_FASTCALL, "a prepared call's direct form"},
+    {"matmul", (PyCFunction)(void (*)(void))scorch_matmul, METH_FASTCALL, "S @ X (SparseTensor.__matmul__)"},
+    {"rmatmul", (PyCFunction)(void (*)(void))scorch_rmatmul, METH_FASTCALL, "X @ S (SparseTensor.__rmatmul__)"},
+    {"configure", scorch_configure, METH_O, "the product operator's configuration"},
+    {"method", scorch_method, METH_O, "a callable bound as a method"},
+    {"counts", scorch_operator_counts, METH_NOARGS, "(kept calls served, calls handed to the fallback)"},
     {NULL, NULL, 0, NULL}};
 static struct PyModuleDef scorch_direct_module = {PyModuleDef_HEAD_INIT, "scorch_direct", NULL, -1,
                                                   scorch_direct_methods};
@@ -202,7 +372,7 @@ extern "C" PyObject* PyInit_scorch_direct(void) { return PyModule_Create(&scorch
 """
 
 _lock = threading.Lock()
-_function: list = []  # [the extension's ``call``, or None where it cannot be had]: decided once a process
+_loaded: list = []  # [the extension module, or None where it cannot be had]: decided once a process
 
 
 def _python_h() -> str | None:
@@ -211,15 +381,15 @@ def _python_h() -> str | None:
     return path if path and os.path.isfile(path) and '"' not in path and "\n" not in path else None
 
 
-def function():
-    """``scorch_direct_call`` as a callable ``(prog, ops, scalars) -> tensor``, or None where this interpreter's
-    headers are missing, the helper does not build or import, or ``SCORCH_DIRECT=0`` (read once, at the first
-    use): none of these is an error, the Python path serves."""
-    if _function:
-        return _function[0]
+def _module():
+    """The extension module ``scorch_direct``, or None where this interpreter's headers are missing, the helper
+    does not build or import, or ``SCORCH_DIRECT=0`` (read once, at the first use): none of these is an error,
+    the Python path serves."""
+    if _loaded:
+        return _loaded[0]
     with _lock:
-        if not _function:
-            fn = None
+        if not _loaded:
+            module = None
             header = _python_h()
             if header is not None and os.environ.get("SCORCH_DIRECT", "1") != "0":
                 source = _SOURCE.replace("@PYTHON_H@", header).replace("@MAX_ARGS@", str(MAX_ARGS))
@@ -228,11 +398,39 @@ def function():
                     loader = importlib.machinery.ExtensionFileLoader("scorch_direct", str(kernel.path))
                     module = importlib.util.module_from_spec(importlib.util.spec_from_loader("scorch_direct", loader))
                     loader.exec_module(module)
-                    fn = module.call
                 except (runtime.CompileError, OSError, ImportError):
-                    fn = None
-            _function.append(fn)
-    return _function[0]
+                    module = None
+            _loaded.append(module)
+    return _loaded[0]
+
+
+def function():
+    """``scorch_direct_call`` as a callable ``(prog, ops, scalars) -> tensor``, or None where there is no helper
+    (``_module``)."""
+    module = _module()
+    return None if module is None else module.call
+
+
+def operators(fallback, fast_eq, structural, backend, deferral):
+    """``(__matmul__, __rmatmul__)`` for SparseTensor written in C, or None where there is no helper: each takes
+    the product's kept call where ``evaluate.kept_product`` would give it (the same test: the kept entry on the
+    tensor, ``fast_eq``'s generation, ``structural.on``, ``backend.name``, the dense operand's type, device,
+    layout, contiguity and gradient, the grad mode) and ``deferral.value`` is not "all", and torch.compile does
+    not trace; otherwise it calls ``fallback(s, other, left)``, the Python operator. A cold ``S @ X`` then
+    enters no Python function: design notes, stop 37. ``operator_counts`` counts both ways."""
+    module = _module()
+    if module is None:
+        return None
+    module.configure((fast_eq, structural, backend, deferral, torch.Tensor, torch.strided, torch.compiler,
+                      torch.compiler.is_compiling, torch.is_grad_enabled, fallback))
+    return module.method(module.matmul), module.method(module.rmatmul)
+
+
+def operator_counts() -> tuple[int, int] | None:
+    """``(products the kept call served, products handed to the Python operator)`` by the C operators since the
+    process started, or None where there is no helper."""
+    module = _module()
+    return None if module is None else module.counts()
 
 
 def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc, out_shape, dtype, bind_module):

@@ -21,7 +21,7 @@ from .. import loopir as L
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, needs_grad, shape_of
-from . import grouped
+from . import direct, grouped
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
 from .bind import _CPU_BACKEND, STRUCTURAL, backend_for, cast, cpu_backend_name, index_sizes, result_dtype
@@ -82,7 +82,8 @@ def kept_product(s, other, left: bool):
     a call after other work, with the interpreter's data out of cache, those cost about as much as a Cora-sized
     SpMM's kernel. It stands only where ``_seen`` would give the same call: ``_current``'s test, written out here
     for the one dense operand (with the caches cold, each function a call enters costs microseconds: design
-    notes, stop 36)."""
+    notes, stop 36). ``direct.operators`` makes the same test in C (``scorch_kept``), in the same order: a change
+    to what a kept call depends on is made in both (``tests/test_direct_call.py`` compares them)."""
     d = s.__dict__
     memo = d.get("_products")
     if memo is None or type(other) is not torch.Tensor:
@@ -100,6 +101,12 @@ def kept_product(s, other, left: bool):
     if fast is None:
         return False if entry[6] >= 3 else None
     return getattr(fast, "direct", fast)  # (the prepared call's C form, once its first call made one: ``direct``)
+
+
+def product_operators(fallback, deferral):
+    """``(__matmul__, __rmatmul__)`` in C (``direct.operators``): ``kept_product``'s test and the kept call in
+    one C function, ``fallback(s, other, left)`` for every other product; None where there is no C helper."""
+    return direct.operators(fallback, _FAST_EQ, STRUCTURAL, _CPU_BACKEND, deferral)
 
 
 def _current(d, entry, dense) -> bool:

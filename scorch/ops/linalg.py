@@ -250,7 +250,8 @@ def _operator(s, other, left: bool = True):
     matrix or vector straight to the prepared call kept on ``s`` (``engine.kept_product``), else ``matmul``
     (and the call it prepared kept for next time). It is ``SparseTensor.__matmul__`` itself (``left``'s default),
     not a function that calls it, and reads the deferral mode without ``deferred.mode()``: on a call with the
-    caches cold each function entered costs microseconds (design notes, stop 36)."""
+    caches cold each function entered costs microseconds (design notes, stop 36). After the first product kept,
+    the operators are its C form (``_install``), which calls this for every product it does not take itself."""
     if _is_compiling():  # (torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
         return torch.matmul(s, other) if left else torch.matmul(other, s)
     operands = (s, other) if left else (other, s)
@@ -262,7 +263,22 @@ def _operator(s, other, left: bool = True):
             deferred.mode() != "all":
         engine.keep_product(s, other, left, matmul_equation(2, other.dim()) if left else
                             matmul_equation(other.dim(), 2))
+        if not _installed:
+            _install()
     return result
+
+
+_installed: list = []
+
+
+def _install():
+    """Once a process, at the first product kept: ``SparseTensor.__matmul__`` and ``__rmatmul__`` become their C
+    form (``engine.product_operators``), which takes a kept call as ``_operator`` would and hands every other
+    product to ``_operator``. Where there is no C helper the operators stay these Python ones."""
+    _installed.append(True)
+    methods = engine.product_operators(_operator, deferred.current)
+    if methods is not None:
+        SparseTensor.__matmul__, SparseTensor.__rmatmul__ = methods
 
 
 _deferral = deferred.current  # (``deferred.mode()``'s holder)

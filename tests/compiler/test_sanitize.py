@@ -40,14 +40,17 @@ MIXED_WIDTH = textwrap.dedent(r'''
                     got = r.to_dense() if isinstance(r, scorch.SparseTensor) else r
                     if not (got.shape == expected.shape and torch.allclose(got, expected)):
                         bad.append(f"{ctor} pos {pos_dtype} crd {crd_dtype}")
-        # a repeated S @ X: from its second call on, the prepared call's direct (C) form (engine.direct)
+        # a repeated S @ X and W @ S: from the second call on, the prepared call's direct (C) form, and the
+        # operators' C form once a product is kept (engine.direct)
         for shape, density in (((5, 7), 0.5), ((0, 7), 0.5), ((1, 1), 1.0), ((6, 4), 0.0)):
             a = values(shape, gen, density)
-            s, x = scorch.asformat(a, "csr"), values((shape[1], 3), gen)
+            s, x, w = scorch.asformat(a, "csr"), values((shape[1], 3), gen), values((2, shape[0]), gen)
             for _ in range(3):
-                n += 1
+                n += 2
                 if not torch.allclose(s @ x, a @ x):
                     bad.append(f"repeated csr @ dense {shape}")
+                if not torch.allclose(w @ s, w @ a):
+                    bad.append(f"repeated dense @ csr {shape}")
         return n, bad
 ''')
 
