@@ -43,11 +43,14 @@ class Config:
     slow_s: float         # a peer whose first call takes longer is timed on one more call only
     tune_rounds: int      # rounds for choosing the fastest hand-kernel variant
     compile_runs: int     # fresh processes for the compile / disk-cache measurements
+    min_s: float = 0.0    # a table's rounds go on past ``repeat`` until they took this long (cheap cases) ...
+    max_rounds: int = 0   # ... up to this many rounds (``timing.measure``)
 
 
 FULL = Config(quick=False, repeat=20, uniform_n=20000, uniform_density=1e-3, graph_n=100000, graph_mean=21,
               graph_max=12000, spmm_k=(32, 128), sddmm_k=64, chain_k=32, mttkrp_shape=(200, 200, 200),
-              mttkrp_density=1e-3, mttkrp_rank=16, budget_s=40.0, slow_s=3.0, tune_rounds=5, compile_runs=3)
+              mttkrp_density=1e-3, mttkrp_rank=16, budget_s=40.0, slow_s=3.0, tune_rounds=5, compile_runs=3,
+              min_s=2.0, max_rounds=400)
 QUICK = Config(quick=True, repeat=5, uniform_n=2000, uniform_density=1e-2, graph_n=10000, graph_mean=21,
                graph_max=1200, spmm_k=(32, 128), sddmm_k=64, chain_k=32, mttkrp_shape=(60, 60, 60),
                mttkrp_density=1e-2, mttkrp_rank=16, budget_s=2.0, slow_s=0.5, tune_rounds=2, compile_runs=1)
@@ -189,7 +192,7 @@ def run_peers(table: Table, peers: dict[str, Callable], reference: str, cfg: Con
     table.notes.insert(0, f"Checked against {reference} (max |diff| / max |ref|, tolerance {TOLERANCE:g}): "
                           + ("; ".join(checks) or "nothing to check") + ".")
     timings = measure({n: fn for n, fn in peers.items() if n not in status and n not in slow}, cfg.repeat,
-                      warmup=1, budget_s=cfg.budget_s)
+                      warmup=1, budget_s=cfg.budget_s, min_s=cfg.min_s, max_rounds=cfg.max_rounds)
     for name in slow - set(status):
         t0 = time.perf_counter()
         peers[name]()

@@ -56,7 +56,7 @@ def table(inputs, which: str, k: int):
         calls["torch CSR  A @ X, bfloat16"] = lambda: ab @ xb
     except Exception as e:  # noqa: BLE001  (torch's CPU CSR product takes no bfloat16 in some versions)
         status["torch CSR  A @ X, bfloat16"] = "torch refuses it: " + " ".join(str(e).split())[:120]
-    timings = measure(calls, cfg.repeat, warmup=1, budget_s=cfg.budget_s)
+    timings = measure(calls, cfg.repeat, warmup=1, budget_s=cfg.budget_s, min_s=cfg.min_s, max_rounds=cfg.max_rounds)
     for name in list(calls) + list(status):
         t.rows.append(Row(name, timings.get(name), status.get(name, "")))
     if k >= 128:

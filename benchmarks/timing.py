@@ -27,28 +27,36 @@ class Timing:
 
 
 def measure(peers: dict[str, Callable[[], object]], repeat: int, warmup: int = 2,
-            budget_s: Optional[float] = None, min_rounds: int = 3) -> dict[str, Timing]:
-    """Median and minimum time of each zero-argument callable over ``repeat`` interleaved rounds. With
-    ``budget_s``, rounds stop early once that many seconds have passed (never before ``min_rounds``)."""
+            budget_s: Optional[float] = None, min_rounds: int = 3, min_s: float = 0.0,
+            max_rounds: Optional[int] = None) -> dict[str, Timing]:
+    """Median and minimum time of each zero-argument callable over interleaved rounds: ``repeat`` rounds, and
+    more while the rounds so far took under ``min_s`` seconds (up to ``max_rounds``), so that a case of
+    sub-millisecond calls gets a median of hundreds of rounds rather than of 20 (one burst of another process's
+    work moves a median of 20 rounds of 0.2 ms). With ``budget_s``, rounds stop early once that many seconds
+    have passed (never before ``min_rounds``)."""
     names = list(peers)
     order = random.Random(len(names))  # (seeded: a run's orders repeat)
     for name in names:
         for _ in range(warmup):
             peers[name]()
     samples: dict[str, list[float]] = {n: [] for n in names}
+    most = max(repeat, max_rounds or repeat)
     start = time.perf_counter()
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        for r in range(repeat):
+        for r in range(most):
             order.shuffle(names)
             for name in names:
                 fn = peers[name]
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
-            if budget_s is not None and r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
+            elapsed = time.perf_counter() - start
+            if budget_s is not None and r + 1 >= min_rounds and elapsed > budget_s:
+                break
+            if r + 1 >= repeat and elapsed >= min_s:
                 break
     finally:
         if enabled:
