@@ -308,6 +308,7 @@ class _Emitter:
         # part k of n takes the rows where f falls in [total * k / n, total * (k + 1) / n). PARTS_PER_THREAD parts
         # a thread, handed out as threads come free: a thread slowed by another process (or a core still spun
         # by another OpenMP runtime's threads) takes fewer parts instead of holding up the others at the end.
+        # (A part's first row: ``scorch_first_row``, prelude.FIRST_ROW.)
         pos = ident(s.parallel.pos)
         a, b, part, parts, tot = (self.fresh(x) for x in ("lo", "hi", "part", "parts", "total"))
         p2 = pad + "  "
@@ -319,17 +320,10 @@ class _Emitter:
             f"{p2}const int64_t {parts} = omp_get_num_threads() > 1 ? omp_get_num_threads() * {PARTS_PER_THREAD}"
             f" : 1;",
             f"{p2}const int64_t {tot} = ((int64_t){pos}[{b}] - (int64_t){pos}[{a}]) + ({b} - {a});",
-            f"{p2}auto first_row = [&](int64_t k) -> int64_t {{",
-            f"{p2}  if (k >= {parts}) return {b};",
-            f"{p2}  const int64_t target = (int64_t)((__int128){tot} * k / {parts});",
-            f"{p2}  int64_t l = {a}, h = {b};",
-            f"{p2}  while (l < h) {{ int64_t m = l + (h - l) / 2;"
-            f" if (((int64_t){pos}[m] - (int64_t){pos}[{a}]) + (m - {a}) < target) l = m + 1; else h = m; }}",
-            f"{p2}  return l;",
-            f"{p2}}};",
             f"{p2}#pragma omp for schedule(dynamic, 1) nowait",
             f"{p2}for (int64_t {part} = 0; {part} < {parts}; ++{part}) {{",
-            f"{p2}  const int64_t r0 = first_row({part}), r1 = first_row({part} + 1);",
+            f"{p2}  const int64_t r0 = scorch_first_row({pos}, {a}, {b}, {tot}, {part}, {parts}),"
+            f" r1 = scorch_first_row({pos}, {a}, {b}, {tot}, {part} + 1, {parts});",
             f"{p2}  for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
         ] + self.block(s.body, d + 3) + [f"{p2}  }}", f"{p2}}}", f"{pad}}}"]
 

@@ -5,6 +5,26 @@
 static inline int omp_get_num_threads() { return 1; }
 static inline int omp_get_thread_num() { return 0; }
 #endif
+#ifndef SCORCH_FIRST_ROW
+#define SCORCH_FIRST_ROW
+#include <cstdint>
+template <class P> static inline int64_t scorch_first_row(const P* pos, int64_t lo, int64_t hi, int64_t total,
+                                                          int64_t k, int64_t n) {
+  if (k >= n) return hi;
+  const int64_t target = (int64_t)((__int128)total * k / n), base = (int64_t)pos[lo];
+  auto f = [&](int64_t r) -> int64_t { return ((int64_t)pos[r] - base) + (r - lo); };
+  const int64_t g = lo + (int64_t)((__int128)(hi - lo) * k / n);
+  int64_t l = g, h = g, step = 1;
+  if (f(g) < target) {  // above g (f(hi) = total >= target)
+    l = h = g + 1;
+    while (h < hi && f(h) < target) { l = h + 1; h = hi - h > step ? h + step : hi; step *= 2; }
+  } else {  // at g or below
+    while (l > lo && f(l - 1) >= target) { h = l - 1; l = l - lo > step ? l - step : lo; step *= 2; }
+  }
+  while (l < h) { const int64_t m = l + (h - l) / 2; if (f(m) < target) l = m + 1; else h = m; }
+  return l;
+}
+#endif
 
 extern "C" void scorch_kernel(
     int64_t t0_l0_lo_arg,
@@ -37,16 +57,9 @@ extern "C" void scorch_kernel(
     const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
     const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
     const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
-    auto first_row = [&](int64_t k) -> int64_t {
-      if (k >= parts_4) return hi_2;
-      const int64_t target = (int64_t)((__int128)total_5 * k / parts_4);
-      int64_t l = lo_1, h = hi_2;
-      while (l < h) { int64_t m = l + (h - l) / 2; if (((int64_t)t0_l1_pos[m] - (int64_t)t0_l1_pos[lo_1]) + (m - lo_1) < target) l = m + 1; else h = m; }
-      return l;
-    };
     #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
-      const int64_t r0 = first_row(part_3), r1 = first_row(part_3 + 1);
+      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
       for (int64_t c0 = r0; c0 < r1; ++c0) {
         const int64_t p0 = (c0 - t0_l0_lo);
         const int64_t d0 = c0;
