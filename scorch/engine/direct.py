@@ -253,7 +253,11 @@ static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool l
   scorch_ref key(dtype.p ? PyTuple_Pack(3, left ? Py_True : Py_False, shape.p, dtype.p) : NULL);
   PyObject* entry = key.p ? PyDict_GetItemWithError(memo, key.p) : NULL;
   if (!entry || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 7) return NULL;
+  Py_INCREF(entry);  // (held: the reads below may run Python code, a thread-local's __init__ in a new thread)
+  scorch_ref entry_held(entry);
   PyObject* v = PyDict_GetItemWithError(d.p, scorch_k_vals);
+  Py_XINCREF(v);
+  scorch_ref v_held(v);
   if (!v || (PyObject*)Py_TYPE(v) != tensor ||
       scorch_attr_is(v, scorch_k_dtype, PyTuple_GET_ITEM(entry, 1), false) != 1 ||
       PyDict_GetItemWithError(d.p, scorch_k_format) != PyTuple_GET_ITEM(entry, 2) ||
