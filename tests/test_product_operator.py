@@ -2,6 +2,8 @@
 ``__matmul__`` / ``__rmatmul__`` test in C what ``engine.kept_product`` tests in Python and take the kept call
 exactly where the Python operator would; every other product goes to the Python operator, with its result."""
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +173,15 @@ def test_operators_match_dense_on_random_operands(m, n, k, density, left, fmt, d
             _check(s, other, left, ref)
         else:
             torch.testing.assert_close(s @ other if left else other @ s, ref)
+
+
+def test_operators_replaced_by_the_user_stay():
+    """A wrapper put on ``SparseTensor.__matmul__`` before the first product is not replaced by the C form."""
+    code = ("import torch, scorch\nfrom scorch.sparse_tensor import SparseTensor\nseen = []\n"
+            "inner = SparseTensor.__matmul__\n"
+            "SparseTensor.__matmul__ = lambda s, o: seen.append(1) or inner(s, o)\n"
+            "d = torch.randn(9, 7) * (torch.rand(9, 7) < 0.4)\ns = scorch.asformat(d, 'csr')\nx = torch.randn(7, 3)\n"
+            "for _ in range(3): torch.testing.assert_close(s @ x, d @ x)\nprint(len(seen))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"

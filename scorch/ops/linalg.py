@@ -274,8 +274,12 @@ _installed: list = []
 def _install():
     """Once a process, at the first product kept: ``SparseTensor.__matmul__`` and ``__rmatmul__`` become their C
     form (``engine.product_operators``), which takes a kept call as ``_operator`` would and hands every other
-    product to ``_operator``. Where there is no C helper the operators stay these Python ones."""
+    product to ``_operator``. Where there is no C helper, or the operators were replaced since import (a user's
+    or a tool's wrapper), the operators stay as they are."""
     _installed.append(True)
+    if SparseTensor.__dict__.get("__matmul__") is not _operator or \
+            SparseTensor.__dict__.get("__rmatmul__") is not _roperator:
+        return  # (replaced by someone else since import: theirs stays)
     methods = engine.product_operators(_operator, deferred.current)
     if methods is not None:
         SparseTensor.__matmul__, SparseTensor.__rmatmul__ = methods
@@ -285,5 +289,10 @@ _deferral = deferred.current  # (``deferred.mode()``'s holder)
 
 # ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
 # ``__torch_function__`` round trip (about 7 us a call), and a repeated product its signature too
+def _roperator(s, other):
+    """``other @ s`` (``_operator`` with ``left`` False)."""
+    return _operator(s, other, False)
+
+
 SparseTensor.__matmul__ = _operator
-SparseTensor.__rmatmul__ = lambda self, other: _operator(self, other, False)
+SparseTensor.__rmatmul__ = _roperator
