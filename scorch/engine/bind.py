@@ -64,8 +64,10 @@ def result_dtype(ops, name):
 
 
 def cast(x, dtype):
+    """``x`` with values of ``dtype``; a dense one contiguous, with torch's negative bit resolved (a view whose
+    values read negated: its storage holds the other sign)."""
     if dtype_of(x) == dtype:
-        return x if type(x) is SparseTensor else x.contiguous()
+        return x if type(x) is SparseTensor else x.resolve_neg().contiguous()
     if isinstance(x, SparseTensor):
         return x.with_values(x.values().to(dtype))
     return x.to(dtype).contiguous()

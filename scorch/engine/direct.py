@@ -205,18 +205,18 @@ static PyObject* scorch_config = NULL;  // the tuple ``operators`` passes, in th
 static long long scorch_counts[2];      // products the kept call served, products handed to the fallback
 static PyObject *scorch_k_products, *scorch_k_format, *scorch_k_index_dtype, *scorch_k_generation, *scorch_k_on,
     *scorch_k_name, *scorch_k_value, *scorch_k_flag, *scorch_k_shape, *scorch_k_dtype, *scorch_k_is_cpu,
-    *scorch_k_layout, *scorch_k_is_contiguous, *scorch_k_requires_grad, *scorch_k_direct, *scorch_s_cpp,
-    *scorch_s_all;
+    *scorch_k_layout, *scorch_k_is_contiguous, *scorch_k_is_neg, *scorch_k_requires_grad, *scorch_k_direct,
+    *scorch_s_cpp, *scorch_s_all;
 
 static int scorch_operator_names(void) {
   if (scorch_k_products) return 0;
   PyObject** slots[] = {&scorch_k_products, &scorch_k_format, &scorch_k_index_dtype, &scorch_k_generation,
                         &scorch_k_on, &scorch_k_name, &scorch_k_value, &scorch_k_flag, &scorch_k_shape,
                         &scorch_k_dtype, &scorch_k_is_cpu, &scorch_k_layout, &scorch_k_is_contiguous,
-                        &scorch_k_requires_grad, &scorch_k_direct, &scorch_s_cpp, &scorch_s_all};
+                        &scorch_k_is_neg, &scorch_k_requires_grad, &scorch_k_direct, &scorch_s_cpp, &scorch_s_all};
   const char* text[] = {"_products", "_format", "_index_dtype", "generation", "on", "name", "value",
                         "_is_compiling_flag", "shape", "dtype", "is_cpu", "layout", "is_contiguous",
-                        "requires_grad", "direct", "cpp", "all"};
+                        "is_neg", "requires_grad", "direct", "cpp", "all"};
   for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); ++i)
     if (!(*slots[i] = PyUnicode_InternFromString(text[i]))) return -1;
   return 0;
@@ -271,6 +271,8 @@ static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool l
   {
     scorch_ref contiguous(PyObject_CallMethodNoArgs(other, scorch_k_is_contiguous));
     if (contiguous.p != Py_True) return NULL;
+    scorch_ref negative(PyObject_CallMethodNoArgs(other, scorch_k_is_neg));  // (its storage has the other sign)
+    if (negative.p != Py_False) return NULL;
   }
   int grad = scorch_attr_is(v, scorch_k_requires_grad, Py_True, false);
   if (grad == 0) grad = scorch_attr_is(other, scorch_k_requires_grad, Py_True, false);

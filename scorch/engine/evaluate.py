@@ -37,8 +37,10 @@ def prepare(operands):
     computed."""
     out = []
     for x in operands:
-        if type(x) is SparseTensor or (type(x) is torch.Tensor and x.layout == torch.strided):
+        if type(x) is SparseTensor:
             out.append(x)
+        elif type(x) is torch.Tensor and x.layout == torch.strided:
+            out.append(x.resolve_neg() if x.is_neg() else x)  # (a kernel reads storage: the bit resolved first)
         elif type(x) is RULES.lazy_type:
             out.append(x.compute())
         elif isinstance(x, SparseTensor):
@@ -66,7 +68,7 @@ def _seen(equation, operands, format):
             if type(x._vals) is not torch.Tensor or (grad and x._vals.requires_grad):
                 return None
             sparse = True
-        elif t is not torch.Tensor or x.layout != torch.strided or (grad and x.requires_grad):
+        elif t is not torch.Tensor or x.layout != torch.strided or (grad and x.requires_grad) or x.is_neg():
             return None
     if not sparse:
         return None
@@ -95,7 +97,8 @@ def kept_product(s, other, left: bool):
     if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
             entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
             _CPU_BACKEND.name != "cpp" or not other.is_cpu or other.layout is not torch.strided or \
-            not other.is_contiguous() or ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()):
+            not other.is_contiguous() or other.is_neg() or \
+            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()):
         return None
     fast = entry[0]
     if fast is None:
@@ -127,7 +130,7 @@ def _current(d, entry, dense) -> bool:
         return False
     grad = v.requires_grad
     for x in dense:
-        if not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous():
+        if not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous() or x.is_neg():
             return False
         grad = grad or x.requires_grad
     return not (grad and torch.is_grad_enabled())
@@ -202,6 +205,8 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
     parallel loop, whether the sparse operand may be converted, the format of a contraction's temporaries)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if any(type(x) is torch.Tensor and x.is_neg() for x in operands):  # (torch's negative bit: kernels read
+        operands = tuple(x.resolve_neg() if type(x) is torch.Tensor else x for x in operands)  # storage)
     if schedule is None and not explain and backend == "cpp":
         fast = _seen(equation, operands, format)
         if fast is not None:
