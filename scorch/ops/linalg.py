@@ -1,6 +1,8 @@
 """Products: einsum, matmul, mm, mv, bmm, addmm, and torch.sparse's mm/addmm/sampled_addmm."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import deferred, fusion
@@ -43,9 +45,11 @@ def _product_format(a, b):
 
 
 @implements(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-def matmul(a, b):
+def matmul(a, b, *, out=None):
     """``a @ b`` with torch's broadcasting rules, as an einsum: dense result when an operand is dense, sparse
-    (inferred format) for sparse @ sparse."""
+    (inferred format) for sparse @ sparse. ``out=``: a dense tensor the result is written into, as torch's."""
+    if out is not None:
+        return _into(out, matmul(a, b), "matmul")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"matmul: operands must be tensors, got {type(a).__name__} and {type(b).__name__}")
     sa, sb = shape_of(a), shape_of(b)
@@ -102,17 +106,46 @@ def _product(name, eq, a, b, ranks, inner):
 
 
 @implements(torch.mm, torch.Tensor.mm, torch.sparse.mm, torch.spmm)
-def mm(a, b, *args):
-    """Matrix product, as ``matmul`` for 2-d operands (``torch.sparse.mm``, ``torch.spmm`` too)."""
+def mm(a, b, *args, out=None):
+    """Matrix product, as ``matmul`` for 2-d operands (``torch.sparse.mm``, ``torch.spmm`` too; ``out=`` as
+    ``matmul``'s)."""
     if args:  # torch.sparse.mm(S, D, reduce) is not supported
         raise NotImplementedError("scorch: torch.sparse.mm with a reduce argument is not supported yet")
-    return _product("mm", "ij,jk->ik", a, b, (2, 2), (1, 0))
+    r = _product("mm", "ij,jk->ik", a, b, (2, 2), (1, 0))
+    return r if out is None else _into(out, r, "mm")
 
 
 @implements(torch.mv, torch.Tensor.mv)
-def mv(a, v):
-    """Matrix-vector product: a dense vector."""
-    return _product("mv", "ij,j->i", a, v, (2, 1), (1, 0))
+def mv(a, v, *, out=None):
+    """Matrix-vector product: a dense vector (``out=`` as ``matmul``'s)."""
+    r = _product("mv", "ij,j->i", a, v, (2, 1), (1, 0))
+    return r if out is None else _into(out, r, "mv")
+
+
+def _into(out, r, name):
+    """``out=`` as torch has it: ``r`` (a result; a sparse one densified) copied into the dense ``out``, resized
+    where its shape differs
+    (torch warns where a non-empty one is), of ``r``'s dtype and device; refused where ``r`` records a gradient
+    (torch's functions with ``out=`` do not differentiate)."""
+    if isinstance(r, Deferred):
+        r = r.compute()
+    if isinstance(out, SparseTensor) or not isinstance(out, torch.Tensor) or out.layout != torch.strided:
+        raise TypeError(f"scorch {name}: out= must be a dense (strided) tensor, got {type(out).__name__}")
+    if isinstance(r, SparseTensor):  # (sparse @ sparse: its values, densified, as a dense out= asks)
+        r = r.to_dense()
+    if r.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic differentiation, "
+                           "but one of the arguments requires grad.")
+    if out.dtype != r.dtype or out.device != r.device:
+        raise RuntimeError(f"scorch {name}: expected out= of dtype {r.dtype} on {r.device}, got {out.dtype} on "
+                           f"{out.device}")
+    if out.shape != r.shape:
+        if out.numel():
+            warnings.warn(f"An output with one or more elements was resized since it had shape {list(out.shape)}, "
+                          f"which does not match the required output shape {list(r.shape)}.", UserWarning,
+                          stacklevel=3)
+        out.resize_(r.shape)
+    return out.copy_(r)
 
 
 @implements(torch.bmm, torch.Tensor.bmm)
@@ -122,14 +155,20 @@ def bmm(a, b):
 
 
 @implements(torch.addmm, torch.Tensor.addmm, torch.sparse.addmm)
-def addmm(input, mat1, mat2, *, beta=1, alpha=1):
-    """``beta * input + alpha * (mat1 @ mat2)``; dense ``input``."""
+def addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    """``beta * input + alpha * (mat1 @ mat2)``; dense ``input``. With ``beta`` 0, as torch has it, ``input``'s
+    nan and inf are not propagated (its gradient is zero); ``out=`` as ``matmul``'s."""
     prod = mm(mat1, mat2)
     if isinstance(prod, SparseTensor):
         prod = prod.to_dense()
     if isinstance(input, SparseTensor):
         input = input.to_dense()
-    return torch.add(input * beta if beta != 1 else input, prod, alpha=alpha)
+    if beta == 0:
+        scaled = torch.nan_to_num(input * 0, nan=0.0, posinf=0.0, neginf=0.0)
+    else:
+        scaled = input * beta if beta != 1 else input
+    r = torch.add(scaled, prod, alpha=alpha)
+    return r if out is None else _into(out, r, "addmm")
 
 
 #: rows of the input per SpMM call of a sparse-weight ``linear`` with a blocked weight (half that otherwise):
