@@ -421,7 +421,7 @@ def operators(fallback, fast_eq, structural, backend, deferral):
     """``(__matmul__, __rmatmul__)`` for SparseTensor written in C, or None where there is no helper: each takes
     the product's kept call where ``evaluate.kept_product`` would give it (the same test: the kept entry on the
     tensor, ``fast_eq``'s generation, ``structural.on``, ``backend.name``, the dense operand's type, device,
-    layout, contiguity and gradient, the grad mode) and ``deferral.value`` is not "all", and torch.compile does
+    layout, contiguity, negative bit and gradient, the grad mode) and ``deferral.value`` is not "all", and torch.compile does
     not trace; otherwise it calls ``fallback(s, other, left)``, the Python operator. A cold ``S @ X`` then
     enters no Python function: design notes, stop 37. ``operator_counts`` counts both ways."""
     module = _module()

@@ -68,7 +68,7 @@ def _seen(equation, operands, format):
             if type(x._vals) is not torch.Tensor or (grad and x._vals.requires_grad):
                 return None
             sparse = True
-        elif t is not torch.Tensor or x.layout != torch.strided or (grad and x.requires_grad) or x.is_neg():
+        elif t is not torch.Tensor or x.layout != torch.strided or (grad and x.requires_grad):
             return None
     if not sparse:
         return None
@@ -85,7 +85,7 @@ def kept_product(s, other, left: bool):
     SpMM's kernel. It stands only where ``_seen`` would give the same call: ``_current``'s test, written out here
     for the one dense operand (with the caches cold, each function a call enters costs microseconds: design
     notes, stop 36). ``direct.operators`` makes the same test in C (``scorch_kept``), in the same order: a change
-    to what a kept call depends on is made in both (``tests/test_direct_call.py`` compares them)."""
+    to what a kept call depends on is made in both (``tests/test_product_operator.py`` compares them)."""
     d = s.__dict__
     memo = d.get("_products")
     if memo is None or type(other) is not torch.Tensor:

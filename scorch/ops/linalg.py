@@ -124,9 +124,8 @@ def mv(a, v, *, out=None):
 
 def _into(out, r, name):
     """``out=`` as torch has it: ``r`` (a result; a sparse one densified) copied into the dense ``out``, resized
-    where its shape differs
-    (torch warns where a non-empty one is), of ``r``'s dtype and device; refused where ``r`` records a gradient
-    (torch's functions with ``out=`` do not differentiate)."""
+    where its shape differs (torch warns where a non-empty one is), of ``r``'s dtype and device; refused where
+    ``r`` records a gradient (torch's functions with ``out=`` do not differentiate)."""
     if isinstance(r, Deferred):
         r = r.compute()
     if isinstance(out, SparseTensor) or not isinstance(out, torch.Tensor) or out.layout != torch.strided:
@@ -326,12 +325,12 @@ def _install():
 
 _deferral = deferred.current  # (``deferred.mode()``'s holder)
 
-# ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
-# ``__torch_function__`` round trip (about 7 us a call), and a repeated product its signature too
 def _roperator(s, other):
     """``other @ s`` (``_operator`` with ``left`` False)."""
     return _operator(s, other, False)
 
 
+# ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
+# ``__torch_function__`` round trip (about 7 us a call), and a repeated product its signature too
 SparseTensor.__matmul__ = _operator
 SparseTensor.__rmatmul__ = _roperator
