@@ -201,7 +201,8 @@ def pending(x) -> bool:
 #: placeholders of deferred values by (shape, dtype, device, exact layout): never written (anything but a
 #: metadata or layout read computes the value first, and computing replaces the storage), so deferred values of
 #: one shape share one
-_PLACEHOLDERS = cache("placeholders", "placeholder tensors of deferred values, by shape, dtype, device and layout")
+_PLACEHOLDERS = cache("placeholders", "placeholder tensors of deferred values, by shape, dtype, device and layout",
+                      limit=32)
 
 
 def make(expr, shape, dtype, device):
@@ -209,8 +210,6 @@ def make(expr, shape, dtype, device):
     key = (tuple(shape), dtype, device, expr.exact_layout)
     placeholder = _PLACEHOLDERS.get(key)  # (each torch call here costs 10-25 us right after a large kernel)
     if placeholder is None:
-        if len(_PLACEHOLDERS) >= 32:
-            _PLACEHOLDERS.clear()
         if expr.exact_layout:  # allocated, never written: untouched pages (CPU) hold no memory
             placeholder = torch.empty(shape, dtype=dtype, device=device)
         else:  # one element repeated: no memory on any device (layout reads compute the value)

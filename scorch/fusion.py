@@ -372,7 +372,7 @@ def _parts(maps, vt, plan1, softmax, plan3, backward=False):
 
 #: prepared calls of fused attention kernels by (pattern arrays' identity, format, shapes, dtype, keep_probs).
 #: Public for tests: ``tests/test_fusion.py`` checks that a call on a mask leaves its prepared call here.
-READY = cache("fused-ready", "prepared calls of fused attention kernels, per pattern and signature")
+READY = cache("fused-ready", "prepared calls of fused attention kernels, per pattern and signature", limit=64)
 
 
 class _Ready:
@@ -448,8 +448,6 @@ def attention(sddmm: SddmmExpr, v, keep_probs=True):
     bound = _Ready.binding(fused, values, {"q": q, "k": sddmm.k, "v": v, "probs": values.get("probs"),
                                            "out": values["out"], "pos": st.pos, "crd": st.crd})
     if bound is not None and len(p._levels) == 2 and p._levels[0].pos is None and st.crd is not None:  # (CSR)
-        if len(READY) >= 64:
-            READY.clear()
         zero_out = not _PLANS[_signature(sddmm, v)][1][0].lowered.writes_every_output
         READY[key] = _Ready(compiled, *bound, st, zero_out, keep_probs)
     return values["out"], values["probs"] if keep_probs else None

@@ -5,6 +5,8 @@ import torch
 
 import scorch
 from scorch import engine
+from scorch.compiler import caches
+from scorch.engine import evaluate
 
 
 def _spmm():
@@ -22,7 +24,8 @@ def test_cache_info_lists_every_cache_and_clear_empties_them():
         assert name in info, name
         entries, what = info[name]
         assert isinstance(entries, int) and what
-    assert info["compiled"][0] >= 1 and info["prepared"][0] >= 1
+    # (its prepared call: made here, or kept on disk by an earlier process and found by the equation)
+    assert info["compiled"][0] >= 1 and info["prepared"][0] + info["prepared-by-equation"][0] >= 1
     scorch.clear_caches()
     assert all(entries == 0 for entries, _ in scorch.cache_info().values())
     torch.testing.assert_close(scorch.einsum("ij,jk->ik", s, x), want)  # planned and prepared again
@@ -39,3 +42,41 @@ def test_cpu_backend_runs_every_op_on_the_chosen_backend():
     with pytest.raises(ValueError, match="cpu_backend"):
         with engine.cpu_backend("cuda"):
             pass
+
+
+def test_a_full_cache_evicts_its_oldest_entry():
+    c = caches.Cache("t", "test", limit=3)
+    for k in range(5):
+        c[k] = k * 10
+    assert list(c.items()) == [(2, 20), (3, 30), (4, 40)] and c.evicted == 2
+    c[3] = 31  # (a key it holds: replaced, nothing evicted)
+    assert list(c) == [2, 3, 4] and c.evicted == 2
+    c.clear()
+    assert len(c) == 0 and c.generation == 1
+
+
+@pytest.fixture
+def small_caches(monkeypatch):
+    """The caches of prepared calls made small, so that a few signatures fill them."""
+    scorch.clear_caches()
+    for name in ("prepared", "prepared-by-equation", "not-kept-calls", "paths", "planned", "compiled"):
+        monkeypatch.setattr(caches.cache(name, ""), "limit", 3)
+    yield
+    scorch.clear_caches()
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_new_signatures_keep_their_calls_after_the_caches_filled(small_caches, fmt):
+    """More signatures (shapes) than the caches hold: every one still gets a prepared call, so a product
+    repeated on a new shape takes the kept path (a cache that stopped taking entries when full lost that for
+    the rest of the process), and every result is right."""
+    g = torch.Generator().manual_seed(3)
+    with scorch.deferred.deferral("auto"):
+        for n in range(4, 14):
+            d = torch.randn(n, 5, generator=g) * (torch.rand(n, 5, generator=g) < 0.5)
+            s, x = scorch.asformat(d, fmt), torch.randn(5, 3, generator=g)
+            for _ in range(3):
+                torch.testing.assert_close(s @ x, d @ x)
+            assert evaluate.kept_product(s, x, True) is not None, n
+            assert len(caches.cache("prepared", "")) <= 3 and len(evaluate._FAST_EQ) <= 3
+    assert evaluate._FAST_EQ.evicted > 0  # (every signature's call is kept there, made here or found on disk)

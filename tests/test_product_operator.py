@@ -21,8 +21,8 @@ needs_direct = pytest.mark.skipif(direct.function() is None, reason="no direct c
 @pytest.fixture(autouse=True)
 def _eager_products():
     """(Under ``SCORCH_DEFER=all`` products defer instead of taking a kept call: these run in the default mode.
-    The in-memory caches start empty: they stop taking new calls at 4096 entries, which a long test process
-    can reach, and then no product here would be kept.)"""
+    The in-memory caches start empty, so that what these tests count does not hang on what a long test process
+    kept before.)"""
     scorch.clear_caches()
     with scorch.deferred.deferral("auto"):
         yield

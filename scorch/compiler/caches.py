@@ -9,14 +9,28 @@ layer's (prepared calls, contraction paths, conversions) register here alike; th
 from __future__ import annotations
 
 
-class Cache(dict):
-    """A named memo table (a plain dict otherwise). ``generation`` counts its ``clear()``s: a copy of an entry
-    kept elsewhere (on a tensor) is valid while the generation it was taken in is the cache's."""
+#: entries a cache holds at most: a new key past that evicts the oldest one (first in, first out; a process that
+#: meets ever new signatures, such as sampled subgraphs or varying batch sizes, keeps the recent ones)
+LIMIT = 4096
 
-    def __init__(self, name: str, what: str):
+
+class Cache(dict):
+    """A named memo table (a plain dict otherwise, read at dict speed) of at most ``limit`` entries: writing a new
+    key into a full cache evicts its oldest entry (``evicted`` counts them). An evicted entry is made again when
+    next needed; one copied elsewhere (onto a tensor) stays valid, since eviction changes no entry.
+    ``generation`` counts its ``clear()``s: a copy of an entry kept elsewhere is valid while the generation it
+    was taken in is the cache's."""
+
+    def __init__(self, name: str, what: str, limit: int = LIMIT):
         super().__init__()
-        self.name, self.what = name, what
-        self.generation = 0
+        self.name, self.what, self.limit = name, what, limit
+        self.generation = self.evicted = 0
+
+    def __setitem__(self, key, value):
+        if len(self) >= self.limit and key not in self:
+            del self[next(iter(self))]
+            self.evicted += 1
+        super().__setitem__(key, value)
 
     def clear(self):
         self.generation += 1
@@ -30,11 +44,12 @@ _REGISTRY: dict = {}
 _CLEARERS: dict = {}
 
 
-def cache(name: str, what: str) -> Cache:
-    """The cache called ``name`` (made on first request; the same object after that)."""
+def cache(name: str, what: str, limit: int = LIMIT) -> Cache:
+    """The cache called ``name`` of at most ``limit`` entries (made on first request; the same object after
+    that)."""
     c = _REGISTRY.get(name)
     if c is None:
-        c = _REGISTRY[name] = Cache(name, what)
+        c = _REGISTRY[name] = Cache(name, what, limit)
     return c
 
 

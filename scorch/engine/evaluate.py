@@ -235,14 +235,14 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         # given are kept under it: the end of this function)
         sig = _equation_signature(equation, format, directives, operands)
         fast = _FAST_EQ.get(sig)
-        if fast is None and len(_FAST_EQ) < 4096:
+        if fast is None:
             # (a new process: the call as a former one prepared it; looked for once per signature, since a call
             # that is never kept, such as a gradient's on a pattern of ones, would read the disk every time)
             missed = (sig, torch.get_num_threads())
             fast = None if missed in _NOT_KEPT else kept_call(sig)
             if fast is not None:
                 _FAST_EQ[sig] = fast
-            elif len(_NOT_KEPT) < 4096:
+            else:
                 _NOT_KEPT[missed] = True
         if fast is not None:
             return fast(operands, None)
@@ -270,7 +270,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
     result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend, directives=directives)
     if sig is not None and all(a is b for a, b in zip(ops, operands)):
         fast = PREPARED.get(call_signature(inputs, out, ops, format, None, "sum", directives))
-        if fast is not None and len(_FAST_EQ) < 4096:
+        if fast is not None:
             _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
             keep_call(sig, fast)
     return result
@@ -400,8 +400,6 @@ def contraction_path(inputs, out, ops, name):
                                  frozenset(idx) if isinstance(x, SparseTensor) else frozenset())
                 for idx, x, n in zip(inputs, ops, nnz)]
         node = contract.best_path(meta, out, sizes)
-        if len(_PATHS) >= 4096:
-            _PATHS.clear()
         _PATHS[key] = node
     return node
 

@@ -168,12 +168,12 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
     result = fast(ops, scalars) if fast is not None else _kernel(
         key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig)
-    if given is not None and backend == "cpp" and PREPARED.get(sig) is not None and len(PREPARED) < 4096:
+    if given is not None and backend == "cpp" and PREPARED.get(sig) is not None:
         # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
         # kernel's prepared call (not kept on disk: it has no ``made_of``)
         PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig], memory.kept_empty)
     elif replayable and sig is not None and sig is not sig0 and perm is None and (alt is not None or moves) and \
-            sig in PREPARED and len(STEPS) < 4096:
+            sig in PREPARED:
         STEPS[sig0] = (alt, moves, format, sig, PREPARED[sig])
     return result if perm is None else result.permute(*[perm.index(v) for v in out])
 
@@ -186,8 +186,7 @@ def _few_fresh(sig) -> bool:
     that the pattern, if it recurs, is transposed next time: yes for the first 3 new patterns of a signature; after
     that its patterns do not recur (a new mask every step), and the call is kept as any other."""
     n = _FRESH.get(sig, 0)
-    if len(_FRESH) < 4096:
-        _FRESH[sig] = n + 1
+    _FRESH[sig] = n + 1
     return n < 3
 
 
@@ -247,7 +246,7 @@ def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, bac
     """The compiled kernel of one sparse operand's plan run on ``ops`` (or the measured faster library call, on a
     GPU); its prepared call kept under ``sig``."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
-    if backend == "cpp" and len(PREPARED) < 4096 and sig is not None:
+    if backend == "cpp" and sig is not None:
         PREPARED[sig] = fast = prepared_call(plan, sizes, dtype)
         fast.made_of = (plan_key, sizes, dtype)  # what a call kept on disk needs to make it again (keep_call)
     if plan.library_call is not None and rhs is None and library.ENABLED:
