@@ -18,6 +18,7 @@ from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor
 from . import nn, sparse  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers the sparse implementations of torch ops)
 from .ops.linalg import einsum  # noqa: E402
+from .ops.pattern import stored_only  # noqa: E402
 from .engine import explain  # noqa: E402
 from .compiler.caches import cache_info, clear_caches  # noqa: E402
 from .compiler.schedule import Directives  # noqa: E402

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .compiler.einsum import equation as einsum_string
+from .formats import named
 from .rules import RULES
 from .sparse_tensor import SparseTensor, is_pattern_ones, pattern_ones  # noqa: F401  (fusion imports it here)
 
@@ -115,8 +116,12 @@ def _einsum_grad(k, inputs, out, ops, gout):
         # gradient at the entry's output coordinates; no kernel needed
         return values_at(gout, x, target, tuple(out))
     if type(x) is SparseTensor:
-        pattern = x.with_values(pattern_ones(x, gout._vals.dtype if type(gout) is SparseTensor else gout.dtype))
-        r = engine.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=x._format)
+        dtype = gout._vals.dtype if type(gout) is SparseTensor else gout.dtype
+        # (an uncoalesced COO's duplicates share one position's gradient: the product on each position once,
+        # read back at every entry; on the duplicates themselves the kernel would sum them, once per copy)
+        site = engine.asformat(x.detach(), named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
+        pattern = site.with_values(pattern_ones(site, dtype))
+        r = engine.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=site._format)
         return values_at(r, x)
     sizes, _ = engine.index_sizes(inputs, ops, "einsum")
     present = {v for idx in g_inputs for v in idx}

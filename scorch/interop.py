@@ -13,6 +13,9 @@ from .sparse_tensor import checking_invariants, needs_grad
 
 def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants, **extra):
     extra = {k: v for k, v in extra.items() if v is not None}  # (torch's defaults)
+    grads = isinstance(values, torch.Tensor) and needs_grad([values])
+    if grads:  # (the values' graph is attached below, to the entries as given: duplicates of a COO stay)
+        args = tuple(values.detach() if a is values else a for a in args)
     with quiet_beta():
         try:
             t = torch_fn(*args, dtype=dtype, device=device, check_invariants=False, **extra)
@@ -26,7 +29,7 @@ def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariant
     s._levels = tuple(st.map(lambda a: _same_array(a, given)) for st in s._levels)
     if check or checking_invariants():
         _storage.validate(s._format, s._shape, s._levels, s._vals)
-    if isinstance(values, torch.Tensor) and needs_grad([values]):
+    if grads:
         # values computed by a graph (attention scores, ...): the result's values are that graph's output
         s = s.with_values(values.to(dtype=s.dtype, device=s.device).reshape(-1))
     return s.requires_grad_() if requires_grad else s

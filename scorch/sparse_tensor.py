@@ -14,6 +14,7 @@ import threading
 import torch
 
 from .formats import Format, LevelStorage, resolve
+from .formats import named
 from .formats.named import short_name
 from .formats import storage as _storage
 from .rules import RULES
@@ -106,6 +107,9 @@ class SparseTensor(Traceable, torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not args and "input" in kwargs:  # (``torch.sum(input=S, dim=0)``: implementations name it otherwise)
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("input"),)
         if torch.compiler.is_compiling() and func not in _METADATA:  # Dynamo traces: one custom op in the graph
             r = RULES.traced_op(func, types, args, kwargs)
             if r is not NotImplemented:
@@ -322,6 +326,9 @@ class SparseTensor(Traceable, torch.Tensor):
         if device is not None and torch.device(device) != self.device:
             out = out._map_arrays(lambda a: a.to(device, non_blocking=non_blocking))
         if dtype is not None and dtype != self.dtype:
+            if out._format.keeps_duplicates and not dtype.is_floating_point:
+                # (an integer or bool of each duplicate is not that of their sum: 0.6 + 0.6 is 1, 1 + -1 False)
+                out = out.asformat(named.coo_nd(out.dim()))
             out = out.with_values(out._vals.to(dtype))
         if copy and out is self:
             out = self.clone()
@@ -496,6 +503,12 @@ class NoSparseRule(NotImplementedError):
     form (``dense_fallback``)."""
 
 
+class UnsupportedDtype(TypeError, NoSparseRule):
+    """A value type the kernels do not take (bool, int8, uint8, complex...): a ``TypeError`` to a caller of the
+    compiler's own API (``scorch.einsum``), and through a torch function the dense form's op, as any op without a
+    sparse rule (warned and counted; refused in strict mode)."""
+
+
 class _ReachedDispatch(NotImplementedError):
     """An op reached torch's dispatcher with a sparse operand, where no dense fallback can run."""
 
@@ -641,6 +654,18 @@ def is_pattern_ones(t) -> bool:
     """Whether ``t`` is (a whole view of) the ones ``pattern_ones`` keeps, unmodified."""
     kept = ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
     return kept is not None and kept[0]._version == kept[1] and t.data_ptr() == kept[0].data_ptr()
+
+
+def mapped_values(x: SparseTensor, fn):
+    """``fn`` (a map with f(0) = 0) of ``x``'s values. In a padded format, whose padding (0, at a real entry's
+    coordinates) cannot be told from a stored zero, the zeros take no gradient: ``fn``'s derivative at 0 may be
+    infinite (sqrt, pow(0.5)), and a non-zero gradient there would be added onto the real entry it shares
+    coordinates with. (Differentiated where ``fn`` is smooth, at 0.5, and masked out.)"""
+    v = x._vals
+    if not (x._format.padded and v.requires_grad and v.dtype.is_floating_point and torch.is_grad_enabled()):
+        return fn(v)
+    keep = (v != 0).detach()
+    return torch.where(keep, fn(torch.where(keep, v, 0.5)), 0)
 
 
 def pattern_ones(x: SparseTensor, dtype):

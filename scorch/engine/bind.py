@@ -24,7 +24,7 @@ from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, workspace_ch
 from .. import loopir as L
 from ..loopir import TO_TORCH
 from ..formats import named, storage
-from ..sparse_tensor import SparseTensor, device_of, dtype_of, pattern_ones, shape_of
+from ..sparse_tensor import SparseTensor, UnsupportedDtype, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info, mean_length
 from .convert import asformat
 from . import direct, memory
@@ -58,8 +58,8 @@ def result_dtype(ops, name):
     for x in ops[1:]:
         dtype = torch.promote_types(dtype, dtype_of(x))
     if dtype not in SUPPORTED:
-        raise TypeError(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32, int64,"
-                        " bfloat16, float16)")
+        raise UnsupportedDtype(f"scorch {name}: unsupported dtype {dtype} (supported: float32, float64, int32,"
+                               " int64, bfloat16, float16)")
     return dtype
 
 

@@ -316,8 +316,10 @@ def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
         if sparse_dim == 0:
             raise NotImplementedError(f"scorch: a COO tensor with no sparse dimension (sparse_dim=0, shape"
                                       f" {tuple(t.shape)}) has no scorch format; use its dense form")
+        if t.requires_grad and not t.is_coalesced():  # (torch gives the values of a tensor that may hold
+            t = t.coalesce()  # duplicates only through ``_values()``, outside the graph: coalesced, they keep it)
         idx, vals = t._indices(), t._values()
-        if t.requires_grad and t.is_coalesced():  # ``values()`` carries the graph (``_values()`` does not)
+        if t.requires_grad:  # ``values()`` carries the graph (``_values()`` does not)
             vals = t.values()
         vals = vals.reshape(-1)  # hybrid: each entry's dense block, row-major, as the dense levels store it
         coalesced = t.is_coalesced()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _stats
-from ..sparse_tensor import NoSparseRule, SparseTensor
+from ..sparse_tensor import NoSparseRule, SparseTensor, mapped_values
 from .entries import _coalesced, _desc, _no_out, _register
 
 _T = torch.Tensor
@@ -77,7 +77,7 @@ def _unary(name: str, func, linear: bool = False, doc: str = _DOC_KEEPS):
             return func(x.to_dense(), *args, **kwargs)
         if not linear:
             x = _coalesced(x)
-        return x.with_values(func(x._vals, *args, **kwargs))
+        return x.with_values(mapped_values(x, lambda v: func(v, *args, **kwargs)))
     apply.__name__ = apply.__qualname__ = getattr(func, "__name__", name.rsplit(".", 1)[-1])
     apply.__doc__ = doc.format(name=name)
     return apply

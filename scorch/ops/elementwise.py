@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements, mapped_values
 from .indexing import broadcast_to
 from .pattern import same_pattern
 from .sparse_api import coalesce
@@ -39,7 +39,7 @@ def _map(torch_fn, linear):
             raise NoSparseRule(f"{torch_fn.__name__} with extra arguments on a sparse operand")
         if not linear:
             x = coalesce(x)  # f(a) + f(b) != f(a + b): duplicates are summed first
-        return x.with_values(torch_fn(x.values()))
+        return x.with_values(mapped_values(x, torch_fn))
     apply.__doc__ = (f"``{torch_fn.__name__}`` maps 0 to 0: applied to the stored values, the pattern and format kept"
                      f"{'' if linear else ' (an uncoalesced COO is coalesced first)'}.")
     return apply
@@ -65,9 +65,8 @@ def mul(a, b):
         a, b = b, a
     if isinstance(b, numbers.Number) or (isinstance(b, torch.Tensor) and b.dim() == 0 and
                                          not isinstance(b, SparseTensor)):
-        scalar = b.item() if isinstance(b, torch.Tensor) else b
-        vals = a.values() * scalar
-        return a.with_values(vals)
+        # (a 0-d tensor as it is: its gradient, and torch's promotion, which lets a 0-d float64 make float64)
+        return a.with_values(a.values() * b)
     if not isinstance(b, torch.Tensor):
         raise NoSparseRule(f"a {type(b).__name__} operand")
     if isinstance(b, SparseTensor) and same_pattern(a, b) and not a.format.keeps_duplicates:
@@ -84,10 +83,11 @@ def mul(a, b):
 @implements(torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
             torch.divide, torch.Tensor.divide)
 def div(a, b, *, rounding_mode=None):
-    """Division by a scalar: the values divided, pattern and format kept; anything else raises (x / 0)."""
-    if isinstance(a, SparseTensor) and isinstance(b, numbers.Number) and rounding_mode is None:
-        vals = a.values() / b
-        return a.with_values(vals)
+    """Division by a scalar (a number or a 0-d tensor): the values divided, pattern and format kept; as in
+    torch.sparse, positions not stored stay zero (also for ``x / 0``). Anything else goes dense."""
+    if isinstance(a, SparseTensor) and rounding_mode is None and (isinstance(b, numbers.Number) or (
+            isinstance(b, torch.Tensor) and b.dim() == 0 and not isinstance(b, SparseTensor))):
+        return a.with_values(a.values() / b)
     raise NoSparseRule("division keeps the pattern by a nonzero scalar only (x / 0 is not zero-preserving)")
 
 
@@ -134,9 +134,7 @@ def add(a, b, *, alpha=1):
     if _sparse(a) and _sparse(b):
         return _sparse_sum(a, b, alpha)
     if isinstance(b, numbers.Number) or isinstance(a, numbers.Number):
-        if (b if isinstance(b, numbers.Number) else a) == 0:
-            return a if _sparse(a) else b * alpha
-        raise NoSparseRule("adding a nonzero scalar makes the result dense")
+        return _zero_term(torch.add, a, b, alpha)
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         raise NoSparseRule("a non-tensor operand")
     if _sparse(a):
@@ -147,7 +145,22 @@ def add(a, b, *, alpha=1):
 @implements(torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.subtract, torch.Tensor.subtract)
 def sub(a, b, *, alpha=1):
     """``a - alpha * b``, as ``add``."""
+    if (isinstance(b, numbers.Number) or isinstance(a, numbers.Number)) and not (_sparse(a) and _sparse(b)):
+        return _zero_term(torch.sub, a, b, alpha)
     return add(a, b, alpha=-alpha)
+
+
+def _zero_term(op, a, b, alpha):
+    """``op(a, b, alpha=alpha)`` (add or sub) of a sparse operand and a number: where the number is zero, the
+    sparse operand's values through torch's ``op`` (its checks, such as no bool subtraction, and its type
+    promotion: int + 0.0 is float), pattern and format kept, a new tensor; any other number makes it dense."""
+    if (b if isinstance(b, numbers.Number) else a) != 0:
+        raise NoSparseRule("adding a nonzero scalar makes the result dense")
+    if isinstance(b, numbers.Number):
+        s = engine.prepare([a])[0]
+        return s.with_values(op(s.values(), b, alpha=alpha))
+    s = engine.prepare([b])[0]
+    return s.with_values(op(a, s.values(), alpha=alpha))
 
 
 @implements(torch.positive, torch.Tensor.positive, torch.Tensor.__pos__)

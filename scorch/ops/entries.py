@@ -62,12 +62,13 @@ def _probe_shape(x):
 
 # --- reductions over some dimensions ---------------------------------------------------------------------------
 
-def _reduce_dims(dim, n):
-    """``dim`` (None, an int or a sequence; None and () mean all) as a sorted tuple of non-negative dims."""
+def _reduce_dims(dim, n, empty_all=True):
+    """``dim`` (None, an int or a sequence; None means all, and so does () unless ``empty_all`` is false, as for
+    torch's ``any`` / ``all``) as a sorted tuple of non-negative dims."""
     if dim is None:
         return tuple(range(n))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    return tuple(sorted({d % n for d in dims})) if dims else tuple(range(n))
+    return tuple(sorted({d % n for d in dims})) if dims or not empty_all else tuple(range(n))
 
 
 def _groups(shape, edims, reduce_dims):

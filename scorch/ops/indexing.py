@@ -284,10 +284,13 @@ def broadcast_to(x: SparseTensor, shape) -> SparseTensor:
 
 
 @implements(torch.broadcast_to, _T.broadcast_to)
-def broadcast_to_op(x, size):
-    """``torch.broadcast_to``: the entries repeated along the broadcast dimensions (canonical COO)."""
-    if type(x) is not SparseTensor:
-        raise NoSparseRule("a sparse shape argument")
+def broadcast_to_op(x, *size, **kwargs):
+    """``torch.broadcast_to``: the entries repeated along the broadcast dimensions (canonical COO). The size as
+    one sequence, as separate numbers (``x.broadcast_to(2, 3)``, as torch's method takes it) or ``size=``."""
+    size = kwargs.pop("size") if "size" in kwargs else size[0] if len(size) == 1 and not isinstance(
+        size[0], int) else size
+    if type(x) is not SparseTensor or kwargs:
+        raise NoSparseRule("a sparse shape argument" if type(x) is not SparseTensor else f"arguments {set(kwargs)}")
     return broadcast_to(x, size)
 
 
@@ -312,10 +315,11 @@ def expand_as(x, other):
 
 # --- any, all ----------------------------------------------------------------------------------------------------------
 
-def _nonzero_counts(x, dim, keepdim):
-    """The number of nonzero entries per group (all dimensions, or along ``dim``), as int64, and the group size."""
+def _nonzero_counts(x, dim, keepdim, empty_all=True):
+    """The number of nonzero entries per group (all dimensions, or along ``dim``), as int64, and the group size
+    (``dim=()``: along none of them where ``empty_all`` is false)."""
     n = x.dim()
-    rdims = _reduce_dims(dim, n)
+    rdims = _reduce_dims(dim, n, empty_all)
     x = coalesce(x)  # each position once: a position's duplicates may cancel
     edims, vals = storage.unpack(x._format, x._shape, x._levels, x._vals)
     nz = (vals != 0).detach()
@@ -330,7 +334,7 @@ def _logical(x, dim, keepdim, every: bool):
     if type(x) is not SparseTensor:
         raise NoSparseRule("a sparse argument other than the input")
     out_dtype = torch.uint8 if x.dtype == torch.uint8 else torch.bool
-    count, size = _nonzero_counts(x, dim, keepdim)
+    count, size = _nonzero_counts(x, dim, keepdim, empty_all=False)  # (torch's any / all over dim=(): none)
     return (count == size if every else count > 0).to(out_dtype)
 
 

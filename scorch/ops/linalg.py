@@ -1,6 +1,7 @@
 """Products: einsum, matmul, mm, mv, bmm, addmm, and torch.sparse's mm/addmm/sampled_addmm."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -11,6 +12,7 @@ from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod
 from ..sparse_tensor import SparseTensor, implements, needs_grad, shape_of
+from .sparse_api import coalesce
 
 
 #: operand types an all-dense einsum may defer (a model's weights are Parameters)
@@ -208,7 +210,7 @@ def linear(input, weight, bias=None):
                          f" {tuple(shape_of(weight))} cannot be multiplied ({shape_of(input)[-1]} != {n_in})")
     if _is_sparse(weight) and not _is_sparse(input):
         lead = tuple(input.shape[:-1])
-        x = input.reshape(-1, n_in)
+        x = input.reshape(math.prod(lead), n_in)  # (not -1: no row count follows from 0 elements when n_in is 0)
         n, w = x.shape[0], engine.prepare([weight])[0]
         rows = BATCH_TILE if any(isinstance(e, Mod) for e in w.format.exprs) else BATCH_TILE // 2
         if not _batch_tiles(weight, x, rows):
@@ -244,6 +246,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     if not _is_sparse(input):
         raise ValueError("sampled_addmm: input must be sparse")
     s = engine.prepare([input])[0]
+    if s._format.keeps_duplicates:  # (an uncoalesced COO: each position once, its duplicates summed)
+        s = coalesce(s)
     if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[0] != s._shape[0] or mat2.shape[1] != s._shape[1]:
         raise ValueError(f"sampled_addmm: shapes {tuple(s._shape)}, {tuple(mat1.shape)}, {tuple(mat2.shape)}"
                          " do not match (input m x n, mat1 m x k, mat2 k x n)")

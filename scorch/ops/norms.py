@@ -18,9 +18,9 @@ _T = torch.Tensor
 
 
 def _safe_root(s, p):
-    """``s ** (1 / p)`` with a zero gradient at s == 0 (torch's subgradient of the norm at 0)."""
-    pos = s > 0
-    return torch.where(pos, torch.where(pos, s, 1) ** (1.0 / p), 0)
+    """``s ** (1 / p)`` with a zero gradient at s == 0 (torch's subgradient of the norm at 0); nan stays nan."""
+    nonzero = s != 0
+    return torch.where(nonzero, torch.where(nonzero, s, 1) ** (1.0 / p), 0)
 
 
 def _vector_norm(x: SparseTensor, ord, reduce_dims, keepdim, dtype):
@@ -36,9 +36,9 @@ def _vector_norm(x: SparseTensor, ord, reduce_dims, keepdim, dtype):
     elif ord == -math.inf:
         r = torch.full_like(zeros, math.inf).scatter_reduce(0, gid, a, "amin", include_self=True)
         count = torch.bincount(gid, minlength=groups)
-        r = torch.where(count < size, 0, r)  # an implicit zero in the group
-    elif ord == 0:
-        r = zeros.index_add(0, gid, (a != 0).to(a.dtype) + 0 * a)
+        r = torch.where((count < size) & ~r.isnan(), 0, r)  # an implicit zero in the group (a nan wins)
+    elif ord == 0:  # (the graph kept, with a zero gradient: 0 * inf would be nan)
+        r = zeros.index_add(0, gid, (a != 0).to(a.dtype) + 0 * a.nan_to_num(0, 0, 0))
     elif ord == 1:
         r = zeros.index_add(0, gid, a)
     elif ord > 0:
@@ -46,7 +46,7 @@ def _vector_norm(x: SparseTensor, ord, reduce_dims, keepdim, dtype):
     else:  # negative: |0| ** ord is inf, so an implicit zero makes the norm 0
         count = torch.bincount(gid, minlength=groups)
         r = zeros.index_add(0, gid, a ** ord) ** (1.0 / ord)
-        r = torch.where(count < size, 0, r)
+        r = torch.where((count < size) & ~r.isnan(), 0, r)
     return _shaped(r, x._shape, reduce_dims, keepdim)
 
 

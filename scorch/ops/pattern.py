@@ -2,9 +2,13 @@
 
 In-place ops update a SparseTensor's stored values where every sparse operand has its pattern (the gradient
 of a sparse parameter, its optimizer state made by ``zeros_like``, and the parameter itself share their index
-arrays, so the check is an identity test in the common case). Scalars apply to the stored values:
-``S.add_(eps)`` adds ``eps`` to each stored value, which is what ``torch.optim.Adam``'s ``denom.add_(eps)``
-needs; an out-of-place ``S + c`` (c != 0) stays an error, since its result would be dense.
+arrays, so the check is an identity test in the common case). Scalars that keep an implicit zero zero apply to
+the stored values (``S.mul_(2)``, ``S.clamp_(-1, 1)``; ``S.mul_(inf)`` and ``S.div_(0)`` too, as torch.sparse
+and the out-of-place ops leave what is not stored). A scalar that would not (``S += 1``, ``S.clamp_(min=0.5)``,
+``S.reciprocal_()``) raises: the dense result cannot be written in place, and changing the stored values only
+would be a wrong answer. Inside a ``torch.optim`` step, or ``with scorch.stored_only():``, it is what is meant:
+``torch.optim.Adam``'s ``denom.add_(eps)`` adds ``eps`` to each stored value of its state, shaped as the
+parameter (``_in_optimizer_step``: a ``torch.optim`` function or an optimizer's method on the stack).
 
 A sparse operand with another pattern (``S.add_(S2)``, as torch allows for sparse tensors): the result, whose
 pattern is the union (the intersection for ``mul_``), is computed out of place and replaces ``S``'s arrays, in
@@ -27,7 +31,9 @@ pattern too). ``load_state_dict`` copies into a sparse parameter with ``copy_``.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
 
 import torch
 
@@ -106,6 +112,68 @@ for _op, _same in (("__iadd__", "add_"), ("__isub__", "sub_"), ("__imul__", "mul
     _OUT_OF_PLACE[_op] = _OUT_OF_PLACE[_same]
 
 
+#: in-place ops whose scalar keeps an implicit zero zero by the sparse rule (``S * inf``, ``S / 0``: as
+#: torch.sparse and the out-of-place ops, the stored values only)
+_SCALING = frozenset({"mul_", "__imul__", "div_", "__itruediv__"})
+
+
+def _scalar(a) -> bool:
+    return isinstance(a, numbers.Number) or (isinstance(a, torch.Tensor) and not isinstance(a, SparseTensor)
+                                             and a.dim() == 0)
+
+
+def _refuse_densifying_scalars(self: SparseTensor, name: str, args, kwargs, sparse) -> None:
+    """Raise where ``name`` with these scalars would map an implicit zero to something else (``S += 1``,
+    ``S.clamp_(min=0.5)``, ``S.reciprocal_()``): the dense result cannot be written into a sparse tensor, and
+    updating the stored values only would be a wrong answer. Inside a ``torch.optim`` optimizer's step that is
+    what the step means (Adam's ``denom.add_(eps)`` on its state, shaped as the parameter): allowed there."""
+    if sparse or name in _SCALING or not all(_scalar(a) for a in (*args, *kwargs.values())):
+        return
+    with torch.no_grad():
+        probe = torch.zeros(1, dtype=self._vals.dtype, device=self._vals.device)
+        at_zero = getattr(probe, name)(*args, **kwargs)
+    if bool((at_zero == 0).all()) or _STORED_ONLY.depth or _in_optimizer_step():
+        return
+    raise NotImplementedError(
+        f"scorch: in-place {name} on a sparse tensor would make every implicit zero {at_zero.item()!r}: the"
+        " result is dense and a sparse tensor cannot become dense in place; use the out-of-place op (its dense"
+        " result), or run it inside `with scorch.stored_only():` to change the stored entries only (as optimizer"
+        " steps do)")
+
+
+class _Depth(threading.local):
+    depth = 0
+
+
+_STORED_ONLY = _Depth()
+
+
+@contextlib.contextmanager
+def stored_only():
+    """In-place ops on SparseTensors inside the block apply their scalars to the stored entries only (``S.add_(1)``
+    adds 1 to each stored value; padding stays 0), as inside a ``torch.optim`` step; outside, a scalar that
+    would change an implicit zero raises. Per thread."""
+    _STORED_ONLY.depth += 1
+    try:
+        yield
+    finally:
+        _STORED_ONLY.depth -= 1
+
+
+def _in_optimizer_step(depth: int = 48) -> bool:
+    """Whether a ``torch.optim`` function or an optimizer's method (any ``torch.optim.Optimizer``) is on the
+    call stack."""
+    import sys
+    frame = sys._getframe(2)
+    optimizer = torch.optim.Optimizer
+    while frame is not None and depth > 0:
+        if frame.f_globals.get("__name__", "").startswith("torch.optim") or \
+                isinstance(frame.f_locals.get("self"), optimizer):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
 def _inplace(method):
     name = method.__name__
 
@@ -121,6 +189,7 @@ def _inplace(method):
             zero = self._vals == 0
             for a in sparse:
                 zero &= a._vals == 0
+        _refuse_densifying_scalars(self, name, args, kwargs, sparse)
         args = [_values(a, self, name, sampled) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number)
                 else a for a, sampled in zip(args, _sampled_factors(self, name, args))]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

@@ -9,10 +9,14 @@ from ..sparse_tensor import SparseTensor, implements
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def _dims(dim, n, name):
+def _dims(dim, n, name, empty_all=True):
+    """``dim`` as sorted non-negative dims, checked; None means all, and so does () (torch's ``sum``, ``mean``,
+    ``amax``) unless ``empty_all`` is false (``torch.sparse.sum``: none)."""
     if dim is None:
         return tuple(range(n))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not dims and empty_all:
+        return tuple(range(n))
     out = []
     for d in dims:
         if not -n <= d < n:
@@ -35,12 +39,12 @@ def _keepdim(r, shape, dims):
     return r.to_dense().reshape(kept) if isinstance(r, SparseTensor) else r.reshape(kept)
 
 
-@implements(torch.sum, torch.Tensor.sum, torch.sparse.sum)
-def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
+@implements(torch.sum, torch.Tensor.sum)
+def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None, _empty_all=True):
     """Sum over ``dim`` (all by default) as an einsum: sparse over the kept indices the operand drives, dense
     where none is left; keepdim gives the dense result with size-1 dimensions, as torch; integers sum in int64."""
     n = x.dim()
-    dims = _dims(dim, n, "sum")
+    dims = _dims(dim, n, "sum", _empty_all)
     src, out = _kept(n, dims)
     if dtype is not None:
         x = x.to(dtype)
@@ -55,7 +59,13 @@ def _sparse_sum(x, *args):
     """``torch.sparse.sum(x, dim, dtype)`` arrives here as ``torch._sparse_sum(x[, dim][, dtype])``."""
     dim = next((a for a in args if not isinstance(a, torch.dtype)), None)
     dtype = next((a for a in args if isinstance(a, torch.dtype)), None)
-    return sum(x, dim, dtype=dtype)
+    return sparse_sum(x, dim, dtype=dtype)
+
+
+@implements(torch.sparse.sum)
+def sparse_sum(x, dim=None, dtype=None):
+    """``torch.sparse.sum``: as ``sum``, except that ``dim=()`` sums over no dimension (torch.sparse's rule)."""
+    return sum(x, dim, dtype=dtype, _empty_all=False)
 
 
 @implements(torch.mean, torch.Tensor.mean)
@@ -78,7 +88,7 @@ def _extremum(reduce):
         """Max/min over ``dim`` by a compiled reduction; implicit zeros take part, as in the dense tensor; the
         result is dense (duplicates and padding are removed first)."""
         n = x.dim()
-        dims = _dims(dim if dim != () else None, n, f"a{reduce}")
+        dims = _dims(dim, n, f"a{reduce}")
         for d in dims:
             if x.shape[d] == 0:
                 raise IndexError(f"a{reduce}(): expected reduction dim {d} to have non-zero size")

@@ -18,8 +18,13 @@ from ..sparse_tensor import SparseTensor, implements
 
 
 @implements(torch.permute, torch.Tensor.permute)
-def permute(x: SparseTensor, *dims):
-    """The same arrays (and values) under the permuted format: a view."""
+def permute(x: SparseTensor, *dims, **kwargs):
+    """The same arrays (and values) under the permuted format: a view. ``dims`` as numbers, one sequence, or
+    ``dims=`` (torch's keyword)."""
+    if kwargs:
+        if set(kwargs) != {"dims"} or dims:
+            raise TypeError(f"permute() got unexpected arguments {sorted(kwargs)}")
+        dims = (kwargs["dims"],)
     if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
         dims = tuple(dims[0])
     n = x.dim()

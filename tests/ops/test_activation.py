@@ -29,6 +29,7 @@ FORMATS = ["csr", "csc", "coo", "bsr(2, 2)", "ell", "dia"]
 CASES = [((5, 7), 0.5), ((1, 1), 1.0), ((0, 4), 0.5), ((3, 0), 0.5), ((4, 5), 0.0)]
 DTYPES = [torch.float32, torch.float64]
 INF = math.inf
+NAN = math.nan
 
 
 def quarters(shape, seed, density=0.5, dtype=torch.float32):
@@ -566,6 +567,23 @@ def test_norms_of_uncoalesced_and_3d():
             same(lambda t: torch.linalg.vector_norm(t, ord, dim), s, a)
     same(lambda t: torch.linalg.matrix_norm(t, 1, (0, 2)), s, a)
     same(lambda t: torch.linalg.norm(t, 1), s, a)  # torch: 1D or 2D only
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "csc"])
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_norms_of_nan_and_inf_entries(fmt, bad):
+    """A nan or infinite stored value decides its group's norm as in the dense tensor: nan for every ord but 0
+    (which counts it), also where the group has an implicit zero (the negative ords' 0)."""
+    a = torch.tensor([[0., -1.5, 0., 1.], [2., 0., 0., bad], [0., 0., 0., 0.], [bad, 3., 1., 2.]])
+    s = scorch.asformat(a, fmt)
+    for ord in ORDS:
+        for dim in (None, 0, 1):
+            got, want = torch.linalg.vector_norm(s, ord, dim), torch.linalg.vector_norm(a, ord, dim)
+            torch.testing.assert_close(got, want, equal_nan=True, msg=f"ord={ord} dim={dim}")
+    for ord in ("fro", 1, -1, INF, -INF):
+        torch.testing.assert_close(torch.linalg.matrix_norm(s, ord), torch.linalg.matrix_norm(a, ord),
+                                   equal_nan=True)
+    torch.testing.assert_close(torch.norm(s), torch.norm(a), equal_nan=True)
 
 
 def test_norm_errors():

@@ -1,0 +1,165 @@
+"""Edges of torch's semantics that a sparse operand must keep: reductions over an empty dim list, adding a zero
+scalar (a new tensor of the promoted type), and 0-d tensor operands of ``*`` and ``/`` (their gradient and
+their part in type promotion). Each against the dense tensor."""
+import warnings
+
+import pytest
+import torch
+
+import scorch
+
+from conftest import assert_matches_dense
+from fallback_check import falls_back
+
+FORMATS = ["csr", "coo", "csc", "bsr(1, 3)"]
+M = torch.tensor([[1., 0., 2.], [0., -3., 0.]])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("empty", [(), []])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_reductions_over_an_empty_dim_list(fmt, empty, keepdim):
+    s = scorch.asformat(M, fmt)
+    for name in ("sum", "mean", "amax", "amin"):
+        got, want = getattr(s, name)(empty, keepdim=keepdim), getattr(M, name)(empty, keepdim=keepdim)
+        assert_matches_dense(got, want)
+        assert_matches_dense(getattr(torch, name)(s, empty, keepdim=keepdim), want)
+    for name in ("any", "all"):  # (torch: over no dimension)
+        assert_matches_dense(getattr(s, name)(empty, keepdim=keepdim), getattr(M, name)(empty, keepdim=keepdim))
+    assert_matches_dense(torch.count_nonzero(s, empty), torch.count_nonzero(M, empty))
+    # torch.sparse.sum keeps torch.sparse's own rule: dim=() sums over no dimension
+    assert_matches_dense(torch.sparse.sum(s, empty), torch.sparse.sum(M.to_sparse(), empty).to_dense())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float32, torch.float16])
+@pytest.mark.parametrize("zero", [0, 0.0, False])
+def test_adding_a_zero_scalar_gives_a_new_tensor_of_the_promoted_type(fmt, dtype, zero):
+    d = M.to(dtype)
+    s = scorch.asformat(d, fmt)
+    for fn in (lambda t: t + zero, lambda t: zero + t, lambda t: t - zero, lambda t: torch.add(t, zero, alpha=2),
+               lambda t: torch.add(zero, t, alpha=2)):
+        try:
+            want = fn(d)
+        except RuntimeError as e:  # (torch refuses bool subtraction, and a float alpha for integers)
+            with pytest.raises(type(e)):
+                fn(s)
+            continue
+        got = fn(s)
+        assert_matches_dense(got, want)
+        assert got is not s
+    if dtype.is_floating_point:
+        y = s + zero
+        y.mul_(10)  # (the result, not the operand)
+        assert_matches_dense(s, d)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_dim_tensor_operands_keep_their_gradient(fmt):
+    w = torch.tensor(2.0, requires_grad=True)
+    v = torch.tensor(4.0, requires_grad=True)
+    s = scorch.asformat(M, fmt).requires_grad_()
+    ((s * w).sum() + (w * s).sum() + (s / v).sum()).backward()
+    w2, v2, m2 = w.detach().clone().requires_grad_(), v.detach().clone().requires_grad_(), M.clone().requires_grad_()
+    ((m2 * w2).sum() + (w2 * m2).sum() + (m2 / v2).sum()).backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+    torch.testing.assert_close(v.grad, v2.grad)
+    stored = s.detach().with_values(torch.ones_like(s.values())).to_dense() != 0  # (a block's zeros too)
+    torch.testing.assert_close(s.grad.to_dense(), m2.grad * stored)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.float32])
+@pytest.mark.parametrize("scalar", [torch.tensor(1.5, dtype=torch.float64), torch.tensor(3), torch.tensor(2.5)])
+def test_zero_dim_tensor_operands_promote_as_torch(fmt, dtype, scalar):
+    d = M.to(dtype)
+    s = scorch.asformat(d, fmt)
+    assert_matches_dense(s * scalar, d * scalar)
+    assert_matches_dense(scalar * s, scalar * d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)  # (a scalar divisor keeps the pattern: no fallback)
+        assert_matches_dense(s / scalar, d / scalar)
+
+
+@pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
+@pytest.mark.parametrize("op", ["sqrt", "pow", "operator", "rsqrt_free_chain"])
+def test_padded_formats_give_their_padding_no_gradient(fmt, op):
+    """ELL and n:m pad rows with zeros at a real entry's coordinates; a map whose derivative at 0 is infinite
+    (sqrt, pow(0.5)) must not put that on the real entry (nor one optimizer step turn it into nan)."""
+    d = torch.tensor([[0., 4., 0., 0.], [1., 0., 9., 0.], [0., 0., 0., 0.]])
+    fn = {"sqrt": torch.sqrt, "pow": lambda t: torch.pow(t, 0.5), "operator": lambda t: t ** 0.5,
+          "rsqrt_free_chain": lambda t: torch.sqrt(t).abs() * 2}[op]
+    w = torch.nn.Parameter(scorch.asformat(d, fmt))
+    fn(w).sum().backward()
+    dd = d.clone().requires_grad_()
+    fn(dd).sum().backward()
+    got = w.grad.to_dense()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch.where(d != 0, dd.grad, torch.zeros(())))
+    torch.optim.SGD([w], lr=0.1).step()
+    assert torch.isfinite(w.to_dense()).all()
+    torch.testing.assert_close(w.to_dense(), torch.where(d != 0, d - 0.1 * dd.grad, torch.zeros(())))
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell"])
+def test_in_place_scalars_that_would_densify_raise_outside_optimizer_steps(fmt):
+    d = torch.tensor([[0., 2.], [3., 0.]])
+    s = scorch.asformat(d, fmt)
+    for name, fn in (("add_", lambda t: t.add_(1)), ("add_", lambda t: t.__iadd__(1.5)),
+                     ("sub_", lambda t: t.sub_(torch.tensor(1.))), ("clamp_", lambda t: t.clamp_(min=0.5)),
+                     ("clamp_min_", lambda t: t.clamp_min_(0.5)), ("reciprocal_", lambda t: t.reciprocal_())):
+        with pytest.raises(NotImplementedError, match=f"in-place {name}.*implicit zero"):
+            fn(s)
+        assert_matches_dense(s, d)  # (unchanged)
+    # scalars that keep zeros zero change the stored values, as the dense tensor changes
+    for fn in (lambda t: t.mul_(2), lambda t: t.clamp_(-1, 1), lambda t: t.add_(0), lambda t: t.sub_(0.0)):
+        t, dd = s.clone(), d.clone()
+        assert_matches_dense(fn(t), fn(dd))
+    with scorch.stored_only():  # (the stored entries alone, asked for; padding stays 0)
+        s.add_(1).clamp_(min=3.5)
+    assert_matches_dense(s, torch.where(d != 0, (d + 1).clamp(min=3.5), 0.))
+    s.values().sub_(1)
+    assert_matches_dense(s, torch.where(d != 0, (d + 1).clamp(min=3.5) - 1, 0.))
+
+
+def test_in_place_scalars_inside_an_optimizer_step_update_the_stored_values():
+    class Shift(torch.optim.Optimizer):  # (an optimizer defined outside torch.optim)
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(0.5)
+                    p.clamp_(min=1.0)
+
+    d = torch.tensor([[0., 2.], [3., 0.]])
+    w = torch.nn.Parameter(scorch.asformat(d, "csr"))
+    Shift([w]).step()
+    assert_matches_dense(w.detach(), torch.tensor([[0., 2.5], [3.5, 0.]]))
+    w2 = torch.nn.Parameter(scorch.asformat(d, "csr"))
+    opt = torch.optim.Adam([w2], lr=0.1)
+    (w2 * w2).sum().backward()
+    opt.step()
+    assert_matches_dense(w2.detach(), torch.tensor([[0., 1.9], [2.9, 0.]]))
+
+
+def test_keyword_and_vararg_forms_torch_takes():
+    s = scorch.asformat(M, "csr")
+    assert_matches_dense(s.broadcast_to(2, 2, 3), M.broadcast_to(2, 2, 3))
+    assert_matches_dense(torch.broadcast_to(s, size=(2, 2, 3)), M.broadcast_to((2, 2, 3)))
+    assert_matches_dense(torch.permute(s, dims=(1, 0)), torch.permute(M, dims=(1, 0)))
+    assert_matches_dense(torch.sum(input=s, dim=0), torch.sum(input=M, dim=0))
+    w = scorch.asformat(torch.zeros(4, 0), "csr")
+    x = torch.randn(2, 0)
+    assert_matches_dense(torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, torch.zeros(4, 0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.uint8])
+def test_value_types_the_kernels_do_not_take_run_dense_through_torch_functions(dtype):
+    d = (M != 0).to(dtype) if dtype == torch.bool else M.abs().to(dtype)
+    s = scorch.asformat(d, "csr")
+    falls_back(lambda: s.amax(1), lambda: d.amax(1), "Tensor.amax")
+    with pytest.raises(TypeError, match="unsupported dtype"):  # (the compiler's own API says so)
+        scorch.einsum("ij->i", s)
