@@ -24,7 +24,7 @@ import torch
 from .compiler.einsum import equation as einsum_string
 from .formats import named
 from .rules import RULES
-from .sparse_tensor import SparseTensor, is_pattern_ones, pattern_ones  # noqa: F401  (fusion imports it here)
+from .sparse_tensor import SparseTensor, is_pattern_ones, padding_of, pattern_ones  # noqa: F401  (fusion imports it here)
 
 
 
@@ -122,7 +122,9 @@ def _einsum_grad(k, inputs, out, ops, gout):
         site = engine.asformat(x.detach(), named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
         pattern = site.with_values(pattern_ones(site, dtype))
         r = engine.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=site._format)
-        return values_at(r, x)
+        g = values_at(r, x)
+        # (a padded format's padding: 0 times a non-finite product is nan, which must not reach the real entry)
+        return torch.where(padding_of(x), 0, g) if x._format.padded else g
     sizes, _ = engine.index_sizes(inputs, ops, "einsum")
     present = {v for idx in g_inputs for v in idx}
     have = tuple(v for v in target if v in present)
@@ -185,6 +187,8 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
         return out + 0 * (r._vals.sum() if type(r) is SparseTensor else r.sum())  # keeps the graph
     if type(r) is SparseTensor:
         got = storage.lookup(r._format, r._shape, r._levels, r._vals, coords)
+    elif r.layout != torch.strided:  # (torch's own sparse gradient: nn.Embedding(sparse=True), for one)
+        got = r.to_dense()[tuple(coords)]
     else:
         got = r[tuple(coords)]
     return out.index_put((leaf,), got, accumulate=True)

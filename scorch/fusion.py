@@ -36,7 +36,7 @@ from . import loopir as L
 from .compiler.codegen import cpp
 from .compiler.target import CPU
 from .deferred import Deferred
-from .formats.storage import PatternMemo, segments
+from .formats.storage import PatternMemo, array_version, segments
 from .compiler.caches import cache, register
 from .rules import RULES
 from .sparse_tensor import SparseTensor
@@ -383,7 +383,7 @@ class _Ready:
     def __init__(self, compiled, template, slots, st, zero_out, keep_probs):
         self.compiled, self.template, self.slots = compiled, template, slots
         self.zero_out, self.keep_probs = zero_out, keep_probs
-        self.arrays = (weakref.ref(st.pos), st.pos._version, weakref.ref(st.crd), st.crd._version)
+        self.arrays = (weakref.ref(st.pos), array_version(st.pos), weakref.ref(st.crd), array_version(st.crd))
 
     @staticmethod
     def binding(kernel, values, tensors):
@@ -412,8 +412,8 @@ class _Ready:
         p, q = sddmm.pattern, sddmm.q
         st = p._levels[1]
         pos_ref, pos_version, crd_ref, crd_version = self.arrays
-        if pos_ref() is not st.pos or crd_ref() is not st.crd or st.pos._version != pos_version or \
-                st.crd._version != crd_version:
+        if pos_ref() is not st.pos or crd_ref() is not st.crd or array_version(st.pos) != pos_version or \
+                array_version(st.crd) != crd_version:
             return None
         probs = torch.empty(p._vals.shape, dtype=q.dtype) if self.keep_probs else None
         out = (torch.zeros if self.zero_out else torch.empty)(p._shape[0], v.shape[1], dtype=q.dtype)

@@ -242,6 +242,8 @@ class SparseTensor(Traceable, torch.Tensor):
                                                 device=self._vals.device)
         r._format, r._levels, r._vals, r._shape = self._format, self._levels, values, self._shape
         r._index_dtype = self._index_dtype
+        if self.__dict__.get("_pattern_grad"):  # (a parameter's gradient, changed: ``grad.add(p, alpha=wd)``)
+            r._pattern_grad = True
         return r
 
     def _map_arrays(self, fn):
@@ -485,11 +487,25 @@ def _flat(obj):
         yield obj
 
 
+class _DenseGradient(torch.autograd.Function):
+    """The identity, whose backward hands a torch sparse gradient on densified: a fallback's torch op may give
+    one (``nn.Embedding(sparse=True)``), which the dense form's own backward cannot index."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to_dense() if g.layout != torch.strided else g
+
+
 def _densified(obj):
     """``obj`` with every SparseTensor (in nested lists, tuples and dicts too) replaced by its differentiable dense
     form."""
     if type(obj) is SparseTensor:
-        return obj.to_dense()
+        d = obj.to_dense()
+        return _DenseGradient.apply(d) if d.requires_grad else d
     if isinstance(obj, (list, tuple)) and any(type(x) is SparseTensor for x in _flat(obj)):
         items = [_densified(a) for a in obj]
         return items if type(obj) is list else tuple(items) if type(obj) is tuple else type(obj)(*items)
@@ -653,35 +669,29 @@ def needs_grad(operands) -> bool:
 def is_pattern_ones(t) -> bool:
     """Whether ``t`` is (a whole view of) the ones ``pattern_ones`` keeps, unmodified."""
     kept = ONES.get((t.numel(), t.dtype, t.device)) if type(t) is torch.Tensor else None
-    return kept is not None and kept[0]._version == kept[1] and t.data_ptr() == kept[0].data_ptr()
+    return kept is not None and _storage.array_version(kept[0]) == kept[1] and t.data_ptr() == kept[0].data_ptr()
 
 
-def mapped_values(x: SparseTensor, fn):
-    """``fn`` (a map with f(0) = 0) of ``x``'s values. In a padded format, whose padding (0, at a real entry's
-    coordinates) cannot be told from a stored zero, the zeros take no gradient: ``fn``'s derivative at 0 may be
-    infinite (sqrt, pow(0.5)), and a non-zero gradient there would be added onto the real entry it shares
-    coordinates with. (Differentiated where ``fn`` is smooth, at 0.5, and masked out.)"""
-    v = x._vals
-    if not (x._format.padded and v.requires_grad and v.dtype.is_floating_point and torch.is_grad_enabled()):
-        return fn(v)
-    keep = (v != 0).detach()
-    return torch.where(keep, fn(torch.where(keep, v, 0.5)), 0)
+def padding_of(x: SparseTensor, *others) -> torch.Tensor:
+    """The padding of ``x``'s padded (fixed) level as a bool mask over its values (``storage.padding``; slots
+    it cannot read off the coordinates are padding where ``x`` and every SparseTensor of ``others``, on the same
+    index arrays, hold 0)."""
+    return _storage.padding(x._format, x._shape, x._levels, x._vals.detach(), *(o._vals.detach() for o in others))
 
 
 def pattern_ones(x: SparseTensor, dtype):
-    """Ones at ``x``'s stored positions (the values of its pattern). In a format with a padded level, padding
-    and stored zeros cannot be told apart: both are 0 (a gradient there would turn padding into an entry, an
-    SDDMM there would too)."""
+    """Ones at ``x``'s stored positions (the values of its pattern). In a format with a padded level, 0 at the
+    padding (``padding_of``: a gradient there would turn padding into an entry, an SDDMM there would too)."""
     v = x._vals
     if x._format.padded:
-        return (v != 0).to(dtype)
+        return (~padding_of(x)).to(dtype)
     key = (v.numel(), dtype, v.device)
     kept = ONES.get(key)
-    if kept is None or kept[0]._version != kept[1]:  # (modified in place since: not ones any more)
+    if kept is None or _storage.array_version(kept[0]) != kept[1]:  # (modified in place since: not ones any more)
         if len(ONES) >= 8:
             ONES.clear()
         ones = torch.ones(v.shape, dtype=dtype, device=v.device)
-        kept = ONES[key] = (ones, ones._version)
+        kept = ONES[key] = (ones, _storage.array_version(ones))
     return kept[0].view(v.shape)
 
 

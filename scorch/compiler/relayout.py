@@ -23,6 +23,7 @@ import torch
 
 from . import runtime
 from .caches import register
+from ..formats.storage import array_version
 
 #: a copy is made when the operand's elements number less than this fraction of the kernel's reads of it
 COPY_FRACTION = 0.25
@@ -156,7 +157,7 @@ KEEP_BYTES = 1 << 30
 
 
 def _key(x: torch.Tensor, d: int) -> tuple:
-    return (d, x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+    return (d, array_version(x), x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
 
 
 def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:

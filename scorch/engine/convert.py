@@ -169,15 +169,22 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
     # the converted tensor has been modified in place since (``_stamp``).
     memo = x.__dict__.setdefault("_conversions", {}) if type(x) is SparseTensor and not x.format.is_dense else None
     key = (fmt, index_dtype, drop_zeros)
+    if memo is not None and _inference(x):
+        memo = None  # (inference tensors have no version counter to check a kept conversion against)
     if memo is not None and key in memo:
         stamp, result = memo[key]
         if stamp == _stamp(x, result):
             return result
     moved = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
     result, prints = moved if moved is not None else (convert(x, fmt, index_dtype, drop_zeros), None)
-    if memo is not None and result is not None:
+    if memo is not None and result is not None and not _inference(result):  # (one made in inference mode)
         memo[key] = (_stamp(x, result, prints), result)
     return result
+
+
+def _inference(s: SparseTensor) -> bool:
+    """Whether any array of ``s`` is an inference tensor (made under ``torch.inference_mode``)."""
+    return s._vals.is_inference() or any(a.is_inference() for st in s._levels for a in st.arrays().values())
 
 
 def _stamp(x: SparseTensor, result: SparseTensor, prints=None) -> tuple:
@@ -231,7 +238,10 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
     src = x._vals.detach()
     last = entry[2] if len(entry) > 2 else None  # the last values moved: the same values ask again (a weight
     prints = None                                  # read transposed by several calls), unchanged (``_stamp``)
-    if last is not None and last[0]() is x._vals and (last[1], last[3]) == (x._vals._version, last[2]._version):
+    # (inference tensors have no version counter: such values are moved every time, and not kept)
+    inference = src.is_inference()
+    if last is not None and not inference and last[0]() is x._vals and (last[1], last[3]) == (
+            x._vals._version, last[2]._version):
         prints = _fingerprint(x._vals), _fingerprint(last[2])
     if prints is not None and prints == last[4]:
         vals = last[2]
@@ -241,8 +251,9 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
         else:
             vals = relayout.gather(src, perm)
         prints = _fingerprint(x._vals) if prints is None else prints[0], _fingerprint(vals)
-        _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), x._vals._version, vals,
-                                                            vals._version, prints)))
+        if not (inference or vals.is_inference()):
+            _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), x._vals._version, vals,
+                                                                vals._version, prints)))
     return SparseTensor(fmt, x._shape, levels, vals, check=False), prints
 
 
@@ -293,7 +304,7 @@ def recurring_pattern(x: SparseTensor, fmt) -> bool:
 
 def converted_already(x, fmt) -> bool:
     """Whether ``asformat(x, fmt)`` would return a kept conversion (no work)."""
-    memo = x.__dict__.get("_conversions") if type(x) is SparseTensor else None
+    memo = x.__dict__.get("_conversions") if type(x) is SparseTensor and not _inference(x) else None
     entry = memo.get((resolve(fmt, x.dim()), None, False)) if memo else None
     # (versions only: a planning guess, and ``asformat`` checks the values' fingerprints before it returns one)
     return entry is not None and entry[0][:2] == (_versions(x), _versions(entry[1]))

@@ -19,6 +19,7 @@ from ..compiler.pipeline import Plan
 from ..compiler.schedule import Directives, directives_of
 from .. import loopir as L
 from ..formats import named
+from ..formats.storage import array_version
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, needs_grad, shape_of
 from . import direct, grouped
@@ -174,7 +175,7 @@ def kept_sddmm(s, mat1, mat2):
         return None
     entry = memo.get(("sddmm", mat1.shape, mat1.dtype, mat2.shape, mat2.dtype))
     if entry is None or entry[0] is None or entry[7] is not d["_levels"] or \
-            entry[8]._vals._version != entry[9] or not _current(d, entry, (mat1, mat2)):
+            array_version(entry[8]._vals) != entry[9] or not _current(d, entry, (mat1, mat2)):
         return None
     return entry[0], entry[8]
 
@@ -190,7 +191,7 @@ def keep_sddmm(s, pattern, mat1, mat2, format):
     entry = s.__dict__.get("_products", {}).get(key)
     if entry is not None and entry[0] is None and entry[6] >= 3:
         return
-    _keep(s, key, _seen(SDDMM, (pattern, mat1, mat2), format), s._levels, pattern, pattern._vals._version)
+    _keep(s, key, _seen(SDDMM, (pattern, mat1, mat2), format), s._levels, pattern, array_version(pattern._vals))
 
 
 def _equation_signature(equation, format, directives, operands) -> tuple:

@@ -193,16 +193,50 @@ def coordinates(fmt: Format, shape, levels):
     return leaf, dims, inside
 
 
+def padding(fmt: Format, shape, levels, values, *others):
+    """A bool mask over ``values``: the padding of a format with a padded (fixed) level; None for other formats.
+
+    Where the fixed level is the last one (ELL, n:m), padding is read off the coordinates: a segment's real
+    coordinates increase, and a shorter segment repeats its last one to its end, so a slot whose coordinate
+    equals the one before it is padding, whatever its value (a stored zero of a real slot, such as optimizer
+    state or a trained weight at exactly 0, is an entry). Only a segment whose every slot is at coordinate 0
+    cannot be read so: empty, or one entry at 0; its first slot is padding where it holds 0 (in ``values`` and
+    in each of ``others``, value arrays on the same index arrays). Formats whose fixed level has levels below
+    it: every stored zero (as in ``values`` and ``others``) is padding."""
+    if not fmt.padded:
+        return None
+    zero = values == 0
+    for o in others:
+        zero &= o == 0
+    last = fmt.level_types[-1]
+    if not isinstance(last, Fixed) or any(isinstance(lvl, Fixed) for lvl in fmt.level_types[:-1]):
+        return zero
+    crd = levels[-1].crd
+    count = 1
+    for (lo, hi), lvl, st in zip(fmt.level_bounds(shape)[:-1], fmt.level_types[:-1], levels[:-1]):
+        count = lvl.num_positions(st, count, lo, hi)
+    w = last.width(levels[-1], count)
+    if crd is None or crd.numel() != values.numel() or count * w != crd.numel():
+        return zero
+    if w == 0:
+        return zero
+    c = crd.reshape(count, w)
+    pad = torch.zeros((count, w), dtype=torch.bool, device=crd.device)
+    pad[:, 1:] = c[:, 1:] == c[:, :-1]
+    pad[:, 0] = (c == 0).all(1) & zero.reshape(count, w)[:, 0]
+    return pad.reshape(-1)
+
+
 def entries(fmt: Format, shape, levels, values):
     """The stored entries as ``(leaf, dims)``: their positions in the values array and their ``(ndim, M)`` int64
     coordinates, padding dropped.
 
-    Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and, in a
-    format with a padded (fixed) level, every stored zero (padding and explicit zeros cannot be told apart).
+    Padding means positions whose coordinates fall outside the shape (block and diagonal formats) and the
+    padding of a padded (fixed) level (``padding``).
     """
     leaf, dims, keep = coordinates(fmt, shape, levels)
     if fmt.padded:
-        keep &= values[leaf] != 0
+        keep &= ~padding(fmt, shape, levels, values.detach())[leaf]
     if bool(keep.all()):
         return leaf, dims
     return leaf[keep], dims[:, keep]
@@ -292,6 +326,15 @@ def to_dense(fmt: Format, shape, levels, values):
     return out.index_put(tuple(dims), vals, accumulate=fmt.keeps_duplicates)
 
 
+def array_version(t: torch.Tensor):
+    """``t._version``, or for an inference tensor (made under ``torch.inference_mode``, without a version
+    counter) a new object, equal to nothing: what is keyed or checked on its version is never reused."""
+    try:
+        return t._version
+    except RuntimeError:
+        return object()
+
+
 class PatternMemo:
     """Results that depend only on a pattern's index arrays, looked up by the arrays' identity and version: a
     model that builds sparse tensors on the same arrays every step (attention scores on a graph's edges, a
@@ -310,18 +353,23 @@ class PatternMemo:
 
     @staticmethod
     def _key(extra, levels):
+        """The key, or None for arrays made under ``torch.inference_mode`` (no version counter: not kept)."""
         arrays = [a for st in levels for a in st.arrays().values()]
+        if any(a.is_inference() for a in arrays):
+            return None, arrays
         return (extra, tuple((id(a), a._version) for a in arrays)), arrays
 
     def get(self, extra, levels):
         key, arrays = self._key(extra, levels)
-        entry = self._entries.get(key)
+        entry = None if key is None else self._entries.get(key)
         if entry is None or not all(r() is a for r, a in zip(entry[0], arrays)):
             return None
         return entry[1]
 
     def put(self, extra, levels, value) -> None:
         key, arrays = self._key(extra, levels)
+        if key is None:
+            return
         if len(self._entries) >= self.limit:
             self._entries.clear()
         self._entries[key] = ([weakref.ref(a) for a in arrays], value)

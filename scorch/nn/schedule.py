@@ -76,7 +76,7 @@ from ..formats.expr import Div, Mod, Var, dim_name
 from ..formats.levels import Dense
 from ..formats.named import short_name
 from ..ops.pattern import same_pattern
-from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor
+from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, padding_of
 from .sparsify import ScalarThreshold, Sparsifier, masked
 
 __all__ = ["schedule", "Schedule", "ParameterSelection", "OutputSelection", "Layout", "Summary"]
@@ -598,8 +598,8 @@ def _on_pattern(p: SparseTensor, v: SparseTensor) -> SparseTensor:
     from ..formats import storage
     dense = v.detach().to_dense()
     leaf, dims, inside = storage.coordinates(p.format, p.shape, p.levels)
-    if p.format.padded:  # a stored zero in a padded level is padding: its state stays 0
-        inside &= p.values().detach()[leaf] != 0
+    if p.format.padded:  # padding: its state stays 0
+        inside &= ~padding_of(p)[leaf]
     values = torch.zeros(p.nnz, dtype=v.dtype, device=v.device)
     values[leaf[inside]] = dense[tuple(dims[:, inside])]
     return p.detach().with_values(values)

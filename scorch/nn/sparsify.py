@@ -50,7 +50,7 @@ def masked(x: torch.Tensor, mask: torch.Tensor, format) -> SparseTensor:
     if mask.dtype != torch.bool or mask.shape != x.shape:
         raise ValueError(f"masked: the mask must be a bool tensor of x's shape {tuple(x.shape)}, got"
                          f" {mask.dtype} {tuple(mask.shape)}")
-    keep = mask & (x != 0) if named.resolve(format, x.dim()).padded else mask
+    keep = mask
     pattern = asformat(keep.to(x.dtype if x.is_floating_point() or x.is_complex() else torch.float32), format)
     leaf, dims, inside = _storage.coordinates(pattern.format, pattern.shape, pattern.levels)
     real = inside & (pattern.values()[leaf] != 0)  # not padding, not the masked-out cells of a stored block

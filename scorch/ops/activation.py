@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _stats
-from ..sparse_tensor import NoSparseRule, SparseTensor, mapped_values
-from .entries import _coalesced, _desc, _no_out, _register
+from ..sparse_tensor import NoSparseRule, SparseTensor
+from .entries import _coalesced, _desc, _no_out, _register, mapped_values
 
 _T = torch.Tensor
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements, mapped_values
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from .entries import mapped_values
 from .indexing import broadcast_to
 from .pattern import same_pattern
 from .sparse_api import coalesce
@@ -66,7 +67,7 @@ def mul(a, b):
     if isinstance(b, numbers.Number) or (isinstance(b, torch.Tensor) and b.dim() == 0 and
                                          not isinstance(b, SparseTensor)):
         # (a 0-d tensor as it is: its gradient, and torch's promotion, which lets a 0-d float64 make float64)
-        return a.with_values(a.values() * b)
+        return a.with_values(mapped_values(a, lambda v: v * b))
     if not isinstance(b, torch.Tensor):
         raise NoSparseRule(f"a {type(b).__name__} operand")
     if isinstance(b, SparseTensor) and same_pattern(a, b) and not a.format.keeps_duplicates:
@@ -87,7 +88,7 @@ def div(a, b, *, rounding_mode=None):
     torch.sparse, positions not stored stay zero (also for ``x / 0``). Anything else goes dense."""
     if isinstance(a, SparseTensor) and rounding_mode is None and (isinstance(b, numbers.Number) or (
             isinstance(b, torch.Tensor) and b.dim() == 0 and not isinstance(b, SparseTensor))):
-        return a.with_values(a.values() / b)
+        return a.with_values(mapped_values(a, lambda v: v / b))
     raise NoSparseRule("division keeps the pattern by a nonzero scalar only (x / 0 is not zero-preserving)")
 
 

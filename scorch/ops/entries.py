@@ -9,7 +9,7 @@ import numbers
 import torch
 
 from ..formats import storage
-from ..sparse_tensor import IMPLEMENTATIONS, NoSparseRule, SparseTensor, _describe
+from ..sparse_tensor import IMPLEMENTATIONS, NoSparseRule, SparseTensor, _describe, padding_of
 from .sparse_api import coalesce
 
 
@@ -87,3 +87,17 @@ def _groups(shape, edims, reduce_dims):
 def _shaped(r, shape, reduce_dims, keepdim):
     return r.reshape([1 if d in reduce_dims else n for d, n in enumerate(shape)] if keepdim else
                      [n for d, n in enumerate(shape) if d not in reduce_dims])
+
+
+def mapped_values(x, fn):
+    """``fn`` (a map with f(0) = 0, or a scaling: ``v * inf``, ``v / 0``) of the SparseTensor ``x``'s values. In
+    a padded format the padding (0, at a real entry's coordinates: ``padding_of``) stays 0 (``0 * inf`` would
+    be nan, and added onto the real entry) and takes no gradient (``fn``'s derivative at 0 may be infinite:
+    sqrt, pow(0.5); differentiated where ``fn`` is smooth, at 0.5, and masked out)."""
+    v = x._vals
+    if not x._format.padded:
+        return fn(v)
+    keep = ~padding_of(x)
+    if not (v.requires_grad and v.dtype.is_floating_point and torch.is_grad_enabled()):
+        return torch.where(keep, fn(v), 0)
+    return torch.where(keep, fn(torch.where(keep, v, 0.5)), 0)

@@ -11,7 +11,7 @@ from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod
-from ..sparse_tensor import SparseTensor, implements, needs_grad, shape_of
+from ..sparse_tensor import SparseTensor, implements, needs_grad, padding_of, shape_of
 from .sparse_api import coalesce
 
 
@@ -225,8 +225,10 @@ def linear(input, weight, bias=None):
         out = out.t().reshape(*lead, shape_of(weight)[0])
     elif _is_sparse(input) and not _is_sparse(weight):
         out = engine.einsum("...i,oi->...o", input, weight, format="dense")
-    else:
-        out = engine.einsum("bi,oi->bo", input, weight)
+    elif _is_sparse(input):
+        out = engine.einsum("...i,oi->...o", input, weight)
+    else:  # (only the bias is sparse)
+        out = torch.nn.functional.linear(input, weight)
     return out if bias is None else out + bias
 
 
@@ -242,6 +244,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         vals = kept[0]((kept[1], mat1, mat2), None).__dict__["_vals"]
         if beta != 0:
             vals.add_(input.values(), alpha=beta)
+        if input._format.padded:  # (as below)
+            vals.masked_fill_(padding_of(input), 0)
         return input.with_values(vals)
     if not _is_sparse(input):
         raise ValueError("sampled_addmm: input must be sparse")
@@ -270,6 +274,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         vals = prod._vals
         if beta != 0:
             vals.add_(s.values(), alpha=beta)
+        if s._format.padded:  # (padding, at a real entry's coordinates, stays 0: not 0 times an inf product)
+            vals.masked_fill_(padding_of(s), 0)
         if alpha == 1 and s is input:
             engine.keep_sddmm(s, pattern, mat1, mat2, fmt)
         return s.with_values(vals)
@@ -277,6 +283,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     vals = prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)
     if beta != 0:
         vals = vals + beta * s.values()
+    if s._format.padded:
+        vals = torch.where(padding_of(s), 0, vals)
     return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)
 
 

@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
 
 
 def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
@@ -69,7 +69,7 @@ def _values(x, like: SparseTensor, name: str, sampled: bool = False):
         return x._vals
     if isinstance(x, numbers.Number) or (isinstance(x, torch.Tensor) and x.dim() == 0):
         return x
-    if isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(like._shape) and not like._format.padded:
+    if isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(like._shape):
         vals = at_pattern(x, like)
         if sampled or int(torch.count_nonzero(x)) == int(torch.count_nonzero(vals)):
             return vals
@@ -78,9 +78,11 @@ def _values(x, like: SparseTensor, name: str, sampled: bool = False):
 
 
 def at_pattern(dense: torch.Tensor, like: SparseTensor) -> torch.Tensor:
-    """``dense``'s entries at ``like``'s stored positions, in ``like``'s value order."""
+    """``dense``'s entries at ``like``'s stored positions, in ``like``'s value order (0 at padding)."""
     from ..formats import storage
     leaf, dims, inside = storage.coordinates(like._format, like._shape, like._levels)
+    if like._format.padded:
+        inside &= ~padding_of(like)[leaf]
     out = torch.zeros(like._vals.shape, dtype=dense.dtype, device=dense.device)
     out[leaf[inside]] = dense.detach()[tuple(dims[:, inside])]
     return out
@@ -184,11 +186,7 @@ def _inplace(method):
         if any(not same_pattern(a, self) for a in sparse):
             return _with_new_pattern(self, name, args, kwargs)
         # formats with padding: what is 0 in self and in every sparse operand stays 0
-        zero = None
-        if self._format.padded and name != "zero_":
-            zero = self._vals == 0
-            for a in sparse:
-                zero &= a._vals == 0
+        zero = padding_of(self, *sparse) if self._format.padded and name != "zero_" else None
         _refuse_densifying_scalars(self, name, args, kwargs, sparse)
         args = [_values(a, self, name, sampled) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number)
                 else a for a, sampled in zip(args, _sampled_factors(self, name, args))]

@@ -61,3 +61,38 @@ def test_rprop_says_why_it_cannot_step_a_sparse_weight():
     sparse(torch.randn(3, 12)).sum().backward()
     with pytest.raises(NotImplementedError, match="sparse tensor"):
         opt.step()
+
+
+@pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "LBFGS"])
+def test_padded_weights_with_exact_zero_gradients_and_values_step_as_masked_dense(name, foreach, fmt):
+    """ELL and n:m pad with zeros; a stored entry whose gradient (or optimizer state, or value) is exactly 0 is
+    still an entry: dead input units give zero gradients to whole columns, and a kept weight at 0 trains. (Each
+    read as padding made Adam's step 0 / 0 = nan, RAdam's foreach step 0, Adagrad refuse.)"""
+    torch.manual_seed(3)
+    w = torch.randn(8, 16, dtype=torch.float64)
+    groups = w.abs().reshape(8, 4, 4).argsort(-1, descending=True)[..., :2]  # a 2:4 pattern
+    mask = torch.zeros(8, 4, 4, dtype=torch.bool).scatter_(-1, groups, True).reshape(8, 16)
+    w = w * mask
+    w[0, mask[0]] = 0.0  # kept entries at exactly 0
+    param = torch.nn.Parameter(scorch.nn.sparsify.masked(w, mask, fmt))
+    ref = torch.nn.Parameter(w.clone())
+    opt = getattr(torch.optim, name)([param], lr=0.05, foreach=foreach)
+    opt_ref = getattr(torch.optim, name)([ref], lr=0.05, foreach=foreach)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(5, 16, generator=g, dtype=torch.float64)
+        x[:, :4] = 0  # dead inputs: exact-zero gradients in those columns
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        (x @ param.T).pow(2).sum().backward()
+        (x @ ref.T).pow(2).sum().backward()
+        ref.grad *= mask
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scorch.DensifyWarning)
+            opt.step()
+        opt_ref.step()
+    got = param.detach().to_dense()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref.detach() * mask)

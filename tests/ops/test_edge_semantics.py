@@ -163,3 +163,46 @@ def test_value_types_the_kernels_do_not_take_run_dense_through_torch_functions(d
     falls_back(lambda: s.amax(1), lambda: d.amax(1), "Tensor.amax")
     with pytest.raises(TypeError, match="unsupported dtype"):  # (the compiler's own API says so)
         scorch.einsum("ij->i", s)
+
+
+@pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
+def test_padding_stays_zero_under_non_finite_scalars_and_products(fmt):
+    """Padding shares a real entry's coordinates: 0 * inf there would be nan, added onto the real entry."""
+    d = torch.tensor([[0., 4., 0., 0.], [1., 0., 9., 0.], [0., 0., 0., 0.]])
+    s, ref = scorch.asformat(d, fmt), scorch.asformat(d, "csr")
+    inf = float("inf")
+    for fn in (lambda t: t / 0, lambda t: t * inf, lambda t: t * torch.tensor(-inf), lambda t: t / torch.tensor(0.),
+               lambda t: torch.sparse.sampled_addmm(t, torch.ones(3, 1), torch.tensor([[1., inf, 2., 3.]]), beta=0),
+               lambda t: torch.sparse.sampled_addmm(t, torch.ones(3, 1), torch.tensor([[1., inf, 2., 3.]]))):
+        torch.testing.assert_close(fn(s).to_dense(), fn(ref).to_dense(), equal_nan=True)
+    w = torch.nn.Parameter(scorch.asformat(d, fmt))
+    (w @ torch.tensor([[1.], [2.], [3.], [4.]]) * torch.tensor([[inf], [1.], [1.]])).sum().backward()
+    g = w.grad.to_dense()
+    assert g[1].isfinite().all() and g[2].eq(0).all()  # (rows without inf: exact; the padded row stays 0)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_embedding_with_a_sparse_weight_and_torchs_sparse_gradient(fmt, sparse_grad):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 4, generator=g, dtype=torch.float64) * (torch.rand(10, 4, generator=g) < 0.5)
+    idx = torch.tensor([[1, 2, 4], [4, 3, 9]])
+    param = torch.nn.Parameter(scorch.asformat(w, fmt))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
+        torch.nn.functional.embedding(idx, param, sparse=sparse_grad).pow(2).sum().backward()
+    ref = w.clone().requires_grad_()
+    torch.nn.functional.embedding(idx, ref).pow(2).sum().backward()
+    torch.testing.assert_close(param.grad.to_dense(), ref.grad * (w != 0))
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (2, 3, 8), (8,)])
+def test_linear_with_only_a_sparse_bias_or_sparse_input_and_weight(shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    b = torch.tensor([0., 1.5, 0., -2.], dtype=torch.float64)
+    torch.testing.assert_close(torch.nn.functional.linear(x, w, scorch.asformat(b, "coo")), x @ w.T + b)
+    xs, ws = scorch.asformat(x.relu(), "coo"), scorch.asformat(w.relu(), "coo")
+    y = torch.nn.functional.linear(xs, ws)
+    torch.testing.assert_close(y.to_dense() if isinstance(y, scorch.SparseTensor) else y, x.relu() @ w.relu().T)

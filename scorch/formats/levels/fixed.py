@@ -6,8 +6,9 @@ sparsity stores n per group of m), and assembling more than n entries under one 
 (``SlotsExceeded``, which ``storage.pack`` turns into a message naming the parent's coordinates).
 Shorter segments are padded at their end with the segment's last coordinate (0 in an empty segment) and
 value 0, so coordinates stay in range and in non-decreasing order and a kernel can run without a branch.
-Padding and an explicitly stored zero look alike, so listing the entries of a format with a fixed level
-(conversions, ``to_dense``) skips every stored zero.
+Where the fixed level is the last one, padding is read off the coordinates (``storage.padding``: a slot that
+repeats the coordinate before it), so a stored zero of a real slot stays an entry; only a segment whose every
+slot is at coordinate 0 (empty, or one entry at 0) reads its first slot as padding where it holds 0.
 """
 from __future__ import annotations
 
