@@ -72,7 +72,7 @@ def rearrange(x, pattern: str, **sizes):
     - for a sparse ``x``, a SparseTensor in canonical (coalesced) COO format holding ``x``'s stored entries
       moved to their new coordinates (repeated along new axes; the stored values of new positions are
       copies of the input's; explicit zeros stay stored). Padding of block, diagonal and padded (ELL)
-      formats is not carried over (in ELL, stored zeros neither: they cannot be told from padding);
+      formats is not carried over (``storage.padding``);
       duplicates of an uncoalesced input are summed. Gradients flow from the result's values back to
       ``x.values()``.
 

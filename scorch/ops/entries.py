@@ -38,7 +38,7 @@ def _no_out(out, name, *operands):
 
 def _entries(x: SparseTensor):
     """``(dims, values)`` of the entries, each once: duplicates summed; padding and positions outside the shape
-    dropped (in a padded format a stored zero reads as an implicit one: the same value)."""
+    dropped (``storage.padding``)."""
     x = _coalesced(x)
     return storage.unpack(x._format, x._shape, x._levels, x._vals)
 

@@ -18,9 +18,9 @@ Result formats:
   gathered); canonical COO otherwise.
 - ``contiguous`` returns the input itself.
 
-Padding is not carried over: positions outside the shape (block and diagonal formats) are dropped, and in a
-format with a padded level (ELL) so are stored zeros (they cannot be told from padding). Other stored zeros
-(explicit zeros, the zero fill inside a block or diagonal) stay stored. Duplicates of an uncoalesced COO input
+Padding is not carried over: positions outside the shape (block and diagonal formats) and the padding of a
+padded level (ELL, n:m: ``storage.padding``) are dropped. Stored zeros (explicit zeros, the zero fill inside a
+block or diagonal, a real slot of a padded level that holds 0) stay stored. Duplicates of an uncoalesced COO input
 are summed in a COO result.
 
 A sparse result needs at least one dimension (scorch formats store tensors of at least one dimension):
