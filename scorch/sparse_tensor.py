@@ -490,14 +490,8 @@ def _flat(obj):
 class _DenseGradient(torch.autograd.Function):
     """The identity, whose backward hands a torch sparse gradient on densified: a fallback's torch op may give
     one (``nn.Embedding(sparse=True)``), which the dense form's own backward cannot index."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.to_dense() if g.layout != torch.strided else g
+    forward = staticmethod(lambda ctx, x: x.view_as(x))
+    backward = staticmethod(lambda ctx, g: g.to_dense() if g.layout != torch.strided else g)
 
 
 def _densified(obj):
@@ -541,14 +535,18 @@ _NO_FALLBACK = {torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tenso
 
 
 def _writes_sparse(func, args, kwargs) -> bool:
-    """Whether ``func`` writes into a sparse argument (an in-place method on it, ``inplace=True``, or ``out=`` it)."""
+    """Whether ``func`` writes into a sparse argument: an in-place method on it, ``inplace=True``, ``out=`` it, an
+    in-place function given it by keyword (``nn.init.uniform_(tensor=S)``), or a ``torch.distributed`` collective."""
     if any(type(x) is SparseTensor for x in _flat(kwargs.get("out"))):
+        return True
+    if getattr(func, "__module__", "").startswith("torch.distributed"):
         return True
     name = getattr(func, "__name__", "")
     inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS or \
         kwargs.get("inplace") is True
     # the written argument is the first one, or the tensors of a list (torch._foreach_add_([S, ...], ...))
-    return inplace and bool(args) and any(type(x) is SparseTensor for x in _flat(args[0]))
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    return inplace and any(type(x) is SparseTensor for x in _flat(first))
 
 
 def dense_fallback(func, args, kwargs, why: Exception | None = None):
@@ -564,7 +562,8 @@ def dense_fallback(func, args, kwargs, why: Exception | None = None):
     if _writes_sparse(func, args, kwargs):
         raise NotImplementedError(f"scorch: {name} would write its result into a sparse tensor ({detail}) in place,"
                                   " and scorch has no sparse rule for it here: a sparse tensor cannot become dense in"
-                                  " place; use the out-of-place form, or x.to_dense() first")
+                                  " place; use the out-of-place form, or x.to_dense() first (an initializer or a"
+                                  " collective: pass x.values(), the stored entries)")
     if func in _NO_FALLBACK:
         raise NotImplementedError(f"scorch: {name} of a sparse tensor ({detail}): it has no dense storage to answer"
                                   " about (its arrays are x.values() and x.levels)")

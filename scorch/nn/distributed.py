@@ -154,9 +154,18 @@ def install() -> bool:
     @functools.wraps(build)
     def _build_params_for_reducer(self):
         sparse = [p for _, p in sparse_parameters(self.module, self.parameters_to_ignore)]
-        if sparse and (_constructing.init_sync[-1] if _constructing.init_sync else True):
+        syncing = _constructing.init_sync[-1] if _constructing.init_sync else True
+        # sparse buffers (a graph's adjacency): broadcast here once, as the parameters, and kept out of DDP's own
+        # buffer broadcasts, which copy into them in place
+        buffers = [(n, b) for n, b in self.module.named_buffers() if type(b) is SparseTensor
+                   and n not in self.parameters_to_ignore]
+        if buffers:
+            self.parameters_to_ignore = set(self.parameters_to_ignore) | {n for n, _ in buffers}
+        if sparse and syncing:
             broadcast_sparse(sparse, src=0, group=self.process_group)  # (all of them, as DDP broadcasts every one)
             _constructing.synced = self.module
+        if buffers and syncing and getattr(self, "broadcast_buffers", True):
+            broadcast_sparse([b for _, b in buffers], src=0, group=self.process_group)
         sparse = [p for p in sparse if p.requires_grad]
         parameters, expect_sparse_gradient = build(self)
         given = {id(p): p._vals for p in sparse}

@@ -36,7 +36,9 @@ _MAPS = {
 
 def _map(torch_fn, linear):
     def apply(x, *args, **kwargs):
-        if args or kwargs.get("inplace") or type(x) is not SparseTensor:
+        # (``out=`` and any other argument: torch's own op on the dense form, which writes into a dense ``out``
+        # and refuses a sparse one)
+        if args or any(v is not None and v is not False for v in kwargs.values()) or type(x) is not SparseTensor:
             raise NoSparseRule(f"{torch_fn.__name__} with extra arguments on a sparse operand")
         if not linear:
             x = coalesce(x)  # f(a) + f(b) != f(a + b): duplicates are summed first

@@ -27,11 +27,20 @@ def _coo_like(x):
         e.dim if isinstance(e, Var) else None for e in fmt.exprs] == list(range(fmt.ndim))
 
 
-@implements(torch.Tensor.coalesce)
 def coalesce(x):
     """Duplicates summed and entries sorted: COO with duplicates becomes coalesced COO; other formats hold
-    each entry once already and are returned as they are."""
+    each entry once already and are returned as they are (the ops' own use)."""
     return x.asformat(named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
+
+
+@implements(torch.Tensor.coalesce)
+def coalesce_method(x):
+    """torch's ``coalesce``: duplicates summed, entries sorted. A tensor of torch's COO layout that is not
+    coalesced COO already (uncoalesced COO, a transposed COO view, a format torch has no layout for) comes back
+    as coalesced COO, whose ``indices()`` / ``values()`` torch code reads next; other layouts as they are."""
+    if x.layout == torch.sparse_coo and (x._format.keeps_duplicates or not _coo_like(x)):
+        return x.asformat(named.coo_nd(x.dim()))
+    return x
 
 
 @implements(torch.Tensor.is_coalesced)

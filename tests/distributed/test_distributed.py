@@ -176,3 +176,35 @@ def test_distributed_flag_needs_torchrun(app, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="runs under torchrun"):
         importlib.import_module(f"apps.{app}").main(["--distributed", "--epochs", "1", "--quiet"])
+
+
+def test_collectives_refuse_sparse_tensors_and_ddp_takes_sparse_buffers(tmp_path):
+    """A collective writes into its tensor in place: on a SparseTensor it ran on a dense copy and left the tensor
+    as it was (a silent no-op); it now raises, naming ``values()``. DDP of a module with a sparse buffer (a
+    graph's adjacency) was refused by DDP's in-place buffer copies; the buffer is broadcast once with the
+    parameters and kept out of those copies."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        s = scorch.asformat(torch.tensor([[0., 1.], [2., 0.]]), "coo")
+        for call in (lambda: dist.all_reduce(s), lambda: dist.broadcast(s, 0)):
+            with pytest.raises(NotImplementedError, match="values"):
+                call()
+        dist.all_reduce(s.values())  # (the stored entries: fine)
+
+        class Graph(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(2, 2)
+                self.register_buffer("adj", scorch.asformat(torch.tensor([[0., 1.], [2., 0.]]), "csr"))
+
+            def forward(self, x):
+                return self.adj @ self.lin(x)
+        model = Graph()
+        ddp = DDP(model)
+        for _ in range(2):
+            ddp(torch.ones(2, 2)).sum().backward()
+        assert isinstance(model.adj, scorch.SparseTensor) and model.lin.weight.grad is not None
+    finally:
+        dist.destroy_process_group()

@@ -206,3 +206,47 @@ def test_linear_with_only_a_sparse_bias_or_sparse_input_and_weight(shape):
     xs, ws = scorch.asformat(x.relu(), "coo"), scorch.asformat(w.relu(), "coo")
     y = torch.nn.functional.linear(xs, ws)
     torch.testing.assert_close(y.to_dense() if isinstance(y, scorch.SparseTensor) else y, x.relu() @ w.relu().T)
+
+
+def test_initializers_and_out_never_write_a_dense_copy_silently():
+    """``nn.init.uniform_(S)`` passes the tensor by keyword; ``torch.abs(S, out=o)``: each ran on a dense copy
+    and left its target as it was. Initializers raise (naming ``values()``); a map's dense ``out`` is written."""
+    s = scorch.asformat(M, "csr")
+    for init in (lambda t: torch.nn.init.constant_(t, 0.5), lambda t: torch.nn.init.uniform_(t, 5, 6),
+                 lambda t: torch.nn.init.normal_(t), lambda t: torch.nn.init.kaiming_uniform_(t)):
+        with pytest.raises(NotImplementedError, match="values"):
+            init(s)
+        assert_matches_dense(s, M)
+    torch.nn.init.uniform_(s.values(), 5, 6)  # (the stored entries)
+    assert bool(((s.values() >= 5) & (s.values() <= 6)).all())
+    s = scorch.asformat(M, "csr")
+    for fn in (torch.abs, torch.neg, torch.tanh, torch.sign, torch.sin, torch.square):
+        out = torch.full((2, 3), 99.)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scorch.DensifyWarning)
+            r = fn(s, out=out)
+        assert r is out
+        torch.testing.assert_close(out, fn(M))
+        with pytest.raises(NotImplementedError, match="in place"):
+            fn(s, out=scorch.asformat(M, "csr"))
+
+
+@pytest.mark.parametrize("make", ["transposed", "permuted", "ell", "uncoalesced"])
+def test_coalesce_gives_coalesced_coo_for_torchs_coo_layout(make):
+    """torch code calls ``coalesce()`` then reads ``indices()``: a transposed COO view (and any tensor of torch's
+    COO layout) must come back as coalesced COO."""
+    x = torch.tensor([[0., 1, 0], [2, 0, 3]])
+    if make == "transposed":
+        s, d = scorch.asformat(x, "coo").t(), x.t()
+    elif make == "permuted":
+        s, d = scorch.asformat(x[None], "coo").permute(2, 0, 1), x[None].permute(2, 0, 1)
+    elif make == "ell":
+        s, d = scorch.asformat(x, "ell"), x
+    else:
+        s = scorch.sparse_coo_tensor(torch.tensor([[1, 0, 1], [2, 1, 0]]), torch.tensor([1., 1., 2.]), (2, 3))
+        s, d = s + scorch.sparse_coo_tensor(torch.tensor([[1], [2]]), torch.tensor([2.]), (2, 3)), x
+    c = s.coalesce()
+    assert c.is_coalesced() and c.layout == torch.sparse_coo
+    ref = d.to_sparse().coalesce()
+    assert torch.equal(c.indices(), ref.indices()) and torch.equal(c.values(), ref.values())
+    assert torch.equal(c.to_torch().to_dense(), d)
