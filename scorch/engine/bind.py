@@ -24,7 +24,7 @@ from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, workspace_ch
 from .. import loopir as L
 from ..loopir import TO_TORCH
 from ..formats import named, storage
-from ..sparse_tensor import SparseTensor, UnsupportedDtype, device_of, dtype_of, pattern_ones, shape_of
+from ..sparse_tensor import NoSparseRule, SparseTensor, UnsupportedDtype, device_of, dtype_of, pattern_ones, shape_of
 from .args import SUPPORTED, argument, level_info, mean_length
 from .convert import asformat
 from . import direct, memory
@@ -46,9 +46,9 @@ def index_sizes(inputs, ops, name):
     for k, (idx, x) in enumerate(zip(inputs, ops)):
         for d, v in enumerate(idx):
             if shape_of(x)[d] == 1 and sizes[v] != 1:
-                if isinstance(x, SparseTensor):
-                    raise NotImplementedError(f"scorch {name}: broadcasting the sparse operand {k} along"
-                                              f" index {v!r} is not supported")
+                if isinstance(x, SparseTensor):  # (a torch function then runs on the dense form: a fallback)
+                    raise NoSparseRule(f"scorch {name}: broadcasting the sparse operand {k} along index {v!r} is"
+                                       " not supported")
                 broadcast.add((k, d))
     return sizes, frozenset(broadcast)
 

@@ -11,7 +11,7 @@ from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod
-from ..sparse_tensor import SparseTensor, implements, needs_grad, padding_of, shape_of
+from ..sparse_tensor import NoSparseRule, SparseTensor, dense_fallback, implements, needs_grad, padding_of, shape_of
 from .sparse_api import coalesce
 
 
@@ -308,7 +308,10 @@ def _operator(s, other, left: bool = True):
     fast = engine.kept_product(s, other, left)
     if fast and _deferral.value != "all":
         return fast(operands, None)
-    result = matmul(*operands)
+    try:
+        result = matmul(*operands)
+    except NoSparseRule as why:  # (as through torch.matmul: the dense form's product, warned and counted)
+        return dense_fallback(torch.matmul, operands, {}, why)
     if fast is None and len(s._shape) == 2 and type(other) is torch.Tensor and 1 <= other.dim() <= 2 and \
             deferred.mode() != "all":
         engine.keep_product(s, other, left, matmul_equation(2, other.dim()) if left else

@@ -250,3 +250,20 @@ def test_coalesce_gives_coalesced_coo_for_torchs_coo_layout(make):
     ref = d.to_sparse().coalesce()
     assert torch.equal(c.indices(), ref.indices()) and torch.equal(c.values(), ref.values())
     assert torch.equal(c.to_torch().to_dense(), d)
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csf"])
+def test_products_broadcasting_a_sparse_batch_dimension_run_dense(fmt):
+    """torch's matmul broadcasts a size-1 batch dimension; the kernels do not along a sparse operand's: the
+    product runs on the dense form (warned, counted) instead of stopping the program."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 4, 5, generator=g) * (torch.rand(1, 4, 5, generator=g) < 0.5)
+    s = scorch.asformat(x, fmt)
+    d, e = torch.randn(3, 5, 6, generator=g), torch.randn(3, 2, 4, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
+        torch.testing.assert_close(torch.matmul(s, d), torch.matmul(x, d))
+        torch.testing.assert_close(s @ d, x @ d)
+        torch.testing.assert_close(e @ s, e @ x)
+    with scorch.strict(), pytest.raises(scorch.DensifyError):
+        torch.matmul(s, d)
