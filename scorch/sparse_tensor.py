@@ -545,8 +545,8 @@ def _writes_sparse(func, args, kwargs) -> bool:
     inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS or \
         kwargs.get("inplace") is True
     # the written argument is the first one, or the tensors of a list (torch._foreach_add_([S, ...], ...))
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    return inplace and any(type(x) is SparseTensor for x in _flat(first))
+    written = args[0] if args else list(kwargs.values())  # (all by keyword: any of them)
+    return inplace and any(type(x) is SparseTensor for x in _flat(written))
 
 
 def dense_fallback(func, args, kwargs, why: Exception | None = None):

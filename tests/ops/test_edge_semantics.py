@@ -213,7 +213,8 @@ def test_initializers_and_out_never_write_a_dense_copy_silently():
     and left its target as it was. Initializers raise (naming ``values()``); a map's dense ``out`` is written."""
     s = scorch.asformat(M, "csr")
     for init in (lambda t: torch.nn.init.constant_(t, 0.5), lambda t: torch.nn.init.uniform_(t, 5, 6),
-                 lambda t: torch.nn.init.normal_(t), lambda t: torch.nn.init.kaiming_uniform_(t)):
+                 lambda t: torch.nn.init.normal_(t), lambda t: torch.nn.init.kaiming_uniform_(t),
+                 lambda t: torch.nn.init.constant_(val=0.5, tensor=t)):
         with pytest.raises(NotImplementedError, match="values"):
             init(s)
         assert_matches_dense(s, M)
