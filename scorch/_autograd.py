@@ -24,7 +24,8 @@ import torch
 from .compiler.einsum import equation as einsum_string
 from .formats import named
 from .rules import RULES
-from .sparse_tensor import SparseTensor, is_pattern_ones, padding_of, pattern_ones  # noqa: F401  (fusion imports it here)
+# (fusion imports pattern_ones from here)
+from .sparse_tensor import SparseTensor, is_pattern_ones, padding_of, pattern_ones  # noqa: F401
 
 
 
@@ -120,11 +121,13 @@ def _einsum_grad(k, inputs, out, ops, gout):
         # (an uncoalesced COO's duplicates share one position's gradient: the product on each position once,
         # read back at every entry; on the duplicates themselves the kernel would sum them, once per copy)
         site = engine.asformat(x.detach(), named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
-        pattern = site.with_values(pattern_ones(site, dtype))
+        # (a padded format's padding: no entry to sample, and 0 times a non-finite product there is nan, which
+        # must not reach the real entry: read once, for both)
+        pad = padding_of(x) if x._format.padded else None
+        pattern = site.with_values(pattern_ones(site, dtype) if pad is None else (~pad).to(dtype))
         r = engine.einsum(einsum_string([target] + g_inputs, target), pattern, *g_ops, format=site._format)
         g = values_at(r, x)
-        # (a padded format's padding: 0 times a non-finite product is nan, which must not reach the real entry)
-        return torch.where(padding_of(x), 0, g) if x._format.padded else g
+        return g if pad is None else torch.where(pad, 0, g)
     sizes, _ = engine.index_sizes(inputs, ops, "einsum")
     present = {v for idx in g_inputs for v in idx}
     have = tuple(v for v in target if v in present)

@@ -29,6 +29,7 @@ from ..compiler.pipeline import conversion_plan
 from ..compiler.schedule import compressed_target
 from ..formats import LevelStorage, named, resolve
 from ..formats import storage as _storage
+from ..formats.storage import array_version
 from ..formats.levels.base import INDEX_DTYPES, NARROW_INDEX_DTYPES
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad
@@ -169,22 +170,15 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
     # the converted tensor has been modified in place since (``_stamp``).
     memo = x.__dict__.setdefault("_conversions", {}) if type(x) is SparseTensor and not x.format.is_dense else None
     key = (fmt, index_dtype, drop_zeros)
-    if memo is not None and _inference(x):
-        memo = None  # (inference tensors have no version counter to check a kept conversion against)
     if memo is not None and key in memo:
         stamp, result = memo[key]
         if stamp == _stamp(x, result):
             return result
     moved = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
     result, prints = moved if moved is not None else (convert(x, fmt, index_dtype, drop_zeros), None)
-    if memo is not None and result is not None and not _inference(result):  # (one made in inference mode)
+    if memo is not None and result is not None:
         memo[key] = (_stamp(x, result, prints), result)
     return result
-
-
-def _inference(s: SparseTensor) -> bool:
-    """Whether any array of ``s`` is an inference tensor (made under ``torch.inference_mode``)."""
-    return s._vals.is_inference() or any(a.is_inference() for st in s._levels for a in st.arrays().values())
 
 
 def _stamp(x: SparseTensor, result: SparseTensor, prints=None) -> tuple:
@@ -238,10 +232,9 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
     src = x._vals.detach()
     last = entry[2] if len(entry) > 2 else None  # the last values moved: the same values ask again (a weight
     prints = None                                  # read transposed by several calls), unchanged (``_stamp``)
-    # (inference tensors have no version counter: such values are moved every time, and not kept)
-    inference = src.is_inference()
-    if last is not None and not inference and last[0]() is x._vals and (last[1], last[3]) == (
-            x._vals._version, last[2]._version):
+    # (``array_version``: an inference tensor, without a version counter, matches nothing: moved every time)
+    if last is not None and last[0]() is x._vals and (last[1], last[3]) == (array_version(x._vals),
+                                                                            array_version(last[2])):
         prints = _fingerprint(x._vals), _fingerprint(last[2])
     if prints is not None and prints == last[4]:
         vals = last[2]
@@ -251,9 +244,8 @@ def _by_known_permutation(x: SparseTensor, fmt, index_dtype):
         else:
             vals = relayout.gather(src, perm)
         prints = _fingerprint(x._vals) if prints is None else prints[0], _fingerprint(vals)
-        if not (inference or vals.is_inference()):
-            _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), x._vals._version, vals,
-                                                                vals._version, prints)))
+        _PERMUTATIONS.put(extra, x._levels, (levels, perm, (weakref.ref(x._vals), array_version(x._vals), vals,
+                                                            array_version(vals), prints)))
     return SparseTensor(fmt, x._shape, levels, vals, check=False), prints
 
 
@@ -304,14 +296,16 @@ def recurring_pattern(x: SparseTensor, fmt) -> bool:
 
 def converted_already(x, fmt) -> bool:
     """Whether ``asformat(x, fmt)`` would return a kept conversion (no work)."""
-    memo = x.__dict__.get("_conversions") if type(x) is SparseTensor and not _inference(x) else None
+    memo = x.__dict__.get("_conversions") if type(x) is SparseTensor else None
     entry = memo.get((resolve(fmt, x.dim()), None, False)) if memo else None
     # (versions only: a planning guess, and ``asformat`` checks the values' fingerprints before it returns one)
     return entry is not None and entry[0][:2] == (_versions(x), _versions(entry[1]))
 
 
 def _versions(s: SparseTensor):
-    return (s._vals._version,) + tuple(a._version for st in s._levels for a in st.arrays().values())
+    """The versions of ``s``'s values and arrays (``array_version``: an inference tensor's matches nothing, so a
+    conversion of or into one is never served again)."""
+    return (array_version(s._vals),) + tuple(array_version(a) for st in s._levels for a in st.arrays().values())
 
 
 def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:

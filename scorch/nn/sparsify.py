@@ -29,7 +29,6 @@ import numbers
 
 import torch
 
-from ..formats import named
 from ..formats import storage as _storage
 from ..interop import asformat
 from ..sparse_tensor import SparseTensor
@@ -42,16 +41,16 @@ def masked(x: torch.Tensor, mask: torch.Tensor, format) -> SparseTensor:
     """The SparseTensor in ``format`` storing the entries of the dense ``x`` where ``mask`` is True.
 
     Differentiable in ``x`` (the stored values are gathered from ``x``), so an activation sparsified this way
-    passes gradients back. The pattern is ``mask``'s (explicit zeros kept), except that a format with a padded
-    level drops stored zeros and a block format stores whole blocks (zeros where ``mask`` is False).
+    passes gradients back. The pattern is ``mask``'s (explicit zeros kept, in a padded format too, but for the one
+    case ``storage.padding`` cannot read: a lone kept zero at a segment's coordinate 0), except that a block
+    format stores whole blocks (zeros where ``mask`` is False).
     """
     if isinstance(x, SparseTensor) or x.layout != torch.strided:
         raise TypeError("masked: x must be a dense tensor")
     if mask.dtype != torch.bool or mask.shape != x.shape:
         raise ValueError(f"masked: the mask must be a bool tensor of x's shape {tuple(x.shape)}, got"
                          f" {mask.dtype} {tuple(mask.shape)}")
-    keep = mask
-    pattern = asformat(keep.to(x.dtype if x.is_floating_point() or x.is_complex() else torch.float32), format)
+    pattern = asformat(mask.to(x.dtype if x.is_floating_point() or x.is_complex() else torch.float32), format)
     leaf, dims, inside = _storage.coordinates(pattern.format, pattern.shape, pattern.levels)
     real = inside & (pattern.values()[leaf] != 0)  # not padding, not the masked-out cells of a stored block
     leaf, dims = leaf[real], dims[:, real]

@@ -148,7 +148,7 @@ def add(a, b, *, alpha=1):
 @implements(torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.subtract, torch.Tensor.subtract)
 def sub(a, b, *, alpha=1):
     """``a - alpha * b``, as ``add``."""
-    if (isinstance(b, numbers.Number) or isinstance(a, numbers.Number)) and not (_sparse(a) and _sparse(b)):
+    if isinstance(b, numbers.Number) or isinstance(a, numbers.Number):
         return _zero_term(torch.sub, a, b, alpha)
     return add(a, b, alpha=-alpha)
 

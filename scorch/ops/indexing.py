@@ -287,8 +287,10 @@ def broadcast_to(x: SparseTensor, shape) -> SparseTensor:
 def broadcast_to_op(x, *size, **kwargs):
     """``torch.broadcast_to``: the entries repeated along the broadcast dimensions (canonical COO). The size as
     one sequence, as separate numbers (``x.broadcast_to(2, 3)``, as torch's method takes it) or ``size=``."""
-    size = kwargs.pop("size") if "size" in kwargs else size[0] if len(size) == 1 and not isinstance(
-        size[0], int) else size
+    if "size" in kwargs:
+        size = kwargs.pop("size")
+    elif len(size) == 1 and not isinstance(size[0], int):
+        size = size[0]
     if type(x) is not SparseTensor or kwargs:
         raise NoSparseRule("a sparse shape argument" if type(x) is not SparseTensor else f"arguments {set(kwargs)}")
     return broadcast_to(x, size)

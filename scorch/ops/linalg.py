@@ -260,7 +260,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         lazy = fusion.lazy_sddmm(s, mat1, mat2, alpha)
         if lazy is not None:
             return lazy
-    pattern = s.with_values(pattern_ones(s, s.dtype))
+    pad = padding_of(s) if s._format.padded else None  # (padding: not sampled, and 0 in the result)
+    pattern = s.with_values(pattern_ones(s, s.dtype) if pad is None else (~pad).to(s.dtype))
     # (the dispatcher gives mat2 a k-last copy, so that the loop over k reads it contiguously)
     # (the product on the input's own positions, requested: its values align with the input's, also where a
     # differentiable result would otherwise leave a padded format)
@@ -274,8 +275,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         vals = prod._vals
         if beta != 0:
             vals.add_(s.values(), alpha=beta)
-        if s._format.padded:  # (padding, at a real entry's coordinates, stays 0: not 0 times an inf product)
-            vals.masked_fill_(padding_of(s), 0)
+        if pad is not None:  # (padding, at a real entry's coordinates, stays 0: not 0 times an inf product)
+            vals.masked_fill_(pad, 0)
         if alpha == 1 and s is input:
             engine.keep_sddmm(s, pattern, mat1, mat2, fmt)
         return s.with_values(vals)
@@ -283,8 +284,8 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     vals = prod.values() if isinstance(prod, SparseTensor) else prod.reshape(-1)
     if beta != 0:
         vals = vals + beta * s.values()
-    if s._format.padded:
-        vals = torch.where(padding_of(s), 0, vals)
+    if pad is not None:
+        vals = torch.where(pad, 0, vals)
     return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)
 
 

@@ -15,9 +15,9 @@ pattern is the union (the intersection for ``mul_``), is computed out of place a
 ``S``'s format (add_, sub_, mul_, lerp_, addcmul_ and their operators; other ops raise a ValueError). Views of
 ``S`` taken before (``S.t()``) keep the old arrays, as torch's sparse tensors reallocate in that case too.
 
-Formats with padding (``nm(n, m)``, ``ell``): a position that holds 0 in ``S`` and in every sparse operand
-holds 0 after the op (padding, and a stored zero, which such formats cannot tell from padding, stay zero:
-``S.add_(1.0)`` adds to the entries only). Gradients are 0 at padding, so optimizer steps keep it zero.
+Formats with padding (``nm(n, m)``, ``ell``): the padding (``padding_of``: read off the coordinates; a stored
+zero of a real slot is an entry) holds 0 after the op (``S.add_(1.0)`` in an optimizer step adds to the entries
+only). Gradients are 0 at padding, so optimizer steps keep it zero.
 
 A dense operand of the same shape is taken at the pattern where that loses nothing: a factor of a product whose other
 factor is sparse with the pattern (``addcmul_``, ``addcdiv_``'s divisor, ``mul_``), or a tensor that is 0 off the
@@ -185,9 +185,9 @@ def _inplace(method):
         sparse = [a for a in (*args, *kwargs.values()) if isinstance(a, SparseTensor)]
         if any(not same_pattern(a, self) for a in sparse):
             return _with_new_pattern(self, name, args, kwargs)
-        # formats with padding: what is 0 in self and in every sparse operand stays 0
-        zero = padding_of(self, *sparse) if self._format.padded and name != "zero_" else None
         _refuse_densifying_scalars(self, name, args, kwargs, sparse)
+        # formats with padding: the padding stays 0 (``padding_of``)
+        zero = padding_of(self, *sparse) if self._format.padded and name != "zero_" else None
         args = [_values(a, self, name, sampled) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number)
                 else a for a, sampled in zip(args, _sampled_factors(self, name, args))]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
