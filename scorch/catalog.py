@@ -106,7 +106,7 @@ def entries():
     groups: dict = {}
     names = public_names()
     for func, impl in IMPLEMENTATIONS.items():
-        groups.setdefault(impl, []).append(public_name(func, names))
+        groups.setdefault(inspect.unwrap(impl), []).append(public_name(func, names))
     rows = []
     for impl, spelled in groups.items():
         doc = inspect.getdoc(impl) or ""

@@ -12,7 +12,7 @@ real implementation rebuilds the SparseTensors and runs scorch's eager einsum; t
 shape and dtype. The gradient of each array is ``torch.ops.scorch.einsum_grad``, which runs scorch's eager
 gradient (``_autograd._einsum_grad``: an SDDMM on the pattern for a sparse operand, never dense).
 
-Supported here: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.sparse.mm``, ``torch.mv`` spelled as ``@``,
+Supported here: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.sparse.mm``, ``torch.mv``, ``torch.addmm``,
 ``torch.einsum`` and ``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x
 dense); gradients of the dense operands and of a sparse input's leaf values. Ops with a sparse result of a known
 pattern (``sampled_addmm``, the sparse softmax, zero-preserving maps) and the fused attention are
@@ -242,8 +242,9 @@ def traced_op(func, types, args, kwargs):
     traced = TRACED.get(func)
     if traced is not None:
         return traced(*args, **kwargs)
-    if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.sparse.mm) and \
-            len(args) == 2 and not kwargs:
+    if func in (torch.addmm, torch.Tensor.addmm, torch.sparse.addmm) and len(args) == 3:
+        return _addmm(*args, **kwargs)
+    if func in _PRODUCTS and len(args) == 2 and not kwargs:
         operands = list(args)
     elif func is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
         operands = [args[1], args[0]]
@@ -259,7 +260,7 @@ def traced_op(func, types, args, kwargs):
     if equation is None or not dense_out or not all(isinstance(x, torch.Tensor) for x in operands):
         raise NotCompilable(
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
-            " (supported: @, torch.matmul, torch.mm, torch.einsum and F.linear with a sparse operand and a dense"
+            " (supported: @, torch.matmul, torch.mm, torch.mv, torch.addmm, torch.einsum and F.linear with a sparse operand and a dense"
             " result; sampled_addmm, sparse softmax and zero-preserving maps with a sparse one)")
     for hook in PRODUCT_HOOKS:
         r = hook(equation, operands)
@@ -267,6 +268,20 @@ def traced_op(func, types, args, kwargs):
             return r
     meta, arrays, sizes = _flatten(operands)
     return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
+
+
+#: the products traced as ``@`` (``torch.mv`` too: a 2-d by 1-d matmul)
+_PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.sparse.mm,
+             torch.mv, torch.Tensor.mv)
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    """``beta * input + alpha * (mat1 @ mat2)`` with a dense ``input``: the product one custom op."""
+    if isinstance(input, SparseTensor) or _ndim(mat1) != 2 or _ndim(mat2) != 2:
+        raise NotCompilable("scorch: addmm under torch.compile takes a dense input and 2-d mat1, mat2")
+    prod = traced_op(torch.mm, (), (mat1, mat2), {})
+    prod = prod if alpha == 1 else prod * alpha
+    return prod if beta == 0 else prod + (input if beta == 1 else input * beta)
 
 
 def _linear(func, input, weight, bias=None):

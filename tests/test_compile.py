@@ -61,12 +61,15 @@ def test_one_graph_no_breaks():
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained
 
 
-@pytest.mark.parametrize("spelling", ["mm", "matmul", "einsum", "rmatmul", "mv"])
+@pytest.mark.parametrize("spelling", ["mm", "matmul", "einsum", "rmatmul", "mv", "torch.mv", "Tensor.mv",
+                                      "addmm"])
 def test_spellings(spelling):
     A, X, W = _graph("csr")
     fns = {"mm": lambda A, X: torch.mm(A, X), "matmul": lambda A, X: torch.matmul(A, X),
            "einsum": lambda A, X: torch.einsum("ij,jk->ik", A, X), "rmatmul": lambda A, X: X.t() @ A,
-           "mv": lambda A, X: A @ X[:, 0]}
+           "mv": lambda A, X: A @ X[:, 0], "torch.mv": lambda A, X: torch.mv(A, X[:, 0]),
+           "Tensor.mv": lambda A, X: A.mv(X[:, 1]),
+           "addmm": lambda A, X: torch.addmm(X[:, :3] * 0 + 1, A, X[:, :3], beta=0.5, alpha=2.0)}
     fn = fns[spelling]
     torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(A, X), fn(A, X))
 

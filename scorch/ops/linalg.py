@@ -51,7 +51,7 @@ def matmul(a, b, *, out=None):
     """``a @ b`` with torch's broadcasting rules, as an einsum: dense result when an operand is dense, sparse
     (inferred format) for sparse @ sparse. ``out=``: a dense tensor the result is written into, as torch's."""
     if out is not None:
-        return _into(out, matmul(a, b), "matmul")
+        return into(out, matmul(a, b), "matmul")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"matmul: operands must be tensors, got {type(a).__name__} and {type(b).__name__}")
     sa, sb = shape_of(a), shape_of(b)
@@ -114,17 +114,17 @@ def mm(a, b, *args, out=None):
     if args:  # torch.sparse.mm(S, D, reduce) is not supported
         raise NotImplementedError("scorch: torch.sparse.mm with a reduce argument is not supported yet")
     r = _product("mm", "ij,jk->ik", a, b, (2, 2), (1, 0))
-    return r if out is None else _into(out, r, "mm")
+    return r if out is None else into(out, r, "mm")
 
 
 @implements(torch.mv, torch.Tensor.mv)
 def mv(a, v, *, out=None):
     """Matrix-vector product: a dense vector (``out=`` as ``matmul``'s)."""
     r = _product("mv", "ij,j->i", a, v, (2, 1), (1, 0))
-    return r if out is None else _into(out, r, "mv")
+    return r if out is None else into(out, r, "mv")
 
 
-def _into(out, r, name):
+def into(out, r, name):
     """``out=`` as torch has it: ``r`` (a result; a sparse one densified) copied into the dense ``out``, resized
     where its shape differs (torch warns where a non-empty one is), of ``r``'s dtype and device; refused where
     ``r`` records a gradient (torch's functions with ``out=`` do not differentiate)."""
@@ -169,7 +169,7 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
     else:
         scaled = input * beta if beta != 1 else input
     r = torch.add(scaled, prod, alpha=alpha)
-    return r if out is None else _into(out, r, "addmm")
+    return r if out is None else into(out, r, "addmm")
 
 
 #: rows of the input per SpMM call of a sparse-weight ``linear`` with a blocked weight (half that otherwise):

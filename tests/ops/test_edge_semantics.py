@@ -268,3 +268,27 @@ def test_products_broadcasting_a_sparse_batch_dimension_run_dense(fmt):
         torch.testing.assert_close(e @ s, e @ x)
     with scorch.strict(), pytest.raises(scorch.DensifyError):
         torch.matmul(s, d)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell"])
+def test_torch_functions_take_out_as_torch_does(fmt):
+    """``torch.sum(S, 1, out=o)``, ``torch.add`` / ``torch.mul`` / ``torch.bmm`` / ``torch.max(dim)`` with ``out=``
+    raised a TypeError (their implementations had no ``out=``): the result is written into the dense ``out``."""
+    g = torch.Generator().manual_seed(3)
+    M = torch.randn(4, 5, generator=g) * (torch.rand(4, 5, generator=g) < 0.5)
+    X = torch.randn(5, 3, generator=g)
+    s = scorch.asformat(M, fmt)
+    cases = [(lambda o: torch.sum(s, 1, out=o), M.sum(1)), (lambda o: torch.add(s, M, out=o), M + M),
+             (lambda o: torch.mul(s, 2.0, out=o), M * 2), (lambda o: torch.sub(s, M, out=o), M - M)]
+    if fmt == "coo":
+        b = scorch.asformat(M[None], "coo")
+        cases.append((lambda o: torch.bmm(b, X[None], out=o), (M @ X)[None]))
+    for call, ref in cases:
+        out = torch.full(ref.shape, 7.0)
+        r = call(out)
+        assert r is out and torch.allclose(out, ref, atol=1e-6)
+    vals, idx = torch.empty(4), torch.empty(4, dtype=torch.long)
+    r = torch.max(s, 1, out=(vals, idx))
+    assert r[0] is vals and torch.equal(vals, M.max(1).values) and torch.equal(idx, M.max(1).indices)
+    with pytest.raises(NotImplementedError, match="in place"):
+        torch.sum(s, 1, out=scorch.asformat(torch.zeros(4), "coo"))
