@@ -444,8 +444,10 @@ def device_of(x) -> torch.device:
 
 
 def _rebuild(fmt, shape, levels, values, requires_grad, is_param=False):
-    # validated: a checkpoint is input like any other
-    s = SparseTensor(Format(fmt), shape, [LevelStorage(*lv) for lv in levels], values, requires_grad=requires_grad)
+    # validated: a checkpoint is input like any other (``storage.validate_loaded``)
+    fmt, levels = Format(fmt), [LevelStorage(*lv) for lv in levels]
+    s = SparseTensor(fmt, shape, levels, values, requires_grad=requires_grad, check=False)
+    _storage.validate_loaded(fmt, s._shape, s._levels, s._vals)
     if is_param:
         s._is_param = True
     return s

@@ -91,6 +91,29 @@ def test_pickle_and_torch_save_round_trip(tmp_path):
     assert isinstance(r, SparseTensor) and torch.equal(r.to_dense(), X)
 
 
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell", "bsr(2, 2)"])
+def test_legacy_torch_save_format_and_meta_loads(fmt, tmp_path):
+    """A legacy-format file reads its arrays after rebuilding the objects: the rebuild validated arrays that
+    held no data yet (a ValueError on a good file); they are validated at the load's end now, so a bad file
+    still raises. ``map_location="meta"`` (no data to check) loads too."""
+    s = scorch.asformat(X, fmt)
+    state = {"w": s, "p": torch.nn.Parameter(s)}
+    torch.save(state, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    r = torch.load(tmp_path / "old.pt", weights_only=False)
+    assert torch.equal(r["w"].to_dense(), X) and torch.equal(r["p"].to_dense(), X)
+    assert type(r["p"]) is type(state["p"])
+    m = torch.load(tmp_path / "old.pt", weights_only=False, map_location="meta")["w"]
+    assert m.device.type == "meta" and m.shape == X.shape and m.format == s.format
+    if fmt == "csr":
+        crd = s.levels[1].crd + 100
+        bad = SparseTensor(s.format, s.shape, [s.levels[0], {"pos": s.levels[1].pos, "crd": crd}], s.values(),
+                           check=False)
+        for legacy in (False, True):
+            torch.save(bad, tmp_path / "bad.pt", _use_new_zipfile_serialization=not legacy)
+            with pytest.raises(ValueError, match="out of range"):
+                torch.load(tmp_path / "bad.pt", weights_only=False)
+
+
 def test_strict_mode_names_the_unimplemented_op_and_format():
     s = scorch.asformat(X, "csr")
     with scorch.strict():

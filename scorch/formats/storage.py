@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
@@ -386,6 +387,43 @@ def validate(fmt: Format, shape, levels, values) -> None:
         return
     validate_uncached(fmt, shape, levels, values)
     VALIDATED.put(extra, levels, True)
+
+
+def validate_loaded(fmt: Format, shape, levels, values) -> None:
+    """``validate`` for a SparseTensor ``torch.load`` rebuilds: now, or, while a legacy-format file
+    (``_use_new_zipfile_serialization=False``) is read, at the end of that load (such a load reads the arrays'
+    data only after every object is rebuilt: what they hold now is not the file's). Arrays on the meta device
+    (``map_location="meta"``) hold no data to check."""
+    if values.device.type == "meta":
+        return
+    if not _in_legacy_load():
+        return validate(fmt, shape, levels, values)
+    import torch._utils as tu
+    original = tu._validate_loaded_sparse_tensors
+    if not getattr(original, "scorch", False):  # (once: torch calls this hook at the end of every load)
+        def validate_pending():
+            try:
+                while _LOADED:
+                    validate(*_LOADED.pop())
+            finally:
+                _LOADED.clear()
+                original()
+        validate_pending.scorch = True
+        tu._validate_loaded_sparse_tensors = validate_pending
+    _LOADED.append((fmt, shape, levels, values))
+
+
+#: storage rebuilt by a legacy-format ``torch.load``, validated at its end (``validate_loaded``)
+_LOADED: list = []
+
+
+def _in_legacy_load() -> bool:
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "_legacy_load" and f.f_code.co_filename.endswith("serialization.py"):
+            return True
+        f = f.f_back
+    return False
 
 
 def index_dtypes(levels) -> set:
