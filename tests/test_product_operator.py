@@ -106,6 +106,11 @@ def test_operators_hand_every_other_product_to_python():
     assert not _check(s, x, True, d @ x, scorch.engine.structural_results)
     assert not _check(s, x, True, d @ x, lambda: scorch.engine.cpu_backend("interp"))
     assert not _check(s, x, True, d @ x, lambda: scorch.deferred.deferral("all"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):          # autocast: the product casts its operands
+        assert not evaluate.kept_product(s, x, True)
+        r, counts = _counted(lambda: s @ x)
+    assert r.dtype == torch.bfloat16 and counts == (0, 1)
+    torch.testing.assert_close(r.float(), d @ x, atol=0.1, rtol=0.05)
     _warm(s, x)  # (a call in those modes may keep its own call in place of the one kept before)
     assert _check(s, x, True, d @ x)
     sg = scorch.asformat(d, "csr").requires_grad_(True)         # values that record a gradient

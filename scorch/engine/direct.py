@@ -200,7 +200,7 @@ struct scorch_ref {  // an owned reference, released at the end of its scope
 };
 
 enum { SCORCH_FAST_EQ, SCORCH_STRUCTURAL, SCORCH_BACKEND, SCORCH_DEFERRAL, SCORCH_TENSOR, SCORCH_STRIDED,
-       SCORCH_COMPILER, SCORCH_IS_COMPILING, SCORCH_GRAD_ENABLED, SCORCH_FALLBACK, SCORCH_CONFIG };
+       SCORCH_COMPILER, SCORCH_IS_COMPILING, SCORCH_GRAD_ENABLED, SCORCH_AUTOCAST, SCORCH_FALLBACK, SCORCH_CONFIG };
 static PyObject* scorch_config = NULL;  // the tuple ``operators`` passes, in the order above
 static long long scorch_counts[2];      // products the kept call served, products handed to the fallback
 static PyObject *scorch_k_products, *scorch_k_format, *scorch_k_index_dtype, *scorch_k_generation, *scorch_k_on,
@@ -281,6 +281,10 @@ static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool l
     scorch_ref on(PyObject_CallNoArgs(SCORCH_CFG(SCORCH_GRAD_ENABLED)));
     if (on.p != Py_False) return NULL;
   }
+  {
+    scorch_ref autocast(PyObject_CallNoArgs(SCORCH_CFG(SCORCH_AUTOCAST)));  // (its product casts the operands)
+    if (autocast.p != Py_False) return NULL;
+  }
   PyObject* fast = PyTuple_GET_ITEM(entry, 0);
   if (fast == Py_None || fast == Py_False ||
       scorch_attr_is(SCORCH_CFG(SCORCH_DEFERRAL), scorch_k_value, scorch_s_all, true) != 0)
@@ -335,7 +339,7 @@ static PyObject* scorch_rmatmul(PyObject* self, PyObject* const* argv, Py_ssize_
 static PyObject* scorch_configure(PyObject* self, PyObject* config) {
   (void)self;
   if (!PyTuple_Check(config) || PyTuple_GET_SIZE(config) != SCORCH_CONFIG) {
-    PyErr_SetString(PyExc_TypeError, "scorch: the product operator's configuration is a tuple of its 10 parts");
+    PyErr_SetString(PyExc_TypeError, "scorch: the product operator's configuration is a tuple of its 11 parts");
     return NULL;
   }
   if (scorch_names() || scorch_operator_names()) return NULL;
@@ -421,14 +425,15 @@ def operators(fallback, fast_eq, structural, backend, deferral):
     """``(__matmul__, __rmatmul__)`` for SparseTensor written in C, or None where there is no helper: each takes
     the product's kept call where ``evaluate.kept_product`` would give it (the same test: the kept entry on the
     tensor, ``fast_eq``'s generation, ``structural.on``, ``backend.name``, the dense operand's type, device,
-    layout, contiguity, negative bit and gradient, the grad mode) and ``deferral.value`` is not "all", and torch.compile does
+    layout, contiguity, negative bit and gradient, the grad mode, autocast) and ``deferral.value`` is not "all", and torch.compile does
     not trace; otherwise it calls ``fallback(s, other, left)``, the Python operator. A cold ``S @ X`` then
     enters no Python function: design notes, stop 37. ``operator_counts`` counts both ways."""
     module = _module()
     if module is None:
         return None
     module.configure((fast_eq, structural, backend, deferral, torch.Tensor, torch.strided, torch.compiler,
-                      torch.compiler.is_compiling, torch.is_grad_enabled, fallback))
+                      torch.compiler.is_compiling, torch.is_grad_enabled, torch._C._is_any_autocast_enabled,
+                      fallback))
     return module.method(module.matmul), module.method(module.rmatmul)
 
 

@@ -76,6 +76,9 @@ def _seen(equation, operands, format):
     return _FAST_EQ.get(_equation_signature(equation, format, None, operands))
 
 
+_any_autocast = torch._C._is_any_autocast_enabled  # (under autocast, matmul casts its operands first)
+
+
 def kept_product(s, other, left: bool):
     """The prepared call of ``s @ other`` (``left``) or ``other @ s`` for the 2-d SparseTensor ``s`` and a dense
     ``other``, kept on ``s`` by ``keep_product`` (the ``@`` operators; its direct form, ``engine.direct``, once
@@ -99,7 +102,7 @@ def kept_product(s, other, left: bool):
             entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
             _CPU_BACKEND.name != "cpp" or not other.is_cpu or other.layout is not torch.strided or \
             not other.is_contiguous() or other.is_neg() or \
-            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()):
+            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()) or _any_autocast():
         return None
     fast = entry[0]
     if fast is None:

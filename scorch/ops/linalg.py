@@ -11,12 +11,30 @@ from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod
-from ..sparse_tensor import NoSparseRule, SparseTensor, dense_fallback, implements, needs_grad, padding_of, shape_of
+from ..sparse_tensor import (NoSparseRule, SparseTensor, dense_fallback, device_of, dtype_of, implements, needs_grad,
+                             padding_of, shape_of)
 from .sparse_api import coalesce
 
 
 #: operand types an all-dense einsum may defer (a model's weights are Parameters)
 _DEFERRABLE = (torch.Tensor, torch.nn.Parameter, Deferred)
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def autocast(*operands):
+    """``operands`` as torch's autocast casts a product's (``matmul``, ``mm``, ``linear``, ``addmm``...: inside
+    ``torch.autocast``, each floating tensor but a float64 one to the autocast dtype; a SparseTensor's values, on
+    the same arrays); as they are outside it."""
+    if not _any_autocast():
+        return operands
+    device = next((device_of(x).type for x in operands if isinstance(x, torch.Tensor)), "cpu")
+    if not torch.is_autocast_enabled(device):
+        return operands
+    to = torch.get_autocast_dtype(device)
+    return tuple(x.to(to) if isinstance(x, torch.Tensor) and dtype_of(x).is_floating_point and
+                 dtype_of(x) not in (to, torch.float64) else x for x in operands)
 
 
 @implements(torch.einsum)
@@ -26,6 +44,7 @@ def einsum(equation, *operands, format=None, schedule=None):
     A large all-dense einsum may return a deferred result (``scorch.deferred``)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    operands = autocast(*operands)
     if torch.compiler.is_compiling() and format is None and schedule is None:  # torch.compile traces: the graph's
         return torch.einsum(equation, *operands)                               # call (scorch/dynamo.py)
     if schedule is not None:
@@ -54,6 +73,7 @@ def matmul(a, b, *, out=None):
         return into(out, matmul(a, b), "matmul")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"matmul: operands must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    a, b = autocast(a, b)
     sa, sb = shape_of(a), shape_of(b)
     da, db = len(sa), len(sb)
     if da == 0 or db == 0:
@@ -99,6 +119,7 @@ def _check_inner(a, b, da, db, name):
 
 def _product(name, eq, a, b, ranks, inner):
     """A product of fixed ranks (``mm``, ``mv``, ``bmm``): check ranks and the contracted extent, then einsum."""
+    a, b = autocast(a, b)
     sa, sb = shape_of(a), shape_of(b)
     if (len(sa), len(sb)) != ranks:
         raise ValueError(f"{name}: expected a {ranks[0]}-d and a {ranks[1]}-d tensor, got shapes {tuple(sa)} and"
@@ -159,6 +180,7 @@ def bmm(a, b):
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
     """``beta * input + alpha * (mat1 @ mat2)``; dense ``input``. With ``beta`` 0, as torch has it, ``input``'s
     nan and inf are not propagated (its gradient is zero); ``out=`` as ``matmul``'s."""
+    input, mat1, mat2 = autocast(input, mat1, mat2)
     prod = mm(mat1, mat2)
     if isinstance(prod, SparseTensor):
         prod = prod.to_dense()
@@ -204,6 +226,7 @@ def linear(input, weight, bias=None):
     result is the transposed view of that product, as torch returns non-contiguous results elsewhere."""
     if weight.dim() != 2:
         raise ValueError(f"linear: weight must be 2-d, got shape {tuple(shape_of(weight))}")
+    input, weight, bias = autocast(input, weight, bias)
     n_in = shape_of(weight)[1]
     if shape_of(input)[-1] != n_in:
         raise ValueError(f"linear: input of shape {tuple(shape_of(input))} and weight of shape"

@@ -292,3 +292,39 @@ def test_torch_functions_take_out_as_torch_does(fmt):
     assert r[0] is vals and torch.equal(vals, M.max(1).values) and torch.equal(idx, M.max(1).indices)
     with pytest.raises(NotImplementedError, match="in place"):
         torch.sum(s, 1, out=scorch.asformat(torch.zeros(4), "coo"))
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell", "bsr(2, 2)"])
+def test_products_under_autocast_run_in_the_autocast_dtype(fmt):
+    """Inside ``torch.autocast("cpu")`` torch's products return bfloat16; the sparse ones returned float32 (a
+    model's next op then met mixed dtypes). Repeated: the kept call (and its C operator) stands aside inside
+    autocast and is taken again outside it."""
+    g = torch.Generator().manual_seed(5)
+    M = torch.randn(6, 5, generator=g) * (torch.rand(6, 5, generator=g) < 0.5)
+    X, b = torch.randn(5, 3, generator=g), torch.randn(6, 3, generator=g)
+    s = scorch.asformat(M, fmt)
+    calls = {"@": lambda: s @ X, "mv": lambda: torch.mv(s, X[:, 0]), "rmatmul": lambda: X.t() @ s.t(),
+             "linear": lambda: torch.nn.functional.linear(X.t(), s, b[:, 0]), "addmm": lambda: torch.addmm(b, s, X),
+             "einsum": lambda: torch.einsum("ij,jk->ik", s, X), "spgemm": lambda: s @ s.t()}
+    for _ in range(3):
+        for name, call in calls.items():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                r = call()
+                with torch.autocast("cpu", enabled=False):
+                    dense = {"@": M @ X, "mv": M @ X[:, 0], "rmatmul": X.t() @ M.t(), "spgemm": M @ M.t(),
+                             "linear": X.t() @ M.t() + b[:, 0], "addmm": b + M @ X, "einsum": M @ X}[name]
+            assert r.dtype == torch.bfloat16, name
+            got = r.to_dense() if isinstance(r, scorch.SparseTensor) else r
+            torch.testing.assert_close(got.float(), dense, atol=0.1, rtol=0.05)
+            outside = call()
+            assert outside.dtype == torch.float32, name
+            got = outside.to_dense() if isinstance(outside, scorch.SparseTensor) else outside
+            torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    w = scorch.asformat(M, fmt).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = w @ X
+    y.float().sum().backward()
+    ref = scorch.asformat(M, fmt).requires_grad_()
+    (ref @ X).sum().backward()
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad.to_dense(), ref.grad.to_dense(), atol=0.1, rtol=0.05)
