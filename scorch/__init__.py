@@ -25,6 +25,7 @@ from .compiler.schedule import Directives  # noqa: E402
 from .rearrange import rearrange  # noqa: E402
 from .deferred import deferral  # noqa: E402
 from .fusion import compile  # noqa: E402
+from . import fusion_epilogue  # noqa: E402,F401  (registers scorch.compile's elementwise epilogues)
 from . import dynamo, dynamo_sparse  # noqa: E402,F401  (register scorch's custom ops for torch.compile)
 from .nn.schedule import schedule  # noqa: E402
 from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,  # noqa: E402

@@ -18,7 +18,7 @@ compiler, the row softmax's backward kernel), used where their values are used o
 autograd Function of the probabilities, ``v``, ``q`` and ``k``: its backward runs one fused kernel for the scores'
 gradient and ``dq`` (the output gradient's SDDMM with ``v``, the softmax backward, the SpMM with ``k``), then
 ``dk`` and ``dv`` as transposed products, and gives the probabilities no gradient (a graph-recording backward
-gives theirs instead, through the lazy nodes).
+differentiates the unfused ops again). Elementwise steps after a product are ``fusion_epilogue``'s.
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ class _FusedAttention(torch.autograd.Function):
     by one fused kernel, ``dk`` and ``dv`` by transposed products), giving the probabilities no gradient, so that
     the lazy softmax and SDDMM nodes do nothing. Where the probabilities are used elsewhere too, their other
     gradients still reach ``q`` and ``k`` through those nodes. A backward that records a graph (double
-    backward) goes op by op: the gradient of the probabilities, through the lazy nodes."""
+    backward) differentiates the unfused ops again (``_recorded_backward``)."""
 
     @staticmethod
     def forward(ctx, boxed, probs, v, q, k):
@@ -213,6 +213,8 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         p, v, q, k = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a backward recording a graph (double backward): see ``_recorded_backward``
+            return (None, None, *_recorded_backward(ctx, grad, p, v, q, k))
         attn = ctx.pattern.with_values(p)
         dv = _einsum_grad(1, *_PRODUCT, [attn, v], grad) if ctx.needs_input_grad[2] else None
         done = None
@@ -224,6 +226,23 @@ class _FusedAttention(torch.autograd.Function):
         ds, dq = done
         dk = _sddmm_grad(2, ctx.pattern, q, k, ds) if ctx.needs_input_grad[4] else None
         return None, None, dv, dq if ctx.needs_input_grad[3] else None, dk
+
+
+def _recorded_backward(ctx, grad, p, v, q, k):
+    """The gradients of ``v``, ``q`` and ``k`` as a graph (``create_graph=True``): the attention again, op by op
+    and unfused, differentiated by autograd. The fused backward's probabilities are saved values, not a function
+    of ``q`` and ``k``: the second-order terms through them were lost (wrong, silently)."""
+    wanted = [x for x, need in zip((v, q, k), ctx.needs_input_grad[2:5]) if need]
+    depth, mode = _region.depth, deferred._mode.value
+    _region.depth, deferred._mode.value = 0, "off"
+    try:
+        mask = ctx.pattern.with_values(p.detach())  # (the pattern: SDDMM with beta 0 reads no values)
+        scores = torch.sparse.sampled_addmm(mask, q, k.t(), beta=0.0, alpha=ctx.alpha)
+        out = torch.sparse.softmax(scores, 1) @ v
+        got = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
+    finally:
+        _region.depth, deferred._mode.value = depth, mode
+    return tuple(next(got) if need else None for need in ctx.needs_input_grad[2:5])
 
 
 def _grad(*tensors) -> bool:
@@ -313,12 +332,16 @@ _PLANS = cache("fused-plans", "the row plans fused attention is made of, per ope
 
 
 def _compiled(key, build):
-    """``(kernel IR, compiled kernel)`` of the fused kernel ``build()`` makes, built and compiled once per ``key``."""
+    """``(kernel IR, compiled kernel)`` of the fused kernel ``build()`` makes, built and compiled once per ``key``;
+    None where its parts are not one row loop (``fuse.NotOneLoop``: op by op then)."""
     entry = _FUSED.get(key)
     if entry is None:
-        kernel = build()
-        entry = _FUSED[key] = (kernel, cpp.load(kernel))
-    return entry
+        try:
+            kernel = build()
+            entry = _FUSED[key] = (kernel, cpp.load(kernel))
+        except fuse.NotOneLoop:
+            entry = _FUSED[key] = False
+    return entry or None
 
 
 def _part_values(maps, parts):
@@ -488,7 +511,10 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
         fused = fuse.localize(fused, ("scores",) if keep_probs and inner == "probs" else ("scores", inner), it)
         return fuse.constant(fused, "f0_t0_vals", 1.0)
 
-    fused, compiled = _compiled((id(plan1), id(plan3), keep_probs), build)
+    built = _compiled((id(plan1), id(plan3), keep_probs), build)
+    if built is None:
+        return None
+    fused, compiled = built
     ones = _ones(p, q.dtype)
     probs = torch.empty(ones._vals.shape, dtype=q.dtype) if keep_probs else None
     # (the SpMM's row loop stores every output row, empty rows included, where its plan says so: no zero fill,
@@ -549,7 +575,10 @@ def prepare_backward(pattern, p, g, v, k, alpha):
         return fuse.constant(fuse.localize(fused, ("dp",) if inner == "ds" else ("dp", inner), it), "f0_t0_vals",
                              1.0)
 
-    fused, compiled = _compiled(("backward", id(plan1), id(plan3)), build)
+    built = _compiled(("backward", id(plan1), id(plan3)), build)
+    if built is None:
+        return None
+    fused, compiled = built
     ones = _ones(pattern, dtype)
     ds = torch.empty(p.shape, dtype=dtype)
     dq = (torch.empty if plan3.lowered.writes_every_output else torch.zeros)(pattern._shape[0], k.shape[1],
@@ -561,136 +590,4 @@ def prepare_backward(pattern, p, g, v, k, alpha):
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
 
 
-# --- elementwise epilogues on a product's rows ------------------------------------------------------------------
-
-_ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
-_MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
-_MAPS = {torch.relu: "relu", torch.Tensor.relu: "relu", torch.nn.functional.relu: "relu",
-         torch.tanh: "tanh", torch.Tensor.tanh: "tanh", torch.nn.functional.tanh: "tanh",
-         torch.sigmoid: "sigmoid", torch.Tensor.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid"}
-
-
-class EpilogueExpr:
-    """Elementwise steps after a product with a sparse operand and a dense result (``relu(S @ X + b)``): a bias
-    along the rows (a vector over the last dimension, or a number), a scale by a number, ``relu``, ``tanh``,
-    ``sigmoid``. Computed as one kernel (the product's row loop, then the steps on each finished row) where the
-    product runs as one row loop, else the product and then the steps in torch."""
-    exact_layout = False
-    dense = False
-
-    def __init__(self, base, steps):
-        self.base, self.steps = base, tuple(steps)  # base: an EinsumExpr; steps: ("add", t) ("mul", c) ("relu",)
-        self.operands = base.operands + tuple(st[1] for st in steps if st[0] == "add" and
-                                              isinstance(st[1], torch.Tensor))
-
-    def describe(self):
-        return f"{self.base.describe()} with {', '.join(st[0] for st in self.steps)}"
-
-    def compute(self):
-        fused = epilogue_kernel(self)
-        if fused is not None:
-            return fused
-        y = self.base.compute()
-        for st in self.steps:
-            y = y + st[1] if st[0] == "add" else y * st[1] if st[0] == "mul" else getattr(torch, st[0])(y)
-        return y
-
-
-def epilogue(func, args, kwargs):
-    """The lazy result of an elementwise ``func`` on a deferred product inside ``scorch.compile``, or None."""
-    if not active() or kwargs:
-        return None
-    if func in _MAPS and len(args) == 1:
-        step = (_MAPS[func],)
-        y = args[0]
-    elif (func in _ADD or func in _MUL) and len(args) == 2:
-        y, other = (args[0], args[1]) if type(args[0]) is Deferred else (args[1], args[0])
-        kind = "add" if func in _ADD else "mul"
-        if type(other) is Deferred or type(y) is not Deferred:
-            return None
-        if isinstance(other, torch.Tensor):
-            if kind == "mul" or type(other) is not torch.Tensor or other.dtype != y.dtype or \
-                    other.device != y.device or other.dim() != 1 or y.dim() != 2 or other.shape[0] != y.shape[1]:
-                return None
-            other = other.contiguous()
-        elif not isinstance(other, (int, float)) or isinstance(other, bool) or not y.dtype.is_floating_point:
-            return None
-        step = (kind, other)
-    else:
-        return None
-    if type(y) is not Deferred or not y.dtype.is_floating_point or y.dim() != 2:
-        return None
-    e = y._expr
-    if isinstance(e, EpilogueExpr):
-        expr = EpilogueExpr(e.base, e.steps + (step,))
-    elif isinstance(e, deferred.EinsumExpr) and not e.dense and len(e.ops) == 2 and \
-            type(e.ops[0]) is SparseTensor and type(e.ops[1]) is torch.Tensor:
-        expr = EpilogueExpr(e, (step,))
-    else:
-        return None
-    deferred.check_versions(y)
-    if y.requires_grad or (step[0] == "add" and isinstance(step[1], torch.Tensor) and step[1].requires_grad):
-        return None  # (under autograd the steps run op by op)
-    return deferred.make(expr, y.shape, y.dtype, y.device)
-
-
-RULES.register(lazy_epilogue=epilogue, fused_product=fused_product)
-
-
-def epilogue_rows(vtype: str, itype: str, steps, width: int):
-    """The steps on each row of a dense ``rows x width`` output ``out``, as the row loop of a CSR product
-    (``fuse.row_kernel``); bias vectors are arrays ``bias<k>``, numbers scalars ``num<k>``."""
-    c0, j = L.Var("c0"), L.Var("j")
-    at = L.binary("add", L.binary("mul", c0, L.Const(width)), j)
-    x = L.Load("out", at, vtype)
-    params = [L.Param("out", "array", vtype, output=True)]
-    for k, st in enumerate(steps):
-        if st[0] == "add" and isinstance(st[1], torch.Tensor):
-            params.append(L.Param(f"bias{k}", "array", vtype))
-            x = L.binary("add", x, L.Load(f"bias{k}", j, vtype))
-        elif st[0] in ("add", "mul"):
-            params.append(L.Param(f"num{k}", "scalar", vtype))
-            x = L.binary(st[0], x, L.Var(f"num{k}", vtype))
-        elif st[0] == "relu":
-            x = L.Unary("relu", x, vtype)
-        elif st[0] == "tanh":
-            x = L.Unary("tanh", x, vtype)
-        else:  # sigmoid
-            one = L.Const(1.0, vtype)
-            x = L.binary("div", one, L.binary("add", one, L.Unary("exp", L.Unary("neg", x, vtype), vtype)))
-    body = L.block(L.For(j, L.Const(0), L.Const(width), L.block(L.Store("out", at, x))))
-    return fuse.row_kernel("scorch_epilogue_rows", itype, body, params)
-
-
-def epilogue_kernel(expr: EpilogueExpr):
-    """The product and its steps as one kernel, or None where the product is not one CSR row loop. Public for
-    tests: they spy on it to see which products fuse."""
-    base = expr.base
-    s, x = base.ops
-    (si, xi), out = base.inputs, tuple(base.out)
-    if len(si) != 2 or len(xi) != 2 or si[1] != xi[0] or out != (si[0], xi[1]) or si[0] == si[1]:
-        return None
-    # CSR: the row loop visits every row (an empty row gets its bias too) and row c0 is the output's row c0
-    if s.format.name != "csr" or s.dtype != x.dtype or s._vals.device.type != "cpu":
-        return None
-    x = x.contiguous()
-    plan = engine.row_plan(base.inputs, out, [s, x])
-    if plan is None:
-        return None
-    plan, sizes = plan
-    width = sizes[base.out[1]]
-    vt, it = L.type_of(x.dtype), L.type_of(s.index_dtype)
-    shape_key = tuple(st[0] + ("v" if len(st) > 1 and isinstance(st[1], torch.Tensor) else "") for st in expr.steps)
-    maps = ({**_SHARED, "out": "out"}, {**_SHARED, "out": "out"})
-    fused, compiled = _compiled(("epilogue", id(plan), shape_key, width, it), lambda: fuse.rows(
-        "scorch_product_epilogue", [(plan.lowered.kernel, maps[0]), (epilogue_rows(vt, it, expr.steps, width),
-                                                                       maps[1])]))
-    out = torch.zeros(s.shape[0], width, dtype=x.dtype)
-    values = _part_values(maps, ((0, engine.arguments(plan, [s, x], sizes, out)),))
-    for k, st in enumerate(expr.steps):
-        if st[0] in ("add", "mul"):
-            values[f"f1_bias{k}" if isinstance(st[1], torch.Tensor) else f"f1_num{k}"] = st[1]
-    values["nthreads"] = torch.get_num_threads()
-    cpp.call(fused, compiled, values)
-    return out
-
+RULES.register(fused_product=fused_product)

@@ -58,8 +58,13 @@ def _locals(stmt) -> set:
 def _row_loop(kernel) -> L.For:
     stmts = kernel.body.stmts
     if len(stmts) != 1 or not isinstance(stmts[0], L.For) or stmts[0].parallel is None:
-        raise ValueError(f"kernel {kernel.name}: its body is not one parallel row loop")
+        raise NotOneLoop(f"kernel {kernel.name}: its body is not one parallel row loop")
     return stmts[0]
+
+
+class NotOneLoop(ValueError):
+    """The parts do not run under one row loop (their loops differ: a DCSR pattern's SDDMM walks its stored rows,
+    the softmax every row): the caller runs them op by op."""
 
 
 def rows(name: str, parts) -> L.Kernel:
@@ -81,7 +86,7 @@ def rows(name: str, parts) -> L.Kernel:
         if first is None:
             first = loop
         elif (loop.lo, loop.hi, loop.parallel) != (first.lo, first.hi, first.parallel):
-            raise ValueError(f"kernel {kernel.name}: its row loop differs from the first part's")
+            raise NotOneLoop(f"kernel {kernel.name}: its row loop differs from the first part's")
         bodies.append(loop.body)
     return L.Kernel(name, tuple(params.values()), L.block(replace(first, body=L.block(*bodies))))
 
