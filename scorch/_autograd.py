@@ -179,7 +179,8 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
     directly."""
     if r_letters is None and type(r) is SparseTensor and r._format == x._format and r._shape == x._shape and all(
             a is b for a, b in zip(r._levels, x._levels)):
-        return r._vals
+        # (a padded format's padding slots are no entries: ``(W + W).values().sum()`` gives them gradient)
+        return r._vals.masked_fill(padding_of(x), 0) if x._format.padded else r._vals
     from .formats import storage
     leaf, coords = storage.entries(x._format, x._shape, x._levels, x._vals)
     if r_letters is not None:
@@ -272,17 +273,21 @@ def _extremum_grad(src, out, x, r, gout):
     leaf, dims = storage.entries(x._format, x._shape, x._levels, x._vals)
     keep = [src.index(v) for v in out]
     cell = tuple(dims[d] for d in keep)
+    if not keep:  # (every dimension reduced: the one cell, as a 1-element vector)
+        r, g, cell = r.reshape(1), g.reshape(1), (torch.zeros_like(leaf),)
     vals = x._vals[leaf]
-    tie = (vals == r[cell]).to(g.dtype)
-    # ties per output cell: stored ones, plus the implicit zeros when the extremum is 0
-    stored = torch.zeros(r.shape, dtype=g.dtype, device=g.device).index_put(cell, torch.ones_like(tie), accumulate=True)
-    ties = torch.zeros(r.shape, dtype=g.dtype, device=g.device).index_put(cell, tie, accumulate=True)
+    tie = (vals == r[cell]).to(torch.float64)
+    # ties per output cell (counted in float64: 3000 ties in bfloat16 counted 256): stored ones, plus the implicit
+    # zeros when the extremum is 0
+    stored = torch.zeros(r.shape, dtype=tie.dtype, device=g.device).index_put(cell, torch.ones_like(tie),
+                                                                              accumulate=True)
+    ties = torch.zeros(r.shape, dtype=tie.dtype, device=g.device).index_put(cell, tie, accumulate=True)
     reduced = 1
     for d, n in enumerate(x._shape):
         if d not in keep:
             reduced *= n
     ties = ties + torch.where(r == 0, reduced - stored, torch.zeros_like(stored))
-    share = (g / ties.clamp(min=1))[cell] * tie
+    share = ((g / ties.clamp(min=1))[cell] * tie).to(g.dtype)
     return torch.zeros(x._vals.shape, dtype=g.dtype, device=g.device).index_put((leaf,), share, accumulate=True)
 
 

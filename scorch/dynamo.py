@@ -232,8 +232,8 @@ PRODUCT_HOOKS = []
 def traced_op(func, types, args, kwargs):
     """The graph's call for ``func(*args, **kwargs)`` with a sparse operand, while Dynamo traces."""
     equation, operands = None, None
-    if func is torch.autograd.grad:
-        return _grad(*args, **kwargs)
+    if func is torch.autograd.grad:  # (AOTAutograd's, for a SparseTensor input: ``ops.autograd_api.grad``)
+        return NotImplemented
     if func in _WRAPPER_METADATA:  # Dynamo's own reads of the wrapper (fakeifying an input): the wrapper answers
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -303,17 +303,6 @@ def _linear(func, input, weight, bias=None):
 _WRAPPER_METADATA = {torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
                      torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.is_inference,
                      torch.Tensor._is_zerotensor}
-def _grad(outputs, inputs, *args, **kwargs):
-    """``torch.autograd.grad`` as AOTAutograd calls it for a SparseTensor input that requires grad: the gradient of
-    its values, on its pattern (the graph lives on the values). At run time it reaches the wrapper, which passes it
-    on to the values (``SparseTensor._bridge_grad``)."""
-    single = isinstance(inputs, torch.Tensor)
-    inputs = [inputs] if single else list(inputs)
-    flat = [x._vals if isinstance(x, SparseTensor) else x for x in inputs]
-    with torch._C.DisableTorchFunctionSubclass():
-        grads = torch.autograd.grad(outputs, flat, *args, **kwargs)
-    return tuple(g if g is None or not isinstance(x, SparseTensor) else x.with_values(g)
-                 for x, g in zip(inputs, grads))
 
 
 _ATTRIBUTE_ACCESS = ("__get__", "__set__", "__delete__")

@@ -297,12 +297,8 @@ class SparseTensor(Traceable, torch.Tensor):
         self._vals.retain_grad()
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-        if gradient is not None:
-            gradient = gradient._vals if type(gradient) is SparseTensor else gradient
-        elif self.numel() != 1:
-            raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        self._vals.backward(gradient if gradient is not None else torch.ones_like(self._vals), retain_graph,
-                              create_graph, inputs)
+        """As ``torch.autograd.backward(self, ...)`` (``ops.autograd_api``: the graph lives on the values)."""
+        torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:

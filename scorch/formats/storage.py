@@ -63,6 +63,7 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
     Returns ``(levels, values)``: a tuple of ``LevelStorage`` and the 1-d values array (0 where padded).
     """
     bounds = fmt.level_bounds(shape)
+    given = dims, values
     coords = [e.evaluate(dims) for e in fmt.exprs]
     m = values.numel()
     split = _dense_tail(fmt)
@@ -102,6 +103,9 @@ def pack(fmt: Format, shape, dims: torch.Tensor, values: torch.Tensor, index_dty
         try:
             st, parent, count = lvl.assemble(parent, count, c, lo, hi)
         except SlotsExceeded as e:
+            nonzero = given[1] != 0
+            if not bool(nonzero.all()):  # (stored zeros, as a BSR block's or a DIA diagonal's: not kept for room)
+                return pack(fmt, shape, given[0][:, nonzero], given[1][nonzero], index_dtype)
             raise ValueError(_slots_message(fmt, k, [x[e.entry] for x in coords[:k]], e)) from None
         levels.append(st)
         largest += [count, lo, hi]

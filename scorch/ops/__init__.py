@@ -8,7 +8,7 @@ import inspect as _inspect
 
 import torch as _torch
 
-from . import (activation, compare, elementwise, extrema, foreach, indexing, linalg, norms, pattern, reduce,  # noqa: F401
+from . import (activation, autograd_api, compare, elementwise, extrema, foreach, indexing, linalg, norms, pattern, reduce,  # noqa: F401
                shape, shape_ops, sparse_api)
 from .._forward import forward as _forward
 from ..sparse_tensor import IMPLEMENTATIONS as _IMPLEMENTATIONS, SparseTensor as _SparseTensor

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements
-from .entries import mapped_values
+from .entries import mapped_values, paired_values
 from .indexing import broadcast_to
 from .pattern import same_pattern
 from .sparse_api import coalesce
@@ -73,7 +73,7 @@ def mul(a, b):
     if not isinstance(b, torch.Tensor):
         raise NoSparseRule(f"a {type(b).__name__} operand")
     if isinstance(b, SparseTensor) and same_pattern(a, b) and not a.format.keeps_duplicates:
-        return a.with_values(a.values() * b.values())
+        return a.with_values(paired_values(a, b, torch.mul))
     shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
     a = broadcast_to(a, shape)
     if isinstance(b, SparseTensor):
@@ -118,7 +118,7 @@ def _sparse_sum(a, b, alpha):
     if isinstance(a, SparseTensor) and isinstance(b, SparseTensor) and same_pattern(a, b) \
             and not a.format.keeps_duplicates:
         # one pattern (a parameter and its gradient, optimizer state): the values add, the pattern stays
-        return a.with_values(torch.add(a.values(), b.values(), alpha=alpha))
+        return a.with_values(paired_values(a, b, lambda u, v: torch.add(u, v, alpha=alpha)))
     idx = tuple(_LETTERS[:a.dim()])
     second = Access(1, idx)
     scalars = {}

@@ -89,6 +89,14 @@ def _shaped(r, shape, reduce_dims, keepdim):
                      [n for d, n in enumerate(shape) if d not in reduce_dims])
 
 
+def paired_values(a, b, fn):
+    """``fn`` of the values of two SparseTensors on one pattern (``a + b``, ``a * b``). In a padded format the
+    padding stays 0 and takes no gradient (``(W + 2 * W).values().sum()`` gave it one: an optimizer step then
+    turned padding into an entry)."""
+    v = fn(a._vals, b._vals)
+    return torch.where(padding_of(a, b), 0, v) if a._format.padded else v
+
+
 def mapped_values(x, fn):
     """``fn`` (a map with f(0) = 0, or a scaling: ``v * inf``, ``v / 0``) of the SparseTensor ``x``'s values. In
     a padded format the padding (0, at a real entry's coordinates: ``padding_of``) stays 0 (``0 * inf`` would
@@ -97,7 +105,7 @@ def mapped_values(x, fn):
     v = x._vals
     if not x._format.padded:
         return fn(v)
-    keep = ~padding_of(x)
+    pad = padding_of(x)  # (masked_fill keeps fn's dtype: torch.where with 0 made isnan's bools int64)
     if not (v.requires_grad and v.dtype.is_floating_point and torch.is_grad_enabled()):
-        return torch.where(keep, fn(v), 0)
-    return torch.where(keep, fn(torch.where(keep, v, 0.5)), 0)
+        return fn(v).masked_fill(pad, 0)
+    return fn(v.masked_fill(pad, 0.5)).masked_fill(pad, 0)

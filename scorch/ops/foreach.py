@@ -3,12 +3,14 @@ SparseTensors: the op applied element by element through the Tensor method of th
 -> ``Tensor.mul_``), so each sparse element gets its own rule (an in-place update of its stored values, or a
 clear error) and each dense element torch's method. A list argument of the first list's length is taken element
 by element (tensors, scalars), anything else is passed to every element. Foreach ops with no Tensor method of
-their name run on the dense form (the fallback; an in-place one raises)."""
+their name run on the dense form (the fallback; an in-place one raises). The fused optimizer steps
+(``torch._fused_adam_``..., ``fused=True``) run on the stored values where every SparseTensor of a parameter's
+state has the parameter's pattern."""
 from __future__ import annotations
 
 import torch
 
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
 from .pattern import same_pattern
 
 
@@ -50,3 +52,36 @@ def _per_element(name: str):
 for _name in dir(torch):
     if _name.startswith("_foreach_") and callable(getattr(torch, _name)):
         implements(getattr(torch, _name))(_per_element(_name))
+
+
+def _fused_step(name: str):
+    op = getattr(torch, name)
+
+    def apply(params, *args, **kwargs):
+        """The fused step on the stored values: each SparseTensor of the lists (gradients, optimizer state) must have
+        the pattern of the parameter at its position; a padded format's padding stays 0."""
+        def values(arg):
+            if not isinstance(arg, (list, tuple)) or len(arg) != len(params):
+                return arg
+            out = []
+            for p, t in zip(params, arg):
+                if type(t) is SparseTensor:
+                    if not (type(p) is SparseTensor and same_pattern(t, p)):
+                        raise NoSparseRule(f"torch.{name} with a sparse tensor of another pattern than its parameter")
+                    t = t._vals
+                elif type(p) is SparseTensor and isinstance(t, torch.Tensor) and t.shape == p._shape:
+                    raise NoSparseRule(f"torch.{name} with a dense tensor beside a sparse parameter")
+                out.append(t)
+            return out
+        pads = [(p._vals, padding_of(p)) for p in params if type(p) is SparseTensor and p._format.padded]
+        with torch._C.DisableTorchFunctionSubclass():
+            op(values(params), *(values(a) for a in args), **{k: values(v) for k, v in kwargs.items()})
+        for v, pad in pads:
+            v.masked_fill_(pad, 0)
+    apply.__name__ = apply.__qualname__ = name
+    return apply
+
+
+for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+    if hasattr(torch, _name):
+        implements(getattr(torch, _name))(_fused_step(_name))

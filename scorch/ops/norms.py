@@ -28,6 +28,9 @@ def _vector_norm(x: SparseTensor, ord, reduce_dims, keepdim, dtype):
     if dtype is not None:
         vals = vals.to(dtype)
     a = vals.abs()
+    out_dtype = a.dtype
+    if out_dtype in (torch.float16, torch.bfloat16):  # (summed in float32, as torch's norms: bfloat16 sums of
+        a = a.float()                                 # 3000 ones stopped at 256)
     gid, groups, size = _groups(x._shape, edims, reduce_dims)
     zeros = torch.zeros(groups, dtype=a.dtype, device=a.device)
     ord = float(ord)
@@ -47,7 +50,7 @@ def _vector_norm(x: SparseTensor, ord, reduce_dims, keepdim, dtype):
         count = torch.bincount(gid, minlength=groups)
         r = zeros.index_add(0, gid, a ** ord) ** (1.0 / ord)
         r = torch.where((count < size) & ~r.isnan(), 0, r)
-    return _shaped(r, x._shape, reduce_dims, keepdim)
+    return _shaped(r.to(out_dtype), x._shape, reduce_dims, keepdim)
 
 
 @_register(torch.linalg.vector_norm)

@@ -37,7 +37,8 @@ import threading
 
 import torch
 
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
+from ..formats import named
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
 
 
 def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
@@ -186,14 +187,22 @@ def _inplace(method):
         if any(not same_pattern(a, self) for a in sparse):
             return _with_new_pattern(self, name, args, kwargs)
         _refuse_densifying_scalars(self, name, args, kwargs, sparse)
+        if self._format.keeps_duplicates and not _distributes(name, args, kwargs):
+            # an uncoalesced COO: sqrt(4) + sqrt(5) is not sqrt(9): its duplicates summed first (in place)
+            _replace_storage(self, self.detach().asformat(named.coo_nd(self.dim())), fresh=True)
+            if any(not same_pattern(a, self) for a in sparse):
+                return _with_new_pattern(self, name, args, kwargs)
         # formats with padding: the padding stays 0 (``padding_of``)
         zero = padding_of(self, *sparse) if self._format.padded and name != "zero_" else None
         args = [_values(a, self, name, sampled) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number)
                 else a for a, sampled in zip(args, _sampled_factors(self, name, args))]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         getattr(self._vals, name)(*args, **kwargs)
-        if zero is not None:
-            self._vals.masked_fill_(zero, 0)
+        if zero is not None and bool((self._vals.detach()[zero] != 0).any()):  # (only where the op wrote there:
+            if self._vals.requires_grad and torch.is_grad_enabled():    # ``relu_`` on a tensor in a graph keeps
+                self._vals = self._vals.masked_fill(zero, 0)            # relu's saved output as it is)
+            else:
+                self._vals.masked_fill_(zero, 0)
         return self
     op.__name__ = name
     op.__doc__ = (f"``{name}`` on the stored values, in place: the pattern is fixed, sparse operands must share"
@@ -201,11 +210,25 @@ def _inplace(method):
     return implements(method)(op)
 
 
+#: in-place ops that distribute over an uncoalesced COO's duplicates (f(a) + f(b) = f(a + b)): the others sum
+#: them first; mul_ / div_ distribute by a number only
+_DISTRIBUTES = {"add_", "sub_", "__iadd__", "__isub__", "neg_", "zero_", "lerp_"}
+
+
+def _distributes(name, args, kwargs) -> bool:
+    if name in _DISTRIBUTES:
+        return True
+    return name in ("mul_", "div_", "__imul__", "__itruediv__") and not kwargs and all(
+        isinstance(a, numbers.Number) or (isinstance(a, torch.Tensor) and type(a) is not SparseTensor and a.dim() == 0)
+        for a in args)
+
+
 for _m in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_, torch.Tensor.addcdiv_,
            torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.Tensor.neg_, torch.Tensor.sqrt_,
            torch.Tensor.abs_, torch.Tensor.relu_, torch.Tensor.__iadd__, torch.Tensor.__isub__,
            torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_,
-           torch.Tensor.sign_, torch.Tensor.zero_, torch.Tensor.reciprocal_, torch.reciprocal_):
+           torch.Tensor.sign_, torch.Tensor.zero_, torch.Tensor.reciprocal_, torch.reciprocal_, torch.Tensor.square_,
+           torch.Tensor.sin_, torch.Tensor.tanh_):
     _inplace(_m)  # (reciprocal_ maps the stored values, as add_(eps) adds to them: RAdam's foreach state)
 
 
@@ -220,8 +243,14 @@ def _with_new_pattern(self: SparseTensor, name, args, kwargs):
         if isinstance(a, SparseTensor) and a._shape != self._shape:
             raise ValueError(f"scorch: {name}: shapes {tuple(self._shape)} and {tuple(a._shape)} differ (an"
                              " in-place op keeps its tensor's shape)")
-    with torch.no_grad():
-        result = compute(self.detach(), *args, **kwargs)  # (dense for some mixes of formats: its nonzeros)
+    # in a graph (``T = S * 2; T.add_(U)``), the result's values take ``self``'s place in it, as torch's in-place
+    # ops do (they were computed detached: ``T`` became a leaf and ``S`` got no gradient); a leaf that requires
+    # grad is refused, as torch refuses it
+    graph = needs_grad((self, *args, *kwargs.values()))
+    if graph and self._vals.is_leaf and self._vals.requires_grad:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    with torch.set_grad_enabled(graph):
+        result = compute(self if graph else self.detach(), *args, **kwargs)  # (dense for some mixes of formats)
     _replace_storage(self, result, fresh=True)
     return self
 
@@ -234,7 +263,10 @@ def _replace_storage(self: SparseTensor, src: torch.Tensor, fresh: bool) -> None
     grad = self._vals.requires_grad
     self._levels = src._levels if fresh else tuple(st.map(torch.clone) for st in src._levels)
     self._index_dtype = src._index_dtype
-    self._vals = src._vals.detach().to(self._vals.dtype, copy=not fresh).requires_grad_(grad)
+    if src._vals.requires_grad and torch.is_grad_enabled():  # (differentiable: ``self`` continues ``src``'s graph)
+        self._vals = src._vals.to(self._vals.dtype, copy=not fresh)
+    else:
+        self._vals = src._vals.detach().to(self._vals.dtype, copy=not fresh).requires_grad_(grad)
     self.__dict__.pop("_conversions", None)  # conversions kept for the old pattern
 
 

@@ -97,7 +97,10 @@ def _extremum(reduce):
             from ..formats import named
             x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates else "csr")
         src, out = _kept(n, dims)
-        r = engine.run((tuple(src),), tuple(out), [x], reduce=reduce, name=f"a{reduce}")
+        # (dense: every cell has a max, the implicit zeros' where nothing larger is stored; a sparse result left
+        # out the cells whose extremum is a stored 0, and their gradient with them)
+        r = engine.run((tuple(src),), tuple(out), [x], reduce=reduce, name=f"a{reduce}",
+                       format="dense" if out else None)
         r = _propagate_nan(r, x, src, out)
         return _keepdim(r, x.shape, dims) if keepdim else r
     fn.__name__ = f"a{reduce}"

@@ -76,6 +76,7 @@ class SegmentSoftmax(torch.autograd.Function):
 
 def softmax_backward(y, dy, pos, log_space=False):
     """The gradient of the segment softmax's input from its output ``y`` and the output's gradient ``dy``."""
+    pos = _positions(pos)
     if torch.is_grad_enabled() or y.device.type != "cpu":  # double backward, or a GPU: torch ops, differentiable
         return backward_ops(y, dy, pos, log_space)
     dy = dy.contiguous()
@@ -90,14 +91,19 @@ def forward_ops(x, pos, log_space):
     seg = _segment_of_each(pos)
     if x.numel() == 0:
         return x.clone()
+    dtype, x = x.dtype, _wide(x)  # (16-bit values: computed in float32, as the kernels do, and rounded once)
     peak = torch.full((pos.numel() - 1,), float("-inf"), dtype=x.dtype, device=x.device)
     peak = peak.scatter_reduce(0, seg, x, "amax")
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # an all -inf segment: NaN out
     shifted = x - peak[seg]
     total = torch.zeros_like(peak).index_add(0, seg, shifted.exp())
     if log_space:
-        return shifted - total.log()[seg]
-    return shifted.exp() / total[seg]
+        return (shifted - total.log()[seg]).to(dtype)
+    return (shifted.exp() / total[seg]).to(dtype)
+
+
+def _wide(x):
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _segment_of_each(pos):
@@ -109,12 +115,18 @@ def backward_ops(y, dy, pos, log_space):
     """The backward pass in torch ops (any device, differentiable): ``softmax_backward``'s formulas per segment.
     Public for tests: the reference the backward kernel is checked against."""
     seg = _segment_of_each(pos)
+    dtype, y, dy = dy.dtype, _wide(y), _wide(dy)
     total = torch.zeros(pos.numel() - 1, dtype=y.dtype, device=y.device)
     if log_space:
-        return dy - y.exp() * total.index_add(0, seg, dy)[seg]
-    return y * (dy - total.index_add(0, seg, dy * y)[seg])
+        return (dy - y.exp() * total.index_add(0, seg, dy)[seg]).to(dtype)
+    return (y * (dy - total.index_add(0, seg, dy * y)[seg])).to(dtype)
 
 
 def softmax(values: torch.Tensor, pos: torch.Tensor, log_space: bool = False) -> torch.Tensor:
     """Softmax of ``values`` within each segment of ``pos`` (differentiable)."""
-    return SegmentSoftmax.apply(values, pos, log_space)
+    return SegmentSoftmax.apply(values, _positions(pos), log_space)
+
+
+def _positions(pos):
+    """``pos`` as the kernels take it: an int8 or int16 one (a tensor with narrow indices) widened to int32."""
+    return pos.to(torch.int32) if pos.dtype in (torch.int8, torch.int16) else pos

@@ -99,7 +99,7 @@ def _blocked(x, name, blocksize):
     if name in ("bsr", "bsc"):
         if blocksize is None:
             raise ValueError(f"to_sparse_{name}: a blocksize is required")
-        bh, bw = tuple(blocksize)
+        bh, bw = (blocksize, blocksize) if isinstance(blocksize, int) else tuple(blocksize)  # (torch takes both)
         return f"{name}({bh}, {bw})"
     return named.coo_nd(x.dim()) if name == "coo" else name
 

@@ -96,3 +96,34 @@ def test_padded_weights_with_exact_zero_gradients_and_values_step_as_masked_dens
     got = param.detach().to_dense()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref.detach() * mask)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "ell", "nm(2, 4)"])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_fused_optimizer_steps_on_the_stored_values(name, fmt):
+    """``fused=True`` (torch._fused_adam_ ...) raised 'a sparse tensor cannot become dense in place': the fused
+    step now runs on the stored values of the weight, its gradient and its state (one pattern)."""
+    torch.manual_seed(5)
+    w = torch.randn(8, 16) * (torch.rand(8, 16) < 0.5)
+    if fmt == "nm(2, 4)":  # (a 2:4 pattern)
+        keep = w.abs().reshape(8, 4, 4).argsort(-1, descending=True)[..., :2]
+        mask = torch.zeros(8, 4, 4, dtype=torch.bool).scatter_(-1, keep, True).reshape(8, 16)
+        w = w * mask
+    mask = w != 0
+    param = torch.nn.Parameter(scorch.asformat(w, fmt))
+    ref = torch.nn.Parameter(w.clone())
+    kw = {"momentum": 0.9} if name == "SGD" else {}
+    opt = getattr(torch.optim, name)([param], lr=0.05, fused=True, **kw)
+    opt_ref = getattr(torch.optim, name)([ref], lr=0.05, **kw)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        x = torch.randn(5, 16, generator=g)
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        (x @ param.T).pow(2).sum().backward()
+        (x @ ref.T).pow(2).sum().backward()
+        ref.grad *= mask
+        opt.step()
+        opt_ref.step()
+    assert isinstance(param, scorch.SparseTensor)
+    torch.testing.assert_close(param.detach().to_dense(), ref.detach() * mask, rtol=1e-4, atol=1e-5)

@@ -90,3 +90,23 @@ def test_integer_and_bool_conversions_sum_duplicates_first(dtype):
         assert r.dtype == dtype
         assert torch.equal(r.to_dense(), want)
         assert torch.equal(r.float().to_dense(), want.float())
+
+
+@pytest.mark.parametrize("name,args", [("sqrt_", ()), ("abs_", ()), ("relu_", ()), ("tanh_", ()), ("sin_", ()),
+                                       ("square_", ()), ("clamp_", (0.0, 2.0)), ("mul_", (2.0,)), ("neg_", ()),
+                                       ("sign_", ()), ("div_", (4.0,))])
+def test_in_place_maps_sum_the_duplicates_first(name, args):
+    """``S.sqrt_()`` on uncoalesced COO mapped each duplicate: sqrt(1) + sqrt(3) - ... at (0, 1), not sqrt of
+    their sum. (tanh_, sin_, square_ were not in-place ops of a SparseTensor at all.)"""
+    s = scorch.sparse_coo_tensor(IDX, _values().abs(), (3, 4))
+    dense = s.to_dense()
+    getattr(s, name)(*args)
+    torch.testing.assert_close(s.to_dense(), getattr(dense, name)(*args))
+
+
+def test_to_sparse_bsr_takes_an_int_blocksize():
+    d = torch.arange(16.0).reshape(4, 4) * (torch.arange(16).reshape(4, 4) % 3 == 0)
+    s = scorch.asformat(d, "csr")
+    for blocksize in (2, (2, 2)):
+        r = s.to_sparse_bsr(blocksize)
+        assert r.format.name == "bsr(2, 2)" and torch.equal(r.to_dense(), d)

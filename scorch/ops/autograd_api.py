@@ -1,0 +1,78 @@
+"""``torch.autograd.grad`` and ``torch.autograd.backward`` (``Tensor.backward``) with SparseTensor outputs,
+gradients or inputs. A SparseTensor's graph lives on its stored values (``values()``), not on the wrapper: each
+SparseTensor among the outputs stands for its values (a dense gradient for it is read at its stored positions,
+0 at padding), among the inputs for its values too, and a gradient computed for one comes back on its pattern
+(a SparseTensor sharing its index arrays), as ``S.grad`` does. ``torch.autograd.grad(loss, S)`` and
+``loss.backward(inputs=[S])`` found no graph through the wrapper ("appears to not have been used in the graph",
+or no gradient at all)."""
+from __future__ import annotations
+
+import torch
+
+from .._autograd import values_at
+from ..sparse_tensor import SparseTensor, implements
+
+
+def _tuple(x) -> tuple:
+    return (x,) if isinstance(x, torch.Tensor) or not isinstance(x, (tuple, list)) else tuple(x)
+
+
+def _graph_outputs(outputs, grad_outputs):
+    """``(tensors, gradients)`` for torch's autograd: each SparseTensor output as its values, its gradient aligned
+    with them (a sparse one of the same pattern as its values, any other read at the output's stored positions;
+    none for a one-element output: ones, as torch's implicit gradient of a scalar)."""
+    tensors, grads = [], []
+    for out, g in zip(outputs, grad_outputs):
+        if type(out) is SparseTensor:
+            if g is None:
+                if out.numel() != 1:
+                    raise RuntimeError("grad can be implicitly created only for scalar outputs")
+                g = torch.ones_like(out._vals)
+            elif type(g) is SparseTensor and g._vals.shape == out._vals.shape and all(
+                    a is b for a, b in zip(g._levels, out._levels)):  # (on the output's own arrays)
+                g = g._vals
+            else:
+                g = values_at(g, out)
+            out = out._vals
+        elif type(g) is SparseTensor:
+            g = g.to_dense()
+        tensors.append(out)
+        grads.append(g)
+    return tensors, grads
+
+
+@implements(torch.autograd.grad)
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+         allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    """``torch.autograd.grad``; a SparseTensor input's gradient on its pattern (see the module text)."""
+    outputs, inputs = _tuple(outputs), _tuple(inputs)
+    given = [None] * len(outputs) if grad_outputs is None else list(_tuple(grad_outputs))
+    if len(given) != len(outputs):
+        raise RuntimeError(f"grad requires one gradient per output: got {len(given)} for {len(outputs)} outputs")
+    tensors, grads = _graph_outputs(outputs, given)
+    flat = [x._vals if type(x) is SparseTensor else x for x in inputs]
+    with torch._C.DisableTorchFunctionSubclass():
+        got = torch.autograd.grad(tensors, flat, grads, retain_graph=retain_graph, create_graph=create_graph,
+                                  only_inputs=only_inputs, allow_unused=allow_unused,
+                                  is_grads_batched=is_grads_batched, materialize_grads=materialize_grads)
+    return tuple(g if g is None or type(x) is not SparseTensor else _on_pattern(x, g) for x, g in zip(inputs, got))
+
+
+def _on_pattern(x: SparseTensor, g: torch.Tensor) -> SparseTensor:
+    out = x.detach().with_values(g)
+    out._pattern_grad = True  # (as ``S.grad``: a gradient on the pattern, for the optimizers)
+    return out
+
+
+@implements(torch.autograd.backward)
+def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+    """``torch.autograd.backward`` (``Tensor.backward``); a SparseTensor among ``inputs`` stands for its values
+    (its ``.grad`` is read on its pattern)."""
+    tensors = _tuple(tensors)
+    given = grad_tensors if grad_tensors is not None else grad_variables
+    given = [None] * len(tensors) if given is None else list(_tuple(given))
+    graph, grads = _graph_outputs(tensors, given)
+    if inputs is not None:
+        inputs = [x._vals if type(x) is SparseTensor else x for x in _tuple(inputs)]
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.autograd.backward(graph, grads, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
