@@ -689,3 +689,30 @@ def test_compressed_constructors_take_torchs_keyword_names(name, compressed, pla
         ctor(ptr, idx)
     with pytest.raises(TypeError):
         ctor(ptr, idx, vals, bogus=1)
+
+
+@pytest.mark.parametrize("case", ["column out of range", "values too short", "crow decreasing", "crow too long"])
+def test_from_torch_checks_what_keeps_kernels_in_bounds(case):
+    """torch's constructors check nothing by default: an out-of-range column reached a kernel and crashed the
+    process (a segfault), short values were read past their end. ``from_torch`` checks lengths, positions and
+    coordinate ranges (not order: ``check=True`` for that)."""
+    import warnings
+    crow, col, vals = torch.tensor([0, 2, 3, 4]), torch.tensor([0, 1, 1, 2]), torch.tensor([1.0, 2, 3, 4])
+    if case == "column out of range":
+        col = torch.tensor([0, 10 ** 8, 1, 2])
+    elif case == "values too short":
+        vals = vals[:2]
+    elif case == "crow decreasing":
+        crow = torch.tensor([0, 3, 1, 4])
+    else:
+        crow = torch.tensor([0, 2, 3, 4, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            t = torch.sparse_csr_tensor(crow, col, vals, (3, 3))
+        except RuntimeError:
+            pytest.skip("torch refused these arrays itself")
+        with pytest.raises(ValueError, match="level 1|values has shape"):
+            scorch.from_torch(t) @ torch.ones(3, 2)
+        with pytest.raises(ValueError, match="level 1|values has shape"):
+            scorch.asformat(t, "csr")

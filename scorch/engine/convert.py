@@ -101,7 +101,7 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     narrow = index_dtype in NARROW_INDEX_DTYPES  # (assembled by storage.pack, which checks that every value fits)
     check = check or checking_invariants()
     if x.layout in _SPARSE_LAYOUTS:
-        x = from_torch(x, check=check)
+        x = from_torch(x, check=check or None)
     if type(x) is SparseTensor and len(_storage.index_dtypes(x._levels)) > 1:  # (built with check=False)
         x = SparseTensor(x._format, x._shape, _storage.uniform_index_dtype(x._levels), x._vals, check=check)
     if needs_grad([x]) and not (isinstance(x, SparseTensor) and x.format == fmt and index_dtype in (
@@ -308,8 +308,11 @@ def _versions(s: SparseTensor):
     return (array_version(s._vals),) + tuple(array_version(a) for st in s._levels for a in st.arrays().values())
 
 
-def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
-    """View a torch sparse tensor (COO, CSR, CSC, BSR, BSC) as a SparseTensor, sharing its arrays."""
+def from_torch(t: torch.Tensor, *, check=None) -> SparseTensor:
+    """View a torch sparse tensor (COO, CSR, CSC, BSR, BSC) as a SparseTensor, sharing its arrays. ``check``:
+    None (default) checks what keeps the kernels' reads in bounds (``storage.validate_bounds``: array lengths,
+    positions, coordinate ranges; torch's constructors check nothing by default); True validates everything
+    (order and uniqueness too); False nothing (arrays scorch made itself)."""
     if isinstance(t, SparseTensor):
         return t
     layout = t.layout
@@ -352,7 +355,9 @@ def from_torch(t: torch.Tensor, *, check=False) -> SparseTensor:
         levels = [LevelStorage()] + [LevelStorage(pos=pos, crd=crd)] + [LevelStorage()] * (len(fmt.levels) - 2)
     # torch keeps int32 crow indices beside int64 column indices when invariants are not checked
     levels = _storage.uniform_index_dtype(levels)
-    return SparseTensor(fmt, t.shape, levels, vals, requires_grad=t.requires_grad and t.is_leaf, check=check)
+    if check is None and not checking_invariants():
+        _storage.validate_bounds(fmt, t.shape, levels, vals)
+    return SparseTensor(fmt, t.shape, levels, vals, requires_grad=t.requires_grad and t.is_leaf, check=bool(check))
 
 
 def to_torch(s: SparseTensor) -> torch.Tensor:

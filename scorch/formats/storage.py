@@ -449,6 +449,21 @@ def uniform_index_dtype(levels) -> tuple:
     return levels
 
 
+def validate_bounds(fmt: Format, shape, levels, values) -> None:
+    """The checks of ``validate`` that keep a kernel's reads inside the arrays: each level's own (array lengths,
+    ``pos`` from 0 and never decreasing to its ``crd``'s length, coordinates in range) and the number of values;
+    not the order and uniqueness of coordinates (a sort-like pass, ~20 ns an entry). ``from_torch`` runs these
+    on a torch tensor (torch's constructors check nothing by default: an out-of-range column crashed a kernel)."""
+    if len(levels) != len(fmt.levels):
+        raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
+    count = 1
+    for k, ((lo, hi), lvl, st) in enumerate(zip(fmt.level_bounds(shape), fmt.level_types, levels)):
+        lvl.validate(st, count, lo, hi, f"level {k} ({fmt.level_text(k)})")
+        count = lvl.num_positions(st, count, lo, hi)
+    if values.dim() != 1 or values.numel() != count:
+        raise ValueError(f"values has shape {tuple(values.shape)}, expected ({count},): one per stored position")
+
+
 def validate_uncached(fmt: Format, shape, levels, values) -> None:
     """The checks of :func:`validate`, run every time: ``validate`` runs them once per unchanged index arrays
     (format, shape and number of values). Public for tests: ``tests/test_reuse.py`` counts its calls."""

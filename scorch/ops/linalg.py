@@ -10,7 +10,7 @@ from .. import deferred, fusion
 from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
-from ..formats import Mod
+from ..formats import Mod, named
 from ..sparse_tensor import (NoSparseRule, SparseTensor, dense_fallback, device_of, dtype_of, implements, needs_grad,
                              padding_of, shape_of)
 from .sparse_api import coalesce
@@ -129,11 +129,23 @@ def _product(name, eq, a, b, ranks, inner):
 
 
 @implements(torch.mm, torch.Tensor.mm, torch.sparse.mm, torch.spmm)
-def mm(a, b, *args, out=None):
+def mm(a, b, *args, reduce=None, out=None):
     """Matrix product, as ``matmul`` for 2-d operands (``torch.sparse.mm``, ``torch.spmm`` too; ``out=`` as
-    ``matmul``'s)."""
-    if args:  # torch.sparse.mm(S, D, reduce) is not supported
-        raise NotImplementedError("scorch: torch.sparse.mm with a reduce argument is not supported yet")
+    ``matmul``'s). ``torch.sparse.mm(S, X, reduce)`` with ``"mean"``, ``"amax"`` or ``"amin"`` (PyG's SAGEConv
+    mean aggregation) runs torch's own CSR kernel on ``S``'s arrays (CSR, converted where ``S`` is another
+    format; gradients reach its values)."""
+    if args:
+        if len(args) > 1 or reduce is not None:
+            raise TypeError("mm: takes one reduce argument")
+        reduce = args[0]
+    if reduce not in (None, "sum"):
+        if type(a) is not SparseTensor or isinstance(b, SparseTensor) or len(a._shape) != 2:
+            raise NotImplementedError(f"scorch: torch.sparse.mm(..., reduce={reduce!r}) takes a 2-d sparse and a"
+                                      " dense operand")
+        t = (a if a._format == named.csr else a.asformat("csr")).to_torch()
+        with torch._C.DisableTorchFunctionSubclass():
+            r = torch.sparse.mm(t, b, reduce)
+        return r if out is None else into(out, r, "mm")
     r = _product("mm", "ij,jk->ik", a, b, (2, 2), (1, 0))
     return r if out is None else into(out, r, "mm")
 
