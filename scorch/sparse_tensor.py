@@ -337,7 +337,8 @@ class SparseTensor(Traceable, torch.Tensor):
         return self._map_arrays(torch.clone)
 
     def __deepcopy__(self, memo) -> "SparseTensor":
-        """A copy of the index arrays and values (a leaf, requiring grad as this one does; a parameter stays one)."""
+        """A copy of the index arrays and values (a leaf, requiring grad as this one does; a parameter stays one,
+        without its ``.grad``, as torch's ``Parameter.__deepcopy__`` leaves it)."""
         if id(self) in memo:
             return memo[id(self)]
         out = SparseTensor(self._format, self._shape, tuple(st.map(torch.clone) for st in self._levels),
@@ -345,7 +346,7 @@ class SparseTensor(Traceable, torch.Tensor):
         for flag in ("_is_param", "_pattern_grad"):
             if getattr(self, flag, False):
                 setattr(out, flag, True)
-        if self._vals.grad is not None:
+        if self._vals.grad is not None and not getattr(self, "_is_param", False):
             out._vals.grad = self._vals.grad.clone()
         memo[id(self)] = out
         return out

@@ -201,3 +201,15 @@ def test_scorch_sparse_calls_go_straight_to_scorch_unless_a_torch_function_mode_
         r = scorch.sparse.mm(s, torch.ones(3, 2))
     assert torch.sparse.mm in seen
     torch.testing.assert_close(r, torch.ones(3, 2))
+
+
+def test_deepcopy_of_a_sparse_parameter_leaves_its_grad_behind():
+    """As torch's ``Parameter.__deepcopy__``: the copy's first backward must not add onto the original's grad."""
+    import copy
+    w = torch.nn.Parameter(scorch.asformat(X, "csr"))
+    (w @ torch.ones(4, 2)).sum().backward()
+    c = copy.deepcopy(w)
+    assert w.grad is not None and c.grad is None and isinstance(c, torch.nn.Parameter)
+    t = scorch.asformat(X, "csr").requires_grad_()
+    (t @ torch.ones(4, 2)).sum().backward()
+    assert copy.deepcopy(t).grad is not None  # (a plain tensor's deepcopy keeps it, as torch's)

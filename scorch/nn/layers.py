@@ -15,8 +15,8 @@ import re
 import torch
 import torch.nn as _nn
 
-from ..formats import Format
-from ..formats.named import short_name
+from ..formats import Format, resolve
+from ..formats.named import block_size, short_name
 from ..sparse_tensor import SparseTensor
 from .schedule import schedule
 from .sparsify import BlockFraction, RandomFraction, ScalarFraction, ScalarThreshold, Sparsifier
@@ -34,7 +34,8 @@ class SparseLinear(_nn.Linear):
     """``nn.Linear`` with a sparse weight: ``y = x @ W.T + b`` with ``W`` an ``nn.Parameter(SparseTensor)``.
 
     The weight is initialized as ``nn.Linear`` does, then sparsified: by default a uniformly random pattern
-    keeping the fraction ``density`` of entries (``RandomFraction(1 - density)``, torch's global random state);
+    keeping the fraction ``density`` of entries (``RandomFraction(1 - density)``, torch's global random state;
+    in a blocked format the fraction of blocks with the largest norms, ``BlockFraction``);
     ``sparsifier=`` sets another rule (not both). ``format`` is any scorch format (default ``"csr"``). The bias
     stays dense. Attributes are ``nn.Linear``'s (``weight``, ``bias``, ``in_features``, ``out_features``)."""
 
@@ -43,7 +44,10 @@ class SparseLinear(_nn.Linear):
         if density is not None and sparsifier is not None:
             raise ValueError("SparseLinear takes density or sparsifier, not both")
         if sparsifier is None:
-            sparsifier = RandomFraction(1.0 - _check_density(0.1 if density is None else density))
+            sparsity = 1.0 - _check_density(0.1 if density is None else density)
+            # a blocked format keeps that fraction of blocks (single entries at random kept almost every block)
+            block = block_size(resolve(format, 2))
+            sparsifier = RandomFraction(sparsity) if block is None else BlockFraction(sparsity, block)
         elif not isinstance(sparsifier, Sparsifier):
             raise TypeError(f"sparsifier must be a scorch.nn.Sparsifier, got {type(sparsifier).__name__}")
         self.sparsifier, self.format = sparsifier, format

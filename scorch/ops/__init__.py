@@ -42,6 +42,65 @@ def _with_out(fn, func):
     return call
 
 
+#: torch's view ops whose results a SparseTensor gives as copies where they do not share its values
+_VIEWS = (_torch.Tensor.__getitem__, _torch.Tensor.select, _torch.select, _torch.Tensor.narrow, _torch.narrow,
+          _torch.Tensor.unbind, _torch.unbind, _torch.Tensor.__iter__, _torch.Tensor.view, _torch.Tensor.view_as,
+          _torch.Tensor.reshape, _torch.reshape, _torch.Tensor.reshape_as, _torch.Tensor.flatten, _torch.flatten,
+          _torch.Tensor.unflatten, _torch.unflatten, _torch.Tensor.squeeze, _torch.squeeze, _torch.Tensor.unsqueeze,
+          _torch.unsqueeze, _torch.Tensor.expand, _torch.Tensor.expand_as, _torch.split, _torch.Tensor.split,
+          _torch.chunk, _torch.Tensor.chunk, _torch.tensor_split, _torch.Tensor.tensor_split)
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+def _basic_index(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, slice)) for k in keys)
+
+
+def _marking_copies(fn, func):
+    """``fn`` (a view op's implementation) marking each SparseTensor result that does not share the input's values:
+    a copy, where torch's dense op gives a view, so an in-place op on it would not reach the input."""
+    name = getattr(func, "__name__", "op")
+
+    @_functools.wraps(fn)
+    def call(x, *args, **kwargs):
+        r = fn(x, *args, **kwargs)
+        if type(x) is _SparseTensor and (func is not _torch.Tensor.__getitem__ or _basic_index(args[0])):
+            shared = x._vals.untyped_storage().data_ptr()
+            for y in (r if isinstance(r, (tuple, list)) else (r,)):
+                if type(y) is _SparseTensor and y._vals.untyped_storage().data_ptr() != shared:
+                    y.__dict__["_copy_of"] = name
+        return r
+    return call
+
+
+def _refusing_copies(fn, func):
+    """``fn`` (an in-place op's implementation) refusing a SparseTensor marked by ``_marking_copies``: the change
+    would land in the copy only (``S[1].zero_()`` left ``S`` as it was, silently)."""
+    name = getattr(func, "__name__", "op")
+
+    @_functools.wraps(fn)
+    def call(x, *args, **kwargs):
+        view = x.__dict__.get("_copy_of") if type(x) is _SparseTensor else None
+        if view is not None:
+            raise NotImplementedError(
+                f"scorch: in-place {name} on the result of a SparseTensor's {view}: that result is a copy of the "
+                "entries (sparse indexing and reshaping copy where dense torch gives a view), so the change would "
+                "not reach the tensor it came from. Change that tensor itself (its values(), or a masked op on it),"
+                " or .clone() the result first to change only the copy")
+        return fn(x, *args, **kwargs)
+    return call
+
+
+for _f, _fn in list(_IMPLEMENTATIONS.items()):
+    _name = getattr(_f, "__name__", "")
+    if _f in _VIEWS:
+        _IMPLEMENTATIONS[_f] = _marking_copies(_fn, _f)
+    elif getattr(_torch.Tensor, _name, None) is _f and (
+            (_name.endswith("_") and not _name.endswith("__")) or _name in _INPLACE_DUNDERS):
+        _IMPLEMENTATIONS[_f] = _refusing_copies(_fn, _f)
+
 # torch functions (not methods) take out=: an implementation that has no out= of its own gets it here (torch.sum,
 # torch.add, torch.bmm... with out= raised a TypeError)
 for _f, _fn in list(_IMPLEMENTATIONS.items()):

@@ -76,3 +76,31 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
         inputs = [x._vals if type(x) is SparseTensor else x for x in _tuple(inputs)]
     with torch._C.DisableTorchFunctionSubclass():
         torch.autograd.backward(graph, grads, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+
+
+@implements(torch.Tensor.register_hook)
+def register_hook(x, hook):
+    """A hook on the gradient of ``x``'s values, called with it on ``x``'s pattern (a SparseTensor); what it
+    returns (a SparseTensor on that pattern, a values tensor, or None) replaces the gradient as torch's hooks do.
+    Returns the handle (``handle.remove()``)."""
+    if type(x) is not SparseTensor:
+        return torch.Tensor.register_hook(x, hook)
+
+    def on_values(g):
+        r = hook(_on_pattern(x, g))
+        if r is None:
+            return None
+        if type(r) is SparseTensor:
+            if r._vals.shape != g.shape:
+                raise RuntimeError("scorch: a gradient hook on a SparseTensor must return a gradient on its pattern")
+            return r._vals
+        return r
+    return x._vals.register_hook(on_values)
+
+
+@implements(torch.Tensor.register_post_accumulate_grad_hook)
+def register_post_accumulate_grad_hook(x, hook):
+    """``hook(x)`` after the gradient of ``x`` (a leaf) is accumulated into ``x.grad``, as torch calls it."""
+    if type(x) is not SparseTensor:
+        return torch.Tensor.register_post_accumulate_grad_hook(x, hook)
+    return x._vals.register_post_accumulate_grad_hook(lambda _: hook(x))

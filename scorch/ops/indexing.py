@@ -227,6 +227,61 @@ def narrow(x, dim, start, length):
     return _result(dims, vals, tuple(shape), x._format.keeps_duplicates, "narrow")
 
 
+def _pieces(x, dim, bounds, name):
+    """The pieces of ``x`` along ``dim`` between consecutive ``bounds``, by ``narrow`` (each canonical COO: the
+    sparse ``split`` / ``chunk`` / ``tensor_split``, which ran on the dense form and gave dense copies)."""
+    d = _dim(dim, x.dim(), name)
+    return tuple(narrow(x, d, lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def _split(x, split_size_or_sections, dim=0):
+    """``split``: pieces of a size (the last one shorter), or of the listed sizes (which add up to the dim)."""
+    n = x._shape[_dim(dim, x.dim(), "split")]
+    if isinstance(split_size_or_sections, int):
+        step = split_size_or_sections
+        if step <= 0 and n:
+            raise RuntimeError(f"split: split_size must be positive, got {step}")
+        points = list(range(0, n, step)) + [n] if n else [0, 0]
+    else:
+        sizes = [int(k) for k in split_size_or_sections]
+        if sum(sizes) != n:
+            raise RuntimeError(f"split: sizes {sizes} do not add up to the dimension's size {n}")
+        points = [0]
+        for k in sizes:
+            points.append(points[-1] + k)
+    return _pieces(x, dim, points, "split")
+
+
+def _chunk(x, chunks, dim=0):
+    """``chunk``: pieces of ``ceil(n / chunks)`` (so maybe fewer than ``chunks``, as torch gives)."""
+    n = x._shape[_dim(dim, x.dim(), "chunk")]
+    if chunks <= 0:
+        raise RuntimeError(f"chunk expects `chunks` to be greater than 0, got: {chunks}")
+    return _split(x, -(-n // chunks), dim) if n else _pieces(x, dim, [0] * (chunks + 1), "chunk")
+
+
+def _tensor_split(x, indices_or_sections=None, dim=0, *, sections=None, indices=None):
+    """``tensor_split``: ``sections`` pieces of near-equal sizes, or pieces between split ``indices``."""
+    n = x._shape[_dim(dim, x.dim(), "tensor_split")]
+    arg = indices_or_sections if indices_or_sections is not None else sections if sections is not None else indices
+    if isinstance(arg, torch.Tensor):
+        arg = arg.tolist()
+    if isinstance(arg, int) and indices is None:
+        q, r = divmod(n, arg)
+        points = [0]
+        for k in range(arg):
+            points.append(points[-1] + q + (1 if k < r else 0))
+    else:
+        points = [0] + [min(max(int(p) + (n if int(p) < 0 else 0), 0), n) for p in arg] + [n]
+        points = [points[0]] + [max(p, q) for p, q in zip(points[1:], points[:-1])]
+    return _pieces(x, dim, points, "tensor_split")
+
+
+implements(torch.split, _T.split)(_split)
+implements(torch.chunk, _T.chunk)(_chunk)
+implements(torch.tensor_split, _T.tensor_split)(_tensor_split)
+
+
 @implements(torch.unbind, _T.unbind)
 def unbind(x, dim=0):
     """The slices along ``dim`` (each canonical COO; 0-d dense tensors from a 1-d ``x``), as a tuple."""

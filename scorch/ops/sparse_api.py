@@ -66,28 +66,37 @@ def _compressed_arrays(x, names):
                               f" {n or x._format}")
 
 
+#: torch's index accessors give int64, as torch's own layouts hold them by default: a narrower stored array is
+#: widened (a copy; an int64 one is shared). Code built on them expects int64: torch 2.13's CPU ``gather`` with an
+#: expanded int32 index returns wrong rows (the backward of PyG's scatter: GATConv's gradients on a scorch CSR)
+
+
+def _wide(a):
+    return a if a.dtype == torch.int64 else a.to(torch.int64)
+
+
 @implements(torch.Tensor.crow_indices)
 def crow_indices(x):
-    """CSR/BSR: the row pointer array (shared)."""
-    return _compressed_arrays(x, ("csr", "bsr")).pos
+    """CSR/BSR: the row pointer array, int64 (shared where stored as int64)."""
+    return _wide(_compressed_arrays(x, ("csr", "bsr")).pos)
 
 
 @implements(torch.Tensor.col_indices)
 def col_indices(x):
-    """CSR/BSR: the column index array (shared)."""
-    return _compressed_arrays(x, ("csr", "bsr")).crd
+    """CSR/BSR: the column index array, int64 (shared where stored as int64)."""
+    return _wide(_compressed_arrays(x, ("csr", "bsr")).crd)
 
 
 @implements(torch.Tensor.ccol_indices)
 def ccol_indices(x):
-    """CSC/BSC: the column pointer array (shared)."""
-    return _compressed_arrays(x, ("csc", "bsc")).pos
+    """CSC/BSC: the column pointer array, int64 (shared where stored as int64)."""
+    return _wide(_compressed_arrays(x, ("csc", "bsc")).pos)
 
 
 @implements(torch.Tensor.row_indices)
 def row_indices(x):
-    """CSC/BSC: the row index array (shared)."""
-    return _compressed_arrays(x, ("csc", "bsc")).crd
+    """CSC/BSC: the row index array, int64 (shared where stored as int64)."""
+    return _wide(_compressed_arrays(x, ("csc", "bsc")).crd)
 
 
 # --- to_sparse* -----------------------------------------------------------------------------------------------

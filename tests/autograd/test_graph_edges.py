@@ -126,3 +126,22 @@ def test_sparse_tensors_as_autograd_inputs_and_outputs(fmt):
             warnings.simplefilter("ignore")
             grads = torch.autograd.grad(lin(torch.randn(2, 4)).sum(), list(lin.parameters()))
         assert [type(g) for g in grads][0] is scorch.SparseTensor
+
+
+@pytest.mark.parametrize("fmt", ["csr", "ell"])
+def test_gradient_hooks_on_sparse_parameters(fmt):
+    """``register_hook`` / ``register_post_accumulate_grad_hook`` raised on a SparseTensor (gradient masking or
+    clipping hooks, optimizer-in-backward): the hook sees the gradient on the pattern, and may replace it."""
+    w = torch.nn.Parameter(scorch.asformat(X, fmt))
+    seen = []
+    handle = w.register_hook(lambda g: (seen.append(type(g)), g * 2)[1])
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.to_dense().sum().item()))
+    b = torch.ones(4, 2, dtype=torch.float64)
+    (w @ b).sum().backward()
+    assert seen[0] is scorch.SparseTensor
+    torch.testing.assert_close(w.grad.to_dense(), 4 * (X != 0).double())
+    assert seen[1] == pytest.approx(12.0)
+    handle.remove()
+    w.grad = None
+    (w @ b).sum().backward()
+    torch.testing.assert_close(w.grad.to_dense(), 2 * (X != 0).double())

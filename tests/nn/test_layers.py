@@ -189,3 +189,16 @@ def test_scorch_nn_modules_is_torchs():
     assert scorch.nn.modules is torch.nn.modules
     assert scorch.nn.modules.batchnorm._BatchNorm is torch.nn.modules.batchnorm._BatchNorm
     assert importlib.import_module("scorch.nn.modules.linear") is torch.nn.modules.linear
+
+
+@pytest.mark.parametrize("fmt,block", [("bsr(16, 16)", (16, 16)), ("bsr(4, 4)", (4, 4)), ("bsc(8, 4)", (8, 4))])
+def test_sparse_linear_density_in_a_blocked_format_keeps_that_fraction_of_blocks(fmt, block):
+    """``SparseLinear(format="bsr(16, 16)", density=0.1)`` pruned single entries at random, then stored every
+    block still holding one: all of them (no memory or speed gained)."""
+    torch.manual_seed(0)
+    layer = scorch.nn.SparseLinear(256, 128, format=fmt, density=0.1)
+    w = layer.weight
+    assert w.format == scorch.asformat(torch.eye(16), fmt).format
+    blocks = (w.to_dense().reshape(128 // block[0], block[0], 256 // block[1], block[1]) != 0).any(3).any(1)
+    assert abs(blocks.float().mean().item() - 0.1) < 0.02
+    assert abs(w.values().numel() / (256 * 128) - 0.1) < 0.02

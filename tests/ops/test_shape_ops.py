@@ -405,3 +405,45 @@ def test_index_select_errors():
         x.index_select(2, torch.tensor([0]))
     with pytest.raises(IndexError, match="index 9 is out of range"):  # CSR fast path checks too
         scorch.asformat(_dense((4, 6)), "csr").index_select(0, torch.tensor([9]))
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell"])
+@pytest.mark.parametrize("op", ["S[1].zero_()", "S[:, 0].mul_(2)", "S[0:2].mul_(2)", "S.view(9).mul_(2)",
+                                "S[...].add_(S[...])", "S.select(0, 2).neg_()", "rows", "S.chunk(3)[0].mul_(2)",
+                                "S.split(1)[2].relu_()"])
+def test_in_place_ops_on_copies_of_views_raise(fmt, op):
+    """Dense torch gives a view, whose in-place change reaches the tensor; a SparseTensor gives a copy, so the
+    change was lost, silently (``S[1].zero_()`` left ``S`` as it was): it raises now, naming the op."""
+    s = scorch.asformat(torch.tensor([[1., 0, 2], [0, 3, 0], [4, 0, 5]]), fmt)
+    before = s.to_dense().clone()
+    run = {"S[1].zero_()": lambda: s[1].zero_(), "S[:, 0].mul_(2)": lambda: s[:, 0].mul_(2),
+           "S[0:2].mul_(2)": lambda: s[0:2].mul_(2), "S.view(9).mul_(2)": lambda: s.view(9).mul_(2),
+           "S[...].add_(S[...])": lambda: s[...].add_(s[...]), "S.select(0, 2).neg_()": lambda: s.select(0, 2).neg_(),
+           "rows": lambda: [r.mul_(2) for r in s], "S.chunk(3)[0].mul_(2)": lambda: s.chunk(3)[0].mul_(2),
+           "S.split(1)[2].relu_()": lambda: s.split(1)[2].relu_()}[op]
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="copy"):
+        run()
+    assert torch.equal(s.to_dense(), before)
+    r = s[1].clone()  # (a clone is the caller's own tensor)
+    r.mul_(2)
+    assert torch.equal(r.to_dense(), 2 * before[1])
+    s.t().mul_(2)  # (a transposed view shares the values: the change lands)
+    assert torch.equal(s.to_dense(), 2 * before)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (0, 3), (4, 4)])
+@pytest.mark.parametrize("call", [("split", (2,)), ("split", (2, 1)), ("chunk", (3,)), ("chunk", (3, 1)),
+                                  ("chunk", (10,)), ("tensor_split", (3,)), ("tensor_split", ([1, 3],)),
+                                  ("tensor_split", ([1, 3], 1)), ("split", ([1, 2], 1))])
+def test_split_chunk_tensor_split_sparse(shape, call):
+    """They ran on the dense form (dense copies); now sparse pieces by ``narrow``, as torch slices them."""
+    name, args = call
+    if name == "split" and isinstance(args[0], list) and shape[1] != 3:
+        args = ([1, shape[1] - 1], 1)
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(*shape, generator=g) * (torch.rand(*shape, generator=g) < 0.5)
+    want = getattr(d, name)(*args)
+    got = getattr(scorch.asformat(d, "csr"), name)(*args)
+    assert len(got) == len(want)
+    for w, x in zip(want, got):
+        assert isinstance(x, scorch.SparseTensor) and x.shape == w.shape and torch.equal(x.to_dense(), w)

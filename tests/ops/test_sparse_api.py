@@ -131,3 +131,61 @@ def test_to_sparse_methods(fmt):
         torch.testing.assert_close(r.to_dense(), d)
     with pytest.raises(ValueError, match="blocksize"):
         s.to_sparse(layout=torch.sparse_bsr)
+
+
+def test_index_accessors_give_int64_as_torch_layouts_do():
+    """Code built on ``crow_indices()`` / ``col_indices()`` expects int64 (torch's default): PyG's GATConv on a
+    scorch CSR (int32 arrays) got wrong gradients, through torch's CPU gather with an expanded int32 index."""
+    d = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0]])
+    csr, csc = scorch.asformat(d, "csr"), scorch.asformat(d, "csc")
+    assert csr.levels[1].crd.dtype == torch.int32
+    for a in (csr.crow_indices(), csr.col_indices(), csc.ccol_indices(), csc.row_indices()):
+        assert a.dtype == torch.int64
+    torch.testing.assert_close(csr.col_indices(), torch.tensor([1, 0, 2]))
+    wide = scorch.asformat(d, "csr", index_dtype=torch.int64)
+    assert wide.col_indices().data_ptr() == wide.levels[1].crd.data_ptr()  # (shared where stored as int64)
+
+
+def test_pyg_gatconv_gradients_on_a_scorch_adjacency():
+    pyg = pytest.importorskip("torch_geometric.nn")
+    torch.manual_seed(0)
+    n = 15
+    a = ((torch.rand(n, n) < 0.2) | (torch.rand(n, n) < 0.2).t()).float()
+    a.fill_diagonal_(0)
+    x = torch.randn(n, 6)
+    conv = pyg.GATConv(6, 4, add_self_loops=False)
+
+    def grads(adj):
+        conv.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        out = conv(xg, adj)
+        out.pow(2).sum().backward()
+        return out.detach(), xg.grad, conv.lin.weight.grad.clone()
+
+    ref = grads(a.nonzero().t())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = grads(scorch.asformat(a.t().contiguous(), "csr"))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax", "amin"])
+def test_sparse_mm_with_reduce(fmt, reduce):
+    """``torch.sparse.mm(S, X, reduce)`` raised (PyG's SAGEConv with mean aggregation stopped)."""
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(5, 4, generator=g) * (torch.rand(5, 4, generator=g) < 0.5)
+    x = torch.randn(4, 3, generator=g)
+    s = scorch.asformat(d, fmt).requires_grad_()
+    xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    t = d.to_sparse_csr().requires_grad_()
+    got = torch.sparse.mm(s, xs, reduce)
+    want = torch.sparse.mm(t, xt, reduce)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(xs.grad, xt.grad)
+    torch.testing.assert_close(s.grad.to_dense(), t.grad.to_dense())
+    torch.testing.assert_close(torch.sparse.mm(s.detach(), x, reduce=reduce), want.detach())
