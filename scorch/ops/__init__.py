@@ -8,11 +8,11 @@ import inspect as _inspect
 
 import torch as _torch
 
-from . import (activation, autograd_api, compare, elementwise, extrema, foreach, indexing, linalg, norms, pattern, reduce,  # noqa: F401
-               shape, shape_ops, sparse_api)
+from . import (activation, autograd_api, compare, elementwise, extrema, foreach, indexing, linalg,  # noqa: F401
+               norms, pattern, reduce, shape, shape_ops, sparse_api)
 from .._forward import forward as _forward
 from ..sparse_tensor import IMPLEMENTATIONS as _IMPLEMENTATIONS, SparseTensor as _SparseTensor
-from ..sparse_tensor import dense_fallback as _dense_fallback
+from ..sparse_tensor import _INPLACE_DUNDERS, dense_fallback as _dense_fallback
 
 
 def _takes_out(fn) -> bool:
@@ -49,8 +49,6 @@ _VIEWS = (_torch.Tensor.__getitem__, _torch.Tensor.select, _torch.select, _torch
           _torch.Tensor.unflatten, _torch.unflatten, _torch.Tensor.squeeze, _torch.squeeze, _torch.Tensor.unsqueeze,
           _torch.unsqueeze, _torch.Tensor.expand, _torch.Tensor.expand_as, _torch.split, _torch.Tensor.split,
           _torch.chunk, _torch.Tensor.chunk, _torch.tensor_split, _torch.Tensor.tensor_split)
-_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 
 
 def _basic_index(key) -> bool:

@@ -447,3 +447,11 @@ def test_split_chunk_tensor_split_sparse(shape, call):
     assert len(got) == len(want)
     for w, x in zip(want, got):
         assert isinstance(x, scorch.SparseTensor) and x.shape == w.shape and torch.equal(x.to_dense(), w)
+
+
+def test_item_assignment_into_a_copy_of_a_view_raises():
+    """``S[1][0] = 0`` wrote into the copy ``S[1]`` only (dense torch: a view, so into ``S``)."""
+    s = scorch.asformat(torch.tensor([[1., 0, 2], [0, 3, 0]]), "csr")
+    with pytest.raises(NotImplementedError, match="copy"):
+        s[1][1] = 0.0
+    assert s.to_dense()[1, 1] == 3.0
