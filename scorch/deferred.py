@@ -168,17 +168,20 @@ def check_versions(d):
                                f" was used ({d._expr.describe()}); use the result before modifying its operands,"
                                " or run under scorch.deferral('off')")
     if d._prints != fingerprints(d._expr.operands):
-        raise RuntimeError(f"scorch: an operand of a deferred result was written (through .data or a NumPy view)"
-                           f" before the result was used ({d._expr.describe()}); use the result before writing"
+        raise RuntimeError(f"scorch: an operand of a deferred result was written (through .data, a NumPy view, or"
+                           f" in place under torch.inference_mode) before the result was used"
+                           f" ({d._expr.describe()}); use the result before writing"
                            " its operands, or run under scorch.deferral('off')")
 
 
 def fingerprints(operands) -> tuple:
-    """The fingerprints (``relayout.fingerprint``) of the operands that are contiguous CPU strided tensors; None
-    for the others (their version counters alone are checked)."""
-    from .compiler.relayout import fingerprint
-    return tuple(fingerprint(t) if isinstance(t, torch.Tensor) and t.layout == torch.strided and
-                 t.device.type == "cpu" and t.is_contiguous() else None for t in operands)
+    """The fingerprints of the operands that are CPU strided tensors (``relayout.fingerprint_span``: the bytes
+    each spans, so a transposed view ``W.t()`` is covered: a write through ``W.data``, or any write under
+    ``torch.inference_mode``, where tensors have no version counter, went unseen); None for the others (their
+    version counters alone are checked)."""
+    from .compiler.relayout import fingerprint_span
+    return tuple(fingerprint_span(t) if isinstance(t, torch.Tensor) and t.layout == torch.strided and
+                 t.device.type == "cpu" else None for t in operands)
 
 
 def compute_all(items):

@@ -248,6 +248,9 @@ def traced_op(func, types, args, kwargs):
         operands = list(args)
     elif func is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
         operands = [args[1], args[0]]
+    elif func is torch.Tensor.to_dense and len(args) == 1 and not kwargs and isinstance(args[0], SparseTensor):
+        letters = "abcdefgh"[:_ndim(args[0])]
+        equation, operands = f"{letters}->{letters}", list(args)  # (the entries scattered: a dense result)
     elif func is torch.einsum and not kwargs and len(args) >= 2:
         equation = args[0]
         operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
@@ -256,7 +259,8 @@ def traced_op(func, types, args, kwargs):
         equation = matmul_equation(da, db) if (da, db) in ((2, 2), (2, 1), (1, 2)) else None
     if operands is None and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
         return NotImplemented  # an attribute read (Dynamo reads some itself): as in eager
-    dense_out = operands is not None and any(not isinstance(x, SparseTensor) for x in operands)
+    dense_out = operands is not None and (func is torch.Tensor.to_dense or any(not isinstance(x, SparseTensor)
+                                                                            for x in operands))
     if equation is None or not dense_out or not all(isinstance(x, torch.Tensor) for x in operands):
         raise NotCompilable(
             f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"

@@ -54,11 +54,20 @@ def active() -> bool:
     return _region.depth > 0
 
 
-def compile(fn=None, *, fullgraph=False, dynamic=None, mode=None, backend=None):
-    """Fuse ``fn``'s scorch ops (a decorator, as ``torch.compile``; its other arguments are accepted and
-    ignored). Ops that cannot be fused run eagerly, as without the decorator."""
+def compile(fn=None, *, fullgraph=False, dynamic=None, mode=None, backend=None, options=None, disable=False):
+    """Fuse ``fn``'s scorch ops (a decorator, as ``torch.compile``; for a function its other arguments are accepted
+    and ignored). Ops that cannot be fused run eagerly, as without the decorator. An ``nn.Module`` is given to
+    ``torch.compile`` with the arguments (under ``import scorch as torch``, ``torch.compile(model)`` must give a
+    module back: ``model.parameters()``, ``.train()``, ``state_dict()``; a sparse product in it is one custom op
+    of the graph, ``scorch/dynamo.py``)."""
     if fn is None:
-        return lambda f: compile(f)
+        return lambda f: compile(f, fullgraph=fullgraph, dynamic=dynamic, mode=mode, backend=backend,
+                                 options=options, disable=disable)
+    if isinstance(fn, torch.nn.Module):
+        return torch.compile(fn, fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options, disable=disable,
+                             **({} if backend is None else {"backend": backend}))
+    if disable:
+        return fn
 
     @functools.wraps(fn)
     def compiled(*args, **kwargs):

@@ -304,7 +304,8 @@ class SparseTensor(Traceable, torch.Tensor):
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
         """The dense tensor (differentiable: the gradient reaches the stored values). On the CPU a generated
         kernel writes it (``engine.densify``); elsewhere, and for small storage, the entries are listed."""
-        out = RULES.to_dense(self._format, self._shape, self._levels, self._vals)
+        out = RULES.traced_op(torch.Tensor.to_dense, (), (self,), {}) if torch.compiler.is_compiling() else \
+            RULES.to_dense(self._format, self._shape, self._levels, self._vals)  # (compiling: one custom op)
         if out is None:
             out = _storage.to_dense(self._format, self._shape, self._levels, self._vals)
         return out if dtype is None else out.to(dtype)

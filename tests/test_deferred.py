@@ -101,7 +101,7 @@ def test_operand_written_around_the_version_counter_raises(write):
     else:
         b.numpy()[-1, -1] -= 1.0
     assert b._version == version
-    with pytest.raises(RuntimeError, match="through .data or a NumPy view"):
+    with pytest.raises(RuntimeError, match="through .data, a NumPy view"):
         y + 0
     a, b = _pair()
     y = scorch.einsum("ij,jk->ik", a, b)     # unchanged operands: the value, as before
@@ -234,3 +234,19 @@ def test_issue_program_computes_only_kept_entries(monkeypatch):
     assert [g.group for g in calls] == [("n",)]  # one grouped product over the gate's entries
     expect = torch.einsum("bnd,bn->bd", torch.einsum("bd,ndh->bnh", x, E), gates.float())
     torch.testing.assert_close(y.to_dense(), expect)
+
+
+@pytest.mark.parametrize("how", ["data", "inference"])
+def test_writes_to_a_transposed_operand_are_seen(how):
+    """Only contiguous operands were fingerprinted: ``einsum(x, W.t())`` then ``W.data.mul_(2)`` (or any write
+    under ``torch.inference_mode``, where tensors have no version counter) gave the later values, silently."""
+    import contextlib
+    ctx = torch.inference_mode() if how == "inference" else contextlib.nullcontext()
+    with ctx, scorch.deferral("all"):
+        x, w = torch.randn(6, 5), torch.randn(4, 5)
+        y = scorch.einsum("ij,jk->ik", x, w.t())
+        (w.data if how == "data" else w).mul_(2)
+        with pytest.raises(RuntimeError, match="written"):
+            y + 0
+        y = scorch.einsum("ij,jk->ik", x, w.t())  # (untouched operands: the value)
+        torch.testing.assert_close(y + 0, x @ w.t())

@@ -390,3 +390,23 @@ def test_compiled_attention_on_a_dcsr_pattern_runs_op_by_op(grad):
         _attn(p, *ref).sum().backward()
         for a, b in zip(xs, ref):
             torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_compile_of_a_module_gives_a_module():
+    """Under ``import scorch as torch``, ``torch.compile(model)`` returned a plain function (``model.parameters()``
+    then raised): a module goes to ``torch.compile`` with its arguments."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 4) * (torch.rand(3, 4) < 0.5)
+    lin = torch.nn.Linear(4, 3)
+    lin.weight = torch.nn.Parameter(scorch.asformat(w, "csr"))
+    model = scorch.compile(torch.nn.Sequential(lin, torch.nn.ReLU()), backend="aot_eager")
+    assert isinstance(model, torch.nn.Module)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(model(x), torch.relu(x @ w.t() + lin.bias))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).sum().backward()
+    opt.step()
+    assert isinstance(lin.weight, scorch.SparseTensor) and "0.weight" in model.state_dict() or \
+        "_orig_mod.0.weight" in model.state_dict()
+    f = scorch.compile(fullgraph=True)(lambda a: a * 2)  # (the decorator form keeps its arguments)
+    torch.testing.assert_close(f(x), x * 2)

@@ -98,12 +98,25 @@ _fingerprint_kernel = None
 def fingerprint(x: torch.Tensor) -> int:
     """A 64-bit fingerprint of the bytes of the contiguous CPU tensor ``x`` (any change of one 8-byte word always
     changes it; more changes leave it equal with probability about 2**-64)."""
+    return _fingerprint_bytes(x.data_ptr(), x.numel() * x.element_size())
+
+
+def fingerprint_span(x: torch.Tensor) -> int:
+    """``fingerprint`` of the bytes a strided CPU tensor spans, from its first element to its last: exactly its
+    own elements for a transposed or permuted view of a block (``W.t()``), more for a strided slice (a write to
+    the bytes between its elements changes it too)."""
+    if x.is_contiguous() or x.numel() == 0:
+        return fingerprint(x)
+    span = sum((k - 1) * s for k, s in zip(x.shape, x.stride())) + 1
+    return _fingerprint_bytes(x.data_ptr(), span * x.element_size())
+
+
+def _fingerprint_bytes(address: int, n: int) -> int:
     global _fingerprint_kernel
     if _fingerprint_kernel is None:
         _fingerprint_kernel = runtime.load(_FINGERPRINT_SOURCE, "scorch_fingerprint",
                                            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_uint64)
-    n = x.numel() * x.element_size()
-    return int(_fingerprint_kernel(x.data_ptr(), n, torch.get_num_threads() if n >= 1 << 18 else 1))
+    return int(_fingerprint_kernel(address, n, torch.get_num_threads() if n >= 1 << 18 else 1))
 
 
 _GATHER_SOURCE = r"""

@@ -50,12 +50,25 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     if len(given) != len(outputs):
         raise RuntimeError(f"grad requires one gradient per output: got {len(given)} for {len(outputs)} outputs")
     tensors, grads = _graph_outputs(outputs, given)
-    flat = [x._vals if type(x) is SparseTensor else x for x in inputs]
+    # a SparseTensor input of a torch.compile'd graph is in that graph as the wrapper itself (``_bridged``, see
+    # ``_traceable``): both it and its values are differentiated, and their gradients added
+    bridged = [type(x) is SparseTensor and getattr(x, "_bridged", False) for x in inputs]
+    flat = [x._vals if type(x) is SparseTensor else x for x in inputs] + [x for x, b in zip(inputs, bridged) if b]
     with torch._C.DisableTorchFunctionSubclass():
-        got = torch.autograd.grad(tensors, flat, grads, retain_graph=retain_graph, create_graph=create_graph,
-                                  only_inputs=only_inputs, allow_unused=allow_unused,
-                                  is_grads_batched=is_grads_batched, materialize_grads=materialize_grads)
-    return tuple(g if g is None or type(x) is not SparseTensor else _on_pattern(x, g) for x, g in zip(inputs, got))
+        got = list(torch.autograd.grad(tensors, flat, grads, retain_graph=retain_graph, create_graph=create_graph,
+                                       only_inputs=only_inputs, allow_unused=allow_unused or any(bridged),
+                                       is_grads_batched=is_grads_batched, materialize_grads=materialize_grads))
+    extra = iter(got[len(inputs):])
+    for k, b in enumerate(bridged):
+        if b:
+            g = next(extra)
+            g = g._vals if type(g) is SparseTensor else g
+            got[k] = g if got[k] is None else got[k] if g is None else got[k] + g
+            if got[k] is None and not allow_unused:
+                raise RuntimeError("One of the differentiated Tensors appears to not have been used in the graph. "
+                                   "Set allow_unused=True if this is the desired behavior.")
+    return tuple(g if g is None or type(x) is not SparseTensor else _on_pattern(x, g)
+                 for x, g in zip(inputs, got[:len(inputs)]))
 
 
 def _on_pattern(x: SparseTensor, g: torch.Tensor) -> SparseTensor:
@@ -72,8 +85,10 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     given = grad_tensors if grad_tensors is not None else grad_variables
     given = [None] * len(tensors) if given is None else list(_tuple(given))
     graph, grads = _graph_outputs(tensors, given)
-    if inputs is not None:
-        inputs = [x._vals if type(x) is SparseTensor else x for x in _tuple(inputs)]
+    if inputs is not None:  # (a compiled graph's SparseTensor input is the wrapper too: see ``grad``)
+        given_inputs = _tuple(inputs)
+        inputs = [x._vals if type(x) is SparseTensor else x for x in given_inputs] + [
+            x for x in given_inputs if type(x) is SparseTensor and getattr(x, "_bridged", False)]
     with torch._C.DisableTorchFunctionSubclass():
         torch.autograd.backward(graph, grads, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 

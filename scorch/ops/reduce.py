@@ -95,7 +95,7 @@ def _extremum(reduce):
         # max and min need each entry once: coalesce duplicates and drop padding first
         if x.format.keeps_duplicates or x.format.padded:
             from ..formats import named
-            x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates else "csr")
+            x = x.asformat(named.coo_nd(n) if x.format.keeps_duplicates or n != 2 else "csr")  # (n-d: COO)
         src, out = _kept(n, dims)
         # (dense: every cell has a max, the implicit zeros' where nothing larger is stored; a sparse result left
         # out the cells whose extremum is a stored 0, and their gradient with them)

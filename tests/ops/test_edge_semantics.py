@@ -328,3 +328,15 @@ def test_products_under_autocast_run_in_the_autocast_dtype(fmt):
     (ref @ X).sum().backward()
     assert w.grad.dtype == torch.float32
     torch.testing.assert_close(w.grad.to_dense(), ref.grad.to_dense(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["(i, j, k) -> (i : dense, j : dense, k : fixed)",
+                                 "(i, j, k) -> (i : dense, j : compressed, k : fixed)"])
+@pytest.mark.parametrize("dims", [0, 2, (0, 2), (0, 1, 2)])
+def test_extrema_of_padded_formats_with_three_dimensions(fmt, dims):
+    """A 3-d padded format was converted to "csr" first: 'format csr is for 2-d tensors'."""
+    g = torch.Generator().manual_seed(7)
+    d = torch.randn(2, 3, 4, generator=g) * (torch.rand(2, 3, 4, generator=g) < 0.5)
+    s = scorch.asformat(d, fmt)
+    for name in ("amax", "amin"):
+        torch.testing.assert_close(getattr(s, name)(dims), getattr(d, name)(dims))
