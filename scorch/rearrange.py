@@ -330,9 +330,8 @@ def _dense(x: torch.Tensor, plan: _Plan) -> torch.Tensor:
 
 def _sparse(x: SparseTensor, plan: _Plan) -> SparseTensor:
     from .formats import storage
-    if not plan.out_shape:
-        raise ValueError("rearrange: a sparse result needs at least one dimension (scorch formats store"
-                         " tensors of at least one dimension); use x.to_dense() first")
+    if not plan.out_shape:  # (0-d: the one element, a dense scalar, as squeeze and select give)
+        return x.to_dense().reshape(())
     if _prod(plan.out_shape) >= 2**63:  # torch cannot shape such a tensor; it also keeps the key below in int64
         raise ValueError(f"rearrange: the result's shape {tuple(plan.out_shape)} has 2**63 elements or more")
     fmt = x.format

@@ -302,9 +302,9 @@ def test_error_hints_one_letter_per_axis():
         rearrange(torch.zeros(3), "batch->batch")
 
 
-def test_error_sparse_result_needs_a_dimension():
-    with pytest.raises(ValueError, match="at least one dimension"):
-        rearrange(scorch.asformat(torch.ones(1, 1), "csr"), "1 1 ->")
+def test_a_sparse_result_without_dimensions_is_a_dense_scalar():
+    r = rearrange(scorch.asformat(torch.full((1, 1), 2.5), "csr"), "1 1 ->")
+    assert type(r) is torch.Tensor and r.shape == () and float(r) == 2.5
     assert rearrange(torch.ones(1, 1), "1 1 ->").shape == ()  # dense: a 0-d view
 
 

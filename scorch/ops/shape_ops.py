@@ -60,11 +60,12 @@ def _entries(x: SparseTensor):
 
 
 def _coo(rows, vals, shape, duplicates: bool, op: str) -> SparseTensor:
-    """The canonical COO SparseTensor of ``vals`` at ``rows`` (one int64 array per dimension)."""
+    """The canonical COO SparseTensor of ``vals`` at ``rows`` (one int64 array per dimension); for an empty
+    ``shape``, the 0-d dense tensor of their sum."""
     shape = tuple(int(n) for n in shape)
-    if not shape:
-        raise ValueError(f"{op}: a sparse result needs at least one dimension (scorch formats store tensors of"
-                         " at least one dimension); use x.to_dense() first")
+    if not shape:  # (0-d: a dense scalar, as select of a 1-d tensor gives: its entries summed, or 0)
+        total = vals.sum()
+        return total if total.dtype == vals.dtype else total.to(vals.dtype)
     if _prod(shape) >= _BIG:
         raise ValueError(f"{op}: the result's shape {shape} has 2**63 elements or more")
     if 0 in shape:

@@ -354,10 +354,11 @@ def test_errors():
         x.reshape(-2, 12)
     with pytest.raises(ValueError, match="ambiguous"):
         scorch.asformat(torch.zeros(0, 3), "coo").reshape(-1, 0)
-    with pytest.raises(ValueError, match="at least one dimension"):
-        scorch.asformat(torch.ones(1, 1), "csr").reshape(())
-    with pytest.raises(ValueError, match="at least one dimension"):
-        scorch.asformat(torch.ones(1, 1), "coo").squeeze()
+    for r in (scorch.asformat(torch.full((1, 1), 2.0), "csr").reshape(()),  # (0-d: a dense scalar, as torch)
+              scorch.asformat(torch.full((1, 1), 2.0), "coo").squeeze(),
+              scorch.asformat(torch.full((1, 1, 1), 2.0), "csf").squeeze()):
+        assert type(r) is torch.Tensor and r.shape == () and float(r) == 2.0
+    assert float(scorch.asformat(torch.zeros(1, 1), "csr").squeeze()) == 0.0
     falls_back(lambda: x.view(torch.int32), lambda: x.to_dense().view(torch.int32), "Tensor.view")
     with pytest.raises(IndexError, match=r"unsqueeze: dimension out of range .*\[-3, 2\], but got 3"):
         x.unsqueeze(3)
