@@ -382,6 +382,25 @@ class PatternMemo:
 
 # index arrays already validated, per format, shape and number of values
 VALIDATED = PatternMemo(256)
+#: the slots outside the shape, per pattern (``outside``)
+OUTSIDE = PatternMemo(64)
+
+
+def outside(fmt: Format, shape, levels, n: int):
+    """A bool mask over the ``n`` stored values: the slots whose coordinates fall outside the shape (a DIA
+    diagonal's ends, a BSR block past the edge), or None where there are none (formats whose levels index the
+    dimensions themselves have none; a padded format's are its padding, ``padding``). Read once per pattern."""
+    if fmt.padded or all(isinstance(e, Var) for e in fmt.exprs):
+        return None
+    extra = (fmt, tuple(shape), n)
+    got = OUTSIDE.get(extra, levels)
+    if got is None:
+        leaf, _, keep = coordinates(fmt, shape, levels)
+        mask = torch.ones(n, dtype=torch.bool, device=leaf.device)
+        mask[leaf[keep]] = False
+        got = (mask if bool(mask.any()) else None,)
+        OUTSIDE.put(extra, levels, got)
+    return got[0]
 
 
 def validate(fmt: Format, shape, levels, values) -> None:

@@ -103,9 +103,10 @@ def mapped_values(x, fn):
     be nan, and added onto the real entry) and takes no gradient (``fn``'s derivative at 0 may be infinite:
     sqrt, pow(0.5); differentiated where ``fn`` is smooth, at 0.5, and masked out)."""
     v = x._vals
-    if not x._format.padded:
-        return fn(v)
-    pad = padding_of(x)  # (masked_fill keeps fn's dtype: torch.where with 0 made isnan's bools int64)
+    pad = padding_of(x) if x._format.padded else storage.outside(x._format, x._shape, x._levels, v.numel())
+    if pad is None:  # (slots outside the shape, a DIA diagonal's ends: as padding, 0 and no gradient: sqrt's
+        return fn(v)  # infinite derivative at 0 made them nan, and an optimizer step then wrote nan there)
+    # (masked_fill keeps fn's dtype: torch.where with 0 made isnan's bools int64)
     if not (v.requires_grad and v.dtype.is_floating_point and torch.is_grad_enabled()):
         return fn(v).masked_fill(pad, 0)
     return fn(v.masked_fill(pad, 0.5)).masked_fill(pad, 0)

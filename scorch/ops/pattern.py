@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from ..formats import named
+from ..formats import named, storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
 
 
@@ -192,8 +192,12 @@ def _inplace(method):
             _replace_storage(self, self.detach().asformat(named.coo_nd(self.dim())), fresh=True)
             if any(not same_pattern(a, self) for a in sparse):
                 return _with_new_pattern(self, name, args, kwargs)
-        # formats with padding: the padding stays 0 (``padding_of``)
-        zero = padding_of(self, *sparse) if self._format.padded and name != "zero_" else None
+        # padding, and slots outside the shape (a DIA diagonal's ends), stay 0 (``padding_of``, ``storage.outside``:
+        # Adagrad's step divided 0 by a dense state read as 0 there, writing nan)
+        if self._format.padded:
+            zero = padding_of(self, *sparse) if name != "zero_" else None
+        else:
+            zero = storage.outside(self._format, self._shape, self._levels, self._vals.numel())
         args = [_values(a, self, name, sampled) if isinstance(a, torch.Tensor) or isinstance(a, numbers.Number)
                 else a for a, sampled in zip(args, _sampled_factors(self, name, args))]
         kwargs = {k: _values(v, self, name) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

@@ -127,3 +127,26 @@ def test_fused_optimizer_steps_on_the_stored_values(name, fmt):
         opt_ref.step()
     assert isinstance(param, scorch.SparseTensor)
     torch.testing.assert_close(param.detach().to_dense(), ref.detach() * mask, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["dia", "bsr(2, 2)"])
+@pytest.mark.parametrize("name", ["Adagrad", "Adam", "RMSprop", "SGD"])
+def test_slots_outside_the_shape_stay_zero(fmt, name):
+    """A DIA diagonal's ends and a BSR block past a 5 x 5 edge are stored slots outside the matrix: Adagrad wrote
+    nan there (0 / 0 against its dense state), and sqrt's gradient there was nan; they stay 0 now."""
+    torch.manual_seed(0)
+    band = (torch.arange(5)[:, None] - torch.arange(5)[None, :]).abs() <= (1 if fmt == "dia" else 4)
+    w0 = (torch.rand(5, 5, dtype=torch.float64) + 0.5) * band  # (every stored slot inside the matrix is nonzero)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    w = torch.nn.Parameter(scorch.asformat(w0, fmt))
+    inside = scorch.asformat(w0, fmt).values() != 0
+    assert not bool(inside.all())  # (there are slots outside)
+    opt = getattr(torch.optim, name)([w], lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scorch.DensifyWarning)
+            ((x @ w.t()).pow(2).sum() + torch.sqrt(w).sum()).backward()
+            opt.step()
+    assert torch.isfinite(w.grad.values()).all() and torch.isfinite(w.values()).all()
+    assert bool((w.values().detach()[~inside] == 0).all())
