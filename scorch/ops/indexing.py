@@ -231,7 +231,8 @@ def _pieces(x, dim, bounds, name):
     """The pieces of ``x`` along ``dim`` between consecutive ``bounds``, by ``narrow`` (each canonical COO: the
     sparse ``split`` / ``chunk`` / ``tensor_split``, which ran on the dense form and gave dense copies)."""
     d = _dim(dim, x.dim(), name)
-    return tuple(narrow(x, d, lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:]))
+    return tuple(narrow(x, d, lo, max(hi - lo, 0)) for lo, hi in zip(bounds[:-1], bounds[1:]))  # (as torch:
+    # split points out of order give an empty piece, and the next one starts at its own point)
 
 
 def _split(x, split_size_or_sections, dim=0):
@@ -273,7 +274,6 @@ def _tensor_split(x, indices_or_sections=None, dim=0, *, sections=None, indices=
             points.append(points[-1] + q + (1 if k < r else 0))
     else:
         points = [0] + [min(max(int(p) + (n if int(p) < 0 else 0), 0), n) for p in arg] + [n]
-        points = [points[0]] + [max(p, q) for p, q in zip(points[1:], points[:-1])]
     return _pieces(x, dim, points, "tensor_split")
 
 

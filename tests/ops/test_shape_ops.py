@@ -435,7 +435,8 @@ def test_in_place_ops_on_copies_of_views_raise(fmt, op):
 @pytest.mark.parametrize("shape", [(7, 5), (0, 3), (4, 4)])
 @pytest.mark.parametrize("call", [("split", (2,)), ("split", (2, 1)), ("chunk", (3,)), ("chunk", (3, 1)),
                                   ("chunk", (10,)), ("tensor_split", (3,)), ("tensor_split", ([1, 3],)),
-                                  ("tensor_split", ([1, 3], 1)), ("split", ([1, 2], 1))])
+                                  ("tensor_split", ([1, 3], 1)), ("split", ([1, 2], 1)),
+                                  ("tensor_split", ([3, 1],)), ("tensor_split", ([-2, 9],))])
 def test_split_chunk_tensor_split_sparse(shape, call):
     """They ran on the dense form (dense copies); now sparse pieces by ``narrow``, as torch slices them."""
     name, args = call
