@@ -2,11 +2,13 @@
 torch's DistributedDataParallel over SparseLinear models, apps.gnn's split graph and apps.moe's experts placed on
 ranks. The default checks share one ``torchrun`` launch (each launch imports torch, scorch and torch._dynamo in
 every process: seconds); the slow ones launch their own, and run the apps' command lines."""
+import gc
 import json
 import pathlib
 import re
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -206,5 +208,9 @@ def test_collectives_refuse_sparse_tensors_and_ddp_takes_sparse_buffers(tmp_path
         for _ in range(2):
             ddp(torch.ones(2, 2)).sum().backward()
         assert isinstance(model.adj, scorch.SparseTensor) and model.lin.weight.grad is not None
+        # (DDP's reducer goes first, while its group is alive: destroyed after the group, at the test's end, its
+        # gloo group's destructor once hung joining a worker thread in CI)
+        del ddp
+        gc.collect()
     finally:
         dist.destroy_process_group()
