@@ -28,10 +28,7 @@ def _graph_outputs(outputs, grad_outputs):
                 if out.numel() != 1:
                     raise RuntimeError("grad can be implicitly created only for scalar outputs")
                 g = torch.ones_like(out._vals)
-            elif type(g) is SparseTensor and g._vals.shape == out._vals.shape and all(
-                    a is b for a, b in zip(g._levels, out._levels)):  # (on the output's own arrays)
-                g = g._vals
-            else:
+            else:  # (a gradient on the output's own arrays gives its values; padding takes none)
                 g = values_at(g, out)
             out = out._vals
         elif type(g) is SparseTensor:

@@ -71,32 +71,32 @@ def _compressed_arrays(x, names):
 #: expanded int32 index returns wrong rows (the backward of PyG's scatter: GATConv's gradients on a scorch CSR)
 
 
-def _wide(a):
+def _as_int64(a):
     return a if a.dtype == torch.int64 else a.to(torch.int64)
 
 
 @implements(torch.Tensor.crow_indices)
 def crow_indices(x):
     """CSR/BSR: the row pointer array, int64 (shared where stored as int64)."""
-    return _wide(_compressed_arrays(x, ("csr", "bsr")).pos)
+    return _as_int64(_compressed_arrays(x, ("csr", "bsr")).pos)
 
 
 @implements(torch.Tensor.col_indices)
 def col_indices(x):
     """CSR/BSR: the column index array, int64 (shared where stored as int64)."""
-    return _wide(_compressed_arrays(x, ("csr", "bsr")).crd)
+    return _as_int64(_compressed_arrays(x, ("csr", "bsr")).crd)
 
 
 @implements(torch.Tensor.ccol_indices)
 def ccol_indices(x):
     """CSC/BSC: the column pointer array, int64 (shared where stored as int64)."""
-    return _wide(_compressed_arrays(x, ("csc", "bsc")).pos)
+    return _as_int64(_compressed_arrays(x, ("csc", "bsc")).pos)
 
 
 @implements(torch.Tensor.row_indices)
 def row_indices(x):
     """CSC/BSC: the row index array, int64 (shared where stored as int64)."""
-    return _wide(_compressed_arrays(x, ("csc", "bsc")).crd)
+    return _as_int64(_compressed_arrays(x, ("csc", "bsc")).crd)
 
 
 # --- to_sparse* -----------------------------------------------------------------------------------------------

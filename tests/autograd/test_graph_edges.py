@@ -128,6 +128,18 @@ def test_sparse_tensors_as_autograd_inputs_and_outputs(fmt):
         assert [type(g) for g in grads][0] is scorch.SparseTensor
 
 
+@pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
+def test_a_gradient_on_the_outputs_own_arrays_gives_padding_none(fmt):
+    """``torch.autograd.grad(r, W, r)`` with ``r = W * 2`` (the gradient shares r's arrays, padding included): the
+    padding slots' values of the gradient must not flow back into W's padding."""
+    w = scorch.asformat(X, fmt).requires_grad_()
+    r = w * 2.0
+    g_out = r.detach().with_values(torch.ones_like(r.values()))  # 1 in every slot, padding too
+    (g,) = torch.autograd.grad(r, w, g_out)
+    torch.testing.assert_close(g.to_dense(), 2.0 * (X != 0).double())
+    assert float(g.values().sum()) == 2.0 * int((X != 0).sum())
+
+
 @pytest.mark.parametrize("fmt", ["csr", "ell"])
 def test_gradient_hooks_on_sparse_parameters(fmt):
     """``register_hook`` / ``register_post_accumulate_grad_hook`` raised on a SparseTensor (gradient masking or
