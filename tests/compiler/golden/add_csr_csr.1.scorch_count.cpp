@@ -101,24 +101,30 @@ extern "C" void scorch_count(
   const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
   const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    const int64_t lo_1 = INT64_C(0), hi_2 = n0;
-    const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
-      for (int64_t x0 = r0; x0 < r1; ++x0) {
-        const int64_t p0_0 = (x0 - t0_l0_lo);
-        const int64_t p1_0 = (x0 - t1_l0_lo);
-        int64_t nt = INT64_C(0);
-        int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
-        const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
-        int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
-        const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-        nt += (((end0_1 - q0_1) + (end1_1 - q1_1)) - scorch_common(t0_l1_crd + q0_1, (end0_1) - (q0_1), t1_l1_crd + q1_1, (end1_1) - (q1_1)));
-        counts[x0] = nt;
+    int64_t next_6 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      const int64_t lo_1 = INT64_C(0), hi_2 = n0;
+      const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
+      for (;;) {
+        int64_t part_3;
+        #pragma omp atomic capture
+        part_3 = next_6++;
+        if (part_3 >= parts_4) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
+        for (int64_t x0 = r0; x0 < r1; ++x0) {
+          const int64_t p0_0 = (x0 - t0_l0_lo);
+          const int64_t p1_0 = (x0 - t1_l0_lo);
+          int64_t nt = INT64_C(0);
+          int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
+          const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
+          int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
+          const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
+          nt += (((end0_1 - q0_1) + (end1_1 - q1_1)) - scorch_common(t0_l1_crd + q0_1, (end0_1) - (q0_1), t1_l1_crd + q1_1, (end1_1) - (q1_1)));
+          counts[x0] = nt;
+        }
       }
     }
   }

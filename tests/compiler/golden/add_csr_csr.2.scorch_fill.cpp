@@ -69,51 +69,57 @@ extern "C" void scorch_fill(
   const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
   const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    const int64_t lo_1 = INT64_C(0), hi_2 = n0;
-    const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
-      for (int64_t x0 = r0; x0 < r1; ++x0) {
-        const int64_t p0_0 = (x0 - t0_l0_lo);
-        const int64_t p1_0 = (x0 - t1_l0_lo);
-        int64_t nt = INT64_C(0);
-        const int64_t base = row_ptr[x0];
-        if ((row_ptr[x0] < row_ptr[(x0 + INT64_C(1))])) {
-          int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
-          const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
-          int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
-          const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
-          while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
-            const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
-            const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
-            const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
-            const bool f0_1 = (cc0_1 == x1);
-            const bool f1_1 = (cc1_1 == x1);
-            if ((f0_1 || f1_1)) {
-              out_crd[(base + nt)] = x1;
-              out[(base + nt)] = (scorch_pick<float>(f0_1, t0_vals[q0_1], 0.0f) + scorch_pick<float>(f1_1, t1_vals[q1_1], 0.0f));
-              nt += INT64_C(1);
+    int64_t next_6 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      const int64_t lo_1 = INT64_C(0), hi_2 = n0;
+      const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
+      for (;;) {
+        int64_t part_3;
+        #pragma omp atomic capture
+        part_3 = next_6++;
+        if (part_3 >= parts_4) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
+        for (int64_t x0 = r0; x0 < r1; ++x0) {
+          const int64_t p0_0 = (x0 - t0_l0_lo);
+          const int64_t p1_0 = (x0 - t1_l0_lo);
+          int64_t nt = INT64_C(0);
+          const int64_t base = row_ptr[x0];
+          if ((row_ptr[x0] < row_ptr[(x0 + INT64_C(1))])) {
+            int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]);
+            const int64_t end0_1 = ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]);
+            int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]);
+            const int64_t end1_1 = ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]);
+            while (((q0_1 < end0_1) && (q1_1 < end1_1))) {
+              const int64_t cc0_1 = ((int64_t)t0_l1_crd[q0_1]);
+              const int64_t cc1_1 = ((int64_t)t1_l1_crd[q1_1]);
+              const int64_t x1 = ((int64_t)(cc0_1) < (int64_t)(cc1_1) ? (int64_t)(cc0_1) : (int64_t)(cc1_1));
+              const bool f0_1 = (cc0_1 == x1);
+              const bool f1_1 = (cc1_1 == x1);
+              if ((f0_1 || f1_1)) {
+                out_crd[(base + nt)] = x1;
+                out[(base + nt)] = (scorch_pick<float>(f0_1, t0_vals[q0_1], 0.0f) + scorch_pick<float>(f1_1, t1_vals[q1_1], 0.0f));
+                nt += INT64_C(1);
+              }
+              q0_1 += ((int64_t)f0_1);
+              q1_1 += ((int64_t)f1_1);
             }
-            q0_1 += ((int64_t)f0_1);
-            q1_1 += ((int64_t)f1_1);
-          }
-          while ((q0_1 < end0_1)) {
-            const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
-            out_crd[(base + nt)] = x1;
-            out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
-            nt += INT64_C(1);
-            q0_1 += INT64_C(1);
-          }
-          while ((q1_1 < end1_1)) {
-            const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-            out_crd[(base + nt)] = x1;
-            out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
-            nt += INT64_C(1);
-            q1_1 += INT64_C(1);
+            while ((q0_1 < end0_1)) {
+              const int64_t x1 = ((int64_t)t0_l1_crd[q0_1]);
+              out_crd[(base + nt)] = x1;
+              out[(base + nt)] = (t0_vals[q0_1] + (false ? t1_vals[q1_1] : 0.0f));
+              nt += INT64_C(1);
+              q0_1 += INT64_C(1);
+            }
+            while ((q1_1 < end1_1)) {
+              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+              out_crd[(base + nt)] = x1;
+              out[(base + nt)] = ((false ? t0_vals[q0_1] : 0.0f) + t1_vals[q1_1]);
+              nt += INT64_C(1);
+              q1_1 += INT64_C(1);
+            }
           }
         }
       }

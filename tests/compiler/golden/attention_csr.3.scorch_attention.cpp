@@ -154,68 +154,74 @@ extern "C" void scorch_attention(
   const int64_t f2_t1_s0 = (int64_t)f2_t1_s0_arg;
   const float scale = (float)scale_arg;
   const int64_t longest = (int64_t)longest_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    scorch_buf buf_1((size_t)(longest), sizeof(float));
-    float* __restrict__ scores_row = static_cast<float*>(buf_1.p);
-    scorch_buf buf_2((size_t)(longest), sizeof(float));
-    float* __restrict__ probs_row = static_cast<float*>(buf_2.p);
-    const int64_t lo_3 = t0_l0_lo, hi_4 = (t0_l0_lo + t0_l0_ext);
-    const int64_t parts_6 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_7 = ((int64_t)t0_l1_pos[hi_4] - (int64_t)t0_l1_pos[lo_3]) + (hi_4 - lo_3);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_5 = 0; part_5 < parts_6; ++part_5) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_7, part_5, parts_6), r1 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_7, part_5 + 1, parts_6);
-      for (int64_t row = r0; row < r1; ++row) {
-        const int64_t row_base = ((int64_t)t0_l1_pos[(row - t0_l0_lo)]);
-        scorch_vf32 smax[1];
-        for (int64_t w_8 = 0; w_8 < 1; ++w_8) smax[w_8] = scorch_vf32{} + -INFINITY;
-        const int64_t p0_f0 = (row - t0_l0_lo);
-        const int64_t d0_f0 = row;
-        for (int64_t p1_f0 = ((int64_t)t0_l1_pos[p0_f0]); p1_f0 < ((int64_t)t0_l1_pos[(p0_f0 + INT64_C(1))]); ++p1_f0) {
-          float acc_f0 = 0.0f;
-          const int64_t c1_f0 = ((int64_t)t0_l1_crd[p1_f0]);
-          const int64_t d1_f0 = c1_f0;
-          #pragma omp simd reduction(+:acc_f0)
-          for (int64_t x2_f0 = INT64_C(0); x2_f0 < INT64_C(4); ++x2_f0) {
-            acc_f0 += ((1.0f * f0_t1[((d0_f0 * INT64_C(4)) + x2_f0)]) * f0_t2[((d1_f0 * INT64_C(4)) + x2_f0)]);
+    int64_t next_8 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      scorch_buf buf_1((size_t)(longest), sizeof(float));
+      float* __restrict__ scores_row = static_cast<float*>(buf_1.p);
+      scorch_buf buf_2((size_t)(longest), sizeof(float));
+      float* __restrict__ probs_row = static_cast<float*>(buf_2.p);
+      const int64_t lo_3 = t0_l0_lo, hi_4 = (t0_l0_lo + t0_l0_ext);
+      const int64_t parts_6 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_7 = ((int64_t)t0_l1_pos[hi_4] - (int64_t)t0_l1_pos[lo_3]) + (hi_4 - lo_3);
+      for (;;) {
+        int64_t part_5;
+        #pragma omp atomic capture
+        part_5 = next_8++;
+        if (part_5 >= parts_6) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_7, part_5, parts_6), r1 = scorch_first_row(t0_l1_pos, lo_3, hi_4, total_7, part_5 + 1, parts_6);
+        for (int64_t row = r0; row < r1; ++row) {
+          const int64_t row_base = ((int64_t)t0_l1_pos[(row - t0_l0_lo)]);
+          scorch_vf32 smax[1];
+          for (int64_t w_9 = 0; w_9 < 1; ++w_9) smax[w_9] = scorch_vf32{} + -INFINITY;
+          const int64_t p0_f0 = (row - t0_l0_lo);
+          const int64_t d0_f0 = row;
+          for (int64_t p1_f0 = ((int64_t)t0_l1_pos[p0_f0]); p1_f0 < ((int64_t)t0_l1_pos[(p0_f0 + INT64_C(1))]); ++p1_f0) {
+            float acc_f0 = 0.0f;
+            const int64_t c1_f0 = ((int64_t)t0_l1_crd[p1_f0]);
+            const int64_t d1_f0 = c1_f0;
+            #pragma omp simd reduction(+:acc_f0)
+            for (int64_t x2_f0 = INT64_C(0); x2_f0 < INT64_C(4); ++x2_f0) {
+              acc_f0 += ((1.0f * f0_t1[((d0_f0 * INT64_C(4)) + x2_f0)]) * f0_t2[((d1_f0 * INT64_C(4)) + x2_f0)]);
+            }
+            scores_row[(p1_f0 - row_base)] = (acc_f0 * scale);
+            { const scorch_vf32 u_ = scorch_vf32{} + ((acc_f0 * scale)); smax[INT64_C(0)] = u_ > smax[INT64_C(0)] ? u_ : smax[INT64_C(0)]; }
           }
-          scores_row[(p1_f0 - row_base)] = (acc_f0 * scale);
-          { const scorch_vf32 u_ = scorch_vf32{} + ((acc_f0 * scale)); smax[INT64_C(0)] = u_ > smax[INT64_C(0)] ? u_ : smax[INT64_C(0)]; }
-        }
-        const int64_t p0_f1 = (row - t0_l0_lo);
-        const int64_t lo_f1 = ((int64_t)t0_l1_pos[p0_f1]);
-        const int64_t hi_f1 = ((int64_t)t0_l1_pos[(p0_f1 + INT64_C(1))]);
-        float inv_f1 = 0.0f;
-        if ((lo_f1 < hi_f1)) {
-          float peak_f1 = scorch_hmax(smax[INT64_C(0)]);
-          if ((!(peak_f1 > -INFINITY))) {
-            peak_f1 = 0.0f;
+          const int64_t p0_f1 = (row - t0_l0_lo);
+          const int64_t lo_f1 = ((int64_t)t0_l1_pos[p0_f1]);
+          const int64_t hi_f1 = ((int64_t)t0_l1_pos[(p0_f1 + INT64_C(1))]);
+          float inv_f1 = 0.0f;
+          if ((lo_f1 < hi_f1)) {
+            float peak_f1 = scorch_hmax(smax[INT64_C(0)]);
+            if ((!(peak_f1 > -INFINITY))) {
+              peak_f1 = 0.0f;
+            }
+            float total_f1 = 0.0f;
+            #pragma omp simd reduction(+:total_f1)
+            for (int64_t p_f1 = lo_f1; p_f1 < hi_f1; ++p_f1) {
+              const float e_f1 = scorch_expf((scores_row[(p_f1 - row_base)] - peak_f1));
+              probs_row[(p_f1 - row_base)] = e_f1;
+              total_f1 += e_f1;
+            }
+            inv_f1 = (1.0f / total_f1);
           }
-          float total_f1 = 0.0f;
-          #pragma omp simd reduction(+:total_f1)
-          for (int64_t p_f1 = lo_f1; p_f1 < hi_f1; ++p_f1) {
-            const float e_f1 = scorch_expf((scores_row[(p_f1 - row_base)] - peak_f1));
-            probs_row[(p_f1 - row_base)] = e_f1;
-            total_f1 += e_f1;
+          const int64_t p0_f2 = (row - t0_l0_lo);
+          const int64_t d0_f2 = row;
+          float wrow_f2[4];
+          for (int64_t w_10 = 0; w_10 < 4; ++w_10) wrow_f2[w_10] = 0.0f;
+          for (int64_t p1_f2 = ((int64_t)t0_l1_pos[p0_f2]); p1_f2 < ((int64_t)t0_l1_pos[(p0_f2 + INT64_C(1))]); ++p1_f2) {
+            const int64_t c1_f2 = ((int64_t)t0_l1_crd[p1_f2]);
+            const int64_t d1_f2 = c1_f2;
+            #pragma omp simd
+            for (int64_t x1_f2 = INT64_C(0); x1_f2 < INT64_C(4); ++x1_f2) {
+              wrow_f2[x1_f2] += (probs_row[(p1_f2 - row_base)] * f2_t1[((d1_f2 * INT64_C(4)) + x1_f2)]);
+            }
           }
-          inv_f1 = (1.0f / total_f1);
-        }
-        const int64_t p0_f2 = (row - t0_l0_lo);
-        const int64_t d0_f2 = row;
-        float wrow_f2[4];
-        for (int64_t w_9 = 0; w_9 < 4; ++w_9) wrow_f2[w_9] = 0.0f;
-        for (int64_t p1_f2 = ((int64_t)t0_l1_pos[p0_f2]); p1_f2 < ((int64_t)t0_l1_pos[(p0_f2 + INT64_C(1))]); ++p1_f2) {
-          const int64_t c1_f2 = ((int64_t)t0_l1_crd[p1_f2]);
-          const int64_t d1_f2 = c1_f2;
           #pragma omp simd
           for (int64_t x1_f2 = INT64_C(0); x1_f2 < INT64_C(4); ++x1_f2) {
-            wrow_f2[x1_f2] += (probs_row[(p1_f2 - row_base)] * f2_t1[((d1_f2 * INT64_C(4)) + x1_f2)]);
+            out[((d0_f2 * INT64_C(4)) + x1_f2)] = (wrow_f2[x1_f2] * inv_f1);
           }
-        }
-        #pragma omp simd
-        for (int64_t x1_f2 = INT64_C(0); x1_f2 < INT64_C(4); ++x1_f2) {
-          out[((d0_f2 * INT64_C(4)) + x1_f2)] = (wrow_f2[x1_f2] * inv_f1);
         }
       }
     }

@@ -109,64 +109,70 @@ extern "C" void scorch_count(
   const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
   const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    scorch_buf buf_1((size_t)(n1), sizeof(bool));
-    bool* __restrict__ mark = static_cast<bool*>(buf_1.p);
-    scorch_buf buf_2((size_t)(n1), sizeof(int64_t));
-    int64_t* __restrict__ touched = static_cast<int64_t*>(buf_2.p);
-    scorch_buf buf_3((size_t)(((n1 + INT64_C(63)) / INT64_C(64))), sizeof(int64_t));
-    int64_t* __restrict__ bits = static_cast<int64_t*>(buf_3.p);
-    int64_t nt_last = INT64_C(0);
-    const int64_t lo_4 = INT64_C(0), hi_5 = n0;
-    const int64_t parts_7 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_8 = ((int64_t)t0_l1_pos[hi_5] - (int64_t)t0_l1_pos[lo_4]) + (hi_5 - lo_4);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_6 = 0; part_6 < parts_7; ++part_6) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_4, hi_5, total_8, part_6, parts_7), r1 = scorch_first_row(t0_l1_pos, lo_4, hi_5, total_8, part_6 + 1, parts_7);
-      for (int64_t x0 = r0; x0 < r1; ++x0) {
-        const int64_t p0_0 = (x0 - t0_l0_lo);
-        int64_t nt = INT64_C(0);
-        if (((nt_last > INT64_C(32)) && ((nt_last * INT64_C(128)) >= n1))) {
-          for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
-            const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
-            const int64_t p1_0 = (x2 - t1_l0_lo);
-            if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
-              const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
-              __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
-            }
-            for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
-              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-              const int64_t w = x1;
-              scorch_set_bit(bits, w);
-            }
-          }
-          nt = scorch_bit_count(bits, ((n1 + INT64_C(63)) / INT64_C(64)));
-          counts[x0] = nt;
-        } else {
-          for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
-            const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
-            const int64_t p1_0 = (x2 - t1_l0_lo);
-            if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
-              const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
-              __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
-            }
-            for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
-              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-              const int64_t w = x1;
-              if ((!mark[w])) {
-                mark[w] = true;
-                touched[nt] = w;
-                nt += INT64_C(1);
+    int64_t next_9 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      scorch_buf buf_1((size_t)(n1), sizeof(bool));
+      bool* __restrict__ mark = static_cast<bool*>(buf_1.p);
+      scorch_buf buf_2((size_t)(n1), sizeof(int64_t));
+      int64_t* __restrict__ touched = static_cast<int64_t*>(buf_2.p);
+      scorch_buf buf_3((size_t)(((n1 + INT64_C(63)) / INT64_C(64))), sizeof(int64_t));
+      int64_t* __restrict__ bits = static_cast<int64_t*>(buf_3.p);
+      int64_t nt_last = INT64_C(0);
+      const int64_t lo_4 = INT64_C(0), hi_5 = n0;
+      const int64_t parts_7 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_8 = ((int64_t)t0_l1_pos[hi_5] - (int64_t)t0_l1_pos[lo_4]) + (hi_5 - lo_4);
+      for (;;) {
+        int64_t part_6;
+        #pragma omp atomic capture
+        part_6 = next_9++;
+        if (part_6 >= parts_7) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_4, hi_5, total_8, part_6, parts_7), r1 = scorch_first_row(t0_l1_pos, lo_4, hi_5, total_8, part_6 + 1, parts_7);
+        for (int64_t x0 = r0; x0 < r1; ++x0) {
+          const int64_t p0_0 = (x0 - t0_l0_lo);
+          int64_t nt = INT64_C(0);
+          if (((nt_last > INT64_C(32)) && ((nt_last * INT64_C(128)) >= n1))) {
+            for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+              const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+              const int64_t p1_0 = (x2 - t1_l0_lo);
+              if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
+                const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
+                __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+              }
+              for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+                const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+                const int64_t w = x1;
+                scorch_set_bit(bits, w);
               }
             }
+            nt = scorch_bit_count(bits, ((n1 + INT64_C(63)) / INT64_C(64)));
+            counts[x0] = nt;
+          } else {
+            for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+              const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+              const int64_t p1_0 = (x2 - t1_l0_lo);
+              if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
+                const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
+                __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+              }
+              for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+                const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+                const int64_t w = x1;
+                if ((!mark[w])) {
+                  mark[w] = true;
+                  touched[nt] = w;
+                  nt += INT64_C(1);
+                }
+              }
+            }
+            counts[x0] = nt;
+            for (int64_t t = INT64_C(0); t < nt; ++t) {
+              mark[touched[t]] = false;
+            }
           }
-          counts[x0] = nt;
-          for (int64_t t = INT64_C(0); t < nt; ++t) {
-            mark[touched[t]] = false;
-          }
+          nt_last = nt;
         }
-        nt_last = nt;
       }
     }
   }

@@ -194,79 +194,85 @@ extern "C" void scorch_fill(
   const int64_t t1_l1_lo = (int64_t)t1_l1_lo_arg;
   const int64_t t1_l1_ext = (int64_t)t1_l1_ext_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    scorch_buf buf_1((size_t)(n1), sizeof(bool));
-    bool* __restrict__ mark = static_cast<bool*>(buf_1.p);
-    scorch_buf buf_2((size_t)(n1), sizeof(int64_t));
-    int64_t* __restrict__ touched = static_cast<int64_t*>(buf_2.p);
-    scorch_buf buf_3((size_t)(n1), sizeof(float));
-    float* __restrict__ ws = static_cast<float*>(buf_3.p);
-    scorch_buf buf_4((size_t)(n1), sizeof(int64_t));
-    int64_t* __restrict__ sort_tmp = static_cast<int64_t*>(buf_4.p);
-    scorch_buf buf_5((size_t)(((n1 + INT64_C(63)) / INT64_C(64))), sizeof(int64_t));
-    int64_t* __restrict__ bits = static_cast<int64_t*>(buf_5.p);
-    const int64_t lo_6 = INT64_C(0), hi_7 = n0;
-    const int64_t parts_9 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_10 = ((int64_t)t0_l1_pos[hi_7] - (int64_t)t0_l1_pos[lo_6]) + (hi_7 - lo_6);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_8 = 0; part_8 < parts_9; ++part_8) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_6, hi_7, total_10, part_8, parts_9), r1 = scorch_first_row(t0_l1_pos, lo_6, hi_7, total_10, part_8 + 1, parts_9);
-      for (int64_t x0 = r0; x0 < r1; ++x0) {
-        const int64_t p0_0 = (x0 - t0_l0_lo);
-        int64_t nt = INT64_C(0);
-        if ((((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) > INT64_C(32)) && (((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) * INT64_C(128)) >= n1))) {
-          for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
-            const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
-            const int64_t p1_0 = (x2 - t1_l0_lo);
-            if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
-              const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
-              __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
-              __builtin_prefetch(&t1_vals[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
-            }
-            for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
-              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-              const int64_t w = x1;
-              scorch_set_bit(bits, w);
-              ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
-            }
-          }
-          nt = scorch_bit_keys(bits, ((n1 + INT64_C(63)) / INT64_C(64)), touched, n1);
-          const int64_t base = row_ptr[x0];
-          for (int64_t t = INT64_C(0); t < nt; ++t) {
-            const int64_t w = touched[t];
-            out_crd[(base + t)] = w;
-            out[(base + t)] = ws[w];
-            ws[w] = 0.0f;
-          }
-        } else {
-          for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
-            const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
-            const int64_t p1_0 = (x2 - t1_l0_lo);
-            if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
-              const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
-              __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
-              __builtin_prefetch(&t1_vals[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
-            }
-            for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
-              const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
-              const int64_t w = x1;
-              if ((!mark[w])) {
-                mark[w] = true;
-                touched[nt] = w;
-                nt += INT64_C(1);
+    int64_t next_11 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      scorch_buf buf_1((size_t)(n1), sizeof(bool));
+      bool* __restrict__ mark = static_cast<bool*>(buf_1.p);
+      scorch_buf buf_2((size_t)(n1), sizeof(int64_t));
+      int64_t* __restrict__ touched = static_cast<int64_t*>(buf_2.p);
+      scorch_buf buf_3((size_t)(n1), sizeof(float));
+      float* __restrict__ ws = static_cast<float*>(buf_3.p);
+      scorch_buf buf_4((size_t)(n1), sizeof(int64_t));
+      int64_t* __restrict__ sort_tmp = static_cast<int64_t*>(buf_4.p);
+      scorch_buf buf_5((size_t)(((n1 + INT64_C(63)) / INT64_C(64))), sizeof(int64_t));
+      int64_t* __restrict__ bits = static_cast<int64_t*>(buf_5.p);
+      const int64_t lo_6 = INT64_C(0), hi_7 = n0;
+      const int64_t parts_9 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_10 = ((int64_t)t0_l1_pos[hi_7] - (int64_t)t0_l1_pos[lo_6]) + (hi_7 - lo_6);
+      for (;;) {
+        int64_t part_8;
+        #pragma omp atomic capture
+        part_8 = next_11++;
+        if (part_8 >= parts_9) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_6, hi_7, total_10, part_8, parts_9), r1 = scorch_first_row(t0_l1_pos, lo_6, hi_7, total_10, part_8 + 1, parts_9);
+        for (int64_t x0 = r0; x0 < r1; ++x0) {
+          const int64_t p0_0 = (x0 - t0_l0_lo);
+          int64_t nt = INT64_C(0);
+          if ((((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) > INT64_C(32)) && (((row_ptr[(x0 + INT64_C(1))] - row_ptr[x0]) * INT64_C(128)) >= n1))) {
+            for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+              const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+              const int64_t p1_0 = (x2 - t1_l0_lo);
+              if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
+                const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
+                __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+                __builtin_prefetch(&t1_vals[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
               }
-              ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
+              for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+                const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+                const int64_t w = x1;
+                scorch_set_bit(bits, w);
+                ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
+              }
             }
-          }
-          if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
-          const int64_t base = row_ptr[x0];
-          for (int64_t t = INT64_C(0); t < nt; ++t) {
-            const int64_t w = touched[t];
-            out_crd[(base + t)] = w;
-            out[(base + t)] = ws[w];
-            ws[w] = 0.0f;
-            mark[w] = false;
+            nt = scorch_bit_keys(bits, ((n1 + INT64_C(63)) / INT64_C(64)), touched, n1);
+            const int64_t base = row_ptr[x0];
+            for (int64_t t = INT64_C(0); t < nt; ++t) {
+              const int64_t w = touched[t];
+              out_crd[(base + t)] = w;
+              out[(base + t)] = ws[w];
+              ws[w] = 0.0f;
+            }
+          } else {
+            for (int64_t q0_1 = ((int64_t)t0_l1_pos[p0_0]); q0_1 < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]); ++q0_1) {
+              const int64_t x2 = ((int64_t)t0_l1_crd[q0_1]);
+              const int64_t p1_0 = (x2 - t1_l0_lo);
+              if (((q0_1 + INT64_C(2)) < ((int64_t)t0_l1_pos[(p0_0 + INT64_C(1))]))) {
+                const int64_t x2_ahead = ((int64_t)t0_l1_crd[(q0_1 + INT64_C(2))]);
+                __builtin_prefetch(&t1_l1_crd[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+                __builtin_prefetch(&t1_vals[((int64_t)t1_l1_pos[(x2_ahead - t1_l0_lo)])]);
+              }
+              for (int64_t q1_1 = ((int64_t)t1_l1_pos[p1_0]); q1_1 < ((int64_t)t1_l1_pos[(p1_0 + INT64_C(1))]); ++q1_1) {
+                const int64_t x1 = ((int64_t)t1_l1_crd[q1_1]);
+                const int64_t w = x1;
+                if ((!mark[w])) {
+                  mark[w] = true;
+                  touched[nt] = w;
+                  nt += INT64_C(1);
+                }
+                ws[w] += (t0_vals[q0_1] * t1_vals[q1_1]);
+              }
+            }
+            if (!scorch_is_sorted(touched + INT64_C(0), (nt) - (INT64_C(0)))) scorch_sort(touched + INT64_C(0), (nt) - (INT64_C(0)), n1, sort_tmp);
+            const int64_t base = row_ptr[x0];
+            for (int64_t t = INT64_C(0); t < nt; ++t) {
+              const int64_t w = touched[t];
+              out_crd[(base + t)] = w;
+              out[(base + t)] = ws[w];
+              ws[w] = 0.0f;
+              mark[w] = false;
+            }
           }
         }
       }

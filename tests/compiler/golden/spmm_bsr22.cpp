@@ -49,37 +49,43 @@ extern "C" void scorch_kernel(
   const int64_t n2 = (int64_t)n2_arg;
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
-    const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
-      for (int64_t c0 = r0; c0 < r1; ++c0) {
-        const int64_t p0 = (c0 - t0_l0_lo);
-        for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
-          const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
-          for (int64_t c2 = INT64_C(0); c2 < INT64_C(2); ++c2) {
-            const int64_t p2 = ((p1 * INT64_C(2)) + c2);
-            const int64_t d0 = ((c0 * INT64_C(2)) + c2);
-            if ((d0 < n0)) {
-              float wrow[4];
-              for (int64_t w_6 = 0; w_6 < 4; ++w_6) wrow[w_6] = 0.0f;
-              for (int64_t c3 = INT64_C(0); c3 < INT64_C(2); ++c3) {
-                const int64_t p3 = ((p2 * INT64_C(2)) + c3);
-                const int64_t d1 = ((c1 * INT64_C(2)) + c3);
-                if ((d1 < n2)) {
-                  #pragma omp simd
-                  for (int64_t x1 = INT64_C(0); x1 < INT64_C(4); ++x1) {
-                    wrow[x1] += (t0_vals[p3] * t1[((d1 * INT64_C(4)) + x1)]);
+    int64_t next_6 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
+      const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
+      for (;;) {
+        int64_t part_3;
+        #pragma omp atomic capture
+        part_3 = next_6++;
+        if (part_3 >= parts_4) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
+        for (int64_t c0 = r0; c0 < r1; ++c0) {
+          const int64_t p0 = (c0 - t0_l0_lo);
+          for (int64_t p1 = ((int64_t)t0_l1_pos[p0]); p1 < ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]); ++p1) {
+            const int64_t c1 = ((int64_t)t0_l1_crd[p1]);
+            for (int64_t c2 = INT64_C(0); c2 < INT64_C(2); ++c2) {
+              const int64_t p2 = ((p1 * INT64_C(2)) + c2);
+              const int64_t d0 = ((c0 * INT64_C(2)) + c2);
+              if ((d0 < n0)) {
+                float wrow[4];
+                for (int64_t w_7 = 0; w_7 < 4; ++w_7) wrow[w_7] = 0.0f;
+                for (int64_t c3 = INT64_C(0); c3 < INT64_C(2); ++c3) {
+                  const int64_t p3 = ((p2 * INT64_C(2)) + c3);
+                  const int64_t d1 = ((c1 * INT64_C(2)) + c3);
+                  if ((d1 < n2)) {
+                    #pragma omp simd
+                    for (int64_t x1 = INT64_C(0); x1 < INT64_C(4); ++x1) {
+                      wrow[x1] += (t0_vals[p3] * t1[((d1 * INT64_C(4)) + x1)]);
+                    }
                   }
                 }
-              }
-              #pragma omp simd
-              for (int64_t x1 = INT64_C(0); x1 < INT64_C(4); ++x1) {
-                out[((d0 * INT64_C(4)) + x1)] += wrow[x1];
+                #pragma omp simd
+                for (int64_t x1 = INT64_C(0); x1 < INT64_C(4); ++x1) {
+                  out[((d0 * INT64_C(4)) + x1)] += wrow[x1];
+                }
               }
             }
           }

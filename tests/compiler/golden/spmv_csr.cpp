@@ -160,50 +160,56 @@ extern "C" void scorch_kernel(
   const int64_t t1_s0 = (int64_t)t1_s0_arg;
   const int64_t t0_l1_mean = (int64_t)t0_l1_mean_arg;
   const int64_t nthreads = (int64_t)nthreads_arg;
-  #pragma omp parallel num_threads(nthreads)
   {
-    const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
-    const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
-    const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
-    #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t part_3 = 0; part_3 < parts_4; ++part_3) {
-      const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
-      for (int64_t c0 = r0; c0 < r1; ++c0) {
-        const int64_t p0 = (c0 - t0_l0_lo);
-        const int64_t d0 = c0;
-        scorch_hvf32 vsum[1] = {};
-        {
-          const int64_t end_6 = ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]);
-          int64_t p1 = ((int64_t)t0_l1_pos[p0]);
-          const int64_t lead_8 = (t0_l1_mean + 7) / 8;
+    int64_t next_6 = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+      const int64_t lo_1 = t0_l0_lo, hi_2 = (t0_l0_lo + t0_l0_ext);
+      const int64_t parts_4 = omp_get_num_threads() > 1 ? omp_get_num_threads() * 8 : 1;
+      const int64_t total_5 = ((int64_t)t0_l1_pos[hi_2] - (int64_t)t0_l1_pos[lo_1]) + (hi_2 - lo_1);
+      for (;;) {
+        int64_t part_3;
+        #pragma omp atomic capture
+        part_3 = next_6++;
+        if (part_3 >= parts_4) break;
+        const int64_t r0 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3, parts_4), r1 = scorch_first_row(t0_l1_pos, lo_1, hi_2, total_5, part_3 + 1, parts_4);
+        for (int64_t c0 = r0; c0 < r1; ++c0) {
+          const int64_t p0 = (c0 - t0_l0_lo);
+          const int64_t d0 = c0;
+          scorch_hvf32 vsum[1] = {};
           {
-            const int64_t left_7 = end_6 - p1;
-            vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_7) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_7)), left_7);
-          }
-          p1 += 8;
-          if (lead_8 >= 2) {
+            const int64_t end_7 = ((int64_t)t0_l1_pos[(p0 + INT64_C(1))]);
+            int64_t p1 = ((int64_t)t0_l1_pos[p0]);
+            const int64_t lead_9 = (t0_l1_mean + 7) / 8;
             {
-              const int64_t left_7 = end_6 - p1;
-              vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_7) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_7)), left_7);
+              const int64_t left_8 = end_7 - p1;
+              vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_8) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_8)), left_8);
             }
             p1 += 8;
-            if (lead_8 >= 3) {
+            if (lead_9 >= 2) {
               {
-                const int64_t left_7 = end_6 - p1;
-                vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_7) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_7)), left_7);
+                const int64_t left_8 = end_7 - p1;
+                vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_8) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_8)), left_8);
               }
               p1 += 8;
+              if (lead_9 >= 3) {
+                {
+                  const int64_t left_8 = end_7 - p1;
+                  vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_8) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_8)), left_8);
+                }
+                p1 += 8;
+              }
+            }
+            for (; p1 + 8 <= end_7; p1 += 8) {
+              vsum[INT64_C(0)] += ((*(const scorch_hvf32u*)(&t0_vals[p1])) * scorch_hvgather(t1, &t0_l1_crd[p1]));
+            }
+            if (p1 < end_7) {
+              const int64_t left_8 = end_7 - p1;
+              vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_8) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_8)), left_8);
             }
           }
-          for (; p1 + 8 <= end_6; p1 += 8) {
-            vsum[INT64_C(0)] += ((*(const scorch_hvf32u*)(&t0_vals[p1])) * scorch_hvgather(t1, &t0_l1_crd[p1]));
-          }
-          if (p1 < end_6) {
-            const int64_t left_7 = end_6 - p1;
-            vsum[INT64_C(0)] += scorch_hvkeep((scorch_hvloadn(&t0_vals[p1], left_7) * scorch_hvgathern(t1, &t0_l1_crd[p1], left_7)), left_7);
-          }
+          out[d0] = scorch_hvhsum(vsum[INT64_C(0)]);
         }
-        out[d0] = scorch_hvhsum(vsum[INT64_C(0)]);
       }
     }
   }
