@@ -77,9 +77,16 @@ def record_fallback(op_name: str, detail: str = "", nbytes: int = 0) -> None:
                            " (scorch.strict()) forbids computing it on their dense form")
     check_fallback_size(op_name, nbytes, detail)
     if _count(_fallback, "fallback", op_name):
+        copy = ("; torch's op gives a view, this is a dense copy: an in-place change to it does not reach the"
+                " sparse tensor") if op_name.split(".")[-1] in VIEW_FALLBACKS else ""
         warnings.warn(f"scorch: {op_name} has no sparse rule for these operands{what}: computed by torch on their"
-                      " dense form (warned once per op; scorch.stats() counts every fallback; scorch.strict() makes"
-                      " this an error)", DensifyWarning, stacklevel=_stacklevel())
+                      f" dense form{copy} (warned once per op; scorch.stats() counts every fallback; scorch.strict()"
+                      " makes this an error)", DensifyWarning, stacklevel=_stacklevel())
+
+
+#: torch's view ops (by name) that have no sparse rule: their fallback result is a copy (``record_fallback`` says so)
+VIEW_FALLBACKS = frozenset(("diagonal", "unfold", "as_strided", "view_as_real", "view_as_complex", "hsplit", "vsplit",
+                            "dsplit", "adjoint", "mH", "imag"))
 
 
 def _count(counter: dict, kind: str, op_name: str) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from ..formats import Format
 from ..formats import storage
-from ..sparse_tensor import SparseTensor, implements
+from ..sparse_tensor import SparseTensor, dense_fallback, implements
 
 
 @implements(torch.permute, torch.Tensor.permute)
@@ -74,3 +74,21 @@ def t(x):
     if x.dim() > 2:
         raise ValueError(f"t() expects a tensor with at most 2 dimensions, got {x.dim()}")
     return x if x.dim() < 2 else transpose(x, 0, 1)
+
+
+@implements(torch.Tensor.mT.__get__)
+def mT(x):
+    """``x.mT``: the last two dimensions swapped, as ``transpose(x, -2, -1)`` (it went to the dense fallback, whose
+    copy an in-place op changed without reaching ``x``; ``x.T`` was sparse)."""
+    if x.dim() < 2:
+        raise RuntimeError(f"tensor.mT is only supported on matrices or batches of matrices. Got {x.dim()}-D tensor.")
+    return transpose(x, -2, -1)
+
+
+@implements(torch.Tensor.mH.__get__, torch.adjoint, torch.Tensor.adjoint)
+def mH(x):
+    """``x.mH`` / ``x.adjoint()``: ``x.mT`` (complex values, which have no sparse rules, take the dense
+    fallback as before)."""
+    if x.is_complex():
+        return dense_fallback(torch.Tensor.adjoint, (x,), {}, "complex values")
+    return mT(x)

@@ -457,3 +457,33 @@ def test_item_assignment_into_a_copy_of_a_view_raises():
     with pytest.raises(NotImplementedError, match="copy"):
         s[1][1] = 0.0
     assert s.to_dense()[1, 1] == 3.0
+
+
+def test_mT_mH_adjoint_are_sparse_and_reach_the_tensor():
+    """``S.mT`` went to the dense fallback: its dense copy took an in-place change without reaching ``S`` (``S.T``
+    was sparse and did)."""
+    import warnings
+    d = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0]])
+    for fmt in ("csr", "coo"):
+        s = scorch.asformat(d, fmt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", scorch.DensifyWarning)
+            for r in (s.mT, s.mH, s.adjoint(), torch.adjoint(s)):
+                assert isinstance(r, scorch.SparseTensor)
+                torch.testing.assert_close(r.to_dense(), d.mT)
+        s.mT.mul_(2)
+        torch.testing.assert_close(s.to_dense(), 2 * d)
+    b = scorch.asformat(torch.randn(2, 3, 4), "coo")
+    torch.testing.assert_close(b.mT.to_dense(), b.to_dense().mT)
+    with pytest.raises(RuntimeError, match="only supported on matrices"):
+        scorch.asformat(torch.ones(3), "coo").mT
+
+
+def test_a_view_ops_dense_fallback_says_its_result_is_a_copy():
+    import warnings
+    s = scorch.asformat(torch.eye(3), "csr")
+    scorch.reset_stats()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        s.diagonal()
+    assert any("dense copy" in str(w.message) for w in got)

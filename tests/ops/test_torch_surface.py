@@ -246,9 +246,9 @@ def test_dtype_conversions_keep_the_pattern_and_print_without_densifying(fmt):
 
 def test_fallback_answers_attributes_computed_by_ops():
     s, a = _pair((4, 5), "csr", seed=8)
-    r = falls_back(lambda: s.mT, lambda: a.mT, "Tensor.mT")  # under the attribute's name, differentiable
-    r.sum().backward()
-    a.mT.sum().backward()
+    r = falls_back(lambda: s.H, lambda: a.H, "Tensor.H")  # under the attribute's name, differentiable
+    (r * torch.arange(20.0).reshape(5, 4)).sum().backward()
+    (a.H * torch.arange(20.0).reshape(5, 4)).sum().backward()
     torch.testing.assert_close(*_grad_on_pattern(s, a))
     falls_back(lambda: s.detach().H, lambda: a.detach().H, "Tensor.H")
     assert s.shape == (4, 5) and s.dtype == torch.float32 and scorch.stats()["fallback"] == {"Tensor.H": 1}
@@ -609,7 +609,7 @@ def test_catalog_lists_every_overridable_function_with_its_behaviour():
     assert rows["torch.cumsum"] == rows["Tensor.std"] == rows["torch.nn.functional.mse_loss"] == "dense fallback"
     assert rows["Tensor.cumsum_"] == rows["Tensor.data_ptr"] == "error"
     assert rows["Tensor.shape"] == rows["Tensor.dtype"] == "metadata"
-    assert rows["Tensor.mT"] == "dense fallback" and rows["Tensor.T"] == "sparse rule"
+    assert rows["Tensor.mT"] == rows["Tensor.T"] == "sparse rule" and rows["Tensor.diagonal"] == "dense fallback"
     falls_back(lambda: torch.cumsum(s, 0), lambda: torch.cumsum(a, 0), "torch.cumsum")  # as the table says
 
 
