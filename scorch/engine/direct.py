@@ -444,7 +444,7 @@ def operator_counts() -> tuple[int, int] | None:
     return None if module is None else module.counts()
 
 
-def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc, out_shape, dtype, bind_module):
+def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc, alloc_args, dtype, bind_module):
     """The direct call of a prepared call whose every argument but the operands' addresses, the output's and the
     thread count is known (``template``): a callable ``(ops, scalars) -> output``, or None where there is no
     direct call (no helper, no packed kernel, too many arguments)."""
@@ -456,5 +456,5 @@ def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc,
         return None
     address = ctypes.cast(packed, ctypes.c_void_p).value
     prog = (address, tuple(0 if v is None else int(v) for v in template), tuple(tuple(d) for d in dynamic),
-            out_pos, tuple(thr_pos), per_entry, driver, alloc, (out_shape,), {"dtype": dtype}, bind_module, plan)
+            out_pos, tuple(thr_pos), per_entry, driver, alloc, tuple(alloc_args), {"dtype": dtype}, bind_module, plan)
     return functools.partial(fn, prog)
