@@ -203,6 +203,19 @@ def _equation_signature(equation, format, directives, operands) -> tuple:
     return (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
 
 
+def _sums_integers(equation, x) -> bool:
+    """Whether the one-operand ``equation`` sums ``x``'s integer values over an index (torch then gives int64, as
+    ``torch.sum``: ``einsum("ijk->k", int32)`` is int64, ``"ijk->kji"`` keeps int32)."""
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.int64 or not isinstance(equation, str):
+        return False
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    if "." in lhs or "," in lhs:
+        return False
+    if not arrow:  # (implicit output: the letters that appear once, in order)
+        rhs = "".join(sorted(c for c in set(lhs) if lhs.count(c) == 1))
+    return bool(set(lhs) - set(rhs))
+
+
 def einsum(equation, *operands, format=None, explain=False, backend="cpp", schedule=None):
     """``torch.einsum`` over any mix of dense and sparse operands; sparse ones go through the compiler.
     ``schedule``: the user's directives for the kernel (``compiler.schedule.Directives``: a loop order, the
@@ -211,6 +224,8 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         operands = tuple(operands[0])
     if any(type(x) is torch.Tensor and x.is_neg() for x in operands):  # (torch's negative bit: kernels read
         operands = tuple(x.resolve_neg() if type(x) is torch.Tensor else x for x in operands)  # storage)
+    if len(operands) == 1 and type(operands[0]) is SparseTensor and _sums_integers(equation, operands[0]):
+        operands = (cast(operands[0], torch.int64),)  # (torch's one-operand einsum sums with torch.sum: int64)
     if schedule is None and not explain and backend == "cpp":
         fast = _seen(equation, operands, format)
         if fast is not None:

@@ -649,10 +649,10 @@ BAD = [
     ("ij,jk->ik", lambda: (_s(), "x"), TypeError, "str"),
     # unsupported value dtypes
     # (bfloat16 and float16 are kernel dtypes: tests/ops/test_half.py)
-    ("ij->i", lambda: (_s(dtype=torch.bool),), TypeError, "bool"),
+    ("ij->ji", lambda: (_s(dtype=torch.bool),), TypeError, "bool"),  # ("ij->i" sums: int64, as torch)
     ("ij,j->i", lambda: (_s(dtype=torch.bool), torch.ones(4, dtype=torch.bool)), TypeError, "bool"),
     ("ij,ij->ij", lambda: (_s(dtype=torch.bool), torch.ones(3, 4, dtype=torch.bool)), TypeError, "bool"),
-    ("ij->i", lambda: (_s(dtype=torch.int8),), TypeError, "int8"),
+    ("ij->ji", lambda: (_s(dtype=torch.int8),), TypeError, "int8"),
     ("ij,j->i", lambda: (_s(dtype=torch.complex64), torch.ones(4, dtype=torch.complex64)), TypeError, "complex"),
     ("ij,j->i", lambda: (_s(), torch.ones(4, dtype=torch.complex64)), TypeError, "complex"),
 ]

@@ -162,7 +162,8 @@ def test_value_types_the_kernels_do_not_take_run_dense_through_torch_functions(d
     s = scorch.asformat(d, "csr")
     falls_back(lambda: s.amax(1), lambda: d.amax(1), "Tensor.amax")
     with pytest.raises(TypeError, match="unsupported dtype"):  # (the compiler's own API says so)
-        scorch.einsum("ij->i", s)
+        scorch.einsum("ij->ji", s)
+    torch.testing.assert_close(scorch.einsum("ij->i", s), torch.einsum("ij->i", d))  # (a sum: int64, as torch.sum)
 
 
 @pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
@@ -340,3 +341,17 @@ def test_extrema_of_padded_formats_with_three_dimensions(fmt, dims):
     s = scorch.asformat(d, fmt)
     for name in ("amax", "amin"):
         torch.testing.assert_close(getattr(s, name)(dims), getattr(d, name)(dims))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32])
+def test_one_operand_einsum_sums_integers_to_int64_as_torch(dtype):
+    """torch's one-operand einsum sums with ``torch.sum``: int32 values summed over an index give int64 (scorch gave
+    int32, values equal); a permutation or a diagonal keeps the dtype."""
+    t = torch.randint(-3, 4, (3, 3, 3), dtype=dtype, generator=torch.Generator().manual_seed(4))
+    s = scorch.asformat(t, "coo")
+    for eq in ("ijk->k", "iij->j", "ijk->", "ijk->kji", "ijj->ij", "ijk", "jik"):
+        want = torch.einsum(eq, t)
+        got = scorch.einsum(eq, s)
+        got = got.to_dense() if isinstance(got, scorch.SparseTensor) else got
+        assert got.dtype == want.dtype, eq
+        assert torch.equal(got, want), eq
