@@ -716,3 +716,30 @@ def test_from_torch_checks_what_keeps_kernels_in_bounds(case):
             scorch.from_torch(t) @ torch.ones(3, 2)
         with pytest.raises(ValueError, match="level 1|values has shape"):
             scorch.asformat(t, "csr")
+
+
+@pytest.mark.parametrize("layout", ["csr", "csc", "bsr"])
+def test_from_torch_sorts_and_sums_indices_within_a_row(layout):
+    """torch's constructors accept unsorted and repeated column indices in a row (their invariants are checked only
+    on request); scorch's kernels assume sorted unique rows: ``S + E`` read an unsorted row wrongly ([[2, 8]] for
+    [[7, 8]]) and ``to_dense`` kept one of two repeats where torch sums them. They are sorted and summed, warned."""
+    import warnings
+    crow, val = torch.tensor([0, 2, 3]), torch.tensor([1.0, 2.0, 3.0])
+    e = torch.tensor([[5.0, 7.0], [0.0, 1.0]])
+    for col in ([1, 0, 0], [1, 1, 0]):
+        if layout == "bsr":
+            t = torch.sparse_bsr_tensor(torch.tensor([0, 2]), torch.tensor(col[:2]),
+                                        torch.arange(8.0).reshape(2, 2, 2), (2, 4))
+        else:
+            make = torch.sparse_csr_tensor if layout == "csr" else torch.sparse_csc_tensor
+            t = make(crow, torch.tensor(col), val, (2, 2))
+        with pytest.warns(UserWarning, match="unsorted or repeated"):
+            s = scorch.from_torch(t)
+        torch.testing.assert_close(s.to_dense(), t.to_dense())
+        other = scorch.asformat(torch.ones_like(t.to_dense()) if layout == "bsr" else e, "csr")
+        torch.testing.assert_close((s + other).to_dense(), t.to_dense() + other.to_dense())
+        torch.testing.assert_close((s * other).to_dense(), t.to_dense() * other.to_dense())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scorch.from_torch(torch.sparse_csr_tensor(torch.tensor([0, 2, 2, 2]), torch.tensor([0, 1]),
+                                                  torch.tensor([1.0, 2.0]), (3, 2)))

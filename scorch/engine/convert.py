@@ -357,7 +357,40 @@ def from_torch(t: torch.Tensor, *, check=None) -> SparseTensor:
     levels = _storage.uniform_index_dtype(levels)
     if check is None and not checking_invariants():
         _storage.validate_bounds(fmt, t.shape, levels, vals)
+        if layout != torch.sparse_coo and not _increasing_in_rows(levels[1].pos, levels[1].crd):
+            if t.requires_grad and not t.is_leaf:
+                raise ValueError(f"scorch: from_torch: this {layout} tensor has unsorted or repeated indices within a"
+                                 " row and is the result of a recorded operation: sorting it would cut the graph;"
+                                 " build it with sorted, unique indices")
+            r = from_torch(_canonical(t), check=False)  # (made by torch's own conversions: sorted, in bounds)
+            return r.requires_grad_() if t.requires_grad else r
     return SparseTensor(fmt, t.shape, levels, vals, requires_grad=t.requires_grad and t.is_leaf, check=bool(check))
+
+
+def _increasing_in_rows(pos, crd) -> bool:
+    """Whether the coordinates of each compressed row (column) strictly increase: what scorch's kernels assume
+    (a merge of two rows, sparse + sparse, read an unsorted one wrongly; ``to_dense`` kept one of two duplicates)."""
+    n = crd.numel()
+    if n < 2:
+        return True
+    starts = torch.zeros(n, dtype=torch.bool, device=crd.device)
+    inner = pos[1:-1]
+    starts[inner[inner < n].long()] = True
+    return bool(((crd[1:] > crd[:-1]) | starts[1:]).all())
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """A compressed torch tensor whose rows have unsorted or repeated coordinates, rebuilt with them sorted and the
+    repeats summed (as torch's ``to_dense`` and products count them), in new arrays (warned: no longer shared)."""
+    warnings.warn(f"scorch: from_torch: this {t.layout} tensor has unsorted or repeated indices within a row"
+                  " (torch's constructors do not check them): sorted, and repeats summed, into new arrays that the"
+                  " torch tensor no longer shares", UserWarning, stacklevel=3)
+    coo = t.to_sparse_coo()  # (marked coalesced by torch, which assumes sorted rows: rebuilt to be summed)
+    coo = torch.sparse_coo_tensor(coo._indices(), coo._values(), coo.shape).coalesce()
+    if t.layout in (torch.sparse_csr, torch.sparse_csc):
+        return coo.to_sparse_csr() if t.layout == torch.sparse_csr else coo.to_sparse_csc()
+    block = tuple(t.values().shape[1:3])
+    return coo.to_sparse_bsr(block) if t.layout == torch.sparse_bsr else coo.to_sparse_bsc(block)
 
 
 def to_torch(s: SparseTensor) -> torch.Tensor:
