@@ -64,8 +64,14 @@ def _sparse_sum(x, *args):
 
 @implements(torch.sparse.sum)
 def sparse_sum(x, dim=None, dtype=None):
-    """``torch.sparse.sum``: as ``sum``, except that ``dim=()`` sums over no dimension (torch.sparse's rule)."""
-    return sum(x, dim, dtype=dtype, _empty_all=False)
+    """``torch.sparse.sum``: as ``sum``, except that ``dim=()`` sums over no dimension (torch.sparse's rule) and
+    that a sum over some dimensions keeps an integer or bool input's dtype (torch.sparse's too; ``sum`` gives
+    int64)."""
+    r = sum(x, dim, dtype=dtype, _empty_all=False)
+    if dim is not None and dtype is None and not (x.dtype.is_floating_point or x.dtype.is_complex) and \
+            r.dtype != x.dtype:
+        r = r.to(x.dtype)
+    return r
 
 
 @implements(torch.mean, torch.Tensor.mean)

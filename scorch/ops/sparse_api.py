@@ -214,3 +214,44 @@ def log_softmax(x, dim=None, *args, **kwargs):
     if dim is None:
         raise ValueError("log_softmax of a sparse tensor needs dim")
     return _softmax(x, dim, _dtype_arg(args, kwargs), log=True)
+
+
+@implements(torch.Tensor.sparse_mask)
+def sparse_mask(x, mask):
+    """``x.sparse_mask(mask)``: ``x``'s values (dense or sparse) at ``mask``'s stored positions, on ``mask``'s
+    pattern (a COO mask coalesced first, as torch's result is); differentiable in ``x``. It went to the dense
+    fallback, where torch's op refuses a dense mask."""
+    if type(mask) is not SparseTensor:
+        raise TypeError(f"sparse_mask: the mask must be a sparse tensor, got a {mask.layout} tensor")
+    if tuple(x.shape) != tuple(mask.shape):
+        raise ValueError(f"sparse_mask: the tensor's shape {tuple(x.shape)} and the mask's {tuple(mask.shape)}"
+                         " differ")
+    if not mask.is_coalesced():
+        mask = mask.coalesce()
+    from .._autograd import values_at
+    return mask.detach().with_values(values_at(x, mask))
+
+
+def _torch_coo(x):
+    """The coalesced torch COO tensor of ``x`` (a SparseTensor, else as it is), for torch's COO-only products."""
+    if type(x) is not SparseTensor:
+        return x
+    return x.asformat(named.coo_nd(x.dim())).to_torch()
+
+
+def _from_torch_product(op):
+    """``op`` (torch's ``smm``, ``hspmm`` or ``sspaddmm``: products torch runs only on COO, with a sparse result)
+    run by torch's own sparse kernel on the COO form of the SparseTensor operands; the result as a SparseTensor.
+    They reached the dense fallback, where torch refuses dense operands."""
+    def run(*args, **kwargs):
+        from ..interop import from_torch
+        r = op(*[_torch_coo(a) for a in args], **{k: _torch_coo(v) for k, v in kwargs.items()})
+        return from_torch(r, check=False) if r.layout != torch.strided else r
+    run.__name__ = run.__qualname__ = op.__name__
+    run.__doc__ = f"``torch.{op.__name__}`` by torch's COO kernel on the SparseTensor operands' COO form."
+    return run
+
+
+for _name in ("smm", "hspmm", "sspaddmm"):
+    implements(*[f for f in (getattr(torch, _name), getattr(torch.Tensor, _name, None)) if f is not None])(
+        _from_torch_product(getattr(torch, _name)))

@@ -189,3 +189,48 @@ def test_sparse_mm_with_reduce(fmt, reduce):
     torch.testing.assert_close(xs.grad, xt.grad)
     torch.testing.assert_close(s.grad.to_dense(), t.grad.to_dense())
     torch.testing.assert_close(torch.sparse.mm(s.detach(), x, reduce=reduce), want.detach())
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "ell"])
+def test_sparse_mask_takes_values_on_the_masks_pattern(fmt):
+    """``D.sparse_mask(S)`` (torch's docstring example) raised from the dense fallback (torch refuses a dense
+    mask); values and the gradient of ``D`` at the mask's entries."""
+    d = torch.tensor([[5.0, 6.0, 7.0], [8.0, 9.0, 10.0]], requires_grad=True)
+    m = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    s = scorch.asformat(m, fmt)
+    r = d.sparse_mask(s)
+    assert isinstance(r, scorch.SparseTensor)
+    torch.testing.assert_close(r.to_dense(), (d * (m != 0)).detach())
+    r.values().sum().backward()
+    torch.testing.assert_close(d.grad, (m != 0).float())
+    torch.testing.assert_close(s.sparse_mask(scorch.asformat(m * (m > 1), fmt)).to_dense(), m * (m > 1))
+    with pytest.raises(ValueError, match="shape"):
+        torch.ones(3, 3).sparse_mask(s)
+
+
+def test_coo_only_products_smm_hspmm_sspaddmm():
+    """torch's COO-only products with a sparse result raised from the dense fallback (torch refuses dense
+    operands): torch's own kernel on the COO form."""
+    m = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0]])
+    y = torch.arange(6.0).reshape(3, 2)
+    for fmt in ("coo", "csr"):
+        s = scorch.asformat(m, fmt)
+        for r in (torch.smm(s, y), s.smm(y), torch.hspmm(s, y)):
+            assert isinstance(r, scorch.SparseTensor)
+            torch.testing.assert_close(r.to_dense(), m @ y)
+        z = torch.ones(3, 3)
+        r = torch.sspaddmm(scorch.asformat(torch.eye(2, 3), fmt), s, torch.ones(3, 3), beta=0.5, alpha=2.0)
+        torch.testing.assert_close(r.to_dense(), 0.5 * torch.eye(2, 3) + 2.0 * (m @ z))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool])
+def test_sparse_sum_over_a_dimension_keeps_integer_dtypes(dtype):
+    """``torch.sparse.sum(x, dim)`` keeps an integer / bool input's dtype (scorch gave int64 sums)."""
+    d = torch.tensor([[1, 0, 2], [0, 1, 0]]).to(dtype)
+    t = d.to_sparse()
+    s = scorch.from_torch(t)
+    for dim in (0, 1):
+        want = torch.sparse.sum(t, dim).to_dense()
+        got = torch.sparse.sum(s, dim)
+        got = got.to_dense() if isinstance(got, scorch.SparseTensor) else got
+        assert got.dtype == want.dtype and torch.equal(got, want)
