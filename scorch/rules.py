@@ -35,7 +35,7 @@ class LazyNever:
 class Rules:
     __slots__ = ("differentiable_einsum", "differentiable_run", "differentiable_convert", "lazy_type",
                  "compute_lazy", "substitute_lazy", "fused_product", "lazy_epilogue", "to_dense", "asformat",
-                 "to_torch", "traced_op", "traced_tensor")
+                 "to_torch", "traced_op", "traced_tensor", "coalesce_leaf")
 
     def __init__(self):
         for name in self.__slots__:

@@ -260,6 +260,8 @@ class SparseTensor(Traceable, torch.Tensor):
         self.requires_grad_(flag)
 
     def requires_grad_(self, requires_grad: bool = True) -> "SparseTensor":
+        if requires_grad and self._format.keeps_duplicates and RULES.coalesce_leaf:  # (one gradient an entry, as
+            RULES.coalesce_leaf(self)  # torch's: an uncoalesced COO leaf's duplicates summed first, ops.pattern)
         self._vals.requires_grad_(requires_grad)
         if getattr(self, "_bridged", False):  # (the wrapper's own flag follows: see _bridge_grad)
             with torch._C.DisableTorchFunctionSubclass():

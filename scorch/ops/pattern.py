@@ -32,11 +32,13 @@ pattern too). ``load_state_dict`` copies into a sparse parameter with ``copy_``.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import threading
 
 import torch
 
+from ..rules import RULES
 from ..formats import named, storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
 
@@ -130,7 +132,7 @@ def _refuse_densifying_scalars(self: SparseTensor, name: str, args, kwargs, spar
     ``S.clamp_(min=0.5)``, ``S.reciprocal_()``): the dense result cannot be written into a sparse tensor, and
     updating the stored values only would be a wrong answer. Inside a ``torch.optim`` optimizer's step that is
     what the step means (Adam's ``denom.add_(eps)`` on its state, shaped as the parameter): allowed there."""
-    if sparse or name in _SCALING or not all(_scalar(a) for a in (*args, *kwargs.values())):
+    if sparse or name in _SCALING or name in _DRAWS or not all(_scalar(a) for a in (*args, *kwargs.values())):
         return
     with torch.no_grad():
         probe = torch.zeros(1, dtype=self._vals.dtype, device=self._vals.device)
@@ -235,6 +237,13 @@ for _m in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor
            torch.Tensor.sin_, torch.Tensor.tanh_):
     _inplace(_m)  # (reciprocal_ maps the stored values, as add_(eps) adds to them: RAdam's foreach state)
 
+#: random fills draw each stored value (padding stays 0, an uncoalesced COO's duplicates are summed first): the
+#: pattern is the tensor's structure, as a sparse weight's (``nn.init.normal_`` / ``kaiming_uniform_`` /
+#: ``trunc_normal_`` on a sparsified model's weights raised; implicit zeros made random would be a dense tensor)
+_DRAWS = {"normal_", "uniform_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_"}
+for _name in sorted(_DRAWS):
+    _inplace(getattr(torch.Tensor, _name))
+
 
 def _with_new_pattern(self: SparseTensor, name, args, kwargs):
     """``self.<name>(*args, **kwargs)`` where a sparse operand has another pattern: computed out of place, the
@@ -309,3 +318,43 @@ def conj(x):
     if x.is_complex():
         raise NotImplementedError("scorch: complex SparseTensors are not supported")
     return x
+
+
+# ``torch.nn.init``'s functions that hand a tensor subclass to ``__torch_function__`` (the others call the random
+# fills above on the tensor): the same fills of the stored values (``nn.Linear.reset_parameters`` on a sparse weight)
+@implements(torch.nn.init.uniform_)
+def _init_uniform(tensor, a=0.0, b=1.0, generator=None):
+    """``nn.init.uniform_``: each stored value drawn from U(a, b); the pattern kept."""
+    with torch.no_grad():
+        return tensor.uniform_(a, b, generator=generator)
+
+
+@implements(torch.nn.init.normal_)
+def _init_normal(tensor, mean=0.0, std=1.0, generator=None):
+    """``nn.init.normal_``: each stored value drawn from N(mean, std**2); the pattern kept."""
+    with torch.no_grad():
+        return tensor.normal_(mean, std, generator=generator)
+
+
+@implements(torch.nn.init.kaiming_uniform_)
+def _init_kaiming_uniform(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu", generator=None):
+    """``nn.init.kaiming_uniform_``: torch's bound from the dense shape's fan, each stored value drawn within it."""
+    if 0 in tensor.shape:
+        return tensor
+    fan = torch.nn.init._calculate_correct_fan(tensor, mode)
+    bound = math.sqrt(3.0) * torch.nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)
+    with torch.no_grad():
+        return tensor.uniform_(-bound, bound, generator=generator)
+
+
+def _coalesce_leaf(s: SparseTensor) -> None:
+    """An uncoalesced COO about to become a leaf that requires grad (``requires_grad_``, ``nn.Parameter``) gets its
+    duplicates summed in place, as ``from_torch`` does for a torch tensor that requires grad: each entry then
+    takes one gradient, as in torch (each duplicate took the entry's whole gradient: ``S.grad.to_dense()`` read
+    twice torch's, an SGD step moved the entry twice as far, and Adam's step raised on the mixed patterns)."""
+    if s._vals.is_leaf and not s._vals.requires_grad:
+        _replace_storage(s, s.detach().asformat(named.coo_nd(s.dim())), fresh=True)
+        s.__dict__["_format"] = named.coo_nd(s.dim())
+
+
+RULES.register(coalesce_leaf=_coalesce_leaf)

@@ -150,3 +150,31 @@ def test_slots_outside_the_shape_stay_zero(fmt, name):
             opt.step()
     assert torch.isfinite(w.grad.values()).all() and torch.isfinite(w.values()).all()
     assert bool((w.values().detach()[~inside] == 0).all())
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell", "nm(2, 4)", "bsr(2, 2)", "dia"])
+def test_nn_init_refills_the_stored_values_of_a_sparse_weight(fmt):
+    """``nn.init.normal_`` / ``uniform_`` / ``kaiming_uniform_`` (``nn.Linear.reset_parameters``) raised on a
+    sparse weight (``model.apply(init)`` after sparsifying stopped); they draw each stored value, the pattern
+    kept, padding and implicit zeros 0."""
+    import math
+    d = torch.tensor([[1.0, 0, 2, 0], [0, 3, 0, 0], [0, 0, 0, 4], [5, 0, 0, 0]])
+    ref = scorch.asformat(d, fmt)
+    slots = ref.with_values(torch.ones_like(ref.values())).to_dense() if not ref.format.padded else (d != 0).float()
+    w = torch.nn.Parameter(scorch.asformat(d, fmt))
+    g = torch.Generator().manual_seed(0)
+    for init in (lambda p: torch.nn.init.normal_(p, 0.0, 1.0, generator=g),
+                 lambda p: torch.nn.init.uniform_(p, 2.0, 3.0, generator=g),
+                 lambda p: torch.nn.init.kaiming_uniform_(p, a=math.sqrt(5), generator=g),
+                 torch.nn.init.xavier_normal_, torch.nn.init.trunc_normal_):
+        before = w.to_dense().clone()
+        init(w)
+        after = w.to_dense()
+        assert isinstance(w, scorch.SparseTensor) and w.requires_grad
+        assert bool((after[slots == 0] == 0).all())
+        assert not torch.equal(after, before)
+    torch.nn.init.uniform_(w, 2.0, 3.0)
+    vals = w.to_dense()[(d != 0)]
+    assert bool(((vals >= 2.0) & (vals <= 3.0)).all())
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        w.normal_()  # (outside no_grad, as torch)

@@ -110,3 +110,25 @@ def test_to_sparse_bsr_takes_an_int_blocksize():
     for blocksize in (2, (2, 2)):
         r = s.to_sparse_bsr(blocksize)
         assert r.format.name == "bsr(2, 2)" and torch.equal(r.to_dense(), d)
+
+
+def test_an_uncoalesced_coo_leaf_takes_one_gradient_an_entry_as_torch():
+    """``requires_grad_()`` / ``nn.Parameter`` on an uncoalesced COO: each duplicate took the entry's whole gradient
+    (``S.grad.to_dense()`` twice torch's, an SGD step twice as far) and Adam's step raised on mixed patterns. The
+    duplicates are summed first, as ``from_torch`` does for a torch tensor that requires grad."""
+    def unc():  # (0, 2) stored twice: 1 + 1
+        return torch.sparse_coo_tensor([[0, 0, 1], [2, 2, 2]], [1.0, 1.0, 3.0], (2, 4))
+    w = torch.arange(8.0).reshape(2, 4)
+    t = unc().requires_grad_()
+    (t.to_dense() * w).sum().backward()
+    s = scorch.from_torch(unc()).detach().requires_grad_()
+    assert s.is_coalesced()
+    (s.to_dense() * w).sum().backward()
+    torch.testing.assert_close(s.grad.to_dense(), t.grad.to_dense())
+    for opt in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        p = torch.nn.Parameter(scorch.from_torch(unc()))
+        q = torch.nn.Parameter(unc().to_dense())
+        for x, o in ((p, opt([p], lr=0.1)), (q, opt([q], lr=0.1))):
+            (x @ torch.ones(4)).sum().backward()
+            o.step()
+        torch.testing.assert_close(p.to_dense(), q.detach() * (unc().to_dense() != 0))
