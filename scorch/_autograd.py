@@ -120,7 +120,7 @@ def _einsum_grad(k, inputs, out, ops, gout):
         dtype = gout._vals.dtype if type(gout) is SparseTensor else gout.dtype
         # (an uncoalesced COO's duplicates share one position's gradient: the product on each position once,
         # read back at every entry; on the duplicates themselves the kernel would sum them, once per copy)
-        site = engine.asformat(x.detach(), named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
+        site = engine.asformat(x.detach(), named.coo_nd(x.dim(), dense_dim=x.dense_dim())) if x._format.keeps_duplicates else x
         # (a padded format's padding: no entry to sample, and 0 times a non-finite product there is nan, which
         # must not reach the real entry: read once, for both)
         pad = padding_of(x) if x._format.padded else None

@@ -30,7 +30,7 @@ def _coo_like(x):
 def coalesce(x):
     """Duplicates summed and entries sorted: COO with duplicates becomes coalesced COO; other formats hold
     each entry once already and are returned as they are (the ops' own use)."""
-    return x.asformat(named.coo_nd(x.dim())) if x._format.keeps_duplicates else x
+    return x.asformat(named.coo_nd(x.dim(), dense_dim=x.dense_dim())) if x._format.keeps_duplicates else x
 
 
 @implements(torch.Tensor.coalesce)
@@ -39,7 +39,7 @@ def coalesce_method(x):
     coalesced COO already (uncoalesced COO, a transposed COO view, a format torch has no layout for) comes back
     as coalesced COO, whose ``indices()`` / ``values()`` torch code reads next; other layouts as they are."""
     if x.layout == torch.sparse_coo and (x._format.keeps_duplicates or not _coo_like(x)):
-        return x.asformat(named.coo_nd(x.dim()))
+        return x.asformat(named.coo_nd(x.dim(), dense_dim=x.dense_dim()))
     return x
 
 
@@ -51,11 +51,13 @@ def is_coalesced(x):
 
 @implements(torch.Tensor.indices, torch.Tensor._indices)
 def indices(x):
-    """The ``(ndim, nnz)`` int64 coordinates of a COO SparseTensor, as torch's ``indices()``."""
-    if not _coo_like(x):
+    """The ``(sparse_dim, nnz)`` int64 coordinates of a COO SparseTensor (hybrid too: its sparse levels), as
+    torch's ``indices()``."""
+    hybrid = named.hybrid_coo_dims(x._format)
+    if not _coo_like(x) and hybrid is None:
         raise NotImplementedError(f"scorch: indices() of format {x._format.name or x._format}: it is defined for"
                                   " COO; use x.to_sparse_coo().indices()")
-    return torch.stack([st.crd.to(torch.int64) for st in x._levels])
+    return torch.stack([st.crd.to(torch.int64) for st in x._levels[:x.dim() - (hybrid[0] if hybrid else 0)]])
 
 
 def _compressed_arrays(x, names):
@@ -110,7 +112,7 @@ def _blocked(x, name, blocksize):
             raise ValueError(f"to_sparse_{name}: a blocksize is required")
         bh, bw = (blocksize, blocksize) if isinstance(blocksize, int) else tuple(blocksize)  # (torch takes both)
         return f"{name}({bh}, {bw})"
-    return named.coo_nd(x.dim()) if name == "coo" else name
+    return named.coo_nd(x.dim(), dense_dim=x.dense_dim()) if name == "coo" else name
 
 
 @implements(torch.Tensor.to_sparse)
@@ -236,7 +238,7 @@ def _torch_coo(x):
     """The coalesced torch COO tensor of ``x`` (a SparseTensor, else as it is), for torch's COO-only products."""
     if type(x) is not SparseTensor:
         return x
-    return x.asformat(named.coo_nd(x.dim())).to_torch()
+    return x.asformat(named.coo_nd(x.dim(), dense_dim=x.dense_dim())).to_torch()
 
 
 def _from_torch_product(op):

@@ -234,3 +234,15 @@ def test_sparse_sum_over_a_dimension_keeps_integer_dtypes(dtype):
         got = torch.sparse.sum(s, dim)
         got = got.to_dense() if isinstance(got, scorch.SparseTensor) else got
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_coalesce_keeps_a_hybrid_coos_dense_dimensions():
+    """torch's docs example: ``sparse_coo_tensor(i, v, (2, 3, 2)).coalesce()`` with values of shape (3, 2) made the
+    dense dimension a sparse one (sparse_dim 3, dense_dim 0; ``indices()`` 3 rows); ``indices()`` of a hybrid COO
+    raised."""
+    i, v = [[0, 1, 1], [2, 0, 2]], [[3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]
+    t = torch.sparse_coo_tensor(i, v, (2, 3, 2)).coalesce()
+    for s in (scorch.sparse_coo_tensor(i, v, (2, 3, 2)).coalesce(), scorch.from_torch(t)):
+        assert (s.sparse_dim(), s.dense_dim()) == (2, 1)
+        assert torch.equal(s.indices(), t.indices())
+        torch.testing.assert_close(s.to_dense(), t.to_dense())
