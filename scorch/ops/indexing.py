@@ -182,6 +182,8 @@ def setitem(x, key, value):
     """``x[key] = 0`` (with any key ``x[key]`` reads by its sparse rule): the selected stored values set to 0, in
     place, pattern kept. Other values would fill implicit zeros: they raise (a sparse tensor cannot become dense in
     place), as a dense ``x`` with a sparse value runs on the dense form."""
+    if type(x) is SparseTensor and not _zero_value(value) and _masks_stored_entries(x, key, value):
+        return _set_masked(x, key, value)
     if type(x) is not SparseTensor or not _zero_value(value):
         raise NoSparseRule("assignment of a value other than 0")
     leaf, dims, inside = storage.coordinates(x._format, x._shape, x._levels)
@@ -200,6 +202,38 @@ def setitem(x, key, value):
     else:
         _, chosen, _ = _indexed_entries(x, key, dims, leaf)
     x._vals[chosen] = 0  # every stored entry at a chosen position (duplicates too): the position reads 0
+
+
+def _masks_stored_entries(x, key, value) -> bool:
+    """Whether ``x[key] = value`` is a scalar set through a boolean mask of ``x``'s whole shape (``s[s.gt(0)] = 5``,
+    torch's Rprop on its state): ``_set_masked``."""
+    return isinstance(key, torch.Tensor) and key.dtype == torch.bool and tuple(key.shape) == tuple(x._shape) and \
+        (isinstance(value, numbers.Number) or (isinstance(value, torch.Tensor) and type(value) is not SparseTensor
+                                               and value.numel() == 1)) and not x._format.keeps_duplicates
+
+
+def _set_masked(x, key, value):
+    """The stored values of ``x`` where the mask ``key`` is True set to ``value``, in place, pattern kept (padding
+    and slots outside the shape left 0). A mask True at an implicit zero of ``x`` would make the tensor dense:
+    it raises, except inside an optimizer step or ``scorch.stored_only()``, where the stored entries are what the
+    step means (Rprop's ``sign[sign.eq(0)] = 1``)."""
+    from ..sparse_tensor import padding_of
+    from .pattern import _STORED_ONLY, _in_optimizer_step
+    leaf, dims, inside = storage.coordinates(x._format, x._shape, x._levels)
+    keep = inside & ~padding_of(x)[leaf] if x._format.padded else inside
+    dims, leaf = dims[:, keep], leaf[keep]
+    if type(key) is SparseTensor:
+        hit = storage.lookup(key._format, key._shape, key._levels, key._vals, dims).bool()
+        wanted = int(key.coalesce()._vals.bool().sum())
+    else:
+        key = key.to(dims.device)
+        hit, wanted = key[tuple(dims)], int(key.sum())
+    if int(hit.sum()) < wanted and not (_STORED_ONLY.depth or _in_optimizer_step()):
+        raise NotImplementedError(
+            "scorch: x[mask] = value with a nonzero value and a mask that is True where x holds no entry would make"
+            " x dense in place; mask only stored entries (x[x.gt(0)] = v), assign to x.values(), or run it inside"
+            " `with scorch.stored_only():` to set the stored entries only")
+    x._vals[leaf[hit]] = value
 
 
 @implements(torch.select, _T.select)

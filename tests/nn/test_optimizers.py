@@ -55,14 +55,6 @@ def test_optimizer_steps_sparse_weight_as_masked_dense(name, foreach):
     torch.testing.assert_close(sparse.bias.detach(), dense.bias.detach(), rtol=1e-4, atol=2e-5)
 
 
-def test_rprop_says_why_it_cannot_step_a_sparse_weight():
-    sparse, _, _ = _pair()
-    opt = torch.optim.Rprop(sparse.parameters(), lr=0.01)
-    sparse(torch.randn(3, 12)).sum().backward()
-    with pytest.raises(NotImplementedError, match="sparse tensor"):
-        opt.step()
-
-
 @pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
 @pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "LBFGS"])
@@ -178,3 +170,30 @@ def test_nn_init_refills_the_stored_values_of_a_sparse_weight(fmt):
     assert bool(((vals >= 2.0) & (vals <= 3.0)).all())
     with pytest.raises(RuntimeError, match="leaf Variable"):
         w.normal_()  # (outside no_grad, as torch)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell", "bsr(2, 2)"])
+def test_rprop_steps_a_sparse_weight_as_the_dense_masked_one(fmt):
+    """Rprop sets its state through boolean masks (``sign[sign.gt(0)] = etaplus``, ``sign[sign.eq(0)] = 1``): the
+    assignment of a nonzero value through a mask raised on a sparse tensor. It sets the stored entries where the
+    mask is True (padding stays 0); outside an optimizer step a mask True at an implicit zero raises."""
+    g = torch.Generator().manual_seed(3)
+    d = torch.randn(4, 6, generator=g) * (torch.rand(4, 6, generator=g) < 0.5)
+    w = torch.nn.Parameter(scorch.asformat(d, fmt))
+    mask = (w.detach().with_values(torch.ones_like(w.values())).to_dense() != 0).float() if not w.format.padded \
+        else (d != 0).float()
+    q = torch.nn.Parameter(d.clone())
+    q.register_hook(lambda grad: grad * mask)
+    x = torch.randn(5, 6, generator=g)
+    ow, oq = torch.optim.Rprop([w], lr=0.05), torch.optim.Rprop([q], lr=0.05)
+    for _ in range(3):
+        for p, o in ((w, ow), (q, oq)):
+            o.zero_grad()
+            (x @ p.t()).square().sum().backward()
+            o.step()
+    torch.testing.assert_close(w.to_dense(), q.detach() * mask)
+    s = scorch.asformat(d, fmt)
+    s[s.gt(0)] = 7.0
+    torch.testing.assert_close(s.to_dense(), torch.where(d > 0, 7.0, d))
+    with pytest.raises(NotImplementedError, match="dense in place"):
+        s[torch.ones(4, 6, dtype=torch.bool)] = 1.0
