@@ -198,6 +198,9 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
         prod = prod.to_dense()
     if isinstance(input, SparseTensor):
         input = input.to_dense()
+    if not (prod.dtype.is_floating_point or prod.dtype.is_complex or input.dtype.is_floating_point or
+            input.dtype.is_complex):
+        beta, alpha = int(beta), int(alpha)  # (integer operands: torch takes the scalars as integers, 0.5 as 0)
     if beta == 0:
         scaled = torch.nan_to_num(input * 0, nan=0.0, posinf=0.0, neginf=0.0)
     else:

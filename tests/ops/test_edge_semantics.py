@@ -358,3 +358,16 @@ def test_one_operand_einsum_sums_integers_to_int64_as_torch(dtype):
         got = got.to_dense() if isinstance(got, scorch.SparseTensor) else got
         assert got.dtype == want.dtype, eq
         assert torch.equal(got, want), eq
+
+
+def test_addmm_of_integer_operands_takes_its_scalars_as_integers():
+    """torch's ``addmm`` of int64 operands with ``beta=0.5, alpha=2`` is int64 (the scalars as integers: 0 and 2);
+    scorch gave float32 ``[[16.5, ...]]``."""
+    c = torch.ones(2, 2, dtype=torch.int64)
+    a = torch.tensor([[1, 0], [0, 2]])
+    b = torch.tensor([[8, 11], [6, 7]])
+    for fmt in ("coo", "csr"):
+        for fn in (torch.addmm, torch.sparse.addmm):
+            got = fn(c, scorch.asformat(a, fmt), b, beta=0.5, alpha=2)
+            want = torch.addmm(c, a, b, beta=0.5, alpha=2)
+            assert got.dtype == want.dtype and torch.equal(got, want)
