@@ -68,7 +68,15 @@ def _reduce_dims(dim, n, empty_all=True):
     if dim is None:
         return tuple(range(n))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    return tuple(sorted({d % n for d in dims})) if dims or not empty_all else tuple(range(n))
+    lo, hi = (-n, n - 1) if n else (-1, 0)  # (torch: a 0-d tensor takes dim 0 and -1)
+    for d in dims:
+        if not lo <= d <= hi:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{lo}, {hi}], but got {d})")
+    found = [d % max(n, 1) for d in dims]
+    if len(set(found)) < len(found):
+        raise RuntimeError(f"dim {next(d for d in found if found.count(d) > 1)} appears multiple times in the list"
+                           " of dims")
+    return tuple(sorted(set(found))) if dims or not empty_all else tuple(range(n))
 
 
 def _groups(shape, edims, reduce_dims):

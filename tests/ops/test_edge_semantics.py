@@ -371,3 +371,35 @@ def test_addmm_of_integer_operands_takes_its_scalars_as_integers():
             got = fn(c, scorch.asformat(a, fmt), b, beta=0.5, alpha=2)
             want = torch.addmm(c, a, b, beta=0.5, alpha=2)
             assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_count_nonzero_any_all_check_their_dims(fmt):
+    """``count_nonzero(S, 5)`` read dim 5 as dim 1 (wrapped), ``any(S, (0, 1, 1))`` took the repeat: torch raises."""
+    d = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    s = scorch.asformat(d, fmt)
+    for fn in (torch.count_nonzero, torch.any, torch.all):
+        for dim in (5, -3, 2):
+            with pytest.raises(IndexError, match="out of range"):
+                fn(s, dim)
+    for dims in ((0, 0), (0, 1, 1)):
+        with pytest.raises(RuntimeError, match="multiple times"):
+            torch.count_nonzero(s, dims)
+    torch.testing.assert_close(torch.count_nonzero(s, -1), torch.count_nonzero(d, -1))
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_embedding_max_norm_renorms_the_sparse_weight_in_place(fmt):
+    """``F.embedding(idx, S, max_norm=1)`` renormed a dense copy (the fallback): the lookup was right, ``S`` kept
+    its old rows, silently. Its looked-up rows are rescaled in place, as torch does to a dense weight."""
+    import torch.nn.functional as F
+    w = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 0.0], [0.0, 6.0, 8.0], [0.0, 0.3, 0.4]], dtype=torch.float64)
+    idx = torch.tensor([0, 2, 3])
+    for fn, kw in ((F.embedding, {}), (F.embedding_bag, {"offsets": torch.tensor([0, 2])})):
+        dense, s = w.clone(), scorch.asformat(w, fmt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scorch.DensifyWarning)
+            got = fn(idx, s, max_norm=1.0, **kw)
+        want = fn(idx, dense, max_norm=1.0, **kw)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(s.to_dense(), dense)
