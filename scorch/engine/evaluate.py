@@ -208,12 +208,8 @@ def _sums_integers(equation, x) -> bool:
     ``torch.sum``: ``einsum("ijk->k", int32)`` is int64, ``"ijk->kji"`` keeps int32)."""
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.int64 or not isinstance(equation, str):
         return False
-    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
-    if "." in lhs or "," in lhs:
-        return False
-    if not arrow:  # (implicit output: the letters that appear once, in order)
-        rhs = "".join(sorted(c for c in set(lhs) if lhs.count(c) == 1))
-    return bool(set(lhs) - set(rhs))
+    (letters,), out = parse(equation, (x.dim(),))
+    return bool(set(letters) - set(out))
 
 
 def einsum(equation, *operands, format=None, explain=False, backend="cpp", schedule=None):

@@ -194,14 +194,17 @@ def setitem(x, key, value):
         if tuple(key.shape) != tuple(x._shape[:k]):
             raise IndexError(f"The shape of the mask {list(key.shape)} does not match the shape of the indexed tensor"
                              f" {list(x._shape)}")
-        if type(key) is SparseTensor:
-            hit = storage.lookup(key._format, key._shape, key._levels, key._vals, dims[:k]).bool()
-        else:
-            hit = key.to(dims.device)[tuple(dims[:k])]
-        chosen = leaf[hit]
+        chosen = leaf[_mask_at(key, dims[:k])]
     else:
         _, chosen, _ = _indexed_entries(x, key, dims, leaf)
     x._vals[chosen] = 0  # every stored entry at a chosen position (duplicates too): the position reads 0
+
+
+def _mask_at(key, dims):
+    """The boolean mask ``key`` (dense or sparse) read at the coordinates ``dims`` (one row per dimension)."""
+    if type(key) is SparseTensor:
+        return storage.lookup(key._format, key._shape, key._levels, key._vals, dims).bool()
+    return key.to(dims.device)[tuple(dims)]
 
 
 def _masks_stored_entries(x, key, value) -> bool:
@@ -222,12 +225,8 @@ def _set_masked(x, key, value):
     leaf, dims, inside = storage.coordinates(x._format, x._shape, x._levels)
     keep = inside & ~padding_of(x)[leaf] if x._format.padded else inside
     dims, leaf = dims[:, keep], leaf[keep]
-    if type(key) is SparseTensor:
-        hit = storage.lookup(key._format, key._shape, key._levels, key._vals, dims).bool()
-        wanted = int(key.coalesce()._vals.bool().sum())
-    else:
-        key = key.to(dims.device)
-        hit, wanted = key[tuple(dims)], int(key.sum())
+    hit = _mask_at(key, dims)
+    wanted = int(key.coalesce()._vals.bool().sum()) if type(key) is SparseTensor else int(key.sum())
     if int(hit.sum()) < wanted and not (_STORED_ONLY.depth or _in_optimizer_step()):
         raise NotImplementedError(
             "scorch: x[mask] = value with a nonzero value and a mask that is True where x holds no entry would make"

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor, dense_fallback, implements
 from .entries import _desc, _entries, _groups, _no_out, _probe_shape, _reduce_dims, _register, _shaped
 
 _T = torch.Tensor
@@ -148,9 +148,9 @@ def _embedding_renorming(func, weight_at):
     """``func`` (``F.embedding`` / ``F.embedding_bag``) with a sparse weight and ``max_norm``: the weight's rows
     renormed in place first (``_renorm_rows``), then the op without ``max_norm`` on the dense form, as before
     (a visible fallback). The fallback had renormed a dense copy: the weight stayed as it was, silently."""
+    names = list(inspect.signature(func).parameters)
+
     def op(*args, **kwargs):
-        from ..sparse_tensor import dense_fallback
-        names = list(inspect.signature(func).parameters)
         bound = dict(zip(names, args), **kwargs)
         weight = bound[names[weight_at]]
         if type(weight) is SparseTensor and bound.get("max_norm") is not None:

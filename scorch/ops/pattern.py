@@ -39,8 +39,9 @@ import threading
 import torch
 
 from ..rules import RULES
-from ..formats import named, storage
+from ..formats import storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
+from .sparse_api import coalesce
 
 
 def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
@@ -191,7 +192,7 @@ def _inplace(method):
         _refuse_densifying_scalars(self, name, args, kwargs, sparse)
         if self._format.keeps_duplicates and not _distributes(name, args, kwargs):
             # an uncoalesced COO: sqrt(4) + sqrt(5) is not sqrt(9): its duplicates summed first (in place)
-            _replace_storage(self, self.detach().asformat(named.coo_nd(self.dim(), dense_dim=self.dense_dim())), fresh=True)
+            _replace_storage(self, coalesce(self.detach()), fresh=True)
             if any(not same_pattern(a, self) for a in sparse):
                 return _with_new_pattern(self, name, args, kwargs)
         # padding, and slots outside the shape (a DIA diagonal's ends), stay 0 (``padding_of``, ``storage.outside``:
@@ -353,8 +354,9 @@ def _coalesce_leaf(s: SparseTensor) -> None:
     takes one gradient, as in torch (each duplicate took the entry's whole gradient: ``S.grad.to_dense()`` read
     twice torch's, an SGD step moved the entry twice as far, and Adam's step raised on the mixed patterns)."""
     if s._vals.is_leaf and not s._vals.requires_grad:
-        _replace_storage(s, s.detach().asformat(named.coo_nd(s.dim(), dense_dim=s.dense_dim())), fresh=True)
-        s.__dict__["_format"] = named.coo_nd(s.dim(), dense_dim=s.dense_dim())
+        summed = coalesce(s.detach())
+        _replace_storage(s, summed, fresh=True)
+        s.__dict__["_format"] = summed._format
 
 
 RULES.register(coalesce_leaf=_coalesce_leaf)
