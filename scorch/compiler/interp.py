@@ -143,6 +143,9 @@ class _Interp:
             v = self.arrays[e.array][self._index(e.array, e.index, env)]
             return _cast(v, e.type)
         if isinstance(e, L.Binary):
+            if e.op in ("and", "or"):  # (left to right, as C's && and ||: the right side may read out of range)
+                a = bool(self.expr(e.a, env))
+                return a if a == (e.op == "or") else bool(self.expr(e.b, env))
             return _cast(_binary(e.op, self.expr(e.a, env), self.expr(e.b, env), e.type), e.type)
         if isinstance(e, L.Unary):
             return _cast(_unary(e.op, self.expr(e.a, env), e.type), e.type)

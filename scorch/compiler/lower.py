@@ -179,6 +179,11 @@ class _Lowering:
                 else:
                     items.append(("for", p, bounds[0], bounds[1], par))
                 items.append(("let", c, lvl.emit_pos_access(sym, p)))
+                if lvl.padded and bounds is not None and k == len(fmt.levels) - 1 and \
+                        not any(x.padded for x in fmt.level_types[:-1]):
+                    # padding is no entry: it is 0, but 0 times an inf or nan operand would not be
+                    value = _cast(L.Load(self.values(o), p, L.type_of(t.dtype)), self.ct)
+                    items.append(("if", lvl.emit_is_entry(sym, bounds[0], p, c, value)))
             parent, coords[k] = p, c
             self.positions.append(p)
             items += self._recover(fmt, k, coords, dims, drv)

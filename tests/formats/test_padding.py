@@ -2,6 +2,7 @@
 coordinate before it is padding whatever its value; a stored zero of a real slot is an entry; a segment whose
 every slot is at coordinate 0 reads its first slot as padding only where it (and each other value array given)
 holds 0."""
+import pytest
 import torch
 
 import scorch
@@ -32,3 +33,38 @@ def test_nm_stored_zeros_train():
     (p @ torch.ones(8, 1)).sum().backward()
     torch.optim.SGD([p], lr=1.0).step()
     assert torch.equal(p.detach().to_dense() != 0, mask)
+
+
+def _pruned(x, fmt):
+    if not fmt.startswith("nm"):
+        return x
+    n, m = map(int, fmt[3:-1].split(","))
+    g = x.reshape(x.shape[0], -1, m)
+    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.abs().topk(n, dim=-1).indices, True)
+    return (g * keep).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)", "nm(1, 2)"])
+@pytest.mark.parametrize("seed", range(6))
+def test_padding_meets_no_inf_or_nan(fmt, seed):
+    # padding is not an entry: an inf or nan where a padded slot points (the segment's last coordinate, or 0
+    # in an empty segment) must not reach the result as 0 * inf = nan; the same tensor in CSR is the reference
+    g = torch.Generator().manual_seed(seed)
+    m, n = 6, 8
+    x = _pruned(torch.randn(m, n, generator=g) * (torch.rand(m, n, generator=g) < 0.3), fmt)
+    x[1] = 0  # an empty segment: its padding is at coordinate 0
+    s, ref = scorch.asformat(x, fmt), scorch.asformat(x, "csr")
+    X = torch.randn(n, 3, generator=g)
+    X[0, 0], X[int(torch.randint(1, n, (1,), generator=g)), 1] = float("nan") if seed % 2 else float("inf"), float("inf")
+    Y = torch.randn(3, m, generator=g)
+    Y[:, 0] = float("inf")
+    D = torch.randn(m, n, generator=g)
+    D[:, 0] = float("nan")
+    A, B = torch.randn(m, 4, generator=g), torch.randn(4, n, generator=g)
+    B[:, 0] = float("inf")
+    calls = {"S @ X": lambda t: t @ X, "S @ v": lambda t: t @ X[:, 0], "Y @ S": lambda t: Y @ t,
+             "S * D": lambda t: (t * D).to_dense(), "einsum": lambda t: scorch.einsum("ij,jk->ik", t, X),
+             "sampled_addmm": lambda t: torch.sparse.sampled_addmm(t, A, B).to_dense()}
+    for name, f in calls.items():
+        got, want = f(s), f(ref)
+        assert torch.allclose(got, want, equal_nan=True, atol=1e-6), (name, got, want)

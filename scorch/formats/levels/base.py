@@ -139,6 +139,11 @@ class Level:
     def emit_pos_access(self, sym: LevelSymbols, pos):
         raise NotImplementedError(f"level type {self.name} cannot iterate positions")
 
+    def emit_is_entry(self, sym: LevelSymbols, begin, pos, coord, value):
+        """A padded last level: a bool expression, true where position ``pos`` (of the segment starting at
+        ``begin``, coordinate ``coord``, stored value ``value``) is an entry rather than padding."""
+        raise NotImplementedError(f"level type {self.name} has no padding")
+
 
 def ranges(starts: torch.Tensor, counts: torch.Tensor):
     """Expand ``[starts[r], starts[r] + counts[r])`` for every r: returns ``(src, values)`` with ``src`` the row."""

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ...loopir import binary
+from ...loopir import Const, binary
 from .base import Level, LevelStorage, check_index_dtype, check_range
 from .compressed import new_groups
 
@@ -72,6 +72,17 @@ class Fixed(Level):
 
     def emit_pos_access(self, sym, pos):
         return sym.load(sym.crd, pos)
+
+    def emit_is_entry(self, sym, begin, pos, coord, value):
+        # as ``storage.padding`` reads it: a later slot is padding where it repeats the coordinate before it; the
+        # first where it holds 0 and the segment's last coordinate (so all of them: they do not decrease) is 0
+        # (``&&`` and ``||`` evaluate left to right: no load leaves the segment)
+        last = sym.load(sym.crd, binary("sub", binary("add", begin, sym.width), Const(1)))
+        later = binary("and", binary("ne", pos, begin),
+                       binary("ne", coord, sym.load(sym.crd, binary("sub", pos, Const(1)))))
+        first = binary("and", binary("eq", pos, begin),
+                       binary("or", binary("ne", value, Const(0, value.type)), binary("ne", last, Const(0))))
+        return binary("or", later, first)
 
     def assemble(self, parent_pos, parent_count, coord, lo, hi):
         dev = coord.device
