@@ -40,7 +40,7 @@ Applying
     several modules is replaced everywhere). The modules' code is unchanged: their forward reaches scorch
     because ``F.linear`` etc. dispatch on the SparseTensor. A parameter whose module calls a torch function
     scorch does not implement for sparse operands (``nn.MultiheadAttention`` calls
-    ``F.multi_head_attention_forward``; convolutions, embeddings, norms) raises ``NotImplementedError`` at
+    ``F.multi_head_attention_forward``; convolutions, norms) raises ``NotImplementedError`` at
     ``apply`` naming it, before anything is replaced. Create the optimizer after ``apply`` (it must hold the
     new Parameters).
 

@@ -7,12 +7,11 @@ torch's own ops.
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 
-from ..sparse_tensor import NoSparseRule, SparseTensor, dense_fallback, implements
+from ..sparse_tensor import NoSparseRule, SparseTensor
 from .entries import _desc, _entries, _groups, _no_out, _probe_shape, _reduce_dims, _register, _shaped
 
 _T = torch.Tensor
@@ -129,38 +128,3 @@ def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
             return vector_norm(input, 2, dim, keepdim, dtype=dtype)
         return matrix_norm(input, p, tuple(range(input.dim())) if dim is None else dim, keepdim, dtype=dtype)
     return vector_norm(input, 2.0 if p is None else p, dim, keepdim, dtype=dtype)
-
-
-def _renorm_rows(weight: SparseTensor, input, max_norm, norm_type) -> None:
-    """``torch.embedding_renorm_`` on a sparse weight's stored values, in place: each row ``input`` looks up whose
-    ``norm_type``-norm exceeds ``max_norm`` scaled to ``max_norm`` (torch's ``max_norm / (norm + 1e-7)``)."""
-    from ..formats import storage
-    with torch.no_grad():
-        rows = torch.unique(input.reshape(-1)).to(torch.int64)
-        norms = torch.linalg.vector_norm(weight.detach().to_dense()[rows], ord=norm_type, dim=1)
-        scale = torch.ones(weight.shape[0], dtype=weight.dtype, device=norms.device)
-        scale[rows] = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
-        leaf, dims, _ = storage.coordinates(weight._format, weight._shape, weight._levels)
-        weight._vals[leaf] = weight._vals[leaf] * scale[dims[0]]
-
-
-def _embedding_renorming(func, weight_at):
-    """``func`` (``F.embedding`` / ``F.embedding_bag``) with a sparse weight and ``max_norm``: the weight's rows
-    renormed in place first (``_renorm_rows``), then the op without ``max_norm`` on the dense form, as before
-    (a visible fallback). The fallback had renormed a dense copy: the weight stayed as it was, silently."""
-    names = list(inspect.signature(func).parameters)
-
-    def op(*args, **kwargs):
-        bound = dict(zip(names, args), **kwargs)
-        weight = bound[names[weight_at]]
-        if type(weight) is SparseTensor and bound.get("max_norm") is not None:
-            _renorm_rows(weight, bound[names[0]], bound["max_norm"], bound.get("norm_type", 2.0) or 2.0)
-            bound["max_norm"] = None
-        return dense_fallback(func, (), bound)
-    op.__name__ = op.__qualname__ = func.__name__
-    op.__doc__ = _embedding_renorming.__doc__
-    return op
-
-
-for _f in (torch.nn.functional.embedding, torch.nn.functional.embedding_bag):
-    implements(_f)(_embedding_renorming(_f, 1))
