@@ -286,8 +286,12 @@ def _replace_storage(self: SparseTensor, src: torch.Tensor, fresh: bool) -> None
 
 @implements(torch.Tensor.copy_)
 def copy_(self, src, non_blocking=False):
-    """Values from ``src``; a SparseTensor of another pattern (``load_state_dict``) replaces the pattern."""
+    """Values from ``src``; a SparseTensor of another pattern (``load_state_dict``) replaces the pattern. Into a
+    dense tensor (a dense model loading a sparse one's state dict): ``src``'s dense form, which is what the
+    destination holds (no fallback: nothing sparse is computed densely)."""
     if not isinstance(self, SparseTensor):
+        if isinstance(src, SparseTensor):
+            return self.copy_(src.to_dense(), non_blocking)
         raise NoSparseRule("scorch: copy_ into a dense tensor")  # the dense form serves
     if isinstance(src, SparseTensor) and not same_pattern(src, self):
         if src._shape != self._shape:

@@ -403,3 +403,25 @@ def test_embedding_max_norm_renorms_the_sparse_weight_in_place(fmt):
         want = fn(idx, dense, max_norm=1.0, **kw)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(s.to_dense(), dense)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "csc", "bsr(2, 2)", "ell", "dia"])
+def test_dense_copy_from_a_sparse_tensor(fmt):
+    """``dense.copy_(S)`` (a dense model loading a sparse model's state dict) gives S's dense form, broadcast and cast
+    as torch's copy_, differentiable, and without a fallback (it had warned on every ``load_state_dict``)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, generator=g, dtype=torch.float64) * (torch.rand(4, 6, generator=g) < 0.5)
+    s = scorch.asformat(x, fmt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        lin = torch.nn.Linear(6, 4, bias=False)
+        lin.load_state_dict({"weight": s})
+        batch = torch.full((2, 4, 6), 7.0).copy_(s)
+        leaf = s.detach().requires_grad_()
+        out = torch.zeros(4, 6, dtype=torch.float64).copy_(leaf)
+    torch.testing.assert_close(lin.weight.detach(), x.float())
+    torch.testing.assert_close(batch, x.float().expand(2, 4, 6))
+    (out * torch.arange(24.0, dtype=torch.float64).reshape(4, 6)).sum().backward()
+    ref = x.clone().requires_grad_()
+    (torch.zeros(4, 6, dtype=torch.float64).copy_(ref) * torch.arange(24.0, dtype=torch.float64).reshape(4, 6)).sum().backward()
+    torch.testing.assert_close(leaf.grad.to_dense() * (x != 0), ref.grad * (x != 0))
