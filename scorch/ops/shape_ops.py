@@ -422,3 +422,35 @@ def _select_compressed(x: SparseTensor, idx, shape) -> SparseTensor:
     index_dtype = storage.pick_index_dtype(total, *shape)
     levels = [LevelStorage(), LevelStorage(pos=new_pos.to(index_dtype), crd=st.crd[src].to(index_dtype))]
     return SparseTensor(x._format, shape, levels, x._vals[src], check=False)
+
+
+# --- pad ---------------------------------------------------------------------------------------------------------
+@implements(torch.nn.functional.pad)
+def pad(input, pad, mode="constant", value=None):
+    """``F.pad`` with zeros (``mode="constant"``, ``value`` 0 or None): the entries moved by the padding before them
+    in each padded dimension (last first, as torch reads ``pad``), those a negative pad crops dropped; canonical COO.
+    Another value or mode gives a dense result: the dense form serves."""
+    if type(input) is not SparseTensor or mode != "constant" or (value is not None and value != 0):
+        raise NoSparseRule("scorch: F.pad of a sparse tensor with a nonzero value or a mode other than constant")
+    pad = [int(p) for p in pad]
+    n = input.dim()
+    if len(pad) % 2:
+        raise RuntimeError("Padding length must be divisible by 2")
+    if len(pad) > 2 * n:
+        raise RuntimeError("Padding length should be less than or equal to two times the input dimension but got"
+                           f" padding length {len(pad)} and input of dimension {n}")
+    shape = list(input._shape)
+    dims, vals = _entries(input)
+    keep = torch.ones(vals.numel(), dtype=torch.bool, device=vals.device)
+    if pad:
+        dims = dims.clone()
+    for k in range(len(pad) // 2):
+        d, lo, hi = n - 1 - k, pad[2 * k], pad[2 * k + 1]
+        size = shape[d] + lo + hi
+        if size < 0:
+            raise RuntimeError(f"F.pad: the padding {(lo, hi)} of dimension {d} (size {shape[d]}) leaves a negative"
+                               f" size {size}")
+        shape[d] = size
+        dims[d] += lo
+        keep &= (dims[d] >= 0) & (dims[d] < size)
+    return _coo(list(dims[:, keep]), vals[keep], shape, input._format.keeps_duplicates, "pad")

@@ -1,5 +1,7 @@
 """Shape and indexing ops on SparseTensors (scorch/ops/shape_ops.py), checked against torch's ops on the dense
 tensor: reshape/view/flatten/unflatten/squeeze/unsqueeze, cat/stack, index_select, contiguous."""
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -487,3 +489,41 @@ def test_a_view_ops_dense_fallback_says_its_result_is_a_copy():
         warnings.simplefilter("always")
         s.diagonal()
     assert any("dense copy" in str(w.message) for w in got)
+
+
+@pytest.mark.parametrize("fmt, shape", [("csr", (4, 5)), ("coo", (4, 5)), ("bsr(2, 2)", (4, 6)), ("ell", (4, 5)),
+                                        ("dia", (5, 5)), ("coo", (2, 3, 4)), ("csf", (2, 3, 4)), ("coo", (6,))])
+@pytest.mark.parametrize("pad", [(1, 2), (0, 0), (-1, 1), (2, -2), (1, 1, 1, 1), (-1, 0, 0, -1), (0, 3, 2, 0, 1, 1)])
+def test_pad_with_zeros_stays_sparse(fmt, shape, pad):
+    """``F.pad`` with zeros (g-mlp pads a sparse weight): the entries moved, a negative pad's crop dropped, no fallback."""
+    import torch.nn.functional as F
+    if len(pad) > 2 * len(shape):
+        pytest.skip("more pads than dimensions")
+    g = torch.Generator().manual_seed(len(pad))
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * (torch.rand(*shape, generator=g) < 0.5)
+    s = scorch.asformat(x, fmt).detach().requires_grad_()
+    ref = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", scorch.DensifyWarning)
+        got = F.pad(s, pad)
+    want = F.pad(ref, pad)
+    assert isinstance(got, SparseTensor)
+    torch.testing.assert_close(got.to_dense(), want)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (got.to_dense() * grad).sum().backward()
+    (want * grad).sum().backward()
+    torch.testing.assert_close(s.grad.to_dense() * (x != 0), ref.grad * (x != 0))
+
+
+def test_pad_errors_and_dense_results():
+    import torch.nn.functional as F
+    s = scorch.asformat(torch.eye(3), "coo")
+    for pad, match in (((1,), "divisible by 2"), ((1,) * 6, "two times the input dimension"), ((-4, 0), "negative")):
+        with pytest.raises(RuntimeError, match=match):
+            F.pad(s, pad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
+        for kw in ({"value": 1.0}, {"mode": "reflect"}):  # a dense result: the dense form serves
+            got = F.pad(s, (1, 1), **kw)
+            assert type(got) is torch.Tensor
+            torch.testing.assert_close(got, F.pad(torch.eye(3), (1, 1), **kw))
