@@ -222,3 +222,19 @@ def test_sampled_product_scaled_by_alpha_rounds_once(dtype, compiled):
     got = (scorch.compile(scores) if compiled else scores)(a, b, mask)
     want = (0.375 * (a.float() @ b.float())).to(dtype)[keep]
     assert torch.equal(got.values(), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("step", ["tanh", "sigmoid", "relu"])
+def test_epilogue_maps_compile_for_16_bit_values(dtype, step):
+    """``scorch.compile(tanh(S @ X + b))`` in float16 did not compile: the C++ library has no ``_Float16`` overload of
+    ``tanh`` / ``exp``; the maps run in float32 and round once."""
+    g = torch.Generator().manual_seed(2)
+    d = (torch.randn(6, 5, generator=g) * (torch.rand(6, 5, generator=g) < 0.5)).to(dtype)
+    s = scorch.asformat(d, "csr")
+    x, b = torch.randn(5, 4, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)
+    fn = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu}[step]
+    got = scorch.compile(lambda s, x, b: fn(s @ x + b))(s, x, b)
+    want = fn(d.float() @ x.float() + b.float())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)

@@ -414,6 +414,9 @@ class _Emitter:
             return f"({a} {_CMP[e.op]} {b})"
         if isinstance(e, L.Unary):
             a, t = self.expr(e.a), CTYPE[e.type]
+            if e.type in ("f16", "bf16") and e.op in ("abs", "sqrt", "sin", "tanh", "exp", "log"):
+                # (the C++ library has no 16-bit overloads: ``std::tanh(_Float16)`` is ambiguous) in float, rounded once
+                return f"{t}({self.expr(L.Unary(e.op, L.Cast(e.a, 'f32'), 'f32'))})"
             return {"neg": f"(-{a})", "abs": f"std::abs({a})", "relu": f"({a} < {t}(0) ? {t}(0) : {a})",
                     "sqrt": f"std::sqrt({a})", "square": f"({a} * {a})", "sin": f"std::sin({a})",
                     "tanh": f"std::tanh({a})", "sign": f"{t}(({t}(0) < {a}) - ({a} < {t}(0)))",
