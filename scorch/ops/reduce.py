@@ -55,10 +55,11 @@ def sum(x: SparseTensor, dim=None, keepdim=False, *, dtype=None, _empty_all=True
 
 
 @implements(torch._sparse_sum)
-def _sparse_sum(x, *args):
-    """``torch.sparse.sum(x, dim, dtype)`` arrives here as ``torch._sparse_sum(x[, dim][, dtype])``."""
-    dim = next((a for a in args if not isinstance(a, torch.dtype)), None)
-    dtype = next((a for a in args if isinstance(a, torch.dtype)), None)
+def _sparse_sum(x, *args, dim=None, dtype=None):
+    """``torch.sparse.sum(x, dim, dtype)`` arrives here as ``torch._sparse_sum(x[, dim][, dtype])``, ``dim`` and
+    ``dtype`` positional or by keyword (torch.sparse.sum passes ``dtype=``)."""
+    dim = next((a for a in args if not isinstance(a, torch.dtype)), dim)
+    dtype = next((a for a in args if isinstance(a, torch.dtype)), dtype)
     return sparse_sum(x, dim, dtype=dtype)
 
 
@@ -83,10 +84,16 @@ def mean(x: SparseTensor, dim=None, keepdim=False, *, dtype=None):
     count = 1
     for d in dims:
         count *= x.shape[d]
-    s = sum(x, dim, keepdim, dtype=dtype)
+    out = x.dtype if dtype is None else dtype
+    # a 16-bit mean is summed and divided in float32, then rounded once, as torch's: the sum alone may overflow
+    # float16 (256 entries of 300) where the mean does not
+    wide = torch.float32 if out in (torch.float16, torch.bfloat16) else dtype
+    s = sum(x, dim, keepdim, dtype=wide)
     if count == 0:  # the mean of nothing is nan, as in torch
-        return (s.to_dense() if isinstance(s, SparseTensor) else s) / count
-    return s.with_values(s.values() / count) if isinstance(s, SparseTensor) else s / count
+        return ((s.to_dense() if isinstance(s, SparseTensor) else s) / count).to(out)
+    if isinstance(s, SparseTensor):
+        return s.with_values((s.values() / count).to(out))
+    return (s / count).to(out)
 
 
 def _extremum(reduce):

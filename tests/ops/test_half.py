@@ -212,3 +212,31 @@ def test_bfloat16_tiles_in_lane_pairs(dtype, cols, paired):
     src = scorch.explain("ij,jk->ik", s, x.to(dtype))
     assert ("scorch_widen_pair(&" in src) == (paired and cols % (2 * lanes) == 0), src
     _check(s @ x.to(dtype), a @ x, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mean_sums_in_float32(fmt, dtype):
+    """A 16-bit mean is summed and divided in float32, then rounded once, as torch's: the float16 sum of 256
+    entries of 300 overflows where their mean does not (it gave inf)."""
+    a = torch.full((16, 16), 300.0, dtype=dtype)
+    a[3, :5] = 0  # implicit zeros in the count
+    s = scorch.asformat(a, fmt)
+    for dims in (None, 0, 1, (0, 1)):
+        got = s.mean() if dims is None else s.mean(dims)
+        got = got.to_dense() if isinstance(got, SparseTensor) else got
+        want = a.mean() if dims is None else a.mean(dims)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(s.mean(dtype=torch.float32), a.mean(dtype=torch.float32))
+
+
+def test_torch_sparse_sum_takes_dtype_by_keyword():
+    """``torch.sparse.sum(S, dtype=...)`` passes ``dtype`` to ``torch._sparse_sum`` by keyword (it raised TypeError)."""
+    a = torch.eye(3, dtype=torch.bfloat16)
+    s = scorch.asformat(a, "csr")
+    got = torch.sparse.sum(s, dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.item() == 3.0
+    per_row = torch.sparse.sum(s, 0, dtype=torch.float32)
+    assert per_row.dtype == torch.float32
+    torch.testing.assert_close(per_row.to_dense(), a.float().sum(0))
