@@ -111,8 +111,11 @@ def test_torch_sparse_layouts_reaching_scorch_functions_run_in_scorch():
         scorch.reset_stats()  # pad warns once per op: again for each layout
         r = scorch.reshape(t, (6,))
         assert isinstance(r, scorch.SparseTensor) and torch.equal(r.to_dense(), x.reshape(6))
-        with pytest.warns(scorch.DensifyWarning, match="pad"):
-            assert torch.equal(F.pad(t, (1, 1)), torch.nn.functional.pad(x, (1, 1)))
+        padded = F.pad(t, (1, 1))  # (zeros: sparse)
+        assert isinstance(padded, scorch.SparseTensor)
+        assert torch.equal(padded.to_dense(), torch.nn.functional.pad(x, (1, 1)))
+        with pytest.warns(scorch.DensifyWarning, match="pad"):  # (a nonzero value: the dense form)
+            assert torch.equal(F.pad(t, (1, 1), value=1.0), torch.nn.functional.pad(x, (1, 1), value=1.0))
         assert torch.equal(scorch.cat([t, t]).to_dense(), torch.cat([x, x]))
         assert torch.equal(scorch.unbind(t, 1)[2].to_dense(), x[:, 2])
     with pytest.raises(RuntimeError, match="size"):
