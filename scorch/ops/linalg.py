@@ -324,7 +324,10 @@ def sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
         vals = vals + beta * s.values()
     if pad is not None:
         vals = torch.where(pad, 0, vals)
-    return s.with_values(vals.to(s.dtype) if vals.dtype != s.dtype else vals)
+    # (operands of mixed dtypes: the promoted one, as scorch's products give; rounding a float32 product to a
+    # 16-bit input's dtype lost it silently)
+    out = torch.promote_types(s.dtype, torch.promote_types(mat1.dtype, mat2.dtype))
+    return s.with_values(vals.to(out) if vals.dtype != out else vals)
 
 
 for _fn in (einsum, matmul, rmatmul, mm, mv, bmm):

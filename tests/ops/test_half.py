@@ -240,3 +240,16 @@ def test_torch_sparse_sum_takes_dtype_by_keyword():
     per_row = torch.sparse.sum(s, 0, dtype=torch.float32)
     assert per_row.dtype == torch.float32
     torch.testing.assert_close(per_row.to_dense(), a.float().sum(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sampled_addmm_of_mixed_dtypes_promotes(dtype):
+    """16-bit S with float32 A and B: the float32 result scorch's products give for mixed dtypes (it was rounded to
+    S's dtype, silently); float32 S with 16-bit A and B was float32 already."""
+    s = scorch.asformat(torch.eye(3, dtype=dtype), "csr")
+    a, b = torch.full((3, 2), 1.001), torch.ones(2, 3)
+    got = torch.sparse.sampled_addmm(s, a, b)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.to_dense(), torch.eye(3) * (1 + 2.002))
+    assert torch.sparse.sampled_addmm(s, a.to(dtype), b.to(dtype)).dtype == dtype
+    assert torch.sparse.sampled_addmm(scorch.asformat(torch.eye(3), "csr"), a.to(dtype), b.to(dtype)).dtype == torch.float32
