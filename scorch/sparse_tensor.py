@@ -616,9 +616,27 @@ def _data(self):
 
 def _set_data(self, value):
     """``x.data = y``: ``x`` holds ``y``'s format, arrays and (detached) values, keeping its own ``requires_grad``;
-    ``y`` must be a SparseTensor of ``x``'s shape and dtype (the wrapper's metadata cannot change)."""
-    if type(value) is not SparseTensor or value._shape != self._shape or value.dtype != self.dtype or \
-            value.device != self.device:
+    ``y`` must be a SparseTensor of ``x``'s shape and dtype (the wrapper's metadata cannot change), or a dense
+    tensor of them that is 0 off ``x``'s pattern, whose values at ``x``'s entries become the stored values
+    (``nn.utils.vector_to_parameters`` writes each parameter back from a flat dense vector this way)."""
+    same = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(self._shape) and \
+        value.dtype == self.dtype and value.device == self.device
+    if same and type(value) is not SparseTensor and value.layout == torch.strided and \
+            not self._format.keeps_duplicates:
+        value = value.detach()
+        leaf, dims = _storage.entries(self._format, self._shape, self._levels, self._vals)
+        off = value.clone()
+        off[tuple(dims)] = 0
+        n = int(off.count_nonzero())
+        if n:
+            raise ValueError(f"scorch: x.data = y for a SparseTensor x ({short_name(self._format)} {tuple(self._shape)})"
+                             f" takes a SparseTensor of the same shape, dtype and device, got a dense tensor with {n}"
+                             " nonzeros off x's pattern (a dense y that is 0 off the pattern sets the stored values)")
+        vals = torch.zeros_like(self._vals.detach())
+        vals[leaf] = value[tuple(dims)]
+        self._vals = vals.requires_grad_() if self._vals.requires_grad else vals
+        return
+    if type(value) is not SparseTensor or not same:
         raise ValueError(f"scorch: x.data = y for a SparseTensor x of shape {tuple(self._shape)} and dtype {self.dtype}"
                          f" takes a SparseTensor of the same shape, dtype and device, got {_kind_of(value)}")
     vals = value._vals.detach()

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import scorch
 from scorch import SparseTensor
+from scorch.sparse_tensor import padding_of
 
 from conftest import assert_matches_dense, quarters
 from fallback_check import falls_back
@@ -338,10 +339,37 @@ def test_data_reads_and_writes_the_sparse_tensor():
         s.data = t
     assert s.requires_grad and s.is_leaf and s.format == t.format
     assert_matches_dense(s.detach(), torch.ones(4, 5))
+    s.data = torch.full((4, 5), 2.0)  # a dense y inside s's pattern (now every element): the stored values
+    assert s.format == t.format
+    assert_matches_dense(s.detach(), torch.full((4, 5), 2.0))
+    partial = scorch.asformat(torch.eye(4, 5), "csr")
     with pytest.raises(ValueError, match="same shape, dtype and device, got a dense tensor"):
-        s.data = torch.ones(4, 5)
+        partial.data = torch.ones(4, 5)  # (nonzeros off the pattern)
     with pytest.raises(ValueError, match="same shape"):
         s.data = scorch.asformat(torch.ones(5, 4), "coo")
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "bsr(2, 2)", "ell", "dia"])
+def test_vector_to_parameters_writes_a_sparse_parameter_back(fmt):
+    """``nn.utils.vector_to_parameters`` sets ``p.data`` to a dense piece of the flat vector: for a sparse ``p`` its
+    values at ``p``'s entries become the stored values (format, pattern and padding kept); it raised on any
+    model with sparse and dense parameters. A piece that is nonzero off the pattern still raises."""
+    g = torch.Generator().manual_seed(4)
+    d = torch.randn(4, 6, generator=g) * (torch.rand(4, 6, generator=g) < 0.5)
+    d[:2, :2], d[3, 0] = 0, 0  # a block and a diagonal off every format's pattern
+    w, b = torch.nn.Parameter(scorch.asformat(d, fmt)), torch.nn.Parameter(torch.randn(4, generator=g))
+    b0 = b.detach().clone()
+    vec = torch.nn.utils.parameters_to_vector([w, b])
+    torch.nn.utils.vector_to_parameters(vec * 3, [w, b])
+    assert isinstance(w, SparseTensor) and w.format == scorch.asformat(d, fmt).format and w.requires_grad
+    assert_matches_dense(w.detach(), 3 * d)
+    torch.testing.assert_close(b.detach(), 3 * b0)
+    if w.format.padded:
+        assert not w.values()[padding_of(w)].any()  # padding stays 0
+    (w @ torch.ones(6)).sum().backward()
+    torch.optim.SGD([w], lr=0.1).step()  # still a sparse parameter an optimizer steps
+    with pytest.raises(ValueError, match="nonzeros off x's pattern"):
+        torch.nn.utils.vector_to_parameters(torch.ones_like(vec), [w, b])
 
 
 def test_torch_accessors_have_torchs_semantics():
