@@ -40,6 +40,7 @@ import torch
 
 from ..rules import RULES
 from ..formats import storage
+from ..formats.named import short_name
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
 from .sparse_api import coalesce
 
@@ -282,6 +283,55 @@ def _replace_storage(self: SparseTensor, src: torch.Tensor, fresh: bool) -> None
     else:
         self._vals = src._vals.detach().to(self._vals.dtype, copy=not fresh).requires_grad_(grad)
     self.__dict__.pop("_conversions", None)  # conversions kept for the old pattern
+
+
+# --- x.data ------------------------------------------------------------------------------------------------
+def _data(self):
+    """``x.data``: the same arrays, values detached (writes through it reach ``x``, as torch's ``.data``)."""
+    return self.detach()
+
+
+def _set_data(self, value):
+    """``x.data = y``: ``x`` holds ``y``'s format, arrays and (detached) values, keeping its own ``requires_grad``;
+    ``y`` must be a SparseTensor of ``x``'s shape and dtype (the wrapper's metadata cannot change), or a dense
+    tensor of them that is 0 off ``x``'s pattern, whose values at ``x``'s entries become the stored values
+    (``nn.utils.vector_to_parameters`` writes each parameter back from a flat dense vector this way)."""
+    same = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(self._shape) and \
+        value.dtype == self.dtype and value.device == self.device
+    if same and type(value) is not SparseTensor and value.layout == torch.strided and \
+            not self._format.keeps_duplicates:
+        value = value.detach()
+        leaf, dims = storage.entries(self._format, self._shape, self._levels, self._vals)
+        off = value.clone()
+        off[tuple(dims)] = 0
+        n = int(off.count_nonzero())
+        if n:
+            raise ValueError(f"scorch: x.data = y for a SparseTensor x ({short_name(self._format)} {tuple(self._shape)})"
+                             f" takes a SparseTensor of the same shape, dtype and device, got a dense tensor with {n}"
+                             " nonzeros off x's pattern (a dense y that is 0 off the pattern sets the stored values)")
+        vals = torch.zeros_like(self._vals.detach())
+        vals[leaf] = value[tuple(dims)]
+        self._vals = vals.requires_grad_() if self._vals.requires_grad else vals
+        return
+    if type(value) is not SparseTensor or not same:
+        raise ValueError(f"scorch: x.data = y for a SparseTensor x of shape {tuple(self._shape)} and dtype {self.dtype}"
+                         f" takes a SparseTensor of the same shape, dtype and device, got {_kind_of(value)}")
+    vals = value._vals.detach()
+    if self._vals.requires_grad:
+        vals = vals.requires_grad_()
+    self._format, self._levels, self._vals, self._index_dtype = value._format, value._levels, vals, value._index_dtype
+
+
+def _kind_of(v) -> str:
+    if type(v) is SparseTensor:
+        return f"a SparseTensor ({short_name(v._format)} {tuple(v._shape)}, {v.dtype}, {v.device})"
+    if isinstance(v, torch.Tensor):
+        return f"a dense tensor ({tuple(v.shape)}, {v.dtype}, {v.device})"
+    return type(v).__name__
+
+
+implements(torch.Tensor.data.__get__)(_data)
+implements(torch.Tensor.data.__set__)(_set_data)
 
 
 @implements(torch.Tensor.copy_)
