@@ -646,8 +646,11 @@ def is_pattern_ones(t) -> bool:
 def padding_of(x: SparseTensor, *others) -> torch.Tensor:
     """The padding of ``x``'s padded (fixed) level as a bool mask over its values (``storage.padding``; slots
     it cannot read off the coordinates are padding where ``x`` and every SparseTensor of ``others``, on the same
-    index arrays, hold 0)."""
-    return _storage.padding(x._format, x._shape, x._levels, x._vals.detach(), *(o._vals.detach() for o in others))
+    index arrays, hold 0). A tensor made by ``zeros_like`` of a padded tensor keeps that tensor's reading while it
+    holds the same arrays: its own zeros cannot tell an entry at coordinate 0 from padding (optimizer state)."""
+    pad = _storage.padding(x._format, x._shape, x._levels, x._vals.detach(), *(o._vals.detach() for o in others))
+    kept = x.__dict__.get("_padding")
+    return pad & kept[1] if kept is not None and kept[0] is x._levels else pad
 
 
 def pattern_ones(x: SparseTensor, dtype):

@@ -16,7 +16,7 @@ from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements
 from .entries import mapped_values, paired_values
 from .indexing import broadcast_to
-from .pattern import same_pattern
+from .pattern import same_pattern, stored_only_active
 from .sparse_api import coalesce
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -158,6 +158,12 @@ def _zero_term(op, a, b, alpha):
     sparse operand's values through torch's ``op`` (its checks, such as no bool subtraction, and its type
     promotion: int + 0.0 is float), pattern and format kept, a new tensor; any other number makes it dense."""
     if (b if isinstance(b, numbers.Number) else a) != 0:
+        if isinstance(b, numbers.Number) and not a._format.padded and stored_only_active():
+            # inside an optimizer step (Adadelta's ``square_avg.add(eps)``) or ``stored_only()``: the stored
+            # entries, as the in-place ops there (a dense copy of the state had been made every step). Not for a
+            # padded format: a zero-valued state's padding cannot be told from an entry at coordinate 0
+            s = engine.prepare([a])[0].clone()
+            return getattr(s, op.__name__ + "_")(b, alpha=alpha)
         raise NoSparseRule("adding a nonzero scalar makes the result dense")
     if isinstance(b, numbers.Number):
         s = engine.prepare([a])[0]

@@ -167,11 +167,16 @@ def stored_only():
         _STORED_ONLY.depth -= 1
 
 
-def _in_optimizer_step(depth: int = 48) -> bool:
+def stored_only_active() -> bool:
+    """Whether scalars apply to the stored entries only here: inside ``stored_only()`` or an optimizer step."""
+    return bool(_STORED_ONLY.depth) or _in_optimizer_step(start=3)
+
+
+def _in_optimizer_step(depth: int = 48, start: int = 2) -> bool:
     """Whether a ``torch.optim`` function or an optimizer's method (any ``torch.optim.Optimizer``) is on the
     call stack."""
     import sys
-    frame = sys._getframe(2)
+    frame = sys._getframe(start)
     optimizer = torch.optim.Optimizer
     while frame is not None and depth > 0:
         if frame.f_globals.get("__name__", "").startswith("torch.optim") or \
@@ -358,12 +363,32 @@ def _like(fill):
         vals = fill(v, dtype) if device is None else fill(v, dtype).to(device)
         s = SparseTensor(x._format, x._shape, x._levels if device is None else
                          tuple(st.map(lambda a: a.to(device)) for st in x._levels), vals, check=False)
+        if x._format.padded and device is None:  # (``padding_of``: the zeros keep x's reading of its padding)
+            s.__dict__["_padding"] = (s._levels, padding_of(x))
         return s.requires_grad_() if requires_grad else s
     like.__doc__ = "The same pattern and format (shared index arrays), zero values: optimizer state for a sparse parameter."
     return like
 
 
 implements(torch.zeros_like)(_like(lambda v, dt: torch.zeros_like(v, dtype=dt)))
+_zeros_like = _like(lambda v, dt: torch.zeros_like(v, dtype=dt))
+
+
+@implements(torch.full_like)
+def full_like(x, fill_value, *, dtype=None, layout=None, device=None, requires_grad=False, memory_format=None):
+    """``full_like(S, 0)``: zeros on S's pattern, as ``zeros_like`` (Adagrad's state: a dense one took the full
+    size of a sparse parameter). Inside an optimizer step or ``stored_only()`` any value fills the stored entries
+    of a format without padding; elsewhere (or padded: a zero-valued tensor's padding cannot be told from an
+    entry at coordinate 0, ``storage.padding``) another value makes every element that value: the dense form."""
+    if not isinstance(x, SparseTensor) or not isinstance(fill_value, numbers.Number):
+        raise NoSparseRule("scorch: full_like of a sparse tensor with a tensor fill value")
+    if fill_value != 0 and (x._format.padded or not stored_only_active()):
+        raise NoSparseRule("scorch: full_like with a nonzero value is dense")
+    out = _zeros_like(x, dtype, device=device, requires_grad=False)
+    if fill_value != 0:
+        with stored_only():
+            out.add_(fill_value)
+    return out.requires_grad_() if requires_grad else out
 implements(torch.empty_like)(_like(lambda v, dt: torch.zeros_like(v, dtype=dt)))  # zeros: padding must stay 0
 
 

@@ -2,6 +2,8 @@
 coordinate before it is padding whatever its value; a stored zero of a real slot is an entry; a segment whose
 every slot is at coordinate 0 reads its first slot as padding only where it (and each other value array given)
 holds 0."""
+import warnings
+
 import pytest
 import torch
 
@@ -68,3 +70,24 @@ def test_padding_meets_no_inf_or_nan(fmt, seed):
     for name, f in calls.items():
         got, want = f(s), f(ref)
         assert torch.allclose(got, want, equal_nan=True, atol=1e-6), (name, got, want)
+
+
+@pytest.mark.parametrize("fmt", ["ell", "nm(2, 4)"])
+def test_zeros_like_keeps_the_padding_its_source_reads(fmt):
+    # a row whose one entry is at coordinate 0: its zeros (optimizer state) read alone would make that slot
+    # padding; Adadelta's ``acc_delta.addcmul_(delta, delta)`` then raised that delta is nonzero off the pattern
+    x = torch.zeros(3, 8)
+    x[0, 0], x[1, 1], x[1, 4], x[2, 0] = 1.0, 2.0, 3.0, 4.0
+    s = scorch.asformat(x, fmt)
+    z = torch.zeros_like(s)
+    assert torch.equal(padding_of(z), padding_of(s))
+    assert not torch.equal(storage.padding(z.format, z.shape, z.levels, z.values()), padding_of(s))  # (alone)
+    w = torch.nn.Parameter(scorch.asformat(x, fmt))
+    opt = torch.optim.Adadelta([w], lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
+        for _ in range(2):
+            opt.zero_grad()
+            (w @ torch.ones(8)).pow(2).sum().backward()
+            opt.step()
+    assert torch.equal(w.detach().to_dense() != 0, x != 0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import scorch
+from scorch.formats import storage
 
 OPTIMIZERS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "LBFGS"]
 
@@ -197,3 +198,42 @@ def test_rprop_steps_a_sparse_weight_as_the_dense_masked_one(fmt):
     torch.testing.assert_close(s.to_dense(), torch.where(d > 0, 7.0, d))
     with pytest.raises(NotImplementedError, match="dense in place"):
         s[torch.ones(4, 6, dtype=torch.bool)] = 1.0
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "bsr(2, 2)", "dia", "ell"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("name, kw", [("Adagrad", {}), ("Adagrad", {"initial_accumulator_value": 0.1}),
+                                      ("Adadelta", {})])
+def test_adagrad_and_adadelta_keep_sparse_state(name, kw, foreach, fmt):
+    """Their state is ``full_like(p, v)`` / ``zeros_like(p)`` and their step adds ``eps`` out of place: on the stored
+    entries, so the state is as sparse as the parameter (it was dense: a sparse model's optimizer as large as the
+    dense one's), and no step falls back. Steps as the dense optimizer with the gradient masked. A padded format
+    (ELL) keeps a dense state where a value other than 0 fills it: a zero-valued state's padding cannot be told
+    from an entry at coordinate 0 (row 3 here holds one, at 0)."""
+    dense_state = fmt == "ell" and (name == "Adadelta" or kw)
+    torch.manual_seed(3)
+    d = torch.randn(6, 8) * (torch.rand(6, 8) < 0.4)
+    w = torch.nn.Parameter(scorch.asformat(d, fmt))
+    ref = torch.nn.Parameter(d.clone())
+    mask = torch.zeros(6, 8, dtype=torch.bool)  # the stored entries (a DIA diagonal's zeros are entries too)
+    mask[tuple(storage.entries(w.format, w.shape, w.levels, w.values())[1])] = True
+    opt = getattr(torch.optim, name)([w], lr=0.05, foreach=foreach, **kw)
+    opt_ref = getattr(torch.optim, name)([ref], lr=0.05, foreach=foreach, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 3, generator=g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if dense_state else "error", scorch.DensifyWarning)
+            opt.zero_grad()
+            (w @ x).pow(2).sum().backward()
+            opt.step()
+        opt_ref.zero_grad()
+        (ref @ x).pow(2).sum().backward()
+        ref.grad *= mask
+        opt_ref.step()
+    for k, v in opt.state[w].items():
+        if k != "step" and not dense_state:
+            assert isinstance(v, scorch.SparseTensor) and v.format == w.format, k
+            if w.format.padded:
+                assert not v.values()[scorch.sparse_tensor.padding_of(v)].any()
+    torch.testing.assert_close(w.detach().to_dense() * mask, ref.detach() * mask, rtol=1e-4, atol=2e-5)
