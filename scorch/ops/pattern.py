@@ -305,17 +305,12 @@ def _set_data(self, value):
         value.dtype == self.dtype and value.device == self.device
     if same and type(value) is not SparseTensor and value.layout == torch.strided and \
             not self._format.keeps_duplicates:
-        value = value.detach()
-        leaf, dims = storage.entries(self._format, self._shape, self._levels, self._vals)
-        off = value.clone()
-        off[tuple(dims)] = 0
-        n = int(off.count_nonzero())
+        vals = at_pattern(value, self)
+        n = int(torch.count_nonzero(value)) - int(torch.count_nonzero(vals))
         if n:
             raise ValueError(f"scorch: x.data = y for a SparseTensor x ({short_name(self._format)} {tuple(self._shape)})"
                              f" takes a SparseTensor of the same shape, dtype and device, got a dense tensor with {n}"
                              " nonzeros off x's pattern (a dense y that is 0 off the pattern sets the stored values)")
-        vals = torch.zeros_like(self._vals.detach())
-        vals[leaf] = value[tuple(dims)]
         self._vals = vals.requires_grad_() if self._vals.requires_grad else vals
         return
     if type(value) is not SparseTensor or not same:
