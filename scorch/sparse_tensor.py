@@ -358,6 +358,11 @@ class SparseTensor(Traceable, torch.Tensor):
         """The same arrays with detached values."""
         return SparseTensor(self._format, self.shape, self._levels, self._vals.detach(), check=False)
 
+    def detach_(self) -> "SparseTensor":
+        """The values detached in place (their graph dropped; they no longer require grad)."""
+        self._vals = self._vals.detach()
+        return self
+
     def cpu(self):
         """On the CPU, as ``to('cpu')``."""
         return self.to("cpu")
@@ -579,7 +584,7 @@ def _method(name):
     return functools.wraps(getattr(SparseTensor, name))(lambda self, *a, **k: getattr(SparseTensor, name)(self, *a, **k))
 
 
-for _name in ("to_dense", "values", "clone", "detach", "to", "cpu", "double", "float", "_nnz", "sparse_dim",
+for _name in ("to_dense", "values", "clone", "detach", "detach_", "to", "cpu", "double", "float", "_nnz", "sparse_dim",
               "dense_dim", "__deepcopy__"):
     IMPLEMENTATIONS[getattr(torch.Tensor, _name)] = _method(_name)
 IMPLEMENTATIONS[torch.Tensor._values] = _method("values")

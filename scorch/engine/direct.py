@@ -315,9 +315,14 @@ static PyObject* scorch_product(PyObject* const* argv, Py_ssize_t argc, bool lef
     if (fn.p) {
       scorch_ref ops(left ? PyTuple_Pack(2, s, other) : PyTuple_Pack(2, other, s));
       if (!ops.p) return NULL;
-      ++scorch_counts[0];
       PyObject* args[2] = {ops.p, Py_None};
-      return PyObject_Vectorcall(fn.p, args, 2, NULL);
+      PyObject* r = PyObject_Vectorcall(fn.p, args, 2, NULL);
+      // (a RuntimeError before the kernel ran, such as a torch.func transform's tensor without storage: the
+      // Python operator, which refuses the kept call there, takes the long way or raises it again)
+      if (r || !PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        ++scorch_counts[0];
+        return r;
+      }
     }
   }
   PyErr_Clear();  // (a read that failed above fails again, and raises, on the Python operator's way)

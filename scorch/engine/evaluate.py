@@ -21,7 +21,7 @@ from .. import loopir as L
 from ..formats import named
 from ..formats.storage import array_version
 from ..rules import RULES
-from ..sparse_tensor import SparseTensor, needs_grad, shape_of
+from ..sparse_tensor import NoSparseRule, SparseTensor, needs_grad, shape_of
 from . import direct, grouped
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
@@ -79,6 +79,9 @@ def _seen(equation, operands, format):
 _any_autocast = torch._C._is_any_autocast_enabled  # (under autocast, matmul casts its operands first)
 
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def kept_product(s, other, left: bool):
     """The prepared call of ``s @ other`` (``left``) or ``other @ s`` for the 2-d SparseTensor ``s`` and a dense
     ``other``, kept on ``s`` by ``keep_product`` (the ``@`` operators; its direct form, ``engine.direct``, once
@@ -102,7 +105,8 @@ def kept_product(s, other, left: bool):
             entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
             _CPU_BACKEND.name != "cpp" or not other.is_cpu or other.layout is not torch.strided or \
             not other.is_contiguous() or other.is_neg() or \
-            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()) or _any_autocast():
+            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()) or _any_autocast() or \
+            _functorch_wrapped(other):  # (a torch.func transform's tensor has no storage: the long way)
         return None
     fast = entry[0]
     if fast is None:
@@ -222,6 +226,11 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         operands = tuple(x.resolve_neg() if type(x) is torch.Tensor else x for x in operands)  # storage)
     if len(operands) == 1 and type(operands[0]) is SparseTensor and _sums_integers(equation, operands[0]):
         operands = (cast(operands[0], torch.int64),)  # (torch's one-operand einsum sums with torch.sum: int64)
+    if any(type(x) is torch.Tensor and _functorch_wrapped(x) for x in operands) and \
+            any(isinstance(x, SparseTensor) for x in operands):
+        # (vmap, jvp, torch.func.grad, a vectorized jacobian: their wrapped tensors have no storage a kernel could
+        # read) the dense form
+        raise NoSparseRule("under a torch.func transform (vmap, grad, jvp)")
     if schedule is None and not explain and backend == "cpp":
         fast = _seen(equation, operands, format)
         if fast is not None:

@@ -157,3 +157,31 @@ def test_gradient_hooks_on_sparse_parameters(fmt):
     w.grad = None
     (w @ b).sum().backward()
     torch.testing.assert_close(w.grad.to_dense(), 2 * (X != 0).double())
+
+
+def test_torch_func_transforms_of_sparse_products_run_on_the_dense_form():
+    """vmap, jvp and torch.func.grad wrap their tensors, which have no storage a kernel reads (``Cannot access data
+    pointer``): under them a product with a sparse operand runs on the dense form (a visible fallback), also
+    where the product was kept for the operand's shape before."""
+    import warnings
+    d = torch.eye(4, dtype=torch.float64) + torch.diag(torch.ones(3, dtype=torch.float64), 1)
+    s = scorch.asformat(d, "csr")
+    x = torch.randn(4, 2, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
+        for _ in range(3):
+            s @ x[:, 0]  # (kept: the C operator's kept call meets the batched tensor next)
+        batch = torch.randn(3, 4, dtype=torch.float64)
+        torch.testing.assert_close(torch.func.vmap(lambda v: s @ v)(batch), batch @ d.T)
+        torch.testing.assert_close(torch.func.vmap(lambda v: torch.mm(s, v))(batch.unsqueeze(-1)),
+                                   (batch @ d.T).unsqueeze(-1))
+        torch.testing.assert_close(torch.func.jvp(lambda v: s @ v, (x,), (x,))[1], d @ x)
+        torch.testing.assert_close(torch.func.grad(lambda v: (s @ v).sum())(x), torch.func.grad(lambda v: (d @ v).sum())(x))
+    torch.testing.assert_close(s @ x, d @ x)  # (and the kept call still serves outside them)
+
+
+def test_detach_in_place():
+    s = scorch.asformat(torch.eye(3), "csr").requires_grad_()
+    t = s * 2
+    assert t.requires_grad and t.detach_() is t and not t.requires_grad
+    torch.testing.assert_close(t.to_dense(), 2 * torch.eye(3))
