@@ -85,3 +85,12 @@ def _fused_step(name: str):
 for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
     if hasattr(torch, _name):
         implements(getattr(torch, _name))(_fused_step(_name))
+
+
+@implements(torch._amp_foreach_non_finite_check_and_unscale_)
+def _amp_unscale_(grads, found_inf, inv_scale):
+    """``GradScaler``'s unscale of a list holding sparse gradients: each sparse gradient's stored values through
+    torch's own op (multiplied by ``inv_scale`` in place, ``found_inf`` set where one is inf or nan), the dense
+    gradients as they are: the op maps 0 to 0, so nothing densifies."""
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [g._vals if isinstance(g, SparseTensor) else g for g in grads], found_inf, inv_scale)

@@ -237,3 +237,32 @@ def test_adagrad_and_adadelta_keep_sparse_state(name, kw, foreach, fmt):
             if w.format.padded:
                 assert not v.values()[scorch.sparse_tensor.padding_of(v)].any()
     torch.testing.assert_close(w.detach().to_dense() * mask, ref.detach() * mask, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "ell", "bsr(2, 2)"])
+def test_grad_scaler_unscales_sparse_gradients(fmt):
+    """``torch.amp.GradScaler`` unscales and checks sparse gradients' stored values (it raised: its foreach unscale
+    writes in place, and 0 stays 0); a step with an inf gradient is skipped and the scale halved."""
+    torch.manual_seed(0)
+    d = torch.randn(4, 4) * (torch.rand(4, 4) < 0.5)
+    w, ref = torch.nn.Parameter(scorch.asformat(d, fmt)), torch.nn.Parameter(d.clone())
+    mask = torch.zeros(4, 4, dtype=torch.bool)  # the stored entries (a block's zeros are entries too)
+    mask[tuple(storage.entries(w.format, w.shape, w.levels, w.values())[1])] = True
+    x = torch.randn(4, 2)
+    for p in (w, ref):
+        opt, scaler = torch.optim.SGD([p], lr=0.1), torch.amp.GradScaler("cpu", init_scale=1024.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", scorch.DensifyWarning)
+            scaler.scale((p @ x).pow(2).sum()).backward()
+            if p is ref:
+                ref.grad *= mask
+            scaler.step(opt)
+            scaler.update()
+    torch.testing.assert_close(w.detach().to_dense(), ref.detach() * mask)
+    before = w.detach().to_dense().clone()
+    opt, scaler = torch.optim.SGD([w], lr=0.1), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    w.grad = None
+    scaler.scale((w @ torch.full((4, 2), float("inf"))).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(w.detach().to_dense(), before) and scaler.get_scale() == 512.0
