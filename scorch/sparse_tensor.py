@@ -515,6 +515,11 @@ def _densified(obj):
     return obj
 
 
+class ShapeError(ValueError, RuntimeError):
+    """Operands whose shapes do not fit the op: a ``RuntimeError``, as torch raises for them (``except RuntimeError``
+    in code written for torch catches it), and a ``ValueError``, as scorch's other bad-input errors are."""
+
+
 class NoSparseRule(NotImplementedError):
     """Raised by an implementation that has no sparse rule for the arguments it got: the op then runs on the dense
     form (``dense_fallback``)."""

@@ -24,7 +24,8 @@ from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, workspace_ch
 from .. import loopir as L
 from ..loopir import TO_TORCH
 from ..formats import named, storage
-from ..sparse_tensor import NoSparseRule, SparseTensor, UnsupportedDtype, device_of, dtype_of, pattern_ones, shape_of
+from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, UnsupportedDtype, device_of, dtype_of,
+                             pattern_ones, shape_of)
 from .args import SUPPORTED, argument, level_info, mean_length
 from .convert import asformat
 from . import direct, memory
@@ -41,7 +42,7 @@ def index_sizes(inputs, ops, name):
             if v not in sizes or sizes[v] == 1:
                 sizes[v] = n
             elif n != sizes[v] and n != 1:
-                raise ValueError(f"scorch {name}: index {v!r} has size {sizes[v]} in one operand and {n} in"
+                raise ShapeError(f"scorch {name}: index {v!r} has size {sizes[v]} in one operand and {n} in"
                                  f" operand {k} (shape {tuple(x.shape)})")
     for k, (idx, x) in enumerate(zip(inputs, ops)):
         for d, v in enumerate(idx):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
-from ..sparse_tensor import NoSparseRule, SparseTensor, implements
+from ..sparse_tensor import NoSparseRule, ShapeError, SparseTensor, implements
 from .entries import mapped_values, paired_values
 from .indexing import broadcast_to
 from .pattern import same_pattern, stored_only_active
@@ -113,7 +113,7 @@ def _sparse_sum(a, b, alpha):
         try:
             shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
         except RuntimeError as e:
-            raise ValueError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast ({e})") from None
+            raise ShapeError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast ({e})") from None
         a, b = broadcast_to(a, shape), broadcast_to(b, shape)
     if isinstance(a, SparseTensor) and isinstance(b, SparseTensor) and same_pattern(a, b) \
             and not a.format.keeps_duplicates:

@@ -11,8 +11,8 @@ from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod, named
-from ..sparse_tensor import (NoSparseRule, SparseTensor, dense_fallback, device_of, dtype_of, implements, needs_grad,
-                             padding_of, shape_of)
+from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, dense_fallback, device_of, dtype_of, implements,
+                             needs_grad, padding_of, shape_of)
 from .sparse_api import coalesce
 
 
@@ -113,7 +113,7 @@ def rmatmul(b, a):
 
 def _check_inner(a, b, da, db, name):
     if shape_of(a)[da] != shape_of(b)[db]:
-        raise ValueError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied"
+        raise ShapeError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied"
                          f" ({a.shape[da]} != {b.shape[db]})")
 
 

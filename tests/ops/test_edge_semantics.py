@@ -425,3 +425,13 @@ def test_dense_copy_from_a_sparse_tensor(fmt):
     ref = x.clone().requires_grad_()
     (torch.zeros(4, 6, dtype=torch.float64).copy_(ref) * torch.arange(24.0, dtype=torch.float64).reshape(4, 6)).sum().backward()
     torch.testing.assert_close(leaf.grad.to_dense() * (x != 0), ref.grad * (x != 0))
+
+
+def test_shape_errors_are_runtime_errors_as_torchs():
+    """Code written for torch catches a shape mismatch as ``RuntimeError``: scorch's are that and a ValueError."""
+    s = scorch.asformat(torch.eye(3, 5), "csr")
+    for call in (lambda: s @ torch.randn(4, 2), lambda: s + scorch.asformat(torch.eye(4, 5), "csr"),
+                 lambda: scorch.einsum("ij,jk->ik", s, torch.randn(4, 2))):
+        with pytest.raises(RuntimeError) as caught:
+            call()
+        assert isinstance(caught.value, ValueError)
