@@ -77,7 +77,7 @@ from ..formats.levels import Dense
 from ..formats.named import short_name
 from ..ops.pattern import same_pattern
 from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, padding_of
-from .sparsify import ScalarThreshold, Sparsifier, masked
+from .sparsify import NM, ScalarThreshold, Sparsifier, masked
 
 __all__ = ["schedule", "Schedule", "ParameterSelection", "OutputSelection", "Layout", "Summary"]
 
@@ -349,6 +349,16 @@ def _unsupported(model, name) -> str | None:
     return None
 
 
+def _default_nm(plan, w):
+    """``nm(n, m)`` for a 2-d weight an ``NM(n, m)`` along its last dimension sparsifies and no format was set (the
+    README's "stored as nm(n, m)"; it was CSR), else None."""
+    rule, layout = plan.sparsifier, plan.layout
+    if isinstance(rule, NM) and w.dim() == 2 and rule.dim % 2 == 1 and not layout.groups and layout.block is None \
+            and 0 < rule.n and w.shape[1] % rule.m == 0:
+        return named.nm(rule.n, rule.m)
+    return None
+
+
 def _replace(model, old, new):
     """Install ``new`` wherever ``model`` (or a submodule) holds the Parameter ``old``."""
     for _, module in model.named_modules(remove_duplicate=False):
@@ -486,7 +496,7 @@ class Schedule:
             p = params[name]
             w = p.detach()
             try:
-                fmt = plan.layout.compose(w.dim())
+                fmt = _default_nm(plan, w) or plan.layout.compose(w.dim())
                 built[name] = _nn.Parameter(plan.rule.sparsify(w, fmt), requires_grad=p.requires_grad)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parameter {name!r} {tuple(w.shape)}: {e}") from e

@@ -185,3 +185,21 @@ def test_sparsify_of_a_sparse_tensor_uses_its_dense_values():
     w = _w()
     s = ScalarFraction(0.5).sparsify(scorch.asformat(w, "coo"), "csr")
     assert torch.equal(s.to_dense(), ScalarFraction(0.5)(w))
+
+
+def test_nm_sparsifier_stores_nm_by_default():
+    """``NM(n, m)`` along a weight's last dimension with no format set stores ``nm(n, m)``, as the README says (it
+    stored CSR); an explicit format, or n:m along another dimension, keeps its own."""
+    import scorch
+    torch.manual_seed(0)
+    for sparsifier, fmt, want in ((scorch.nn.NM(2, 4), None, "nm(2, 4)"), (scorch.nn.NM(2, 4), "csr", "csr"),
+                                  (scorch.nn.NM(1, 2, dim=0), None, "csr")):
+        lin = torch.nn.Linear(8, 4)
+        ref = lin.weight.detach().clone()
+        sel = scorch.schedule(lin)
+        sel["weight"].sparsify(sparsifier)
+        if fmt:
+            sel["weight"].set_format(fmt)
+        sel.apply()
+        assert lin.weight.format.name == want
+        torch.testing.assert_close(lin.weight.detach().to_dense(), ref * sparsifier.mask(ref))
