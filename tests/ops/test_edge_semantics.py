@@ -435,3 +435,25 @@ def test_shape_errors_are_runtime_errors_as_torchs():
         with pytest.raises(RuntimeError) as caught:
             call()
         assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "ell", "dia"])
+def test_full_like(fmt):
+    """``full_like(S, 0)`` is zeros on S's pattern (sparse, as ``zeros_like``); another value is torch's dense result
+    (the fallback) outside an optimizer step, and fills the stored entries inside ``stored_only()`` where S has no
+    padding."""
+    from scorch import SparseTensor
+    x = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    s = scorch.asformat(x, fmt)
+    z = torch.full_like(s, 0, dtype=torch.float64)
+    assert isinstance(z, SparseTensor) and z.dtype == torch.float64 and not z.to_dense().any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scorch.DensifyWarning)
+        dense = torch.full_like(s, 2.5)
+        with scorch.stored_only():
+            filled = torch.full_like(s, 2.5)
+    assert type(dense) is torch.Tensor and torch.equal(dense, torch.full_like(x, 2.5))
+    if not s.format.padded:
+        assert isinstance(filled, SparseTensor)
+        stored = s.detach().with_values(torch.ones_like(s.values())).to_dense() != 0
+        torch.testing.assert_close(filled.to_dense(), 2.5 * stored.float())
