@@ -273,9 +273,11 @@ def product(equation, operands, format):
     only (and so inside ``scorch.compile``); None otherwise. Where the product's checks would fail, None: the
     eager call raises its own error."""
     if _mode.value != "all" or len(operands) != 2 or any(
-            type(x) is Deferred or (type(x) is _sparse_tensor.SparseTensor and type(x._vals) is Deferred)
-            for x in operands):
-        return None  # (a deferred operand is substituted by the product instead; lazy values fuse with it)
+            type(x) is Deferred or (type(x) is _sparse_tensor.SparseTensor and type(x._vals) is Deferred) or
+            (type(x) is torch.Tensor and torch._C._functorch.is_functorch_wrapped_tensor(x)) for x in operands):
+        # (a deferred operand is substituted by the product instead; lazy values fuse with it; a torch.func
+        # transform's tensor has no storage to fingerprint: the eager call takes the dense form)
+        return None
     from . import engine
     try:
         ops = engine.prepare(operands)
