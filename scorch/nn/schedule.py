@@ -271,7 +271,7 @@ class ParameterSelection(_Selection):
         """``{name: scorch.Format}``: the format each selected parameter will be stored in."""
         params = self._schedule._parameters()
         plans = [self._schedule._params.get(n) for n in self.names]
-        return {n: (p.layout if p is not None else Layout()).compose(params[n].dim())
+        return {n: _stored_format(p, params[n]) if p is not None else Layout().compose(params[n].dim())
                 for n, p in zip(self.names, plans)}
 
     def _edit(self, change):
@@ -349,14 +349,14 @@ def _unsupported(model, name) -> str | None:
     return None
 
 
-def _default_nm(plan, w):
-    """``nm(n, m)`` for a 2-d weight an ``NM(n, m)`` along its last dimension sparsifies and no format was set (the
-    README's "stored as nm(n, m)"; it was CSR), else None."""
+def _stored_format(plan, w) -> Format:
+    """The format ``apply`` stores ``w`` in: the layout's, or ``nm(n, m)`` for a 2-d weight an ``NM(n, m)`` along its
+    last dimension sparsifies where no format was set (the README's "stored as nm(n, m)"; it was CSR)."""
     rule, layout = plan.sparsifier, plan.layout
     if isinstance(rule, NM) and w.dim() == 2 and rule.dim % 2 == 1 and not layout.groups and layout.block is None \
             and 0 < rule.n and w.shape[1] % rule.m == 0:
         return named.nm(rule.n, rule.m)
-    return None
+    return layout.compose(w.dim())
 
 
 def _replace(model, old, new):
@@ -496,7 +496,7 @@ class Schedule:
             p = params[name]
             w = p.detach()
             try:
-                fmt = _default_nm(plan, w) or plan.layout.compose(w.dim())
+                fmt = _stored_format(plan, w)
                 built[name] = _nn.Parameter(plan.rule.sparsify(w, fmt), requires_grad=p.requires_grad)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parameter {name!r} {tuple(w.shape)}: {e}") from e

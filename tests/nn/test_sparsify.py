@@ -191,6 +191,7 @@ def test_nm_sparsifier_stores_nm_by_default():
     """``NM(n, m)`` along a weight's last dimension with no format set stores ``nm(n, m)``, as the README says (it
     stored CSR); an explicit format, or n:m along another dimension, keeps its own."""
     import scorch
+    from scorch.formats.named import short_name
     torch.manual_seed(0)
     for sparsifier, fmt, want in ((scorch.nn.NM(2, 4), None, "nm(2, 4)"), (scorch.nn.NM(2, 4), "csr", "csr"),
                                   (scorch.nn.NM(1, 2, dim=0), None, "csr")):
@@ -200,6 +201,7 @@ def test_nm_sparsifier_stores_nm_by_default():
         sel["weight"].sparsify(sparsifier)
         if fmt:
             sel["weight"].set_format(fmt)
+        assert short_name(sel["weight"].formats["weight"]) == want  # (the preview agrees with apply)
         sel.apply()
         assert lin.weight.format.name == want
         torch.testing.assert_close(lin.weight.detach().to_dense(), ref * sparsifier.mask(ref))
