@@ -365,8 +365,8 @@ def _like(fill):
     return like
 
 
-implements(torch.zeros_like)(_like(lambda v, dt: torch.zeros_like(v, dtype=dt)))
 _zeros_like = _like(lambda v, dt: torch.zeros_like(v, dtype=dt))
+implements(torch.zeros_like)(_zeros_like)
 
 
 @implements(torch.full_like)
@@ -384,7 +384,7 @@ def full_like(x, fill_value, *, dtype=None, layout=None, device=None, requires_g
         with stored_only():
             out.add_(fill_value)
     return out.requires_grad_() if requires_grad else out
-implements(torch.empty_like)(_like(lambda v, dt: torch.zeros_like(v, dtype=dt)))  # zeros: padding must stay 0
+implements(torch.empty_like)(_zeros_like)  # zeros: padding must stay 0
 
 
 @implements(torch.Tensor.conj, torch.conj, torch.Tensor.resolve_conj, torch.resolve_conj)
