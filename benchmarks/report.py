@@ -26,6 +26,45 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: the ISA extensions that decide which kernels run, and how fast (scorch's vector width and lead gathers; MKL's and
+#: oneDNN's code paths; torch's bf16 Linear on AMX)
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_details() -> dict:
+    """What of the CPU a benchmark's figures depend on, for RESULTS.md beside the model name: vendor and family,
+    the ISA extensions of ``ISA_FLAGS`` it has, its caches (L1d, L2 per core, L3 shared) and the kernel variant
+    scorch's generated code takes on it (``compiler.target.CPU``). A speedup counts only against a peer run on the
+    same CPU in the same run, and MKL's code paths differ by vendor."""
+    from scorch.compiler import target
+    info = target._cpuinfo()
+    flags = set(info.get("flags", "").split())
+    isa = [f for f in ISA_FLAGS if f in flags]
+    caches = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for index in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if not index.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(base, index, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(base, index, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(base, index, "size")) as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        if kind != "Instruction":
+            caches.append(f"L{level}{'d' if kind == 'Data' else ''} {size.replace('K', ' KiB')}")
+    cpu = target.CPU
+    return {"CPU vendor / family / model": " / ".join(info.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
+            "CPU ISA": ", ".join(isa) or "none of " + ", ".join(ISA_FLAGS),
+            "CPU caches (per core, L3 shared)": ", ".join(caches) or "unknown",
+            "scorch kernel variant": f"{cpu.vector_bytes}-byte vectors, lead gathers {'on' if cpu.lead_gathers else 'off'}"
+                                     " (SCORCH_VECTOR_BYTES, SCORCH_LEAD_GATHERS)"}
+
+
 def load_average() -> str:
     try:
         return " / ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -105,7 +105,7 @@ def run(args) -> int:
     out_dir = args.out or (os.path.dirname(os.path.abspath(__file__)) if full_run
                            else os.path.join(tempfile.gettempdir(), "scorch-bench"))
     machine = {"cpu": report.cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
-               "load_before": report.load_average()}
+               "load_before": report.load_average(), **report.cpu_details()}
     start = time.perf_counter()
     inputs = cases.Inputs(cfg)
     variants, diagnoses, tables, failures = {}, [], [], 0

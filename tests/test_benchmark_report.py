@@ -50,3 +50,18 @@ def test_report_keeps_the_gpu_sections_of_the_file_it_replaces(tmp_path):
     assert text.index("## Plots") < text.index("## GPU: NVIDIA H100")
     report.write(str(tmp_path), [series], machine, {}, [], "python -m benchmarks", 1.0, True)
     assert md.read_text().count("## GPU: NVIDIA H200") == 1
+
+
+def test_report_names_the_cpu(tmp_path):
+    """Every run's RESULTS.md names the CPU: vendor and family, the ISA extensions kernels are chosen by, the caches
+    and the kernel variant scorch's code takes (a speedup counts only against a peer on the same CPU)."""
+    details = report.cpu_details()
+    assert set(details) == {"CPU vendor / family / model", "CPU ISA", "CPU caches (per core, L3 shared)",
+                            "scorch kernel variant"}
+    from scorch.compiler.target import CPU
+    assert f"{CPU.vector_bytes}-byte vectors" in details["scorch kernel variant"]
+    machine = {"cpu": "test", "cores": 2, "threads": 2, "load_before": "0", **details, "load_after": "0"}
+    md, _ = report.write(str(tmp_path), [], machine, {}, [], "python -m benchmarks", 1.0, True)
+    text = open(md).read()
+    for key, value in details.items():
+        assert f"- {key}: {value}" in text

@@ -316,7 +316,7 @@ def prepared_call(plan: Plan, sizes, dtype):
                 elif a.kind == "dim":
                     template[n] = shape_of(ops[a.operand])[a.level]
             statics["done"] = True
-            if not scal and not m and dtype == wanted and all(d[3] != 4 for d in dynamic):
+            if not scal and not m and dtype == wanted:
                 fast = direct.program(plan, template, dynamic, out_pos, thr_pos, per_entry, k_drv, alloc, alloc_args,
                                       dtype, sys.modules[__name__])
                 if fast is not None:  # (what ``kept_product`` hands out from the next call on)

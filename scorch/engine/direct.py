@@ -38,7 +38,7 @@ _SOURCE = r"""
 typedef void (*scorch_packed_fn)(const int64_t*);
 
 static PyObject *scorch_k_data_ptr, *scorch_k_numel, *scorch_k_levels, *scorch_k_vals, *scorch_k_pos,
-    *scorch_k_crd, *scorch_k_calls, *scorch_k_call_threads, *scorch_one;
+    *scorch_k_crd, *scorch_k_calls, *scorch_k_call_threads, *scorch_k_mean_length, *scorch_one;
 
 static int scorch_names(void) {
   if (scorch_k_data_ptr) return 0;
@@ -50,9 +50,10 @@ static int scorch_names(void) {
   scorch_k_crd = PyUnicode_InternFromString("crd");
   scorch_k_calls = PyUnicode_InternFromString("calls");
   scorch_k_call_threads = PyUnicode_InternFromString("call_threads");
+  scorch_k_mean_length = PyUnicode_InternFromString("mean_length");
   scorch_one = PyLong_FromLong(1);
   return (scorch_k_data_ptr && scorch_k_numel && scorch_k_levels && scorch_k_vals && scorch_k_pos &&
-          scorch_k_crd && scorch_k_calls && scorch_k_call_threads && scorch_one) ? 0 : -1;
+          scorch_k_crd && scorch_k_calls && scorch_k_call_threads && scorch_k_mean_length && scorch_one) ? 0 : -1;
 }
 
 static int scorch_int(PyObject* o, int64_t* out) {  // (a Python int, or -1 with the exception set)
@@ -130,6 +131,16 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
       return NULL;
     }
     PyObject* x = PyTuple_GET_ITEM(ops, op);
+    if (what == 4) {  // a level's mean length per parent (a row's expected trip count): bind.mean_length(x, lvl)
+      PyObject* level = PyLong_FromLong(lvl);
+      PyObject* mean = level ? PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(prog, 10), scorch_k_mean_length, x,
+                                                          level, NULL) : NULL;
+      Py_XDECREF(level);
+      const int rc = mean ? scorch_int(mean, &a[pos]) : -1;
+      Py_XDECREF(mean);
+      if (rc) return NULL;
+      continue;
+    }
     PyObject* t = what == 3 ? (Py_INCREF(x), x) : scorch_array(x, lvl, what);
     if (!t) return NULL;
     const int rc = scorch_address(t, &a[pos]);
