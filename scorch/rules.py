@@ -20,6 +20,7 @@ Rules, by owner:
   ``scorch.compile``, or None.
 - ``engine``: ``to_dense(format, shape, levels, values)``, ``asformat(x, format, **options)`` and ``to_torch(x)``,
   for ``SparseTensor``'s methods.
+- ``ops``: ``product_operator(s, other, left)``, ``SparseTensor.__matmul__`` (``left``) and ``__rmatmul__``.
 - ``dynamo``: ``traced_op(func, types, args, kwargs)``, the graph's call for an op with a sparse operand while
   ``torch.compile`` traces (a custom op over the operands' arrays); ``traced_tensor(layout, compressed, plain,
   values, size, dtype, requires_grad)``, a compressed sparse tensor made while ``torch.compile`` traces (one call
@@ -35,7 +36,7 @@ class LazyNever:
 class Rules:
     __slots__ = ("differentiable_einsum", "differentiable_run", "differentiable_convert", "lazy_type",
                  "compute_lazy", "substitute_lazy", "fused_product", "lazy_epilogue", "to_dense", "asformat",
-                 "to_torch", "traced_op", "traced_tensor", "coalesce_leaf")
+                 "to_torch", "traced_op", "traced_tensor", "coalesce_leaf", "product_operator")
 
     def __init__(self):
         for name in self.__slots__:

@@ -387,6 +387,15 @@ class SparseTensor(Traceable, torch.Tensor):
         return self
 
     # --- display -----------------------------------------------------------------------------------------------
+    def __matmul__(self, other):
+        """``self @ other``: the ops layer's product operator (``RULES.product_operator``: a repeated product goes
+        straight to the call kept on ``self``). After the first product kept, its C form takes this slot."""
+        return RULES.product_operator(self, other, True)
+
+    def __rmatmul__(self, other):
+        """``other @ self``: as ``__matmul__``, the operands the other way round."""
+        return RULES.product_operator(self, other, False)
+
     def __repr__(self, *, tensor_contents=None) -> str:
         """Format, shape, dtype, nnz, density, and a picture of the pattern for small matrices."""
         fmt = short_name(self._format)

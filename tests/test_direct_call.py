@@ -115,7 +115,7 @@ def test_direct_call_refuses_bad_operands_with_an_exception():
     with pytest.raises(IndexError):
         fast((s,), None)  # an operand missing
     with pytest.raises(TypeError):
-        direct.function()(fast.args[0], [s, x], None)  # operands not a tuple
+        direct.function()(fast.args[0], {0: s, 1: x}, None)  # operands not a tuple or list
     prog = list(fast.args[0])
     prog[3] = 10 ** 6  # the output's position out of range
     with pytest.raises(IndexError, match="out of range"):
@@ -126,15 +126,15 @@ def test_direct_call_refuses_bad_operands_with_an_exception():
 def test_direct_call_can_be_refused():
     """``SCORCH_DIRECT=0``: kept products stay in Python, with the same results, and so do the operators
     (``engine.direct.operators``)."""
-    code = ("import torch, scorch\nfrom scorch.engine import evaluate\nfrom scorch.ops import linalg\n"
+    code = ("import torch, scorch\nfrom scorch.engine import evaluate\n"
             "d = torch.randn(9, 7) * (torch.rand(9, 7) < 0.4)\ns = scorch.asformat(d, 'csr')\nx = torch.randn(7, 3)\n"
             "for _ in range(3): torch.testing.assert_close(s @ x, d @ x)\n"
             "f = evaluate.kept_product(s, x, True)\n"
-            "print(type(f).__name__, type(s).__matmul__ is linalg._operator)\n")
+            "print(type(f).__name__, type(type(s).__dict__['__matmul__']).__name__)\n")
     env = dict(os.environ, SCORCH_DIRECT="0", SCORCH_DEFER="auto")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "function True"
+    assert out.stdout.strip() == "function function"  # (the C form is an ``instancemethod``)
 
 
 @needs_direct

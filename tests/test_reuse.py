@@ -215,8 +215,8 @@ def test_steps_before_a_kernel_are_replayed_without_planning(monkeypatch):
     run = importlib.import_module("scorch.engine.run")
     scorch.clear_caches()
     planned = []
-    real = run._planned
-    monkeypatch.setattr(run, "_planned", lambda *a: planned.append(1) or real(*a))
+    real = run.planned
+    monkeypatch.setattr(run, "planned", lambda *a: planned.append(1) or real(*a))
     x = scorch.asformat(torch.randn(50, 70) * (torch.rand(50, 70) < 0.1), "csr")
     w = torch.randn(24, 70)                   # read along its first dimension: relaid before the kernel
     for step in range(3):
@@ -251,8 +251,8 @@ def test_patterns_that_do_not_recur_are_kept_as_before(monkeypatch):
     run = importlib.import_module("scorch.engine.run")
     scorch.clear_caches()
     planned = []
-    real = run._planned
-    monkeypatch.setattr(run, "_planned", lambda *a: planned.append(1) or real(*a))
+    real = run.planned
+    monkeypatch.setattr(run, "planned", lambda *a: planned.append(1) or real(*a))
     n, k = 310, 8
     for step in range(8):
         mask = ((torch.rand(n, n) < 0.02) | torch.eye(n, dtype=torch.bool)).float().to_sparse_csr()

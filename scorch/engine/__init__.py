@@ -4,18 +4,19 @@ Above the compiler (``scorch.compiler``: operand types in, a plan with a loaded 
 front door (``scorch.ops``) and the layers that wrap calls (``_autograd``, ``deferred``, ``fusion``):
 
 - ``evaluate``: an einsum call from operands to result (contraction trees, grouped products, dense torch steps);
-- ``run``: one assignment, with the operand changes its schedule asks for, through the prepared-call cache;
-- ``args``: kernel arguments from tensors; ``bind``: a plan run on tensors, the output allocated and wrapped,
-  prepared calls;
+- ``run``: one assignment, with the steps its schedule asks for (``run.Steps``: a transposition, the output's
+  order, dense operands relaid), applied once and replayed;
+- ``prepared``: the prepared call of a repeated call (one record type, ``Prepared``), and where it is found
+  again: on the tensor, by signature, on disk; ``direct``: its C form;
+- ``args``: kernel arguments from tensors; ``bind``: a plan run on tensors, the output allocated and wrapped;
 - ``grouped``: grouped products in torch ops; ``convert``: every format conversion, torch layouts included;
   ``densify``: to_dense by a kernel; ``diagonal``: the diagonals an einsum with a repeated letter takes first.
 """
 from .args import SUPPORTED, argument, arguments, level_info, tensor_type  # noqa: F401
 from .bind import backend_for, cpu_backend, index_sizes, structural_results  # noqa: F401
 from .convert import asformat, convert, from_torch, to_torch  # noqa: F401
-from .evaluate import dense_result, einsum, explain, keep_product, kept_product, prepare, scaled  # noqa: F401
-from .evaluate import product_operators  # noqa: F401
-from .evaluate import SDDMM, keep_sddmm, kept_sddmm  # noqa: F401
+from .evaluate import dense_result, einsum, explain, prepare, product_operators, scaled  # noqa: F401
+from .prepared import SDDMM, keep_product, keep_sddmm, kept_product, kept_sddmm  # noqa: F401
 from .run import row_plan, run  # noqa: F401
 
 from ..rules import RULES  # noqa: E402

@@ -38,7 +38,7 @@ def mean_length(x: SparseTensor, level: int) -> int:
     none): a row's expected length, for a kernel's ``For.lead``. Kept on the level's storage with the arrays it
     was read from (compared by identity), so a repeated call costs a dict lookup (level_info: ~2.6 us). (The
     levels are read from ``x.__dict__``: a tensor subclass's attribute is looked up through ``torch.Tensor``'s
-    type first, microseconds with the caches cold; see ``evaluate._current``.)"""
+    type first, microseconds with the caches cold; see ``prepared.stands``.)"""
     st = x.__dict__["_levels"][level]
     arrays = (getattr(st, "pos", None), getattr(st, "crd", None))
     kept = st.__dict__.get("_mean")

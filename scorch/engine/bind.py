@@ -2,23 +2,18 @@
 
 A ``Plan`` (``compiler.pipeline``) knows its kernel's parameters by kind; ``args.argument`` finds each one's value
 on the operands, ``call_plan``
-allocates the output, calls the kernel and wraps what it wrote in the output format. ``prepared_call`` does the
-same with everything that depends only on the operands' signature worked out once (a repeated call: pointer
-reads, one allocation, the ctypes call). ``call_coiteration`` runs a co-iteration plan (several sparse
+allocates the output, calls the kernel and wraps what it wrote in the output format (``prepared.prepared_call``
+does the same with everything that depends only on the operands' signature worked out once). ``call_coiteration`` runs a co-iteration plan (several sparse
 operands): operands reformatted as its schedule says, then one kernel (dense output) or a count pass, a prefix
 sum and a fill pass (a sparse output).
 """
 from __future__ import annotations
 
 import contextlib
-import math
-import struct
-import sys
 import threading
 
 import torch
 
-from ..compiler.codegen.cpp import pack_format
 from ..compiler.pipeline import BACKENDS, Plan, CoPlan, lowerable, target_of
 from ..compiler.schedule import WORKSPACE_LIMIT_BYTES, direct_rows, workspace_choice
 from .. import loopir as L
@@ -26,9 +21,9 @@ from ..loopir import TO_TORCH
 from ..formats import named, storage
 from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, UnsupportedDtype, device_of, dtype_of,
                              pattern_ones, shape_of)
-from .args import SUPPORTED, argument, level_info, mean_length
+from .args import SUPPORTED, argument, level_info, mean_length  # noqa: F401  (mean_length: read by the direct call)
 from .convert import asformat
-from . import direct, memory
+from . import memory
 
 
 NARROW_COORDINATES = 2**31 - 1  # a rows output whose workspace has at most this many entries writes int32
@@ -246,116 +241,6 @@ def contiguous_strides(shape) -> tuple:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def prepared_call(plan: Plan, sizes, dtype):
-    """A call of ``plan`` for operands of one signature, with everything that depends only on the signature
-    (sizes, level bounds, the argument list's constant entries) computed once: a repeated call then costs
-    the pointer reads, the output allocation and the ctypes call."""
-    asg, out = plan.asg, plan.output
-    written = lowerable(asg, out)
-    if asg.reduce != "sum" or (out.format is not None and not written.shared_levels) or any(
-            t.format.padded for t in asg.operands if t.format is not None):
-        return lambda ops, scalars: call_plan(plan, ops, sizes, dtype, scalars or {})
-    k_drv = plan.schedule.driver.operand
-    out_shape = tuple(sizes[v] for v in asg.out)
-    m = written.shared_levels
-    alloc = memory.empty if plan.lowered.writes_every_output else memory.zeros
-    wanted, dtype = dtype, buffer_dtype(plan.lowered, dtype)
-    alloc_args = (out_shape,)
-    if not m and math.prod(out_shape) * dtype.itemsize < memory.THRESHOLD_BYTES:
-        alloc = torch.empty if plan.lowered.writes_every_output else torch.zeros  # (no huge-page advice to give)
-        if alloc is torch.empty:  # (``empty_strided``: 1.5 -> 1.0 us a call warm, 25 -> 17 us with the caches cold)
-            alloc, alloc_args = torch.empty_strided, (out_shape, contiguous_strides(out_shape))
-    template, dynamic = [], []
-    for n, a in enumerate(plan.lowered.args):
-        k = a.kind
-        if k in ("pos", "crd"):
-            dynamic.append((n, a.operand, a.level, 0 if k == "pos" else 1))
-            template.append(None)
-        elif k == "values":
-            dynamic.append((n, a.operand, -1, 2))
-            template.append(None)
-        elif k == "dense":
-            dynamic.append((n, a.operand, -1, 3))
-            template.append(None)
-        elif k == "mean":  # (per call: the same signature may come with another pattern)
-            dynamic.append((n, a.operand, a.level, 4))
-            template.append(None)
-        elif k in ("out", "threads", "scalar"):
-            template.append(None)
-        else:
-            template.append(sizes[a.var] if k == "size" else None)
-    # work per call: the driver's stored values times the vectors the indices it does not have span (SpMM:
-    # nnz * K / 8); below SMALL_WORK one thread does it (a parallel region would cost more than it saves)
-    drv = next(a for a in asg.rhs.accesses() if a.operand == k_drv)
-    span = 1
-    for v in set(asg.out).union(*(a.indices for a in asg.rhs.accesses())) - set(drv.indices):
-        span *= sizes[v]
-    per_entry = -(-span // 8)
-    # the remaining static values (level bounds and operand dimensions) come from the first call
-    statics = {}
-    # (the output is the driver's whole pattern, in its format and order: only its wrapper is made, ``_wrap``)
-    fmt = asg.operands[k_drv].format
-    whole = bool(m) and out.format is not None and out.format == fmt and m == len(fmt.level_types) and \
-        tuple(asg.out) == tuple(drv.indices)
-    out_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "out"][0]
-    thr_pos = [n for n, a in enumerate(plan.lowered.args) if a.kind == "threads"]
-    scal = [(n, a.var) for n, a in enumerate(plan.lowered.args) if a.kind == "scalar"]
-    fn = plan.kernel.fn
-    packed = getattr(plan.kernel, "packed", None)  # (one bytes argument instead of a ctypes conversion per argument)
-    pack = struct.Struct(pack_format(plan.lowered.kernel)).pack if packed is not None else None
-
-    def call(ops, scalars):
-        if not statics:
-            bounds = ops[k_drv].format.level_bounds(ops[k_drv]._shape)  # (no padded level here: no widths)
-            for n, a in enumerate(plan.lowered.args):
-                if a.kind in ("lo", "extent"):
-                    lo, hi = bounds[a.level]
-                    template[n] = lo if a.kind == "lo" else hi - lo
-                elif a.kind == "dim":
-                    template[n] = shape_of(ops[a.operand])[a.level]
-            statics["done"] = True
-            if not scal and not m and dtype == wanted:
-                fast = direct.program(plan, template, dynamic, out_pos, thr_pos, per_entry, k_drv, alloc, alloc_args,
-                                      dtype, sys.modules[__name__])
-                if fast is not None:  # (what ``kept_product`` hands out from the next call on)
-                    call.direct = fast
-        args = list(template)
-        for n, op, lvl, what in dynamic:  # (a SparseTensor's arrays from its __dict__: see kept_product)
-            x = ops[op]
-            if what == 4:
-                args[n] = mean_length(x, lvl)
-                continue
-            d = x.__dict__
-            args[n] = (d["_levels"][lvl].pos if what == 0 else d["_levels"][lvl].crd if what == 1 else
-                       d["_vals"] if what == 2 else x).data_ptr()
-        if m:
-            s = ops[k_drv]
-            _, counts = level_info(s)
-            out_arr = alloc(counts[m - 1], dtype=dtype)
-        else:
-            out_arr = alloc(*alloc_args, dtype=dtype)
-        args[out_pos] = out_arr.data_ptr()
-        if thr_pos:
-            threads = call_threads(ops[k_drv].__dict__["_vals"].numel() * per_entry)
-            for n in thr_pos:
-                args[n] = threads
-        for n, v in scal:
-            args[n] = scalars[v]
-        if packed is not None:  # (called here, not through a function that packs: one function fewer entered)
-            packed(pack(*args))
-        else:
-            fn(*args)
-        plan.calls += 1
-        if dtype != wanted:
-            out_arr = out_arr.to(wanted)
-        if whole:
-            return ops[k_drv]._wrap(out_arr)
-        if m and out.format is not None:
-            return SparseTensor(out.format, out_shape, ops[k_drv]._levels[:m], out_arr, check=False)
-        return out_arr.reshape(out_shape) if m else out_arr
-    return call
 
 
 def interpret(low, args) -> None:

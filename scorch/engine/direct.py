@@ -1,6 +1,6 @@
 """A prepared call's repeated work in one C function: the direct call of a kept product.
 
-A prepared call (``bind.prepared_call``) reads its operands' array addresses, allocates the output, chooses the
+A prepared call (``prepared.prepared_call``) reads its operands' array addresses, allocates the output, chooses the
 thread count and calls the kernel's packed entry point. In Python that is a few functions and a ctypes call; on a
 call that finds the caches cold (a small product after other work, as in a GNN layer after its dense transform)
 each function and each attribute read costs microseconds, and those decide a Cora-sized SpMM against torch's
@@ -23,6 +23,7 @@ import importlib.util
 import os
 import sysconfig
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,7 @@ _SOURCE = r"""
 #include <cstdint>
 
 typedef void (*scorch_packed_fn)(const int64_t*);
+@DECLARATIONS@
 
 static PyObject *scorch_k_data_ptr, *scorch_k_numel, *scorch_k_levels, *scorch_k_vals, *scorch_k_pos,
     *scorch_k_crd, *scorch_k_calls, *scorch_k_call_threads, *scorch_k_mean_length, *scorch_one;
@@ -75,14 +77,14 @@ static PyObject* scorch_array(PyObject* x, long lvl, long what) {
   PyObject* d = PyObject_GenericGetDict(x, NULL);
   if (!d) return NULL;
   PyObject* t = NULL;
-  if (what == 2) {
+  if (what == SCORCH_VALUES) {
     t = PyDict_GetItemWithError(d, scorch_k_vals);
     Py_XINCREF(t);
   } else {
     PyObject* levels = PyDict_GetItemWithError(d, scorch_k_levels);
     PyObject* level = levels ? PySequence_GetItem(levels, lvl) : NULL;
     if (level) {
-      t = PyObject_GetAttr(level, what == 0 ? scorch_k_pos : scorch_k_crd);
+      t = PyObject_GetAttr(level, what == SCORCH_POS ? scorch_k_pos : scorch_k_crd);
       Py_DECREF(level);
     }
   }
@@ -103,25 +105,35 @@ static bool scorch_positions(PyObject* out, PyObject* thr, Py_ssize_t n) {
   return true;
 }
 
-// prog: (kernel address, template, dynamic, out position, thread positions, vectors per entry, driver operand,
-// alloc, alloc's arguments, alloc's keywords, the bind module, the plan)
-extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject* scalars) {
+static PyObject* scorch_direct_run(PyObject* prog, PyObject* ops);
+
+// prog: a ``Program`` (its fields at the positions of the enum above); ops: a tuple (or list) of operands
+extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops_given, PyObject* scalars) {
   (void)scalars;
   if (scorch_names()) return NULL;
-  if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 12 || !PyTuple_Check(ops)) {
+  if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != SCORCH_PROGRAM_FIELDS ||
+      !(PyTuple_Check(ops_given) || PyList_Check(ops_given))) {
     PyErr_SetString(PyExc_TypeError, "scorch: a direct call takes its program and a tuple of operands");
     return NULL;
   }
+  PyObject* ops = PyTuple_Check(ops_given) ? (Py_INCREF(ops_given), ops_given) : PyList_AsTuple(ops_given);
+  if (!ops) return NULL;
+  PyObject* r = scorch_direct_run(prog, ops);
+  Py_DECREF(ops);
+  return r;
+}
+
+static PyObject* scorch_direct_run(PyObject* prog, PyObject* ops) {
   int64_t a[@MAX_ARGS@];
-  PyObject* tmpl = PyTuple_GET_ITEM(prog, 1);
+  PyObject* tmpl = PyTuple_GET_ITEM(prog, SCORCH_P_TEMPLATE);
   const Py_ssize_t n = PyTuple_GET_SIZE(tmpl);
-  if (n > @MAX_ARGS@ || !scorch_positions(PyTuple_GET_ITEM(prog, 3), PyTuple_GET_ITEM(prog, 4), n)) {
+  if (n > @MAX_ARGS@ || !scorch_positions(PyTuple_GET_ITEM(prog, SCORCH_P_OUT_POS), PyTuple_GET_ITEM(prog, SCORCH_P_THREAD_POS), n)) {
     PyErr_SetString(PyExc_IndexError, "scorch: a direct call's argument positions are out of range");
     return NULL;
   }
   for (Py_ssize_t i = 0; i < n; ++i)
     if (scorch_int(PyTuple_GET_ITEM(tmpl, i), &a[i])) return NULL;
-  PyObject* dyn = PyTuple_GET_ITEM(prog, 2);
+  PyObject* dyn = PyTuple_GET_ITEM(prog, SCORCH_P_DYNAMIC);
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dyn); ++i) {
     PyObject* e = PyTuple_GET_ITEM(dyn, i);
     const long pos = PyLong_AsLong(PyTuple_GET_ITEM(e, 0)), op = PyLong_AsLong(PyTuple_GET_ITEM(e, 1));
@@ -131,9 +143,9 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
       return NULL;
     }
     PyObject* x = PyTuple_GET_ITEM(ops, op);
-    if (what == 4) {  // a level's mean length per parent (a row's expected trip count): bind.mean_length(x, lvl)
+    if (what == SCORCH_MEAN) {  // a level's positions per parent (a row's expected trip count): mean_length(x, lvl)
       PyObject* level = PyLong_FromLong(lvl);
-      PyObject* mean = level ? PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(prog, 10), scorch_k_mean_length, x,
+      PyObject* mean = level ? PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(prog, SCORCH_P_MODULE), scorch_k_mean_length, x,
                                                           level, NULL) : NULL;
       Py_XDECREF(level);
       const int rc = mean ? scorch_int(mean, &a[pos]) : -1;
@@ -141,27 +153,29 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
       if (rc) return NULL;
       continue;
     }
-    PyObject* t = what == 3 ? (Py_INCREF(x), x) : scorch_array(x, lvl, what);
+    PyObject* t = what == SCORCH_DENSE ? (Py_INCREF(x), x) : scorch_array(x, lvl, what);
     if (!t) return NULL;
     const int rc = scorch_address(t, &a[pos]);
     Py_DECREF(t);
     if (rc) return NULL;
   }
-  PyObject* out = PyObject_Call(PyTuple_GET_ITEM(prog, 7), PyTuple_GET_ITEM(prog, 8), PyTuple_GET_ITEM(prog, 9));
+  PyObject* out = PyObject_Call(PyTuple_GET_ITEM(prog, SCORCH_P_ALLOC), PyTuple_GET_ITEM(prog, SCORCH_P_ALLOC_ARGS),
+                                PyTuple_GET_ITEM(prog, SCORCH_P_ALLOC_KEYWORDS));
   if (!out) return NULL;
-  if (scorch_address(out, &a[PyLong_AsLong(PyTuple_GET_ITEM(prog, 3))])) {
+  if (scorch_address(out, &a[PyLong_AsLong(PyTuple_GET_ITEM(prog, SCORCH_P_OUT_POS))])) {
     Py_DECREF(out);
     return NULL;
   }
-  PyObject* thr = PyTuple_GET_ITEM(prog, 4);
+  PyObject* thr = PyTuple_GET_ITEM(prog, SCORCH_P_THREAD_POS);
   if (PyTuple_GET_SIZE(thr)) {  // threads = bind.call_threads(driver's stored values * vectors per entry)
-    PyObject* vals = scorch_array(PyTuple_GET_ITEM(ops, PyLong_AsLong(PyTuple_GET_ITEM(prog, 6))), 0, 2);
+    PyObject* vals = scorch_array(PyTuple_GET_ITEM(ops, PyLong_AsLong(PyTuple_GET_ITEM(prog, SCORCH_P_DRIVER))), 0,
+                                  SCORCH_VALUES);
     PyObject* count = vals ? PyObject_CallMethodNoArgs(vals, scorch_k_numel) : NULL;
     Py_XDECREF(vals);
     int64_t entries = 0, per = 0, threads = 0;
-    PyObject* chooser = count ? PyObject_GetAttr(PyTuple_GET_ITEM(prog, 10), scorch_k_call_threads) : NULL;
+    PyObject* chooser = count ? PyObject_GetAttr(PyTuple_GET_ITEM(prog, SCORCH_P_MODULE), scorch_k_call_threads) : NULL;
     PyObject* work = NULL;
-    if (chooser && !scorch_int(count, &entries) && !scorch_int(PyTuple_GET_ITEM(prog, 5), &per))
+    if (chooser && !scorch_int(count, &entries) && !scorch_int(PyTuple_GET_ITEM(prog, SCORCH_P_PER_ENTRY), &per))
       work = PyLong_FromLongLong((long long)(entries * per));
     PyObject* chosen = work ? PyObject_CallOneArg(chooser, work) : NULL;
     Py_XDECREF(count);
@@ -176,7 +190,7 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(thr); ++i) a[PyLong_AsLong(PyTuple_GET_ITEM(thr, i))] = threads;
   }
   int64_t address = 0;
-  if (scorch_int(PyTuple_GET_ITEM(prog, 0), &address)) {
+  if (scorch_int(PyTuple_GET_ITEM(prog, SCORCH_P_ADDRESS), &address)) {
     Py_DECREF(out);
     return NULL;
   }
@@ -184,7 +198,7 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
   Py_BEGIN_ALLOW_THREADS
   kernel(a);
   Py_END_ALLOW_THREADS
-  PyObject* plan = PyTuple_GET_ITEM(prog, 11);  // plan.calls += 1
+  PyObject* plan = PyTuple_GET_ITEM(prog, SCORCH_P_PLAN);  // plan.calls += 1
   PyObject* calls = PyObject_GetAttr(plan, scorch_k_calls);
   PyObject* more = calls ? PyNumber_Add(calls, scorch_one) : NULL;
   const int rc = more ? PyObject_SetAttr(plan, scorch_k_calls, more) : -1;
@@ -198,7 +212,7 @@ extern "C" PyObject* scorch_direct_call(PyObject* prog, PyObject* ops, PyObject*
 }
 
 // --- the product operator: ``S @ X`` and ``X @ S`` in one C call where a kept call stands ---------------------
-// ``SparseTensor.__matmul__`` / ``__rmatmul__`` once ``operators`` configured it: ``evaluate.kept_product``'s test,
+// ``SparseTensor.__matmul__`` / ``__rmatmul__`` once ``operators`` configured it: ``prepared.stands``, compiled,
 // in the same order, then the kept call (its direct form where it has one); every other call goes to the Python
 // operator (``fallback``), which tests again and takes the long way.
 
@@ -211,12 +225,16 @@ struct scorch_ref {  // an owned reference, released at the end of its scope
 };
 
 enum { SCORCH_FAST_EQ, SCORCH_STRUCTURAL, SCORCH_BACKEND, SCORCH_DEFERRAL, SCORCH_TENSOR, SCORCH_STRIDED,
-       SCORCH_COMPILER, SCORCH_IS_COMPILING, SCORCH_GRAD_ENABLED, SCORCH_AUTOCAST, SCORCH_FALLBACK, SCORCH_CONFIG };
+       SCORCH_COMPILER, SCORCH_IS_COMPILING, SCORCH_GRAD_ENABLED, SCORCH_AUTOCAST, SCORCH_FALLBACK, SCORCH_FIELDS,
+       SCORCH_CONFIG };
+// the positions of a kept product's fields (``prepared.KeptProduct``: configure reads them from its field names)
+static Py_ssize_t scorch_kf_prepared = -1, scorch_kf_values_dtype, scorch_kf_format, scorch_kf_index_dtype,
+    scorch_kf_generation, scorch_kf_structural, scorch_kf_size;
 static PyObject* scorch_config = NULL;  // the tuple ``operators`` passes, in the order above
 static long long scorch_counts[2];      // products the kept call served, products handed to the fallback
 static PyObject *scorch_k_products, *scorch_k_format, *scorch_k_index_dtype, *scorch_k_generation, *scorch_k_on,
     *scorch_k_name, *scorch_k_value, *scorch_k_flag, *scorch_k_shape, *scorch_k_dtype, *scorch_k_is_cpu,
-    *scorch_k_layout, *scorch_k_is_contiguous, *scorch_k_is_neg, *scorch_k_requires_grad, *scorch_k_direct,
+    *scorch_k_layout, *scorch_k_is_contiguous, *scorch_k_is_neg, *scorch_k_requires_grad, *scorch_k_run,
     *scorch_s_cpp, *scorch_s_all;
 
 static int scorch_operator_names(void) {
@@ -224,10 +242,10 @@ static int scorch_operator_names(void) {
   PyObject** slots[] = {&scorch_k_products, &scorch_k_format, &scorch_k_index_dtype, &scorch_k_generation,
                         &scorch_k_on, &scorch_k_name, &scorch_k_value, &scorch_k_flag, &scorch_k_shape,
                         &scorch_k_dtype, &scorch_k_is_cpu, &scorch_k_layout, &scorch_k_is_contiguous,
-                        &scorch_k_is_neg, &scorch_k_requires_grad, &scorch_k_direct, &scorch_s_cpp, &scorch_s_all};
+                        &scorch_k_is_neg, &scorch_k_requires_grad, &scorch_k_run, &scorch_s_cpp, &scorch_s_all};
   const char* text[] = {"_products", "_format", "_index_dtype", "generation", "on", "name", "value",
                         "_is_compiling_flag", "shape", "dtype", "is_cpu", "layout", "is_contiguous",
-                        "is_neg", "requires_grad", "direct", "cpp", "all"};
+                        "is_neg", "requires_grad", "run", "cpp", "all"};
   for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); ++i)
     if (!(*slots[i] = PyUnicode_InternFromString(text[i]))) return -1;
   return 0;
@@ -252,7 +270,7 @@ static int scorch_compiling(PyObject* cfg) {
 }
 
 // The kept call of ``s @ other`` (left) or ``other @ s`` (a new reference), or NULL where
-// ``evaluate.kept_product`` gives none or the deferral mode is "all" (as ``ops.linalg._operator`` reads them)
+// ``prepared.kept_product`` gives none or the deferral mode is "all" (as ``ops.linalg._operator`` reads them)
 static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool left) {
   PyObject* tensor = SCORCH_CFG(SCORCH_TENSOR);
   if ((PyObject*)Py_TYPE(other) != tensor) return NULL;
@@ -263,18 +281,20 @@ static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool l
   scorch_ref dtype(shape.p ? PyObject_GetAttr(other, scorch_k_dtype) : NULL);
   scorch_ref key(dtype.p ? PyTuple_Pack(3, left ? Py_True : Py_False, shape.p, dtype.p) : NULL);
   PyObject* entry = key.p ? PyDict_GetItemWithError(memo, key.p) : NULL;
-  if (!entry || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 7) return NULL;
+  if (!entry || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != scorch_kf_size) return NULL;
   Py_INCREF(entry);  // (held: the reads below may run Python code, a thread-local's __init__ in a new thread)
   scorch_ref entry_held(entry);
   PyObject* v = PyDict_GetItemWithError(d.p, scorch_k_vals);
   Py_XINCREF(v);
   scorch_ref v_held(v);
   if (!v || (PyObject*)Py_TYPE(v) != tensor ||
-      scorch_attr_is(v, scorch_k_dtype, PyTuple_GET_ITEM(entry, 1), false) != 1 ||
-      PyDict_GetItemWithError(d.p, scorch_k_format) != PyTuple_GET_ITEM(entry, 2) ||
-      PyDict_GetItemWithError(d.p, scorch_k_index_dtype) != PyTuple_GET_ITEM(entry, 3) ||
-      scorch_attr_is(SCORCH_CFG(SCORCH_FAST_EQ), scorch_k_generation, PyTuple_GET_ITEM(entry, 4), true) != 1 ||
-      scorch_attr_is(SCORCH_CFG(SCORCH_STRUCTURAL), scorch_k_on, PyTuple_GET_ITEM(entry, 5), true) != 1 ||
+      scorch_attr_is(v, scorch_k_dtype, PyTuple_GET_ITEM(entry, scorch_kf_values_dtype), false) != 1 ||
+      PyDict_GetItemWithError(d.p, scorch_k_format) != PyTuple_GET_ITEM(entry, scorch_kf_format) ||
+      PyDict_GetItemWithError(d.p, scorch_k_index_dtype) != PyTuple_GET_ITEM(entry, scorch_kf_index_dtype) ||
+      scorch_attr_is(SCORCH_CFG(SCORCH_FAST_EQ), scorch_k_generation,
+                     PyTuple_GET_ITEM(entry, scorch_kf_generation), true) != 1 ||
+      scorch_attr_is(SCORCH_CFG(SCORCH_STRUCTURAL), scorch_k_on, PyTuple_GET_ITEM(entry, scorch_kf_structural),
+                     true) != 1 ||
       scorch_attr_is(SCORCH_CFG(SCORCH_BACKEND), scorch_k_name, scorch_s_cpp, true) != 1 ||
       scorch_attr_is(other, scorch_k_is_cpu, Py_True, false) != 1 ||
       scorch_attr_is(other, scorch_k_layout, SCORCH_CFG(SCORCH_STRIDED), false) != 1)
@@ -296,16 +316,11 @@ static PyObject* scorch_kept(PyObject* cfg, PyObject* s, PyObject* other, bool l
     scorch_ref autocast(PyObject_CallNoArgs(SCORCH_CFG(SCORCH_AUTOCAST)));  // (its product casts the operands)
     if (autocast.p != Py_False) return NULL;
   }
-  PyObject* fast = PyTuple_GET_ITEM(entry, 0);
+  PyObject* fast = PyTuple_GET_ITEM(entry, scorch_kf_prepared);
   if (fast == Py_None || fast == Py_False ||
       scorch_attr_is(SCORCH_CFG(SCORCH_DEFERRAL), scorch_k_value, scorch_s_all, true) != 0)
     return NULL;
-  PyObject* fn = PyObject_GetAttr(fast, scorch_k_direct);  // (the prepared call's C form, once it has one)
-  if (fn) return fn;
-  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
-  PyErr_Clear();
-  Py_INCREF(fast);
-  return fast;
+  return PyObject_GetAttr(fast, scorch_k_run);  // (``Prepared.run``: its C form, once its first call made one)
 }
 
 static PyObject* scorch_product(PyObject* const* argv, Py_ssize_t argc, bool left) {
@@ -355,10 +370,26 @@ static PyObject* scorch_rmatmul(PyObject* self, PyObject* const* argv, Py_ssize_
 static PyObject* scorch_configure(PyObject* self, PyObject* config) {
   (void)self;
   if (!PyTuple_Check(config) || PyTuple_GET_SIZE(config) != SCORCH_CONFIG) {
-    PyErr_SetString(PyExc_TypeError, "scorch: the product operator's configuration is a tuple of its 11 parts");
+    PyErr_SetString(PyExc_TypeError, "scorch: the product operator's configuration is a tuple of its 12 parts");
     return NULL;
   }
   if (scorch_names() || scorch_operator_names()) return NULL;
+  PyObject* fields = PyTuple_GET_ITEM(config, SCORCH_FIELDS);  // (KeptProduct's positions, then its length)
+  Py_ssize_t* slots[] = {&scorch_kf_prepared, &scorch_kf_values_dtype, &scorch_kf_format, &scorch_kf_index_dtype,
+                         &scorch_kf_generation, &scorch_kf_structural, &scorch_kf_size};
+  const Py_ssize_t count = sizeof(slots) / sizeof(slots[0]);
+  if (!PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != count) {
+    PyErr_SetString(PyExc_TypeError, "scorch: the kept product's field positions are a tuple of 7 numbers");
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    const Py_ssize_t v = PyLong_AsSsize_t(PyTuple_GET_ITEM(fields, i));
+    if (v < 0 || (i < count - 1 && v >= PyLong_AsSsize_t(PyTuple_GET_ITEM(fields, count - 1)))) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "scorch: a kept product's field out of range");
+      return NULL;
+    }
+    *slots[i] = v;
+  }
   Py_INCREF(config);
   Py_XSETREF(scorch_config, config);
   Py_RETURN_NONE;
@@ -397,6 +428,39 @@ static struct PyModuleDef scorch_direct_module = {PyModuleDef_HEAD_INIT, "scorch
 extern "C" PyObject* PyInit_scorch_direct(void) { return PyModule_Create(&scorch_direct_module); }
 """
 
+#: what a per-call argument of a prepared call reads from its operand: a level's ``pos`` or ``crd`` array, the
+#: stored values, a dense operand itself, or a level's positions per parent (``args.mean_length``)
+POS, CRD, VALUES, DENSE, MEAN = range(5)
+
+
+class Program(NamedTuple):
+    """A direct call's program: what ``scorch_direct_call`` reads, by the positions of these fields (the C source
+    is given them as an enum: ``_declarations``)."""
+    address: int           # the kernel's packed entry point
+    template: tuple        # every argument known from the signature; 0 where read per call
+    dynamic: tuple         # per-call arguments: (argument position, operand, level, what: POS ... MEAN)
+    out_pos: int           # the output array's argument position
+    thread_pos: tuple      # the thread count's argument positions
+    per_entry: int         # vectors of work per stored value of the driver (``call_threads``' work)
+    driver: int            # the operand whose stored values count the work
+    alloc: object          # the output's allocation, called as alloc(*alloc_args, **alloc_keywords)
+    alloc_args: tuple
+    alloc_keywords: dict
+    module: object         # the module with ``call_threads`` and ``mean_length`` (``engine.bind``)
+    plan: object           # the plan (its ``calls`` counted)
+
+    def __repr__(self):
+        return f"Program(kernel at {self.address:#x}, {len(self.template)} arguments, {len(self.dynamic)} read per call)"
+
+
+def _declarations() -> str:
+    """The C enums of ``Program``'s fields and of what a per-call argument reads, from their Python names."""
+    fields = ", ".join(f"SCORCH_P_{name.upper()}" for name in Program._fields)
+    return (f"enum {{ {fields}, SCORCH_PROGRAM_FIELDS }};\n"
+            f"enum {{ SCORCH_POS = {POS}, SCORCH_CRD = {CRD}, SCORCH_VALUES = {VALUES}, SCORCH_DENSE = {DENSE},"
+            f" SCORCH_MEAN = {MEAN} }};")
+
+
 _lock = threading.Lock()
 _loaded: list = []  # [the extension module, or None where it cannot be had]: decided once a process
 
@@ -418,7 +482,8 @@ def _module():
             module = None
             header = _python_h()
             if header is not None and os.environ.get("SCORCH_DIRECT", "1") != "0":
-                source = _SOURCE.replace("@PYTHON_H@", header).replace("@MAX_ARGS@", str(MAX_ARGS))
+                source = _SOURCE.replace("@PYTHON_H@", header).replace("@MAX_ARGS@", str(MAX_ARGS)) \
+                    .replace("@DECLARATIONS@", _declarations())
                 try:
                     kernel = runtime.load(source, "PyInit_scorch_direct", [], ctypes.c_void_p)
                     loader = importlib.machinery.ExtensionFileLoader("scorch_direct", str(kernel.path))
@@ -437,19 +502,21 @@ def function():
     return None if module is None else module.call
 
 
-def operators(fallback, fast_eq, structural, backend, deferral):
+def operators(fallback, fast_eq, structural, backend, deferral, fields):
     """``(__matmul__, __rmatmul__)`` for SparseTensor written in C, or None where there is no helper: each takes
-    the product's kept call where ``evaluate.kept_product`` would give it (the same test: the kept entry on the
-    tensor, ``fast_eq``'s generation, ``structural.on``, ``backend.name``, the dense operand's type, device,
-    layout, contiguity, negative bit and gradient, the grad mode, autocast) and ``deferral.value`` is not "all", and torch.compile does
-    not trace; otherwise it calls ``fallback(s, other, left)``, the Python operator. A cold ``S @ X`` then
-    enters no Python function: design notes, stop 37. ``operator_counts`` counts both ways."""
+    the product's kept call where ``prepared.kept_product`` would give it (``prepared.stands``, compiled: the kept
+    entry on the tensor, ``fast_eq``'s generation, ``structural.on``, ``backend.name``, the dense operand's type,
+    device, layout, contiguity, negative bit and gradient, the grad mode, autocast) and ``deferral.value`` is not
+    "all", and torch.compile does not trace; otherwise it calls ``fallback(s, other, left)``, the Python operator.
+    ``fields``: the position of each field of a kept entry (``prepared.KeptProduct``) by name. A cold ``S @ X``
+    then enters no Python function. ``operator_counts`` counts both ways."""
     module = _module()
     if module is None:
         return None
+    read = ("prepared", "values_dtype", "format", "index_dtype", "generation", "structural")
     module.configure((fast_eq, structural, backend, deferral, torch.Tensor, torch.strided, torch.compiler,
                       torch.compiler.is_compiling, torch.is_grad_enabled, torch._C._is_any_autocast_enabled,
-                      fallback))
+                      fallback, tuple(fields[name] for name in read) + (len(fields),)))
     return module.method(module.matmul), module.method(module.rmatmul)
 
 
@@ -460,10 +527,11 @@ def operator_counts() -> tuple[int, int] | None:
     return None if module is None else module.counts()
 
 
-def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc, alloc_args, dtype, bind_module):
+def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc, alloc_args, dtype, module):
     """The direct call of a prepared call whose every argument but the operands' addresses, the output's and the
-    thread count is known (``template``): a callable ``(ops, scalars) -> output``, or None where there is no
-    direct call (no helper, no packed kernel, too many arguments)."""
+    thread count is known (``template``): a callable ``(ops, scalars) -> output`` (a ``Program`` bound to
+    ``scorch_direct_call``), or None where there is no direct call (no helper, no packed kernel, too many
+    arguments)."""
     fn = function()
     packed = getattr(plan.kernel, "packed", None)
     given = {d[0] for d in dynamic} | {out_pos, *thr_pos}
@@ -471,6 +539,6 @@ def program(plan, template, dynamic, out_pos, thr_pos, per_entry, driver, alloc,
             not isinstance(v, int) for n, v in enumerate(template) if n not in given):
         return None
     address = ctypes.cast(packed, ctypes.c_void_p).value
-    prog = (address, tuple(0 if v is None else int(v) for v in template), tuple(tuple(d) for d in dynamic),
-            out_pos, tuple(thr_pos), per_entry, driver, alloc, tuple(alloc_args), {"dtype": dtype}, bind_module, plan)
+    prog = Program(address, tuple(0 if v is None else int(v) for v in template), tuple(tuple(d) for d in dynamic),
+                   out_pos, tuple(thr_pos), per_entry, driver, alloc, tuple(alloc_args), {"dtype": dtype}, module, plan)
     return functools.partial(fn, prog)

@@ -19,18 +19,18 @@ from ..compiler.pipeline import Plan
 from ..compiler.schedule import Directives, directives_of
 from .. import loopir as L
 from ..formats import named
-from ..formats.storage import array_version
 from ..rules import RULES
 from ..sparse_tensor import NoSparseRule, SparseTensor, needs_grad, shape_of
-from . import direct, grouped
+from . import direct, grouped, prepared
+from .prepared import SDDMM, keep_product, keep_sddmm, kept_call, kept_product, kept_sddmm  # noqa: F401  (old names)
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
-from .bind import _CPU_BACKEND, STRUCTURAL, backend_for, cast, cpu_backend_name, index_sizes, result_dtype
-from .run import PREPARED, call_signature, keep_call, kept_call, run, signature
+from .bind import _CPU_BACKEND, STRUCTURAL, backend_for, cast, index_sizes, result_dtype
+from .run import run
 
-_FAST_EQ = cache("prepared-by-equation", "the prepared calls again, keyed by the einsum equation string")
 _PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
-_NOT_KEPT = cache("not-kept-calls", "equation signatures (and thread counts) with no prepared call kept on disk")
+_FAST_EQ = prepared.BY_EQUATION  # (the name tests and tools knew it by)
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def prepare(operands):
@@ -55,156 +55,10 @@ def prepare(operands):
     return out
 
 
-def _seen(equation, operands, format):
-    """The prepared call kept in memory for these operands' signature (``_FAST_EQ``), looked for in one pass
-    where nothing has to happen first: SparseTensors with plain values, plain strided tensors, at least one of
-    them sparse, no graph to record, the "cpp" CPU backend; else None (``einsum`` looks in its own order, and
-    for the kept calls on disk). Every repeated call of a small product comes here first."""
-    if cpu_backend_name() != "cpp":
-        return None
-    grad, sparse = torch.is_grad_enabled(), False
-    for x in operands:
-        t = type(x)
-        if t is SparseTensor:
-            if type(x._vals) is not torch.Tensor or (grad and x._vals.requires_grad):
-                return None
-            sparse = True
-        elif t is not torch.Tensor or x.layout != torch.strided or (grad and x.requires_grad):
-            return None
-    if not sparse:
-        return None
-    return _FAST_EQ.get(_equation_signature(equation, format, None, operands))
-
-
-_any_autocast = torch._C._is_any_autocast_enabled  # (under autocast, matmul casts its operands first)
-
-
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-
-
-def kept_product(s, other, left: bool):
-    """The prepared call of ``s @ other`` (``left``) or ``other @ s`` for the 2-d SparseTensor ``s`` and a dense
-    ``other``, kept on ``s`` by ``keep_product`` (the ``@`` operators; its direct form, ``engine.direct``, once
-    its first call made one); None where there is none, False where
-    ``keep_product`` looked and found none often enough to stop looking. A repeated product skips ``matmul``'s
-    checks and the signature ``_seen`` builds (a tuple of both operands' formats, dtypes and shapes, hashed): on
-    a call after other work, with the interpreter's data out of cache, those cost about as much as a Cora-sized
-    SpMM's kernel. It stands only where ``_seen`` would give the same call: ``_current``'s test, written out here
-    for the one dense operand (with the caches cold, each function a call enters costs microseconds: design
-    notes, stop 36). ``direct.operators`` makes the same test in C (``scorch_kept``), in the same order: a change
-    to what a kept call depends on is made in both (``tests/test_product_operator.py`` compares them)."""
-    d = s.__dict__
-    memo = d.get("_products")
-    if memo is None or type(other) is not torch.Tensor:
-        return None
-    entry = memo.get((left, other.shape, other.dtype))
-    if entry is None:
-        return None
-    v = d["_vals"]
-    if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
-            entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
-            _CPU_BACKEND.name != "cpp" or not other.is_cpu or other.layout is not torch.strided or \
-            not other.is_contiguous() or other.is_neg() or \
-            ((v.requires_grad or other.requires_grad) and torch.is_grad_enabled()) or _any_autocast() or \
-            _functorch_wrapped(other):  # (a torch.func transform's tensor has no storage: the long way)
-        return None
-    fast = entry[0]
-    if fast is None:
-        return False if entry[6] >= 3 else None
-    return getattr(fast, "direct", fast)  # (the prepared call's C form, once its first call made one: ``direct``)
-
-
 def product_operators(fallback, deferral):
-    """``(__matmul__, __rmatmul__)`` in C (``direct.operators``): ``kept_product``'s test and the kept call in
-    one C function, ``fallback(s, other, left)`` for every other product; None where there is no C helper."""
-    return direct.operators(fallback, _FAST_EQ, STRUCTURAL, _CPU_BACKEND, deferral)
-
-
-def _current(d, entry, dense) -> bool:
-    """(``kept_product`` writes this test out for its one dense operand.) Whether the call kept in ``entry``
-    (``_keep``) is the one ``_seen`` would give now, for the SparseTensor
-    whose ``__dict__`` is ``d`` and the ``dense`` operands of the kept shapes and dtypes: each a plain contiguous
-    strided CPU tensor, no gradient to record, ``s`` with plain values of the kept dtype and the kept format and
-    index width (compared by identity: an in-place change of pattern may swap them), ``structural_results`` as
-    kept, the "cpp" backend, ``_FAST_EQ`` not cleared since (the caller checks that products are not deferred).
-    ``s``'s attributes are read from its ``__dict__``: an attribute of a tensor subclass is looked up through
-    ``torch.Tensor``'s type first, a few microseconds each with the caches cold (Cora K=16 in the benchmark's
-    rounds, by hand: the identity checks below took 10-13 us as attributes); and the grad mode is read only
-    where a gradient could be recorded."""
-    v = d["_vals"]
-    if type(v) is not torch.Tensor or entry[1] is not v.dtype or entry[2] is not d["_format"] or \
-            entry[3] is not d["_index_dtype"] or entry[4] != _FAST_EQ.generation or entry[5] != STRUCTURAL.on or \
-            _CPU_BACKEND.name != "cpp":  # (``cpu_backend_name()``'s value, without the call)
-        return False
-    grad = v.requires_grad
-    for x in dense:
-        if not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous() or x.is_neg():
-            return False
-        grad = grad or x.requires_grad
-    return not (grad and torch.is_grad_enabled())
-
-
-def _keep(s, key, fast, *extra):
-    """Keep ``fast`` (or, where it is None, count the look) on ``s`` under ``key``, with what ``_current``
-    compares and ``extra``."""
-    memo = s.__dict__.setdefault("_products", {})
-    if key not in memo and len(memo) >= 16:
-        return
-    entry = memo.get(key)
-    tries = 0 if fast is not None else entry[6] + 1 if entry is not None and entry[0] is None else 1
-    memo[key] = (fast, s._vals.dtype, s._format, s._index_dtype, _FAST_EQ.generation, STRUCTURAL.on, tries) + extra
-
-
-def keep_product(s, other, left: bool, equation: str):
-    """Keep on ``s`` the prepared call ``_seen`` finds for ``einsum(equation, ...)`` of ``s @ other`` (``left``)
-    or ``other @ s`` with a dense result, for ``kept_product``; where there is none, count the look."""
-    if type(other) is not torch.Tensor or not other.is_cpu or other.layout is not torch.strided or \
-            not other.is_contiguous() or s._vals.device.type != "cpu" or needs_grad((s, other)):
-        return  # (a product recording a gradient, or one ``_current`` refuses, has nothing to keep or count)
-    _keep(s, (left, other.shape, other.dtype), _seen(equation, (s, other) if left else (other, s), "dense"))
-
-
-#: SDDMM's equation on a pattern of ones (``sampled_addmm``)
-SDDMM = "ij,ik,kj->ij"
-
-
-def kept_sddmm(s, mat1, mat2):
-    """The prepared call of ``einsum(SDDMM, pattern, mat1, mat2)`` and the ``pattern`` (``s``'s index arrays
-    with values of ones) kept on the SparseTensor ``s`` by ``keep_sddmm``, for ``sampled_addmm`` with
-    ``alpha`` 1; None where there is none (or it was looked for too often in vain). It stands where
-    ``kept_product``'s would (``_current``), and where ``s``'s index arrays are still the pattern's (an in-place
-    change of pattern swaps the tuple) and the pattern's values are still the ones they were (their version).
-    A repeated ``sampled_addmm`` then skips the checks, the pattern's wrapper and the signature of three
-    operands: 306 -> 173 us a call on a small matrix with the caches cold."""
-    d = s.__dict__
-    memo = d.get("_products")
-    if memo is None or type(mat1) is not torch.Tensor or type(mat2) is not torch.Tensor:
-        return None
-    entry = memo.get(("sddmm", mat1.shape, mat1.dtype, mat2.shape, mat2.dtype))
-    if entry is None or entry[0] is None or entry[7] is not d["_levels"] or \
-            array_version(entry[8]._vals) != entry[9] or not _current(d, entry, (mat1, mat2)):
-        return None
-    return entry[0], entry[8]
-
-
-def keep_sddmm(s, pattern, mat1, mat2, format):
-    """Keep on ``s`` the prepared call ``_seen`` finds for ``einsum(SDDMM, pattern, mat1, mat2,
-    format=format)``, with ``pattern``, for ``kept_sddmm``; where there is none, count the look."""
-    dense = (mat1, mat2)
-    if any(type(x) is not torch.Tensor or not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous()
-           for x in dense) or s._vals.device.type != "cpu" or needs_grad((s, mat1, mat2)):
-        return
-    key = ("sddmm", mat1.shape, mat1.dtype, mat2.shape, mat2.dtype)
-    entry = s.__dict__.get("_products", {}).get(key)
-    if entry is not None and entry[0] is None and entry[6] >= 3:
-        return
-    _keep(s, key, _seen(SDDMM, (pattern, mat1, mat2), format), s._levels, pattern, array_version(pattern._vals))
-
-
-def _equation_signature(equation, format, directives, operands) -> tuple:
-    """The key of ``_FAST_EQ``: the equation, requested format, the user's directives, whether results are
-    structural, and each operand's ``signature``."""
-    return (equation, format, STRUCTURAL.on, directives) + tuple(signature(x) for x in operands)
+    """``(__matmul__, __rmatmul__)`` in C (``direct.operators``): ``prepared.kept_product``'s test and the kept call
+    in one C function, ``fallback(s, other, left)`` for every other product; None where there is no C helper."""
+    return direct.operators(fallback, prepared.BY_EQUATION, STRUCTURAL, _CPU_BACKEND, deferral, prepared.FIELDS)
 
 
 def _sums_integers(equation, x) -> bool:
@@ -231,11 +85,14 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         # (vmap, jvp, torch.func.grad, a vectorized jacobian: their wrapped tensors have no storage a kernel could
         # read) the dense form
         raise NoSparseRule("under a torch.func transform (vmap, grad, jvp)")
-    if schedule is None and not explain and backend == "cpp":
-        fast = _seen(equation, operands, format)
-        if fast is not None:
-            return fast(operands, None)
     directives = None if schedule is None else Directives.of(schedule)
+    # a signature seen before: its prepared call, in memory or kept on disk (only calls with no early step, no
+    # gradient and one kernel on the operands as given are kept under it: the end of this function)
+    sig = None if explain or backend != "cpp" else prepared.equation_key(equation, format, directives, operands)
+    if sig is not None:
+        found = prepared.find(sig)
+        if found is not None:
+            return found.run(operands, None)
     if operands and type(operands[0]) is SparseTensor and type(operands[0]._vals) is RULES.lazy_type and \
             format in (None, "dense") and not explain and backend == "cpp":
         # lazy attention probabilities (scorch.compile) times a dense matrix: one kernel
@@ -252,24 +109,6 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         r = torch.einsum(equation, *prepare(operands))
         fmt = None if format is None else named.resolve(format, r.dim())
         return r if fmt is None or fmt.is_dense else asformat(r, fmt)
-    sig = None
-    if not explain and backend == "cpp" and cpu_backend_name() == "cpp" and all(type(x) is SparseTensor or (
-            isinstance(x, torch.Tensor) and x.layout == torch.strided) for x in operands) and not needs_grad(operands):
-        # a signature seen before (only calls with no early step, no gradient and one kernel on the operands as
-        # given are kept under it: the end of this function)
-        sig = _equation_signature(equation, format, directives, operands)
-        fast = _FAST_EQ.get(sig)
-        if fast is None:
-            # (a new process: the call as a former one prepared it; looked for once per signature, since a call
-            # that is never kept, such as a gradient's on a pattern of ones, would read the disk every time)
-            missed = (sig, torch.get_num_threads())
-            fast = None if missed in _NOT_KEPT else kept_call(sig)
-            if fast is not None:
-                _FAST_EQ[sig] = fast
-            else:
-                _NOT_KEPT[missed] = True
-        if fast is not None:
-            return fast(operands, None)
     early = _diagonals_and_sums(equation, operands, explain)
     if early is not None:
         return einsum(early[0], *early[1], format=format, explain=explain, backend=backend, schedule=directives)
@@ -293,10 +132,9 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
             return r if r.dtype == want else cast(r, want)
     result = run(inputs, out, ops, format=format, explain=explain, name=name, backend=backend, directives=directives)
     if sig is not None and all(a is b for a, b in zip(ops, operands)):
-        fast = PREPARED.get(call_signature(inputs, out, ops, format, None, "sum", directives))
-        if fast is not None:
-            _FAST_EQ[sig] = fast  # the same prepared call, found from the equation string directly
-            keep_call(sig, fast)
+        found = prepared.BY_CALL.get(prepared.call_signature(inputs, out, ops, format, None, "sum", directives))
+        if found is not None:
+            prepared.keep(sig, found)  # the same prepared call, found from the equation string directly
     return result
 
 

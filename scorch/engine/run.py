@@ -6,22 +6,20 @@ A call whose signature was seen before goes straight to its prepared call.
 from __future__ import annotations
 
 import threading
+from typing import Any, NamedTuple
 
-import torch
-
-from ..compiler import library, relayout, runtime
+from ..compiler import library, relayout
 from ..compiler.caches import cache
-from ..compiler.pipeline import coiteration_plan, compiled_plan, kept_plan, planned, target_of
+from ..compiler.pipeline import coiteration_plan, compiled_plan, planned, target_of
 from ..compiler.ir import reindexed
 from ..compiler.schedule import discordant_format, transposed_for_parallel
-from ..compiler.target import CPU
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import SparseTensor, dtype_of, needs_grad
 from . import memory
 from .args import tensor_type, worker_count
-from .bind import (STRUCTURAL, backend_for, call_coiteration, call_plan, cast, index_sizes, prepared_call,
-                   result_dtype)
+from .bind import STRUCTURAL, backend_for, call_coiteration, call_plan, cast, index_sizes, result_dtype
+from .prepared import BY_CALL, STEPS, Prepared, call_signature, prepared_call
 from .convert import asformat, converted_already, recurring_pattern
 
 
@@ -39,19 +37,6 @@ def explained(plan):
         _EXPLAINING.plans.append(plan)
 
 
-PREPARED = cache("prepared", "prepared calls per signature (expression, operand formats, dtypes, shapes)")
-STEPS = cache("steps", "per call signature, the steps its operands take before the kernel (a transposition, dense"
-              " operands relaid) and the prepared call of the operands they give")
-
-
-def signature(x):
-    """What a repeated call must match to reuse a prepared call: format, dtypes and shape."""
-    if type(x) is SparseTensor:
-        v = x._vals
-        return (x._format, v.dtype, x._index_dtype, x._shape, v.device)
-    return (None, x.dtype, x.shape, x.device, x.is_contiguous())
-
-
 def _memory_order(inputs, ops):
     """Dense operands that are permuted views of contiguous memory (``k.T``, ``x.permute(...)``) read in their
     memory order: the view permuted back to contiguous and its index letters permuted alike (the same
@@ -67,10 +52,39 @@ def _memory_order(inputs, ops):
     return tuple(inputs), ops
 
 
-def call_signature(inputs, out, ops, format, rhs, reduce, directives) -> tuple:
-    """The key of a prepared call (``PREPARED``): the assignment, the requested format, the user's directives,
-    whether results are structural (``structural_results``) and each operand's ``signature``."""
-    return (inputs, out, format, rhs, reduce, STRUCTURAL.on, directives) + tuple(signature(x) for x in ops)
+class Steps(NamedTuple):
+    """The steps between a call's operands and its kernel, each decided once on the plan so far, in this order,
+    and replayed by later calls of the same signature (``STEPS``): ``transpose`` (a sparse operand converted:
+    ``(operand, format)``, for the user's loop order or a parallel loop), ``output_order`` (the index order the
+    kernel writes the output in, returned as a view in the call's order), ``relayout`` (dense operands copied with
+    a dimension last: ``relayout.moves``). ``format``: the kernel's output format (a transposition names it)."""
+    transpose: tuple | None = None
+    output_order: tuple | None = None
+    relayout: tuple = ()
+    format: Any = None
+
+    @property
+    def names(self) -> tuple:
+        """The steps taken, by name."""
+        return tuple(n for n, v in zip(("transpose", "output order", "relayout"),
+                                       (self.transpose, self.output_order, self.relayout)) if v)
+
+    def apply(self, inputs, out, ops, rhs=None):
+        """``(inputs, target, ops, rhs)`` after the steps: the kernel's accesses, output order and operands."""
+        ops = list(ops)
+        if self.transpose is not None:
+            k, fmt = self.transpose
+            ops[k] = asformat(ops[k], fmt)
+        if self.relayout:
+            before = inputs
+            inputs, ops = relayout.apply(self.relayout, inputs, ops, memory.kept_empty)
+            for k, _ in self.relayout if rhs is not None else ():
+                rhs = reindexed(rhs, k, before[k], inputs[k])
+        return inputs, self.output_order or out, ops, rhs
+
+    def result(self, r, out):
+        """The kernel's result ``r`` in the call's output order ``out``."""
+        return r if self.output_order is None else r.permute(*[self.output_order.index(v) for v in out])
 
 
 def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None, scalars=None, backend="cpp",
@@ -78,9 +92,10 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
     """Evaluate ``out[...] = sum(rhs)`` where ``rhs`` defaults to the product of the accesses ``inputs``.
     ``directives``: the user's schedule (``compiler.schedule.Directives``), else the compiler's.
 
-    One pass, top to bottom: the plan of the operands as given, then the steps that change them before the kernel,
-    each decided once on the plan so far (a sparse operand converted, for the user's loop order or for a
-    parallel loop; the output computed in another index order; dense operands relaid), then the kernel."""
+    One pass, top to bottom: a signature seen before takes its prepared call, or replays its ``Steps``; else the
+    plan of the operands as given, then the ``Steps`` (``_decide``), each decided on the plan so far, applied once,
+    then the kernel, its prepared call kept under the signature of the operands it gets, and the steps under the
+    call's."""
     if (rhs is not None or reduce != "sum") and backend == "cpp" and not explain and needs_grad(ops):
         return RULES.differentiable_run(inputs, out, ops, format=format, name=name, rhs=rhs, scalars=scalars,
                                         reduce=reduce)
@@ -88,94 +103,118 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         inputs, ops = _memory_order(inputs, ops)
     # (a differentiable einsum's result may take another format: structural_results)
     sig = call_signature(inputs, out, ops, format, rhs, reduce, directives)
-    fast = PREPARED.get(sig)
-    if fast is not None and not explain and backend == "cpp":
-        return fast(ops, scalars)
-    steps = STEPS.get(sig) if not explain and backend == "cpp" else None
-    if steps is not None:
-        result = _replayed(steps, inputs, out, ops, rhs, reduce, directives, scalars)
-        if result is not None:
-            return result
-    sig0 = sig
-    prepared_ok = all(type(x) is SparseTensor or x.is_contiguous() for x in ops)  # the prepared call passes
-    sizes, broadcast = index_sizes(inputs, ops, name)                                  # data pointers as they are
+    kept = backend == "cpp" and not explain
+    if kept:
+        found = BY_CALL.get(sig)
+        if found is not None:
+            return found.run(ops, scalars)
+        replay = STEPS.get(sig)
+        if replay is not None:
+            result = _replayed(replay, inputs, out, ops, rhs, reduce, directives, scalars)
+            if result is not None:
+                return result
+    sizes, broadcast = index_sizes(inputs, ops, name)
     dtype = result_dtype(ops, name)
-    prepared_ok = prepared_ok and all(dtype_of(x) == dtype for x in ops)  # ... without casting them
+    # the prepared call passes the operands' data pointers as they are: contiguous, of the result's dtype
+    as_given = all((type(x) is SparseTensor or x.is_contiguous()) and dtype_of(x) == dtype for x in ops)
     backend = backend_for(ops, backend, name)
     ops = [cast(x, dtype) for x in ops]
-    key, asg, output, sched0, n_sparse = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
-    if n_sparse == 0:
+    at = _Planning(inputs, out, ops, format, broadcast, rhs, reduce, directives)
+    if at.n_sparse == 0:
         raise NotImplementedError(f"scorch: {name} with a requested format and no sparse operand")
-    if STRUCTURAL.on and format is None and output.format is not None and output.format.padded:
+    if STRUCTURAL.on and format is None and at.output.format is not None and at.output.format.padded:
         # a padded level cannot hold an entry that is 0 (it would read as padding, and lose its gradient): the
-        # inferred format's unpadded version (ELL -> CSR)
+        # inferred format's unpadded version (ELL -> CSR); the call's own signature asked for another format
         from ..compiler.schedule import coiterable_version
-        format = coiterable_version(output.format)
-        key, asg, output, sched0, n_sparse = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
-        prepared_ok = False  # (the call's own signature asked for another format)
-    if n_sparse == 1 and directives is not None and directives.workspace == "hash":
+        format = coiterable_version(at.output.format)
+        at.replan(format=format)
+        as_given = False
+    if at.n_sparse == 1 and directives is not None and directives.workspace == "hash":
         raise ValueError(f"scorch: {name}: a hash workspace assembles the sparse output of several sparse operands;"
                          " this kernel has one sparse operand (its output is dense, or shares the operand's levels,"
                          " or goes through a dense workspace)")
-    if n_sparse > 1:
-        return _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
+    if at.n_sparse > 1:
+        return _coiterated(at.key, at.asg, at.output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
                            directives, name)
-    target = out  # the index order the kernel writes the output in
-    replayable = prepared_ok and backend == "cpp" and not explain and rhs is None  # (the operands as given)
-    weighed = []  # (a pattern weighed for a transposition the first time: the next call may transpose, so this
-    alt = _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed)  # one's kernel is not kept
-    first_weighing = bool(weighed) and not weighed[-1] and _few_fresh(sig0)          # under its signature)
-    if alt is not None:
-        k, fmt = alt
-        ops = list(ops)
+    steps, first_weighing = _decide(at, sizes, backend, explain, name, sig)
+    if steps.relayout:
+        sizes, broadcast = index_sizes(at.inputs, at.ops, name)
+    if first_weighing:  # (the pattern may be transposed next time: this kernel is not kept under a signature)
+        kernel_sig = None
+    elif not as_given or steps.names:  # the kernel gets other operands than the call's: kept under theirs
+        kernel_sig = call_signature(at.inputs, at.out, at.ops, at.format, at.rhs, reduce, directives)
+    else:
+        kernel_sig = sig
+    found = BY_CALL.get(kernel_sig) if kept and kernel_sig is not sig and kernel_sig is not None else None
+    result = found.run(at.ops, scalars) if found is not None else _kernel(
+        at.key, at.asg, at.output, at.sched, at.ops, sizes, at.broadcast, dtype, scalars, backend, explain, at.rhs,
+        kernel_sig)
+    found = BY_CALL.get(kernel_sig) if backend == "cpp" and kernel_sig is not None and kernel_sig is not sig else None
+    if found is not None and as_given:
+        if steps.names == ("relayout",):
+            # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
+            # kernel's prepared call (not kept on disk: it has no ``made_of``)
+            BY_CALL[sig] = Prepared(relayout.relaid_call(steps.relayout, lambda ops, scalars: found.run(ops, scalars),
+                                                         memory.kept_empty))
+        elif rhs is None and not explain:
+            STEPS[sig] = (steps, kernel_sig, found)
+    return steps.result(result, out)
+
+
+class _Planning:
+    """The plan of an assignment as a call's steps change it (``replan``): the accesses, output order, operands,
+    requested format and explicit expression so far, and what ``planned`` gives for them."""
+
+    def __init__(self, inputs, out, ops, format, broadcast, rhs, reduce, directives):
+        self.inputs, self.out, self.ops, self.format, self.broadcast, self.rhs = inputs, out, ops, format, broadcast, rhs
+        self.reduce, self.directives = reduce, directives
+        self.replan()
+
+    def replan(self, **changes):
+        for k, v in changes.items():
+            setattr(self, k, v)
+        fmt = None if self.format is None else named.resolve(self.format, len(self.out))
+        self.key = (self.inputs, self.out, tuple(tensor_type(x) for x in self.ops), self.broadcast, fmt, self.rhs,
+                    self.reduce, self.directives)
+        self.asg, self.output, self.sched, self.n_sparse = planned(self.key)
+
+
+def _decide(at: _Planning, sizes, backend, explain, name, sig):
+    """``(steps, first_weighing)``: the ``Steps`` of this call, each decided on the plan so far and applied to ``at``
+    (which then holds the kernel's plan); ``first_weighing``: whether a new pattern was weighed for a transposition
+    and declined (then the kernel is not kept under a signature: the pattern, if it recurs, is transposed next
+    time)."""
+    weighed = []
+    transpose = _reformat(at.asg, at.sched, at.ops, sizes, backend, at.directives, explain, weighed)
+    first_weighing = bool(weighed) and not weighed[-1] and _few_fresh(sig)
+    if transpose is not None:
+        k, fmt = transpose
+        ops = list(at.ops)
         ops[k] = asformat(ops[k], fmt)
         # the result's format is the one inferred from the operands as given, not from the converted one
-        format = format if format is not None else output.format or named.dense_nd(len(out))
-        key, asg, output, sched0, _ = _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives)
-        prepared_ok = False
-    perm = relayout.output_order(out, sched0, output) if rhs is None else None
+        at.replan(ops=ops, format=at.format if at.format is not None else
+                  at.output.format or named.dense_nd(len(at.out)))
+    perm = relayout.output_order(at.out, at.sched, at.output) if at.rhs is None else None
     if perm is not None:
         # the innermost loop runs along another output index: the kernel writes the output with that index
         # last (contiguous stores, a register tile), and the caller gets a permuted view, as torch returns
         # non-contiguous results elsewhere
         if explain:
-            print(f"output:       computed as {''.join(perm)}, returned as a view in the order {''.join(out)}")
-        target = perm
-        key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
-        prepared_ok = False
-    moves = relayout.moves(inputs, ops, sched0, sizes, broadcast)
-    if rhs is not None:  # (an explicit expression: only operands it reads as the inputs give them)
+            print(f"output:       computed as {''.join(perm)}, returned as a view in the order {''.join(at.out)}")
+        at.replan(out=perm)
+    moves = relayout.moves(at.inputs, at.ops, at.sched, sizes, at.broadcast)
+    if at.rhs is not None:  # (an explicit expression: only operands it reads as the inputs give them)
         moves = tuple((k, d) for k, d in moves
-                      if all(tuple(a.indices) == tuple(inputs[k]) for a in rhs.accesses() if a.operand == k))
-    given = sig if prepared_ok and moves else None  # (the relayout is the one step between the call and the kernel)
+                      if all(tuple(a.indices) == tuple(at.inputs[k]) for a in at.rhs.accesses() if a.operand == k))
     if moves:
         if explain:
             for k, d in moves:
-                print(f"relayout:     T{k} copied with its dimension {d} ({inputs[k][d]}) last: the innermost loop"
+                print(f"relayout:     T{k} copied with its dimension {d} ({at.inputs[k][d]}) last: the innermost loop"
                       " reads it along that dimension")
-        before = inputs
-        inputs, ops = relayout.apply(moves, inputs, ops, memory.kept_empty)
-        for k, _ in moves if rhs is not None else ():
-            rhs = reindexed(rhs, k, before[k], inputs[k])
-        sizes, broadcast = index_sizes(inputs, ops, name)
-        key, asg, output, sched0, _ = _planned(inputs, target, ops, format, broadcast, rhs, reduce, directives)
-        prepared_ok = False
-    fast = None
-    if first_weighing:
-        sig = None
-    elif not prepared_ok:  # the kernel gets other operands than the call's: its prepared call is kept under theirs
-        sig = call_signature(inputs, target, ops, format, rhs, reduce, directives)
-        fast = PREPARED.get(sig) if not explain and backend == "cpp" else None
-    result = fast(ops, scalars) if fast is not None else _kernel(
-        key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig)
-    if given is not None and backend == "cpp" and PREPARED.get(sig) is not None:
-        # the next call with the given operands' signature: their relaid copies (kept: relayout.kept), then the
-        # kernel's prepared call (not kept on disk: it has no ``made_of``)
-        PREPARED[given] = relayout.relaid_call(moves, PREPARED[sig], memory.kept_empty)
-    elif replayable and sig is not None and sig is not sig0 and perm is None and (alt is not None or moves) and \
-            sig in PREPARED:
-        STEPS[sig0] = (alt, moves, format, sig, PREPARED[sig])
-    return result if perm is None else result.permute(*[perm.index(v) for v in out])
+        steps = Steps(relayout=moves)
+        inputs, _, ops, rhs = steps.apply(at.inputs, at.out, at.ops, at.rhs)
+        at.replan(inputs=inputs, ops=ops, rhs=rhs, broadcast=index_sizes(inputs, ops, name)[1])
+    return Steps(transpose, perm, tuple(moves), at.format), first_weighing
 
 
 _FRESH = cache("fresh-patterns", "per call signature, how many new patterns were weighed for a transposition")
@@ -190,30 +229,20 @@ def _few_fresh(sig) -> bool:
     return n < 3
 
 
-def _replayed(steps, inputs, out, ops, rhs, reduce, directives, scalars):
-    """A call whose signature was seen before with steps before its kernel (``STEPS``): the same steps, then the
-    kept prepared call, without planning again; None (the call planned anew) where the transposition is no longer
-    a cheap one (another pattern of the same signature: its cost is weighed again) or the operands it gives have
-    another signature."""
-    alt, moves, format, sig, fast = steps  # (format: the kernel's, which a transposition names)
-    ops = list(ops)
-    if alt is not None:
-        k, fmt = alt
+def _replayed(replay, inputs, out, ops, rhs, reduce, directives, scalars):
+    """A call whose signature was seen before with steps before its kernel (``STEPS``): the same ``Steps``, then
+    the kept prepared call, without planning again; None (the call planned anew) where the transposition is no
+    longer a cheap one (another pattern of the same signature: its cost is weighed again) or the operands the
+    steps give have another signature."""
+    steps, kernel_sig, found = replay
+    if steps.transpose is not None:
+        k, fmt = steps.transpose
         if not (converted_already(ops[k], fmt) or recurring_pattern(ops[k], fmt)):
             return None
-        ops[k] = asformat(ops[k], fmt)
-    if moves:
-        inputs, ops = relayout.apply(moves, inputs, ops, memory.kept_empty)
-    if call_signature(inputs, out, ops, format, rhs, reduce, directives) != sig:
+    inputs, target, ops, rhs = steps.apply(inputs, out, ops, rhs)
+    if call_signature(inputs, target, ops, steps.format, rhs, reduce, directives) != kernel_sig:
         return None
-    return fast(ops, scalars)
-
-
-def _planned(inputs, out, ops, format, broadcast, rhs, reduce, directives):
-    """``(key, assignment, inferred output, schedule, sparse operand count)`` of the operands as they are now."""
-    fmt = None if format is None else named.resolve(format, len(out))
-    key = (inputs, out, tuple(tensor_type(x) for x in ops), broadcast, fmt, rhs, reduce, directives)
-    return (key,) + planned(key)
+    return steps.result(found.run(ops, scalars), out)
 
 
 def _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed):
@@ -244,11 +273,12 @@ def _reformat(asg, sched0, ops, sizes, backend, directives, explain, weighed):
 
 def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, backend, explain, rhs, sig):
     """The compiled kernel of one sparse operand's plan run on ``ops`` (or the measured faster library call, on a
-    GPU); its prepared call kept under ``sig``."""
+    GPU) through its prepared call, kept under ``sig`` (so that the next call of the signature takes the same
+    path as every later one: the prepared call's C form, made on its first call)."""
     plan, plan_key = compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)
+    found = None
     if backend == "cpp" and sig is not None:
-        PREPARED[sig] = fast = prepared_call(plan, sizes, dtype)
-        fast.made_of = (plan_key, sizes, dtype)  # what a call kept on disk needs to make it again (keep_call)
+        BY_CALL[sig] = found = prepared_call(plan, sizes, dtype, (plan_key, sizes, dtype))
     if plan.library_call is not None and rhs is None and library.ENABLED:
         name, fn = plan.library_call
         plan.library = library.choose(library.key_of(plan_key, ops), name,
@@ -258,7 +288,8 @@ def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, bac
             if explain:
                 explained(plan)
             return fn(ops)
-    result = call_plan(plan, ops, sizes, dtype, scalars or {}, backend)
+    result = found.run(ops, scalars) if found is not None else call_plan(plan, ops, sizes, dtype, scalars or {},
+                                                                          backend)
     if explain:
         explained(plan)
     return result
@@ -300,39 +331,3 @@ def row_plan(inputs, out, ops, backend="cpp"):
             relayout.moves(inputs, ops, sched0, sizes, broadcast):
         return None
     return compiled_plan(key, asg, output, sched0, sizes, broadcast, backend)[0], sizes
-
-
-# --- calls kept on disk ----------------------------------------------------------------------------------------
-# The first call of a signature in a new process would plan again (parse, infer, schedule, the decisions above)
-# only to arrive at a plan kept on disk (``compiler.pipeline``). So the outcome of a call that went straight to
-# one kernel on the operands as given is kept too (``runtime.keep``): under its signature (``evaluate``'s: the
-# equation, requested format, directives and each operand's format, dtypes, shape and device) and the thread
-# count, the plan key, index sizes and result dtype of its prepared call. A new process with that signature loads
-# the plan and prepares the call, without planning. The fingerprint covers every scorch module: the decisions
-# are the engine's as well as the compiler's.
-
-
-def _code() -> str:
-    return f"c1{CPU.key}" + runtime.source_fingerprint(".")
-
-
-def kept_call(sig):
-    """The prepared call kept on disk for ``sig`` with this thread count, or None (none kept, or its plan no
-    longer kept)."""
-    made_of = runtime.kept("calls", _code(), (sig, torch.get_num_threads()))
-    try:
-        plan_key, sizes, dtype = made_of
-    except (TypeError, ValueError):
-        return None
-    plan = kept_plan(plan_key)
-    if plan is None:
-        return None
-    fast = prepared_call(plan, sizes, dtype)
-    fast.made_of = made_of
-    return fast
-
-
-def keep_call(sig, fast) -> None:
-    """Keep ``fast`` (a prepared call ``_kernel`` made) on disk under ``sig``."""
-    if hasattr(fast, "made_of"):
-        runtime.keep("calls", _code(), (sig, torch.get_num_threads()), fast.made_of)

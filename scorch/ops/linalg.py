@@ -10,6 +10,7 @@ from .. import deferred, fusion
 from .._autograd import differentiable_einsum, pattern_ones
 from ..deferred import Deferred
 from .. import engine
+from ..rules import RULES
 from ..formats import Mod, named
 from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, dense_fallback, device_of, dtype_of, implements,
                              needs_grad, padding_of, shape_of)
@@ -338,12 +339,12 @@ _is_compiling = torch.compiler.is_compiling  # (bound once: two module lookups f
 
 
 def _operator(s, other, left: bool = True):
-    """``s @ other`` (``left``) or ``other @ s`` for the SparseTensor ``s``: a repeated product with a dense
-    matrix or vector straight to the prepared call kept on ``s`` (``engine.kept_product``), else ``matmul``
-    (and the call it prepared kept for next time). It is ``SparseTensor.__matmul__`` itself (``left``'s default),
-    not a function that calls it, and reads the deferral mode without ``deferred.mode()``: on a call with the
-    caches cold each function entered costs microseconds (design notes, stop 36). After the first product kept,
-    the operators are its C form (``_install``), which calls this for every product it does not take itself."""
+    """``s @ other`` (``left``) or ``other @ s`` for the SparseTensor ``s`` (``SparseTensor.__matmul__``, through
+    ``RULES.product_operator``): a repeated product with a dense matrix or vector straight to the prepared call kept
+    on ``s`` (``engine.kept_product``), else ``matmul`` (and the call it prepared kept for next time). It reads the
+    deferral mode without ``deferred.mode()``: on a call with the caches cold each function entered costs
+    microseconds. After the first product kept, the operators are its C form (``_install``), which calls this for
+    every product it does not take itself."""
     if _is_compiling():  # (torch.matmul: ``SparseTensor.__torch_function__`` puts a custom op in the graph)
         return torch.matmul(s, other) if left else torch.matmul(other, s)
     operands = (s, other) if left else (other, s)
@@ -364,6 +365,8 @@ def _operator(s, other, left: bool = True):
 
 
 _installed: list = []
+#: the operators SparseTensor declares (``sparse_tensor``): ``_install`` replaces only these
+_DECLARED = (SparseTensor.__dict__["__matmul__"], SparseTensor.__dict__["__rmatmul__"])
 
 
 def _install():
@@ -372,8 +375,7 @@ def _install():
     product to ``_operator``. Where there is no C helper, or the operators were replaced since import (a user's
     or a tool's wrapper), the operators stay as they are."""
     _installed.append(True)
-    if SparseTensor.__dict__.get("__matmul__") is not _operator or \
-            SparseTensor.__dict__.get("__rmatmul__") is not _roperator:
+    if (SparseTensor.__dict__.get("__matmul__"), SparseTensor.__dict__.get("__rmatmul__")) != _DECLARED:
         return  # (replaced by someone else since import: theirs stays)
     methods = engine.product_operators(_operator, deferred.current)
     if methods is not None:
@@ -381,13 +383,4 @@ def _install():
 
 
 _deferral = deferred.current  # (``deferred.mode()``'s holder)
-
-def _roperator(s, other):
-    """``other @ s`` (``_operator`` with ``left`` False)."""
-    return _operator(s, other, False)
-
-
-# ``S @ X`` straight to scorch: a Python method on the subclass skips torch's C-level operator and its
-# ``__torch_function__`` round trip (about 7 us a call), and a repeated product its signature too
-SparseTensor.__matmul__ = _operator
-SparseTensor.__rmatmul__ = _roperator
+RULES.register(product_operator=_operator)

@@ -172,10 +172,10 @@ def test_a_call_never_kept_looks_on_disk_once(monkeypatch):
     kept call once per signature, not on every call (a file name hashed and a file opened each time)."""
     import torch
     import scorch
-    from scorch.engine import evaluate
+    from scorch.engine import prepared
     looked = []
-    real = evaluate.kept_call
-    monkeypatch.setattr(evaluate, "kept_call", lambda sig: looked.append(sig) or real(sig))
+    real = prepared.kept_call
+    monkeypatch.setattr(prepared, "kept_call", lambda sig: looked.append(sig) or real(sig))
     scorch.clear_caches()
     s = scorch.asformat(torch.randn(30, 40) * (torch.rand(30, 40) < 0.2), "csr")
     w = torch.randn(16, 40)
