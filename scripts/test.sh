@@ -17,7 +17,7 @@ echo "scorch: the suite again with every dense einsum result deferred (SCORCH_DE
 # (tests/compiler/test_cuda.py, 536 cases: deferral acts before any backend, and the C++ one's cases cover it);
 # and the 2-process launch of
 # tests/distributed, ~20 s a pass, checked under deferral by hand: `SCORCH_DEFER=all bash scripts/test.sh tests/distributed`)
-SCORCH_DEFER=all exec python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
+SCORCH_DEFER=all python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
     --deselect "tests/distributed/test_distributed.py::test_ddp_sparse_linear_adam_matches_one_process" \
     --deselect "tests/distributed/test_distributed.py::test_gnn_split_graph_trains_as_one_process" \
     --deselect "tests/distributed/test_distributed.py::test_moe_expert_parallel_matches_one_process" \
@@ -25,3 +25,19 @@ SCORCH_DEFER=all exec python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
     --deselect "tests/compiler/test_sanitize.py::test_matrix_subset_under_sanitizers" \
     --deselect "tests/compiler/test_sanitize.py::test_damaged_cache_entries_under_sanitizers" \
     --deselect "tests/compiler/test_plan_store.py" --deselect "tests/compiler/test_golden.py"
+
+# Every kernel variant the CPU flags select, on whatever CPU runs this: the vector width (SCORCH_VECTOR_BYTES: GCC's
+# vector types of any width compile and run on any x86-64 CPU) and whether row sums' lead vectors gather
+# (SCORCH_LEAD_GATHERS: on by default on Intel, off on AMD). The passes above ran this machine's own variant; the
+# others run the tests whose kernels or kept calls differ by variant (products, SpMV, the direct call, register
+# tiles, half precision, the golden sources, which pin their own variant whatever the host's).
+read -r NATIVE_V NATIVE_G < <(python -c "from scorch.compiler.target import CPU; print(CPU.vector_bytes, int(CPU.lead_gathers))")
+for V in 16 32 64; do
+    for G in 0 1; do
+        [ "$V $G" = "$NATIVE_V $NATIVE_G" ] && continue
+        echo "scorch: the kernel variants' tests with SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G" >&2
+        SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
+            tests/test_direct_call.py tests/test_product_operator.py tests/compiler/test_vector_sum.py \
+            tests/compiler/test_vectorize.py tests/ops/test_half.py tests/compiler/test_golden.py
+    done
+done
