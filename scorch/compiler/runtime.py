@@ -29,10 +29,12 @@ host compiler and ``-DSCORCH_EMULATE``, so that it runs on the CPU (tests withou
 source to PTX for an architecture without loading it (the compile check that runs without a GPU).
 
 Environment, read at call time: ``CXX`` (compiler, default ``g++``), ``NVCC`` (default ``nvcc``),
-``SCORCH_CACHE_DIR`` (default ``~/.cache/scorch``), ``SCORCH_SANITIZE=1`` (ASan + UBSan build of host-compiled
-kernels; load it only in a process started with :func:`sanitizer_env`).
+``SCORCH_CACHE_DIR`` (default ``~/.cache/scorch``), ``XDG_CACHE_HOME`` (where the private cache goes),
+``SCORCH_SANITIZE=1`` (ASan + UBSan build of host-compiled kernels; load it only in a process started with
+:func:`sanitizer_env`).
 
-This module imports nothing from scorch or torch, so it can be loaded on its own (tests do, in subprocesses).
+This module imports nothing from scorch or torch (only its sibling ``cachetrust``, which imports nothing either),
+so it can be loaded on its own (tests do, in subprocesses).
 """
 from __future__ import annotations
 
