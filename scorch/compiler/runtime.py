@@ -12,9 +12,13 @@ Caches, fastest first:
   for). Files are written to a unique temporary name and ``os.replace``d into place, so concurrent processes
   never see a half-written file, and a cached ``.so`` that is damaged is deleted and rebuilt, never loaded.
 
-Every cached library is verified before it is used, and rebuilt otherwise: its file ends with a trailer holding
-a sha256 of the key and the library's bytes (written at build time: a zeroed or altered body, or another
-entry's library copied over this one, fails the check before ``dlopen``), and it exports
+Nothing is read from a cache folder or file that another account owns or can write (``cachetrust``: the
+folder, those above it, and each file, opened without following a symbolic link); a configured cache that is
+not trusted is not read at all: one ``CacheTrustWarning`` naming it and ``SCORCH_CACHE_DIR``, and a private cache
+(``$XDG_CACHE_HOME`` or ``~/.cache``, ``scorch-<uid>``, made 0700) serves instead. Every cached library is
+verified before it is used, and rebuilt otherwise: its file ends with a trailer holding an HMAC, under the
+cache's per-user secret, of the key and the library's bytes (written at build time: a zeroed, altered or planted
+body, or another entry's library copied over this one, fails the check before ``dlopen``), and it exports
 ``scorch_kernel_stamp()``, which returns the key it was built for (checked after ``dlopen``, before any kernel
 runs). A cache directory that cannot be written falls back to a private temporary one for the process, with one
 warning naming ``SCORCH_CACHE_DIR``.
@@ -25,33 +29,45 @@ host compiler and ``-DSCORCH_EMULATE``, so that it runs on the CPU (tests withou
 source to PTX for an architecture without loading it (the compile check that runs without a GPU).
 
 Environment, read at call time: ``CXX`` (compiler, default ``g++``), ``NVCC`` (default ``nvcc``),
-``SCORCH_CACHE_DIR`` (default ``~/.cache/scorch``), ``SCORCH_SANITIZE=1`` (ASan + UBSan build of host-compiled
-kernels; load it only in a process started with :func:`sanitizer_env`).
+``SCORCH_CACHE_DIR`` (default ``~/.cache/scorch``), ``XDG_CACHE_HOME`` (where the private cache goes),
+``SCORCH_SANITIZE=1`` (ASan + UBSan build of host-compiled kernels; load it only in a process started with
+:func:`sanitizer_env`).
 
-This module imports nothing from scorch or torch, so it can be loaded on its own (tests do, in subprocesses).
+This module imports nothing from scorch or torch (only its sibling ``cachetrust``, which imports nothing either),
+so it can be loaded on its own (tests do, in subprocesses).
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
+import hmac
 import os
 import pathlib
 import platform
 import secrets
 import shutil
-import struct
 import subprocess
-import sys
 import threading
-import tempfile
 import time
-import warnings
 
-__all__ = ["CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "nvcc", "ptx", "sanitizer_env"]
+try:
+    from . import cachetrust as trust
+except ImportError:  # loaded by file path, outside the package (tests' subprocesses): its sibling, the same way
+    import importlib.util
+    _spec = importlib.util.spec_from_file_location(
+        "scorch_cachetrust", os.path.join(os.path.dirname(os.path.abspath(__file__)), "cachetrust.py"))
+    trust = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(trust)
+
+__all__ = ["CacheTrustWarning", "CompileError", "Kernel", "cache_dir", "compiler", "flags", "load", "nvcc", "ptx",
+           "sanitizer_env"]
 
 # Bump when the layout of the cache or the meaning of a key changes: old entries are then simply ignored.
-CACHE_VERSION = "v2"  # v2: entries carry a verified trailer and a key stamp
+CACHE_VERSION = "v3"  # v2: entries carry a verified trailer and a key stamp; v3: trailers and entries are HMACs
+CacheTrustWarning = trust.CacheTrustWarning
+#: the per-user secret of a trusted cache folder (``cachetrust.cache_secret``). Public for tests, which forge entries
+cache_secret = trust.cache_secret
+_usable, _subfolder = trust.usable, trust.subfolder
 
 _BASE_FLAGS = ("-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # -fno-loop-unroll-and-jam: GCC 12 jams two iterations of a sparse loop around a dense inner loop and then
@@ -75,12 +91,11 @@ _targets: dict[tuple, tuple] = {}          # (source, environment) -> what _targ
 _which: dict[tuple[str, str], str] = {}     # ($CXX, $PATH) -> resolved compiler path
 _versions: dict[str, str] = {}               # compiler path -> `--version` output
 _cpu: str | None = None
-_writable: dict[pathlib.Path, pathlib.Path] = {}  # configured cache folder -> the folder used (itself or a fallback)
 
 #: the function every library exports, returning the key it was built for
 STAMP_SYMBOL = "scorch_kernel_stamp"
-#: the trailer appended to every cached library: this marker, then ``digest(key, body)`` (32 bytes). Public, with
-#: ``TRAILER_SIZE``, for tests that damage and forge cache entries
+#: the trailer appended to every cached library: this marker, then ``digest(key, body, secret)`` (32 bytes). Public,
+#: with ``TRAILER_SIZE``, for tests that damage and forge cache entries
 TRAILER_MARK = b"\0scorch-kernel-cache-trailer\0"
 #: the trailer's length in bytes: the marker and the hash
 TRAILER_SIZE = len(TRAILER_MARK) + 32
@@ -211,7 +226,7 @@ def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str 
             return _kernel(lib, symbol, argtypes, restype, path, cpp_path, "memory", 0.0)
         if "-fsanitize=address,undefined" in flag_set:
             _require_asan_runtime()
-        os.makedirs(path.parent, exist_ok=True)
+        os.makedirs(path.parent, mode=0o700, exist_ok=True)
 
         origin, seconds = "disk", 0.0
         key = path.stem
@@ -280,9 +295,12 @@ def ptx(source: str, arch: str) -> str:
     cc = nvcc()
     flag_set = ("-std=c++17", "--ptx", f"-arch=compute_{_arch_number(arch)}")
     path = _usable(cache_dir()) / "ptx" / (_key(source, cc, flag_set) + ".ptx")
-    if path.exists():
-        return path.read_text(encoding="utf-8")
-    os.makedirs(path.parent, exist_ok=True)
+    if _subfolder(path.parent):
+        try:
+            return trust.read(path).decode("utf-8")
+        except (FileNotFoundError, trust.Untrusted, UnicodeDecodeError):
+            pass
+    os.makedirs(path.parent, mode=0o700, exist_ok=True)
     cu = path.with_suffix(".cu")
     write_atomic(cu, source)
     _compile(cc, flag_set, cu, str(path))
@@ -352,7 +370,8 @@ def write_atomic(path: pathlib.Path, data: str | bytes) -> None:
     readers, in this process or another, see the old file or the whole new one, never a part."""
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
+        # this user's alone whatever the umask (cachetrust reads no file that others may write)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
@@ -365,7 +384,12 @@ def write_atomic(path: pathlib.Path, data: str | bytes) -> None:
 # new process need not decide it again: plans (``pipeline``) and prepared calls (``engine.run``). An entry is a
 # pickle of (fingerprint, key, value) in ``cache_dir() / kind``, named by a digest of both; it is used only where
 # both equal the ones asked for (a shared file name is a miss, never another key's value), so the fingerprint
-# names the code that made the decision: ``source_fingerprint``.
+# names the code that made the decision: ``source_fingerprint``. The file is the pickle after its MAC (``MAC_SIZE``
+# bytes: an HMAC under the cache's secret of the kind, the file name and the pickle), and is unpickled only once
+# the MAC verifies: a pickle can run code as it loads, so only one this user's scorch wrote is ever loaded.
+
+#: the bytes of a kept entry's MAC, before its pickle
+MAC_SIZE = trust.MAC_SIZE
 
 _SOURCES: dict = {}
 
@@ -408,21 +432,30 @@ def _entry_path(kind: str, fingerprint: str, key):
     except (pickle.PicklingError, TypeError, AttributeError, ValueError):
         return None  # (a key that does not pickle is not kept)
     name = hashlib.sha256(fingerprint.encode() + b"|" + buf.getvalue()).hexdigest()
-    return cache_dir() / kind / f"{name}.pkl"
+    return _usable(cache_dir()) / kind / f"{name}.pkl"
+
+
+def entry_mac(path: pathlib.Path, payload: bytes) -> bytes:
+    """The MAC of a kept entry at ``path`` holding ``payload`` (its pickle), under its cache's secret. Public for
+    tests, which forge entries."""
+    return trust.mac(cache_secret(path.parent.parent), b"scorch-entry", path.parent.name.encode(),
+                     path.name.encode(), payload)
 
 
 def kept(kind: str, fingerprint: str, key):
-    """The value ``keep`` kept under ``key`` and ``fingerprint``, or None (none, damaged, another key's or
-    another code's)."""
+    """The value ``keep`` kept under ``key`` and ``fingerprint``, or None (none, damaged, forged, another key's
+    or another code's)."""
     import pickle
     path = _entry_path(kind, fingerprint, key)
-    if path is None:
+    if path is None or not _subfolder(path.parent):
         return None
     try:
-        with open(path, "rb") as f:
-            fp, k, value = pickle.load(f)
+        data = trust.read(path)
+        if not hmac.compare_digest(data[:MAC_SIZE], entry_mac(path, data[MAC_SIZE:])):
+            return None  # not written by this user's scorch: never unpickled
+        fp, k, value = pickle.loads(data[MAC_SIZE:])
         return value if fp == fingerprint and k == key else None
-    except Exception:  # noqa: BLE001  (none yet, damaged, or foreign)
+    except Exception:  # noqa: BLE001  (none yet, damaged, a link, or foreign)
         return None
 
 
@@ -431,11 +464,11 @@ def keep(kind: str, fingerprint: str, key, value) -> None:
     cache that cannot be written keeps nothing."""
     import pickle
     path = _entry_path(kind, fingerprint, key)
-    if path is None:
+    if path is None or not _subfolder(path.parent):
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, pickle.dumps((fingerprint, key, value), protocol=pickle.HIGHEST_PROTOCOL))
+        payload = pickle.dumps((fingerprint, key, value), protocol=pickle.HIGHEST_PROTOCOL)
+        write_atomic(path, entry_mac(path, payload) + payload)
     except (OSError, pickle.PicklingError, TypeError, AttributeError, ValueError):
         pass
 
@@ -463,10 +496,11 @@ def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_pat
             raise CompileError(f"scorch: failed to compile {cpp_path} (exit {run.returncode}):\n"
                                f"$ {' '.join(command)}\n{shown}", cpp_path, command, output)
         if key is not None:
+            os.chmod(tmp, 0o700)  # this user's alone whatever the umask: cachetrust loads no library others may write
             with open(tmp, "rb") as f:
                 body = f.read()
             with open(tmp, "ab") as f:
-                f.write(TRAILER_MARK + digest(key, body))
+                f.write(TRAILER_MARK + digest(key, body, cache_secret(os.path.dirname(so_path))))
         os.replace(tmp, so_path)  # atomic: other processes see the old file, none, or the whole new one
     finally:
         _unlink(tmp)
@@ -475,11 +509,16 @@ def _compile(cxx: str, flag_set: tuple[str, ...], cpp_path: pathlib.Path, so_pat
 
 def _load_cached(so_path: str, key: str) -> ctypes.CDLL | None:
     """The cached library at ``so_path`` built for ``key``, or None if absent; a file that is damaged or was not
-    built for ``key`` is deleted (and None returned), never run."""
+    built for ``key`` (or a link, or not this user's alone: ``cachetrust``) is deleted (and None returned), never
+    run. The bytes checked are read through one descriptor; the name then loaded is in a folder only this user
+    can write, so it still names them."""
     try:
-        reason = trailer_damage(so_path, key) or _elf_damage(so_path)
+        data = trust.read(so_path)
+        reason = _trailer_damage(data, key, os.path.dirname(so_path)) or trust.elf_damage(data)
     except FileNotFoundError:
         return None
+    except trust.Untrusted as e:
+        reason = str(e)
     if reason is None:
         try:
             lib = _open_verified(so_path, key, fresh=False)
@@ -537,83 +576,23 @@ def stamp_source(key: str) -> str:
     return f'\nextern "C" const char* {STAMP_SYMBOL}(void) {{ return "{key}"; }}\n'
 
 
-def digest(key: str, body: bytes) -> bytes:
-    """The trailer's hash: of the key and the library, so another entry's library (and trailer) fails. Public for
-    tests, which forge a trailer."""
-    h = hashlib.sha256()
-    h.update(key.encode() + b"\0")
-    h.update(body)
-    return h.digest()
+def digest(key: str, body: bytes, secret: bytes) -> bytes:
+    """The trailer's MAC: of the key and the library under the cache's ``secret`` (``cache_secret``), so another
+    entry's library (and trailer) fails, and so does a planted one. Public for tests, which forge a trailer."""
+    return trust.mac(secret, b"scorch-library", key.encode(), body)
 
 
 def trailer_damage(path: str, key: str) -> str | None:
-    """Why the file at ``path`` is not the library built for ``key`` (its trailer's hash), or None. Public for
-    tests, which check that rebuilt entries verify."""
-    with open(path, "rb") as f:
-        data = f.read()
+    """Why the file at ``path`` is not the library built for ``key`` (its trailer's MAC under its folder's
+    secret), or None. Public for tests, which check that rebuilt entries verify."""
+    return _trailer_damage(trust.read(path), key, os.path.dirname(path))
+
+
+def _trailer_damage(data: bytes, key: str, folder) -> str | None:
     if len(data) < TRAILER_SIZE or data[-TRAILER_SIZE:-32] != TRAILER_MARK:
         return "no cache trailer"
-    if data[-32:] != digest(key, data[:-TRAILER_SIZE]):
-        return "content does not match its hash"
-    return None
-
-
-def _usable(folder: pathlib.Path) -> pathlib.Path:
-    """``folder``, created, if this process can write there; else a private temporary folder for the process,
-    with one warning naming ``SCORCH_CACHE_DIR`` (a read-only home or cache must not stop the program)."""
-    used = _writable.get(folder)
-    if used is None:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            probe = _tmp_name(folder / "probe")
-            with open(probe, "wb"):
-                pass
-            os.unlink(probe)
-            used = folder
-        except OSError as e:
-            private = tempfile.mkdtemp(prefix="scorch-cache-")
-            atexit.register(shutil.rmtree, private, ignore_errors=True)  # (loaded libraries stay mapped)
-            used = pathlib.Path(private) / CACHE_VERSION
-            os.makedirs(used, exist_ok=True)
-            warnings.warn(f"scorch: the kernel cache {folder} is not writable ({e.strerror or e}); compiled kernels"
-                          f" are kept in {used} for this process only. Set SCORCH_CACHE_DIR to a writable folder to"
-                          " keep them across runs", RuntimeWarning, stacklevel=3)
-        _writable[folder] = used
-    return used
-
-
-def _elf_damage(path: str) -> str | None:
-    """Why an ELF file cannot be loaded safely, or None. dlopen of a truncated library maps segments past the
-    end of the file and dies with SIGBUS instead of failing, so check every loaded range lies in the file."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(64)
-        if not sys.platform.startswith("linux"):
-            return None if size else "empty file"
-        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
-            return "not an ELF file"
-        end = "<" if head[5] == 1 else ">"
-        if head[4] == 2:  # ELF64
-            if len(head) < 64:
-                return "truncated ELF header"
-            phoff, shoff = struct.unpack_from(end + "QQ", head, 32)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 54)
-            ph_fmt, ph_fields = end + "IIQQQQ", (0, 2, 5)  # p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz
-        else:  # ELF32
-            phoff, shoff = struct.unpack_from(end + "II", head, 28)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 42)
-            ph_fmt, ph_fields = end + "IIIII", (0, 1, 4)  # p_type, p_offset, p_vaddr, p_paddr, p_filesz
-        if shoff + shentsize * shnum > size:
-            return "section headers past end of file"
-        if phnum == 0 or phoff + phentsize * phnum > size or phentsize < struct.calcsize(ph_fmt):
-            return "program headers missing or past end of file"
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    for i in range(phnum):
-        fields = struct.unpack_from(ph_fmt, table, i * phentsize)
-        p_type, p_offset, p_filesz = (fields[j] for j in ph_fields)
-        if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
-            return "loadable segment past end of file"
+    if not hmac.compare_digest(data[-32:], digest(key, data[:-TRAILER_SIZE], cache_secret(folder))):
+        return "content does not match its MAC"
     return None
 
 

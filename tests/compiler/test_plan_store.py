@@ -57,9 +57,10 @@ def _copy(cache, tmp_path):
 
 
 def _which(cache, k):
-    """The plan file of the kernel with ``k`` columns (an entry is ``(fingerprint, key, fields)``, pickled; the key
-    ends with the compiled-in column count and the target)."""
-    (plan,) = [p for p in _plans(cache) if pickle.loads(p.read_bytes())[1][-2] == k]
+    """The plan file of the kernel with ``k`` columns (an entry is its MAC, then ``(fingerprint, key, fields)``,
+    pickled; the key ends with the compiled-in column count and the target)."""
+    from scorch.compiler import runtime
+    (plan,) = [p for p in _plans(cache) if pickle.loads(p.read_bytes()[runtime.MAC_SIZE:])[1][-2] == k]
     return plan
 
 

@@ -193,9 +193,7 @@ def load_each_case(tmp_path, name, cases):
     loads' origins, the entry's name and its size afterwards. (A path this process has dlopen'ed is never
     overwritten in place, hence one folder per case.)"""
     for case, data in cases.items():
-        folder = tmp_path / case / runtime.CACHE_VERSION
-        folder.mkdir(parents=True)
-        (folder / name).write_bytes(data)
+        (_case_folder(tmp_path, case) / name).write_bytes(data)
     proc = run_python(f"""
         result = {{}}
         for case in {list(cases)!r}:
@@ -207,6 +205,13 @@ def load_each_case(tmp_path, name, cases):
         print(result)
     """)
     return parse_last_line(proc)
+
+
+def _case_folder(tmp_path, case):
+    """The cache folder (made) of one case of ``load_each_case``."""
+    folder = tmp_path / case / runtime.CACHE_VERSION
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _zero_body(data: bytes) -> bytes:
@@ -231,8 +236,10 @@ def test_damaged_or_foreign_cache_entries_are_rebuilt(tmp_path, cache):
         "zeroed-body": _zero_body(good),
         "zeroed-body-no-trailer": _zero_body(good[:-runtime.TRAILER_SIZE]),
         "foreign": foreign,
-        # a forged trailer: the other kernel's library hashed under this key passes the hash, fails the stamp
-        "forged-trailer": body + runtime.TRAILER_MARK + runtime.digest(name[:-3], body),
+        # a forged trailer: the other kernel's library MAC'd under this key (and the case folder's secret) passes
+        # the MAC, fails the stamp
+        "forged-trailer": body + runtime.TRAILER_MARK + runtime.digest(name[:-3], body, runtime.cache_secret(
+            _case_folder(tmp_path, "forged-trailer"))),
         "no-trailer": good[:-runtime.TRAILER_SIZE],
     }
     got = load_each_case(tmp_path, name, cases)
