@@ -16,8 +16,10 @@ Supported here: ``@``, ``torch.matmul``, ``torch.mm``, ``torch.sparse.mm``, ``to
 ``torch.einsum`` and ``F.linear`` (``scorch.nn.SparseLinear``) with a sparse operand and a dense result (sparse x
 dense); gradients of the dense operands and of a sparse input's leaf values. Ops with a sparse result of a known
 pattern (``sampled_addmm``, the sparse softmax, zero-preserving maps) and the fused attention are
-``scorch/dynamo_sparse.py``'s, through ``TRACED`` and ``PRODUCT_HOOKS``. Any other op on a SparseTensor inside a
-compiled region raises ``NotCompilable`` naming the op.
+``scorch/dynamo_sparse.py``'s (``PRODUCT_HOOKS``: a product's call other than ``einsum_dense``). Every op's rule is
+one entry of ``TRACED`` (torch function -> ``rule(*args, **kwargs)``), registered beside the rule, as
+``jax.experimental.sparse`` fills its rule tables; any other op on a SparseTensor inside a compiled region raises
+``NotCompilable`` naming the op.
 """
 from __future__ import annotations
 
@@ -224,48 +226,45 @@ class NotCompilable(RuntimeError):
 
 # --- routing from SparseTensor.__torch_function__ while Dynamo traces ----------------------------------------
 
-#: torch function -> its traced implementation with a sparse result (``scorch/dynamo_sparse.py`` fills it)
+#: torch function -> ``rule(*args, **kwargs)``, its call in the graph while Dynamo traces, filled next to each rule
+#: (here: the products with a dense result; ``scorch/dynamo_sparse.py``: the ops with a sparse one)
 TRACED = {}
 #: ``hook(equation, operands)``: a product's graph call other than ``einsum_dense`` (the fused attention), or None
 PRODUCT_HOOKS = []
 
+
+def traced(*funcs):
+    """Register the decorated rule as the traced implementation of each of ``funcs``."""
+    def register(rule):
+        for f in funcs:
+            TRACED[f] = rule
+        return rule
+    return register
+
+
 def traced_op(func, types, args, kwargs):
     """The graph's call for ``func(*args, **kwargs)`` with a sparse operand, while Dynamo traces."""
-    equation, operands = None, None
-    if func is torch.autograd.grad:  # (AOTAutograd's, for a SparseTensor input: ``ops.autograd_api.grad``)
-        return NotImplemented
-    if func in _WRAPPER_METADATA:  # Dynamo's own reads of the wrapper (fakeifying an input): the wrapper answers
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    if func is torch.nn.functional.linear:
-        return _linear(func, *args, **kwargs)
-    traced = TRACED.get(func)
-    if traced is not None:
-        return traced(*args, **kwargs)
-    if func in (torch.addmm, torch.Tensor.addmm, torch.sparse.addmm) and len(args) == 3:
-        return _addmm(*args, **kwargs)
-    if func in _PRODUCTS and len(args) == 2 and not kwargs:
-        operands = list(args)
-    elif func is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
-        operands = [args[1], args[0]]
-    elif func is torch.Tensor.to_dense and len(args) == 1 and not kwargs and isinstance(args[0], SparseTensor):
-        letters = "abcdefgh"[:_ndim(args[0])]
-        equation, operands = f"{letters}->{letters}", list(args)  # (the entries scattered: a dense result)
-    elif func is torch.einsum and not kwargs and len(args) >= 2:
-        equation = args[0]
-        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    if operands is not None and equation is None and all(isinstance(x, torch.Tensor) for x in operands):
-        da, db = _ndim(operands[0]), _ndim(operands[1])  # (a sparse result, "j,j->", or a batched one: not yet)
-        equation = matmul_equation(da, db) if (da, db) in ((2, 2), (2, 1), (1, 2)) else None
-    if operands is None and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+    rule = TRACED.get(func)
+    if rule is not None:
+        return rule(*args, **kwargs)
+    if getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
         return NotImplemented  # an attribute read (Dynamo reads some itself): as in eager
-    dense_out = operands is not None and (func is torch.Tensor.to_dense or any(not isinstance(x, SparseTensor)
-                                                                            for x in operands))
+    raise _unsupported(func)
+
+
+def _unsupported(func) -> NotCompilable:
+    return NotCompilable(
+        f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
+        " (supported: @, torch.matmul, torch.mm, torch.mv, torch.addmm, torch.einsum and F.linear with a sparse"
+        " operand and a dense result; sampled_addmm, sparse softmax and zero-preserving maps with a sparse one)")
+
+
+def _product(func, equation, operands):
+    """The graph's call for the product ``equation`` of ``operands`` (None: not supported), which must give a dense
+    result: a hook's (the fused attention) or one ``einsum_dense``."""
+    dense_out = func is torch.Tensor.to_dense or any(not isinstance(x, SparseTensor) for x in operands)
     if equation is None or not dense_out or not all(isinstance(x, torch.Tensor) for x in operands):
-        raise NotCompilable(
-            f"scorch: {getattr(func, '__name__', func)} on a SparseTensor is not supported under torch.compile yet"
-            " (supported: @, torch.matmul, torch.mm, torch.mv, torch.addmm, torch.einsum and F.linear with a sparse operand and a dense"
-            " result; sampled_addmm, sparse softmax and zero-preserving maps with a sparse one)")
+        raise _unsupported(func)
     for hook in PRODUCT_HOOKS:
         r = hook(equation, operands)
         if r is not None:
@@ -274,12 +273,56 @@ def traced_op(func, types, args, kwargs):
     return torch.ops.scorch.einsum_dense(equation, meta, arrays, sizes)
 
 
-#: the products traced as ``@`` (``torch.mv`` too: a 2-d by 1-d matmul)
-_PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.sparse.mm,
-             torch.mv, torch.Tensor.mv)
+def _matmul(func, swapped=False):
+    """The rule of a product traced as ``@`` (``torch.mv`` too: a 2-d by 1-d matmul); ``swapped``: ``__rmatmul__``."""
+    def rule(*args, **kwargs):
+        if len(args) != 2 or kwargs:
+            raise _unsupported(func)
+        operands = [args[1], args[0]] if swapped else list(args)
+        equation = None
+        if all(isinstance(x, torch.Tensor) for x in operands):
+            da, db = _ndim(operands[0]), _ndim(operands[1])  # (a sparse result, "j,j->", or a batched one: not yet)
+            equation = matmul_equation(da, db) if (da, db) in ((2, 2), (2, 1), (1, 2)) else None
+        return _product(func, equation, operands)
+    return rule
 
 
-def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+for _f in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.sparse.mm,
+           torch.mv, torch.Tensor.mv):
+    TRACED[_f] = _matmul(_f)
+TRACED[torch.Tensor.__rmatmul__] = _matmul(torch.Tensor.__rmatmul__, swapped=True)
+
+
+@traced(torch.einsum)
+def _einsum(*args, **kwargs):
+    if kwargs or len(args) < 2:
+        raise _unsupported(torch.einsum)
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    return _product(torch.einsum, args[0], operands)
+
+
+@traced(torch.Tensor.to_dense)
+def _to_dense(*args, **kwargs):
+    """The entries scattered: ``"ab->ab"``, a dense result."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], SparseTensor):
+        raise _unsupported(torch.Tensor.to_dense)
+    letters = "abcdefgh"[:_ndim(args[0])]
+    return _product(torch.Tensor.to_dense, f"{letters}->{letters}", list(args))
+
+
+def _addmm(func):
+    def rule(*args, **kwargs):
+        if len(args) != 3:
+            raise _unsupported(func)
+        return _addmm_dense(*args, **kwargs)
+    return rule
+
+
+for _f in (torch.addmm, torch.Tensor.addmm, torch.sparse.addmm):
+    TRACED[_f] = _addmm(_f)
+
+
+def _addmm_dense(input, mat1, mat2, *, beta=1, alpha=1):
     """``beta * input + alpha * (mat1 @ mat2)`` with a dense ``input``: the product one custom op."""
     if isinstance(input, SparseTensor) or _ndim(mat1) != 2 or _ndim(mat2) != 2:
         raise NotCompilable("scorch: addmm under torch.compile takes a dense input and 2-d mat1, mat2")
@@ -288,7 +331,8 @@ def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
     return prod if beta == 0 else prod + (input if beta == 1 else input * beta)
 
 
-def _linear(func, input, weight, bias=None):
+@traced(torch.nn.functional.linear)
+def _linear(input, weight, bias=None):
     """``F.linear`` with a sparse weight (out x in) or a sparse 2-d input: ``input @ weight.T + bias``, the product
     one custom op."""
     if isinstance(weight, SparseTensor) and not isinstance(input, SparseTensor):
@@ -303,10 +347,25 @@ def _linear(func, input, weight, bias=None):
     return out if bias is None else out + bias
 
 
-#: what Dynamo reads of a wrapper itself (its own strides, as _make_wrapper_subclass made them)
-_WRAPPER_METADATA = {torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
-                     torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.is_inference,
-                     torch.Tensor._is_zerotensor}
+def _wrapper_answers(func):
+    """Dynamo's own reads of the wrapper (fakeifying an input: its strides, as ``_make_wrapper_subclass`` made
+    them): the wrapper answers."""
+    def rule(*args, **kwargs):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    return rule
+
+
+for _f in (torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
+           torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.is_inference,
+           torch.Tensor._is_zerotensor):
+    TRACED[_f] = _wrapper_answers(_f)
+
+
+@traced(torch.autograd.grad)
+def _grad(*args, **kwargs):
+    """AOTAutograd's ``torch.autograd.grad`` with a SparseTensor input (``ops.autograd_api.grad``): as in eager."""
+    return NotImplemented
 
 
 _ATTRIBUTE_ACCESS = ("__get__", "__set__", "__delete__")

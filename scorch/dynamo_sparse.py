@@ -5,8 +5,9 @@ the zero-preserving maps their input's) is rebuilt inside the graph from the ope
 or values computed earlier in it) and new values: the op computes only the values array. So
 ``sampled_addmm -> softmax -> mm`` stays sparse end to end, and Inductor sees only dense tensors.
 
-* A zero-preserving map (``relu``, ``neg``, ``abs``, ``tanh``, ``sin``, ``sqrt``, ``x * c``, ``x / c``...) is
-  torch's own op on the values: Inductor compiles and fuses it like any dense op.
+* A zero-preserving map (``unary_maps.MAPS`` marked ``traced``: ``relu``, ``tanh``, ``F.gelu``, ``clamp(x, -1, 1)``
+  ..., with number arguments that keep f(0) = 0), ``x * c`` and ``x / c`` are torch's own op on the values: Inductor
+  compiles and fuses it like any dense op.
 * ``sampled_addmm`` and the sparse ``softmax`` / ``log_softmax`` run scorch's eager implementation inside one
   opaque custom op, ``scorch::eager(name, meta, arrays, sizes, scalars)``, which returns the result's values array
   (``meta``, ``arrays`` and ``sizes`` describe the operands as for ``scorch::einsum_dense``; ``scalars`` are the
@@ -24,13 +25,15 @@ or values computed earlier in it) and new values: the op computes only the value
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import deferred
-from .dynamo import PRODUCT_HOOKS, TRACED, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble
+from .dynamo import PRODUCT_HOOKS, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble, traced
 from .formats import LevelStorage
 from .formats.format import from_text
 from .rules import RULES
 from .sparse_tensor import IMPLEMENTATIONS, SparseTensor
+from .unary_maps import MAPS
 
 # --- eager scorch ops as one custom op (values of a known pattern, or a dense result) --------------------------
 
@@ -171,6 +174,7 @@ def _with_values(x: SparseTensor, values, expr=None) -> SparseTensor:
     return r
 
 
+@traced(torch.sparse.sampled_addmm)
 def _sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
     if out is not None or not isinstance(input, SparseTensor) or isinstance(mat1, SparseTensor) or \
             isinstance(mat2, SparseTensor):
@@ -185,7 +189,7 @@ def _sampled_addmm(input, mat1, mat2, *, beta=1.0, alpha=1.0, out=None):
 
 
 def _softmax_traced(log):
-    def traced(x, dim=None, *args, **kwargs):
+    def rule(x, dim=None, *args, **kwargs):
         dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
         if dim is None or not isinstance(x, SparseTensor) or dtype not in (None, x.dtype) or \
                 x._format.keeps_duplicates or x._vals.dim() != 1:
@@ -199,7 +203,12 @@ def _softmax_traced(log):
         expr = getattr(x, "_graph_expr", None)
         fusable = not log and dim == 1 and expr is not None and expr[0] == "sddmm"
         return _with_values(x, vals, ("softmax", expr) if fusable else None)
-    return traced
+    return rule
+
+
+traced(torch.sparse.softmax, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)(_softmax_traced(False))
+traced(torch.sparse.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+       torch.nn.functional.log_softmax)(_softmax_traced(True))
 
 
 def fused_product(equation, operands):
@@ -216,53 +225,49 @@ def fused_product(equation, operands):
     return call("attention", [mask, q, kt, v], [alpha])
 
 
-#: zero-preserving maps: the result keeps the pattern, its values torch's op on the values
-_ZERO_PRESERVING = ("relu", "neg", "abs", "tanh", "sin", "sqrt", "sinh", "tan", "asin", "atan", "asinh", "atanh",
-                    "expm1", "log1p", "sign", "trunc", "floor", "ceil", "round", "square", "erf", "deg2rad",
-                    "rad2deg", "frac")
+def _unary(m):
+    """The traced rule of the map ``m``: torch's op on the values, the pattern kept. Its arguments must be numbers,
+    strings or None (the graph's constants), for which f(0) = 0: checked as the eager call checks, on a real zero."""
+    fn = m.funcs[0]
 
-
-def _unary(name):
-    fn = getattr(torch, name)
-
-    def traced(x, *args, **kwargs):
+    def rule(x, *args, **kwargs):
         if kwargs.get("inplace") is False:  # (F.relu's default)
             del kwargs["inplace"]
-        if args or kwargs or not isinstance(x, SparseTensor):
-            raise NotCompilable(f"scorch: {name} under torch.compile takes one SparseTensor and no other argument")
-        return _with_values(x, fn(x._vals))
-    return traced
+        constants = all(a is None or isinstance(a, (bool, int, float, str)) for a in (*args, *kwargs.values()))
+        if not isinstance(x, SparseTensor) or "inplace" in kwargs or not constants or \
+                (not m.probe and (args or kwargs)) or (m.probe and not _keeps_zero(fn, x.dtype, args, kwargs)):
+            raise NotCompilable(f"scorch: {m.name} under torch.compile takes one SparseTensor and number arguments"
+                                " for which it maps 0 to 0 (no inplace=True)")
+        return _with_values(x, fn(x._vals, *args, **kwargs))
+    return rule
+
+
+def _keeps_zero(fn, dtype, args, kwargs) -> bool:
+    """Whether ``fn(0, *args, **kwargs) == 0``, on a real tensor (fake tensors and the graph's tracing set aside)."""
+    with _disable_current_modes(), torch.no_grad():
+        return bool((fn(torch.zeros(1, dtype=dtype), *args, **kwargs) == 0).all())
+
+
+for _m in MAPS:
+    if _m.traced:
+        traced(*_m.funcs)(_unary(_m))
 
 
 def _scale(op):
-    def traced(a, b, *args, **kwargs):
+    def rule(a, b, *args, **kwargs):
         x, c = (a, b) if isinstance(a, SparseTensor) else (b, a)
         if args or kwargs or not isinstance(x, SparseTensor) or not isinstance(c, (int, float)) or \
                 (op == "div" and x is not a):
             raise NotCompilable(f"scorch: {op} under torch.compile takes a SparseTensor and a Python number"
                                 " (a SparseTensor divided by it)")
         return _with_values(x, x._vals * c if op == "mul" else x._vals / c)
-    return traced
+    return rule
 
 
-def _register():
-    for name in _ZERO_PRESERVING:
-        traced = _unary(name)
-        for owner in (torch, torch.Tensor, torch.nn.functional):
-            if hasattr(owner, name):
-                TRACED[getattr(owner, name)] = traced
-    for fn in (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__):
-        TRACED[fn] = _scale("mul")
-    for fn in (torch.div, torch.Tensor.div, torch.Tensor.__truediv__):
-        TRACED[fn] = _scale("div")
-    TRACED[torch.sparse.sampled_addmm] = _sampled_addmm
-    for fn in (torch.sparse.softmax, torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax):
-        TRACED[fn] = _softmax_traced(False)
-    for fn in (torch.sparse.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax):
-        TRACED[fn] = _softmax_traced(True)
+traced(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)(_scale("mul"))
+traced(torch.div, torch.Tensor.div, torch.Tensor.__truediv__)(_scale("div"))
 
 
-_register()
 PRODUCT_HOOKS.append(fused_product)
 
 # --- sparse tensors made inside the compiled function -------------------------------------------------------------

@@ -13,25 +13,25 @@ from .deferred import Deferred
 from .fusion import _SHARED, _compiled, _part_values, active
 from .rules import RULES
 from .sparse_tensor import SparseTensor
+from .unary_maps import MAPS
 
 
 _ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
-_MAPS = {torch.relu: "relu", torch.Tensor.relu: "relu", torch.nn.functional.relu: "relu",
-         torch.tanh: "tanh", torch.Tensor.tanh: "tanh", torch.nn.functional.tanh: "tanh",
-         torch.sigmoid: "sigmoid", torch.Tensor.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid"}
+#: the unary maps an epilogue computes: each spelling -> the map's name
+_MAPS = {f: m.name for m in MAPS if m.epilogue for f in m.funcs}
 
 
 class EpilogueExpr:
     """Elementwise steps after a product with a sparse operand and a dense result (``relu(S @ X + b)``): a bias
-    along the rows (a vector over the last dimension, or a number), a scale by a number, ``relu``, ``tanh``,
-    ``sigmoid``. Computed as one kernel (the product's row loop, then the steps on each finished row) where the
+    along the rows (a vector over the last dimension, or a number), a scale by a number, a unary map of
+    ``unary_maps.MAPS`` marked ``epilogue`` (``relu``, ``tanh``, ``sigmoid``...). Computed as one kernel (the product's row loop, then the steps on each finished row) where the
     product runs as one row loop, else the product and then the steps in torch."""
     exact_layout = False
     dense = False
 
     def __init__(self, base, steps):
-        self.base, self.steps = base, tuple(steps)  # base: an EinsumExpr; steps: ("add", t) ("mul", c) ("relu",)
+        self.base, self.steps = base, tuple(steps)  # base: an EinsumExpr; steps: ("add", t) ("mul", c) (map name,)
         self.operands = base.operands + tuple(st[1] for st in steps if st[0] == "add" and
                                               isinstance(st[1], torch.Tensor))
 
@@ -103,13 +103,11 @@ def epilogue_rows(vtype: str, itype: str, steps, width: int):
         elif st[0] in ("add", "mul"):
             params.append(L.Param(f"num{k}", "scalar", vtype))
             x = L.binary(st[0], x, L.Var(f"num{k}", vtype))
-        elif st[0] == "relu":
-            x = L.Unary("relu", x, vtype)
-        elif st[0] == "tanh":
-            x = L.Unary("tanh", x, vtype)
-        else:  # sigmoid
+        elif st[0] == "sigmoid":
             one = L.Const(1.0, vtype)
             x = L.binary("div", one, L.binary("add", one, L.Unary("exp", L.Unary("neg", x, vtype), vtype)))
+        else:  # a map of the loop IR (``unary_maps``: epilogue)
+            x = L.Unary(st[0], x, vtype)
     body = L.block(L.For(j, L.Const(0), L.Const(width), L.block(L.Store("out", at, x))))
     return fuse.row_kernel("scorch_epilogue_rows", itype, body, params)
 

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 
 from .. import _stats
 from ..sparse_tensor import NoSparseRule, SparseTensor
+from ..unary_maps import MAPS
 from .entries import _coalesced, _desc, _no_out, _register, mapped_values
-
-_T = torch.Tensor
 
 
 def _padded(x: SparseTensor) -> bool:
@@ -83,62 +82,19 @@ def _unary(name: str, func, linear: bool = False, doc: str = _DOC_KEEPS):
     return apply
 
 
-#: maps that send 0 to 0 (for any arguments, or for the usual ones: each call checks)
-ZERO_PRESERVING_TORCH = ("erf", "erfinv", "expm1", "log1p", "sinh", "asinh", "arcsinh", "atanh", "arctanh", "tan",
-                         "asin", "arcsin", "atan", "arctan", "trunc", "fix", "floor", "ceil", "round", "frac",
-                         "deg2rad", "rad2deg", "nan_to_num", "clamp", "clip", "clamp_min", "clamp_max",
-                         "isnan", "isinf", "isposinf", "isneginf", "signbit")
-#: torch.nn.functional maps that send 0 to 0: (the function, its in-place form where torch has one)
-ZERO_PRESERVING_NN = {
-    "leaky_relu": (F.leaky_relu, getattr(F, "leaky_relu_", None)),
-    "gelu": (F.gelu, None),
-    "silu": (F.silu, None),
-    "mish": (F.mish, None),
-    "hardswish": (F.hardswish, None),
-    "hardtanh": (F.hardtanh, getattr(F, "hardtanh_", None)),
-    "relu6": (F.relu6, None),
-    "elu": (F.elu, getattr(F, "elu_", None)),
-    "selu": (F.selu, getattr(torch, "selu_", None)),
-    "celu": (F.celu, getattr(torch, "celu_", None)),
-    "rrelu": (F.rrelu, getattr(F, "rrelu_", None)),
-    "softshrink": (F.softshrink, None),
-    "hardshrink": (F.hardshrink, None),
-    "tanhshrink": (F.tanhshrink, None),
-    "softsign": (F.softsign, None),
-    "threshold": (F.threshold, getattr(F, "threshold_", None)),
-}
-#: maps with f(0) != 0: their result on a sparse operand is dense (counted by scorch.stats())
-DENSIFYING_TORCH = ("sigmoid", "exp", "exp2", "cos", "cosh", "log", "log2", "log10", "reciprocal", "rsqrt", "acos",
-                    "arccos", "erfc", "sinc", "logit", "isfinite", "logical_not")
-DENSIFYING_NN = {
-    "softplus": (F.softplus, None),
-    "logsigmoid": (F.logsigmoid, None),
-    "hardsigmoid": (F.hardsigmoid, None),
-}
-_LINEAR = {"deg2rad", "rad2deg"}
-# spellings that take the same arguments as the function named first
-_ALIASES = {"sigmoid": (torch.special.expit,), "selu": (torch.selu,), "celu": (torch.celu,), "rrelu": (torch.rrelu,),
-            "hardshrink": (_T.hardshrink,)}
+def _register_map(m):
+    """One implementation for the map ``m``'s spellings, one for its in-place forms."""
+    doc = _DOC_KEEPS if m.zero else _DOC_DENSE
+    _register(*m.funcs)(_unary(m.qualname, m.funcs[0], m.linear, doc))
+    if m.inplace:
+        _register(*m.inplace)(_unary(m.qualname, m.inplace[0], m.linear, _DOC_INPLACE if m.zero else
+                                     _DOC_INPLACE_DENSE))
 
 
-def _register_map(name, func, spellings, inplace, linear, doc):
-    """One implementation for ``func`` and its same-signature ``spellings``, one for the in-place forms."""
-    _register(func, *spellings)(_unary(name, func, linear, doc))
-    if inplace:
-        _register(*inplace)(_unary(name, inplace[0], linear, _DOC_INPLACE if doc is _DOC_KEEPS else _DOC_INPLACE_DENSE))
-
-
-for _n in ZERO_PRESERVING_TORCH + DENSIFYING_TORCH:
-    _register_map(f"torch.{_n}", getattr(torch, _n),
-                  [f for f in (getattr(_T, _n, None), getattr(torch.special, _n, None), *_ALIASES.get(_n, ()))
-                   if f is not None],
-                  [f for f in (getattr(_T, _n + "_", None), getattr(torch, _n + "_", None)) if f is not None],
-                  _n in _LINEAR, _DOC_KEEPS if _n in ZERO_PRESERVING_TORCH else _DOC_DENSE)
-# pow(x, e): zero-preserving for a scalar e > 0 (each call checks, as for every map here)
-_register_map("torch.pow", torch.pow, [_T.pow, _T.__pow__], [_T.pow_, _T.__ipow__], False, _DOC_KEEPS)
-for _n, (_f, _inplace) in {**ZERO_PRESERVING_NN, **DENSIFYING_NN}.items():
-    _register_map(f"torch.nn.functional.{_n}", _f, _ALIASES.get(_n, ()), [_inplace] if _inplace else [], False,
-                  _DOC_KEEPS if _n in ZERO_PRESERVING_NN else _DOC_DENSE)
+# the maps whose calls are checked (the others, without arguments, are ``elementwise``'s)
+for _m in MAPS:
+    if _m.probe:
+        _register_map(_m)
 
 
 # --- dropout -----------------------------------------------------------------------------------------------------

@@ -9,29 +9,17 @@ from __future__ import annotations
 import numbers
 
 import torch
-import torch.nn.functional as F
 
 from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
 from ..sparse_tensor import NoSparseRule, ShapeError, SparseTensor, implements
+from ..unary_maps import MAPS
 from .entries import mapped_values, paired_values
 from .indexing import broadcast_to
 from .pattern import same_pattern, stored_only_active
 from .sparse_api import coalesce
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-# zero-preserving unary maps: f(0) == 0, so f runs on the stored values only
-_MAPS = {
-    "relu": (torch.relu, torch.Tensor.relu, F.relu),
-    "neg": (torch.neg, torch.Tensor.neg, torch.Tensor.__neg__, torch.negative, torch.Tensor.negative),
-    "abs": (torch.abs, torch.Tensor.abs, torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute),
-    "sqrt": (torch.sqrt, torch.Tensor.sqrt),
-    "square": (torch.square, torch.Tensor.square),
-    "sin": (torch.sin, torch.Tensor.sin),
-    "tanh": (torch.tanh, torch.Tensor.tanh, F.tanh),
-    "sign": (torch.sign, torch.Tensor.sign),
-}
 
 
 def _map(torch_fn, linear):
@@ -48,8 +36,10 @@ def _map(torch_fn, linear):
     return apply
 
 
-for _name, _funcs in _MAPS.items():
-    implements(*_funcs)(_map(_funcs[0], linear=_name == "neg"))
+# the maps without arguments, f(0) = 0 always: f on the stored values (``activation`` has the checked ones)
+for _m in MAPS:
+    if not _m.probe:
+        implements(*_m.funcs)(_map(_m.funcs[0], _m.linear))
 
 
 def _elementwise_eq(a, b):

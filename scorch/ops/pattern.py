@@ -42,6 +42,7 @@ from ..rules import RULES
 from ..formats import storage
 from ..formats.named import short_name
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
+from ..unary_maps import MAPS
 from .sparse_api import coalesce
 
 
@@ -237,11 +238,10 @@ def _distributes(name, args, kwargs) -> bool:
 
 
 for _m in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_, torch.Tensor.addcdiv_,
-           torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.Tensor.neg_, torch.Tensor.sqrt_,
-           torch.Tensor.abs_, torch.Tensor.relu_, torch.Tensor.__iadd__, torch.Tensor.__isub__,
-           torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_,
-           torch.Tensor.sign_, torch.Tensor.zero_, torch.Tensor.reciprocal_, torch.reciprocal_, torch.Tensor.square_,
-           torch.Tensor.sin_, torch.Tensor.tanh_):
+           torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.Tensor.__iadd__,
+           torch.Tensor.__isub__, torch.Tensor.__imul__, torch.Tensor.__itruediv__, torch.Tensor.clamp_min_,
+           torch.Tensor.clamp_max_, torch.Tensor.zero_, torch.Tensor.reciprocal_, torch.reciprocal_,
+           *(f for m in MAPS if not m.probe for f in m.inplace)):  # (relu_, neg_...: the plain maps' in-place forms)
     _inplace(_m)  # (reciprocal_ maps the stored values, as add_(eps) adds to them: RAdam's foreach state)
 
 #: random fills draw each stored value (padding stays 0, an uncoalesced COO's duplicates are summed first): the
