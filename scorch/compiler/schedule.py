@@ -342,8 +342,9 @@ def _level_vars(fmt, access):
 def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> CoSchedule:
     """The co-iteration schedule. Where no loop order is concordant with every sparse operand, the operands whose
     levels the order does not follow are transposed first: the set of least estimated cost, ``weights[k]`` the
-    cost of converting operand ``k`` (its nnz; default 1 each), ties going to transposing later operands."""
-    from ..formats import Format
+    cost of converting operand ``k`` (its nnz; default 1 each), ties going to transposing later operands. Where
+    the order found walks every coordinate of an index inside another loop, an order that converts operands to
+    avoid it is taken instead (``_uncrossed``)."""
     sparse = [a for a in _accesses(asg) if asg.operands[a.operand].sparse]
     fmts = {a.operand: asg.operands[a.operand].format for a in sparse}
     reformat = {k: coiterable_version(f) for k, f in fmts.items() if not coiterable(f)}
@@ -405,7 +406,6 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> Co
 def _following(f, access, order):
     """Format ``f`` of a sparse access with its levels reordered to follow the loop ``order`` (each level type kept
     at its position: CSC followed row-wise is CSR)."""
-    from ..formats import Format
     new_vars = sorted(_level_vars(f, access), key=order.index)
     return Format.from_levels(f.ndim, [(Var(access.indices.index(v)), lvl) for v, (_, lvl) in zip(new_vars, f.levels)])
 
