@@ -187,6 +187,16 @@ def _product_order(asg: Assignment) -> list:
     return [v for v in order if v in asg.out] + [v for v in asg.out if v not in order]
 
 
+def _first_level_indices(asg: Assignment) -> set:
+    """The indices that a sparse operand stores in a first level that restricts them (DCSR's and COO's rows)."""
+    out = set()
+    for a in asg.rhs.accesses():
+        t = asg.operands[a.operand]
+        if t.sparse and not t.format.level_types[0].full:
+            out |= {a.indices[d] for d in t.format.exprs[0].dims()}
+    return out
+
+
 def _inferred(asg: Assignment) -> OutputFormat:
     sparse = sparse_indices(asg.rhs, asg.operands) & set(asg.out)
     product = bool(asg.out) and sparse_product(asg)
@@ -209,10 +219,13 @@ def _inferred(asg: Assignment) -> OutputFormat:
         # a product of sparse operands is sparse whatever their level types: a row of the result holds the
         # entries its stored terms reach. Its levels follow the loops that compute it (CSC @ CSC is CSC), and its
         # last level is compressed even where no operand restricts that index alone (CSR @ CSC.T is CSR: the rows
-        # of a Gram matrix or a 2-hop graph are as sparse as the products make them, not dense)
+        # of a Gram matrix or a 2-hop graph are as sparse as the products make them, not dense). Its first level,
+        # the rows the kernel assembles, is compressed only where an operand's own first level is (DCSR, COO: rows
+        # that may be mostly empty); CSC.T @ CSR is CSR, written straight from its rows
         order = _product_order(asg)
-        levels = [(Var(asg.out.index(v)), Compressed() if v in sparse or k == len(order) - 1 else Dense())
-                  for k, v in enumerate(order)]
+        hyper = _first_level_indices(asg)
+        levels = [(Var(asg.out.index(v)), Compressed() if k == len(order) - 1 or (v in sparse and (k or v in hyper))
+                   else Dense()) for k, v in enumerate(order)]
         return OutputFormat(Format.from_levels(len(asg.out), levels), 0, "a product of sparse operands")
     # levels in the first sparse operand's level order (so its loops stay concordant), then the rest
     first = next((a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse), None)

@@ -368,16 +368,20 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> Co
     order = topological(asg.indices, constraints(followed), priority)
     why = "concordant with every sparse operand"
     moved = [a for a in sparse if a not in followed]
-    crossed = _cross_loops(order, sparse, fmts, moved)
-    better = _uncrossed(asg, sparse, fmts, out, weights, priority, crossed) if crossed else None
+    cost = _nest_cost(asg, out, order, sparse, fmts, moved)
+    better = _uncrossed(asg, sparse, fmts, out, weights, priority, cost) if any(cost) else None
     if better is not None:
         order, moved = better
     for victim in moved:  # each transposed to follow the loop order (a format conversion of its nnz entries)
         reformat[victim.operand] = fmts[victim.operand] = _following(fmts[victim.operand], victim, order)
-    if better is not None:
+    if better is not None and cost[0]:
         why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed: the concordant order runs a loop over"
                " every coordinate of an index inside another loop (an inner-product nest), the transposed one"
                " reaches each index through the stored entries")
+    elif better is not None:
+        why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed: the concordant order starts with a summed"
+               " index (an outer-product nest: the whole output one serial row), the transposed one with a row of"
+               " the output, in parallel")
     elif moved:
         why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed to follow the other operands' level order"
                " (no loop order is concordant with all; the least costly conversions)")
@@ -423,11 +427,19 @@ def _cross_loops(order, sparse, fmts, moved) -> int:
     return sum(1 for v in order[1:] if v in levels and not any(levels[v]))
 
 
-def _uncrossed(asg, sparse, fmts, out, weights, priority, crossed):
-    """``(order, transposed accesses)`` with fewer cross loops (``_cross_loops``) than ``crossed``, converting the
-    operands it does not follow: of those, the fewest cross loops, then the least weight converted, then the order
-    whose first loop gives the output's rows, then the priority order; None where none has fewer (or the indices
-    are too many to try every order)."""
+def _nest_cost(asg, out, order, sparse, fmts, moved) -> tuple:
+    """What a loop order costs beyond the stored entries, compared first to last: its cross loops
+    (``_cross_loops``), then whether a sparse output of several indices has no row loop (the first loop sums: every
+    entry of the output is assembled in one serial row, in a workspace over all of its coordinates)."""
+    no_row = out.format is not None and len(asg.out) > 1 and order[0] not in asg.out
+    return _cross_loops(order, sparse, fmts, moved), int(no_row)
+
+
+def _uncrossed(asg, sparse, fmts, out, weights, priority, cost):
+    """``(order, transposed accesses)`` of less ``_nest_cost`` than ``cost``, converting the operands it does not
+    follow: of those, the least cost, then the least weight converted, then the order whose first loop gives the
+    output's rows, then the priority order; None where none costs less (or the indices are too many to try every
+    order)."""
     import itertools
     stored = [v for v in asg.indices if any(v in a.indices for a in sparse)]
     if len(stored) > 6:
@@ -442,9 +454,9 @@ def _uncrossed(asg, sparse, fmts, out, weights, priority, crossed):
         order = tuple(perm) + tuple(rest)
         moved = [a for a in sparse if [order.index(v) for v in _level_vars(fmts[a.operand], a)] !=
                  sorted(order.index(v) for v in _level_vars(fmts[a.operand], a))]
-        key = (_cross_loops(order, sparse, fmts, moved), sum(w[a.operand] for a in moved), order[0] != first,
-               [priority(v) for v in order])
-        if key[0] < crossed and (best is None or key < best[0]):
+        key = (_nest_cost(asg, out, order, sparse, fmts, moved), sum(w[a.operand] for a in moved),
+               order[0] != first, [priority(v) for v in order])
+        if key[0] < cost and (best is None or key < best[0]):
             best = (key, order, moved)
     return None if best is None else best[1:]
 

@@ -121,6 +121,20 @@ def test_the_gram_matrix_is_a_row_by_row_product():
     torch.testing.assert_close(r.to_dense(), d @ d.t())
 
 
+def test_the_transposed_gram_matrix_is_a_row_by_row_product():
+    """``A.t() @ A`` of CSR: CSR (its rows are A's columns), with A.t() converted to CSR so that the first loop
+    gives the output's rows, not an outer product over the summed index (one serial row holding the whole output)."""
+    d = _matrix((40, 30), 12, 0.1)
+    A = scorch.asformat(d, "csr")
+    text = scorch.explain("ji,jk->ik", A, A, file=io.StringIO())
+    assert "output:       csr  [rule: a product of sparse operands]" in text
+    assert "loop order:   i -> j -> k" in text and "T0 converted to" in text
+    assert "parallel:     the outermost loop" in text
+    r = A.t() @ A
+    assert r.format == scorch.formats.csr
+    torch.testing.assert_close(r.to_dense(), d.t() @ d)
+
+
 def test_a_product_of_column_major_operands_is_column_major():
     d1, d2 = _matrix((6, 4), 9), _matrix((4, 8), 10)
     r = scorch.asformat(d1, "csc") @ scorch.asformat(d2, "csc")
