@@ -98,8 +98,9 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
 def main(argv=None) -> dict:
     p = common.parser("gnn", __doc__.splitlines()[0], BACKENDS, epochs=200)
     p.add_argument("--model", choices=tuple(DEFAULTS), default="gcn")
-    p.add_argument("--dataset", default="cora", help="cora, citeseer (from --data; generated look-alikes when "
-                   "there is none), sbm (Cora-sized generated graph) or sbm-<nodes>, e.g. sbm-100000")
+    p.add_argument("--dataset", default="cora", help="cora, citeseer (Planetoid's, from --data or SCORCH_DATA: an "
+                   "error when not found), or a generated graph: sbm-like-cora, sbm-like-citeseer (the same sizes), "
+                   "sbm (Cora-sized) or sbm-<nodes>, e.g. sbm-100000")
     p.add_argument("--hidden", type=int, default=None, help="hidden units (per head for GAT)")
     p.add_argument("--heads", type=int, default=None, help="GAT heads (default 8)")
     p.add_argument("--lr", type=float, default=None)
@@ -116,7 +117,12 @@ def main(argv=None) -> dict:
         from . import distributed
         return distributed.main(a)
     common.set_threads(a.threads)
+    from .data import dataset as load
+    try:
+        graph = load(a.dataset, common.data_root(a.data), seed=a.seed)
+    except FileNotFoundError as e:  # (a usage error: how to point at the data, not a traceback)
+        p.error(str(e))
     result = run(a.backend, a.model, a.dataset, a.epochs, a.threads, a.seed, a.quiet, a.data, a.hidden, a.heads,
-                 a.lr, a.weight_decay, a.dropout, device=a.device, compile=a.compile)
+                 a.lr, a.weight_decay, a.dropout, graph=graph, device=a.device, compile=a.compile)
     common.report(f"apps.gnn: {a.model} on {result['data']} with {a.backend}", result)
     return result

@@ -4,8 +4,9 @@ sparsity with ``scorch.schedule``, fine-tuned, and compared with the dense model
 ``python -m apps.sparsify [--model mlp|transformer] [--format csr|bsr16|bsr32|nm24] [--sparsities 0.5,0.75,0.9]``.
 
 ``--model mlp`` (default): an ``nn.Sequential`` of ``nn.Linear`` / ``nn.ReLU`` / ``nn.Dropout`` classifying the
-nodes of Cora (or CiteSeer) from their bag-of-words features (``../shared/data/planetoid``; generated data of the
-same shape when absent), on a random 60/20/20 split of the nodes; the two wide hidden weights are sparsified.
+nodes of Cora (or CiteSeer) from their bag-of-words features (``planetoid/`` under ``--data``, ``SCORCH_DATA`` or
+``../shared/data``: an error naming them when absent; ``--dataset sbm-like-cora`` generates data of the same shape),
+on a random 60/20/20 split of the nodes; the two wide hidden weights are sparsified.
 ``--model transformer``: token and position ``nn.Embedding``s, an ``nn.TransformerEncoder`` and an ``nn.Linear``
 head on a generated per-token task (each token's class is a fixed random function of the token and the
 sequence's first token, so it needs both the attention and the feed-forward layers' capacity); the feed-forward
@@ -282,7 +283,8 @@ def main(argv=None) -> dict:
                    help="mlp: nn.Sequential MLP on Cora's features; transformer: nn.TransformerEncoder on a "
                         "generated per-token task (default mlp)")
     p.set_defaults(epochs=None)
-    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="mlp: cora or citeseer (default cora)")
+    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="mlp: cora or citeseer (default cora; from "
+                   "--data), or sbm-like-cora / sbm-like-citeseer (generated, the same shapes)")
     p.add_argument("--format", default=DEFAULTS["format"], choices=tuple(FORMATS),
                    help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()).replace("%", "%%")
                    + f" (default {DEFAULTS['format']})")

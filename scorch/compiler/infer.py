@@ -11,7 +11,8 @@ by a sparse level ("sparse indices"):
 
 The output is then:
 
-1. dense (a plain torch tensor) when none of its indices is sparse: ``"ij,jk->ik"`` with CSR ``A``;
+1. dense (a plain torch tensor) when none of its indices is sparse and the right side is not a product of sparse
+   operands (rule 5): ``"ij,jk->ik"`` with CSR ``A`` and dense ``X``;
 2. the pattern of the driving sparse operand when the output indices are exactly that operand's and the
    operand is a factor of the product (the result can only be nonzero where the operand is stored):
    ``"ij,ij->ij"`` (sparse * dense), SDDMM ``"ij,ik,kj->ij"``, ``relu(A)``; transposed indices give the
@@ -23,7 +24,11 @@ The output is then:
    of a matrix with a nonzero are nearly all rows), and the dense operand fills each such coordinate's fiber, so
    a sparse result would store a dense tensor with index arrays besides: COO ``"ij,jk->ik"`` (SpMM), the mixture
    of experts' ``"bnd,bn->bd"`` with one-hot gates. PyTorch's convention (sparse x dense -> dense) says the same;
-5. otherwise one level per output index, in the first sparse operand's level order (so the loops stay
+5. a product of two or more sparse operands and no dense operand with an index is sparse, whatever the level
+   types (CSR ``"ij,kj->ik"``, the Gram matrix, stores ``i`` and ``k`` in dense levels, yet its rows are as sparse
+   as the products make them): one level per output index in the order of a loop nest concordant with every
+   sparse operand, ``compressed`` for sparse indices and for the last level (CSR @ CSC.T is CSR, CSC @ CSC is CSC);
+6. otherwise one level per output index, in the first sparse operand's level order (so the loops stay
    concordant): ``compressed`` for sparse indices, ``dense`` for the others (CSC + CSC is CSC; COO
    ``"ij,jd->ijd"``, every stored entry times a dense row, keeps the pattern whole: COO with a dense level).
 
@@ -129,9 +134,73 @@ def infer(asg: Assignment) -> OutputFormat:
     return _inferred(asg)
 
 
+def sparse_product(asg: Assignment) -> bool:
+    """Whether the right-hand side is a product of two or more sparse operands and no dense operand with an index
+    (a scalar may scale it): SpGEMM ``"ij,jk->ik"``, the Gram matrix ``"ij,kj->ik"``, whatever the level types."""
+    accesses = asg.rhs.accesses()
+    n = 0
+    for f in factors(asg.rhs):
+        while isinstance(f, Map):
+            f = f.arg
+        n += isinstance(f, Access) and asg.operands[f.operand].sparse
+    return isinstance(asg.rhs, Mul) and n >= 2 and \
+        all(asg.operands[a.operand].sparse or not a.indices for a in accesses)
+
+
+def level_letters(fmt: Format, access: Access) -> list:
+    """The index letters of a sparse access's levels, in storage order (a letter once, at its first level)."""
+    out = []
+    for e in fmt.exprs:
+        for d in sorted(e.dims()):
+            v = access.indices[d]
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def topological(vars_, constraints, priority):
+    """A loop order respecting every (before, after) constraint, best priority first; None on a cycle."""
+    order, left = [], list(vars_)
+    while left:
+        ready = [v for v in left if not any(b == v and a in left for a, b in constraints)]
+        if not ready:
+            return None
+        v = min(ready, key=priority)
+        order.append(v)
+        left.remove(v)
+    return tuple(order)
+
+
+def _product_order(asg: Assignment) -> list:
+    """The output indices of a product of sparse operands in the order of a loop nest concordant with all of them
+    (output indices as early as the levels allow, in output order), or in the first sparse operand's level order
+    where no loop order is concordant with all: CSC @ CSC runs column by column, so its result is CSC."""
+    sparse = [a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse]
+    constraints = []
+    for a in sparse:
+        vs = level_letters(asg.operands[a.operand].format, a)
+        constraints += list(zip(vs, vs[1:]))
+    order = topological(asg.indices, constraints, lambda v: (0, asg.out.index(v)) if v in asg.out else
+                        (1, asg.indices.index(v)))
+    if order is None:
+        order = level_letters(asg.operands[sparse[0].operand].format, sparse[0])
+    return [v for v in order if v in asg.out] + [v for v in asg.out if v not in order]
+
+
+def _first_level_indices(asg: Assignment) -> set:
+    """The indices that a sparse operand stores in a first level that restricts them (DCSR's and COO's rows)."""
+    out = set()
+    for a in asg.rhs.accesses():
+        t = asg.operands[a.operand]
+        if t.sparse and not t.format.level_types[0].full:
+            out |= {a.indices[d] for d in t.format.exprs[0].dims()}
+    return out
+
+
 def _inferred(asg: Assignment) -> OutputFormat:
     sparse = sparse_indices(asg.rhs, asg.operands) & set(asg.out)
-    if not sparse:
+    product = bool(asg.out) and sparse_product(asg)
+    if not sparse and not product:
         return OutputFormat(None, 0, "dense: no output index is sparse")
     drv = driver_access(asg)
     if drv is not None and len(set(drv.indices)) == len(drv.indices):
@@ -139,12 +208,25 @@ def _inferred(asg: Assignment) -> OutputFormat:
         m = prefix_levels(fmt, drv, asg.out)
         if m:
             out = remap(fmt, drv, asg.out, m)
-            if out.is_dense and all(isinstance(e, Var) and e.dim == k for k, e in enumerate(out.exprs)):
+            if not (out.is_dense and all(isinstance(e, Var) and e.dim == k for k, e in enumerate(out.exprs))):
+                rule = "the driver's pattern" if m == len(fmt.levels) else f"the driver's first {m} level(s)"
+                return OutputFormat(out, m, rule)
+            if not product:  # (CSR @ a sparse vector is a product of sparse operands: sparse, below)
                 return OutputFormat(None, m, "dense: the driver's dense prefix")
-            rule = "the driver's pattern" if m == len(fmt.levels) else f"the driver's first {m} level(s)"
-            return OutputFormat(out, m, rule)
     if projected_by_dense_factor(asg):
         return OutputFormat(None, 0, "dense: a dense factor over a projected pattern")
+    if product:
+        # a product of sparse operands is sparse whatever their level types: a row of the result holds the
+        # entries its stored terms reach. Its levels follow the loops that compute it (CSC @ CSC is CSC), and its
+        # last level is compressed even where no operand restricts that index alone (CSR @ CSC.T is CSR: the rows
+        # of a Gram matrix or a 2-hop graph are as sparse as the products make them, not dense). Its first level,
+        # the rows the kernel assembles, is compressed only where an operand's own first level is (DCSR, COO: rows
+        # that may be mostly empty); CSC.T @ CSR is CSR, written straight from its rows
+        order = _product_order(asg)
+        hyper = _first_level_indices(asg)
+        levels = [(Var(asg.out.index(v)), Compressed() if k == len(order) - 1 or (v in sparse and (k or v in hyper))
+                   else Dense()) for k, v in enumerate(order)]
+        return OutputFormat(Format.from_levels(len(asg.out), levels), 0, "a product of sparse operands")
     # levels in the first sparse operand's level order (so its loops stay concordant), then the rest
     first = next((a for a in asg.rhs.accesses() if asg.operands[a.operand].sparse), None)
     order = []

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from ..formats import Compressed, Dense, Div, Format, Mod, Var
-from .infer import OutputFormat, driver_access
+from .infer import OutputFormat, driver_access, level_letters, topological
 from .ir import Access, Assignment
 
 #: dense extents up to this are compiled in as constants (so the innermost loop vectorizes fully)
@@ -110,20 +110,9 @@ class Directives:
         return Directives(**d)
 
 
-def _level_letters(drv, fmt) -> list:
-    """The index letters of the driver's levels, in storage order (a letter once, at its first level)."""
-    out = []
-    for e in fmt.exprs:
-        for d in sorted(e.dims()):
-            v = drv.indices[d]
-            if v not in out:
-                out.append(v)
-    return out
-
-
 def directives_of(asg: Assignment, sched: Schedule) -> Directives:
     """The directives that give ``sched`` again: its loop order and parallel loop."""
-    order = tuple(sched.outer) + tuple(_level_letters(sched.driver, asg.operands[sched.driver.operand].format)) + \
+    order = tuple(sched.outer) + tuple(level_letters(asg.operands[sched.driver.operand].format, sched.driver)) + \
         tuple(sched.inner)
     return Directives(order=order, parallel="none" if sched.parallel == "none" else order[0])
 
@@ -144,7 +133,7 @@ def discordant_format(asg: Assignment, directives: Directives):
     if sorted(order) != sorted(letters):
         raise ValueError(f"scorch: schedule order {''.join(order)!r} must name each index of {asg} once:"
                          f" {', '.join(letters)}")
-    stored = _level_letters(drv, fmt)
+    stored = level_letters(fmt, drv)
     walked = [v for v in order if v in stored]
     name = fmt.name or str(fmt)
     at = sorted(order.index(v) for v in stored)
@@ -174,7 +163,7 @@ def _directed(asg, out, sizes, d: Directives) -> Schedule:
     if drv is None:
         raise NotImplementedError("scorch: this assignment has no sparse factor to drive the loops")
     fmt = asg.operands[drv.operand].format
-    stored = _level_letters(drv, fmt)
+    stored = level_letters(fmt, drv)
     level0_ok = _level0_ok(asg, out, drv, fmt)
     if d.order is None:
         auto = schedule(asg, out, sizes)
@@ -350,24 +339,12 @@ def _level_vars(fmt, access):
     return [access.indices[e.dim] for e in fmt.exprs]
 
 
-def _topological(vars_, constraints, priority):
-    """A loop order respecting every (before, after) constraint, best priority first; None on a cycle."""
-    order, left = [], list(vars_)
-    while left:
-        ready = [v for v in left if not any(b == v and a in left for a, b in constraints)]
-        if not ready:
-            return None
-        v = min(ready, key=priority)
-        order.append(v)
-        left.remove(v)
-    return tuple(order)
-
-
 def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> CoSchedule:
     """The co-iteration schedule. Where no loop order is concordant with every sparse operand, the operands whose
     levels the order does not follow are transposed first: the set of least estimated cost, ``weights[k]`` the
-    cost of converting operand ``k`` (its nnz; default 1 each), ties going to transposing later operands."""
-    from ..formats import Format
+    cost of converting operand ``k`` (its nnz; default 1 each), ties going to transposing later operands. Where
+    the order found walks every coordinate of an index inside another loop, an order that converts operands to
+    avoid it is taken instead (``_uncrossed``)."""
     sparse = [a for a in _accesses(asg) if asg.operands[a.operand].sparse]
     fmts = {a.operand: asg.operands[a.operand].format for a in sparse}
     reformat = {k: coiterable_version(f) for k, f in fmts.items() if not coiterable(f)}
@@ -386,18 +363,26 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> Co
             cs += list(zip(vs, vs[1:]))
         return cs
 
-    followed = _followed(sparse, lambda kept: _topological(asg.indices, constraints(kept), priority) is not None,
+    followed = _followed(sparse, lambda kept: topological(asg.indices, constraints(kept), priority) is not None,
                          weights)
-    order = _topological(asg.indices, constraints(followed), priority)
+    order = topological(asg.indices, constraints(followed), priority)
     why = "concordant with every sparse operand"
     moved = [a for a in sparse if a not in followed]
+    cost = _nest_cost(asg, out, order, sparse, fmts, moved)
+    better = _uncrossed(asg, sparse, fmts, out, weights, priority, cost) if any(cost) else None
+    if better is not None:
+        order, moved = better
     for victim in moved:  # each transposed to follow the loop order (a format conversion of its nnz entries)
-        f = fmts[victim.operand]
-        new_vars = sorted(_level_vars(f, victim), key=order.index)
-        fmt = Format.from_levels(f.ndim, [(Var(victim.indices.index(v)), lvl)
-                                          for v, (_, lvl) in zip(new_vars, f.levels)])
-        reformat[victim.operand] = fmts[victim.operand] = fmt
-    if moved:
+        reformat[victim.operand] = fmts[victim.operand] = _following(fmts[victim.operand], victim, order)
+    if better is not None and cost[0]:
+        why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed: the concordant order runs a loop over"
+               " every coordinate of an index inside another loop (an inner-product nest), the transposed one"
+               " reaches each index through the stored entries")
+    elif better is not None:
+        why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed: the concordant order starts with a summed"
+               " index (an outer-product nest: the whole output one serial row), the transposed one with a row of"
+               " the output, in parallel")
+    elif moved:
         why = (f"{', '.join(f'T{a.operand}' for a in moved)} transposed to follow the other operands' level order"
                " (no loop order is concordant with all; the least costly conversions)")
     reformat = tuple(sorted(reformat.items()))
@@ -420,6 +405,60 @@ def schedule_coiteration(asg: Assignment, out: OutputFormat, weights=None) -> Co
                 balance = (a.operand, 1)
                 break
     return CoSchedule(order, reformat, mode, row, ws, parallel, balance, why, tuple(a.operand for a in moved))
+
+
+def _following(f, access, order):
+    """Format ``f`` of a sparse access with its levels reordered to follow the loop ``order`` (each level type kept
+    at its position: CSC followed row-wise is CSR)."""
+    new_vars = sorted(_level_vars(f, access), key=order.index)
+    return Format.from_levels(f.ndim, [(Var(access.indices.index(v)), lvl) for v, (_, lvl) in zip(new_vars, f.levels)])
+
+
+def _cross_loops(order, sparse, fmts, moved) -> int:
+    """How many loops below the outermost run over an index that no sparse operand reaches through an outer
+    coordinate: the index is stored only at first levels or in dense levels, so the loop walks the same coordinates
+    for every outer iteration (CSR @ CSC.T in the order i, k, j walks every k for every i: n^2 merges, an
+    inner-product nest). Each such loop multiplies the work by an extent, not by the entries under a coordinate."""
+    levels = {}
+    for a in sparse:
+        f = _following(fmts[a.operand], a, order) if a in moved else fmts[a.operand]
+        for k, (e, lvl) in enumerate(f.levels):
+            levels.setdefault(a.indices[e.dim], []).append(k > 0 and not isinstance(lvl, Dense))
+    return sum(1 for v in order[1:] if v in levels and not any(levels[v]))
+
+
+def _nest_cost(asg, out, order, sparse, fmts, moved) -> tuple:
+    """What a loop order costs beyond the stored entries, compared first to last: its cross loops
+    (``_cross_loops``), then whether a sparse output of several indices has no row loop (the first loop sums: every
+    entry of the output is assembled in one serial row, in a workspace over all of its coordinates)."""
+    no_row = out.format is not None and len(asg.out) > 1 and order[0] not in asg.out
+    return _cross_loops(order, sparse, fmts, moved), int(no_row)
+
+
+def _uncrossed(asg, sparse, fmts, out, weights, priority, cost):
+    """``(order, transposed accesses)`` of less ``_nest_cost`` than ``cost``, converting the operands it does not
+    follow: of those, the least cost, then the least weight converted, then the order whose first loop gives the
+    output's rows, then the priority order; None where none costs less (or the indices are too many to try every
+    order)."""
+    import itertools
+    stored = [v for v in asg.indices if any(v in a.indices for a in sparse)]
+    if len(stored) > 6:
+        return None
+    rest = sorted((v for v in asg.indices if v not in stored), key=priority)
+    w = {a.operand: (1.0 if weights is None else float(weights[a.operand])) for a in sparse}
+    first = None
+    if out.format is not None and isinstance(out.format.exprs[0], Var):
+        first = asg.out[out.format.exprs[0].dim]
+    best = None
+    for perm in itertools.permutations(stored):
+        order = tuple(perm) + tuple(rest)
+        moved = [a for a in sparse if [order.index(v) for v in _level_vars(fmts[a.operand], a)] !=
+                 sorted(order.index(v) for v in _level_vars(fmts[a.operand], a))]
+        key = (_nest_cost(asg, out, order, sparse, fmts, moved), sum(w[a.operand] for a in moved),
+               order[0] != first, [priority(v) for v in order])
+        if key[0] < cost and (best is None or key < best[0]):
+            best = (key, order, moved)
+    return None if best is None else best[1:]
 
 
 def _followed(sparse, acyclic, weights=None):

@@ -98,7 +98,7 @@ def test_nm24_finetuning_keeps_the_format_and_the_pattern():
 
 
 def test_features_are_padded_to_a_multiple_of_4():
-    g, x, y, tr, va, te = app.features("cora", None, 0)
+    g, x, y, tr, va, te = app.features("sbm-like-cora", None, 0)  # (Cora's sizes, generated: no data needed)
     assert x.shape[1] % 4 == 0 and x.shape[1] - g.num_features < 4
     assert not x[:, g.num_features:].any()
     assert len(set(tr.tolist()) | set(va.tolist()) | set(te.tolist())) == tr.numel() + va.numel() + te.numel()

@@ -43,6 +43,12 @@ CASES = [
     ("ij,ij->ij", lambda: (s(A, "csr"), s(B, "csr")), scorch.formats.csr, A * B),
     ("ij,jk->ik", lambda: (s(A, "csr"), s(C, "csr")), scorch.formats.csr, A @ C),
     ("ij,ij->ij", lambda: (s(A, "bsr(2, 5)"), A), scorch.formats.bsr(2, 5), A * A),
+    # a product of sparse operands is sparse whatever their level types (issue 42: these were dense, or dense rows)
+    ("ij,kj->ik", lambda: (s(A, "csr"), s(B, "csr")), scorch.formats.csr, A @ B.T),
+    ("ji,jk->ik", lambda: (s(A, "csr"), s(B, "csr")), scorch.formats.csr, A.T @ B),
+    ("ij,jk->ik", lambda: (s(A, "csc"), s(C, "csc")), scorch.formats.csc, A @ C),
+    ("ij,jk->ik", lambda: (s(A, "dcsr"), s(C, "csc")), scorch.formats.dcsr, A @ C),
+    ("ij,j->i", lambda: (s(A, "csr"), s(C[:, 0], VEC)), VEC, A @ C[:, 0]),
 ]
 
 

@@ -86,7 +86,15 @@ def _metric(text, name):
     return float(re.search(rf"^\s+{name}\s+([0-9.]+)", text, re.M).group(1))
 
 
+def _cora_present() -> bool:
+    from apps import common
+    root = common.data_root(None)
+    return root is not None and (root / "planetoid" / "cora.npz").is_file()
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not _cora_present(), reason="Cora's planetoid/cora.npz is not in the data folder (SCORCH_DATA or"
+                    " ../shared/data); the command names it as an error rather than training on a stand-in")
 def test_gnn_command_on_cora_reaches_one_process_accuracy():
     """The issue's command: test accuracy within 1 point of one process, and at least 0.79."""
     two = run_torchrun("-m", "apps.gnn", "--backend", "scorch", "--model", "gcn", "--dataset", "cora",
