@@ -8,6 +8,7 @@ import torch
 
 from .. import deferred, fusion
 from .._autograd import differentiable_einsum, pattern_ones
+from .._traceable import adopt
 from ..deferred import Deferred
 from .. import engine
 from ..formats import Mod, named
@@ -350,6 +351,7 @@ def _operator(s, other, left: bool = True):
     fast = engine.kept_product(s, other, left)
     if fast and _deferral.value != "all":
         return fast(operands, None)
+    adopt(operands)  # (the long way only: a kept call's test refuses values that require grad)
     try:
         result = matmul(*operands)
     except NoSparseRule as why:  # (as through torch.matmul: the dense form's product, warned and counted)
