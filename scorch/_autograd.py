@@ -328,7 +328,8 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, box, values):
-        ctx.pattern = box[0].detach()  # (the pattern with no graph: the node holds no path back to the wrapper)
+        x = box[0]  # (below: the pattern with no graph, so the node holds no path back to the wrapper)
+        ctx.pattern = x._wrap(x._vals.detach())
         ctx.set_materialize_grads(False)  # (no gradient reached the wrapper: none, rather than dense zeros)
         return box[0]
 

@@ -111,6 +111,38 @@ def test_custom_function_with_a_computed_sparse_input():
     _assert_pattern_grad(t, td.grad, d)
 
 
+_OTHER = torch.tensor([[0, 1, 0, 2], [3, 0, 0, 1], [1, 1, 0, 0], [0, 0, 2, 0], [1, 0, 0, 1]], dtype=torch.float64)
+_PRODUCERS = {  # computed sparse tensors, each made by another of scorch's autograd paths
+    "map": lambda w: torch.relu(w * 3),
+    "sum of patterns": lambda w: w + scorch.asformat(_OTHER, "csr"),
+    "product of patterns": lambda w: w * scorch.asformat(_OTHER, "csr"),
+    "conversion": lambda w: w.to_sparse_coo(),
+}
+_DENSE_PRODUCERS = {"map": lambda d: torch.relu(d * 3), "sum of patterns": lambda d: d + _OTHER,
+                    "product of patterns": lambda d: d * _OTHER, "conversion": lambda d: d}
+
+
+@pytest.mark.parametrize("producer", list(_PRODUCERS))
+def test_computed_sparse_inputs_of_a_custom_function(producer):
+    """A SparseTensor computed by each kind of scorch op is in torch's graph: its gradient reaches ``w``, and
+    ``torch.autograd.grad`` and ``retain_grad`` on it see the gradient the Function gave it."""
+    d, w = _weight()
+    x = _x()
+    t = _PRODUCERS[producer](w)
+    (gt,) = torch.autograd.grad(Scaled.apply(x, t).pow(2).sum(), t, retain_graph=False)
+    t2 = _PRODUCERS[producer](w)
+    t2.retain_grad()
+    Scaled.apply(x, t2).pow(2).sum().backward()
+    dd = d.clone().requires_grad_()
+    td = _DENSE_PRODUCERS[producer](dd)
+    (gtd,) = torch.autograd.grad(Scaled.apply(x, td).pow(2).sum(), td, retain_graph=True)
+    Scaled.apply(x, td).pow(2).sum().backward()
+    assert type(gt) is SparseTensor and gt.format == t.format
+    torch.testing.assert_close(gt.to_dense(), gtd * (t.to_dense() != 0))
+    torch.testing.assert_close(t2.grad.to_dense(), gt.to_dense())
+    _assert_pattern_grad(w, dd.grad, d)
+
+
 def test_custom_function_returning_a_sparse_tensor():
     """A user's Function whose output is a SparseTensor (computed without a graph inside ``forward``): scorch's ops
     on it pass its gradient back through the user's ``backward``."""
