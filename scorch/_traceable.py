@@ -95,6 +95,11 @@ class Traceable:
         """As ``torch.autograd.backward(self, ...)`` (``ops.autograd_api``: the graph lives on the values)."""
         torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
+    def _adopt(self):
+        """``adopt`` of this tensor alone (its direct methods that read the values), the cheap tests first."""
+        if not self._vals.requires_grad and torch._C._any_requires_grad(self) and torch.is_grad_enabled():
+            adopt((self,))
+
     def _stable_hash_for_caching(self) -> str:
         """The key of AOTAutograd's cache for this input: format text, shape and the inner arrays' types."""
         names, _ = self.__tensor_flatten__()

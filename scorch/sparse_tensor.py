@@ -180,7 +180,7 @@ class SparseTensor(Traceable, torch.Tensor):
 
     def values(self) -> torch.Tensor:
         """The 1-d array of stored values, one per stored position (padding included)."""
-        adopt((self,))  # (a wrapper with a history its values lack: _traceable)
+        self._adopt()  # (a wrapper with a history its values lack: _traceable)
         return self._vals
 
     @property
@@ -257,7 +257,7 @@ class SparseTensor(Traceable, torch.Tensor):
         return r
 
     def _map_arrays(self, fn):
-        adopt((self,))
+        self._adopt()
         levels = tuple(st.map(fn) for st in self._levels)
         return SparseTensor(self._format, self.shape, levels, fn(self._vals), check=False)
 
@@ -267,7 +267,7 @@ class SparseTensor(Traceable, torch.Tensor):
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
         """The dense tensor (differentiable: the gradient reaches the stored values). On the CPU a generated
         kernel writes it (``engine.densify``); elsewhere, and for small storage, the entries are listed."""
-        adopt((self,))
+        self._adopt()
         out = RULES.traced_op(torch.Tensor.to_dense, (), (self,), {}) if torch.compiler.is_compiling() else \
             RULES.to_dense(self._format, self._shape, self._levels, self._vals)  # (compiling: one custom op)
         if out is None:
@@ -276,11 +276,11 @@ class SparseTensor(Traceable, torch.Tensor):
 
     def to_torch(self) -> torch.Tensor:
         """The torch layout this format matches (COO, CSR, CSC, BSR, BSC or strided), sharing storage."""
-        adopt((self,))
+        self._adopt()
         return RULES.to_torch(self)
 
     def asformat(self, format, **kwargs) -> "SparseTensor":
-        adopt((self,))
+        self._adopt()
         return RULES.asformat(self, format, **kwargs)
 
     def to(self, *args, **kwargs) -> "SparseTensor":
@@ -288,7 +288,7 @@ class SparseTensor(Traceable, torch.Tensor):
         copy = kwargs.pop("copy", False)
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         out = self
-        adopt((self,))
+        self._adopt()
         if device is not None and torch.device(device) != self.device:
             out = out._map_arrays(lambda a: a.to(device, non_blocking=non_blocking))
         if dtype is not None and dtype != self.dtype:

@@ -159,6 +159,9 @@ def test_custom_function_returning_a_sparse_tensor():
     X = _x().t().contiguous()
     y = Double.apply(w)
     assert type(y) is SparseTensor and y.requires_grad
+    with torch.no_grad():
+        for _ in range(3):
+            y @ X  # (products under no_grad first: no call kept for it that would skip its values' history later)
     (y @ X).pow(2).sum().backward()
     dd = d.clone().requires_grad_()
     (Double.apply(dd) @ X).pow(2).sum().backward()
