@@ -178,9 +178,9 @@ def adopt(tensors, kwargs=None):
     output of a user's autograd.Function, of a reentrant checkpoint) gets values under that history (the rule
     ``adopt_wrapper``), so that scorch's ops, which read the values, pass its gradient on. Called as an op starts, with
     grad mode on; ``kwargs``' values too, and the tensors of a list or tuple among them."""
-    if not torch.is_grad_enabled():
-        return
-    for x in (tensors if kwargs is None else (*tensors, *kwargs.values())):
+    if not torch.is_grad_enabled() or not torch._C._any_requires_grad(*tensors, *(kwargs.values() if kwargs else ())):
+        return  # (one C call: no tensor among them, in lists either, requires grad, the wrapper's flag included)
+    for x in (tensors if not kwargs else (*tensors, *kwargs.values())):
         if type(x) in (list, tuple):
             adopt(x)
         elif isinstance(x, Traceable) and not x._vals.requires_grad and torch_requires_grad(x) and \

@@ -70,7 +70,8 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
 
 
 def _leaf_wrapper(x) -> bool:
-    """Whether ``x`` is a SparseTensor whose wrapper is a leaf of torch's graph requiring grad (``_autograd.attach_wrapper``)."""
+    """Whether ``x`` is a SparseTensor whose wrapper is a leaf of torch's graph requiring grad
+    (``_autograd.attach_wrapper``)."""
     return type(x) is SparseTensor and x.__dict__.get("_bridged", False) and torch_requires_grad(x)
 
 
