@@ -319,5 +319,72 @@ def differentiable_convert(x, convert_fn):
     return spec.wrap(_Convert.apply(spec, convert_fn, _tensors([x])[0]))
 
 
+# --- the wrapper in torch's graph (``_traceable``, the end of the module) ------------------------------------
+
+class _Attach(torch.autograd.Function):
+    """The node a SparseTensor over computed values hangs from in torch's graph: its forward returns the wrapper
+    itself (given in a list: as an input it would come back as a view), whose history torch sets in place; its
+    backward reads the wrapper's gradient at the stored positions, as the values' gradient."""
+
+    @staticmethod
+    def forward(ctx, box, values):
+        x = box[0]  # (below: the pattern with no graph, so the node holds no path back to the wrapper)
+        ctx.pattern = x._wrap(x._vals.detach())
+        ctx.set_materialize_grads(False)  # (no gradient reached the wrapper: none, rather than dense zeros)
+        return box[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None if grad is None else values_at(grad, ctx.pattern)
+
+
+def attach_wrapper(x):
+    """Put ``x`` (its values require grad) in torch's graph. Over leaf values (a parameter) the wrapper is a leaf
+    too, whose accumulated gradient each backward hands to the values (``_to_values``); over computed values it is
+    a node over them (``_Attach``)."""
+    if x._vals.is_leaf:
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._C.TensorBase.requires_grad_(x)
+            if not x.__dict__.get("_bridged"):
+                torch.Tensor.register_post_accumulate_grad_hook(x, _to_values)
+        x._bridged = True
+    else:
+        with torch.enable_grad():  # (made under no_grad and compiled later: ``__tensor_flatten__``)
+            _Attach.apply([x], x._vals)
+
+
+def _to_values(x):
+    """The post-accumulate hook of a leaf wrapper: its gradient (dense, torch-sparse, or a SparseTensor of any
+    pattern) read at its stored positions and accumulated into the values by torch's engine, so that the values'
+    own hooks run for it too; the wrapper keeps none."""
+    with torch._C.DisableTorchFunctionSubclass():
+        g = torch._C.TensorBase.grad.__get__(x)
+        torch._C.TensorBase.grad.__set__(x, None)
+    if g is not None:  # (plain tensors: the values' hooks, a user's, run as under any backward)
+        torch.autograd.backward(x._vals, values_at(g, x))
+
+
+class _Adopt(torch.autograd.Function):
+    """Values under a wrapper's own history (``_traceable.adopt``): a view of the values, whose gradient goes back
+    to the wrapper on its pattern (a SparseTensor sharing its index arrays)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.structure = (x._format, x._shape, x._levels)  # (not the wrapper: its values will hold this node)
+        return x._vals.view_as(x._vals)
+
+    @staticmethod
+    def backward(ctx, grad):
+        fmt, shape, levels = ctx.structure
+        return SparseTensor(fmt, shape, levels, grad, check=False)
+
+
+def adopt_wrapper(x):
+    """Give ``x`` values that are a node under its wrapper's history."""
+    with torch.enable_grad():
+        x._vals = _Adopt.apply(x)
+
+
 RULES.register(differentiable_einsum=differentiable_einsum, differentiable_run=differentiable_run,
-               differentiable_convert=differentiable_convert)
+               differentiable_convert=differentiable_convert, attach_wrapper=attach_wrapper,
+               adopt_wrapper=adopt_wrapper)

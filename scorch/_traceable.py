@@ -5,11 +5,10 @@ static metadata) and build it again with ``__tensor_unflatten__`` from fake or f
 SparseTensor's inner tensors are its values and each level's ``pos``/``crd`` (named ``_pos<k>``/``_crd<k>``); its
 metadata is the format text, which Dynamo guards on.
 
-Gradients: scorch's autograd graph lives on the values, the wrapper is no autograd leaf. AOTAutograd unwraps a
-subclass input inside its own autograd Function, so the gradient it computes for the values is handed to the
-wrapper. A SparseTensor with leaf values that require grad is therefore made an autograd leaf itself (torch's own
-flag; the ``requires_grad`` property stays the values') when Dynamo first flattens it, and a hook moves each
-gradient the wrapper accumulates into the values' ``.grad``.
+Gradients: scorch's autograd graph lives on the values; the wrapper takes its own place in torch's graph as a
+node over them (see the end of this module), so AOTAutograd, which unwraps a subclass input inside its own
+autograd Function and hands back the wrapper's gradient, reaches the values through that node: the same for a
+parameter and for a SparseTensor computed before the compiled function (across a graph break).
 """
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import torch
 
 from .formats import LevelStorage
 from .formats.format import from_text
+from .rules import RULES
 
 
 class Traceable:
@@ -33,10 +33,8 @@ class Traceable:
                 names.append(f"_pos{k}")
             if st.crd is not None:
                 names.append(f"_crd{k}")
-        v = self._vals
-        if v.requires_grad and not getattr(self, "_bridged", False) and type(v) in (torch.Tensor, torch.nn.Parameter) \
-                and not torch._is_functional_tensor(v):  # (a user's tensor: not a tracer's fake or functional one)
-            self._bridge_grad()
+        if self._vals.requires_grad and not torch_requires_grad(self) and attachable(self._vals, True):
+            attach(self)  # (made while grad mode was off: in the graph from here)
         return names, (str(self._format), len(self._levels))
 
     @classmethod
@@ -45,17 +43,62 @@ class Traceable:
         levels = [LevelStorage(pos=inner.get(f"_pos{k}"), crd=inner.get(f"_crd{k}")) for k in range(n)]
         return cls(from_text(fmt), outer_size, levels, inner["_vals"], check=False)
 
-    def _bridge_grad(self):
-        """Let a compiled graph's gradient of this input reach its values (the module's docstring). Only for leaf
-        values (a parameter): the gradient of values computed by an earlier op would have to flow on through
-        their graph."""
-        if not self._vals.is_leaf:
-            raise RuntimeError("scorch: under torch.compile a SparseTensor input whose values require grad must"
-                               " be a leaf (a parameter): compute it inside the compiled function, or detach it")
-        with torch._C.DisableTorchFunctionSubclass():
-            torch._C.TensorBase.requires_grad_(self)
-            torch.Tensor.register_post_accumulate_grad_hook(self, _move_grad_to_values)
-        self._bridged = True
+    # --- autograd: the graph lives on the values; the wrapper is in torch's graph too (the end of the module) -----
+    # (``is_leaf`` and ``grad_fn`` are torch's own, the wrapper's: a sparse parameter is a leaf, a computed SparseTensor
+    # hangs from a node over its values; ``values().grad_fn`` is the op's)
+    @property
+    def requires_grad(self) -> bool:
+        # (or the wrapper's own flag: a tracer's copy of a computed SparseTensor has its history, not its values')
+        return self._vals.requires_grad or torch_requires_grad(self)
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool):
+        self.requires_grad_(flag)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Traceable":
+        if requires_grad and self._format.keeps_duplicates and RULES.coalesce_leaf:  # (one gradient an entry, as
+            RULES.coalesce_leaf(self)  # torch's: an uncoalesced COO leaf's duplicates summed first, ops.pattern)
+        self._vals.requires_grad_(requires_grad)
+        if not requires_grad:
+            detach_wrapper(self)
+        elif not torch_requires_grad(self):  # the wrapper in torch's graph: see _traceable
+            if attachable(self._vals, True):
+                attach(self)
+            else:  # (a tracer's copy over fake values: the flag alone, as torch's tracers read it)
+                with torch._C.DisableTorchFunctionSubclass():
+                    torch._C.TensorBase.requires_grad_(self)
+        return self
+
+    @property
+    def grad(self):
+        """The gradient on this tensor's pattern (a SparseTensor sharing its index arrays), or None."""
+        g = self._vals.grad
+        if g is None:
+            return None
+        out = type(self)(self._format, self._shape, self._levels, g, check=False)
+        out._pattern_grad = True
+        return out
+
+    @grad.setter
+    def grad(self, g):
+        if g is None:
+            self._vals.grad = None
+            return
+        if type(g) is not type(self) or g._shape != self._shape or g._vals.shape != self._vals.shape:
+            raise ValueError("the grad of a SparseTensor must be a SparseTensor with the same shape and pattern")
+        self._vals.grad = g._vals
+
+    def retain_grad(self):
+        self._vals.retain_grad()
+
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """As ``torch.autograd.backward(self, ...)`` (``ops.autograd_api``: the graph lives on the values)."""
+        torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+    def _adopt(self):
+        """``adopt`` of this tensor alone (its direct methods that read the values), the cheap tests first."""
+        if not self._vals.requires_grad and torch._C._any_requires_grad(self) and torch.is_grad_enabled():
+            adopt((self,))
 
     def _stable_hash_for_caching(self) -> str:
         """The key of AOTAutograd's cache for this input: format text, shape and the inner arrays' types."""
@@ -94,14 +137,52 @@ def _unviewed(a):
                                                                a.stride())
 
 
-def _move_grad_to_values(x):
-    """The post-accumulate hook of a bridged SparseTensor (``_bridge_grad``): the wrapper's gradient (a SparseTensor
-    on its pattern) is added to the values' ``.grad``, and the wrapper's cleared."""
-    with torch._C.DisableTorchFunctionSubclass():
-        g = torch._C.TensorBase.grad.__get__(x)
-        torch._C.TensorBase.grad.__set__(x, None)
-    if g is None:
-        return
-    g = getattr(g, "_vals", g)
-    v = x._vals
-    v.grad = g.detach() if v.grad is None else v.grad + g
+# --- the wrapper in torch's autograd graph ------------------------------------------------------------------------
+# A SparseTensor's graph lives on its values: scorch's ops read ``_vals`` and record their own nodes. But torch reads
+# the wrapper itself where a tensor enters its autograd machinery without passing ``__torch_function__``: a user's
+# ``autograd.Function.apply`` (``ctx.needs_input_grad``, the gradient it returns), ``torch.utils.checkpoint``,
+# AOTAutograd's subclass inputs. There a wrapper torch sees as not requiring grad would drop its gradient silently.
+# So a wrapper whose values require grad is made a node of torch's graph over its values (``SparseTensor._attach``,
+# the rule ``attach_wrapper``, ``_autograd._Attach``): its gradient, dense, torch-sparse or a SparseTensor of any
+# pattern, is read at its stored positions and handed to the values, where hooks, ``retain_grad`` and accumulation
+# are torch's own.
+
+def torch_requires_grad(x) -> bool:
+    """The wrapper's own ``requires_grad``, as torch's autograd reads it (the property answers for the values too)."""
+    return torch._C._any_requires_grad(x)  # (no __torch_function__ on the way: the cheap read)
+
+
+def attachable(values, grad_mode: bool) -> bool:
+    """Whether a wrapper of ``values`` is put in torch's graph: they require grad, ``grad_mode`` (a graph is being
+    recorded, or the caller asks for the leaf's node), and they are a user's tensors: not a tracer's fake or
+    functional ones, nor a torch.func transform's wrapped ones (their own graph is the transform's)."""
+    return values.requires_grad and grad_mode and type(values) in (torch.Tensor, torch.nn.Parameter) and \
+        not torch._is_functional_tensor(values) and not torch._C._functorch.is_functorch_wrapped_tensor(values)
+
+
+def attach(x):
+    """Put ``x`` (its values require grad) in torch's graph (the rule ``attach_wrapper``, ``_autograd``)."""
+    if RULES.attach_wrapper is not None:  # (registered by ``_autograd``, which ``import scorch`` loads)
+        RULES.attach_wrapper(x)
+
+
+def detach_wrapper(x):
+    """Take ``x``'s wrapper out of torch's graph (``requires_grad_(False)``, ``detach_()``)."""
+    if torch_requires_grad(x):
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._C.TensorBase.detach_(x)
+
+
+def adopt(tensors, kwargs=None):
+    """The other way round: a SparseTensor among ``tensors`` whose wrapper torch gave a history its values lack (the
+    output of a user's autograd.Function, of a reentrant checkpoint) gets values under that history (the rule
+    ``adopt_wrapper``), so that scorch's ops, which read the values, pass its gradient on. Called as an op starts, with
+    grad mode on; ``kwargs``' values too, and the tensors of a list or tuple among them."""
+    if not torch.is_grad_enabled() or not torch._C._any_requires_grad(*tensors, *(kwargs.values() if kwargs else ())):
+        return  # (one C call: no tensor among them, in lists either, requires grad, the wrapper's flag included)
+    for x in (tensors if not kwargs else (*tensors, *kwargs.values())):
+        if type(x) in (list, tuple):
+            adopt(x)
+        elif isinstance(x, Traceable) and not x._vals.requires_grad and torch_requires_grad(x) and \
+                type(x._vals) in (torch.Tensor, torch.nn.Parameter) and RULES.adopt_wrapper is not None:
+            RULES.adopt_wrapper(x)

@@ -94,7 +94,8 @@ def behaviour(func) -> tuple[str, str]:
     if func in _NO_FALLBACK:
         return "error", "about dense storage: a SparseTensor's arrays are `values()` and `levels`"
     if getattr(SparseTensor, name, None) is not None and getattr(SparseTensor, name) is not \
-            getattr(torch.Tensor, name, None) and name in SparseTensor.__dict__:
+            getattr(torch.Tensor, name, None) and any(name in c.__dict__ for c in SparseTensor.__mro__
+                                                      if not issubclass(torch.Tensor, c)):  # (its mixin's too)
         return "sparse rule", f"`SparseTensor.{name}`"
     if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
         return "error", "in place on a sparse tensor (with a dense `self`: dense fallback)"

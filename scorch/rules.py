@@ -11,7 +11,9 @@ Rules, by owner:
 
 - ``_autograd``: ``differentiable_einsum(equation, operands, format)`` and ``differentiable_run(inputs, out, ops,
   **options)``, the einsum and the generalized assignment recording a graph; ``differentiable_convert(x, convert)``,
-  a format conversion recording one.
+  a format conversion recording one; ``attach_wrapper(x)``, a SparseTensor made a node of torch's graph over its
+  values (``_traceable``: where torch reads the wrapper itself, its gradient reaches the values);
+  ``adopt_wrapper(x)``, new values for a SparseTensor whose wrapper has a history in torch's graph they lack.
 - ``deferred``: ``lazy_type``, the type of a lazy (deferred) value; ``compute_lazy(values)``, computing every lazy
   value among ``values``; ``substitute_lazy(equation, operands)``, an einsum over lazy operands as one expression
   (``(equation, operands, format)``) or None.
@@ -36,7 +38,8 @@ class LazyNever:
 class Rules:
     __slots__ = ("differentiable_einsum", "differentiable_run", "differentiable_convert", "lazy_type",
                  "compute_lazy", "substitute_lazy", "fused_product", "lazy_epilogue", "to_dense", "asformat",
-                 "to_torch", "traced_op", "traced_tensor", "coalesce_leaf", "product_operator")
+                 "to_torch", "traced_op", "traced_tensor", "coalesce_leaf", "attach_wrapper",
+                 "adopt_wrapper", "product_operator")
 
     def __init__(self):
         for name in self.__slots__:

@@ -18,7 +18,7 @@ from .formats import named
 from .formats.named import short_name
 from .formats import storage as _storage
 from .rules import RULES
-from ._traceable import Traceable
+from ._traceable import Traceable, adopt, attach, attachable, detach_wrapper
 
 #: torch function or method -> scorch implementation, filled next to each implementation by ``implements``
 IMPLEMENTATIONS: dict = {}
@@ -95,12 +95,14 @@ class SparseTensor(Traceable, torch.Tensor):
             _storage.validate(fmt, shape, levels, values)
         elif len(levels) != len(fmt.levels):
             raise ValueError(f"format {fmt} has {len(fmt.levels)} levels, storage has {len(levels)}")
-        # the wrapper itself never requires grad: autograd runs on the values (see scorch/autograd.py)
+        # autograd runs on the values (scorch/_autograd.py); the wrapper is a node over them (_traceable.py)
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=values.dtype, device=values.device)
         if requires_grad and not values.requires_grad:
             values = (values if values.is_leaf else values.detach()).requires_grad_()
         r._format, r._levels, r._vals, r._shape = fmt, levels, values, shape
         r._index_dtype = next((a.dtype for st in levels for a in (st.pos, st.crd) if a is not None), torch.int64)
+        if values.requires_grad and attachable(values, requires_grad or torch.is_grad_enabled()):
+            attach(r)
         return r
 
     # --- routing -------------------------------------------------------------------------------------------
@@ -114,6 +116,8 @@ class SparseTensor(Traceable, torch.Tensor):
             r = RULES.traced_op(func, types, args, kwargs)
             if r is not NotImplemented:
                 return r
+        if func not in _METADATA:
+            adopt(args, kwargs)  # (a wrapper with a history its values lack: _traceable)
         impl = IMPLEMENTATIONS.get(func)
         if impl is not None:
             if RULES.lazy_type in types and not getattr(impl, "fuses", False):
@@ -146,8 +150,11 @@ class SparseTensor(Traceable, torch.Tensor):
         # reached below autograd (torch internals that skip __torch_function__): without a gradient to lose, the
         # op runs on the dense form as a fallback; with one, the dense result would not reach the stored values
         kwargs = kwargs or {}
-        if func is torch.ops.aten.detach.default and type(args[0]) is SparseTensor:  # (AccumulateGrad's)
-            return args[0].detach()
+        if func is torch.ops.aten.detach.default and type(args[0]) is SparseTensor:  # (AccumulateGrad's, a tracer's)
+            x = args[0]  # (a tracer's copy over fake values keeps them: their requires_grad is what AOTAutograd reads)
+            return x.detach() if type(x._vals) in (torch.Tensor, torch.nn.Parameter) else x._wrap(x._vals)
+        if func is torch.ops.aten.detach_.default and type(args[0]) is SparseTensor:  # (_traceable.detach_wrapper)
+            return args[0]
         if _getting.depth:  # an attribute read: __torch_function__ computes it, differentiably, under its name
             raise _ReachedDispatch(f"scorch: {func} reached torch's dispatcher")
         sparse = [x for x in _flat((args, kwargs)) if type(x) is SparseTensor]
@@ -173,6 +180,7 @@ class SparseTensor(Traceable, torch.Tensor):
 
     def values(self) -> torch.Tensor:
         """The 1-d array of stored values, one per stored position (padding included)."""
+        self._adopt()  # (a wrapper with a history its values lack: _traceable)
         return self._vals
 
     @property
@@ -242,70 +250,24 @@ class SparseTensor(Traceable, torch.Tensor):
                                                 device=self._vals.device)
         r._format, r._levels, r._vals, r._shape = self._format, self._levels, values, self._shape
         r._index_dtype = self._index_dtype
+        if values.requires_grad and attachable(values, torch.is_grad_enabled()):
+            attach(r)
         if self.__dict__.get("_pattern_grad"):  # (a parameter's gradient, changed: ``grad.add(p, alpha=wd)``)
             r._pattern_grad = True
         return r
 
     def _map_arrays(self, fn):
+        self._adopt()
         levels = tuple(st.map(fn) for st in self._levels)
         return SparseTensor(self._format, self.shape, levels, fn(self._vals), check=False)
 
-    # --- autograd: the graph lives on the values ---------------------------------------------------------------
-    @property
-    def requires_grad(self) -> bool:
-        return self._vals.requires_grad
-
-    @requires_grad.setter
-    def requires_grad(self, flag: bool):
-        self.requires_grad_(flag)
-
-    def requires_grad_(self, requires_grad: bool = True) -> "SparseTensor":
-        if requires_grad and self._format.keeps_duplicates and RULES.coalesce_leaf:  # (one gradient an entry, as
-            RULES.coalesce_leaf(self)  # torch's: an uncoalesced COO leaf's duplicates summed first, ops.pattern)
-        self._vals.requires_grad_(requires_grad)
-        if getattr(self, "_bridged", False):  # (the wrapper's own flag follows: see _bridge_grad)
-            with torch._C.DisableTorchFunctionSubclass():
-                torch._C.TensorBase.requires_grad_(self, requires_grad)
-        return self
-
-    @property
-    def grad(self):
-        """The gradient on this tensor's pattern (a SparseTensor sharing its index arrays), or None."""
-        g = self._vals.grad
-        if g is None:
-            return None
-        out = SparseTensor(self._format, self._shape, self._levels, g, check=False)
-        out._pattern_grad = True
-        return out
-
-    @grad.setter
-    def grad(self, g):
-        if g is None:
-            self._vals.grad = None
-            return
-        if type(g) is not SparseTensor or g._shape != self._shape or g._vals.shape != self._vals.shape:
-            raise ValueError("the grad of a SparseTensor must be a SparseTensor with the same shape and pattern")
-        self._vals.grad = g._vals
-
-    @property
-    def grad_fn(self):
-        return self._vals.grad_fn
-
-    @property
-    def is_leaf(self) -> bool:
-        return self._vals.is_leaf
-
-    def retain_grad(self):
-        self._vals.retain_grad()
-
-    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-        """As ``torch.autograd.backward(self, ...)`` (``ops.autograd_api``: the graph lives on the values)."""
-        torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+    # --- autograd: the graph lives on the values; the wrapper is in torch's graph too: the mixin ``Traceable`` ---
 
     # --- conversions -------------------------------------------------------------------------------------------
     def to_dense(self, dtype=None, *, masked_grad=None) -> torch.Tensor:
         """The dense tensor (differentiable: the gradient reaches the stored values). On the CPU a generated
         kernel writes it (``engine.densify``); elsewhere, and for small storage, the entries are listed."""
+        self._adopt()
         out = RULES.traced_op(torch.Tensor.to_dense, (), (self,), {}) if torch.compiler.is_compiling() else \
             RULES.to_dense(self._format, self._shape, self._levels, self._vals)  # (compiling: one custom op)
         if out is None:
@@ -314,9 +276,11 @@ class SparseTensor(Traceable, torch.Tensor):
 
     def to_torch(self) -> torch.Tensor:
         """The torch layout this format matches (COO, CSR, CSC, BSR, BSC or strided), sharing storage."""
+        self._adopt()
         return RULES.to_torch(self)
 
     def asformat(self, format, **kwargs) -> "SparseTensor":
+        self._adopt()
         return RULES.asformat(self, format, **kwargs)
 
     def to(self, *args, **kwargs) -> "SparseTensor":
@@ -324,6 +288,7 @@ class SparseTensor(Traceable, torch.Tensor):
         copy = kwargs.pop("copy", False)
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         out = self
+        self._adopt()
         if device is not None and torch.device(device) != self.device:
             out = out._map_arrays(lambda a: a.to(device, non_blocking=non_blocking))
         if dtype is not None and dtype != self.dtype:
@@ -361,6 +326,7 @@ class SparseTensor(Traceable, torch.Tensor):
     def detach_(self) -> "SparseTensor":
         """The values detached in place (their graph dropped; they no longer require grad)."""
         self._vals = self._vals.detach()
+        detach_wrapper(self)
         return self
 
     def cpu(self):

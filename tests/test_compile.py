@@ -84,7 +84,7 @@ def test_custom_op_opcheck():
 
 def _check_sparse_grad(fmt, backend, steps=1):
     """A's values require grad: the compiled graph's SDDMM gradient reaches ``A.values().grad`` (through the
-    wrapper, ``SparseTensor._bridge_grad``), as eager's does, accumulating over calls."""
+    wrapper, a leaf of torch's graph itself: ``_autograd.attach_wrapper``), as eager's does, accumulating over calls."""
     A, X, W = _graph(fmt)
     A.requires_grad_()
     W.requires_grad_()
@@ -109,11 +109,15 @@ def test_sparse_input_gradient():
     _check_sparse_grad("csr", "aot_eager", steps=2)
 
 
-def test_sparse_input_non_leaf_is_refused():
+def test_sparse_input_non_leaf_passes_its_gradient_on():
+    """A SparseTensor computed before the compiled function (its values a non-leaf) is in torch's graph as a node over
+    its values: the compiled graph's gradient for it reaches the leaf, as eager's does."""
     A, X, W = _graph("csr")
-    A = A.with_values(A.values().detach().requires_grad_() * 2)
-    with pytest.raises(Exception, match="must be a leaf"):
-        torch.compile(gcn_loss, fullgraph=True, backend="aot_eager")(A, X, W)
+    leaf = A.values().detach().requires_grad_()
+    gcn_loss(A.with_values(leaf * 2), X, W).backward()
+    expected, leaf.grad = leaf.grad.clone(), None
+    torch.compile(gcn_loss, fullgraph=True, backend="aot_eager")(A.with_values(leaf * 2), X, W).backward()
+    torch.testing.assert_close(leaf.grad, expected)
 
 
 def test_unsupported_op_names_itself():

@@ -50,7 +50,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "scorch.sparse_tensor": ("scorch.sparse_tensor", "scorch.formats", *LOOP_IR, "scorch._stats", "scorch.rules",
                              "scorch._traceable"),
     # SparseTensor's mixin for torch.compile's subclass tracing (__tensor_flatten__...): beside it, above formats
-    "scorch._traceable": ("scorch._traceable", "scorch.formats", *LOOP_IR),
+    "scorch._traceable": ("scorch._traceable", "scorch.formats", "scorch.rules", *LOOP_IR),
     "scorch.rules": ("scorch.rules",),  # the rule table the upper layers fill: a leaf
     "scorch.unary_maps": ("scorch.unary_maps",),  # one record per unary map, read by every layer: a leaf
     **{ir: LOOP_IR for ir in LOOP_IR},  # the loop IR is a leaf: it imports nothing else of scorch

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._autograd import values_at
+from .._traceable import torch_requires_grad
 from ..sparse_tensor import SparseTensor, implements
 
 
@@ -47,9 +48,9 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     if len(given) != len(outputs):
         raise RuntimeError(f"grad requires one gradient per output: got {len(given)} for {len(outputs)} outputs")
     tensors, grads = _graph_outputs(outputs, given)
-    # a SparseTensor input of a torch.compile'd graph is in that graph as the wrapper itself (``_bridged``, see
-    # ``_traceable``): both it and its values are differentiated, and their gradients added
-    bridged = [type(x) is SparseTensor and getattr(x, "_bridged", False) for x in inputs]
+    # a sparse leaf is a leaf of torch's graph itself, where torch reads the wrapper (a compiled graph, a user's
+    # autograd.Function: ``_traceable``): both it and its values are differentiated, and their gradients added
+    bridged = [_leaf_wrapper(x) for x in inputs]
     flat = [x._vals if type(x) is SparseTensor else x for x in inputs] + [x for x, b in zip(inputs, bridged) if b]
     with torch._C.DisableTorchFunctionSubclass():
         got = list(torch.autograd.grad(tensors, flat, grads, retain_graph=retain_graph, create_graph=create_graph,
@@ -59,13 +60,19 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     for k, b in enumerate(bridged):
         if b:
             g = next(extra)
-            g = g._vals if type(g) is SparseTensor else g
+            g = None if g is None else values_at(g, inputs[k])
             got[k] = g if got[k] is None else got[k] if g is None else got[k] + g
             if got[k] is None and not allow_unused:
                 raise RuntimeError("One of the differentiated Tensors appears to not have been used in the graph. "
                                    "Set allow_unused=True if this is the desired behavior.")
     return tuple(g if g is None or type(x) is not SparseTensor else _on_pattern(x, g)
                  for x, g in zip(inputs, got[:len(inputs)]))
+
+
+def _leaf_wrapper(x) -> bool:
+    """Whether ``x`` is a SparseTensor whose wrapper is a leaf of torch's graph requiring grad
+    (``_autograd.attach_wrapper``)."""
+    return type(x) is SparseTensor and x.__dict__.get("_bridged", False) and torch_requires_grad(x)
 
 
 def _on_pattern(x: SparseTensor, g: torch.Tensor) -> SparseTensor:
@@ -82,10 +89,10 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     given = grad_tensors if grad_tensors is not None else grad_variables
     given = [None] * len(tensors) if given is None else list(_tuple(given))
     graph, grads = _graph_outputs(tensors, given)
-    if inputs is not None:  # (a compiled graph's SparseTensor input is the wrapper too: see ``grad``)
+    if inputs is not None:  # (a sparse leaf's wrapper too: see ``grad``)
         given_inputs = _tuple(inputs)
         inputs = [x._vals if type(x) is SparseTensor else x for x in given_inputs] + [
-            x for x in given_inputs if type(x) is SparseTensor and getattr(x, "_bridged", False)]
+            x for x in given_inputs if _leaf_wrapper(x)]
     with torch._C.DisableTorchFunctionSubclass():
         torch.autograd.backward(graph, grads, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 

@@ -8,6 +8,7 @@ import torch
 
 from .. import deferred, fusion
 from .._autograd import differentiable_einsum, pattern_ones
+from .._traceable import adopt
 from ..deferred import Deferred
 from .. import engine
 from ..rules import RULES
@@ -351,12 +352,14 @@ def _operator(s, other, left: bool = True):
     fast = engine.kept_product(s, other, left)
     if fast and _deferral.value != "all":
         return fast(operands, None)
+    adopt(operands)  # (the long way only: a kept call's test refuses values that require grad)
     try:
         result = matmul(*operands)
     except NoSparseRule as why:  # (as through torch.matmul: the dense form's product, warned and counted)
         return dense_fallback(torch.matmul, operands, {}, why)
     if fast is None and len(s._shape) == 2 and type(other) is torch.Tensor and 1 <= other.dim() <= 2 and \
-            deferred.mode() != "all":
+            deferred.mode() != "all" and (s._vals.requires_grad or not torch._C._any_requires_grad(s)):
+        # (not for a wrapper with a history its values lack, met under no_grad: a kept call would skip ``adopt``)
         engine.keep_product(s, other, left, matmul_equation(2, other.dim()) if left else
                             matmul_equation(other.dim(), 2))
         if not _installed:
