@@ -15,8 +15,8 @@ front door (``scorch.ops``) and the layers that wrap calls (``_autograd``, ``def
 from .args import SUPPORTED, argument, arguments, level_info, tensor_type  # noqa: F401
 from .bind import backend_for, cpu_backend, index_sizes, structural_results  # noqa: F401
 from .convert import asformat, convert, from_torch, to_torch  # noqa: F401
-from .evaluate import dense_result, einsum, explain, prepare, product_operators, scaled  # noqa: F401
-from .prepared import SDDMM, keep_product, keep_sddmm, kept_product, kept_sddmm  # noqa: F401
+from .evaluate import dense_result, einsum, explain, prepare, scaled  # noqa: F401
+from .prepared import SDDMM, keep_product, keep_sddmm, kept_product, kept_sddmm, product_operators  # noqa: F401
 from .run import row_plan, run  # noqa: F401
 
 from ..rules import RULES  # noqa: E402

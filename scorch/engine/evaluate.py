@@ -21,16 +21,16 @@ from .. import loopir as L
 from ..formats import named
 from ..rules import RULES
 from ..sparse_tensor import NoSparseRule, SparseTensor, needs_grad, shape_of
-from . import direct, grouped, prepared
+from . import grouped, prepared
+from .prepared import _functorch_wrapped
 from .prepared import SDDMM, keep_product, keep_sddmm, kept_call, kept_product, kept_sddmm  # noqa: F401  (old names)
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
-from .bind import _CPU_BACKEND, STRUCTURAL, backend_for, cast, index_sizes, result_dtype
+from .bind import backend_for, cast, index_sizes, result_dtype
 from .run import run
 
 _PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
 _FAST_EQ = prepared.BY_EQUATION  # (the name tests and tools knew it by)
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def prepare(operands):
@@ -53,12 +53,6 @@ def prepare(operands):
         else:
             raise TypeError(f"einsum operands must be tensors, got {type(x).__name__}")
     return out
-
-
-def product_operators(fallback, deferral):
-    """``(__matmul__, __rmatmul__)`` in C (``direct.operators``): ``prepared.kept_product``'s test and the kept call
-    in one C function, ``fallback(s, other, left)`` for every other product; None where there is no C helper."""
-    return direct.operators(fallback, prepared.BY_EQUATION, STRUCTURAL, _CPU_BACKEND, deferral, prepared.FIELDS)
 
 
 def _sums_integers(equation, x) -> bool:

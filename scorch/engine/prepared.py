@@ -161,6 +161,12 @@ def kept_product(s, other, left: bool):
     return entry.prepared.run
 
 
+def product_operators(fallback, deferral):
+    """``(__matmul__, __rmatmul__)`` in C (``direct.operators``): ``kept_product``'s test (``stands``) and the kept
+    call in one C function, ``fallback(s, other, left)`` for every other product; None where there is no C helper."""
+    return direct.operators(fallback, BY_EQUATION, STRUCTURAL, _CPU_BACKEND, deferral, FIELDS)
+
+
 def find(sig) -> Prepared | None:
     """The prepared call of the einsum signature ``sig`` (``equation_key``): in memory, else kept on disk (looked
     for once per signature and thread count in a process: a call that is never kept, such as a gradient's on a
