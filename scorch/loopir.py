@@ -293,6 +293,7 @@ class Parallel:
     kind: str = "static"
     pos: Optional[str] = None
     setup: "Block" = None  # statements each thread runs once before its iterations (private workspaces)
+    chunk: int = 16  # (``static`` with a ``setup``) iterations handed to a thread at a time, as threads come free
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from .._autograd import differentiable_einsum, pattern_ones
 from .._traceable import adopt
 from ..deferred import Deferred
 from .. import engine
+from ..engine import weights as weight_kernels
 from ..rules import RULES
 from ..formats import Mod, named
 from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, dense_fallback, device_of, dtype_of, implements,
@@ -252,6 +253,15 @@ def linear(input, weight, bias=None):
         lead = tuple(input.shape[:-1])
         x = input.reshape(math.prod(lead), n_in)  # (not -1: no row count follows from 0 elements when n_in is 0)
         n, w = x.shape[0], engine.prepare([weight])[0]
+        if weight_kernels.applies(w, x):
+            # the activation read in its own layout, the result written row-major (``engine.weights``)
+            if needs_grad((weight, x)):
+                out = differentiable_einsum("oi,bi->ob", (weight, x), "dense",
+                                            compute=lambda w_, x_: weight_kernels.linear(w_, x_).t()).t()
+            else:
+                out, bias = weight_kernels.linear(w, x, bias), None
+            return out.reshape(*lead, shape_of(weight)[0]) if bias is None else \
+                out.reshape(*lead, shape_of(weight)[0]) + bias
         rows = BATCH_TILE if any(isinstance(e, Mod) for e in w.format.exprs) else BATCH_TILE // 2
         if not _batch_tiles(weight, x, rows):
             out = engine.einsum("oi,bi->ob", weight, x, format="dense")

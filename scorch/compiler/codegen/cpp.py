@@ -299,7 +299,7 @@ class _Emitter:
                         f"{pad}for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 1) \
                     + [f"{pad}}}"]
             return [f"{pad}#pragma omp parallel{self.threads}", f"{pad}{{"] + setup + [
-                f"{pad}  #pragma omp for schedule(dynamic, 16)",
+                f"{pad}  #pragma omp for schedule(dynamic, {int(s.parallel.chunk)})",
                 f"{pad}  for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 2) + \
                 [f"{pad}  }}", f"{pad}}}"]
         if s.parallel.kind != "nnz":

@@ -1,0 +1,194 @@
+"""The dense-activation x sparse-weight kernel family (``compiler.weights``, ``engine.weights``): ``F.linear`` with
+a CSR, BSR or n:m weight against dense torch on the masked weight, across token counts (partial tiles, several
+tiles, fewer tiles than threads), odd sizes, all-zero rows, fully dense weights, 16-bit values, index widths,
+thread counts, values and gradients; and the loop IR itself run by the NumPy interpreter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import scorch
+from scorch import loopir as L
+from scorch.compiler import interp, weights as family
+from scorch.compiler.target import CPU, Target
+from scorch.engine import weights as kernels
+
+F = torch.nn.functional
+FORMATS = ("csr", "bsr(2, 2)", "bsr(4, 8)", "bsr(16, 16)", "nm(2, 4)", "nm(1, 2)")
+
+
+def _weight(fmt: str, out: int, inp: int, density: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g)
+    if fmt.startswith("bsr"):
+        bh, bw = scorch.formats.named.block_size(scorch.formats.named.resolve(fmt))
+        keep = torch.rand(out // bh, inp // bw, generator=g) < density
+        return w * keep.repeat_interleave(bh, 0).repeat_interleave(bw, 1)
+    if fmt.startswith("nm"):
+        n, m = (int(v) for v in fmt[3:-1].split(","))
+        return w * scorch.nn.NM(n, m).mask(w)
+    return w * (torch.rand(out, inp, generator=g) < density)
+
+
+def _shape(fmt, out, inp):
+    """``(out, inp)`` rounded up to what the format's blocks or groups tile."""
+    if fmt.startswith("bsr"):
+        bh, bw = scorch.formats.named.block_size(scorch.formats.named.resolve(fmt))
+        return -(-out // bh) * bh, -(-inp // bw) * bw
+    if fmt.startswith("nm"):
+        m = int(fmt[3:-1].split(",")[1])
+        return out, -(-inp // m) * m
+    return out, inp
+
+
+def _served(monkeypatch):
+    """A list that records each call the family serves."""
+    calls = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), out=st.integers(1, 70), inp=st.integers(1, 70), tokens=st.integers(8, 150),
+       density=st.sampled_from([0.0, 0.1, 0.5, 1.0]), bias=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_linear_equals_dense_linear(fmt, out, inp, tokens, density, bias, seed):
+    out, inp = _shape(fmt, out, inp)
+    w = _weight(fmt, out, inp, density, seed)
+    x = torch.randn(tokens, inp, generator=torch.Generator().manual_seed(seed + 1))
+    b = torch.randn(out) if bias else None
+    s = scorch.asformat(w, fmt)
+    assert kernels.applies(s, x)
+    torch.testing.assert_close(F.linear(x, s, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_family_serves_linear_and_writes_row_major(fmt, monkeypatch):
+    calls = _served(monkeypatch)
+    out, inp = _shape(fmt, 48, 40)
+    w = _weight(fmt, out, inp, 0.3, 1)
+    x = torch.randn(3, 33, inp)
+    y = F.linear(x, scorch.asformat(w, fmt))
+    assert calls and y.is_contiguous() and y.shape == (3, 33, out)
+    torch.testing.assert_close(y, F.linear(x, w))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_index_widths(fmt, index_dtype):
+    out, inp = _shape(fmt, 32, 24)
+    w = _weight(fmt, out, inp, 0.4, 2)
+    if fmt.startswith("nm"):
+        s = scorch.asformat(w, fmt)  # (n:m offsets have their own narrow type)
+    else:
+        s = scorch.asformat(w, fmt, index_dtype=index_dtype)
+    x = torch.randn(20, inp)
+    torch.testing.assert_close(F.linear(x, s), F.linear(x, w))
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(4, 4)", "nm(2, 4)"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_values(fmt, dtype):
+    out, inp = _shape(fmt, 64, 96)
+    w = _weight(fmt, out, inp, 0.3, 3).to(dtype)
+    x, b = torch.randn(40, inp).to(dtype), torch.randn(out).to(dtype)
+    y = F.linear(x, scorch.asformat(w, fmt), b)
+    assert y.dtype == dtype
+    # the family sums in float32 and rounds once: within a 16-bit rounding of the float32 product
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_edges_all_zero_rows_dense_weight_and_empty(fmt):
+    out, inp = _shape(fmt, 32, 16)
+    x = torch.randn(17, inp)
+    for w in (torch.zeros(out, inp), _weight(fmt, out, inp, 1.0, 4)):
+        torch.testing.assert_close(F.linear(x, scorch.asformat(w, fmt), torch.ones(out)),
+                                   F.linear(x, w, torch.ones(out)))
+    w = _weight(fmt, out, inp, 0.5, 5)
+    w[: out // 2] = 0  # (whole rows without entries)
+    torch.testing.assert_close(F.linear(x, scorch.asformat(w, fmt)), F.linear(x, w))
+    assert F.linear(torch.randn(0, inp), scorch.asformat(w, fmt)).shape == (0, out)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(16, 16)", "nm(2, 4)"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_and_row_chunks(fmt, threads):
+    """Few token tiles split the rows into chunks (more work items than tiles): every thread count gives the
+    same values."""
+    out, inp = _shape(fmt, 200, 64)
+    w = _weight(fmt, out, inp, 0.3, 6)
+    s = scorch.asformat(w, fmt)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for tokens in (8, 16, 70, 300):
+            x = torch.randn(tokens, inp)
+            torch.testing.assert_close(F.linear(x, s), F.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(4, 4)", "nm(2, 4)"])
+def test_gradients_equal_the_masked_dense_layer(fmt):
+    out, inp = _shape(fmt, 40, 36)
+    w = _weight(fmt, out, inp, 0.4, 7)
+    x = torch.randn(2, 19, inp, requires_grad=True)
+    b = torch.randn(out, requires_grad=True)
+    s = scorch.asformat(w, fmt).requires_grad_()
+    g = torch.randn(2, 19, out)
+    F.linear(x, s, b).backward(g)
+    xd, bd, wd = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_(), w.clone().requires_grad_()
+    F.linear(xd, wd, bd).backward(g)
+    torch.testing.assert_close(x.grad, xd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, bd.grad)
+    dense_grad = s.grad.to_dense() if isinstance(s.grad, scorch.SparseTensor) else s.grad
+    mask = scorch.asformat(w, fmt).to_dense() != 0
+    torch.testing.assert_close(dense_grad * mask, wd.grad * mask, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(2, 2)", "nm(2, 4)"])
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_the_loop_ir_runs_in_the_interpreter(fmt, lanes):
+    """The kernels are loop IR: the NumPy interpreter runs the same program (forward, and the input gradient)
+    to the dense product."""
+    out, inp = _shape(fmt, 12, 8)
+    w = _weight(fmt, out, inp, 0.5, 8)
+    s = scorch.asformat(w, fmt)
+    kind, block, group = kernels.kind_of(s)
+    arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
+    target = Target("cpu", vector_bytes=4 * lanes)
+    tokens = 7
+    x, b = torch.randn(tokens, inp), torch.randn(out)
+    for transposed in (False, True):
+        plan = family.tiles(target, kind, tokens, "f32", "f32", L.type_of(arrays.get("pos", arrays["crd"]).dtype)
+                            if "pos" in arrays else "i64", L.type_of(arrays["crd"].dtype), block, group,
+                            bias=not transposed, transposed=transposed)
+        kernel = family.backward_input(plan) if transposed else family.forward(plan)
+        src = torch.randn(tokens, out) if transposed else x
+        res = np.zeros((tokens, inp if transposed else out), dtype=np.float32)
+        args = {"crd": arrays["crd"].numpy(), "vals": s._vals.numpy(), "n": tokens, "n_in": inp, "n_out": out,
+                "groups": inp // group[1], "chunks": 1 if transposed else 2, "row_chunk": -(-out // 2 // plan.rows)
+                * plan.rows if not transposed else out, "nthreads": 1,
+                ("dy" if transposed else "x"): src.reshape(-1).numpy(), ("dx" if transposed else "y"): res.reshape(-1)}
+        if "pos" in arrays:
+            args["pos"] = arrays["pos"].numpy()
+        if not transposed:
+            args["bias"] = b.numpy()
+        interp.run(kernel, args)
+        want = src @ w if transposed else F.linear(x, w, b)
+        torch.testing.assert_close(torch.from_numpy(res), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_tile_shape_follows_the_target():
+    """Wider vectors, wider tiles; a handful of tokens takes one vector; BSR shares each panel load among the
+    block's rows."""
+    wide, narrow = Target("cpu", vector_bytes=64), Target("cpu", vector_bytes=32)
+    assert family.tiles(wide, "csr", 1024, "f32", "f32", "i32", "i32").T == 64
+    assert family.tiles(narrow, "csr", 1024, "f32", "f32", "i32", "i32").T == 32
+    assert family.tiles(wide, "csr", 8, "f32", "f32", "i32", "i32").T == 16
+    assert family.tiles(wide, "bsr", 1024, "f32", "f32", "i32", "i32", block=(16, 16)).row_pass == 16
+    assert not family.serves(wide, "bsr", 1) and family.serves(wide, "csr", 2)
