@@ -35,11 +35,11 @@ class _Spec:
     """What a Function needs besides its tensor inputs: the index letters, the sparse operands' structure,
     the requested format, and (after forward) the structure of a sparse result."""
 
-    __slots__ = ("inputs", "out", "format", "structure", "result", "schedule", "compute")
+    __slots__ = ("inputs", "out", "format", "structure", "result", "schedule", "compute", "gradient")
 
-    def __init__(self, inputs, out, fmt, operands, schedule=None, compute=None):
+    def __init__(self, inputs, out, fmt, operands, schedule=None, compute=None, gradient=None):
         self.inputs, self.out, self.format, self.schedule = inputs, out, fmt, schedule
-        self.compute = compute
+        self.compute, self.gradient = compute, gradient
         self.structure = [(x._format, x._shape, x._levels) if type(x) is SparseTensor else None for x in operands]
         self.result = None
 
@@ -83,21 +83,28 @@ class _Einsum(torch.autograd.Function):
         gout = spec.wrap(grad)
         grads = [None]
         for k in range(len(ops)):
-            grads.append(_einsum_grad(k, spec.inputs, spec.out, ops, gout) if ctx.needs_input_grad[k + 1] else None)
+            g = None
+            if ctx.needs_input_grad[k + 1]:
+                # (a gradient computed otherwise serves a first backward only: the einsum's own is differentiable)
+                g = spec.gradient(k, ops, gout) if spec.gradient is not None and not torch.is_grad_enabled() else None
+                g = _einsum_grad(k, spec.inputs, spec.out, ops, gout) if g is None else g
+            grads.append(g)
         return tuple(grads)
 
 
-def differentiable_einsum(equation: str, operands, format=None, schedule=None, compute=None):
+def differentiable_einsum(equation: str, operands, format=None, schedule=None, compute=None, gradient=None):
     """``engine.einsum`` recording a graph: the result's values (or dense result) have a ``grad_fn``. The user's
     ``schedule`` directs the forward kernel (the gradients are other expressions, scheduled by the compiler).
     ``compute(*operands)``: the forward result computed otherwise (the same einsum, in pieces: a sparse-weight
-    ``linear`` in batch tiles), the graph still one node whose gradients are the einsum's."""
+    ``linear`` in batch tiles), the graph still one node whose gradients are the einsum's. ``gradient(k, operands,
+    grad_out)``: operand ``k``'s gradient computed otherwise (a sparse operand's: its values'), or None for the
+    einsum's; used in a first backward (a double backward takes the einsum's, which is differentiable)."""
     from .engine import prepare
     from .compiler.einsum import parse
     from .sparse_tensor import shape_of
     ops = prepare(operands)
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
-    spec = _Spec(inputs, out, format, ops, schedule, compute)
+    spec = _Spec(inputs, out, format, ops, schedule, compute, gradient)
     values = _Einsum.apply(spec, *_tensors(ops))
     return spec.wrap(values)
 

@@ -123,6 +123,11 @@ def _mul(a, b):
     return L.binary("mul", a, b)
 
 
+def _f32(e: L.Expr) -> L.Expr:
+    """``e`` as float32 (16-bit values widen; a float32 expression stays as it is, a vector as well)."""
+    return e if e.type == F32 else L.Cast(e, F32)
+
+
 def _vloop(T, lanes, *body):
     """``for bv in [0, T)`` as explicit vectors of ``lanes`` (a plain loop where the target has none)."""
     return L.For(_bv, _c(0), _c(T), L.block(*body), vector=lanes if lanes > 1 else 0)
@@ -310,8 +315,7 @@ def backward_input(plan: Tiles) -> L.Kernel:
         return _vloop(T, plan.lanes, L.Store("z", _add(_mul(col, _c(T)), _bv),
                                              _mul(L.Cast(w, F32), L.Load("panel", _add(_mul(row, _c(T)), _bv), F32)),
                                              "add"))
-    zero = L.For(f, _c(0), n_in, L.block(_vloop(T, plan.lanes, L.Store("z", _add(_mul(f, _c(T)), _bv),
-                                                                      L.Const(0.0, F32)))))
+    zero = L.For(f, _c(0), _mul(n_in, _c(T)), L.block(L.Store("z", f, L.Const(0.0, F32))))
     if plan.kind == "bsr":
         (bh, bw), br, p, c, r, c0 = plan.block, L.Var("br"), L.Var("p"), L.Var("c"), L.Var("r"), L.Var("c0")
         w = L.Load("vals", _add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), c), plan.vtype)
@@ -329,3 +333,100 @@ def backward_input(plan: Tiles) -> L.Kernel:
     setup_z = L.Alloc("z", F32, _mul(n_in, _c(T)))
     work = _work(plan, n_out, "dy", [zero, rows, store(plan, "dx", n_in, _c(0), n_in, buf="z")], extra=setup_z)
     return L.Kernel(plan.name, _params(plan, "dy", "dx"), L.block(work))
+
+
+def weight_grad(plan: Tiles) -> L.Kernel:
+    """``dw[p] = sum over tokens of dy[t, row(p)] * x[t, col(p)]`` at every stored weight ``p`` (the gradient of the
+    values: an SDDMM on the weight's pattern), ``x`` and ``dy`` read in their row-major layouts through panels.
+    Work items are chunks of ``row_chunk`` output rows (a thread owns its rows' gradients), each running every
+    token tile: a panel of ``x``'s tile and one of its rows of ``dy``'s, a dot product of ``T`` lanes per weight."""
+    T, n_in, n_out, n = plan.T, L.Var("n_in"), L.Var("n_out"), L.Var("n")
+    vec = plan.lanes if plan.lanes > 1 else 0
+    r_lo = _mul(_chunk, L.Var("row_chunk"))
+    r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
+    o, item = L.Var("o"), L.Var("item")
+
+    def dot(index, row, col):
+        """``dw[index] += dot(q[row - r_lo], panel[col])`` over the tile's lanes."""
+        return L.block(
+            L.LocalArray("d", F32, 1, L.Const(0.0, F32), sums=vec) if vec else L.Decl(L.Var("d", F32), L.Const(0.0, F32)),
+            _vloop(T, plan.lanes, L.Store("d", _c(0), _mul(L.Load("q", _add(_mul(L.binary("sub", row, r_lo), _c(T)), _bv), F32),
+                                                          L.Load("panel", _add(_mul(col, _c(T)), _bv), F32)), "add"))
+            if vec else L.For(_bv, _c(0), _c(T), L.block(L.Assign(L.Var("d", F32), _mul(
+                L.Load("q", _add(_mul(L.binary("sub", row, r_lo), _c(T)), _bv), F32),
+                L.Load("panel", _add(_mul(col, _c(T)), _bv), F32)), "add"))),
+            L.Store("dw", index, L.Load("d", _c(0), F32) if vec else L.Var("d", F32), "add"))
+
+    if plan.kind == "bsr":
+        (bh, bw), br, p, c, r, c0 = plan.block, L.Var("br"), L.Var("p"), L.Var("c"), L.Var("r"), L.Var("c0")
+        cells = L.For(r, _c(0), _c(bh), L.block(L.For(c, _c(0), _c(bw), L.block(
+            dot(_add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), c), _add(_mul(br, _c(bh)), r), _add(c0, c))))))
+        blocks = L.For(p, L.Cast(L.Load("pos", br, plan.ptype), I64),
+                       L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
+                       L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))), cells))
+        rows = L.For(br, L.binary("floordiv", r_lo, _c(bh)), L.binary("floordiv", r_hi, _c(bh)), L.block(blocks))
+    else:
+        pv = L.Var("p")
+        rows = L.For(o, r_lo, r_hi, L.block(_row_entries(plan, o, lambda w, col: dot(pv, o, col))))
+    tiles_n = L.binary("floordiv", _add(n, _c(T - 1)), _c(T))
+    tf, tt = L.Var("qf"), L.Var("qt")
+    # the chunk's rows of dy's tile, transposed: q[(row - r_lo) * T + t]
+    pack_q = L.block(
+        L.If(L.binary("lt", _nt, _c(T)), L.block(L.For(tf, _c(0), L.binary("sub", r_hi, r_lo), L.block(
+            L.For(tt, _c(0), _c(T), L.block(L.Store("q", _add(_mul(tf, _c(T)), tt), L.Const(0.0, F32)))))))),
+        L.For(tt, _c(0), _nt, L.block(L.For(tf, r_lo, r_hi, L.block(L.Store(
+            "q", _add(_mul(L.binary("sub", tf, r_lo), _c(T)), tt),
+            L.Cast(L.Load("dy", _add(_mul(_add(_t0, tt), n_out), tf), plan.xtype), F32)))))))
+    setup = L.block(L.Alloc("panel", F32, _mul(n_in, _c(T))), L.Alloc("q", F32, _mul(L.Var("row_chunk"), _c(T))))
+    body = L.For(item, _c(0), L.Var("chunks"), L.block(
+        L.Let(_chunk, item),
+        L.For(_tile, _c(0), tiles_n, L.block(
+            L.Let(_t0, _mul(_tile, _c(T))), L.Let(_nt, L.binary("min", _c(T), L.binary("sub", n, _t0))),
+            pack(plan, "panel", "x", n_in), pack_q, rows))), parallel=L.Parallel("static", None, setup, chunk=1))
+    params = (() if plan.kind == "nm" else (L.Param("pos", "array", plan.ptype),)) + (
+        L.Param("crd", "array", plan.ctype), L.Param("x", "array", plan.xtype), L.Param("dy", "array", plan.xtype),
+        L.Param("dw", "array", F32, output=True), L.Param("n", "scalar", I64), L.Param("n_in", "scalar", I64),
+        L.Param("n_out", "scalar", I64), L.Param("groups", "scalar", I64), L.Param("chunks", "scalar", I64),
+        L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
+    return L.Kernel("scorch_weights_dw_" + plan.kind, params, L.block(body))
+
+
+def blocks_by_columns(plan: Tiles) -> bool:
+    """Whether a BSR weight's gradient runs ``block_weight_grad``: a block's row is whole vectors, and the block
+    fits the accumulator registers."""
+    bh, bw = plan.block
+    return plan.kind == "bsr" and plan.lanes > 1 and bw % plan.lanes == 0 and \
+        bh * bw // plan.lanes <= ACCUMULATORS + 4
+
+
+def block_weight_grad(plan: Tiles) -> L.Kernel:
+    """A BSR weight's values' gradient, block by block: ``dw[block] = dy[:, rows]^T @ x[:, cols]`` over every token,
+    the block held in registers as ``bh`` rows of vectors along its columns, each token adding one row-slice of
+    ``x`` (a contiguous load in ``x``'s own layout) times ``bh`` broadcasts of ``dy``: no panels, no dot products
+    to sum across lanes. Work items: chunks of ``row_chunk`` output rows (whole block rows)."""
+    (bh, bw), n_in, n_out, n = plan.block, L.Var("n_in"), L.Var("n_out"), L.Var("n")
+    br, p, r, t, c0, item = L.Var("br"), L.Var("p"), L.Var("r"), L.Var("t"), L.Var("c0"), L.Var("item")
+    r_lo = _mul(item, L.Var("row_chunk"))
+    r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
+    lanes = plan.lanes
+    update = L.For(r, _c(0), _c(bh), L.block(L.For(_bv, _c(0), _c(bw), L.block(L.Store(
+        "acc", _add(_mul(r, _c(bw)), _bv),
+        _mul(L.Cast(L.Load("dy", _add(_mul(t, n_out), _mul(br, _c(bh)), r), plan.xtype), F32),
+             _f32(L.Load("x", _add(_mul(t, n_in), c0, _bv), plan.xtype))), "add")), vector=lanes)),
+        unroll=True)
+    out = L.For(r, _c(0), _c(bh), L.block(L.For(_bv, _c(0), _c(bw), L.block(L.Store(
+        "dw", _add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), _bv), L.Load("acc", _add(_mul(r, _c(bw)), _bv), F32))),
+        vector=lanes)), unroll=True)
+    block = L.For(p, L.Cast(L.Load("pos", br, plan.ptype), I64), L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
+                  L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))),
+                          L.LocalArray("acc", F32, bh * bw, L.Const(0.0, F32), vector=lanes),
+                          L.For(t, _c(0), n, L.block(update)), out))
+    body = L.For(item, _c(0), L.Var("chunks"), L.block(L.For(
+        br, L.binary("floordiv", r_lo, _c(bh)), L.binary("floordiv", r_hi, _c(bh)), L.block(block))),
+        parallel=L.Parallel("static", None, L.block(), chunk=1))
+    params = (L.Param("pos", "array", plan.ptype), L.Param("crd", "array", plan.ctype),
+              L.Param("x", "array", plan.xtype), L.Param("dy", "array", plan.xtype),
+              L.Param("dw", "array", F32, output=True), L.Param("n", "scalar", I64), L.Param("n_in", "scalar", I64),
+              L.Param("n_out", "scalar", I64), L.Param("groups", "scalar", I64), L.Param("chunks", "scalar", I64),
+              L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
+    return L.Kernel("scorch_weights_dw_blocks", params, L.block(body))

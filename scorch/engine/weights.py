@@ -13,11 +13,12 @@ import torch
 
 from .. import loopir as L
 from ..compiler import weights as family
-from ..compiler.caches import cache
+from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp
 from ..compiler.target import CPU
 from ..formats import named
 from ..formats.format import nm_size
+from ..formats.storage import PatternMemo, coordinates, padding
 from ..sparse_tensor import SparseTensor
 
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
@@ -74,11 +75,57 @@ def plan_for(weight: SparseTensor, tokens: int, bias: bool, activation=None, tra
                         bias, activation, transposed)
 
 
-def _kernel(plan: family.Tiles):
-    entry = _KERNELS.get(plan)
+def _kernel(plan: family.Tiles, part: str = "forward"):
+    """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
+    entry = _KERNELS.get((plan, part))
     if entry is None:
-        kernel = family.backward_input(plan) if plan.transposed else family.forward(plan)
-        entry = _KERNELS[plan] = (kernel, cpp.load(kernel))
+        build = {"forward": family.forward, "input_grad": family.backward_input,
+                 "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
+        kernel = build[part](plan)
+        entry = _KERNELS[(plan, part)] = (kernel, cpp.load(kernel))
+    return entry
+
+
+def _arrays(weight: SparseTensor) -> dict:
+    """The weight's index arrays the kernels read: ``pos`` and ``crd`` of its compressed level (n:m: the offsets,
+    as ``crd``)."""
+    arrays = [lv for lv in weight._levels if lv.arrays()][-1].arrays()
+    return {k: arrays[k] for k in ("pos", "crd") if k in arrays}
+
+
+def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int, row_chunk: int, **args):
+    """Run ``part`` of ``plan`` on a weight of ``shape`` held in ``arrays`` (``pos``, ``crd``, ``vals``)."""
+    kernel, loaded = _kernel(plan, part)
+    n_out, n_in = shape
+    cpp.call(kernel, loaded, {**arrays, "n": n, "n_in": n_in, "n_out": n_out, "groups": n_in // plan.group[1],
+                              "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(), **args})
+
+
+#: the transposed patterns of CSR and n:m weights (``_transposed``), by the weight's index arrays
+_TRANSPOSED = PatternMemo(64)
+register("weight transposes", "CSR patterns of weights' transposes, with their values' permutation, by the"
+         " weight's index arrays (the input gradient of a sparse-weight linear)", _TRANSPOSED.__len__,
+         _TRANSPOSED.clear)
+
+
+def _transposed(weight: SparseTensor) -> tuple:
+    """``(pos, crd, perm)``: the CSR pattern of ``weight``'s transpose (in x out) and the permutation taking the
+    weight's values to its order (without an n:m format's padding). Made once per pattern: a weight trained in
+    place keeps its index arrays, so each backward pays one gather of the values."""
+    key = (weight._format, tuple(weight._shape))
+    entry = _TRANSPOSED.get(key, weight._levels)
+    if entry is None:
+        leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
+        if weight._format.padded:
+            inside &= ~padding(weight._format, weight._shape, weight._levels, weight._vals)
+        leaf, rows, cols = leaf[inside], dims[0][inside], dims[1][inside]
+        n_out, n_in = weight._shape
+        order = torch.argsort(cols * max(n_out, 1) + rows, stable=True)
+        itype = torch.int32 if max(leaf.numel(), n_out) < 2 ** 31 else torch.int64
+        pos = torch.zeros(n_in + 1, dtype=torch.int64)
+        pos[1:] = torch.bincount(cols, minlength=n_in).cumsum(0)
+        entry = (pos.to(itype), rows[order].to(itype), leaf[order].to(itype))
+        _TRANSPOSED.put(key, weight._levels, entry)
     return entry
 
 
@@ -97,21 +144,48 @@ def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
 def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
     """``act(x @ weight.T + bias)``, ``x`` 2-d (tokens x in): a new row-major tensor (tokens x out)."""
     x = x.contiguous()
-    n, n_in = x.shape
-    n_out = weight._shape[0]
+    n, n_out = x.shape[0], weight._shape[0]
     plan = plan_for(weight, n, bias is not None, activation)
-    kernel, loaded = _kernel(plan)
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
-    threads = torch.get_num_threads()
-    chunks, row_chunk = _split(plan, n, n_out, threads)
-    arrays = [lv for lv in weight._levels if lv.arrays()][-1].arrays()
-    args = {"crd": arrays["crd"], "vals": weight._vals, "x": x, "y": y, "n": n, "n_in": n_in, "n_out": n_out,
-            "groups": n_in // plan.group[1], "chunks": chunks, "row_chunk": row_chunk, "nthreads": threads}
-    if "pos" in arrays:
-        args["pos"] = arrays["pos"]
-    if bias is not None:
-        args["bias"] = bias.to(x.dtype).contiguous()
-    cpp.call(kernel, loaded, args)
+    extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
+    _run("forward", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n,
+         *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y, **extra)
     return y
+
+
+def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:
+    """``dy @ weight`` (tokens x out -> tokens x in), row-major: the input gradient of ``linear``. A CSR or n:m
+    weight runs the forward kernel on its transpose (``_transposed``: each input feature's entries gathered, no
+    read-modify-write of a panel per entry); a BSR weight scatters whole blocks (``backward_input``)."""
+    dy = dy.contiguous()
+    n, (n_out, n_in) = dy.shape[0], weight._shape
+    dx = torch.empty(n, n_in, dtype=dy.dtype)
+    if n == 0 or n_in == 0:
+        return dx
+    if kind_of(weight)[0] == "bsr":
+        _run("input_grad", plan_for(weight, n, False, transposed=True), weight._shape,
+             {**_arrays(weight), "vals": weight._vals}, n, 1, n_out, dy=dy, dx=dx)
+        return dx
+    pos, crd, perm = _transposed(weight)
+    plan = family.tiles(CPU, "csr", n, L.type_of(weight._vals.dtype), L.type_of(dy.dtype), L.type_of(pos.dtype),
+                        L.type_of(crd.dtype))
+    _run("forward", plan, (n_in, n_out), {"pos": pos, "crd": crd, "vals": weight._vals.index_select(0, perm)}, n,
+         *_split(plan, n, n_in, torch.get_num_threads()), x=dy, y=dx)
+    return dx
+
+
+def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``linear``'s weight values: ``(dy^T @ x)`` at the stored positions (``weight``'s values'
+    layout and dtype), summed in float32."""
+    x, dy = x.contiguous(), dy.contiguous()
+    n, n_out = x.shape[0], weight._shape[0]
+    plan = plan_for(weight, n, False)
+    dw = torch.zeros(weight._vals.shape[0], dtype=torch.float32)
+    if n and n_out:
+        threads = torch.get_num_threads()
+        rows = -(-n_out // threads) if threads > 1 else n_out
+        rows = -(-rows // plan.rows) * plan.rows
+        _run("weight_grad", plan, weight._shape, _arrays(weight), n, -(-n_out // rows), rows, x=x, dy=dy, dw=dw)
+    return dw.to(weight._vals.dtype)

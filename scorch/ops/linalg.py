@@ -236,6 +236,20 @@ def _tiled_product(weight, x, rows: int):
     return torch.cat([engine.einsum("oi,bi->ob", weight, tile, format="dense") for tile in x.split(rows)], 1)
 
 
+def _linear_gradient(k, ops, gout):
+    """The gradients of ``linear``'s product ``einsum("oi,bi->ob", W, X)`` by the weight family's kernels:
+    ``dX = dY @ W`` and ``dW = dY^T X`` at W's stored positions (0 at a padded format's padding), ``dY`` being
+    the transposed output gradient (row-major where the result was used row-major)."""
+    w, x = ops
+    dy = gout.t()
+    if type(dy) is not torch.Tensor or dy.dtype != x.dtype:
+        return None
+    if k == 1:
+        return weight_kernels.input_grad(w, dy)
+    g = weight_kernels.weight_grad(w, x, dy)
+    return torch.where(padding_of(w), 0, g) if w._format.padded else g
+
+
 @implements(torch.nn.functional.linear)
 def linear(input, weight, bias=None):
     """``input @ weight.T + bias`` with a sparse weight (out x in) or a sparse input (... x in).
@@ -257,7 +271,8 @@ def linear(input, weight, bias=None):
             # the activation read in its own layout, the result written row-major (``engine.weights``)
             if needs_grad((weight, x)):
                 out = differentiable_einsum("oi,bi->ob", (weight, x), "dense",
-                                            compute=lambda w_, x_: weight_kernels.linear(w_, x_).t()).t()
+                                            compute=lambda w_, x_: weight_kernels.linear(w_, x_).t(),
+                                            gradient=_linear_gradient).t()
             else:
                 out, bias = weight_kernels.linear(w, x, bias), None
             return out.reshape(*lead, shape_of(weight)[0]) if bias is None else \

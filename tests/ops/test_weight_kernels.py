@@ -132,8 +132,13 @@ def test_thread_counts_and_row_chunks(fmt, threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fmt", ["csr", "bsr(4, 4)", "nm(2, 4)"])
-def test_gradients_equal_the_masked_dense_layer(fmt):
+@pytest.mark.parametrize("fmt", ["csr", "bsr(4, 4)", "bsr(16, 16)", "bsr(2, 32)", "nm(2, 4)"])
+def test_gradients_equal_the_masked_dense_layer(fmt, monkeypatch):
+    """Values and gradients, by the family's kernels (forward, input gradient, weight gradient)."""
+    used = []
+    for part in ("input_grad", "weight_grad"):
+        real = getattr(kernels, part)
+        monkeypatch.setattr(kernels, part, lambda *a, _real=real, _part=part: used.append(_part) or _real(*a))
     out, inp = _shape(fmt, 40, 36)
     w = _weight(fmt, out, inp, 0.4, 7)
     x = torch.randn(2, 19, inp, requires_grad=True)
@@ -148,6 +153,24 @@ def test_gradients_equal_the_masked_dense_layer(fmt):
     dense_grad = s.grad.to_dense() if isinstance(s.grad, scorch.SparseTensor) else s.grad
     mask = scorch.asformat(w, fmt).to_dense() != 0
     torch.testing.assert_close(dense_grad * mask, wd.grad * mask, rtol=1e-4, atol=1e-4)
+    assert sorted(used) == ["input_grad", "weight_grad"]
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(16, 16)", "nm(2, 4)"])
+def test_16_bit_gradients(fmt):
+    out, inp = _shape(fmt, 48, 64)
+    w = _weight(fmt, out, inp, 0.4, 9).bfloat16()
+    x = torch.randn(37, inp).bfloat16().requires_grad_()
+    s = scorch.asformat(w, fmt).requires_grad_()
+    g = torch.randn(37, out).bfloat16()
+    F.linear(x, s, None).backward(g)
+    xd, wd = x.detach().float().requires_grad_(), w.float().requires_grad_()
+    F.linear(xd, wd).backward(g.float())
+    assert x.grad.dtype == torch.bfloat16 and s.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.float(), xd.grad, rtol=2e-2, atol=5e-2)
+    mask = w.float() != 0
+    dense_grad = s.grad.to_dense().float() if isinstance(s.grad, scorch.SparseTensor) else s.grad.float()
+    torch.testing.assert_close(dense_grad * mask, wd.grad * mask, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("fmt", ["csr", "bsr(2, 2)", "nm(2, 4)"])
