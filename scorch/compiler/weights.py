@@ -40,14 +40,18 @@ STORE_ROWS = 16
 
 
 def serves(target: Target, kind: str, tokens: int) -> bool:
-    """Whether the family is the faster kernel for ``tokens`` tokens: a tile holds a vector of tokens, so with
-    fewer tokens than half a vector (BSR) or one token (CSR) most of its lanes are zeros, and the general
-    lowering's kernels, vectorized along the weight's rows, are faster there (by hand, 3072 x 768 at 90%, AVX-512:
-    BSR 16 x 16 at 1 and 4 tokens 0.13 -> 0.42 ms, at 16 tokens 0.26 -> 0.11 ms; CSR at 1 token 0.14 -> 0.15,
-    at 4 tokens 0.16 -> 0.14 ms)."""
+    """Whether the family is the faster kernel for ``tokens`` tokens. A BSR tile holds a vector of tokens, so with
+    fewer tokens than half a vector most of its lanes are zeros, and the general lowering's kernel, vectorized
+    along the blocks' columns, is faster there (by hand, 3072 x 768 at 90%, AVX-512: BSR 16 x 16 at 1 and 4
+    tokens 0.13 -> 0.42 ms, at 16 tokens 0.26 -> 0.11 ms). CSR and n:m take one token as row dots (``dots``)."""
     if kind == "bsr":
         return tokens >= max(1, target.lanes("f32") // 2)
-    return tokens >= 2 or kind == "nm"
+    return True
+
+
+def dots(plan: "Tiles", tokens: int) -> bool:
+    """Whether ``tokens`` run as ``row_dots`` (one token, float32, CSR or n:m, a target with vectors)."""
+    return tokens == 1 and plan.kind in ("csr", "nm") and plan.vtype == plan.xtype == F32 and plan.lanes > 1
 
 
 @dataclass(frozen=True)
@@ -430,3 +434,31 @@ def block_weight_grad(plan: Tiles) -> L.Kernel:
               L.Param("n_out", "scalar", I64), L.Param("groups", "scalar", I64), L.Param("chunks", "scalar", I64),
               L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
     return L.Kernel("scorch_weights_dw_blocks", params, L.block(body))
+
+
+def row_dots(plan: Tiles) -> L.Kernel:
+    """One token (decode): ``y[o] = sum_p vals[p] * x[col(p)] (+ bias[o])``, the row's entries taken a vector at a
+    time (CSR: ``x`` gathered at the coordinates; n:m: a loop the compiler vectorizes over the row's slots), ``x``
+    staying in L1 while the weight streams past: the call is bound by the weight's bytes, which narrow indices
+    make fewer. A tile of tokens would hold one token in a vector's lanes."""
+    o, p, q, s = L.Var("o"), L.Var("p"), L.Var("q"), L.Var("s", F32)
+    lanes = plan.lanes
+    bias = _f32(L.Load("bias", o, plan.vtype)) if plan.bias else L.Const(0.0, F32)
+    if plan.kind == "csr":
+        lo, hi = L.Cast(L.Load("pos", o, plan.ptype), I64), L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64)
+        term = _mul(L.Load("vals", p, plan.vtype), L.Load("x", L.Cast(L.Load("crd", p, plan.ctype), I64), plan.xtype))
+        row = L.block(L.LocalArray("vsum", F32, 1, L.Const(0.0, F32), sums=lanes),
+                      L.For(p, lo, hi, L.block(L.Store("vsum", _c(0), term, "add")), vector=lanes, tail=True),
+                      L.Store("y", o, _add(L.Load("vsum", _c(0), F32), bias)))
+        parallel = L.Parallel("nnz", "pos")
+    else:
+        n, m = plan.group
+        slots = _mul(L.Var("groups"), _c(n))
+        col = _add(_mul(L.binary("floordiv", q, _c(n)), _c(m)), L.Cast(L.Load("crd", p, plan.ctype), I64))
+        row = L.block(L.Decl(s, L.Const(0.0, F32)), L.For(q, _c(0), slots, L.block(
+            L.Let(p, _add(_mul(o, slots), q)),
+            L.Assign(s, _mul(_f32(L.Load("vals", p, plan.vtype)), _f32(L.Load("x", col, plan.xtype))), "add")),
+            simd=True, reductions=(("add", "s"),)), L.Store("y", o, _add(s, bias)))
+        parallel = L.Parallel("static")
+    return L.Kernel(plan.name + "_dots", _params(plan, "x", "y"), L.block(L.For(o, _c(0), L.Var("n_out"), row,
+                                                                                 parallel=parallel)))

@@ -79,7 +79,7 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
     entry = _KERNELS.get((plan, part))
     if entry is None:
-        build = {"forward": family.forward, "input_grad": family.backward_input,
+        build = {"forward": family.forward, "dots": family.row_dots, "input_grad": family.backward_input,
                  "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
         kernel = build[part](plan)
         entry = _KERNELS[(plan, part)] = (kernel, cpp.load(kernel))
@@ -150,6 +150,9 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
     if n == 0 or n_out == 0:
         return y
     extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
+    if family.dots(plan, n):
+        _run("dots", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n, 1, n_out, x=x, y=y, **extra)
+        return y
     _run("forward", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n,
          *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y, **extra)
     return y

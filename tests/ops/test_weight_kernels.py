@@ -214,4 +214,37 @@ def test_the_tile_shape_follows_the_target():
     assert family.tiles(narrow, "csr", 1024, "f32", "f32", "i32", "i32").T == 32
     assert family.tiles(wide, "csr", 8, "f32", "f32", "i32", "i32").T == 16
     assert family.tiles(wide, "bsr", 1024, "f32", "f32", "i32", "i32", block=(16, 16)).row_pass == 16
-    assert not family.serves(wide, "bsr", 1) and family.serves(wide, "csr", 2)
+    assert not family.serves(wide, "bsr", 1) and family.serves(wide, "csr", 1)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "nm(2, 4)", "nm(1, 4)"])
+@pytest.mark.parametrize("inp", [1, 4, 37, 300])
+def test_one_token_runs_row_dots(fmt, inp, monkeypatch):
+    """Decode: one token is a dot product per row (``row_dots``), rows of any length (a partial last vector)."""
+    out, inp = _shape(fmt, 50, inp)
+    w = _weight(fmt, out, inp, 0.5, 10)
+    w[3] = 0
+    s, x, b = scorch.asformat(w, fmt), torch.randn(1, inp), torch.randn(out)
+    plan = kernels.plan_for(s, 1, True)
+    assert family.dots(plan, 1) == (CPU.vector_bytes > 0)
+    torch.testing.assert_close(F.linear(x, s, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(F.linear(x[0], s), F.linear(x[0], w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "nm(2, 4)"])
+def test_row_dots_in_the_interpreter(fmt):
+    out, inp = _shape(fmt, 9, 23)
+    w = _weight(fmt, out, inp, 0.5, 11)
+    s = scorch.asformat(w, fmt)
+    kind, block, group = kernels.kind_of(s)
+    arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
+    plan = family.tiles(Target("cpu", vector_bytes=16), kind, 1, "f32", "f32",
+                        L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64", L.type_of(arrays["crd"].dtype),
+                        block, group, bias=True)
+    x, b, y = torch.randn(inp), torch.randn(out), np.zeros(out, dtype=np.float32)
+    args = {"crd": arrays["crd"].numpy(), "vals": s._vals.numpy(), "bias": b.numpy(), "x": x.numpy(), "y": y,
+            "n": 1, "n_in": inp, "n_out": out, "groups": inp // group[1], "chunks": 1, "row_chunk": out, "nthreads": 1}
+    if "pos" in arrays:
+        args["pos"] = arrays["pos"].numpy()
+    interp.run(family.row_dots(plan), args)
+    torch.testing.assert_close(torch.from_numpy(y), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
