@@ -336,6 +336,37 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         return n, bad
 
 
+    def weight_checks():
+        """The dense-activation x sparse-weight family (``compiler.weights``): F.linear with CSR, BSR and n:m
+        float32 and bfloat16 weights, one token (row dots), partial and several token tiles, row chunks (fewer
+        tiles than threads), all-zero rows; forward, input and weight gradients."""
+        gen = torch.Generator().manual_seed(11)
+        bad, n = [], 0
+        for fmt, (o, i) in (("csr", (37, 19)), ("bsr(16, 16)", (48, 32)), ("bsr(2, 8)", (6, 24)),
+                            ("nm(2, 4)", (21, 12)), ("csr", (1, 1))):
+            a = values((o, i), gen, 0.4)
+            a[o // 2] = 0
+            if fmt.startswith("nm"):
+                a = a * (torch.arange(i) % 4 < 2)
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+                for tokens in (1, 7, 17, 70):
+                    w = a.to(dtype)
+                    p = scorch.asformat(w, fmt).requires_grad_()
+                    x = values((tokens, i), gen).to(dtype).requires_grad_()
+                    y = torch.nn.functional.linear(x, p, torch.ones(o, dtype=dtype))
+                    y.backward(torch.ones_like(y))
+                    n += 1
+                    ref = x.detach().double() @ w.double().T + 1
+                    gx = torch.ones(tokens, o, dtype=torch.float64) @ w.double()
+                    gw = (torch.ones(o, tokens, dtype=torch.float64) @ x.detach().double()) * (a != 0)
+                    got_w = p.grad.to_dense().double() * (a != 0)
+                    if not (torch.allclose(y.double(), ref, rtol=tol, atol=tol) and
+                            torch.allclose(x.grad.double(), gx, rtol=tol, atol=tol) and
+                            torch.allclose(got_w, gw, rtol=tol, atol=tol)):
+                        bad.append(f"weight family {fmt} {dtype} tokens={tokens}")
+        return n, bad
+
+
     def fault_checks():
         """Faults found with bad inputs (tests/test_faults.py): index arrays of mixed widths given to the
         constructors (int64 pos beside int32 crd overflowed the kernels' reads), transposed views."""
@@ -345,7 +376,7 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
     torch.set_num_threads(3)  # more threads than some inputs have rows
     jobs = [(eq, sp, f) for eq, sp, fmts in CASES for f in fmts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # kernels compile in parallel
-        extra = ([ops_checks(), tile_checks(), fusion_checks(), fault_checks(), workspace_checks()]
+        extra = ([ops_checks(), tile_checks(), weight_checks(), fusion_checks(), fault_checks(), workspace_checks()]
                  if BACKEND == "cpp" else
                  [coiteration_checks()])
         results = list(pool.map(run, jobs)) + extra
