@@ -118,6 +118,19 @@ class Common(Expr):
     type: str = "i64"
 
 
+@dataclass(frozen=True)
+class PairDot(Expr):
+    """``x[2 * i] * w[j] + x[2 * i + 1] * w[j + 1]`` in float32, ``x`` and ``w`` bfloat16 arrays: a pair of adjacent
+    values of each multiplied and added. In a vector loop where ``i`` is contiguous and ``w[j]`` the same for every
+    lane, a store adding it into a vector compiles to one ``vdpbf16ps`` where the CPU has AVX512-BF16 (two
+    multiply-adds per lane: a blocked weight's pair of columns against a panel of token pairs)."""
+    x: str
+    i: Expr
+    w: str
+    j: Expr
+    type: str = "f32"
+
+
 def binary(op, a, b) -> Expr:
     """``Binary`` with the result type inferred (comparisons give bool; arithmetic the wider operand type),
     folding the integer identities the lowering produces (``0 * n``, ``x + 0``, ``x * 1``)."""

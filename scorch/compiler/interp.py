@@ -11,7 +11,10 @@ import numpy as np
 
 from .. import loopir as L
 
-NP = {"bool": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+NP = {"bool": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64,
+      # bfloat16 arrays are held as float32 (NumPy has no bfloat16): the interpreter does not model the
+      # rounding of a store, so a program is checked on values that bfloat16 holds exactly
+      "bf16": np.float32}
 
 
 def run(kernel: L.Kernel, args: dict) -> None:
@@ -153,6 +156,12 @@ class _Interp:
             return _cast(self.expr(e.a, env), e.type)
         if isinstance(e, L.Select):
             return self.expr(e.a, env) if self.expr(e.cond, env) else self.expr(e.b, env)
+        if isinstance(e, L.PairDot):
+            x, w = self.arrays[e.x], self.arrays[e.w]
+            i, j = 2 * int(self.expr(e.i, env)), int(self.expr(e.j, env))
+            if not (0 <= i and i + 1 < x.shape[0] and 0 <= j and j + 1 < w.shape[0]):
+                raise IndexError(f"pair {e.x}[{i}:{i + 2}] x {e.w}[{j}:{j + 2}] is out of bounds")
+            return _cast(np.float32(x[i]) * np.float32(w[j]) + np.float32(x[i + 1]) * np.float32(w[j + 1]), e.type)
         if isinstance(e, L.Common):
             ranges = []
             for name, lo, hi in ((e.a_array, e.a_lo, e.a_hi), (e.b_array, e.b_lo, e.b_hi)):

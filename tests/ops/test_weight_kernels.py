@@ -248,3 +248,25 @@ def test_row_dots_in_the_interpreter(fmt):
         args["pos"] = arrays["pos"].numpy()
     interp.run(family.row_dots(plan), args)
     torch.testing.assert_close(torch.from_numpy(y), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_pair_dots_of_a_bfloat16_blocked_weight():
+    """bfloat16 BSR weights with blocks of an even width multiply pairs of features (``loopir.PairDot``:
+    ``vdpbf16ps`` where the CPU has AVX512-BF16, two multiply-adds otherwise); the interpreter runs the same
+    program (values held as float32 arrays of bfloat16-exact numbers)."""
+    w = _weight("bsr(4, 4)", 16, 12, 0.5, 12).bfloat16()
+    s = scorch.asformat(w, "bsr(4, 4)")
+    plan = kernels.plan_for(s, 40, False)
+    assert plan.pairs == (CPU.vector_bytes > 0)
+    x = torch.randn(40, 12).bfloat16()
+    torch.testing.assert_close(F.linear(x, s).float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)
+    arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
+    plan = family.tiles(Target("cpu", vector_bytes=16), "bsr", 5, "bf16", "bf16", "i32", "i32", (4, 4))
+    assert plan.pairs
+    y = np.zeros(5 * 16, dtype=np.float32)
+    interp.run(family.forward(plan), {
+        "pos": arrays["pos"].numpy(), "crd": arrays["crd"].numpy(), "vals": s._vals.float().numpy(),
+        "x": x[:5].float().reshape(-1).numpy(), "y": y, "n": 5, "n_in": 12, "n_out": 16, "groups": 12,
+        "chunks": 1, "row_chunk": 16, "nthreads": 1})
+    torch.testing.assert_close(torch.from_numpy(y).reshape(5, 16), F.linear(x[:5].float(), w.float()),
+                               rtol=1e-2, atol=1e-2)

@@ -176,6 +176,13 @@ class _Emitter:
                 return [f"{pad}scorch_narrow_pair(&{ident(s.array)}[{self.expr(s.index)}], {self.expr(s.value)},"
                         f" {ident(self.vec[0])});"]
             return [f"{pad}scorch_narrow(&{ident(s.array)}[{self.expr(s.index)}], {self.expr(s.value)});"]
+        if isinstance(s, L.Store) and self.vec and isinstance(s.value, L.PairDot):
+            e = s.value
+            if s.op != "add" or L.coefficient(e.i, self.vec[0]) != 1 or L.depends(e.j, self.vec[0]) or self.mask:
+                raise ValueError("a pair dot is added into a vector, its pairs contiguous in the loop")
+            target = self.vector_ref(s.array, s.index, const=False)
+            return [f"{pad}{target} = scorch_pair_dot({target}, &{ident(e.x)}[2 * ({self.expr(e.i)})], "
+                    f"&{ident(e.w)}[{self.expr(e.j)}]);"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
@@ -434,6 +441,10 @@ class _Emitter:
             return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
+        if isinstance(e, L.PairDot):
+            x, w, i, j = ident(e.x), ident(e.w), self.expr(e.i), self.expr(e.j)
+            return (f"((float){x}[2 * ({i})] * (float){w}[{j}] + (float){x}[2 * ({i}) + 1] * "
+                    f"(float){w}[({j}) + 1])")
         if isinstance(e, L.Common):
             a, b = ident(e.a_array), ident(e.b_array)
             alo, blo = self.expr(e.a_lo), self.expr(e.b_lo)

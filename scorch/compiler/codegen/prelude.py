@@ -523,6 +523,26 @@ HELPERS = {
     # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
     "scorch_widen": BF16 + WIDE16,
     "scorch_narrow": BF16 + WIDE16,
+    # a bfloat16 pair dot added into a float vector (``loopir.PairDot``): AVX512-BF16's ``vdpbf16ps`` where the
+    # CPU has it, else each pair widened by a shift and a mask and two multiply-adds (same products, summed in
+    # float32)
+    "scorch_pair_dot": BF16 + f"""#include <cstring>
+#include <immintrin.h>
+typedef uint32_t scorch_pdu __attribute__((vector_size({VECTOR_BYTES}), aligned(2), may_alias));
+static inline scorch_vf32 scorch_pair_dot(scorch_vf32 acc, const scorch_bf16* x, const scorch_bf16* w) {{
+  uint32_t pair;
+  std::memcpy(&pair, w, 4);
+#if defined(__AVX512BF16__) && {VECTOR_BYTES} == 64
+  return (scorch_vf32)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_set1_epi32((int)pair));
+#elif defined(__AVX512BF16__) && defined(__AVX512VL__) && {VECTOR_BYTES} == 32
+  return (scorch_vf32)_mm256_dpbf16_ps((__m256)acc, (__m256bh)_mm256_loadu_si256((const __m256i*)x), (__m256bh)_mm256_set1_epi32((int)pair));
+#else
+  const scorch_pdu v = *(const scorch_pdu*)x;
+  const float w0 = __builtin_bit_cast(float, pair << 16), w1 = __builtin_bit_cast(float, pair & 0xffff0000u);
+  return acc + (scorch_vf32)(v << 16) * w0 + (scorch_vf32)(v & 0xffff0000u) * w1;
+#endif
+}}
+""",
     # ``c ? a : b`` with both already evaluated, chosen by a bit mask (a compiler keeps a branch for a ternary
     # over floats, mispredicted where ``c`` is a coin toss, as in a merge)
     "scorch_pick": """#include <cstdint>
