@@ -138,10 +138,12 @@ class Bert:
         self.layers = layers
         self._built = None
 
-    def release(self, result=None):
-        """Drop the models (the last BERT table is done); returns ``result``."""
-        self._built = None
-        return result
+    def after(self, thunk):
+        """``thunk()`` (the last BERT table), then drop the models, whether it returned or raised."""
+        try:
+            return thunk()
+        finally:
+            self._built = None
 
     def get(self):
         if self._built is None:
@@ -349,7 +351,7 @@ def tasks(cfg: Config) -> list:
     out += [(f"BERT fine-tuning step, batch {b}", lambda b=b: bert_finetune(bert, cfg, b))
             for b in sizes.finetune_batches]
     title, last = out[-1]
-    out[-1] = (title, lambda: bert.release(last()))  # (the MLP tables need the memory more than the models)
+    out[-1] = (title, lambda: bert.after(last))  # (the MLP tables need the memory more than the models)
     weights = MLPWeights()
     width, hidden = sizes.mlp
     for d_in, d_out in ((width, hidden), (hidden, width)):
