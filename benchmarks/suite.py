@@ -11,7 +11,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from . import GROUPS, apps, cases, compiled, half, linear, overhead, report
+from . import GROUPS, apps, cases, compiled, half, linear, models, overhead, report
 from .diagnose import diagnose
 from .timing import Table
 
@@ -88,6 +88,8 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
     if "compile" in groups:
         out += [("compile", "GCN under torch.compile", lambda: compiled.gnn(threads, cfg.quick)),
                 ("compile", "sparse transformer under torch.compile", lambda: compiled.transformer(threads, cfg.quick))]
+    if "models" in groups:
+        out += [("models", title, thunk) for title, thunk in models.tasks(cfg)]
     if "overhead" in groups:
         out += [("overhead", "compile and disk-cache overhead",
                  lambda: overhead.compile_and_load(threads, cfg.compile_runs)),
