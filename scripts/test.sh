@@ -30,7 +30,7 @@ SCORCH_DEFER=all python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
 # vector types of any width compile and run on any x86-64 CPU) and whether row sums' lead vectors gather
 # (SCORCH_LEAD_GATHERS: on by default on Intel, off on AMD). The passes above ran this machine's own variant; the
 # others run the tests whose kernels or kept calls differ by variant: products and their direct (C) call, SpMV's
-# row sums, register tiles, half precision (about 45 s a variant from an empty kernel cache on 2 cores). (The golden
+# row sums, register tiles, half precision, the weight family's tiles (about 50 s a variant from an empty kernel cache on 2 cores). (The golden
 # sources pin their own variant, whatever the host's; the C operators' test is the same under every variant.)
 read -r NATIVE_V NATIVE_G < <(python -c "from scorch.compiler.target import CPU; print(CPU.vector_bytes, int(CPU.lead_gathers))")
 for V in 16 32 64; do
@@ -39,6 +39,6 @@ for V in 16 32 64; do
         echo "scorch: the kernel variants' tests with SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G" >&2
         SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
             tests/test_direct_call.py tests/compiler/test_vector_sum.py tests/compiler/test_vectorize.py \
-            tests/ops/test_half.py
+            tests/ops/test_half.py tests/ops/test_weight_kernels.py
     done
 done

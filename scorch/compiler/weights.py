@@ -23,7 +23,7 @@ swapped: a panel of ``dY`` rows is scattered into a per-thread panel of ``dX`` c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import loopir as L
 from .prefetch import PREFETCH_LOCALITY, prefetch_distance
@@ -361,6 +361,7 @@ def weight_grad(plan: Tiles) -> L.Kernel:
     values: an SDDMM on the weight's pattern), ``x`` and ``dy`` read in their row-major layouts through panels.
     Work items are chunks of ``row_chunk`` output rows (a thread owns its rows' gradients), each running every
     token tile: a panel of ``x``'s tile and one of its rows of ``dy``'s, a dot product of ``T`` lanes per weight."""
+    plan = replace(plan, pairs=False)  # (its panels hold float32: pairs serve the forward's blocks only)
     T, n_in, n_out, n = plan.T, L.Var("n_in"), L.Var("n_out"), L.Var("n")
     vec = plan.lanes if plan.lanes > 1 else 0
     r_lo = _mul(_chunk, L.Var("row_chunk"))

@@ -67,8 +67,7 @@ def applies(weight, x) -> bool:
 
 def plan_for(weight: SparseTensor, tokens: int, bias: bool, activation=None, transposed=False) -> family.Tiles:
     kind, block, group = kind_of(weight)
-    levels = [lv for lv in weight._levels if lv.arrays()]
-    arrays = levels[-1].arrays()
+    arrays = _arrays(weight)
     ptype = L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64"
     vtype = L.type_of(weight._vals.dtype)
     return family.tiles(CPU, kind, tokens, vtype, vtype, ptype, L.type_of(arrays["crd"].dtype), block, group,
@@ -88,9 +87,34 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
 
 def _arrays(weight: SparseTensor) -> dict:
     """The weight's index arrays the kernels read: ``pos`` and ``crd`` of its compressed level (n:m: the offsets,
-    as ``crd``)."""
+    as ``crd``), the coordinates narrowed (``narrow``)."""
     arrays = [lv for lv in weight._levels if lv.arrays()][-1].arrays()
-    return {k: arrays[k] for k in ("pos", "crd") if k in arrays}
+    out = {k: arrays[k] for k in ("pos", "crd") if k in arrays}
+    if "pos" in out:
+        out["crd"] = narrow(out["crd"], weight._shape[1], weight._levels)
+    return out
+
+
+#: 16-bit copies of weights' coordinates (``narrow``), by the weight's index arrays
+_NARROW = PatternMemo(64)
+register("narrow coordinates", "16-bit copies of sparse weights' coordinates, by the weight's index arrays",
+         _NARROW.__len__, _NARROW.clear)
+#: the largest extent whose coordinates are stored in 16 bits
+NARROW_EXTENT = 2 ** 15
+
+
+def narrow(crd: torch.Tensor, extent: int, levels) -> torch.Tensor:
+    """``crd`` as int16 where ``extent`` (the largest coordinate + 1) allows it, made once per pattern: the product's
+    speed at a few tokens is bound by the weight's bytes, 8 a stored value with int32 coordinates, 6 with int16
+    (and 4 with bfloat16 values). The int16 copy is kept beside the tensor's own coordinates."""
+    if crd.dtype == torch.int16 or extent > NARROW_EXTENT or crd.device.type != "cpu":
+        return crd
+    key = ("crd", extent)
+    found = _NARROW.get(key, levels)
+    if found is None:
+        found = crd.to(torch.int16)
+        _NARROW.put(key, levels, found)
+    return found
 
 
 def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int, row_chunk: int, **args):
@@ -124,7 +148,8 @@ def _transposed(weight: SparseTensor) -> tuple:
         itype = torch.int32 if max(leaf.numel(), n_out) < 2 ** 31 else torch.int64
         pos = torch.zeros(n_in + 1, dtype=torch.int64)
         pos[1:] = torch.bincount(cols, minlength=n_in).cumsum(0)
-        entry = (pos.to(itype), rows[order].to(itype), leaf[order].to(itype))
+        crd = rows[order].to(torch.int16 if n_out <= NARROW_EXTENT else itype)
+        entry = (pos.to(itype), crd, leaf[order].to(itype))
         _TRANSPOSED.put(key, weight._levels, entry)
     return entry
 

@@ -119,6 +119,16 @@ static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {{
   return (scorch_vf32)_mm256_maskload_ps(p, scorch_mask8(n));
 }}
+// (int16 positions: a weight's narrow coordinates, sign-extended; the lanes that are off read no position)
+static inline scorch_vf32 scorch_gather(const float* b, const int16_t* i) {{
+  return (scorch_vf32)_mm256_i32gather_ps(b, _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)i)), 4);
+}}
+static inline scorch_vf32 scorch_gathern(const float* b, const int16_t* i, int64_t n) {{
+  int16_t at[8] = {{0, 0, 0, 0, 0, 0, 0, 0}};
+  for (int64_t u = 0; u < n && u < 8; ++u) at[u] = i[u];
+  return (scorch_vf32)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), b, _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)at)),
+                                               _mm256_castsi256_ps(scorch_mask8(n)), 4);
+}}
 static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {{
   return (scorch_vf64)_mm256_i32gather_pd(b, _mm_loadu_si128((const __m128i*)i), 8);
 }}
@@ -146,6 +156,15 @@ static inline scorch_vf32 scorch_gathern(const float* b, const int32_t* i, int64
 static inline scorch_vf32 scorch_loadn(const float* p, int64_t n) {{
   return (scorch_vf32)_mm512_maskz_loadu_ps(scorch_kmask16(n), p);
 }}
+#ifdef __AVX512BW__
+static inline scorch_vf32 scorch_gather(const float* b, const int16_t* i) {{
+  return (scorch_vf32)_mm512_i32gather_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)i)), b, 4);
+}}
+static inline scorch_vf32 scorch_gathern(const float* b, const int16_t* i, int64_t n) {{
+  const __mmask16 m = scorch_kmask16(n);
+  return (scorch_vf32)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, i)), b, 4);
+}}
+#endif
 static inline scorch_vf64 scorch_gather(const double* b, const int32_t* i) {{
   return (scorch_vf64)_mm512_i32gather_pd(_mm256_loadu_si256((const __m256i*)i), b, 8);
 }}
