@@ -387,6 +387,8 @@ def weight_grad(plan: Tiles) -> L.Kernel:
                        L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
                        L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))), cells))
         rows = L.For(br, L.binary("floordiv", r_lo, _c(bh)), L.binary("floordiv", r_hi, _c(bh)), L.block(blocks))
+    elif plan.kind == "csr" and vec:
+        rows = L.For(o, r_lo, r_hi, L.block(_csr_dots(plan, o, r_lo, dot)))
     else:
         pv = L.Var("p")
         rows = L.For(o, r_lo, r_hi, L.block(_row_entries(plan, o, lambda w, col: dot(pv, o, col))))
@@ -411,6 +413,30 @@ def weight_grad(plan: Tiles) -> L.Kernel:
         L.Param("n_out", "scalar", I64), L.Param("groups", "scalar", I64), L.Param("chunks", "scalar", I64),
         L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
     return L.Kernel("scorch_weights_dw_" + plan.kind, params, L.block(body))
+
+
+def _csr_dots(plan: Tiles, o: L.Expr, r_lo: L.Expr, dot) -> L.Block:
+    """The dots of a CSR row's weights (``weight_grad``), ``lanes`` weights at a time: each weight's products
+    added into its own vector of partial sums, the ``lanes`` vectors then summed across their lanes in one
+    transposed tree (``SumLanes``: about one shuffle a weight, where a tree per weight takes ``log2(lanes)``);
+    the rest of the row one weight at a time (``dot``)."""
+    T, lanes = plan.T, plan.lanes
+    lo, hi, k, e, q, p = L.Var("lo"), L.Var("hi"), L.Var("k"), L.Var("e"), L.Var("whole"), L.Var("p")
+    first = _add(lo, _mul(k, _c(lanes)))
+    row_q = _add(_mul(L.binary("sub", o, r_lo), _c(T)), _bv)
+    group = L.block(
+        L.LocalArray("dd", F32, lanes, L.Const(0.0, F32), sums=lanes),
+        L.For(e, _c(0), _c(lanes), L.block(_vloop(T, lanes, L.Store("dd", e, _mul(
+            L.Load("q", row_q, F32),
+            L.Load("panel", _add(_mul(L.Cast(L.Load("crd", _add(first, e), plan.ctype), I64), _c(T)), _bv), F32)),
+            "add"))), unroll=True),
+        L.SumLanes("tot", "dd", F32, lanes),
+        L.For(e, _c(0), _c(lanes), L.block(L.Store("dw", _add(first, e), L.Load("tot", e, F32), "add"))))
+    return L.block(
+        L.Let(lo, L.Cast(L.Load("pos", o, plan.ptype), I64)), L.Let(hi, L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64)),
+        L.Let(q, L.binary("floordiv", L.binary("sub", hi, lo), _c(lanes))),
+        L.For(k, _c(0), q, group),
+        L.For(p, _add(lo, _mul(q, _c(lanes))), hi, L.block(dot(p, o, L.Cast(L.Load("crd", p, plan.ctype), I64)))))
 
 
 def blocks_by_columns(plan: Tiles) -> bool:

@@ -270,3 +270,41 @@ def test_pair_dots_of_a_bfloat16_blocked_weight():
         "chunks": 1, "row_chunk": 16, "nthreads": 1})
     torch.testing.assert_close(torch.from_numpy(y).reshape(5, 16), F.linear(x[:5].float(), w.float()),
                                rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(2, 2)", "nm(2, 4)"])
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_weight_gradient_loop_ir_in_the_interpreter(fmt, lanes):
+    """``weight_grad`` as loop IR, rows longer than a group of ``lanes`` weights (whose dots are summed across
+    lanes together) and a remainder, against the dense gradient on the pattern."""
+    out, inp = _shape(fmt, 6, 40)
+    w = _weight(fmt, out, inp, 0.6, 13)
+    s = scorch.asformat(w, fmt)
+    kind, block, group = kernels.kind_of(s)
+    arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
+    plan = family.tiles(Target("cpu", vector_bytes=4 * lanes), kind, 9, "f32", "f32",
+                        L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64", L.type_of(arrays["crd"].dtype),
+                        block, group)
+    x, dy = torch.randn(9, inp), torch.randn(9, out)
+    dw = np.zeros(s._vals.numel(), dtype=np.float32)
+    args = {"crd": arrays["crd"].numpy(), "x": x.reshape(-1).numpy(), "dy": dy.reshape(-1).numpy(), "dw": dw,
+            "n": 9, "n_in": inp, "n_out": out, "groups": inp // group[1], "chunks": 2,
+            "row_chunk": -(-out // 2 // plan.rows) * plan.rows, "nthreads": 1}
+    if "pos" in arrays:
+        args["pos"] = arrays["pos"].numpy()
+    interp.run(family.weight_grad(plan), args)
+    got = s.with_values(torch.from_numpy(dw)).to_dense()
+    torch.testing.assert_close(got, (dy.T @ x) * (s.to_dense() != 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "nm(2, 4)", "bsr(16, 16)"])
+def test_gradients_of_long_rows(fmt):
+    """Rows of many weights (the weight gradient's groups of a vector's lanes), several token tiles."""
+    out, inp = _shape(fmt, 48, 200)
+    w = _weight(fmt, out, inp, 0.5, 14)
+    s = scorch.asformat(w, fmt).requires_grad_()
+    x = torch.randn(150, inp)
+    g = torch.randn(150, out)
+    F.linear(x, s).backward(g)
+    mask = scorch.asformat(w, fmt).to_dense() != 0
+    torch.testing.assert_close(s.grad.to_dense() * mask, (g.T @ x) * mask, rtol=1e-4, atol=1e-3)
