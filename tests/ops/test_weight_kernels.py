@@ -308,3 +308,21 @@ def test_gradients_of_long_rows(fmt):
     F.linear(x, s).backward(g)
     mask = scorch.asformat(w, fmt).to_dense() != 0
     torch.testing.assert_close(s.grad.to_dense() * mask, (g.T @ x) * mask, rtol=1e-4, atol=1e-3)
+
+
+def test_wide_weights_keep_32_bit_coordinates():
+    """An input or output width past 16-bit coordinates keeps the weight's own (int32) coordinates, forward and
+    backward; the 16-bit copy serves narrower ones."""
+    for out, inp in ((3, 40000), (40000, 3)):
+        w = torch.zeros(out, inp)
+        w[torch.arange(out) % out, (torch.arange(out) * 7919) % inp] = 1.5
+        w[out - 1, inp - 1] = -2.0
+        s = scorch.asformat(w, "csr").requires_grad_()
+        assert kernels._arrays(s)["crd"].dtype == (torch.int32 if inp > kernels.NARROW_EXTENT else torch.int16)
+        x = torch.randn(5, inp, requires_grad=True)
+        y = F.linear(x, s)
+        torch.testing.assert_close(y, F.linear(x.detach(), w))
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, torch.ones(5, out) @ w)
+    s = scorch.asformat(torch.eye(8), "csr")
+    assert kernels._arrays(s)["crd"].dtype == torch.int16
