@@ -2,7 +2,8 @@
 ``scorch``: ``import scorch as torch``). Every backend runs this same code; only the mask differs:
 
 - a sparse mask (a CSR tensor: ``scorch.SparseTensor`` under scorch, ``torch.sparse_csr`` under torch) runs
-  attention as SDDMM -> sparse softmax -> SpMM, one head at a time sharing the one pattern:
+  attention as SDDMM -> sparse softmax -> SpMM, all heads of the batch in one call: their ``(n, dh)`` slices
+  stacked, the pattern repeated along the diagonal of a ``(B H n)^2`` mask (``block_diagonal``, made once):
       scores = torch.sparse.sampled_addmm(mask, q, k.T, beta=0, alpha=1/sqrt(d))   # only the pattern's entries
       attn   = torch.sparse.softmax(scores, dim=1)                                  # implicit entries are -inf
       out    = torch.sparse.mm(attn, v)
@@ -40,6 +41,26 @@ def sparse_attention(torch, q, k, v, mask, state=None):
     if state.get("coo_softmax"):
         attn = torch.sparse.softmax(scores.to_sparse_coo(), dim=1)
     return torch.sparse.mm(attn, v)
+
+
+def block_diagonal(torch, mask, copies: int, state: dict):
+    """``mask`` (an ``n x n`` CSR tensor) repeated ``copies`` times along the diagonal of a ``copies n`` square CSR
+    tensor, made once per mask and count (kept in ``state``)."""
+    key = ("block_diagonal", id(mask), copies)
+    found = state.get(key)
+    if found is not None and found[0] is mask:
+        return found[1]
+    if copies == 1:
+        return mask
+    n, crow, col = mask.shape[0], mask.crow_indices(), mask.col_indices()
+    nnz = col.numel()
+    shift = torch.arange(copies, dtype=crow.dtype)
+    big_crow = torch.cat([(crow[:-1][None, :] + shift[:, None] * nnz).reshape(-1), crow.new_tensor([copies * nnz])])
+    big_col = (col[None, :] + shift[:, None].to(col.dtype) * n).reshape(-1)
+    big = torch.sparse_csr_tensor(big_crow, big_col, torch.ones(copies * nnz, dtype=mask.dtype),
+                                  (copies * n, copies * n))
+    state[key] = (mask, big)
+    return big
 
 
 def sinusoidal(torch, n, d):
@@ -81,9 +102,13 @@ def make_modules(torch):
             qkv = self.qkv(x).reshape(B, n, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()
             q, k, v = qkv[0], qkv[1], qkv[2]
             if is_sparse_mask(torch, mask):
-                heads = [torch.stack([self._attend(q[b, h], k[b, h], v[b, h], mask) for h in range(H)])
-                         for b in range(B)]
-                o = torch.stack(heads)                                     # (B, H, n, dh)
+                # every (batch, head) at once: their (n, dh) slices stacked into one (B H n, dh) operand and the
+                # pattern repeated along the diagonal of a (B H n)^2 mask (rows never mix heads: the softmax is
+                # per row), so that each op is one call over all heads instead of B * H calls
+                big = block_diagonal(torch, mask, B * H, self._state)
+                dh = d // H
+                o = self._attend(q.reshape(B * H * n, dh), k.reshape(B * H * n, dh), v.reshape(B * H * n, dh), big)
+                o = o.reshape(B, H, n, dh)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(o.transpose(1, 2).reshape(B, n, d))
