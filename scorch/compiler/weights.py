@@ -498,7 +498,10 @@ def row_dots(plan: Tiles) -> L.Kernel:
     else:
         n, m = plan.group
         slots = _mul(L.Var("groups"), _c(n))
-        col = _add(_mul(L.binary("floordiv", q, _c(n)), _c(m)), L.Cast(L.Load("crd", p, plan.ctype), I64))
+        # (the column in 32 bits, as the input width allows: the compiler then gathers 16 lanes a vector, not 8)
+        q32 = L.Cast(q, "i32")
+        col = _add(_mul(L.binary("floordiv", q32, L.Const(n, "i32")), L.Const(m, "i32")),
+                   L.Cast(L.Load("crd", p, plan.ctype), "i32"))
         row = L.block(L.Decl(s, L.Const(0.0, F32)), L.For(q, _c(0), slots, L.block(
             L.Let(p, _add(_mul(o, slots), q)),
             L.Assign(s, _mul(_f32(L.Load("vals", p, plan.vtype)), _f32(L.Load("x", col, plan.xtype))), "add")),

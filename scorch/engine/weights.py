@@ -175,7 +175,7 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
     if n == 0 or n_out == 0:
         return y
     extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
-    if family.dots(plan, n):
+    if family.dots(plan, n) and weight._shape[1] < 2 ** 31:  # (n:m's columns computed in 32 bits)
         _run("dots", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n, 1, n_out, x=x, y=y, **extra)
         return y
     _run("forward", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n,
