@@ -52,9 +52,12 @@ def serves(target: Target, kind: str, tokens: int) -> bool:
     return True
 
 
-def dots(plan: "Tiles", tokens: int) -> bool:
-    """Whether ``tokens`` run as ``row_dots`` (one token, float32, CSR or n:m, a target with vectors)."""
-    return tokens == 1 and plan.kind in ("csr", "nm") and plan.vtype == plan.xtype == F32 and plan.lanes > 1
+def dots(kind: str, vtype: str, tokens: int, target: Target) -> bool:
+    """Whether ``tokens`` run as ``row_dots``: one token, CSR or n:m, float32 values or (n:m) bfloat16 ones (the
+    token is read as float32), a target with vectors. (A CSR row's last vector is partial, and the renderer reads no
+    16-bit array in a partial vector.)"""
+    return tokens == 1 and target.vectors and (vtype == F32 and kind in ("csr", "nm") or
+                                               vtype == "bf16" and kind == "nm")
 
 
 @dataclass(frozen=True)
@@ -481,8 +484,8 @@ def block_weight_grad(plan: Tiles) -> L.Kernel:
 
 
 def row_dots(plan: Tiles) -> L.Kernel:
-    """One token (decode): ``y[o] = sum_p vals[p] * x[col(p)] (+ bias[o])``, the row's entries taken a vector at a
-    time (CSR: ``x`` gathered at the coordinates; n:m: a loop the compiler vectorizes over the row's slots), ``x``
+    """One token (decode): ``y[o] = sum_p vals[p] * x[col(p)] (+ bias[o])``, ``x`` and ``y`` float32 (a 16-bit
+    token is widened first: it is one row), the row's entries taken a vector at a time (CSR: ``x`` gathered at the coordinates; n:m: a loop the compiler vectorizes over the row's slots), ``x``
     staying in L1 while the weight streams past: the call is bound by the weight's bytes, which narrow indices
     make fewer. A tile of tokens would hold one token in a vector's lanes."""
     o, p, q, s = L.Var("o"), L.Var("p"), L.Var("q"), L.Var("s", F32)
@@ -490,7 +493,8 @@ def row_dots(plan: Tiles) -> L.Kernel:
     bias = _f32(L.Load("bias", o, plan.vtype)) if plan.bias else L.Const(0.0, F32)
     if plan.kind == "csr":
         lo, hi = L.Cast(L.Load("pos", o, plan.ptype), I64), L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64)
-        term = _mul(L.Load("vals", p, plan.vtype), L.Load("x", L.Cast(L.Load("crd", p, plan.ctype), I64), plan.xtype))
+        term = _mul(_f32(L.Load("vals", p, plan.vtype)), L.Load("x", L.Cast(L.Load("crd", p, plan.ctype), I64),
+                                                               plan.xtype))
         row = L.block(L.LocalArray("vsum", F32, 1, L.Const(0.0, F32), sums=lanes),
                       L.For(p, lo, hi, L.block(L.Store("vsum", _c(0), term, "add")), vector=lanes, tail=True),
                       L.Store("y", o, _add(L.Load("vsum", _c(0), F32), bias)))

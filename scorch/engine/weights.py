@@ -8,6 +8,7 @@ tile shape the target's vectors and the token count pick, the epilogue) and kept
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -175,9 +176,12 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
     if n == 0 or n_out == 0:
         return y
     extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
-    if family.dots(plan, n) and weight._shape[1] < 2 ** 31:  # (n:m's columns computed in 32 bits)
-        _run("dots", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n, 1, n_out, x=x, y=y, **extra)
-        return y
+    if family.dots(plan.kind, plan.vtype, n, CPU) and weight._shape[1] < 2 ** 31:  # (n:m columns: 32 bits)
+        # (one token: read as float32 whatever the values' type, the sum rounded once into the result)
+        wide = y if x.dtype == torch.float32 else torch.empty(n, n_out)
+        _run("dots", replace(plan, xtype="f32"), weight._shape, {**_arrays(weight), "vals": weight._vals}, n, 1,
+             n_out, x=x.float(), y=wide, **extra)
+        return y if wide is y else y.copy_(wide)
     _run("forward", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n,
          *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y, **extra)
     return y

@@ -225,10 +225,20 @@ def test_one_token_runs_row_dots(fmt, inp, monkeypatch):
     w = _weight(fmt, out, inp, 0.5, 10)
     w[3] = 0
     s, x, b = scorch.asformat(w, fmt), torch.randn(1, inp), torch.randn(out)
-    plan = kernels.plan_for(s, 1, True)
-    assert family.dots(plan, 1) == (CPU.vector_bytes > 0)
+    assert family.dots(kernels.kind_of(s)[0], "f32", 1, CPU) == (CPU.vector_bytes > 0)
     torch.testing.assert_close(F.linear(x, s, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(F.linear(x[0], s), F.linear(x[0], w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "nm(2, 4)"])
+def test_one_bfloat16_token(fmt):
+    """A bfloat16 token (decode in bfloat16) runs the row dots on the token widened, rounded once."""
+    out, inp = _shape(fmt, 40, 64)
+    w = _weight(fmt, out, inp, 0.5, 15).bfloat16()
+    x, b = torch.randn(1, inp).bfloat16(), torch.randn(out).bfloat16()
+    y = F.linear(x, scorch.asformat(w, fmt), b)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b.float()), rtol=1e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("fmt", ["csr", "nm(2, 4)"])
