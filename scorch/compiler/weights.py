@@ -140,6 +140,11 @@ def _f32(e: L.Expr) -> L.Expr:
     return e if e.type == F32 else L.Cast(e, F32)
 
 
+def _bounds(plan: Tiles, row: L.Expr) -> tuple:
+    """``(pos[row], pos[row + 1])``: the positions of a compressed row's entries."""
+    return L.Cast(L.Load("pos", row, plan.ptype), I64), L.Cast(L.Load("pos", _add(row, _c(1)), plan.ptype), I64)
+
+
 def _vloop(T, lanes, *body):
     """``for bv in [0, T)`` as explicit vectors of ``lanes`` (a plain loop where the target has none)."""
     return L.For(_bv, _c(0), _c(T), L.block(*body), vector=lanes if lanes > 1 else 0)
@@ -191,7 +196,7 @@ def accumulate_row(plan: Tiles, o: L.Expr, acc: str, panel: str) -> L.Block:
             return _add(_mul(L.binary("sub", L.binary("floordiv", pe, _c(n)), _mul(o, groups)), _c(m)),
                         L.Cast(L.Load("crd", pe, plan.ctype), I64))
     else:
-        lo_e, hi_e = L.Cast(L.Load("pos", o, plan.ptype), I64), L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64)
+        lo_e, hi_e = _bounds(plan, o)
 
         def col(pe):
             return L.Cast(L.Load("crd", pe, plan.ctype), I64)
@@ -301,7 +306,7 @@ def _bsr_rows(plan: Tiles, rb: L.Expr) -> L.Stmt:
     steps = bw // 2 if plan.pairs else bw
     entry = L.For(r, _c(0), _c(Rt), L.block(_vloop(T, plan.lanes, L.Store(
         "acc", _add(_mul(r, _c(T)), _bv), term, "add"))), unroll=True)
-    blocks = L.For(p, L.Cast(L.Load("pos", br, plan.ptype), I64), L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
+    blocks = L.For(p, *_bounds(plan, br),
                    L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))),
                            L.For(c, _c(0), _c(steps), L.block(entry), unroll=steps <= 16)))
     out_rows = L.For(r, _c(0), _c(Rt), L.block(epilogue(plan, "acc", 1, _add(rb, _mul(rp, _c(Rt)), r),
@@ -323,7 +328,7 @@ def _row_entries(plan: Tiles, o: L.Expr, visit) -> L.Stmt:
         return L.For(g, _c(0), L.Var("groups"), L.block(L.For(s, _c(0), _c(n), L.block(
             L.Let(p, pe), visit(L.Load("vals", p, plan.vtype),
                                 _add(_mul(g, _c(m)), L.Cast(L.Load("crd", p, plan.ctype), I64)))), unroll=True)))
-    return L.For(p, L.Cast(L.Load("pos", o, plan.ptype), I64), L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64),
+    return L.For(p, *_bounds(plan, o),
                  L.block(visit(L.Load("vals", p, plan.vtype), L.Cast(L.Load("crd", p, plan.ctype), I64))))
 
 
@@ -350,7 +355,7 @@ def backward_input(plan: Tiles) -> L.Kernel:
                                                         F32)), "add"))), unroll=bh <= 16),
             _vloop(T, plan.lanes, L.Store("z", _add(_mul(_add(c0, c), _c(T)), _bv), L.Load("acc", _bv, F32), "add"))))
         rows = L.For(br, _c(0), L.binary("floordiv", n_out, _c(bh)), L.block(L.For(
-            p, L.Cast(L.Load("pos", br, plan.ptype), I64), L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
+            p, *_bounds(plan, br),
             L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))), column))))
     else:
         rows = L.For(o, _c(0), n_out, L.block(_row_entries(plan, o, scatter)))
@@ -373,21 +378,20 @@ def weight_grad(plan: Tiles) -> L.Kernel:
 
     def dot(index, row, col):
         """``dw[index] += dot(q[row - r_lo], panel[col])`` over the tile's lanes."""
+        d = L.Var("d", F32)
+        product = _mul(L.Load("q", _add(_mul(L.binary("sub", row, r_lo), _c(T)), _bv), F32),
+                       L.Load("panel", _add(_mul(col, _c(T)), _bv), F32))
         return L.block(
-            L.LocalArray("d", F32, 1, L.Const(0.0, F32), sums=vec) if vec else L.Decl(L.Var("d", F32), L.Const(0.0, F32)),
-            _vloop(T, plan.lanes, L.Store("d", _c(0), _mul(L.Load("q", _add(_mul(L.binary("sub", row, r_lo), _c(T)), _bv), F32),
-                                                          L.Load("panel", _add(_mul(col, _c(T)), _bv), F32)), "add"))
-            if vec else L.For(_bv, _c(0), _c(T), L.block(L.Assign(L.Var("d", F32), _mul(
-                L.Load("q", _add(_mul(L.binary("sub", row, r_lo), _c(T)), _bv), F32),
-                L.Load("panel", _add(_mul(col, _c(T)), _bv), F32)), "add"))),
-            L.Store("dw", index, L.Load("d", _c(0), F32) if vec else L.Var("d", F32), "add"))
+            L.LocalArray("d", F32, 1, L.Const(0.0, F32), sums=vec) if vec else L.Decl(d, L.Const(0.0, F32)),
+            _vloop(T, plan.lanes, L.Store("d", _c(0), product, "add")) if vec else
+            L.For(_bv, _c(0), _c(T), L.block(L.Assign(d, product, "add"))),
+            L.Store("dw", index, L.Load("d", _c(0), F32) if vec else d, "add"))
 
     if plan.kind == "bsr":
         (bh, bw), br, p, c, r, c0 = plan.block, L.Var("br"), L.Var("p"), L.Var("c"), L.Var("r"), L.Var("c0")
         cells = L.For(r, _c(0), _c(bh), L.block(L.For(c, _c(0), _c(bw), L.block(
             dot(_add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), c), _add(_mul(br, _c(bh)), r), _add(c0, c))))))
-        blocks = L.For(p, L.Cast(L.Load("pos", br, plan.ptype), I64),
-                       L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
+        blocks = L.For(p, *_bounds(plan, br),
                        L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))), cells))
         rows = L.For(br, L.binary("floordiv", r_lo, _c(bh)), L.binary("floordiv", r_hi, _c(bh)), L.block(blocks))
     elif plan.kind == "csr" and vec:
@@ -436,7 +440,7 @@ def _csr_dots(plan: Tiles, o: L.Expr, r_lo: L.Expr, dot) -> L.Block:
         L.SumLanes("tot", "dd", F32, lanes),
         L.For(e, _c(0), _c(lanes), L.block(L.Store("dw", _add(first, e), L.Load("tot", e, F32), "add"))))
     return L.block(
-        L.Let(lo, L.Cast(L.Load("pos", o, plan.ptype), I64)), L.Let(hi, L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64)),
+        L.Let(lo, _bounds(plan, o)[0]), L.Let(hi, _bounds(plan, o)[1]),
         L.Let(q, L.binary("floordiv", L.binary("sub", hi, lo), _c(lanes))),
         L.For(k, _c(0), q, group),
         L.For(p, _add(lo, _mul(q, _c(lanes))), hi, L.block(dot(p, o, L.Cast(L.Load("crd", p, plan.ctype), I64)))))
@@ -468,7 +472,7 @@ def block_weight_grad(plan: Tiles) -> L.Kernel:
     out = L.For(r, _c(0), _c(bh), L.block(L.For(_bv, _c(0), _c(bw), L.block(L.Store(
         "dw", _add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), _bv), L.Load("acc", _add(_mul(r, _c(bw)), _bv), F32))),
         vector=lanes)), unroll=True)
-    block = L.For(p, L.Cast(L.Load("pos", br, plan.ptype), I64), L.Cast(L.Load("pos", _add(br, _c(1)), plan.ptype), I64),
+    block = L.For(p, *_bounds(plan, br),
                   L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))),
                           L.LocalArray("acc", F32, bh * bw, L.Const(0.0, F32), vector=lanes),
                           L.For(t, _c(0), n, L.block(update)), out))
@@ -485,14 +489,15 @@ def block_weight_grad(plan: Tiles) -> L.Kernel:
 
 def row_dots(plan: Tiles) -> L.Kernel:
     """One token (decode): ``y[o] = sum_p vals[p] * x[col(p)] (+ bias[o])``, ``x`` and ``y`` float32 (a 16-bit
-    token is widened first: it is one row), the row's entries taken a vector at a time (CSR: ``x`` gathered at the coordinates; n:m: a loop the compiler vectorizes over the row's slots), ``x``
+    token is widened first: it is one row), the row's entries taken a vector at a time (CSR: ``x`` gathered at
+    the coordinates; n:m: a loop the compiler vectorizes over the row's slots), ``x``
     staying in L1 while the weight streams past: the call is bound by the weight's bytes, which narrow indices
     make fewer. A tile of tokens would hold one token in a vector's lanes."""
     o, p, q, s = L.Var("o"), L.Var("p"), L.Var("q"), L.Var("s", F32)
     lanes = plan.lanes
     bias = _f32(L.Load("bias", o, plan.vtype)) if plan.bias else L.Const(0.0, F32)
     if plan.kind == "csr":
-        lo, hi = L.Cast(L.Load("pos", o, plan.ptype), I64), L.Cast(L.Load("pos", _add(o, _c(1)), plan.ptype), I64)
+        lo, hi = _bounds(plan, o)
         term = _mul(_f32(L.Load("vals", p, plan.vtype)), L.Load("x", L.Cast(L.Load("crd", p, plan.ctype), I64),
                                                                plan.xtype))
         row = L.block(L.LocalArray("vsum", F32, 1, L.Const(0.0, F32), sums=lanes),
