@@ -15,7 +15,7 @@ IR, so that every decision is made in one place and the NumPy interpreter runs t
   row of ``W`` streams past;
 - ``accumulate``: the micro-kernel, one broadcast multiply-add per stored weight per vector of tokens, with
   ``prefetch`` asking for the panel row of an entry further on (the order only the weight knows);
-- ``epilogue``: the row's accumulators summed, the bias added, the activation applied, into a small buffer;
+- ``epilogue``: the row's accumulators summed and the bias added, into a small buffer;
 - ``store``: the buffer transposed into ``Y``'s rows (``rows`` outputs of a token contiguous).
 
 The backward's input gradient (``dX = dY @ W``, ``transposed``) is the same family with the roles of the panels
@@ -66,8 +66,8 @@ class Tiles:
     values, ``xtype`` the activation's and the result's, ``ptype``/``ctype`` the positions' and coordinates'
     (n:m: the in-group offsets'); ``lanes`` per vector and ``vectors`` per tile (``T = lanes * vectors``
     tokens); ``unroll`` accumulator sets per row (CSR, n:m); ``block`` (bh, bw) for BSR, ``group`` (n, m) for
-    n:m; ``rows`` per store (BSR: the block's rows), ``row_pass`` rows accumulated at once (BSR); ``bias`` and
-    ``activation`` (None, "relu") in the epilogue; ``transposed``: the input gradient ``dX = dY @ W``."""
+    n:m; ``rows`` per store (BSR: the block's rows), ``row_pass`` rows accumulated at once (BSR); ``bias``: added
+    in the epilogue; ``transposed``: the input gradient ``dX = dY @ W``."""
     kind: str
     vtype: str
     xtype: str
@@ -81,7 +81,6 @@ class Tiles:
     rows: int = STORE_ROWS
     row_pass: int = 1
     bias: bool = False
-    activation: str = None
     transposed: bool = False
     pairs: bool = False  # (BSR, bfloat16) the panel holds pairs of features, multiplied by ``PairDot``
 
@@ -95,7 +94,7 @@ class Tiles:
 
 
 def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype: str, ctype: str,
-          block=(1, 1), group=(1, 1), bias=False, activation=None, transposed=False) -> Tiles:
+          block=(1, 1), group=(1, 1), bias=False, transposed=False) -> Tiles:
     """The tile shape for ``tokens`` tokens on ``target``: as many vectors of tokens as the tokens fill (at most
     ``MAX_VECTORS``: one token still takes one vector, whose other lanes hold zeros); CSR and n:m rows keep
     ``unroll`` sets of accumulators so that ``ROW_ACCUMULATORS`` vectors are in flight; a BSR tile holds one vector
@@ -106,11 +105,11 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
         row_pass = max(r for r in range(1, bh + 1) if bh % r == 0 and r <= ACCUMULATORS + 4)
         pairs = vtype == xtype == "bf16" and block[1] % 2 == 0 and lanes > 1 and not transposed
         return Tiles(kind, vtype, xtype, ptype, ctype, lanes, 1, 1, tuple(block), (1, 1), bh, row_pass, bias,
-                     activation, transposed, pairs)
+                     transposed, pairs)
     vectors = max(1, min(MAX_VECTORS, -(-tokens // lanes)))
     unroll = 1 if transposed else max(1, min(4, ROW_ACCUMULATORS // vectors))
     return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS, 1,
-                 bias, activation, transposed)
+                 bias, transposed)
 
 
 # -- the parts ------------------------------------------------------------------------------------------------
@@ -216,17 +215,13 @@ def accumulate_row(plan: Tiles, o: L.Expr, acc: str, panel: str) -> L.Block:
 
 
 def epilogue(plan: Tiles, acc: str, sets: int, row: L.Expr, at: L.Expr, base: L.Expr = L.Const(0)) -> L.Stmt:
-    """``tb[at + t] = act(sum of the accumulator sets from acc[base] + bias[row])`` over the tile's tokens."""
+    """``tb[at + t] = sum of the accumulator sets from acc[base] (+ bias[row])`` over the tile's tokens."""
     T = plan.T
     value = L.Load(acc, _add(base, _bv), F32)
     for u in range(1, sets):
         value = _add(value, L.Load(acc, _add(base, _c(u * T), _bv), F32))
     if plan.bias:
         value = _add(value, L.Cast(L.Load("bias", row, plan.vtype), F32))
-    if plan.activation == "relu":
-        value = L.Unary("relu", value, F32)
-    elif plan.activation is not None:
-        raise ValueError(f"scorch: no epilogue for the activation {plan.activation!r}")
     return _vloop(T, plan.lanes, L.Store("tb", _add(at, _bv), value))
 
 

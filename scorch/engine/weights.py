@@ -66,13 +66,13 @@ def applies(weight, x) -> bool:
     return True
 
 
-def plan_for(weight: SparseTensor, tokens: int, bias: bool, activation=None, transposed=False) -> family.Tiles:
+def plan_for(weight: SparseTensor, tokens: int, bias: bool, transposed=False) -> family.Tiles:
     kind, block, group = kind_of(weight)
     arrays = _arrays(weight)
     ptype = L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64"
     vtype = L.type_of(weight._vals.dtype)
     return family.tiles(CPU, kind, tokens, vtype, vtype, ptype, L.type_of(arrays["crd"].dtype), block, group,
-                        bias, activation, transposed)
+                        bias, transposed)
 
 
 def _kernel(plan: family.Tiles, part: str = "forward"):
@@ -167,11 +167,11 @@ def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     return -(-rows // row_chunk) if rows else 1, max(row_chunk, plan.rows)
 
 
-def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
-    """``act(x @ weight.T + bias)``, ``x`` 2-d (tokens x in): a new row-major tensor (tokens x out)."""
+def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """``x @ weight.T + bias``, ``x`` 2-d (tokens x in): a new row-major tensor (tokens x out)."""
     x = x.contiguous()
     n, n_out = x.shape[0], weight._shape[0]
-    plan = plan_for(weight, n, bias is not None, activation)
+    plan = plan_for(weight, n, bias is not None)
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
