@@ -192,13 +192,14 @@ def test_linear_forward_and_backward(fmt, case, dtype):
 def test_linear_in_batch_tiles(monkeypatch, fmt, batch):
     """A large batch runs in tiles of rows (``linalg._batch_tiles``; its size thresholds lowered here): the same
     result as dense torch, a partial last tile included. With a gradient to record the tiles are one node of the
-    graph: x's and W's gradients are the whole batch's (W's one SDDMM, not one per tile)."""
+    graph: x's and W's gradients are the whole batch's (W's one SDDMM, not one per tile). (float64: float32 and
+    16-bit CSR / BSR / n:m weights run the weight family, ``engine.weights``, which tiles the batch itself.)"""
     from scorch.ops import linalg
     monkeypatch.setattr(linalg, "TILE_MIN_BYTES", 0)
     monkeypatch.setattr(linalg, "TILE_MIN_ROWS", 0)
-    w = quarters((12, 16), 5) * (torch.arange(16) % 3 == 0)
-    x = quarters((batch, 16), 6)
-    g = quarters((batch, 12), 7)
+    w = quarters((12, 16), 5, dtype=torch.float64) * (torch.arange(16) % 3 == 0)
+    x = quarters((batch, 16), 6, dtype=torch.float64)
+    g = quarters((batch, 12), 7, dtype=torch.float64)
     W = scorch.asformat(w, fmt)
     calls = []
     real = linalg.engine.einsum
