@@ -33,7 +33,7 @@ The only switch between the backends is how the gate tensors (``G``; ``dispatch`
   ``dispatch`` / ``combine`` it multiplies by one-hot (slots x tokens) matrices, the same order of work.
 """
 
-SPELLINGS = ("slots", "fused", "dispatch", "combine")
+SPELLINGS = ("slots", "fused", "dispatch", "combine", "loop")
 
 
 def _static_capacity(tokens: int):
@@ -108,7 +108,25 @@ def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: b
                                     (n_slots, x.shape[0]))
             return dispatch, combine, capacity
 
+        def loop(self, x):
+            """The plain PyTorch peer, no gate tensor: a loop over the experts, each gathering its tokens
+            (``index_select``), one matrix product (``torch.mm``: BLAS) and the weighted rows added back into the
+            output (``index_add_``), as Mixtral's reference code routes. The experts are taken apart with ``unbind``
+            (their gradients stacked once), not indexed one by one: ``self.experts[n]`` would give each expert's
+            gradient as a zero-filled tensor of all the experts', summed 16 times, doubling the training step."""
+            index, weights = self.route(x)
+            expert, w = index.reshape(-1), weights.reshape(-1)
+            tokens = torch.arange(x.shape[0]).repeat_interleave(self.top_k)
+            y = torch.zeros(x.shape[0], hidden, dtype=x.dtype)
+            for n, weight in enumerate(self.experts.unbind(0)):
+                pairs = (expert == n).nonzero().squeeze(1)
+                at = tokens[pairs]
+                y.index_add_(0, at, torch.mm(x.index_select(0, at), weight) * w[pairs, None])
+            return y
+
         def forward(self, x):
+            if einsum == "loop":
+                return self.loop(x)
             if einsum == "slots":
                 dispatch, combine, capacity = self.slots(x)
                 xe = torch.einsum("sb,bd->sd", dispatch, x).reshape(experts, capacity, dim)

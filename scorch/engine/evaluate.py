@@ -107,6 +107,9 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
     if early is not None:
         return einsum(early[0], *early[1], format=format, explain=explain, backend=backend, schedule=directives)
     if needs_grad(operands) and not explain and backend == "cpp":
+        r = _grouped_with_grad(equation, operands) if directives is None and format in (None, "dense") else None
+        if r is not None:
+            return r
         if directives is not None:
             return RULES.differentiable_einsum(equation, operands, format, schedule=directives)
         return RULES.differentiable_einsum(equation, operands, format)
@@ -130,6 +133,23 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         if found is not None:
             prepared.keep(sig, found)  # the same prepared call, found from the equation string directly
     return result
+
+
+def _grouped_with_grad(equation, operands):
+    """A mixture-of-experts product that needs gradients, where the planner groups it: the grouped product's own
+    autograd Function (``grouped.moe_operands``; the entries sorted once, the backward on the same order and
+    gathered rows) instead of one einsum node whose gradients are three more einsums. None otherwise."""
+    ops = prepare(operands)
+    if len(ops) != 3 or any(type(x) is torch.Tensor and 0 in x.stride() for x in ops):
+        return None
+    inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
+    name = f"einsum({equation!r})"
+    tree = contraction_path(inputs, out, ops, name)
+    if tree.grouped is None or grouped.moe_operands(tree.grouped, [inputs[k] for k in tree.leaves], out) is None:
+        return None
+    r = evaluate_tree(tree, inputs, ops, out)
+    want = result_dtype(ops, name)
+    return r if r.dtype == want else r.to(want)
 
 
 def _diagonals_and_sums(equation, operands, explain=False):
