@@ -52,7 +52,8 @@ def time_configs(configs, tokens, dim, hidden, experts, top_k, repeats):
             for fn, watch in zip((step, infer), watches[c]):
                 with watch:
                     fn()
-    return {c: {"step_s": w[0].median(skip=1), "infer_s": w[1].median(skip=1)} for c, w in watches.items()}
+    return {c: {"step_s": w[0].median(skip=1), "infer_s": w[1].median(skip=1), "step_times": w[0].times[1:],
+                "infer_times": w[1].times[1:]} for c, w in watches.items()}
 
 
 def main(argv=None):
@@ -85,7 +86,8 @@ def main(argv=None):
                 print(f"{experts:>7} {top_k:>5} {backend:>7} {einsum:>8} {t['step_s'] * 1e3:>9.1f}"
                       f" {t['infer_s'] * 1e3:>9.1f} {ratios[0]:>7} {ratios[1]:>7} {ratios[2]:>11} {ratios[3]:>12}",
                       flush=True)
-                rows.append(dict(experts=experts, top_k=top_k, backend=backend, einsum=einsum, **t))
+                rows.append(dict(experts=experts, top_k=top_k, backend=backend, einsum=einsum,
+                                 step_s=t["step_s"], infer_s=t["infer_s"]))
     return rows
 
 
