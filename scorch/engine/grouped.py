@@ -202,6 +202,8 @@ class _GroupedProduct(torch.autograd.Function):
         p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
         ctx.routing = routing
         ctx.save_for_backward(vals, x, w, xs, p)
+        if routing.inverse is not None:  # (gathered first, then weighed in place: one result-sized allocation)
+            return p.index_select(0, routing.inverse).mul_(vals.index_select(0, routing.inverse)[:, None])
         return _place(routing, p * vals[:, None], w.shape[2])
 
     @staticmethod
@@ -213,7 +215,7 @@ class _GroupedProduct(torch.autograd.Function):
             p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
         dys = dy.index_select(0, routing.rows)
         gv = (dys * p).sum(1) if ctx.needs_input_grad[1] else None
-        dps = dys * vals[:, None]
+        dps = dys * vals[:, None] if torch.is_grad_enabled() else dys.mul_(vals[:, None])  # (dys: a gathered copy)
         gx = gw = None
         if ctx.needs_input_grad[2]:
             dxs = _mm_ranges(routing, dps, lambda g, lo, hi: w[g].t(), w.shape[1])
