@@ -4,8 +4,9 @@
 ``torch`` or ``scorch`` as its torch module; the backends differ only in the gate tensors: under ``scorch`` they
 are sparse CSR tensors (``torch.sparse_csr_tensor``) built from the top-k, so the einsums compute only the selected
 experts of each token; under ``torch`` they are dense with zeros outside the top-k, so the einsums compute every
-expert for every token (``--einsum fused``) or multiply by one-hot dispatch / combine matrices (``slots``, the
-default). ``model.py`` describes the spellings; ``bench.py`` times them (``python -m apps.moe.bench``).
+expert for every token (``--einsum fused``, the default) or multiply by one-hot dispatch / combine matrices
+(``slots``). ``--einsum loop`` is the plain PyTorch per-expert loop (no gate tensor). ``model.py`` describes the
+spellings; ``bench.py`` times them (``python -m apps.moe.bench``).
 
 The task is synthetic (``data.py``): Gaussian tokens, targets from a random teacher MoE with the same gating;
 ``--data`` is accepted for uniformity with the other apps and not read.
