@@ -142,8 +142,10 @@ def _grouped_with_grad(equation, operands):
     the planner would pick for the forward alone: a generated kernel's backward is three more einsums, the gate's
     a four-operand kernel, which its cost does not see (the app's training step at 512 tokens, width 64, 16
     experts: 2.8 ms through the kernel, 1.7 ms grouped). None otherwise."""
+    if len(operands) != 3:
+        return None
     ops = prepare(operands)
-    if len(ops) != 3 or not all(isinstance(x, torch.Tensor) for x in ops) or \
+    if not all(isinstance(x, torch.Tensor) for x in ops) or \
             any(type(x) is not SparseTensor and 0 in x.stride() for x in ops):  # (broadcast views: the generic way)
         return None
     inputs, out = parse(equation, [len(shape_of(x)) for x in ops])
