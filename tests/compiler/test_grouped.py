@@ -92,6 +92,9 @@ def test_planner_groups_the_moe_product():
            contract.Operand(("b", "n"), True, 4096, frozenset("bn"))]
     node = contract.best_path(ops, ("b", "h"), sizes)
     assert node.grouped is not None and node.grouped.group == ("n",)
+    # experts small enough for a kernel to read from the cache for every token: no reuse to gain, the kernel
+    narrow = {"b": 2048, "d": 128, "h": 128, "n": 16}
+    assert contract.best_path(ops, ("b", "h"), narrow).grouped is None
     # few entries per group and little work per entry: the kernel
     small = {"b": 4096, "d": 4, "h": 4, "n": 4096}
     ops[2] = contract.Operand(("b", "n"), True, 4096, frozenset("bn"))
@@ -99,7 +102,7 @@ def test_planner_groups_the_moe_product():
 
 
 def test_explain_names_the_grouping(capsys):
-    x, E = torch.randn(512, 64), torch.randn(4, 64, 64)
+    x, E = torch.randn(512, 512), torch.randn(4, 512, 512)
     g = torch.nn.functional.one_hot(torch.arange(512) % 4, 4).float().to_sparse()
     engine.einsum("bd,ndh,bn->bh", x, E, g, explain=True)
     assert "grouped by n" in capsys.readouterr().out
@@ -260,6 +263,8 @@ def test_moe_product_without_gradients(monkeypatch, in_cache, top_k, missing_row
     x, E, gd, _ = _moe(top_k, "csr", missing_row)
     if ones:
         gd = (gd != 0).double()
-    with torch.no_grad():
-        torch.testing.assert_close(scorch.einsum("bn,bd,ndh->bh", scorch.asformat(gd, "csr"), x, E),
+    idx, sizes = [tuple("bn"), tuple("bd"), tuple("ndh")], {"b": MOE["B"], "d": MOE["D"], "h": MOE["H"], "n": MOE["N"]}
+    g = grouping.match(idx, tuple("bh"), [True, False, False], sizes)
+    with torch.no_grad():  # (the grouped evaluation itself: at these sizes the planner picks the kernel)
+        torch.testing.assert_close(grouped.evaluate(g, idx, tuple("bh"), [scorch.asformat(gd, "csr"), x, E], sizes),
                                    torch.einsum("bn,bd,ndh->bh", gd, x, E))
