@@ -108,31 +108,65 @@ def generic(group: str, module: str, title: str, backends: dict, scorch_name: st
 
 # --- MoE --------------------------------------------------------------------------------------------------------
 
-def moe(threads: int, quick: bool) -> Table:
-    """The issue's case: 16 experts, top-1, B=4096, D=512. scorch's sparse gate against the dense gate in the same
-    spelling (``slots``) and against the dense-gate einsum that computes every expert for every token
-    (``fused``: ``bn,bd,ndh->bh`` with a dense ``bn``)."""
+MOE_LOOP = "torch, per-expert loop (index_select, mm, index_add_)"
+
+
+def moe(threads: int, quick: bool) -> list:
+    """The issue's case: 16 experts, top-1, B=4096, D=512. The app trained with each backend, one after another:
+    scorch's sparse gate (the default spelling, ``fused``: one einsum ``bn,bd,ndh->bh``, a grouped product) against
+    the plain PyTorch per-expert loop, the dense gate in the ``slots`` spelling, and the dense-gate einsum that
+    computes every expert for every token; then the training step and the inference forward of scorch against
+    the per-expert loop, interleaved in one process (``moe_steps``)."""
     from apps import moe as app
     size = dict(tokens=512, dim=64, experts=16, top_k=1, batches=2, test_batches=1) if quick else \
         dict(tokens=4096, dim=512, experts=16, top_k=1, batches=2, test_batches=1)
     epochs = 2 if quick else 3
-    runs = {"scorch, sparse gate (slots)": lambda: app.run("scorch", epochs, threads, einsum="slots", **size),
+    runs = {"scorch, sparse gate (fused)": lambda: app.run("scorch", epochs, threads, einsum="fused", **size),
+            "scorch, sparse gate (slots)": lambda: app.run("scorch", epochs, threads, einsum="slots", **size),
+            MOE_LOOP: lambda: app.run("torch", epochs, threads, einsum="loop", **size),
             "torch, dense gate (slots)": lambda: app.run("torch", epochs, threads, einsum="slots", **size),
             "torch, dense gate, every expert (fused)": lambda: app.run("torch", epochs, threads, einsum="fused",
                                                                         **size)}
     t = app_table("moe", f"MoE, {size['experts']} experts, top-{size['top_k']}, B={size['tokens']}, D={size['dim']}",
                   f"`apps.moe` with {', '.join(f'{k}={v}' for k, v in size.items())}, {epochs} epochs; a training "
-                  "epoch is `batches` steps (forward, backward, Adam)", runs, "scorch, sparse gate (slots)",
+                  "epoch is `batches` steps (forward, backward, Adam)", runs, "scorch, sparse gate (fused)",
                   "torch, dense gate, every expert (fused)", lambda r: f"held-out MSE {r['loss']:.4f}")
     t.targets.append(_target(t, "sparse gate >= 4x faster than the dense-gate einsum (every expert for every token)",
                              4.0, "torch, dense gate, every expert (fused)"))
-    t.notes.append("`slots` spells the block as dispatch (`sb,bd->sd`), expert matmuls per slot (`ncd,ndh->nch`) and "
-                   "combine (`bs,sh->bh`): with a sparse gate, scorch computes only the chosen experts. The issue's "
-                   "one-einsum spelling `bn,bd,ndh->bh` with a sparse gate runs in scorch as one matrix-vector "
-                   "product per (token, expert) pair, without blocking tokens by expert: slower than the dense "
-                   "einsum at this size (apps/moe/README.md has its numbers); fusion (a later issue) is what makes "
-                   "that spelling fast.")
-    return t
+    t.notes.append("`fused` spells the block as one einsum `bn,bd,ndh->bh`: with a sparse gate, scorch sorts the "
+                   "gate's entries by expert once and runs one matrix product per expert over its contiguous rows, "
+                   "forward and backward (`scorch/engine/grouped.py`). `slots` spells it as dispatch (`sb,bd->sd`), "
+                   "expert matmuls per slot (`ncd,ndh->nch`, padded to the fullest expert) and combine "
+                   "(`bs,sh->bh`). The per-expert loop is plain PyTorch, no gate tensor (`apps/moe/model.py`, "
+                   "`loop`). The app runs one backend after another: the interleaved tables below compare step by "
+                   "step.")
+    sizes = [dict(tokens=512, dim=64)] if quick else [dict(tokens=2048, dim=128), dict(tokens=4096, dim=512)]
+    return [t] + [table for s in sizes for table in moe_steps(threads, repeats=5 if quick else 15, **s)]
+
+
+def moe_steps(threads: int, tokens: int, dim: int, experts: int = 16, top_k: int = 1, repeats: int = 15) -> list:
+    """Two tables (training step; inference forward) of scorch's sparse gate in its two spellings and the
+    per-expert loop, built as the app builds them and timed interleaved in this process (``apps.moe.bench``)."""
+    from apps import common
+    from apps.moe import bench
+    from .timing import Row
+    common.set_threads(threads)
+    names = {("scorch", "fused"): "scorch, sparse gate (fused)", ("scorch", "slots"): "scorch, sparse gate (slots)",
+             ("torch", "loop"): MOE_LOOP}
+    times = bench.time_configs(list(names), tokens, dim, dim, experts, top_k, repeats)
+    tables = []
+    for key, what in (("step", "training step (forward, backward, Adam)"), ("infer", "inference forward")):
+        t = Table("moe", f"MoE {what.split(' (')[0]}, {experts} experts, top-{top_k}, B={tokens}, D={dim}",
+                  f"`python -m apps.moe.bench --tokens {tokens} --dim {dim} --experts {experts} --top-k {top_k} "
+                  f"--einsum fused slots loop --repeats {repeats}`: one {what} each, the repeats interleaved "
+                  f"across the three; {threads} threads")
+        t.scorch, t.torch = names[("scorch", "fused")], MOE_LOOP
+        for c, name in names.items():
+            ts = times[c][f"{key}_times"]
+            t.rows.append(Row(name, Timing(statistics.median(ts), min(ts), len(ts))))
+        t.targets.append(_target(t, f"scorch's {what.split(' (')[0]} >= 1.2x the per-expert loop", 1.2, MOE_LOOP))
+        tables.append(t)
+    return tables
 
 
 # --- recommender ------------------------------------------------------------------------------------------------

@@ -219,7 +219,7 @@ def test_issue_program_computes_only_kept_entries(monkeypatch):
     calls = []
     evaluate = grouped.evaluate
     monkeypatch.setattr(grouped, "evaluate", lambda *a: calls.append(a[0]) or evaluate(*a))
-    x, E, gates = _moe(B=512, D=64, H=64, N=4)
+    x, E, gates = _moe(B=512, D=512, H=512, N=4)  # (experts this wide: grouped; narrower, a kernel on the entries)
     with scorch.deferral("auto"):
         import scorch.deferred as d
         old = d.MIN_WORK

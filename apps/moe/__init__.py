@@ -4,8 +4,9 @@
 ``torch`` or ``scorch`` as its torch module; the backends differ only in the gate tensors: under ``scorch`` they
 are sparse CSR tensors (``torch.sparse_csr_tensor``) built from the top-k, so the einsums compute only the selected
 experts of each token; under ``torch`` they are dense with zeros outside the top-k, so the einsums compute every
-expert for every token (``--einsum fused``) or multiply by one-hot dispatch / combine matrices (``slots``, the
-default). ``model.py`` describes the spellings; ``bench.py`` times them (``python -m apps.moe.bench``).
+expert for every token (``--einsum fused``, the default) or multiply by one-hot dispatch / combine matrices
+(``slots``). ``--einsum loop`` is the plain PyTorch per-expert loop (no gate tensor). ``model.py`` describes the
+spellings; ``bench.py`` times them (``python -m apps.moe.bench``).
 
 The task is synthetic (``data.py``): Gaussian tokens, targets from a random teacher MoE with the same gating;
 ``--data`` is accepted for uniformity with the other apps and not read.
@@ -20,7 +21,7 @@ from .. import common
 BACKENDS = ("scorch", "torch")
 EPOCHS = 8
 DEFAULTS = dict(tokens=2048, dim=128, hidden=None, experts=16, top_k=1, batches=16, test_batches=2, lr=0.03,
-                einsum="slots", dtype="float32")
+                einsum="fused", dtype="float32")
 
 
 def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: int = 0, quiet: bool = True,
@@ -116,6 +117,11 @@ def run(backend: str = "scorch", epochs: int = EPOCHS, threads: int = 2, seed: i
     }
 
 
+def model_spellings() -> tuple:
+    from .model import SPELLINGS
+    return SPELLINGS
+
+
 def main(argv=None) -> dict:
     p = common.parser("moe", "Mixture of experts (top-1 / top-2 gating, experts as one (experts, dim, hidden) "
                        "tensor, einsum style) trained to imitate a random teacher MoE. scorch: the gate tensors are "
@@ -135,10 +141,11 @@ def main(argv=None) -> dict:
     p.add_argument("--test-batches", type=int, default=DEFAULTS["test_batches"],
                    help=f"held-out batches (default {DEFAULTS['test_batches']})")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help=f"Adam learning rate (default {DEFAULTS['lr']})")
-    p.add_argument("--einsum", choices=("slots", "fused", "dispatch", "combine"), default=DEFAULTS["einsum"],
-                   help="spelling of the MoE product (model.py): slots, GShard-style dispatch 'sb,bd->sd', experts "
-                        "'ncd,ndh->nch', combine 'bs,sh->bh' (default); fused 'bn,bd,ndh->bh'; dispatch 'bn,bd->bnd' "
-                        "then 'bnd,ndh->bh'; combine 'bd,ndh->bnh' then 'bn,bnh->bh'")
+    p.add_argument("--einsum", choices=model_spellings(), default=DEFAULTS["einsum"],
+                   help="spelling of the MoE product (model.py): fused 'bn,bd,ndh->bh' (default); slots, GShard-style "
+                        "dispatch 'sb,bd->sd', experts 'ncd,ndh->nch', combine 'bs,sh->bh'; dispatch 'bn,bd->bnd' "
+                        "then 'bnd,ndh->bh'; combine 'bd,ndh->bnh' then 'bn,bnh->bh'; loop, the plain PyTorch "
+                        "per-expert loop (index_select, torch.mm, index_add_; no gate tensor)")
     p.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"])
     p.add_argument("--distributed", action="store_true", help="under torchrun: experts placed on the processes, "
                    "tokens sent to them with all_to_all (apps/moe/distributed.py)")

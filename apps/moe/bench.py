@@ -5,7 +5,9 @@ the work). ``python -m apps.moe.bench [--tokens 4096 --dim 512 --experts 16 64 -
 Each configuration is built with ``model.build`` exactly as ``apps.moe.run`` builds it, warmed up once (scorch
 compiles its kernels then), and timed ``--repeats`` times, the repeats interleaved across the configurations of
 one (experts, top-k) pair; the medians are printed, with the speedup of each row over the torch backend's
-``fused`` spelling (the dense gate computing every expert for every token).
+``fused`` spelling (the dense gate computing every expert for every token) and over the plain PyTorch
+per-expert loop (``loop``: ``index_select``, one ``torch.mm`` per expert, ``index_add_``; run by the torch
+backend only, it has no gate tensor).
 """
 from __future__ import annotations
 
@@ -45,19 +47,20 @@ def time_configs(configs, tokens, dim, hidden, experts, top_k, repeats):
     fns = {c: prepare(*c, tokens, dim, hidden, experts, top_k) for c in configs}
     watches = {c: (common.Stopwatch(), common.Stopwatch()) for c in configs}
     for r in range(repeats + 1):
-        for c in configs:
+        for c in (configs if r % 2 == 0 else configs[::-1]):  # (no configuration always runs after the same one)
             step, infer = fns[c]
             for fn, watch in zip((step, infer), watches[c]):
                 with watch:
                     fn()
-    return {c: {"step_s": w[0].median(skip=1), "infer_s": w[1].median(skip=1)} for c, w in watches.items()}
+    return {c: {"step_s": w[0].median(skip=1), "infer_s": w[1].median(skip=1), "step_times": w[0].times[1:],
+                "infer_times": w[1].times[1:]} for c, w in watches.items()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m apps.moe.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", nargs="+", default=["torch", "scorch"], choices=("torch", "scorch"))
-    p.add_argument("--einsum", nargs="+", default=["fused", "slots"],
-                   choices=("slots", "fused", "dispatch", "combine"))
+    p.add_argument("--einsum", nargs="+", default=["fused", "slots", "loop"],
+                   choices=("slots", "fused", "dispatch", "combine", "loop"))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=None, help="default: --dim")
@@ -69,21 +72,22 @@ def main(argv=None):
     common.set_threads(args.threads)
     hidden = args.hidden or args.dim
     print(f"tokens={args.tokens} dim={args.dim} hidden={hidden} threads={args.threads} repeats={args.repeats}"
-          " (medians; speedup over torch/fused)")
+          " (medians; speedups over torch/fused, the dense gate, and over torch/loop, the per-expert loop)")
     print(f"{'experts':>7} {'top_k':>5} {'backend':>7} {'einsum':>8} {'step ms':>9} {'infer ms':>9} {'step x':>7}"
-          f" {'infer x':>7}")
+          f" {'infer x':>7} {'step x loop':>11} {'infer x loop':>12}")
     rows = []
     for experts in args.experts:
         for top_k in args.top_k:
-            configs = [(b, e) for e in args.einsum for b in args.backends]
+            configs = [(b, e) for e in args.einsum for b in args.backends if not (e == "loop" and b != "torch")]
             times = time_configs(configs, args.tokens, args.dim, hidden, experts, top_k, args.repeats)
-            base = times.get(("torch", "fused"))
+            base, loop = times.get(("torch", "fused")), times.get(("torch", "loop"))
             for (backend, einsum), t in times.items():
-                sx = f"{base['step_s'] / t['step_s']:.1f}" if base else "-"
-                ix = f"{base['infer_s'] / t['infer_s']:.1f}" if base else "-"
+                ratios = [f"{b[key] / t[key]:.2f}" if b else "-" for b in (base, loop) for key in ("step_s", "infer_s")]
                 print(f"{experts:>7} {top_k:>5} {backend:>7} {einsum:>8} {t['step_s'] * 1e3:>9.1f}"
-                      f" {t['infer_s'] * 1e3:>9.1f} {sx:>7} {ix:>7}", flush=True)
-                rows.append(dict(experts=experts, top_k=top_k, backend=backend, einsum=einsum, **t))
+                      f" {t['infer_s'] * 1e3:>9.1f} {ratios[0]:>7} {ratios[1]:>7} {ratios[2]:>11} {ratios[3]:>12}",
+                      flush=True)
+                rows.append(dict(experts=experts, top_k=top_k, backend=backend, einsum=einsum,
+                                 step_s=t["step_s"], infer_s=t["infer_s"]))
     return rows
 
 

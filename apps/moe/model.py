@@ -8,9 +8,14 @@
 Top-1 keeps the chosen expert's probability as its weight (Switch Transformer style, so the gate is trained
 through it); top-k with k > 1 renormalizes the k kept probabilities (Shazeer et al.).
 
-``einsum`` picks one of four ordinary spellings of the same function (all give the same numbers, up to rounding):
+``einsum`` picks one of four ordinary spellings of the same function (all give the same numbers, up to rounding),
+or the plain PyTorch peer:
 
-* ``"slots"`` (the default), GShard / Switch Transformer style: every expert gets ``C`` slots, ``C`` the most tokens
+* ``"fused"`` (the default): ``einsum("bn,bd,ndh->bh", G, x, E)`` with the (tokens x experts) gate ``G``, one
+  einsum. With a sparse gate scorch runs it as a grouped product: the gate's entries sorted by expert once, one
+  matrix product per expert over its tokens' contiguous rows, and a backward on the same order
+  (``scorch/engine/grouped.py``).
+* ``"slots"``, GShard / Switch Transformer style: every expert gets ``C`` slots, ``C`` the most tokens
   any expert received in this batch (so no token is dropped), and token ``b``'s choice of expert ``n`` takes
   the next free slot ``s = n * C + c`` of that expert. Two gate matrices follow from the top-k:
   ``dispatch`` (slots x tokens, a 1 where slot ``s`` holds token ``b``) and ``combine`` (tokens x slots, the gate
@@ -18,11 +23,13 @@ through it); top-k with k > 1 renormalizes the k kept probabilities (Shazeer et 
       ``xe = einsum("sb,bd->sd", dispatch, x)``          gather each expert's tokens  (-> experts, C, dim)
       ``ye = einsum("ncd,ndh->nch", xe, E)``             the experts, a batched matmul on their own tokens
       ``y  = einsum("bs,sh->bh", combine, ye)``          weighted sum of each token's k expert outputs
-* ``"fused"``: ``einsum("bn,bd,ndh->bh", G, x, E)`` with the (tokens x experts) gate ``G``, one einsum;
+  (the batched matmul runs on every slot, the empty ones too: ``C`` is the fullest expert's count);
 * ``"dispatch"``: ``xd = einsum("bn,bd->bnd", G, x)`` (each token's input placed at its experts, weighted), then
   ``einsum("bnd,ndh->bh", xd, E)``;
 * ``"combine"``: ``ye = einsum("bd,ndh->bnh", x, E)`` (every expert on every token), then
-  ``einsum("bn,bnh->bh", G, ye)`` (the issue's ``bnd,bn->bd`` combine; dense work whatever ``G`` is).
+  ``einsum("bn,bnh->bh", G, ye)`` (the issue's ``bnd,bn->bd`` combine; dense work whatever ``G`` is);
+* ``"loop"``: no gate tensor, the plain PyTorch way to route: for each expert, its tokens gathered
+  (``index_select``), one ``torch.mm``, the weighted rows added back (``index_add_``). The benchmarks' peer.
 
 The only switch between the backends is how the gate tensors (``G``; ``dispatch`` and ``combine``) are held:
 
@@ -33,7 +40,7 @@ The only switch between the backends is how the gate tensors (``G``; ``dispatch`
   ``dispatch`` / ``combine`` it multiplies by one-hot (slots x tokens) matrices, the same order of work.
 """
 
-SPELLINGS = ("slots", "fused", "dispatch", "combine")
+SPELLINGS = ("fused", "slots", "dispatch", "combine", "loop")
 
 
 def _static_capacity(tokens: int):
@@ -48,7 +55,7 @@ def _static_capacity(tokens: int):
     return None
 
 
-def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: bool, einsum: str = "slots"):
+def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: bool, einsum: str = "fused"):
     """The MoE block as an ``nn.Module``: ``forward(x)`` maps (tokens, dim) to (tokens, hidden)."""
     if einsum not in SPELLINGS:
         raise ValueError(f"einsum spelling {einsum!r}: choose from {', '.join(SPELLINGS)}")
@@ -108,7 +115,25 @@ def build(torch, dim: int, hidden: int, experts: int, top_k: int, sparse_gate: b
                                     (n_slots, x.shape[0]))
             return dispatch, combine, capacity
 
+        def loop(self, x):
+            """The plain PyTorch peer, no gate tensor: a loop over the experts, each gathering its tokens
+            (``index_select``), one matrix product (``torch.mm``: BLAS) and the weighted rows added back into the
+            output (``index_add_``), as Mixtral's reference code routes. The experts are taken apart with ``unbind``
+            (their gradients stacked once), not indexed one by one: ``self.experts[n]`` would give each expert's
+            gradient as a zero-filled tensor of all the experts', summed 16 times, doubling the training step."""
+            index, weights = self.route(x)
+            expert, w = index.reshape(-1), weights.reshape(-1)
+            tokens = torch.arange(x.shape[0]).repeat_interleave(self.top_k)
+            y = torch.zeros(x.shape[0], hidden, dtype=x.dtype)
+            for n, weight in enumerate(self.experts.unbind(0)):
+                pairs = (expert == n).nonzero().squeeze(1)
+                at = tokens[pairs]
+                y.index_add_(0, at, torch.mm(x.index_select(0, at), weight) * w[pairs, None])
+            return y
+
         def forward(self, x):
+            if einsum == "loop":
+                return self.loop(x)
             if einsum == "slots":
                 dispatch, combine, capacity = self.slots(x)
                 xe = torch.einsum("sb,bd->sd", dispatch, x).reshape(experts, capacity, dim)

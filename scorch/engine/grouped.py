@@ -1,6 +1,9 @@
 """Grouped products, run (the planning is ``compiler/grouped.py``): the sparse operand's entries sorted by their
 group coordinates, then per group one dense product in torch (a slice of the sliced operands, the group's rows
-gathered from the others), placed into the result's rows. Autograd differentiates it as it stands.
+gathered from the others), placed into the result's rows. Autograd differentiates it as it stands, except the
+mixture-of-experts form (``moe_operands``), which is its own autograd Function: the entries sorted by group once,
+one gather of the rows, the groups' products written into contiguous row ranges of one buffer (``mm(out=)``), and
+a backward that reuses that order and the gathered rows.
 """
 from __future__ import annotations
 
@@ -29,11 +32,14 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
     """The einsum ``inputs -> out`` over ``ops`` (torch tensors and the one SparseTensor), group by group."""
     k = grouping.sparse
     letters = inputs[k]
-    dims, vals, starts = entries(ops[k], grouping, letters)
-    dtype = vals.dtype
+    dtype = ops[k].dtype
     for j, t in enumerate(ops):
         if j != k:
             dtype = torch.promote_types(dtype, t.dtype)
+    form = moe_operands(grouping, inputs, out)
+    if form is not None:
+        return _moe_product(grouping, form, inputs, ops, sizes, dtype)
+    dims, vals, starts = entries(ops[k], grouping, letters)
     vals = vals.to(dtype)
     coords = {v: dims[letters.index(v)] for v in letters}
     used = {v for i in inputs for v in i}
@@ -43,9 +49,6 @@ def evaluate(grouping: Grouping, inputs, out, ops, sizes):
         first = next((v for v in idx if v in grouping.rows), None)
         return tuple(p if v == first else v for v in idx if v == first or v not in grouping.rows)
 
-    fast = _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype)
-    if fast is not None:
-        return fast
     # dense operands holding row indices are gathered at the entries' rows; the others are sliced per group
     gathered, sliced = [], []
     for j, (idx, t) in enumerate(zip(inputs, ops)):
@@ -114,11 +117,9 @@ def matrix_product(idx_g, res_idx, p):
     return None
 
 
-def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
-    """The mixture-of-experts form ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` without gradients, group by group
-    in the cache: the group's rows of ``x`` gathered (weighed unless the values are ones), one matrix product with
-    ``W[g]``, the product copied (or added, where rows repeat) into ``y``'s rows while it is still in the cache.
-    None where the einsum has another form."""
+def moe_operands(grouping: Grouping, inputs, out):
+    """``(xj, wj)``, the positions of ``x`` and ``W`` where the einsum is the mixture-of-experts form
+    ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` (any operand order), else None."""
     k = grouping.sparse
     if len(inputs) != 3 or len(grouping.rows) != 1 or len(grouping.group) != 1:
         return None
@@ -131,26 +132,141 @@ def _grouped_mm(grouping, inputs, out, ops, sizes, dims, vals, starts, dtype):
     xi, wi = inputs[xj], inputs[wj]
     if len(xi) != 2 or xi[0] != r or len(wi) != 3 or wi[0] != g or xi[1] != wi[1] or tuple(out) != (r, wi[2]):
         return None
-    x, w = ops[xj].to(dtype), ops[wj].to(dtype)
+    return xj, wj
+
+
+class Routing:
+    """The sparse operand's entries sorted by group once, for the forward and the backward alike: ``rows`` the
+    entries' rows in that order, ``ranges`` ``(group, lo, hi)`` of each group with entries (contiguous),
+    ``covered`` whether every group has some; ``inverse`` where each of the ``n`` rows is named exactly once
+    (top-1 gates), the entry of each row: the result is then gathered in row order (faster than a scatter, and
+    no zero fill), else None and the entries are added into zeros."""
+
+    __slots__ = ("rows", "ranges", "covered", "inverse", "n")
+
+    def __init__(self, rows, counts, n):
+        self.rows, self.n = rows, n
+        self.ranges, lo = [], 0
+        for g, c in enumerate(counts):
+            if c:
+                self.ranges.append((g, lo, lo + c))
+            lo += c
+        self.covered = len(self.ranges) == len(counts)
+        self.inverse = None
+        if _once_each(rows, n):
+            self.inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(n, device=rows.device))
+
+
+def _mm_ranges(routing, a, b_of, cols, transpose_a=False, out=None):
+    """Per group ``g`` the product of ``a``'s rows ``lo:hi`` (transposed when ``transpose_a``) with
+    ``b_of(g, lo, hi)``, each written straight into its place in one result (no per-group allocation, no
+    concatenation; measured as fast as a fresh product per group): the rows ``lo:hi`` of an (entries x ``cols``)
+    matrix, or with ``transpose_a`` the slice ``out[g]`` (groups without entries zero). Under a recorded graph
+    (double backward) the same products as differentiable ops."""
+    if torch.is_grad_enabled():  # (inside a Function only under create_graph)
+        if transpose_a:
+            parts = {g: a[lo:hi].t() @ b_of(g, lo, hi) for g, lo, hi in routing.ranges}
+            return torch.stack([parts[g] if g in parts else a.new_zeros(a.shape[1], cols)
+                                for g in range(out.shape[0])])
+        parts = [a[lo:hi] @ b_of(g, lo, hi) for g, lo, hi in routing.ranges]
+        return torch.cat(parts) if parts else a.new_zeros(0, cols)
+    if transpose_a:
+        if not routing.covered:
+            out.zero_()
+        for g, lo, hi in routing.ranges:
+            torch.mm(a[lo:hi].t(), b_of(g, lo, hi), out=out[g])
+        return out
+    res = a.new_empty(a.shape[0], cols)
+    for g, lo, hi in routing.ranges:
+        torch.mm(a[lo:hi], b_of(g, lo, hi), out=res[lo:hi])
+    return res
+
+
+def _place(routing, part, cols):
+    """The entries' rows ``part`` added into the ``n`` result rows at ``routing.rows`` (gathered in row order
+    where each row is named once)."""
+    if routing.inverse is not None:
+        return part.index_select(0, routing.inverse)
+    return part.new_zeros(routing.n, cols).index_add_(0, routing.rows, part)
+
+
+class _GroupedProduct(torch.autograd.Function):
+    """``y[r, h] = sum_e v[e] x[rows[e], d] W[g(e), d, h]`` over the entries ``e`` sorted by group: one gather of
+    ``x``'s rows, one matrix product per group over its contiguous range, the weighted rows placed into ``y``.
+    The backward reuses the sorted order and the gathered rows: ``dW[g] = X_g^T (v dY_g)``, ``dx`` the products
+    ``(v dY_g) W[g]^T`` placed back, the values' gradient each entry's row of ``dY`` against its product."""
+
+    @staticmethod
+    def forward(ctx, routing, vals, x, w):
+        xs = x.index_select(0, routing.rows)
+        p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
+        ctx.routing = routing
+        ctx.save_for_backward(vals, x, w, xs, p)
+        if routing.inverse is not None:  # (gathered first, then weighed in place: one result-sized allocation)
+            return p.index_select(0, routing.inverse).mul_(vals.index_select(0, routing.inverse)[:, None])
+        return _place(routing, p * vals[:, None], w.shape[2])
+
+    @staticmethod
+    def backward(ctx, dy):
+        routing = ctx.routing
+        vals, x, w, xs, p = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph of the backward: the products again, as differentiable ops
+            xs = x.index_select(0, routing.rows)
+            p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
+        dys = dy.index_select(0, routing.rows)
+        gv = (dys * p).sum(1) if ctx.needs_input_grad[1] else None
+        dps = dys * vals[:, None] if torch.is_grad_enabled() else dys.mul_(vals[:, None])  # (dys: a gathered copy)
+        gx = gw = None
+        if ctx.needs_input_grad[2]:
+            dxs = _mm_ranges(routing, dps, lambda g, lo, hi: w[g].t(), w.shape[1])
+            gx = _place(routing, dxs, w.shape[1])
+        if ctx.needs_input_grad[3]:
+            gw = _mm_ranges(routing, xs, lambda g, lo, hi: dps[lo:hi], w.shape[2], transpose_a=True,
+                            out=torch.empty_like(w))
+        return None, gv, gx, gw
+
+
+#: above this many bytes of gathered rows, the forward without gradients runs group by group in the cache (the
+#: gathered rows and their product stay there between the calls); below it, as whole-array ops (fewer calls)
+IN_CACHE_BYTES = 1 << 20
+
+
+def _moe_product(grouping, form, inputs, ops, sizes, dtype):
+    """The mixture-of-experts form ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` (``moe_operands``): the entries
+    sorted by group once (their counts by ``bincount``, no per-group search). With gradients, ``_GroupedProduct``;
+    without, the same products with the values applied in place, large ones group by group in the cache: the
+    group's rows of ``x`` gathered (weighed unless the values are ones), one matrix product with ``W[g]``, the
+    product copied (or added, where rows repeat) into ``y``'s rows while it is still in the cache."""
+    from ..formats import storage
+    k = grouping.sparse
+    xj, wj = form
+    s, letters = ops[k], inputs[k]
+    (r,), (g,) = grouping.rows, grouping.group
+    dims, vals = storage.unpack(s.format, s.shape, s.levels, s.values())
+    keys, order = torch.sort(dims[letters.index(g)], stable=True)
+    routing = Routing(dims[letters.index(r)][order], torch.bincount(keys, minlength=sizes[g]).tolist(), sizes[r])
+    vals, x, w = vals[order].to(dtype), ops[xj].to(dtype), ops[wj].to(dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or vals.requires_grad):
-        return None
-    letters = inputs[k]
-    rows, keys = dims[letters.index(r)], dims[letters.index(g)]
+        return _GroupedProduct.apply(routing, vals, x, w)
+    h = w.shape[2]
     ones = bool((vals == 1).all())
-    unique = _once_each(rows, sizes[r])
-    y = (torch.empty if unique else torch.zeros)(sizes[r], sizes[wi[2]], dtype=dtype, device=x.device)
+    if vals.numel() * max(x.shape[1], h) * x.element_size() <= IN_CACHE_BYTES:
+        xs = x.index_select(0, routing.rows)
+        p = _mm_ranges(routing, xs, lambda gi, lo, hi: w[gi], h)
+        return _place(routing, p if ones else p.mul_(vals[:, None]), h)
+    y = (torch.zeros if routing.inverse is None else torch.empty)(sizes[r], h, dtype=dtype, device=x.device)
     # one buffer each for the gathered rows and their product, reused group after group (no allocation per
     # group: a large one is fresh pages from the system, each page a fault)
-    most = max((hi - lo for lo, hi in zip(starts[:-1], starts[1:])), default=0)
+    most = max((hi - lo for _, lo, hi in routing.ranges), default=0)
     xbuf = torch.empty(most, x.shape[1], dtype=dtype, device=x.device)
-    pbuf = torch.empty(most, sizes[wi[2]], dtype=dtype, device=x.device)
-    for lo, hi in zip(starts[:-1], starts[1:]):
-        at = rows[lo:hi]
+    pbuf = torch.empty(most, h, dtype=dtype, device=x.device)
+    for gi, lo, hi in routing.ranges:
+        at = routing.rows[lo:hi]
         xg = torch.index_select(x, 0, at, out=xbuf[:hi - lo])
         if not ones:
             xg.mul_(vals[lo:hi, None])
-        prod = torch.mm(xg, w[int(keys[lo])], out=pbuf[:hi - lo])
-        if unique:
+        prod = torch.mm(xg, w[gi], out=pbuf[:hi - lo])
+        if routing.inverse is not None:
             y.index_copy_(0, at, prod)
         else:
             y.index_add_(0, at, prod)

@@ -92,6 +92,9 @@ def test_planner_groups_the_moe_product():
            contract.Operand(("b", "n"), True, 4096, frozenset("bn"))]
     node = contract.best_path(ops, ("b", "h"), sizes)
     assert node.grouped is not None and node.grouped.group == ("n",)
+    # experts small enough for a kernel to read from the cache for every token: no reuse to gain, the kernel
+    narrow = {"b": 2048, "d": 128, "h": 128, "n": 16}
+    assert contract.best_path(ops, ("b", "h"), narrow).grouped is None
     # few entries per group and little work per entry: the kernel
     small = {"b": 4096, "d": 4, "h": 4, "n": 4096}
     ops[2] = contract.Operand(("b", "n"), True, 4096, frozenset("bn"))
@@ -99,7 +102,7 @@ def test_planner_groups_the_moe_product():
 
 
 def test_explain_names_the_grouping(capsys):
-    x, E = torch.randn(512, 64), torch.randn(4, 64, 64)
+    x, E = torch.randn(512, 512), torch.randn(4, 512, 512)
     g = torch.nn.functional.one_hot(torch.arange(512) % 4, 4).float().to_sparse()
     engine.einsum("bd,ndh,bn->bh", x, E, g, explain=True)
     assert "grouped by n" in capsys.readouterr().out
@@ -161,3 +164,107 @@ def test_placed_rows(at, n):
         assert got is part
     g = torch.randn(n, 3, dtype=torch.float64)
     assert torch.autograd.grad(got, part, g)[0].equal(g[at])
+
+
+# sizes at which the planner groups the mixture-of-experts product (its kernel is estimated cheaper below them)
+MOE = dict(B=512, D=64, H=48, N=8)
+
+
+def _moe(top_k, fmt, missing_row, seed=0):
+    """``(x, E, gate dense, gate sparse)``: float64, expert N-1 given no token, token 3 none when ``missing_row``."""
+    g = torch.Generator().manual_seed(seed)
+    B, D, H, N = MOE["B"], MOE["D"], MOE["H"], MOE["N"]
+    x, E = torch.randn(B, D, generator=g, dtype=torch.float64), torch.randn(N, D, H, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(N - 1, generator=g)[:top_k] for _ in range(B)])
+    gd = torch.zeros(B, N, dtype=torch.float64).scatter(1, idx, torch.rand(B, top_k, generator=g, dtype=torch.float64)
+                                                         + 0.5)
+    if missing_row:
+        gd[3] = 0
+    return x, E, gd, scorch.asformat(gd, fmt)
+
+
+@pytest.mark.parametrize("missing_row", [False, True], ids=["every-row", "a-row-without-entry"])
+@pytest.mark.parametrize("needs", ["x,E,gate", "x", "E", "gate"])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_moe_product_gradients(fmt, top_k, needs, missing_row):
+    """``scorch.einsum``'s mixture-of-experts product with gradients runs as the grouped product's own Function
+    (entries sorted once, the backward on the same order); its value and the gradients of x, E and the gate's
+    values are torch's on the dense gate, for top-1 (each row once: results gathered in row order) and top-2 or a
+    row without an entry (added into zeros), with an expert that gets no token (its gradient zero)."""
+    x, E, gd, g = _moe(top_k, fmt, missing_row)
+    want = needs.split(",")
+    x.requires_grad_("x" in want)
+    E.requires_grad_("E" in want)
+    g.requires_grad_("gate" in want)
+    y = scorch.einsum("bn,bd,ndh->bh", g, x, E)
+    assert type(y.grad_fn).__name__ == "_GroupedProductBackward"
+    xr, Er, gr = x.detach().requires_grad_(), E.detach().requires_grad_(), gd.clone().requires_grad_()
+    yr = torch.einsum("bn,bd,ndh->bh", gr, xr, Er)
+    torch.testing.assert_close(y, yr)
+    w = torch.randn_like(yr)
+    (y * w).sum().backward()
+    (yr * w).sum().backward()
+    if "x" in want:
+        torch.testing.assert_close(x.grad, xr.grad)
+    if "E" in want:
+        torch.testing.assert_close(E.grad, Er.grad)
+        assert E.grad[-1].abs().sum() == 0  # the expert without tokens
+    if "gate" in want:
+        torch.testing.assert_close(g.grad.to_dense(), gr.grad * (gd != 0))
+
+
+def test_moe_product_double_backward():
+    """Gradients of gradients (``create_graph=True``) through the grouped product: the backward's products are
+    then differentiable ops."""
+    x, E, gd, g = _moe(2, "csr", True)
+    for t in (x, E, g):
+        t.requires_grad_(True)
+    gx, gE, gg = torch.autograd.grad(scorch.einsum("bn,bd,ndh->bh", g, x, E).pow(2).sum(), [x, E, g.values()],
+                                     create_graph=True)
+    xr, Er, gr = x.detach().requires_grad_(), E.detach().requires_grad_(), gd.clone().requires_grad_()
+    rx, rE, rg = torch.autograd.grad(torch.einsum("bn,bd,ndh->bh", gr, xr, Er).pow(2).sum(), [xr, Er, gr],
+                                     create_graph=True)
+    mask = gd != 0
+    torch.testing.assert_close(gg, rg[mask])
+    second = torch.autograd.grad(gx.pow(2).sum() + gE.pow(2).sum() + gg.pow(2).sum(), [x, E, g.values()])
+    want = torch.autograd.grad(rx.pow(2).sum() + rE.pow(2).sum() + rg[mask].pow(2).sum(), [xr, Er, gr])
+    torch.testing.assert_close(second[0], want[0])
+    torch.testing.assert_close(second[1], want[1])
+    torch.testing.assert_close(second[2], want[2][mask])
+
+
+def test_moe_product_integer_gates_train_the_experts():
+    """The mixture-of-experts program with an integer one-hot gate (``F.one_hot(...).to_sparse()``) and experts
+    that need gradients: the values cast to the experts' type, the experts' gradient torch's, with and without
+    gradients the same result."""
+    x, E, gd, _ = _moe(1, "csr", False)
+    onehot = (gd != 0).long()
+    E.requires_grad_(True)
+    y = scorch.einsum("bd,ndh,bn->bh", x, E, onehot.to_sparse())
+    assert type(y.grad_fn).__name__ == "_GroupedProductBackward"
+    Er = E.detach().requires_grad_()
+    yr = torch.einsum("bd,ndh,bn->bh", x, Er, onehot.double())
+    torch.testing.assert_close(y, yr)
+    y.sum().backward()
+    yr.sum().backward()
+    torch.testing.assert_close(E.grad, Er.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(scorch.einsum("bd,ndh,bn->bh", x, E, onehot.to_sparse()), yr)
+
+
+@pytest.mark.parametrize("in_cache", [False, True], ids=["whole-arrays", "group-by-group"])
+@pytest.mark.parametrize("top_k, missing_row", [(1, False), (1, True), (2, False)])
+@pytest.mark.parametrize("ones", [False, True])
+def test_moe_product_without_gradients(monkeypatch, in_cache, top_k, missing_row, ones):
+    """The forward without gradients, both ways (whole-array ops for small products, group by group in the cache
+    above ``IN_CACHE_BYTES``), with weights and with a gate of ones: torch's result."""
+    monkeypatch.setattr(grouped, "IN_CACHE_BYTES", 0 if in_cache else 1 << 40)
+    x, E, gd, _ = _moe(top_k, "csr", missing_row)
+    if ones:
+        gd = (gd != 0).double()
+    idx, sizes = [tuple("bn"), tuple("bd"), tuple("ndh")], {"b": MOE["B"], "d": MOE["D"], "h": MOE["H"], "n": MOE["N"]}
+    g = grouping.match(idx, tuple("bh"), [True, False, False], sizes)
+    with torch.no_grad():  # (the grouped evaluation itself: at these sizes the planner picks the kernel)
+        torch.testing.assert_close(grouped.evaluate(g, idx, tuple("bh"), [scorch.asformat(gd, "csr"), x, E], sizes),
+                                   torch.einsum("bn,bd,ndh->bh", gd, x, E))
