@@ -348,8 +348,10 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             a[o // 2] = 0
             if fmt.startswith("nm"):
                 a = a * (torch.arange(i) % 4 < 2)
-            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-                for tokens in (1, 7, 17, 70):
+            # (bfloat16 where its kernels differ: BSR's pairs, n:m's widened token; every format in float32)
+            half = fmt in ("bsr(16, 16)", "nm(2, 4)")
+            for dtype, tol in ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if half else ()):
+                for tokens in (1, 7, 70):
                     w = a.to(dtype)
                     p = scorch.asformat(w, fmt).requires_grad_()
                     x = values((tokens, i), gen).to(dtype).requires_grad_()
