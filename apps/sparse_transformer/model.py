@@ -101,7 +101,13 @@ def make_modules(torch):
             # (3, B, H, n, dh), each head's (n, dh) slice contiguous
             qkv = self.qkv(x).reshape(B, n, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()
             q, k, v = qkv[0], qkv[1], qkv[2]
-            if is_sparse_mask(torch, mask):
+            if is_sparse_mask(torch, mask) and torch.compiler.is_compiling():
+                # (under torch.compile: one head at a time, as traced before; the block-diagonal mask is built from
+                # the pattern's arrays, which a traced graph does not read)
+                heads = [torch.stack([self._attend(q[b, h], k[b, h], v[b, h], mask) for h in range(H)])
+                         for b in range(B)]
+                o = torch.stack(heads)                                     # (B, H, n, dh)
+            elif is_sparse_mask(torch, mask):
                 # every (batch, head) at once: their (n, dh) slices stacked into one (B H n, dh) operand and the
                 # pattern repeated along the diagonal of a (B H n)^2 mask (rows never mix heads: the softmax is
                 # per row), so that each op is one call over all heads instead of B * H calls
