@@ -90,16 +90,8 @@ def interleaved(calls: dict, rounds: int) -> dict:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the Linear weights: values and index arrays of a sparse one."""
-    total = 0
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear):
-            w = mod.weight
-            if isinstance(w, scorch.SparseTensor):
-                total += w.values().nbytes + sum(a.nbytes for lv in w.levels for a in lv.arrays().values())
-            else:
-                total += w.nbytes
-    return total
+    """Bytes of the Linear weights: values and index arrays of a sparse one (``scorch.nn.storage_bytes``)."""
+    return sum(scorch.nn.storage_bytes(mod.weight) for mod in model.modules() if isinstance(mod, torch.nn.Linear))
 
 
 def encoder_rows(quick: bool, rounds: int) -> list:

@@ -107,7 +107,7 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
         return Tiles(kind, vtype, xtype, ptype, ctype, lanes, 1, 1, tuple(block), (1, 1), bh, row_pass, bias,
                      transposed, pairs)
     vectors = max(1, min(MAX_VECTORS, -(-tokens // lanes)))
-    unroll = 1 if transposed else max(1, min(4, ROW_ACCUMULATORS // vectors))
+    unroll = max(1, min(4, ROW_ACCUMULATORS // vectors))
     return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS, 1,
                  bias, transposed)
 
@@ -328,32 +328,28 @@ def _row_entries(plan: Tiles, o: L.Expr, visit) -> L.Stmt:
 
 
 def backward_input(plan: Tiles) -> L.Kernel:
-    """``dx = dy @ W`` (``dy`` tokens x out, ``dx`` tokens x in, row-major): a panel of ``dy``'s tile, each row of
-    ``W`` scattering its weights times the row's panel vector into a per-thread panel of ``dx``'s columns, which
-    is then stored. Work items are token tiles only (``chunks`` 1): a thread owns its tile's columns."""
+    """``dx = dy @ W`` for a BSR weight (``dy`` tokens x out, ``dx`` tokens x in, row-major): a panel of ``dy``'s
+    tile, each block's columns summed over its rows in registers and scattered into a per-thread panel of ``dx``'s
+    columns, which is then stored. Work items are token tiles only (``chunks`` 1): a thread owns its tile's columns.
+    (CSR and n:m weights run ``forward`` on their transposed pattern instead: ``engine.weights.input_grad``.)"""
+    if plan.kind != "bsr":
+        raise ValueError(f"scorch: backward_input scatters BSR blocks; a {plan.kind} weight runs forward on its"
+                         " transpose")
     T, n_in, n_out = plan.T, L.Var("n_in"), L.Var("n_out")
-    o, f = L.Var("o"), L.Var("zf")
+    f = L.Var("zf")
     vec = plan.lanes if plan.lanes > 1 else 0
-
-    def scatter(w, col, row=o):
-        return _vloop(T, plan.lanes, L.Store("z", _add(_mul(col, _c(T)), _bv),
-                                             _mul(L.Cast(w, F32), L.Load("panel", _add(_mul(row, _c(T)), _bv), F32)),
-                                             "add"))
     zero = L.For(f, _c(0), _mul(n_in, _c(T)), L.block(L.Store("z", f, L.Const(0.0, F32))))
-    if plan.kind == "bsr":
-        (bh, bw), br, p, c, r, c0 = plan.block, L.Var("br"), L.Var("p"), L.Var("c"), L.Var("r"), L.Var("c0")
-        w = L.Load("vals", _add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), c), plan.vtype)
-        column = L.For(c, _c(0), _c(bw), L.block(
-            L.LocalArray("acc", F32, T, L.Const(0.0, F32), vector=vec),
-            L.For(r, _c(0), _c(bh), L.block(_vloop(T, plan.lanes, L.Store(
-                "acc", _bv, _mul(L.Cast(w, F32), L.Load("panel", _add(_mul(_add(_mul(br, _c(bh)), r), _c(T)), _bv),
-                                                        F32)), "add"))), unroll=bh <= 16),
-            _vloop(T, plan.lanes, L.Store("z", _add(_mul(_add(c0, c), _c(T)), _bv), L.Load("acc", _bv, F32), "add"))))
-        rows = L.For(br, _c(0), L.binary("floordiv", n_out, _c(bh)), L.block(L.For(
-            p, *_bounds(plan, br),
-            L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))), column))))
-    else:
-        rows = L.For(o, _c(0), n_out, L.block(_row_entries(plan, o, scatter)))
+    (bh, bw), br, p, c, r, c0 = plan.block, L.Var("br"), L.Var("p"), L.Var("c"), L.Var("r"), L.Var("c0")
+    w = L.Load("vals", _add(_mul(_add(_mul(p, _c(bh)), r), _c(bw)), c), plan.vtype)
+    column = L.For(c, _c(0), _c(bw), L.block(
+        L.LocalArray("acc", F32, T, L.Const(0.0, F32), vector=vec),
+        L.For(r, _c(0), _c(bh), L.block(_vloop(T, plan.lanes, L.Store(
+            "acc", _bv, _mul(L.Cast(w, F32), L.Load("panel", _add(_mul(_add(_mul(br, _c(bh)), r), _c(T)), _bv),
+                                                    F32)), "add"))), unroll=bh <= 16),
+        _vloop(T, plan.lanes, L.Store("z", _add(_mul(_add(c0, c), _c(T)), _bv), L.Load("acc", _bv, F32), "add"))))
+    rows = L.For(br, _c(0), L.binary("floordiv", n_out, _c(bh)), L.block(L.For(
+        p, *_bounds(plan, br),
+        L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))), column))))
     setup_z = L.Alloc("z", F32, _mul(n_in, _c(T)))
     work = _work(plan, n_out, "dy", [zero, rows, store(plan, "dx", n_in, _c(0), n_in, buf="z")], extra=setup_z)
     return L.Kernel(plan.name, _params(plan, "dy", "dx"), L.block(work))

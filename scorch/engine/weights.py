@@ -66,9 +66,11 @@ def applies(weight, x) -> bool:
     return True
 
 
-def plan_for(weight: SparseTensor, tokens: int, bias: bool, transposed=False) -> family.Tiles:
+def plan_for(weight: SparseTensor, tokens: int, bias: bool, transposed=False, arrays=None) -> family.Tiles:
+    """The plan of a product with ``weight`` at ``tokens`` tokens; ``arrays``: its ``_arrays`` where the caller
+    has them (the index types are read from them)."""
     kind, block, group = kind_of(weight)
-    arrays = _arrays(weight)
+    arrays = _arrays(weight) if arrays is None else arrays
     ptype = L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64"
     vtype = L.type_of(weight._vals.dtype)
     return family.tiles(CPU, kind, tokens, vtype, vtype, ptype, L.type_of(arrays["crd"].dtype), block, group,
@@ -159,7 +161,7 @@ def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     """``(chunks, row_chunk)``: the output rows in chunks of whole store blocks, enough of them that the work items
     (token tiles x chunks) keep every thread busy."""
     tiles = -(-n // plan.T)
-    if plan.transposed or tiles >= ITEMS_PER_THREAD * threads or threads == 1:
+    if tiles >= ITEMS_PER_THREAD * threads or threads == 1:
         return 1, max(rows, 1)
     chunks = -(-ITEMS_PER_THREAD * threads // tiles)
     row_chunk = -(-rows // chunks)
@@ -171,19 +173,20 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
     """``x @ weight.T + bias``, ``x`` 2-d (tokens x in): a new row-major tensor (tokens x out)."""
     x = x.contiguous()
     n, n_out = x.shape[0], weight._shape[0]
-    plan = plan_for(weight, n, bias is not None)
+    arrays = _arrays(weight)
+    plan = plan_for(weight, n, bias is not None, arrays=arrays)
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
+    arrays["vals"] = weight._vals
     extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
     if family.dots(plan.kind, plan.vtype, n, CPU) and weight._shape[1] < 2 ** 31:  # (n:m columns: 32 bits)
         # (one token: read as float32 whatever the values' type, the sum rounded once into the result)
         wide = y if x.dtype == torch.float32 else torch.empty(n, n_out)
-        _run("dots", replace(plan, xtype="f32"), weight._shape, {**_arrays(weight), "vals": weight._vals}, n, 1,
-             n_out, x=x.float(), y=wide, **extra)
+        _run("dots", replace(plan, xtype="f32"), weight._shape, arrays, n, 1, n_out, x=x.float(), y=wide, **extra)
         return y if wide is y else y.copy_(wide)
-    _run("forward", plan, weight._shape, {**_arrays(weight), "vals": weight._vals}, n,
-         *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y, **extra)
+    _run("forward", plan, weight._shape, arrays, n, *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y,
+         **extra)
     return y
 
 
@@ -197,8 +200,9 @@ def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:
     if n == 0 or n_in == 0:
         return dx
     if kind_of(weight)[0] == "bsr":
-        _run("input_grad", plan_for(weight, n, False, transposed=True), weight._shape,
-             {**_arrays(weight), "vals": weight._vals}, n, 1, n_out, dy=dy, dx=dx)
+        arrays = _arrays(weight)
+        _run("input_grad", plan_for(weight, n, False, transposed=True, arrays=arrays), weight._shape,
+             {**arrays, "vals": weight._vals}, n, 1, n_out, dy=dy, dx=dx)
         return dx
     pos, crd, perm = _transposed(weight)
     plan = family.tiles(CPU, "csr", n, L.type_of(weight._vals.dtype), L.type_of(dy.dtype), L.type_of(pos.dtype),
@@ -213,11 +217,12 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor) -> torc
     layout and dtype), summed in float32."""
     x, dy = x.contiguous(), dy.contiguous()
     n, n_out = x.shape[0], weight._shape[0]
-    plan = plan_for(weight, n, False)
+    arrays = _arrays(weight)
+    plan = plan_for(weight, n, False, arrays=arrays)
     dw = torch.zeros(weight._vals.shape[0], dtype=torch.float32)
     if n and n_out:
         threads = torch.get_num_threads()
         rows = -(-n_out // threads) if threads > 1 else n_out
         rows = -(-rows // plan.rows) * plan.rows
-        _run("weight_grad", plan, weight._shape, _arrays(weight), n, -(-n_out // rows), rows, x=x, dy=dy, dw=dw)
+        _run("weight_grad", plan, weight._shape, arrays, n, -(-n_out // rows), rows, x=x, dy=dy, dw=dw)
     return dw.to(weight._vals.dtype)

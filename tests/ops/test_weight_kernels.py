@@ -186,7 +186,7 @@ def test_the_loop_ir_runs_in_the_interpreter(fmt, lanes):
     target = Target("cpu", vector_bytes=4 * lanes)
     tokens = 7
     x, b = torch.randn(tokens, inp), torch.randn(out)
-    for transposed in (False, True):
+    for transposed in (False, True) if kind == "bsr" else (False,):  # (CSR / n:m: forward on the transpose)
         plan = family.tiles(target, kind, tokens, "f32", "f32", L.type_of(arrays.get("pos", arrays["crd"]).dtype)
                             if "pos" in arrays else "i64", L.type_of(arrays["crd"].dtype), block, group,
                             bias=not transposed, transposed=transposed)
