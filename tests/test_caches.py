@@ -80,3 +80,48 @@ def test_new_signatures_keep_their_calls_after_the_caches_filled(small_caches, f
             assert evaluate.kept_product(s, x, True) is not None, n
             assert len(caches.cache("prepared", "")) <= 3 and len(evaluate._FAST_EQ) <= 3
     assert evaluate._FAST_EQ.evicted > 0  # (every signature's call is kept there, made here or found on disk)
+
+
+def _patterns(count: int):
+    g = torch.Generator().manual_seed(5)
+    return [scorch.asformat(torch.randn(4, 6, generator=g) * (torch.rand(4, 6, generator=g) < 0.5), "csr")
+            for _ in range(count)]
+
+
+def test_a_pattern_memo_cycled_past_its_limit_keeps_its_recent_entries():
+    """A model cycling through more patterns than a memo holds (the 72 weights of BERT-base through a memo of 64)
+    hit on none of them while a full memo emptied itself; now the least recently used entry leaves."""
+    from scorch.formats.storage import PatternMemo
+    memo, made = PatternMemo(3), []
+    tensors = _patterns(4)
+
+    def look(t):
+        got = memo.get("k", t._levels)
+        if got is None:
+            made.append(t)
+            got = object()
+            memo.put("k", t._levels, got)
+        return got
+
+    for t in tensors[:3]:
+        look(t)
+    look(tensors[0])  # (a hit: tensors[0] is now the most recent)
+    look(tensors[3])  # evicts tensors[1], the least recently used
+    assert len(memo) == 3 and len(made) == 4
+    look(tensors[0]), look(tensors[2]), look(tensors[3])
+    assert len(made) == 4
+    look(tensors[1])
+    assert len(made) == 5
+
+
+def test_a_pattern_memo_drops_the_entry_of_an_array_that_died():
+    from scorch.formats.storage import PatternMemo
+    memo = PatternMemo(8)
+    tensors = _patterns(2)
+    for t in tensors:
+        memo.put("k", t._levels, 1)
+    assert len(memo) == 2
+    del t, tensors[0]
+    import gc
+    gc.collect()
+    assert len(memo) == 1

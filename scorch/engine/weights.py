@@ -99,7 +99,7 @@ def _arrays(weight: SparseTensor) -> dict:
 
 
 #: 16-bit copies of weights' coordinates (``narrow``), by the weight's index arrays
-_NARROW = PatternMemo(64)
+_NARROW = PatternMemo(1024)
 register("narrow coordinates", "16-bit copies of sparse weights' coordinates, by the weight's index arrays",
          _NARROW.__len__, _NARROW.clear)
 #: the largest extent whose coordinates are stored in 16 bits
@@ -129,7 +129,7 @@ def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int
 
 
 #: the transposed patterns of CSR and n:m weights (``_transposed``), by the weight's index arrays
-_TRANSPOSED = PatternMemo(64)
+_TRANSPOSED = PatternMemo(1024)
 register("weight transposes", "CSR patterns of weights' transposes, with their values' permutation, by the"
          " weight's index arrays (the input gradient of a sparse-weight linear)", _TRANSPOSED.__len__,
          _TRANSPOSED.clear)

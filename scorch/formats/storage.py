@@ -344,7 +344,9 @@ class PatternMemo:
     """Results that depend only on a pattern's index arrays, looked up by the arrays' identity and version: a
     model that builds sparse tensors on the same arrays every step (attention scores on a graph's edges, a
     gradient on a weight's pattern) pays for the work once. An entry is served only while every array is alive,
-    is the same object and is unmodified (``_version``); the memo is emptied when it reaches ``limit`` entries."""
+    is the same object and is unmodified (``_version``); it is dropped when one of its arrays dies. A memo holding
+    ``limit`` entries drops its least recently used one: a model cycling through more patterns than that (the 72
+    weights of BERT-base through a memo of 64) would otherwise miss on every call."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -369,15 +371,22 @@ class PatternMemo:
         entry = None if key is None else self._entries.get(key)
         if entry is None or not all(r() is a for r, a in zip(entry[0], arrays)):
             return None
+        self._entries[key] = self._entries.pop(key)  # most recently used last
         return entry[1]
 
     def put(self, extra, levels, value) -> None:
         key, arrays = self._key(extra, levels)
         if key is None:
             return
-        if len(self._entries) >= self.limit:
-            self._entries.clear()
-        self._entries[key] = ([weakref.ref(a) for a in arrays], value)
+        self._entries.pop(key, None)
+        while len(self._entries) >= max(self.limit, 1):
+            del self._entries[next(iter(self._entries))]
+        entries = self._entries
+
+        def drop(_ref, key=key):  # an array died: its id may be reused, the entry is of no use
+            entries.pop(key, None)
+
+        self._entries[key] = ([weakref.ref(a, drop) for a in arrays], value)
 
 
 # index arrays already validated, per format, shape and number of values
