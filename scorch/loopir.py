@@ -131,6 +131,32 @@ class PairDot(Expr):
     type: str = "f32"
 
 
+#: the columns one word of a bitmap covers (``Expand``, ``PopCount``): a word is 16 bits
+BITS = 16
+
+
+@dataclass(frozen=True)
+class Expand(Expr):
+    """Lane ``lane`` of a group of ``BITS`` columns whose stored values are ``vals[start:]`` and whose pattern is
+    the low 16 bits of ``bits`` (bit ``u`` set: column ``u`` holds the next stored value): ``vals[start +
+    PopCount(bits & ((1 << lane) - 1))]`` in float32 where bit ``lane`` is set, else 0. In a vector loop over
+    ``lane`` (from 0 in whole vectors) it compiles to a masked load of the group's values and an expand into
+    the lanes (AVX-512's ``vexpandps``; a table permute on AVX2): a weight row read through a bitmap, one bit per
+    column, instead of a coordinate per value."""
+    vals: str
+    start: Expr
+    bits: Expr
+    lane: Expr
+    type: str = "f32"
+
+
+@dataclass(frozen=True)
+class PopCount(Expr):
+    """The number of bits set among the low 16 of ``a`` (a bitmap word, ``Expand``)."""
+    a: Expr
+    type: str = "i64"
+
+
 def binary(op, a, b) -> Expr:
     """``Binary`` with the result type inferred (comparisons give bool; arithmetic the wider operand type),
     folding the integer identities the lowering produces (``0 * n``, ``x + 0``, ``x * 1``)."""

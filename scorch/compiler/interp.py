@@ -162,6 +162,19 @@ class _Interp:
             if not (0 <= i and i + 1 < x.shape[0] and 0 <= j and j + 1 < w.shape[0]):
                 raise IndexError(f"pair {e.x}[{i}:{i + 2}] x {e.w}[{j}:{j + 2}] is out of bounds")
             return _cast(np.float32(x[i]) * np.float32(w[j]) + np.float32(x[i + 1]) * np.float32(w[j + 1]), e.type)
+        if isinstance(e, L.Expand):
+            vals, lane = self.arrays[e.vals], int(self.expr(e.lane, env))
+            word = int(self.expr(e.bits, env)) & 0xFFFF
+            if not 0 <= lane < L.BITS:
+                raise IndexError(f"lane {lane} of a {L.BITS}-column group")
+            if not word >> lane & 1:
+                return _cast(0.0, e.type)
+            i = int(self.expr(e.start, env)) + bin(word & ((1 << lane) - 1)).count("1")
+            if not 0 <= i < vals.shape[0]:
+                raise IndexError(f"{e.vals}[{i}] is out of bounds (length {vals.shape[0]})")
+            return _cast(vals[i], e.type)
+        if isinstance(e, L.PopCount):
+            return _cast(bin(int(self.expr(e.a, env)) & 0xFFFF).count("1"), e.type)
         if isinstance(e, L.Common):
             ranges = []
             for name, lo, hi in ((e.a_array, e.a_lo, e.a_hi), (e.b_array, e.b_lo, e.b_hi)):

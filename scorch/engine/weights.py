@@ -22,6 +22,8 @@ from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, coordinates, padding
 from ..sparse_tensor import SparseTensor
 
+F32 = "f32"
+
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
 #: the float types the family computes in (16-bit values widened in the panel and at each weight)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,7 +83,8 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
     entry = _KERNELS.get((plan, part))
     if entry is None:
-        build = {"forward": family.forward, "dots": family.row_dots, "input_grad": family.backward_input,
+        build = {"forward": family.forward, "dots": family.row_dots, "bits": family.row_bits,
+                 "input_grad": family.backward_input,
                  "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
         kernel = build[part](plan)
         entry = _KERNELS[(plan, part)] = (kernel, cpp.load(kernel))
@@ -157,6 +160,74 @@ def _transposed(weight: SparseTensor) -> tuple:
     return entry
 
 
+#: bitmaps of weights' patterns (``_bitmap``), by the weight's index arrays
+_BITMAPS = PatternMemo(1024)
+register("weight bitmaps", "a bit per column of sparse weights' patterns, with each row's first value, by the"
+         " weight's index arrays (one token's product, ``compiler.weights.row_bits``)", _BITMAPS.__len__,
+         _BITMAPS.clear)
+#: the least density at which one token reads a weight through its bitmap rather than its coordinates, by the
+#: values' type. Measured on Llama-MLP shapes (11008 x 4096 both ways, 2 threads, AMD Zen 4): float32 through
+#: 16-bit coordinates and gathers was faster at 10% and level at 30%, the bitmap faster at 50% and 2:4 (the
+#: expand of each group of 16 columns costs more than a gather of 16 entries where few columns are kept);
+#: bfloat16 has no gather path (the general kernel), and the bitmap was faster down to 10%.
+BITS_DENSITY = {"f32": 0.35, "bf16": 0.06}
+
+
+def _bitmap(weight: SparseTensor):
+    """``(pos, bits)``: each row's first stored value and a 16-bit word per 16 columns of each row (bit ``u``: the
+    column holds the row's next value), or None where the values are not in that order (a coordinate repeated, as
+    an n:m format's padding repeats its row's last one, or out of order). Made once per pattern."""
+    key = ("bits", weight._format, tuple(weight._shape))
+    entry = _BITMAPS.get(key, weight._levels)
+    if entry is None:
+        n_out, n_in = weight._shape
+        leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
+        rows, cols = dims[0], dims[1]
+        flat = rows * max(n_in, 1) + cols
+        ordered = bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and \
+            bool((flat[1:] > flat[:-1]).all())
+        entry = (None,)
+        if ordered:
+            words = _words(n_in)
+            word = torch.zeros(n_out * words, dtype=torch.int32)
+            word.index_add_(0, rows * words + cols // L.BITS, torch.ones_like(cols, dtype=torch.int32)
+                            << (cols % L.BITS).to(torch.int32))
+            itype = torch.int32 if leaf.numel() < 2 ** 31 else torch.int64
+            pos = torch.zeros(n_out + 1, dtype=torch.int64)
+            pos[1:] = torch.bincount(rows, minlength=n_out).cumsum(0)
+            entry = ((pos.to(itype), word.to(torch.int16)),)
+        _BITMAPS.put(key, weight._levels, entry)
+    return entry[0]
+
+
+def _words(n_in: int) -> int:
+    """Bitmap words of a row of ``n_in`` columns: a multiple of ``row_bits``'s words at a time."""
+    return -(-n_in // (L.BITS * family.BIT_WORDS)) * family.BIT_WORDS
+
+
+def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
+    """One token's product read through the weight's bitmap (``row_bits``), or None where that is not the faster
+    path (the weight below ``BITS_DENSITY``) or the values are not in bitmap order."""
+    n_out, n_in = weight._shape
+    vtype = L.type_of(weight._vals.dtype)
+    if not family.bits(kind, vtype, x.shape[0], CPU) or weight._vals.numel() < BITS_DENSITY[vtype] * n_out * n_in:
+        return None
+    found = _bitmap(weight)
+    if found is None:
+        return None
+    pos, words = found
+    count = _words(n_in)
+    xp = torch.zeros(count * L.BITS)
+    xp[:n_in] = x[0]
+    plan = family.tiles(CPU, "csr", 1, vtype, F32, L.type_of(pos.dtype), "i16", bias=bias is not None)
+    kernel, loaded = _kernel(plan, "bits")
+    y = torch.empty(1, n_out)
+    extra = {} if bias is None else {"bias": bias.to(weight._vals.dtype).contiguous()}
+    cpp.call(kernel, loaded, {"pos": pos, "bits": words, "vals": weight._vals, "x": xp, "y": y, "n_out": n_out,
+                              "words": count, **extra})
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     """``(chunks, row_chunk)``: the output rows in chunks of whole store blocks, enough of them that the work items
     (token tiles x chunks) keep every thread busy."""
@@ -178,6 +249,10 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
+    if n == 1:
+        y1 = _by_bits(weight, x, bias, plan.kind)
+        if y1 is not None:
+            return y1
     arrays["vals"] = weight._vals
     extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
     if family.dots(plan.kind, plan.vtype, n, CPU) and weight._shape[1] < 2 ** 31:  # (n:m columns: 32 bits)

@@ -221,6 +221,7 @@ def test_the_tile_shape_follows_the_target():
 @pytest.mark.parametrize("inp", [1, 4, 37, 300])
 def test_one_token_runs_row_dots(fmt, inp, monkeypatch):
     """Decode: one token is a dot product per row (``row_dots``), rows of any length (a partial last vector)."""
+    monkeypatch.setitem(kernels.BITS_DENSITY, "f32", 2.0)  # (the bitmap's own tests: below)
     out, inp = _shape(fmt, 50, inp)
     w = _weight(fmt, out, inp, 0.5, 10)
     w[3] = 0
@@ -336,3 +337,80 @@ def test_wide_weights_keep_32_bit_coordinates():
         torch.testing.assert_close(x.grad, torch.ones(5, out) @ w)
     s = scorch.asformat(torch.eye(8), "csr")
     assert kernels._arrays(s)["crd"].dtype == torch.int16
+
+
+def _bitmap_calls(monkeypatch):
+    """Every density reads the bitmap; returns a list recording each product that did."""
+    for t in ("f32", "bf16"):
+        monkeypatch.setitem(kernels.BITS_DENSITY, t, 0.0)
+    calls, real = [], kernels._bitmap
+    monkeypatch.setattr(kernels, "_bitmap", lambda w: calls.append(real(w)) or calls[-1])
+    return calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(["csr", "nm(2, 4)", "nm(1, 2)"]), out=st.integers(1, 40), inp=st.integers(1, 200),
+       density=st.sampled_from([0.0, 0.1, 0.5, 1.0]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       bias=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_one_token_through_the_bitmap(fmt, out, inp, density, dtype, bias, seed):
+    """One token read through the weight's bitmap (``row_bits``): rows of any length (past a multiple of 16 and of
+    the 64 columns taken at a time), all-zero and full rows, float32 and bfloat16 values, with and without bias."""
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _bitmap_calls(mp)
+        out, inp = _shape(fmt, out, inp)
+        w = _weight(fmt, out, inp, density, seed).to(dtype)  # (n:m: every group full, whatever the density)
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(1, inp, generator=g).to(dtype)
+        b = torch.randn(out, generator=g).to(dtype) if bias else None
+        y = F.linear(x, scorch.asformat(w, fmt), b)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert y.dtype == dtype and y.shape == (1, out)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol)
+        assert calls and calls[-1] is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitmap_of_an_n_m_weight_with_padding_keeps_its_kernel(dtype, monkeypatch):
+    """A group of an n:m weight holding fewer than n entries is padded by repeating a column: its values are not
+    one per set bit, so that weight keeps the n:m kernel (and the right answer)."""
+    calls = _bitmap_calls(monkeypatch)
+    w = _weight("nm(2, 4)", 6, 32, 1.0, 3)
+    w[2, :4] = torch.tensor([0.0, 0.0, 1.5, 0.0])  # (one entry in the group: a padding slot)
+    w = w.to(dtype)
+    x = torch.randn(1, 32).to(dtype)
+    y = F.linear(x, scorch.asformat(w, "nm(2, 4)"))
+    assert calls == [None]
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_the_bitmap_follows_the_values_once_per_pattern(monkeypatch):
+    """The bitmap is made once per pattern: a weight trained in place (new values, same index arrays) reads its
+    new values through it."""
+    _bitmap_calls(monkeypatch)
+    w = _weight("csr", 20, 50, 0.5, 4)
+    s = scorch.asformat(w, "csr")
+    x = torch.randn(1, 50)
+    torch.testing.assert_close(F.linear(x, s), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        s._vals.mul_(-2)
+    torch.testing.assert_close(F.linear(x, s), F.linear(x, -2 * w), rtol=1e-5, atol=1e-5)
+    assert kernels._BITMAPS.get(("bits", s._format, (20, 50)), s._levels) is not None
+
+
+@pytest.mark.parametrize("lanes", [4, 16])
+@pytest.mark.parametrize("vtype", ["f32", "bf16"])
+def test_row_bits_in_the_interpreter(lanes, vtype):
+    """The bitmap kernel's loop IR (``Expand``, ``PopCount``) in the NumPy interpreter, every access checked."""
+    w = _weight("csr", 7, 45, 0.5, 12)
+    w[4] = 0
+    s = scorch.asformat(w, "csr")
+    pos, words = kernels._bitmap(s)
+    count = kernels._words(45)
+    plan = family.tiles(Target("cpu", vector_bytes=4 * lanes), "csr", 1, vtype, "f32", L.type_of(pos.dtype), "i16",
+                        bias=True)
+    x, b, y = torch.zeros(count * 16), torch.randn(7), np.zeros(7, dtype=np.float32)
+    x[:45] = torch.randn(45)
+    interp.run(family.row_bits(plan), {"pos": pos.numpy(), "bits": words.numpy(), "vals": s._vals.numpy(),
+                                       "bias": b.numpy(), "x": x.numpy(), "y": y, "n_out": 7, "words": count})
+    torch.testing.assert_close(torch.from_numpy(y), F.linear(x[:45], w, b), rtol=1e-5, atol=1e-5)

@@ -445,6 +445,17 @@ class _Emitter:
             x, w, i, j = ident(e.x), ident(e.w), self.expr(e.i), self.expr(e.j)
             return (f"((float){x}[2 * ({i})] * (float){w}[{j}] + (float){x}[2 * ({i}) + 1] * "
                     f"(float){w}[({j}) + 1])")
+        if isinstance(e, L.PopCount):
+            return f"((int64_t)__builtin_popcount((uint32_t)({self.expr(e.a)}) & 0xFFFFu))"
+        if isinstance(e, L.Expand):
+            start, bits = self.expr(e.start), self.expr(e.bits)
+            if not self.vec:
+                return f"scorch_expand1(&{ident(e.vals)}[{start}], (uint32_t)({bits}), {self.expr(e.lane)})"
+            var, lanes, _ = self.vec
+            if e.lane != L.Var(var) or L.BITS % lanes or self.mask or L.depends(e.start, var) or \
+                    L.depends(e.bits, var):
+                raise ValueError("an expand's lanes are a vector loop's own, in whole vectors of a group")
+            return f"scorch_expand(&{ident(e.vals)}[{start}], (uint32_t)({bits}), {ident(var)})"
         if isinstance(e, L.Common):
             a, b = ident(e.a_array), ident(e.b_array)
             alo, blo = self.expr(e.a_lo), self.expr(e.b_lo)
