@@ -42,6 +42,7 @@ for V in 16 32 64; do
             tests/ops/test_half.py tests/ops/test_weight_kernels.py::test_the_family_serves_linear_and_writes_row_major \
             tests/ops/test_weight_kernels.py::test_gradients_equal_the_masked_dense_layer \
             tests/ops/test_weight_kernels.py::test_one_token_runs_row_dots tests/ops/test_weight_kernels.py::test_16_bit_values \
-            tests/ops/test_weight_kernels.py::test_one_token_through_the_bitmap
+            tests/ops/test_weight_kernels.py::test_one_token_through_the_bitmap \
+            tests/ops/test_weight_kernels.py::test_a_2_4_bfloat16_weight_through_its_pairs
     done
 done

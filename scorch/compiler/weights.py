@@ -38,6 +38,10 @@ ROW_ACCUMULATORS = 8
 #: tokens per tile at most, in machine vectors: a panel of ``in`` x 4 vectors (768 features, AVX-512: 192 KiB)
 #: stays in L2 while the weight streams past it
 MAX_VECTORS = 4
+#: tokens per tile of a 2:4 bfloat16 weight (``COMBOS``), in vectors: its panel holds 6 pairs a group of 4
+#: features, 6 * in * T bytes, 1.2 MiB at 3072 features and 64 tokens (past L2). Measured (BERT shapes, 128
+#: tokens, 2 threads, AMD Zen 4): 2 vectors x 4 rows a pass 1.63-1.82 ms, 4 x 2 1.75-2.68, 1 x 8 1.88-1.90
+COMBO_VECTORS = 2
 #: rows of the output gathered in the buffer before they are stored into ``Y``: 16 floats of a token, one line
 STORE_ROWS = 16
 
@@ -83,10 +87,16 @@ class Tiles:
     bias: bool = False
     transposed: bool = False
     pairs: bool = False  # (BSR, bfloat16) the panel holds pairs of features, multiplied by ``PairDot``
+    combos: bool = False  # (2:4, bfloat16) the panel holds every pair of a group's features (``COMBOS``)
 
     @property
     def T(self) -> int:
         return self.lanes * self.vectors
+
+    @property
+    def paired(self) -> bool:
+        """Whether the panel holds bfloat16 pairs (``PairDot``), not float32."""
+        return self.pairs or self.combos
 
     @property
     def name(self) -> str:
@@ -106,10 +116,13 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
         pairs = vtype == xtype == "bf16" and block[1] % 2 == 0 and lanes > 1 and not transposed
         return Tiles(kind, vtype, xtype, ptype, ctype, lanes, 1, 1, tuple(block), (1, 1), bh, row_pass, bias,
                      transposed, pairs)
-    vectors = max(1, min(MAX_VECTORS, -(-tokens // lanes)))
+    combos = kind == "nm" and tuple(group) == (2, 4) and vtype == xtype == "bf16" and lanes > 1 and not transposed
+    vectors = max(1, min(COMBO_VECTORS if combos else MAX_VECTORS, -(-tokens // lanes)))
     unroll = max(1, min(4, ROW_ACCUMULATORS // vectors))
-    return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS, 1,
-                 bias, transposed)
+    # (combos: rows a pass, a power of 2 dividing the store's rows: 8 x 1 vector, 4 x 2)
+    row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if combos else 1
+    return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS,
+                 row_pass, bias, transposed, combos=combos)
 
 
 # -- the parts ------------------------------------------------------------------------------------------------
@@ -153,6 +166,8 @@ def pack(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
     """``panel[f * T + t] = src[(t0 + t) * width + f]`` for the tile's ``nt`` tokens and every feature ``f`` of
     ``width``; the lanes past ``nt`` zero (a partial last tile adds nothing from them)."""
     T, t, f = plan.T, L.Var("pt"), L.Var("pf")
+    if plan.combos:
+        return _pack_combos(plan, panel, src, width)
     if plan.pairs:  # (bfloat16 pairs of features: panel[(f / 2) * 2T + 2t + f % 2], as ``PairDot`` reads them)
         def at(f_, t_):
             return _add(_mul(L.binary("floordiv", f_, _c(2)), _c(2 * T)), _mul(t_, _c(2)), L.binary("mod", f_, _c(2)))
@@ -165,6 +180,58 @@ def pack(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
     copy = L.For(t, _c(0), _nt, L.block(L.For(f, _c(0), width, L.block(
         L.Store(panel, at(f, t), value(L.Load(src, _add(_mul(_add(_t0, t), width), f), plan.xtype)))))))
     return L.block(L.If(L.binary("lt", _nt, _c(T)), L.block(L.For(f, _c(0), width, L.block(fill)))), copy)
+
+
+#: the pairs of a 2:4 group's columns, in the order ``combo`` numbers them: ``(a, b)`` -> ``a * (5 - a) / 2 + b - 1``
+COMBOS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+
+
+def _pack_combos(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
+    """The panel of a 2:4 bfloat16 weight: for each group of 4 features and each of its 6 pairs ``(a, b)``, the
+    tile's tokens as pairs ``(x[t, 4g + a], x[t, 4g + b])``: ``panel[2 ((6 g + c) T + t) + {0, 1}]``. A row's
+    group (two stored values, their pair numbered ``c``) is then one ``PairDot`` per vector of tokens: half the
+    multiply-adds of the dense product, which takes a pair of features per ``vdpbf16ps`` too."""
+    T, t, g = plan.T, L.Var("pt"), L.Var("pg")
+    zero = L.Const(0.0, plan.xtype)
+
+    def stores(value):
+        out = []
+        for c, (a, b) in enumerate(COMBOS):
+            at = _mul(_add(_mul(_add(_mul(g, _c(len(COMBOS))), _c(c)), _c(T)), t), _c(2))
+            out += [L.Store(panel, at, value(a)), L.Store(panel, _add(at, _c(1)), value(b))]
+        return out
+    groups = L.binary("floordiv", width, _c(4))
+    fill = L.For(g, _c(0), groups, L.block(L.For(t, _nt, _c(T), L.block(*stores(lambda _: zero)))))
+    copy = L.For(t, _c(0), _nt, L.block(L.For(g, _c(0), groups, L.block(*stores(
+        lambda a: L.Load(src, _add(_mul(_add(_t0, t), width), _mul(g, _c(4)), _c(a)), plan.xtype))))))
+    return L.block(L.If(L.binary("lt", _nt, _c(T)), L.block(fill)), copy)
+
+
+def _combo_rows(plan: Tiles, rb: L.Expr, re: L.Expr) -> L.Stmt:
+    """The rows ``rb .. re`` of a 2:4 bfloat16 weight (``combos``), ``row_pass`` rows at a time: per group, each
+    row's pair number read from ``combo`` and one ``PairDot`` of its two stored values against the panel's
+    vectors of that pair. The rows of a pass share the group's panel lines (6 pairs, of which each row reads one)
+    while they are in L1; a pass past ``re`` repeats the last row and drops its sums. (Chunks of groups whose
+    panel stays in L1 for many rows, as a dense product blocks its depth, measured slower: the rows' weights
+    are then read in short runs.)"""
+    T, R = plan.T, plan.row_pass
+    op, g = L.Var("op"), L.Var("g")
+    groups = L.Var("groups")
+    first = _add(rb, _mul(op, _c(R)))
+    rows = [L.Var(f"or{r}") for r in range(R)]
+    lets = [L.Let(o, L.binary("min", _add(first, _c(r)), L.binary("sub", re, _c(1)))) for r, o in enumerate(rows)]
+    body = []
+    for r, o in enumerate(rows):
+        cb, at = L.Var(f"cb{r}"), _add(_mul(o, groups), g)
+        term = L.PairDot("panel", _add(_mul(_add(_mul(g, _c(len(COMBOS))), cb), _c(T)), _bv), "vals", _mul(at, _c(2)))
+        body += [L.Let(cb, L.Cast(L.Load("combo", at, "i8"), I64)),
+                 _vloop(T, plan.lanes, L.Store("acc", _add(_c(r * T), _bv), term, "add"))]
+    out = [L.If(L.binary("lt", _add(first, _c(r)), re), L.block(
+        epilogue(plan, "acc", 1, o, _mul(L.binary("sub", o, rb), _c(T)), _c(r * T)))) for r, o in enumerate(rows)]
+    passes = L.binary("floordiv", _add(L.binary("sub", re, rb), _c(R - 1)), _c(R))
+    return L.For(op, _c(0), passes, L.block(
+        *lets, L.LocalArray("acc", F32, R * T, L.Const(0.0, F32), vector=plan.lanes),
+        L.For(g, _c(0), groups, L.block(*body)), *out))
 
 
 def prefetch(plan: Tiles, panel: str, coordinate: L.Expr) -> L.Stmt:
@@ -238,7 +305,8 @@ def store(plan: Tiles, out: str, width: L.Expr, first: L.Expr, count: L.Expr, bu
 
 def _params(plan: Tiles, x: str, y: str) -> tuple:
     pos = () if plan.kind == "nm" else (L.Param("pos", "array", plan.ptype),)
-    return pos + (L.Param("crd", "array", plan.ctype), L.Param("vals", "array", plan.vtype)) + \
+    index = L.Param("combo", "array", "i8") if plan.combos else L.Param("crd", "array", plan.ctype)
+    return pos + (index, L.Param("vals", "array", plan.vtype)) + \
         ((L.Param("bias", "array", plan.vtype),) if plan.bias else ()) + \
         (L.Param(x, "array", plan.xtype), L.Param(y, "array", plan.xtype, output=True),
          L.Param("n", "scalar", I64), L.Param("n_in", "scalar", I64), L.Param("n_out", "scalar", I64),
@@ -252,7 +320,8 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
     T = plan.T
     tiles_n = L.binary("floordiv", _add(L.Var("n"), _c(T - 1)), _c(T))
     item = L.Var("item")
-    setup = L.block(L.Alloc("panel", plan.xtype if plan.pairs else F32, _mul(width_in, _c(T))),
+    size = _mul(width_in, _c(T * 3)) if plan.combos else _mul(width_in, _c(T))  # (combos: 12 per group of 4)
+    setup = L.block(L.Alloc("panel", plan.xtype if plan.paired else F32, size),
                     L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
     return L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(
         L.Let(_tile, L.binary("floordiv", item, L.Var("chunks"))),
@@ -272,6 +341,8 @@ def forward(plan: Tiles) -> L.Kernel:
     R = plan.rows
     if plan.kind == "bsr":
         body = _bsr_rows(plan, rb)
+    elif plan.combos:
+        body = _combo_rows(plan, rb, re)
     else:
         sets = plan.unroll
         body = L.For(o, rb, re, L.block(
@@ -360,7 +431,7 @@ def weight_grad(plan: Tiles) -> L.Kernel:
     values: an SDDMM on the weight's pattern), ``x`` and ``dy`` read in their row-major layouts through panels.
     Work items are chunks of ``row_chunk`` output rows (a thread owns its rows' gradients), each running every
     token tile: a panel of ``x``'s tile and one of its rows of ``dy``'s, a dot product of ``T`` lanes per weight."""
-    plan = replace(plan, pairs=False)  # (its panels hold float32: pairs serve the forward's blocks only)
+    plan = replace(plan, pairs=False, combos=False)  # (its panels hold float32: pairs serve the forward only)
     T, n_in, n_out, n = plan.T, L.Var("n_in"), L.Var("n_out"), L.Var("n")
     vec = plan.lanes if plan.lanes > 1 else 0
     r_lo = _mul(_chunk, L.Var("row_chunk"))

@@ -200,6 +200,25 @@ def _bitmap(weight: SparseTensor):
     return entry[0]
 
 
+#: the pair numbers of 2:4 weights' groups (``_combos``), by the weight's index arrays
+_COMBOS = PatternMemo(1024)
+register("weight pair numbers", "the pair of columns each group of a 2:4 weight keeps, numbered (the bfloat16"
+         " kernel's panel of pairs, ``compiler.weights.COMBOS``), by the weight's index arrays", _COMBOS.__len__,
+         _COMBOS.clear)
+
+
+def _combos(weight: SparseTensor, crd: torch.Tensor):
+    """An int8 per group of 4 columns of a 2:4 weight: which pair of its columns the group keeps (``COMBOS``), or
+    None where a group is padded (fewer than 2 entries: its offsets repeat). Made once per pattern."""
+    key = ("combos", tuple(weight._shape))
+    entry = _COMBOS.get(key, weight._levels)
+    if entry is None:
+        a, b = crd[0::2].long(), crd[1::2].long()
+        entry = (((a * (5 - a)) // 2 + b - 1).to(torch.int8) if bool((a < b).all()) else None,)
+        _COMBOS.put(key, weight._levels, entry)
+    return entry[0]
+
+
 def _words(n_in: int) -> int:
     """Bitmap words of a row of ``n_in`` columns: a multiple of ``row_bits``'s words at a time."""
     return -(-n_in // (L.BITS * family.BIT_WORDS)) * family.BIT_WORDS
@@ -258,8 +277,15 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
     if family.dots(plan.kind, plan.vtype, n, CPU) and weight._shape[1] < 2 ** 31:  # (n:m columns: 32 bits)
         # (one token: read as float32 whatever the values' type, the sum rounded once into the result)
         wide = y if x.dtype == torch.float32 else torch.empty(n, n_out)
-        _run("dots", replace(plan, xtype="f32"), weight._shape, arrays, n, 1, n_out, x=x.float(), y=wide, **extra)
+        _run("dots", replace(plan, xtype="f32", combos=False), weight._shape, arrays, n, 1, n_out, x=x.float(),
+             y=wide, **extra)
         return y if wide is y else y.copy_(wide)
+    if plan.combos:
+        combo = _combos(weight, arrays["crd"])
+        if combo is None:
+            plan = replace(plan, combos=False)
+        else:
+            arrays = {"combo": combo, "vals": weight._vals}
     _run("forward", plan, weight._shape, arrays, n, *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y,
          **extra)
     return y

@@ -414,3 +414,61 @@ def test_row_bits_in_the_interpreter(lanes, vtype):
     interp.run(family.row_bits(plan), {"pos": pos.numpy(), "bits": words.numpy(), "vals": s._vals.numpy(),
                                        "bias": b.numpy(), "x": x.numpy(), "y": y, "n_out": 7, "words": count})
     torch.testing.assert_close(torch.from_numpy(y), F.linear(x[:45], w, b), rtol=1e-5, atol=1e-5)
+
+
+def _combo_calls(monkeypatch):
+    """A list recording each 2:4 bfloat16 product's pair numbers (None where the weight's groups are padded)."""
+    calls, real = [], kernels._combos
+    monkeypatch.setattr(kernels, "_combos", lambda w, crd: calls.append(real(w, crd)) or calls[-1])
+    return calls
+
+
+@settings(max_examples=30, deadline=None)
+@given(out=st.integers(1, 40), groups=st.integers(1, 40), tokens=st.integers(2, 150), bias=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_a_2_4_bfloat16_weight_through_its_pairs(out, groups, tokens, bias, seed):
+    """A 2:4 bfloat16 weight at more than one token: each group's two values against the panel's pair of their
+    columns (``COMBOS``, one ``PairDot``), partial token tiles and row passes, with and without bias."""
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _combo_calls(mp)
+        w = _weight("nm(2, 4)", out, 4 * groups, 1.0, seed).bfloat16()
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(tokens, 4 * groups, generator=g).bfloat16()
+        b = torch.randn(out, generator=g).bfloat16() if bias else None
+        y = F.linear(x, scorch.asformat(w, "nm(2, 4)"), b)
+        assert y.dtype == torch.bfloat16 and calls and calls[-1] is not None
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_padded_2_4_weight_keeps_its_kernel(monkeypatch):
+    """A group holding one entry repeats its offset (padding): no pair number names it, the weight keeps the n:m
+    kernel (and the right answer)."""
+    calls = _combo_calls(monkeypatch)
+    w = _weight("nm(2, 4)", 8, 16, 1.0, 5)
+    w[3, 4:8] = torch.tensor([0.0, 0.0, 0.0, 2.0])
+    w = w.bfloat16()
+    x = torch.randn(20, 16).bfloat16()
+    y = F.linear(x, scorch.asformat(w, "nm(2, 4)"))
+    assert calls == [None]
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("lanes", [4, 16])
+def test_pairs_of_a_2_4_weight_in_the_interpreter(lanes):
+    """The 2:4 bfloat16 kernel's loop IR (the panel of every pair of a group's columns, ``PairDot``) in the NumPy
+    interpreter (bfloat16 held as float32: values it holds exactly)."""
+    out, inp, tokens = 11, 12, 9
+    w = _weight("nm(2, 4)", out, inp, 1.0, 6).bfloat16().float()
+    s = scorch.asformat(w, "nm(2, 4)")
+    crd = [lv for lv in s._levels if lv.arrays()][-1].arrays()["crd"]
+    plan = family.tiles(Target("cpu", vector_bytes=4 * lanes), "nm", tokens, "bf16", "bf16", "i64",
+                        L.type_of(crd.dtype), (1, 1), (2, 4), bias=True)
+    assert plan.combos
+    x, b = torch.randn(tokens, inp).bfloat16().float(), torch.randn(out).bfloat16().float()
+    y = np.zeros(tokens * out, dtype=np.float32)
+    interp.run(family.forward(plan), {
+        "combo": kernels._combos(s, crd).numpy(), "vals": s._vals.numpy(), "bias": b.numpy(),
+        "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp // 4,
+        "chunks": 2, "row_chunk": 16, "nthreads": 1})
+    torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)

@@ -642,12 +642,16 @@ template <> inline double scorch_pick<double>(bool c, double a, double b) {
     # (every pair compared, the block with the smaller last value replaced; lanes past a list's end hold values
     # no coordinate has, and read no memory), others by a merge without branches
     "scorch_common": COMMON,
-    # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s)
-    "scorch_buf": """#include <cstdlib>
+    # a zero-filled heap buffer freed at the end of its scope (std::vector's header alone costs ~0.3 s), on a
+    # cache line: a panel's vectors (64 bytes at offsets of whole vectors) then never straddle two lines
+    "scorch_buf": """#include <cstdint>
+#include <cstdlib>
 struct scorch_buf {
+  void* raw;
   void* p;
-  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
-  ~scorch_buf() { std::free(p); }
+  scorch_buf(size_t n, size_t size) : raw(std::calloc((n ? n : 1) * size + 63, 1)),
+    p((void*)(((uintptr_t)raw + 63) & ~(uintptr_t)63)) {}
+  ~scorch_buf() { std::free(raw); }
 };
 """,
     # ascending sort of distinct int64 keys, and bitmaps of keys (<algorithm> costs ~0.4 s); a count pass's bitmap

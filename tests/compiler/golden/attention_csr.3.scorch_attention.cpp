@@ -111,11 +111,14 @@ static inline void scorch_tsum(const scorch_vf64* v0, double* out) {
   for (int u = 0; u < 1; ++u) v3[u] = __builtin_shufflevector(v2[2 * u], v2[2 * u + 1], 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(v2[2 * u], v2[2 * u + 1], 1, 3, 5, 7, 9, 11, 13, 15);
   *(scorch_vf64u*)out = v3[0];
 }
+#include <cstdint>
 #include <cstdlib>
 struct scorch_buf {
+  void* raw;
   void* p;
-  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
-  ~scorch_buf() { std::free(p); }
+  scorch_buf(size_t n, size_t size) : raw(std::calloc((n ? n : 1) * size + 63, 1)),
+    p((void*)(((uintptr_t)raw + 63) & ~(uintptr_t)63)) {}
+  ~scorch_buf() { std::free(raw); }
 };
 
 extern "C" void scorch_attention(

@@ -25,11 +25,14 @@ template <class P> static inline int64_t scorch_first_row(const P* pos, int64_t 
   return l;
 }
 #endif
+#include <cstdint>
 #include <cstdlib>
 struct scorch_buf {
+  void* raw;
   void* p;
-  scorch_buf(size_t n, size_t size) : p(std::calloc(n ? n : 1, size)) {}
-  ~scorch_buf() { std::free(p); }
+  scorch_buf(size_t n, size_t size) : raw(std::calloc((n ? n : 1) * size + 63, 1)),
+    p((void*)(((uintptr_t)raw + 63) & ~(uintptr_t)63)) {}
+  ~scorch_buf() { std::free(raw); }
 };
 #ifndef SCORCH_BITMAP
 #define SCORCH_BITMAP
