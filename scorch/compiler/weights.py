@@ -38,10 +38,12 @@ ROW_ACCUMULATORS = 8
 #: tokens per tile at most, in machine vectors: a panel of ``in`` x 4 vectors (768 features, AVX-512: 192 KiB)
 #: stays in L2 while the weight streams past it
 MAX_VECTORS = 4
-#: tokens per tile of a 2:4 bfloat16 weight (``COMBOS``), in vectors: its panel holds 6 pairs a group of 4
-#: features, 6 * in * T bytes, 1.2 MiB at 3072 features and 64 tokens (past L2). Measured (BERT shapes, 128
-#: tokens, 2 threads, AMD Zen 4): 2 vectors x 4 rows a pass 1.63-1.82 ms, 4 x 2 1.75-2.68, 1 x 8 1.88-1.90
-COMBO_VECTORS = 2
+#: tokens per tile of an n:m weight, in vectors, whose rows go over the groups ``row_pass`` at a time
+#: (``_group_rows``). Measured at BERT shapes (768 <-> 3072, 128 and 1024 tokens, 2 threads, AMD Zen 4), 2:4
+#: float32, vectors x rows a pass: 2 x 4 1.36-1.49x the dense Linear, 4 x 3 1.24-1.47x, 4 x 2 1.09-1.31x,
+#: 1 x 8 1.16-1.17x, 4 x 1 (one row at a time) 0.91-1.07x; 2:4 bfloat16 (``combos``, whose panel holds 6 pairs
+#: a group: 6 * in * T bytes, 1.2 MiB at 3072 features and 64 tokens) 2 x 4 1.63-1.82 ms, 4 x 2 1.75-2.68
+GROUP_VECTORS = 2
 #: rows of the output gathered in the buffer before they are stored into ``Y``: 16 floats of a token, one line
 STORE_ROWS = 16
 
@@ -116,11 +118,12 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
         pairs = vtype == xtype == "bf16" and block[1] % 2 == 0 and lanes > 1 and not transposed
         return Tiles(kind, vtype, xtype, ptype, ctype, lanes, 1, 1, tuple(block), (1, 1), bh, row_pass, bias,
                      transposed, pairs)
-    combos = kind == "nm" and tuple(group) == (2, 4) and vtype == xtype == "bf16" and lanes > 1 and not transposed
-    vectors = max(1, min(COMBO_VECTORS if combos else MAX_VECTORS, -(-tokens // lanes)))
+    grouped = kind == "nm" and lanes > 1 and not transposed  # (rows in passes over the groups: ``_group_rows``)
+    combos = grouped and tuple(group) == (2, 4) and vtype == xtype == "bf16"
+    vectors = max(1, min(GROUP_VECTORS if grouped else MAX_VECTORS, -(-tokens // lanes)))
     unroll = max(1, min(4, ROW_ACCUMULATORS // vectors))
-    # (combos: rows a pass, a power of 2 dividing the store's rows: 8 x 1 vector, 4 x 2)
-    row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if combos else 1
+    # (rows a pass: a power of 2 dividing the store's rows, 8 x 1 vector, 4 x 2)
+    row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if grouped else 1
     return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS,
                  row_pass, bias, transposed, combos=combos)
 
@@ -207,30 +210,40 @@ def _pack_combos(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
     return L.block(L.If(L.binary("lt", _nt, _c(T)), L.block(fill)), copy)
 
 
-def _combo_rows(plan: Tiles, rb: L.Expr, re: L.Expr) -> L.Stmt:
-    """The rows ``rb .. re`` of a 2:4 bfloat16 weight (``combos``), ``row_pass`` rows at a time: per group, each
-    row's pair number read from ``combo`` and one ``PairDot`` of its two stored values against the panel's
-    vectors of that pair. The rows of a pass share the group's panel lines (6 pairs, of which each row reads one)
-    while they are in L1; a pass past ``re`` repeats the last row and drops its sums. (Chunks of groups whose
-    panel stays in L1 for many rows, as a dense product blocks its depth, measured slower: the rows' weights
-    are then read in short runs.)"""
+def _group_rows(plan: Tiles, rb: L.Expr, re: L.Expr) -> L.Stmt:
+    """The rows ``rb .. re`` of an n:m weight, ``row_pass`` rows at a time going over the groups together, so
+    that the rows of a pass read a group's panel lines (its ``m`` features) while they are in L1, where one row at
+    a time fetched them from L2 for each row: per group and row, its ``n`` stored values against the panel rows of
+    their columns (2:4 bfloat16, ``combos``: the pair number read from ``combo`` and one ``PairDot`` of the two
+    values against the panel's vectors of that pair). A pass past ``re`` repeats the last row and drops its
+    sums. (Chunks of groups whose panel stays in L1 for many rows, as a dense product blocks its depth, measured
+    slower: the rows' weights are then read in short runs.)"""
     T, R = plan.T, plan.row_pass
-    op, g = L.Var("op"), L.Var("g")
+    (n, m), op, g = plan.group, L.Var("op"), L.Var("g")
     groups = L.Var("groups")
     first = _add(rb, _mul(op, _c(R)))
     rows = [L.Var(f"or{r}") for r in range(R)]
     lets = [L.Let(o, L.binary("min", _add(first, _c(r)), L.binary("sub", re, _c(1)))) for r, o in enumerate(rows)]
     body = []
     for r, o in enumerate(rows):
-        cb, at = L.Var(f"cb{r}"), _add(_mul(o, groups), g)
-        term = L.PairDot("panel", _add(_mul(_add(_mul(g, _c(len(COMBOS))), cb), _c(T)), _bv), "vals", _mul(at, _c(2)))
-        body += [L.Let(cb, L.Cast(L.Load("combo", at, "i8"), I64)),
-                 _vloop(T, plan.lanes, L.Store("acc", _add(_c(r * T), _bv), term, "add"))]
+        at = _add(_mul(o, groups), g)
+        if plan.combos:
+            cb = L.Var(f"cb{r}")
+            term = L.PairDot("panel", _add(_mul(_add(_mul(g, _c(len(COMBOS))), cb), _c(T)), _bv), "vals",
+                             _mul(at, _c(2)))
+            body += [L.Let(cb, L.Cast(L.Load("combo", at, "i8"), I64)),
+                     _vloop(T, plan.lanes, L.Store("acc", _add(_c(r * T), _bv), term, "add"))]
+            continue
+        for k in range(n):
+            p = L.Var(f"p{r}_{k}")
+            body += [L.Let(p, _add(_mul(at, _c(n)), _c(k))),
+                     _entry(plan, "acc", r, L.Load("vals", p, plan.vtype),
+                            _add(_mul(g, _c(m)), L.Cast(L.Load("crd", p, plan.ctype), I64)), "panel")]
     out = [L.If(L.binary("lt", _add(first, _c(r)), re), L.block(
         epilogue(plan, "acc", 1, o, _mul(L.binary("sub", o, rb), _c(T)), _c(r * T)))) for r, o in enumerate(rows)]
     passes = L.binary("floordiv", _add(L.binary("sub", re, rb), _c(R - 1)), _c(R))
     return L.For(op, _c(0), passes, L.block(
-        *lets, L.LocalArray("acc", F32, R * T, L.Const(0.0, F32), vector=plan.lanes),
+        *lets, L.LocalArray("acc", F32, R * T, L.Const(0.0, F32), vector=plan.lanes if plan.lanes > 1 else 0),
         L.For(g, _c(0), groups, L.block(*body)), *out))
 
 
@@ -341,8 +354,8 @@ def forward(plan: Tiles) -> L.Kernel:
     R = plan.rows
     if plan.kind == "bsr":
         body = _bsr_rows(plan, rb)
-    elif plan.combos:
-        body = _combo_rows(plan, rb, re)
+    elif plan.row_pass > 1:
+        body = _group_rows(plan, rb, re)
     else:
         sets = plan.unroll
         body = L.For(o, rb, re, L.block(
