@@ -108,3 +108,48 @@ def linear_layer(cfg: Config, n: int, batch: int, backward: bool, n_in: int = No
     t.notes.append(f"Weight bytes: dense {dense_bytes / 1e6:.1f} MB; " + "; ".join(
         f"{fmt} {b / 1e6:.1f} MB ({dense_bytes / b:.1f}x less)" for fmt, b in stored.items()) + ".")
     return t
+
+
+#: relative error a bfloat16 result may have against the float32 product of the same (bfloat16) operands: one
+#: rounding of each result, 8 bits
+BF16_TOLERANCE = 1e-2
+BF16_DENSE = "dense nn.Linear, bf16"
+
+
+def bf16_layer(cfg: Config, n: int, n_in: int, batch: int) -> Table:
+    """``F.linear`` in bfloat16 at BERT shapes, forward (issue 43: bsr(16, 16) 90% >= 2x the dense bfloat16
+    Linear, which runs on the CPU's bfloat16 instructions (AMX where it has them); 90% unstructured in bfloat16
+    faster than in float32). Every peer is checked against the float32 product of its own bfloat16 operands."""
+    t = Table("linear", f"bfloat16 linear layer, {n_in} -> {n}, batch {batch}, forward",
+              f"F.linear(x, W, bias) with W {n} x {n_in} and x {batch} x {n_in} in bfloat16 (90% sparse: csr "
+              "unstructured, bsr(16, 16) whole blocks), against the dense bfloat16 Linear and the same csr weight "
+              "in float32; no gradients")
+    torch.manual_seed(0)
+    w = torch.randn(n, n_in) / n_in ** 0.5
+    bias = torch.randn(n).bfloat16()
+    x = data.dense((batch, n_in), seed=92 + batch).bfloat16()
+    masked = {fmt: masked_weight(w, fmt).bfloat16() for fmt in ("csr", "bsr(16, 16)")}
+    sparse = {fmt: scorch.asformat(m, fmt) for fmt, m in masked.items()}
+    csr32 = scorch.asformat(masked["csr"].float(), "csr")
+    dense = masked["csr"].clone()
+
+    def f(xx, ww, bb):
+        with torch.no_grad():
+            return torch.nn.functional.linear(xx, ww, bb)
+
+    def ref(ww):  # (the float32 product of the bfloat16 operands)
+        return lambda: f(x.float(), ww.float(), bias.float())
+    names = {fmt: f"scorch {fmt} 90%, bf16" for fmt in sparse}
+    csr32_name = "scorch csr 90%, fp32"
+    peers = {BF16_DENSE: lambda: f(x, dense, bias)}
+    peers.update({names[fmt]: (lambda fmt=fmt: f(x, sparse[fmt], bias)) for fmt in sparse})
+    peers[csr32_name] = lambda: f(x.float(), csr32, bias.float())
+    refs = {names[fmt]: ref(masked[fmt]) for fmt in sparse}
+    refs[csr32_name] = ref(masked["csr"])
+    t.scorch, t.torch = names["bsr(16, 16)"], BF16_DENSE
+    run_peers(t, peers, BF16_DENSE, cfg, refs, tolerances={name: BF16_TOLERANCE for name in peers})
+    if not cfg.quick:
+        t.targets.append(_ratio_target(t, f"{names['bsr(16, 16)']} >= 2x faster than the dense bf16 Linear", 2.0,
+                                       BF16_DENSE, names["bsr(16, 16)"]))
+        t.targets.append(_ratio_target(t, f"{names['csr']} faster than {csr32_name}", 1.0, csr32_name, names["csr"]))
+    return t

@@ -71,6 +71,8 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
         out += [("linear", f"Sparse linear layer {i} -> {o}, {tok} tokens, {'forward + backward' if bw else 'forward'}",
                  lambda o=o, i=i, tok=tok, bw=bw: linear.linear_layer(cfg, o, tok, bw, i, (4.0, 3.0), not cfg.quick))
                 for o, i, tok in linear.bert_shapes(cfg) for bw in (False, True)]
+        out += [("linear", f"bfloat16 linear layer {i} -> {o}, {tok} tokens",
+                 lambda o=o, i=i, tok=tok: linear.bf16_layer(cfg, o, i, tok)) for o, i, tok in linear.bert_shapes(cfg)]
     if "half" in groups:
         out += [("half", f"16-bit SpMM, {which}, K={k}", lambda which=which, k=k: half.table(inputs, which, k))
                 for which in ("uniform", "power-law") for k in cfg.spmm_k]

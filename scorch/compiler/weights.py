@@ -32,12 +32,12 @@ from .target import Target
 #: accumulator vectors a micro-kernel may hold (of the 16 AVX2 / 32 AVX-512 registers: the rest hold the panel
 #: loads and the broadcast weights)
 ACCUMULATORS = 12
-#: accumulator vectors of a CSR or n:m row (``unroll`` sets of ``vectors``): 4 vectors x 2 sets measured a few
-#: per cent faster than 4 x 3 (3072 x 768 and 768 x 3072 at 90%, 1024 tokens, one thread, interleaved)
+#: accumulator vectors of a CSR or n:m row (``unroll`` sets of ``vectors``)
 ROW_ACCUMULATORS = 8
-#: tokens per tile at most, in machine vectors: a panel of ``in`` x 4 vectors (768 features, AVX-512: 192 KiB)
-#: stays in L2 while the weight streams past it
-MAX_VECTORS = 4
+#: tokens per tile at most, in machine vectors: a panel of ``in`` x 2 vectors (768 features, AVX-512: 96 KiB)
+#: stays in L2 while the weight streams past it. CSR at 90%, interleaved medians (AMD Zen 4, 2 threads): 2
+#: vectors x 4 sets 1.00-1.20x faster than 4 x 2 at BERT shapes (768 <-> 3072, 128 and 1024 tokens)
+MAX_VECTORS = 2
 #: tokens per tile of an n:m weight, in vectors, whose rows go over the groups ``row_pass`` at a time
 #: (``_group_rows``). Measured at BERT shapes (768 <-> 3072, 128 and 1024 tokens, 2 threads, AMD Zen 4), 2:4
 #: float32, vectors x rows a pass: 2 x 4 1.36-1.49x the dense Linear, 4 x 3 1.24-1.47x, 4 x 2 1.09-1.31x,
