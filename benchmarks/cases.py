@@ -115,6 +115,8 @@ def comparable(x):
         else:
             return x.to_dense().numpy()
     if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bfloat16:  # (NumPy has no bfloat16: its values, exactly, in float32)
+            x = x.float()
         if x.layout == torch.strided:
             return x.detach().numpy()
         if x.layout == torch.sparse_csr:
