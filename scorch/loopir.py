@@ -151,10 +151,28 @@ class Expand(Expr):
 
 
 @dataclass(frozen=True)
+class ExpandPairDot(Expr):
+    """Pair ``lane`` of a group of ``2 * BITS`` columns read through its 32-bit bitmap word ``bits`` (``Expand``:
+    each set bit takes the next of ``vals[start:]``, 16-bit floats), against ``x[xi]``, ``x[xi + 1]``: ``e(2 lane) *
+    x[xi] + e(2 lane + 1) * x[xi + 1]`` in float32, ``e(c)`` the group's column ``c``. Added into a vector in a
+    loop over ``lane`` (16 lanes, ``xi`` advancing by 2 a lane) it compiles to a masked load of the group's
+    values, AVX512-VBMI2's ``vpexpandw`` and one ``vdpbf16ps`` against 32 contiguous bfloat16 of ``x``: a 32-column
+    group in three instructions."""
+    vals: str
+    start: Expr
+    bits: Expr
+    lane: Expr
+    x: str
+    xi: Expr
+    type: str = "f32"
+
+
+@dataclass(frozen=True)
 class PopCount(Expr):
-    """The number of bits set among the low 16 of ``a`` (a bitmap word, ``Expand``)."""
+    """The number of bits set among the low ``width`` (16 or 32) of ``a`` (a bitmap word, ``Expand``)."""
     a: Expr
     type: str = "i64"
+    width: int = 16
 
 
 def binary(op, a, b) -> Expr:

@@ -174,7 +174,21 @@ class _Interp:
                 raise IndexError(f"{e.vals}[{i}] is out of bounds (length {vals.shape[0]})")
             return _cast(vals[i], e.type)
         if isinstance(e, L.PopCount):
-            return _cast(bin(int(self.expr(e.a, env)) & 0xFFFF).count("1"), e.type)
+            return _cast(bin(int(self.expr(e.a, env)) & ((1 << e.width) - 1)).count("1"), e.type)
+        if isinstance(e, L.ExpandPairDot):
+            vals, x, lane = self.arrays[e.vals], self.arrays[e.x], int(self.expr(e.lane, env))
+            word, start = int(self.expr(e.bits, env)) & 0xFFFFFFFF, int(self.expr(e.start, env))
+            xi = int(self.expr(e.xi, env))
+            if not (0 <= lane < L.BITS and 0 <= xi and xi + 1 < x.shape[0]):
+                raise IndexError(f"pair {lane} against {e.x}[{xi}:{xi + 2}] is out of bounds")
+            total = np.float32(0.0)
+            for c in (2 * lane, 2 * lane + 1):
+                if word >> c & 1:
+                    i = start + bin(word & ((1 << c) - 1)).count("1")
+                    if not 0 <= i < vals.shape[0]:
+                        raise IndexError(f"{e.vals}[{i}] is out of bounds (length {vals.shape[0]})")
+                    total = total + np.float32(vals[i]) * np.float32(x[xi + c - 2 * lane])
+            return _cast(total, e.type)
         if isinstance(e, L.Common):
             ranges = []
             for name, lo, hi in ((e.a_array, e.a_lo, e.a_hi), (e.b_array, e.b_lo, e.b_hi)):

@@ -612,31 +612,39 @@ def row_bits(plan: Tiles) -> L.Kernel:
     """One token through the weight's bitmap (``loopir.Expand``): ``y[o] = sum_g expand(vals[p:], bits[o, g]) .
     x[16 g: 16 g + 16] (+ bias[o])``, ``p`` advancing by each word's set bits from ``pos[o]``. The weight is read
     as its values and one bit per column, not a coordinate per value: at half the columns kept, 2.1 bytes a column
-    in float32 and 1.1 in bfloat16 against 4 and 2 dense, where 16-bit coordinates take 3 and 2. ``words`` per row
-    is a multiple of ``BIT_WORDS`` (zero words past the input's columns); ``x`` (float32) holds ``words * 16``
-    columns, zeros past the input's."""
+    in float32 and 1.1 in bfloat16 against 4 and 2 dense, where 16-bit coordinates take 3 and 2. ``words`` (16-bit
+    words a row) is a multiple of ``2 * BIT_WORDS`` (zero words past the input's columns); ``x`` holds ``words *
+    16`` columns, zeros past the input's: float32, or (``pairs``: bfloat16 values and token, 16-lane vectors)
+    bfloat16, the bitmap then read in 32-bit words, each group of 32 columns one ``ExpandPairDot``."""
     o, g, c = L.Var("o"), L.Var("g"), L.Var("c")
     words = L.Var("words")
     bias = _f32(L.Load("bias", o, plan.vtype)) if plan.bias else L.Const(0.0, F32)
     ps = [L.Var(f"p{u}") for u in range(BIT_WORDS + 1)]
+    width = 2 * L.BITS if plan.pairs else L.BITS
+    per_row = L.binary("floordiv", words, _c(2)) if plan.pairs else words
     body = []
     for u in range(BIT_WORDS):
         b, word = L.Var(f"b{u}", "i32"), _add(_mul(g, _c(BIT_WORDS)), _c(u))
-        body += [L.Let(b, L.Cast(L.Load("bits", _add(_mul(o, words), word), "i16"), "i32")),
-                 L.For(c, _c(0), _c(L.BITS), L.block(L.Store("vsum", _c(u), _mul(
-                     L.Expand("vals", ps[u], b, c, F32), L.Load("x", _add(_mul(word, _c(L.BITS)), c), F32)), "add")),
-                       vector=plan.lanes),
-                 L.Let(ps[u + 1], _add(ps[u], L.PopCount(b)))]
+        at = _add(_mul(o, per_row), word)
+        if plan.pairs:
+            term = L.ExpandPairDot("vals", ps[u], b, c, "x", _add(_mul(word, _c(width)), _mul(c, _c(2))))
+            load = L.Load("bits", at, "i32")
+        else:
+            term = _mul(L.Expand("vals", ps[u], b, c, F32), L.Load("x", _add(_mul(word, _c(width)), c), F32))
+            load = L.Cast(L.Load("bits", at, "i16"), "i32")
+        body += [L.Let(b, load), L.For(c, _c(0), _c(L.BITS), L.block(L.Store("vsum", _c(u), term, "add")),
+                                       vector=plan.lanes),
+                 L.Let(ps[u + 1], _add(ps[u], L.PopCount(b, width=width)))]
     total = _add(*[L.Load("vsum", _c(u), F32) for u in range(BIT_WORDS)])
     row = L.block(
         L.LocalArray("vsum", F32, BIT_WORDS, L.Const(0.0, F32), sums=plan.lanes),
         L.Decl(L.Var("p"), _bounds(plan, o)[0]),
-        L.For(g, _c(0), L.binary("floordiv", words, _c(BIT_WORDS)), L.block(
+        L.For(g, _c(0), L.binary("floordiv", per_row, _c(BIT_WORDS)), L.block(
             L.Let(ps[0], L.Var("p")), *body, L.Assign(L.Var("p"), ps[-1]))),
         L.Store("y", o, _add(total, bias)))
-    params = (L.Param("pos", "array", plan.ptype), L.Param("bits", "array", "i16"),
+    params = (L.Param("pos", "array", plan.ptype), L.Param("bits", "array", "i32" if plan.pairs else "i16"),
               L.Param("vals", "array", plan.vtype)) + ((L.Param("bias", "array", plan.vtype),) if plan.bias else ()) + \
-        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True), L.Param("n_out", "scalar", I64),
-         L.Param("words", "scalar", I64))
-    return L.Kernel("scorch_weights_bits", params, L.block(L.For(o, _c(0), L.Var("n_out"), row,
-                                                                 parallel=L.Parallel("static"))))
+        (L.Param("x", "array", plan.vtype if plan.pairs else F32), L.Param("y", "array", F32, output=True),
+         L.Param("n_out", "scalar", I64), L.Param("words", "scalar", I64))
+    return L.Kernel("scorch_weights_bits" + ("_pairs" if plan.pairs else ""), params,
+                    L.block(L.For(o, _c(0), L.Var("n_out"), row, parallel=L.Parallel("static"))))

@@ -220,8 +220,10 @@ def _combos(weight: SparseTensor, crd: torch.Tensor):
 
 
 def _words(n_in: int) -> int:
-    """Bitmap words of a row of ``n_in`` columns: a multiple of ``row_bits``'s words at a time."""
-    return -(-n_in // (L.BITS * family.BIT_WORDS)) * family.BIT_WORDS
+    """16-bit bitmap words of a row of ``n_in`` columns: a multiple of ``row_bits``'s words at a time, in 16 or 32
+    bits (its rows then start on a 32-bit word)."""
+    step = 2 * family.BIT_WORDS
+    return -(-n_in // (L.BITS * step)) * step
 
 
 def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
@@ -236,9 +238,14 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
         return None
     pos, words = found
     count = _words(n_in)
-    xp = torch.zeros(count * L.BITS)
+    # (bfloat16 values and token on 16-lane vectors: 32-column groups dotted in pairs, the token as it is)
+    pairs = vtype == "bf16" and x.dtype == torch.bfloat16 and CPU.lanes(F32) == L.BITS
+    xp = torch.zeros(count * L.BITS, dtype=torch.bfloat16 if pairs else torch.float32)
     xp[:n_in] = x[0]
-    plan = family.tiles(CPU, "csr", 1, vtype, F32, L.type_of(pos.dtype), "i16", bias=bias is not None)
+    plan = family.tiles(CPU, "csr", 1, vtype, "bf16" if pairs else F32, L.type_of(pos.dtype), "i16",
+                        bias=bias is not None)
+    plan = replace(plan, pairs=pairs)
+    words = words.view(torch.int32) if pairs else words
     kernel, loaded = _kernel(plan, "bits")
     y = torch.empty(1, n_out)
     extra = {} if bias is None else {"bias": bias.to(weight._vals.dtype).contiguous()}

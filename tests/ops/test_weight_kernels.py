@@ -4,6 +4,8 @@ tiles, fewer tiles than threads), odd sizes, all-zero rows, fully dense weights,
 thread counts, values and gradients; and the loop IR itself run by the NumPy interpreter."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -398,20 +400,23 @@ def test_the_bitmap_follows_the_values_once_per_pattern(monkeypatch):
     assert kernels._BITMAPS.get(("bits", s._format, (20, 50)), s._levels) is not None
 
 
-@pytest.mark.parametrize("lanes", [4, 16])
-@pytest.mark.parametrize("vtype", ["f32", "bf16"])
-def test_row_bits_in_the_interpreter(lanes, vtype):
-    """The bitmap kernel's loop IR (``Expand``, ``PopCount``) in the NumPy interpreter, every access checked."""
-    w = _weight("csr", 7, 45, 0.5, 12)
+@pytest.mark.parametrize("lanes, vtype, pairs", [(4, "f32", False), (16, "f32", False), (16, "bf16", False),
+                                                  (16, "bf16", True)])
+def test_row_bits_in_the_interpreter(lanes, vtype, pairs):
+    """The bitmap kernel's loop IR (``Expand``, ``PopCount``; bfloat16 pairs: ``ExpandPairDot`` on 32-bit words)
+    in the NumPy interpreter, every access checked (bfloat16 held as float32: values it holds exactly)."""
+    w = _weight("csr", 7, 45, 0.5, 12).bfloat16().float()
     w[4] = 0
     s = scorch.asformat(w, "csr")
     pos, words = kernels._bitmap(s)
     count = kernels._words(45)
-    plan = family.tiles(Target("cpu", vector_bytes=4 * lanes), "csr", 1, vtype, "f32", L.type_of(pos.dtype), "i16",
-                        bias=True)
+    plan = family.tiles(Target("cpu", vector_bytes=4 * lanes), "csr", 1, vtype, vtype if pairs else "f32",
+                        L.type_of(pos.dtype), "i16", bias=True)
+    plan = replace(plan, pairs=pairs)
     x, b, y = torch.zeros(count * 16), torch.randn(7), np.zeros(7, dtype=np.float32)
-    x[:45] = torch.randn(45)
-    interp.run(family.row_bits(plan), {"pos": pos.numpy(), "bits": words.numpy(), "vals": s._vals.numpy(),
+    x[:45] = torch.randn(45).bfloat16().float()
+    bits = words.view(torch.int32) if pairs else words
+    interp.run(family.row_bits(plan), {"pos": pos.numpy(), "bits": bits.numpy(), "vals": s._vals.numpy(),
                                        "bias": b.numpy(), "x": x.numpy(), "y": y, "n_out": 7, "words": count})
     torch.testing.assert_close(torch.from_numpy(y), F.linear(x[:45], w, b), rtol=1e-5, atol=1e-5)
 

@@ -152,6 +152,16 @@ class _Emitter:
             return [f"{pad}{CTYPE[s.var.type]} {ident(s.var.name)} = {self.expr(s.value)};"]
         if isinstance(s, L.Assign):
             return [f"{pad}{self.update(ident(s.var.name), s.op, self.expr(s.value))};"]
+        if isinstance(s, L.Store) and self.vec and isinstance(s.value, L.ExpandPairDot):
+            e, (var, lanes, _) = s.value, self.vec
+            if s.op != "add" or e.lane != L.Var(var) or lanes != L.BITS or self.mask or \
+                    L.coefficient(e.xi, var) != 2 or L.depends(e.start, var) or L.depends(e.bits, var):
+                raise ValueError("an expanded pair dot is added into a vector of 16 pairs, its x pairs contiguous")
+            target = f"{ident(s.array)}[{self.expr(s.index)}]" if s.array in self.sum_arrays else \
+                self.vector_ref(s.array, s.index, const=False)
+            x0 = self.expr(L.substitute(e.xi, {var: L.Const(0)}))
+            return [f"{pad}{target} = scorch_expand_pair_dot({target}, &{ident(e.vals)}[{self.expr(e.start)}], "
+                    f"(uint32_t)({self.expr(e.bits)}), &{ident(e.x)}[{x0}]);"]
         if isinstance(s, L.Store) and s.array in self.sum_arrays:
             combine, t, lanes = self.sum_arrays[s.array]
             target, value = f"{ident(s.array)}[{self.expr(s.index)}]", self.expr(s.value)
@@ -446,7 +456,8 @@ class _Emitter:
             return (f"((float){x}[2 * ({i})] * (float){w}[{j}] + (float){x}[2 * ({i}) + 1] * "
                     f"(float){w}[({j}) + 1])")
         if isinstance(e, L.PopCount):
-            return f"((int64_t)__builtin_popcount((uint32_t)({self.expr(e.a)}) & 0xFFFFu))"
+            mask = "" if e.width == 32 else f" & {hex((1 << e.width) - 1)}u"
+            return f"((int64_t)__builtin_popcount((uint32_t)({self.expr(e.a)}){mask}))"
         if isinstance(e, L.Expand):
             start, bits = self.expr(e.start), self.expr(e.bits)
             if not self.vec:

@@ -604,6 +604,23 @@ HELPERS = {
     "scorch_widen": BF16 + WIDE16,
     # a group of columns read through its bitmap word (after ``scorch_vf``)
     "scorch_expand": _expand(),
+    # a 32-column group of bfloat16 values read through its bitmap word, dotted in pairs with bfloat16 x
+    # (``loopir.ExpandPairDot``): a masked load, vpexpandw and vdpbf16ps where the CPU has AVX512-VBMI2 and
+    # AVX512-BF16, else lane by lane (the same products, summed in float32)
+    "scorch_expand_pair_dot": BF16 + f"""#include <immintrin.h>
+static inline scorch_vf32 scorch_expand_pair_dot(scorch_vf32 acc, const scorch_bf16* v, uint32_t bits,
+                                                 const scorch_bf16* x) {{
+#if defined(__AVX512VBMI2__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && {VECTOR_BYTES} == 64
+  const __mmask32 k = (__mmask32)(bits == 0xFFFFFFFFu ? 0xFFFFFFFFu : (1u << __builtin_popcount(bits)) - 1u);
+  const __m512i w = _mm512_maskz_expand_epi16((__mmask32)bits, _mm512_maskz_loadu_epi16(k, v));
+  return (scorch_vf32)_mm512_dpbf16_ps((__m512)acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
+#else
+  for (int c = 0; c < {2 * (VECTOR_BYTES // 4)}; ++c)
+    if (bits >> c & 1u) acc[c / 2] += (float)*v++ * (float)x[c];
+  return acc;
+#endif
+}}
+""",
     "scorch_narrow": BF16 + WIDE16,
     # a bfloat16 pair dot added into a float vector (``loopir.PairDot``): AVX512-BF16's ``vdpbf16ps`` where the
     # CPU has it, else each pair widened by a shift and a mask and two multiply-adds (same products, summed in
