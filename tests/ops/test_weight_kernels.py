@@ -477,3 +477,44 @@ def test_pairs_of_a_2_4_weight_in_the_interpreter(lanes):
         "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp // 4,
         "chunks": 2, "row_chunk": 16, "nthreads": 1})
     torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_gradients_through_the_bitmap(index_dtype, dtype, monkeypatch):
+    """Training at one token: the forward reads the bitmap (either index width of the weight), the input and
+    weight gradients equal the masked dense layer's."""
+    calls = _bitmap_calls(monkeypatch)
+    w = _weight("csr", 24, 70, 0.5, 21)
+    w[5] = 0
+    s = scorch.asformat(w.to(dtype), "csr", index_dtype=index_dtype).requires_grad_()
+    d = w.to(dtype).clone().requires_grad_()
+    x1, x2 = (torch.randn(1, 70).to(dtype).requires_grad_() for _ in range(2))
+    with torch.no_grad():
+        x2.copy_(x1)
+    g = torch.randn(1, 24).to(dtype)
+    F.linear(x1, s).backward(g)
+    F.linear(x2, d).backward(g)
+    assert calls and calls[-1] is not None
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(x1.grad.float(), x2.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(s.grad.to_dense().float() * (w != 0), d.grad.float() * (w != 0), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens", [2, 16, 33])
+def test_2_4_bfloat16_gradients_through_its_pairs(tokens, monkeypatch):
+    """Training a 2:4 bfloat16 weight: the forward runs the pair panel, the gradients equal the masked dense
+    layer's."""
+    calls = _combo_calls(monkeypatch)
+    w = _weight("nm(2, 4)", 20, 36, 1.0, 22).bfloat16()
+    s = scorch.asformat(w, "nm(2, 4)").requires_grad_()
+    d = w.clone().requires_grad_()
+    x1 = torch.randn(tokens, 36).bfloat16().requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    g = torch.randn(tokens, 20).bfloat16()
+    F.linear(x1, s).backward(g)
+    F.linear(x2, d).backward(g)
+    assert calls and calls[-1] is not None
+    torch.testing.assert_close(x1.grad.float(), x2.grad.float(), rtol=3e-2, atol=3e-2)
+    on = w != 0
+    torch.testing.assert_close(s.grad.to_dense().float() * on, d.grad.float() * on, rtol=3e-2, atol=3e-2)
