@@ -366,12 +366,9 @@ register("longest-rows", "the longest row of a mask's pattern, by its index arra
 
 def _longest(p) -> int:
     """The most entries of any row of a CSR ``p`` (kept per pattern: a model reuses its mask)."""
-    n = _LONGEST.get("longest", p._levels)
-    if n is None:
-        pos = p._levels[1].pos
-        n = int((pos[1:] - pos[:-1]).max()) if pos.numel() > 1 else 0
-        _LONGEST.put("longest", p._levels, n)
-    return n
+    pos = p._levels[1].pos
+    return _LONGEST.lookup("longest", p._levels,
+                           lambda: int((pos[1:] - pos[:-1]).max()) if pos.numel() > 1 else 0)
 
 
 _SHARED = {n: n for n in ("t0_l0_lo", "t0_l0_ext", "t0_l1_pos", "t0_l1_crd", "t0_l1_lo", "t0_l1_ext", "nthreads")}

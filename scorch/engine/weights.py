@@ -22,8 +22,6 @@ from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, coordinates, padding
 from ..sparse_tensor import SparseTensor
 
-F32 = "f32"
-
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
 #: the float types the family computes in (16-bit values widened in the panel and at each weight)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,12 +113,7 @@ def narrow(crd: torch.Tensor, extent: int, levels) -> torch.Tensor:
     (and 4 with bfloat16 values). The int16 copy is kept beside the tensor's own coordinates."""
     if crd.dtype == torch.int16 or extent > NARROW_EXTENT or crd.device.type != "cpu":
         return crd
-    key = ("crd", extent)
-    found = _NARROW.get(key, levels)
-    if found is None:
-        found = crd.to(torch.int16)
-        _NARROW.put(key, levels, found)
-    return found
+    return _NARROW.lookup(("crd", extent), levels, lambda: crd.to(torch.int16))
 
 
 def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int, row_chunk: int, **args):
@@ -142,9 +135,7 @@ def _transposed(weight: SparseTensor) -> tuple:
     """``(pos, crd, perm)``: the CSR pattern of ``weight``'s transpose (in x out) and the permutation taking the
     weight's values to its order (without an n:m format's padding). Made once per pattern: a weight trained in
     place keeps its index arrays, so each backward pays one gather of the values."""
-    key = (weight._format, tuple(weight._shape))
-    entry = _TRANSPOSED.get(key, weight._levels)
-    if entry is None:
+    def make():
         leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
         if weight._format.padded:
             inside &= ~padding(weight._format, weight._shape, weight._levels, weight._vals)
@@ -155,9 +146,8 @@ def _transposed(weight: SparseTensor) -> tuple:
         pos = torch.zeros(n_in + 1, dtype=torch.int64)
         pos[1:] = torch.bincount(cols, minlength=n_in).cumsum(0)
         crd = rows[order].to(torch.int16 if n_out <= NARROW_EXTENT else itype)
-        entry = (pos.to(itype), crd, leaf[order].to(itype))
-        _TRANSPOSED.put(key, weight._levels, entry)
-    return entry
+        return pos.to(itype), crd, leaf[order].to(itype)
+    return _TRANSPOSED.lookup((weight._format, tuple(weight._shape)), weight._levels, make)
 
 
 #: bitmaps of weights' patterns (``_bitmap``), by the weight's index arrays
@@ -177,27 +167,23 @@ def _bitmap(weight: SparseTensor):
     """``(pos, bits)``: each row's first stored value and a 16-bit word per 16 columns of each row (bit ``u``: the
     column holds the row's next value), or None where the values are not in that order (a coordinate repeated, as
     an n:m format's padding repeats its row's last one, or out of order). Made once per pattern."""
-    key = ("bits", weight._format, tuple(weight._shape))
-    entry = _BITMAPS.get(key, weight._levels)
-    if entry is None:
+    def make():
         n_out, n_in = weight._shape
         leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
         rows, cols = dims[0], dims[1]
         flat = rows * max(n_in, 1) + cols
-        ordered = bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and \
-            bool((flat[1:] > flat[:-1]).all())
-        entry = (None,)
-        if ordered:
-            words = _words(n_in)
-            word = torch.zeros(n_out * words, dtype=torch.int32)
-            word.index_add_(0, rows * words + cols // L.BITS, torch.ones_like(cols, dtype=torch.int32)
-                            << (cols % L.BITS).to(torch.int32))
-            itype = torch.int32 if leaf.numel() < 2 ** 31 else torch.int64
-            pos = torch.zeros(n_out + 1, dtype=torch.int64)
-            pos[1:] = torch.bincount(rows, minlength=n_out).cumsum(0)
-            entry = ((pos.to(itype), word.to(torch.int16)),)
-        _BITMAPS.put(key, weight._levels, entry)
-    return entry[0]
+        if not (bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and
+                bool((flat[1:] > flat[:-1]).all())):
+            return None
+        words = _words(n_in)
+        word = torch.zeros(n_out * words, dtype=torch.int32)
+        word.index_add_(0, rows * words + cols // L.BITS, torch.ones_like(cols, dtype=torch.int32)
+                        << (cols % L.BITS).to(torch.int32))
+        itype = torch.int32 if leaf.numel() < 2 ** 31 else torch.int64
+        pos = torch.zeros(n_out + 1, dtype=torch.int64)
+        pos[1:] = torch.bincount(rows, minlength=n_out).cumsum(0)
+        return pos.to(itype), word.to(torch.int16)
+    return _BITMAPS.lookup(("bits", weight._format, tuple(weight._shape)), weight._levels, make)
 
 
 #: the pair numbers of 2:4 weights' groups (``_combos``), by the weight's index arrays
@@ -210,13 +196,10 @@ register("weight pair numbers", "the pair of columns each group of a 2:4 weight 
 def _combos(weight: SparseTensor, crd: torch.Tensor):
     """An int8 per group of 4 columns of a 2:4 weight: which pair of its columns the group keeps (``COMBOS``), or
     None where a group is padded (fewer than 2 entries: its offsets repeat). Made once per pattern."""
-    key = ("combos", tuple(weight._shape))
-    entry = _COMBOS.get(key, weight._levels)
-    if entry is None:
+    def make():
         a, b = crd[0::2].long(), crd[1::2].long()
-        entry = (((a * (5 - a)) // 2 + b - 1).to(torch.int8) if bool((a < b).all()) else None,)
-        _COMBOS.put(key, weight._levels, entry)
-    return entry[0]
+        return ((a * (5 - a)) // 2 + b - 1).to(torch.int8) if bool((a < b).all()) else None
+    return _COMBOS.lookup(("combos", tuple(weight._shape)), weight._levels, make)
 
 
 def _words(n_in: int) -> int:
@@ -239,10 +222,10 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
     pos, words = found
     count = _words(n_in)
     # (bfloat16 values and token on 16-lane vectors: 32-column groups dotted in pairs, the token as it is)
-    pairs = vtype == "bf16" and x.dtype == torch.bfloat16 and CPU.lanes(F32) == L.BITS
+    pairs = vtype == "bf16" and x.dtype == torch.bfloat16 and CPU.lanes(family.F32) == L.BITS
     xp = torch.zeros(count * L.BITS, dtype=torch.bfloat16 if pairs else torch.float32)
     xp[:n_in] = x[0]
-    plan = family.tiles(CPU, "csr", 1, vtype, "bf16" if pairs else F32, L.type_of(pos.dtype), "i16",
+    plan = family.tiles(CPU, "csr", 1, vtype, "bf16" if pairs else family.F32, L.type_of(pos.dtype), "i16",
                         bias=bias is not None)
     plan = replace(plan, pairs=pairs)
     words = words.view(torch.int32) if pairs else words

@@ -388,6 +388,15 @@ class PatternMemo:
 
         self._entries[key] = ([weakref.ref(a, drop) for a in arrays], value)
 
+    def lookup(self, extra, levels, make):
+        """``make()``'s result for this pattern, made once and kept (None included) while the arrays are alive and
+        unmodified."""
+        got = self.get(extra, levels)
+        if got is None:
+            got = (make(),)
+            self.put(extra, levels, got)
+        return got[0]
+
 
 # index arrays already validated, per format, shape and number of values
 VALIDATED = PatternMemo(256)
@@ -401,15 +410,12 @@ def outside(fmt: Format, shape, levels, n: int):
     dimensions themselves have none; a padded format's are its padding, ``padding``). Read once per pattern."""
     if fmt.padded or all(isinstance(e, Var) for e in fmt.exprs):
         return None
-    extra = (fmt, tuple(shape), n)
-    got = OUTSIDE.get(extra, levels)
-    if got is None:
+    def make():
         leaf, _, keep = coordinates(fmt, shape, levels)
         mask = torch.ones(n, dtype=torch.bool, device=leaf.device)
         mask[leaf[keep]] = False
-        got = (mask if bool(mask.any()) else None,)
-        OUTSIDE.put(extra, levels, got)
-    return got[0]
+        return mask if bool(mask.any()) else None
+    return OUTSIDE.lookup((fmt, tuple(shape), n), levels, make)
 
 
 def validate(fmt: Format, shape, levels, values) -> None:
