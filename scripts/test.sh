@@ -43,6 +43,7 @@ for V in 16 32 64; do
             tests/ops/test_weight_kernels.py::test_gradients_equal_the_masked_dense_layer \
             tests/ops/test_weight_kernels.py::test_one_token_runs_row_dots tests/ops/test_weight_kernels.py::test_16_bit_values \
             tests/ops/test_weight_kernels.py::test_one_token_through_the_bitmap \
-            tests/ops/test_weight_kernels.py::test_a_2_4_bfloat16_weight_through_its_pairs
+            tests/ops/test_weight_kernels.py::test_a_2_4_bfloat16_weight_through_its_pairs \
+            tests/ops/test_weight_pair_tiles.py::test_pair_tiles_equal_the_dense_linear
     done
 done

@@ -125,3 +125,30 @@ def test_a_pattern_memo_drops_the_entry_of_an_array_that_died():
     import gc
     gc.collect()
     assert len(memo) == 1
+
+
+def test_a_values_memo_follows_the_values_version_and_what_it_depends_on():
+    """One entry per values tensor: served while unmodified, remade (replacing, not beside) when the values change
+    or the layout it depends on is another object, dropped when the values die."""
+    import gc
+    from scorch.formats.storage import ValuesMemo
+    memo, made = ValuesMemo(8), []
+    v, layout = torch.arange(4.0), torch.zeros(2)
+
+    def make():
+        made.append(1)
+        return v * 2
+    assert torch.equal(memo.lookup("k", v, make, (layout,)), v * 2)
+    memo.lookup("k", v, make, (layout,))
+    assert len(made) == 1
+    v.add_(1)
+    assert torch.equal(memo.lookup("k", v, make, (layout,)), v * 2) and len(made) == 2 and len(memo) == 1
+    memo.lookup("k", v, make, (torch.zeros(2),))
+    assert len(made) == 3 and len(memo) == 1
+    with torch.inference_mode():
+        w = torch.ones(3)
+    memo.lookup("k", w, lambda: w)
+    assert len(memo) == 1  # (inference tensors have no version: never kept)
+    del v
+    gc.collect()
+    assert len(memo) == 0

@@ -59,6 +59,12 @@ def native_vector_bytes() -> int:
     return 64 if "avx512f" in flags else 32 if flags & {"avx2", "avx"} else 16
 
 
+def cpu_flags() -> frozenset:
+    """This machine's CPU feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    info = _cpuinfo()
+    return frozenset(info.get("flags", info.get("Features", "")).split())
+
+
 def native_lead_gathers() -> bool:
     """Whether this machine's row sums gain from lead vectors that gather (SpMV's ``x[crd[p]]``): False on AMD
     CPUs, True elsewhere; ``$SCORCH_LEAD_GATHERS`` (0 or 1) overrides it. A lead vector runs whatever a row's

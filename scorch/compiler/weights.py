@@ -182,7 +182,11 @@ def pack(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
     fill = L.For(t, _c(0), _c(T), L.block(L.Store(panel, at(f, t), zero)))
     copy = L.For(t, _c(0), _nt, L.block(L.For(f, _c(0), width, L.block(
         L.Store(panel, at(f, t), value(L.Load(src, _add(_mul(_add(_t0, t), width), f), plan.xtype)))))))
-    return L.block(L.If(L.binary("lt", _nt, _c(T)), L.block(L.For(f, _c(0), width, L.block(fill)))), copy)
+    out = [L.If(L.binary("lt", _nt, _c(T)), L.block(L.For(f, _c(0), width, L.block(fill)))), copy]
+    if plan.pairs:  # (an odd width's last pair: its second feature zero, a stored zero's partner in ``PairDot``)
+        out.append(L.If(L.binary("eq", L.binary("mod", width, _c(2)), _c(1)), L.block(
+            L.For(t, _c(0), _c(T), L.block(L.Store(panel, at(width, t), zero))))))
+    return L.block(*out)
 
 
 #: the pairs of a 2:4 group's columns, in the order ``combo`` numbers them: ``(a, b)`` -> ``a * (5 - a) / 2 + b - 1``
@@ -333,7 +337,9 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
     T = plan.T
     tiles_n = L.binary("floordiv", _add(L.Var("n"), _c(T - 1)), _c(T))
     item = L.Var("item")
-    size = _mul(width_in, _c(T * 3)) if plan.combos else _mul(width_in, _c(T))  # (combos: 12 per group of 4)
+    # (combos: 12 per group of 4; pairs: an odd width's last pair whole)
+    size = _mul(width_in, _c(T * 3)) if plan.combos else _mul(_add(width_in, _c(1)) if plan.pairs else width_in,
+                                                                _c(T))
     setup = L.block(L.Alloc("panel", plan.xtype if plan.paired else F32, size),
                     L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
     return L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(

@@ -14,12 +14,13 @@ import torch
 
 from .. import loopir as L
 from ..compiler import weights as family
+from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp
-from ..compiler.target import CPU
+from ..compiler.target import CPU, cpu_flags
 from ..formats import named
 from ..formats.format import nm_size
-from ..formats.storage import PatternMemo, coordinates, padding
+from ..formats.storage import PatternMemo, ValuesMemo, coordinates, padding
 from ..sparse_tensor import SparseTensor
 
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
@@ -82,6 +83,7 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     entry = _KERNELS.get((plan, part))
     if entry is None:
         build = {"forward": family.forward, "dots": family.row_dots, "bits": family.row_bits,
+                 "pair_tiles": tiled.forward,
                  "input_grad": family.backward_input,
                  "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
         kernel = build[part](plan)
@@ -237,6 +239,89 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+#: the pair operations of CSR weights in column tiles (``_pair_tiles``), by the weight's index arrays
+_PAIR_TILES = PatternMemo(1024)
+register("weight pair tiles", "CSR weights' entries as pair operations in column tiles (bfloat16 at a few tokens,"
+         " ``compiler.weights_tiled``), by the weight's index arrays", _PAIR_TILES.__len__, _PAIR_TILES.clear)
+#: the values of those operations (two a pair, a zero where the row keeps one feature), by the values tensor
+_PAIR_WORDS = ValuesMemo(1024)
+register("weight pair values", "the bfloat16 values of CSR weights' pair operations, by the values tensor (remade"
+         " when the values change)", _PAIR_WORDS.__len__, _PAIR_WORDS.clear)
+#: the least density at which a bfloat16 CSR weight takes ``pair_tiles``. Measured against the float32 panel's
+#: kernel (1 thread, interleaved medians, AMD Zen 4): 4096 -> 11008 at 16 tokens 50% 1.87x, 30% (64 tokens)
+#: 1.62x, 20% 1.00x, 10% 0.83x; 768 -> 3072 at 20% 1.03-1.08x, at 10% 0.83-0.95x (3072 -> 768 at 1024 tokens,
+#: whose float32 panel is 384 KiB, 1.23x): below ~20% too many pairs hold one entry
+PAIR_TILES_DENSITY = 0.2
+
+
+#: whether bfloat16 CSR products may take ``pair_tiles``: None lets the CPU decide (``pair_tiles_serve``), True or
+#: False forces it (tests, and the sanitizer run, on any CPU)
+PAIR_TILES = None
+
+
+def pair_tiles_serve(kind: str, vtype: str, xtype: str, tokens: int, density: float) -> bool:
+    """Whether a product runs as ``weights_tiled.forward``: a CSR weight of bfloat16 values at ``PAIR_TILES_DENSITY``
+    or more, a bfloat16 activation, at least two tokens, a CPU whose vectors hold 16 floats and that multiplies
+    bfloat16 pairs (AVX512-BF16: elsewhere a ``PairDot`` is lane by lane, slower than the float32 panel)."""
+    if not (kind == "csr" and vtype == xtype == "bf16" and tokens >= 2 and density >= PAIR_TILES_DENSITY):
+        return False
+    return PAIR_TILES if PAIR_TILES is not None else \
+        CPU.lanes(family.F32) == 16 and "avx512_bf16" in cpu_flags()
+
+
+def _pair_tiles(weight: SparseTensor, T: int):
+    """``(seg, idx, dest, operations)`` of ``weights_tiled``'s layout for tiles of ``T`` tokens, ``dest`` taking
+    each stored value to its place in the operations' values (``2 * operation + column % 2``), or None where the
+    values are not in row order with increasing columns. Made once per pattern."""
+    def make():
+        n_out, n_in = weight._shape
+        leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
+        rows, cols = dims[0], dims[1]
+        if not (bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and
+                bool((rows[1:] * n_in + cols[1:] > rows[:-1] * n_in + cols[:-1]).all())):
+            return None
+        R, TP, pairs = family.STORE_ROWS, tiled.tile_pairs(T), (n_in + 1) // 2
+        tiles, blocks = max(1, -(-pairs // TP)), -(-n_out // R)
+        keys, op = torch.unique_consecutive(rows * pairs + cols // 2, return_inverse=True)
+        o, k = keys // pairs, keys % pairs
+        segment = ((o // R) * tiles + k // TP) * R + o % R
+        order = torch.argsort(segment, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        seg = torch.zeros(blocks * tiles * R + 1, dtype=torch.int64)
+        seg[1:] = torch.bincount(segment, minlength=blocks * tiles * R).cumsum(0)
+        itype = torch.int32 if 2 * keys.numel() < 2 ** 31 else torch.int64
+        return seg.to(itype), (k[order] % TP).to(torch.int16), 2 * rank[op] + cols % 2, keys.numel()
+    return _PAIR_TILES.lookup(("pair tiles", T, weight._format, tuple(weight._shape)), weight._levels, make)
+
+
+def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, extra: dict):
+    """``linear`` through ``weights_tiled`` where it serves, else None."""
+    n_out, n_in = weight._shape
+    vals = weight._vals
+    if not pair_tiles_serve(plan.kind, plan.vtype, plan.xtype, x.shape[0], vals.numel() / max(n_out * n_in, 1)):
+        return None
+    found = _pair_tiles(weight, plan.T)
+    if found is None:
+        return None
+    seg, idx, dest, count = found
+
+    def words():
+        out = torch.zeros(2 * count, dtype=vals.dtype)
+        out[dest] = vals.detach()
+        return out
+    plan = replace(tiled.planned(plan), ptype=L.type_of(seg.dtype))
+    y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
+    chunks, row_chunk = _split(plan, x.shape[0], n_out, torch.get_num_threads())
+    kernel, loaded = _kernel(plan, "pair_tiles")
+    cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": _PAIR_WORDS.lookup(("pairs", plan.T), vals, words, (dest,)),
+                              "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
+                              "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
+                              "tiles": (seg.numel() - 1) // (-(-n_out // family.STORE_ROWS) * family.STORE_ROWS),
+                              **extra})
+    return y
+
+
 def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     """``(chunks, row_chunk)``: the output rows in chunks of whole store blocks, enough of them that the work items
     (token tiles x chunks) keep every thread busy."""
@@ -270,6 +355,10 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
         _run("dots", replace(plan, xtype="f32", combos=False), weight._shape, arrays, n, 1, n_out, x=x.float(),
              y=wide, **extra)
         return y if wide is y else y.copy_(wide)
+    if plan.kind == "csr":
+        found = _by_pair_tiles(weight, x, plan, extra)
+        if found is not None:
+            return found
     if plan.combos:
         combo = _combos(weight, arrays["crd"])
         if combo is None:

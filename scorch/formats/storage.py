@@ -340,13 +340,8 @@ def array_version(t: torch.Tensor):
         return object()
 
 
-class PatternMemo:
-    """Results that depend only on a pattern's index arrays, looked up by the arrays' identity and version: a
-    model that builds sparse tensors on the same arrays every step (attention scores on a graph's edges, a
-    gradient on a weight's pattern) pays for the work once. An entry is served only while every array is alive,
-    is the same object and is unmodified (``_version``); it is dropped when one of its arrays dies. A memo holding
-    ``limit`` entries drops its least recently used one: a model cycling through more patterns than that (the 72
-    weights of BERT-base through a memo of 64) would otherwise miss on every call."""
+class _Memo:
+    """Entries kept up to ``limit``, the least recently used dropped first (``_make_room``)."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -357,6 +352,19 @@ class PatternMemo:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def _make_room(self) -> None:
+        while len(self._entries) >= max(self.limit, 1):
+            del self._entries[next(iter(self._entries))]
+
+
+class PatternMemo(_Memo):
+    """Results that depend only on a pattern's index arrays, looked up by the arrays' identity and version: a
+    model that builds sparse tensors on the same arrays every step (attention scores on a graph's edges, a
+    gradient on a weight's pattern) pays for the work once. An entry is served only while every array is alive,
+    is the same object and is unmodified (``_version``); it is dropped when one of its arrays dies. A memo holding
+    ``limit`` entries drops its least recently used one: a model cycling through more patterns than that (the 72
+    weights of BERT-base through a memo of 64) would otherwise miss on every call."""
 
     @staticmethod
     def _key(extra, levels):
@@ -379,8 +387,7 @@ class PatternMemo:
         if key is None:
             return
         self._entries.pop(key, None)
-        while len(self._entries) >= max(self.limit, 1):
-            del self._entries[next(iter(self._entries))]
+        self._make_room()
         entries = self._entries
 
         def drop(_ref, key=key):  # an array died: its id may be reused, the entry is of no use
@@ -396,6 +403,35 @@ class PatternMemo:
             got = (make(),)
             self.put(extra, levels, got)
         return got[0]
+
+
+
+class ValuesMemo(_Memo):
+    """Results derived from a values tensor (a weight's values packed in a kernel's layout), one entry per tensor
+    and key: served while the tensor is alive and unmodified (``_version``), remade when it changes (a weight
+    trained in place: the stale copy is replaced, not kept beside), dropped when the tensor dies. At most
+    ``limit`` entries, the least recently used dropped first."""
+
+    def lookup(self, extra, values: torch.Tensor, make, depends=()):
+        """``make()`` for ``values`` as they are now, made once per version and per objects ``depends`` (e.g. the
+        pattern's layout the result follows: another object, even at the same address, makes it anew)."""
+        key = (id(values), extra)
+        entry = self._entries.pop(key, None)
+        inference = values.is_inference()  # (no version counter: never kept)
+        if entry is not None and entry[0]() is values and not inference and entry[1] == values._version and \
+                len(entry[3]) == len(depends) and all(r() is d for r, d in zip(entry[3], depends)):
+            self._entries[key] = entry
+            return entry[2]
+        result = make()
+        if inference:
+            return result
+        self._make_room()
+        entries = self._entries
+
+        def drop(_ref, key=key):
+            entries.pop(key, None)
+        self._entries[key] = (weakref.ref(values, drop), values._version, result, [weakref.ref(d) for d in depends])
+        return result
 
 
 # index arrays already validated, per format, shape and number of values

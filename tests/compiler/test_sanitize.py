@@ -342,6 +342,8 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         tiles than threads), all-zero rows; forward, input and weight gradients."""
         gen = torch.Generator().manual_seed(11)
         bad, n = [], 0
+        from scorch.engine import weights as family_engine
+        family_engine.PAIR_TILES = True  # (bfloat16 CSR at 40% and 7 or 70 tokens: pair tiles, on any CPU)
         # (one token of a CSR at 40% and of an n:m weight without padding (every group full) reads the bitmap)
         for fmt, (o, i), density in (("csr", (37, 19), 0.4), ("csr", (9, 70), 0.1), ("bsr(16, 16)", (48, 32), 0.4),
                                      ("bsr(2, 8)", (6, 24), 0.4), ("nm(2, 4)", (21, 12), 0.4),

@@ -1,0 +1,151 @@
+"""A bfloat16 CSR weight at a few tokens through its pair operations in column tiles (``compiler.weights_tiled``,
+``engine.weights._by_pair_tiles``): against dense torch on the masked weight across shapes (odd widths, whose
+last pair has one feature; rows past the last block; several tiles), densities (all-zero, full), token counts,
+bias, thread counts, index widths, values trained in place, gradients, and the loop IR in the interpreter.
+The kernel is forced on (``PAIR_TILES``): the CPU only decides whether it is the faster one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import scorch
+from scorch import loopir as L
+from scorch.compiler import interp, weights as family, weights_tiled as tiled
+from scorch.compiler.target import Target
+from scorch.engine import weights as kernels
+
+F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _forced(monkeypatch):
+    monkeypatch.setattr(kernels, "PAIR_TILES", True)
+
+
+def _calls(monkeypatch):
+    """A list recording each product's pair layout (None where the weight's values are not in row order)."""
+    calls, real = [], kernels._pair_tiles
+    monkeypatch.setattr(kernels, "_pair_tiles", lambda w, T: calls.append(real(w, T)) or calls[-1])
+    return calls
+
+
+def _masked(out, inp, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out, inp, generator=g) * (torch.rand(out, inp, generator=g) < density)).bfloat16()
+
+
+def _check(w, x, b, s=None):
+    y = F.linear(x, scorch.asformat(w, "csr") if s is None else s, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (x.shape[0], w.shape[0]) and y.is_contiguous()
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=3e-2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(out=st.integers(1, 70), inp=st.integers(1, 90), tokens=st.integers(2, 80),
+       density=st.sampled_from([0.2, 0.35, 0.5, 0.8, 1.0]), bias=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_pair_tiles_equal_the_dense_linear(out, inp, tokens, density, bias, seed):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "PAIR_TILES", True)
+        calls = _calls(mp)
+        w = _masked(out, inp, density, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(tokens, inp, generator=g).bfloat16()
+        _check(w, x, torch.randn(out, generator=g).bfloat16() if bias else None)
+        assert w.count_nonzero() < 0.2 * w.numel() or (calls and calls[-1] is not None)
+
+
+@pytest.mark.parametrize("out, inp, tokens", [(1, 1, 2), (16, 2, 3), (17, 3, 16), (40, 1100, 17), (33, 4097, 5)])
+def test_edges_and_several_tiles(out, inp, tokens, monkeypatch):
+    """A single entry; one pair; an odd last pair; more columns than a tile holds at 32 tokens (512 pairs) and 16
+    (1024 pairs), with a row of every column and an all-zero row."""
+    calls = _calls(monkeypatch)
+    w = _masked(out, inp, 0.5, inp)
+    w[out // 2] = 0
+    w[0] = 1.0
+    _check(w, torch.randn(tokens, inp).bfloat16(), torch.randn(out).bfloat16())
+    assert calls[-1] is not None
+    seg = calls[-1][0]
+    assert (seg.numel() - 1) % family.STORE_ROWS == 0 and int(seg[-1]) == calls[-1][3]
+
+
+def test_below_the_density_and_in_float32_the_panel_kernel_serves(monkeypatch):
+    calls = _calls(monkeypatch)
+    x = torch.randn(8, 64)
+    _check(_masked(20, 64, 0.1, 1), x.bfloat16(), None)
+    F.linear(x, scorch.asformat(_masked(20, 64, 0.5, 1).float(), "csr"))
+    assert calls == []
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_threads_and_index_widths(threads, index_dtype, monkeypatch):
+    calls = _calls(monkeypatch)
+    w = _masked(100, 77, 0.4, 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for tokens in (2, 16, 40):
+            _check(w, torch.randn(tokens, 77).bfloat16(), None, scorch.asformat(w, "csr", index_dtype=index_dtype))
+    finally:
+        torch.set_num_threads(before)
+    assert calls and all(c is not None for c in calls)
+
+
+def test_values_changed_in_place_are_read_anew(monkeypatch):
+    """The operations' values are a copy made once per version of the weight's values: a weight trained in place
+    (same index arrays, new values) is read with its new values; another weight of the same values' size is not
+    served the first one's copy."""
+    w = _masked(30, 40, 0.5, 4)
+    s = scorch.asformat(w, "csr")
+    x = torch.randn(16, 40).bfloat16()
+    _check(w, x, None, s)
+    with torch.no_grad():
+        s._vals.mul_(-2)
+    _check(w * -2, x, None, s)
+    other = scorch.asformat(_masked(30, 40, 0.5, 5), "csr")
+    _check(other.to_dense(), x, None, other)
+    assert len(kernels._PAIR_WORDS) >= 1
+
+
+def test_gradients_equal_the_masked_dense_layer(monkeypatch):
+    calls = _calls(monkeypatch)
+    w = _masked(24, 50, 0.5, 6)
+    s = scorch.asformat(w, "csr").requires_grad_()
+    d = w.clone().requires_grad_()
+    x1 = torch.randn(16, 50).bfloat16().requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    g = torch.randn(16, 24).bfloat16()
+    for y in (F.linear(x1, s), F.linear(x2, d)):
+        y.backward(g)
+    assert calls and calls[-1] is not None
+    on = w != 0
+    for got, want in ((x1.grad, x2.grad), (s.grad.to_dense() * on, d.grad * on)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("lanes, tokens", [(4, 3), (16, 20)])
+def test_the_loop_ir_in_the_interpreter(lanes, tokens):
+    """The kernel's loop IR (pair panel with an odd width's zero partner, tiles, segments, ``PairDot``) in the
+    NumPy interpreter, every access checked (bfloat16 held as float32: values it holds exactly)."""
+    out, inp = 21, 2 * tiled.tile_pairs(4 * ((tokens + lanes - 1) // lanes)) + 7  # (two tiles and an odd pair)
+    w = _masked(out, inp, 0.5, 7).float()
+    w[3] = 0
+    s = scorch.asformat(w, "csr")
+    target = Target("cpu", vector_bytes=4 * lanes)
+    plan = tiled.planned(family.tiles(target, "csr", tokens, "bf16", "bf16", "i64", "i64", bias=True))
+    seg, idx, dest, count = kernels._pair_tiles(s, plan.T)
+    words = torch.zeros(2 * count)
+    words[dest] = s._vals
+    x, b = torch.randn(tokens, inp).bfloat16().float(), torch.randn(out).bfloat16().float()
+    y = np.zeros(tokens * out, dtype=np.float32)
+    blocks = -(-out // family.STORE_ROWS)
+    interp.run(tiled.forward(plan), {
+        "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
+        "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp, "chunks": 2,
+        "row_chunk": 16, "nthreads": 1, "tiles": (seg.numel() - 1) // (blocks * family.STORE_ROWS)})
+    assert (seg.numel() - 1) // (blocks * family.STORE_ROWS) >= 2
+    torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert L.type_of(idx.dtype) == "i16"
