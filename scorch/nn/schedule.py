@@ -351,7 +351,7 @@ def _unsupported(model, name) -> str | None:
 
 def _stored_format(plan, w) -> Format:
     """The format ``apply`` stores ``w`` in: the layout's, or ``nm(n, m)`` for a 2-d weight an ``NM(n, m)`` along its
-    last dimension sparsifies where no format was set (the README's "stored as nm(n, m)"; it was CSR)."""
+    last dimension sparsifies where no format was set (docs/training.md's "stored as nm(n, m)"; it was CSR)."""
     rule, layout = plan.sparsifier, plan.layout
     if isinstance(rule, NM) and w.dim() == 2 and rule.dim % 2 == 1 and not layout.groups and layout.block is None \
             and 0 < rule.n and w.shape[1] % rule.m == 0:

@@ -188,7 +188,7 @@ def test_sparsify_of_a_sparse_tensor_uses_its_dense_values():
 
 
 def test_nm_sparsifier_stores_nm_by_default():
-    """``NM(n, m)`` along a weight's last dimension with no format set stores ``nm(n, m)``, as the README says (it
+    """``NM(n, m)`` along a weight's last dimension with no format set stores ``nm(n, m)``, as docs/training.md says (it
     stored CSR); an explicit format, or n:m along another dimension, keeps its own."""
     import scorch
     from scorch.formats.named import short_name
