@@ -26,7 +26,6 @@ from .rearrange import rearrange  # noqa: E402
 from .deferred import deferral  # noqa: E402
 from .fusion import compile  # noqa: E402
 from . import fusion_epilogue  # noqa: E402,F401  (registers scorch.compile's elementwise epilogues)
-from . import dynamo, dynamo_sparse  # noqa: E402,F401  (register scorch's custom ops for torch.compile)
 from .nn.schedule import schedule  # noqa: E402
 from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,  # noqa: E402
                      stats, strict)
@@ -38,3 +37,7 @@ spmm = sparse.routed(_torch.spmm)  # a sparse-only function: torch sparse operan
 __scorch_version__ = "0.1.0"
 
 __getattr__, __dir__ = _forward.forward(globals(), _torch, routed=True)
+
+from . import _compile_hook  # noqa: E402  (scorch's custom ops for torch.compile: once torch._dynamo is imported)
+
+_compile_hook.install()

@@ -1,0 +1,96 @@
+"""A new user's first hour (issue 44): ``import scorch`` stays light, ``scorch.explain`` shows its report once,
+``help(scorch)`` is a page of scorch rather than torch's 900 names."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str) -> str:
+    """``code`` run in a fresh interpreter (nothing imported yet); its standard output."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+# --- import: torch.compile's machinery only once it is used ----------------------------------------------------
+
+def test_import_leaves_dynamo_unloaded():
+    out = _run("""
+        import sys
+        import scorch
+        heavy = [m for m in ("torch._dynamo", "torch._inductor", "sympy", "scorch.dynamo", "scorch.dynamo_sparse")
+                 if m in sys.modules]
+        print(heavy)
+    """)
+    assert out.strip() == "[]", out
+
+
+_PRODUCT = """
+    import sys
+    import torch as real_torch
+    A = scorch.sparse_csr_tensor(real_torch.tensor([0, 2, 3, 3]), real_torch.tensor([0, 2, 1]),
+                                 real_torch.tensor([1., 2., 3.]), (3, 3))
+    X = real_torch.randn(3, 4)
+    expected = A.to_dense() @ X
+"""
+
+
+def test_torch_compile_first_after_import():
+    """``torch.compile`` is the first thing run after ``import scorch``: the custom op is registered when Dynamo
+    is imported, and the product is one call in one graph."""
+    out = _run("import scorch\n" + textwrap.dedent(_PRODUCT) + textwrap.dedent("""
+        assert "scorch.dynamo" not in sys.modules
+        got = real_torch.compile(lambda a, x: (a @ x).relu(), fullgraph=True, backend="aot_eager")(A, X)
+        real_torch.testing.assert_close(got, expected.relu())
+        assert "scorch.dynamo" in sys.modules and hasattr(real_torch.ops.scorch, "einsum_dense")
+        print("ok")
+    """))
+    assert out.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_compile_module_under_alias():
+    """``import scorch as torch; torch.compile(model)``: a module goes to torch.compile, its sparse product one
+    custom op."""
+    out = _run("import scorch as torch\nimport scorch\n" + textwrap.dedent(_PRODUCT) + textwrap.dedent("""
+        class M(torch.nn.Module):
+            def forward(self, a, x):
+                return torch.mm(a, x) * 2
+        got = torch.compile(M(), fullgraph=True, backend="aot_eager")(A, X)
+        real_torch.testing.assert_close(got, expected * 2)
+        print("ok")
+    """))
+    assert out.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_dynamo_imported_before_scorch():
+    """``torch._dynamo`` already imported when scorch is: scorch's compile support is loaded at once."""
+    out = _run("import torch._dynamo\nimport scorch\n" + textwrap.dedent(_PRODUCT) + textwrap.dedent("""
+        assert "scorch.dynamo_sparse" in sys.modules
+        got = real_torch.compile(lambda a, x: a @ x, fullgraph=True, backend="aot_eager")(A, X)
+        real_torch.testing.assert_close(got, expected)
+        print("ok")
+    """))
+    assert out.strip() == "ok"
+
+
+def test_dynamo_module_is_torchs_own():
+    """The hook that loads scorch's support hands ``torch._dynamo`` its own loader back and leaves the import
+    system as it was; a torch function Dynamo's import replaces (``manual_seed``) is torch's new one in scorch."""
+    out = _run("""
+        import sys
+        import scorch
+        from scorch import _compile_hook
+        assert _compile_hook._FINDER in sys.meta_path
+        before = scorch.manual_seed
+        import torch._dynamo
+        assert scorch.manual_seed is torch.manual_seed and before is not torch.manual_seed
+        assert _compile_hook._FINDER not in sys.meta_path
+        assert type(torch._dynamo.__spec__.loader).__name__ == "SourceFileLoader", torch._dynamo.__spec__.loader
+        assert "scorch.dynamo" in sys.modules and "scorch.dynamo_sparse" in sys.modules
+        print("ok")
+    """)
+    assert out.strip() == "ok"
