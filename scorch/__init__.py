@@ -1,7 +1,35 @@
 """scorch: sparse deep learning as easy as dense.
 
-``import scorch as torch``: every torch name works (names scorch does not define are torch's own objects),
-and every op that meets a sparse operand (a ``scorch.SparseTensor`` or a torch sparse layout) runs sparse.
+``import scorch as torch``: every torch name works (names scorch does not define are torch's own objects, read
+through this module), and every op that meets a sparse operand (a ``scorch.SparseTensor`` or a torch sparse
+layout) runs sparse, through a compiler that generates, builds and caches C++ kernels. ``__all__`` and this
+page list scorch's own names only; ``dir(scorch)`` has torch's too.
+
+Sparse tensors
+    asformat(x, "csr")              any tensor stored in a format: csr, csc, coo, dcsr, bsr(2, 4), ell, dia,
+                                    nm(2, 4), ... or format text "(i, j) -> (i : dense, j : compressed)"
+    SparseTensor, Format, formats   the tensor type (a torch.Tensor), formats and their levels
+    sparse_csr_tensor(...) ...      torch's constructors (coo, csr, csc, bsr, bsc, compressed)
+    from_torch(t), to_torch(s)      torch's sparse layouts <-> SparseTensor, sharing the arrays
+Computing
+    einsum(eq, *ops, format=)       any expression; the result's format is inferred (or asked for)
+    explain(eq, *ops)               the plan as a report: output format and why, loops, kernel (source=True)
+    Directives                      a schedule to pass as einsum(..., schedule=...)
+    rearrange(x, "i j -> j i")      einops patterns on dense and sparse tensors
+    spmm, sparse                    torch.sparse's functions, sparse operands through scorch
+    compile(fn)                     fuses a function's sparse ops (a module goes to torch.compile)
+    deferral("off"|"auto"|"all")    when a large dense einsum result waits to be fused
+    stored_only()                   in-place scalars touch the stored entries only (as an optimizer step)
+Models
+    schedule(model)                 which parameters / activations are sparse, pruned how, stored how
+    nn                              torch.nn plus SparseLinear, patch_model, sparsifiers (ScalarFraction, NM...)
+    save_portable, load_portable    checkpoints plain torch loads (to_portable / from_portable in memory)
+When something runs dense
+    stats(), reset_stats()          which ops densified or fell back to torch (DensifyWarning once per op)
+    strict()                        raise DensifyError instead; fallback_limit(), set_fallback_limit(n)
+    cache_info(), clear_caches()    the compiler's memo tables
+
+Every torch function and method on sparse operands: docs/sparse-api.md; design: docs/design-notes.md.
 """
 import torch as _torch
 
@@ -27,6 +55,7 @@ from .deferred import deferral  # noqa: E402
 from .fusion import compile  # noqa: E402
 from . import fusion_epilogue  # noqa: E402,F401  (registers scorch.compile's elementwise epilogues)
 from .nn.schedule import schedule  # noqa: E402
+from .portable import from_portable, load_portable, save_portable, to_portable  # noqa: E402
 from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,  # noqa: E402
                      stats, strict)
 
@@ -35,6 +64,15 @@ spmm = sparse.routed(_torch.spmm)  # a sparse-only function: torch sparse operan
 # ``__version__`` is torch's (forwarded below): version gates in torch code (``torch.__version__ >= "2.0"``) must
 # see the torch they run on; scorch's own version is ``__scorch_version__``
 __scorch_version__ = "0.1.0"
+
+# scorch's own API: what ``from scorch import *`` takes and ``help(scorch)`` documents (torch's 900 names stay
+# reachable as attributes, and in ``dir(scorch)`` for completion)
+__all__ = ["SparseTensor", "Format", "formats", "asformat", "from_torch", "to_torch", "sparse_coo_tensor",
+           "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
+           "sparse_compressed_tensor", "einsum", "explain", "Directives", "rearrange", "spmm", "sparse", "compile",
+           "deferral", "stored_only", "schedule", "nn", "save_portable", "load_portable", "to_portable",
+           "from_portable", "stats", "reset_stats", "strict", "DensifyError", "DensifyWarning", "fallback_limit",
+           "set_fallback_limit", "cache_info", "clear_caches"]
 
 __getattr__, __dir__ = _forward.forward(globals(), _torch, routed=True)
 

@@ -94,3 +94,56 @@ def test_dynamo_module_is_torchs_own():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+# --- scorch.explain: one report, returned, printed only where asked --------------------------------------------
+
+def _spmm():
+    import torch
+
+    import scorch
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(12, 10, generator=g).relu()
+    return scorch.asformat(dense, "csr"), torch.randn(10, 5, generator=g)
+
+
+def test_explain_returns_without_printing(capsys):
+    import scorch
+    s, x = _spmm()
+    e = scorch.explain("ij,jk->ik", s, x)
+    assert capsys.readouterr().out == ""
+    assert isinstance(e, str) and e.startswith("expression:")
+    assert repr(e) == str(e).rstrip("\n") and not repr(e).startswith("'")  # the REPL's echo: the report, as text
+    print(e)
+    assert capsys.readouterr().out.count("expression:") == 1
+
+
+def test_explain_leaves_the_source_out_by_default():
+    import scorch
+    s, x = _spmm()
+    short, full = scorch.explain("ij,jk->ik", s, x), scorch.explain("ij,jk->ik", s, x, source=True)
+    assert "#include" not in short and "source=True" in short
+    assert "#include" in full and len(full.splitlines()) > len(short.splitlines()) + 20
+    assert "#include" in short.source and short.source == full.source
+    for e in (short, full):  # the plans behind the report either way
+        assert len(e.plans) == 1 and e.schedule is not None
+        assert e.directives.order == tuple("ijk") and e.schedule == e.plans[0].schedule
+
+
+def test_explain_writes_to_a_given_file_once(capsys):
+    import io
+
+    import scorch
+    s, x = _spmm()
+    buf = io.StringIO()
+    e = scorch.explain("ij,jk->ik", s, x, file=buf)
+    assert buf.getvalue() == e and capsys.readouterr().out == ""
+
+
+def test_explain_of_dense_operands_says_so():
+    import torch
+
+    import scorch
+    e = scorch.explain("ij,jk->ik", torch.randn(3, 4), torch.randn(4, 2))
+    assert e.plans == () and e.schedule is None and e.directives is None and e.source == ""
+    assert "dense" in e
