@@ -147,3 +147,46 @@ def test_explain_of_dense_operands_says_so():
     e = scorch.explain("ij,jk->ik", torch.randn(3, 4), torch.randn(4, 2))
     assert e.plans == () and e.schedule is None and e.directives is None and e.source == ""
     assert "dense" in e
+
+
+# --- help(scorch), __all__, dir(scorch) -------------------------------------------------------------------------
+
+def test_all_lists_scorchs_own_public_names():
+    """``__all__`` is scorch's API: every public non-module name its ``__init__`` defines, nothing of torch's
+    forwarding (read in a fresh process: a forwarded name read once is kept in the module's dict)."""
+    out = _run("""
+        import inspect, scorch
+        own = {k for k, v in vars(scorch).items() if not k.startswith("_") and not inspect.ismodule(v)}
+        print(sorted(own ^ set(scorch.__all__) - {"nn", "sparse", "formats"}))
+        print(len(scorch.__all__) == len(set(scorch.__all__)))
+    """)
+    assert out.split("\n")[:2] == ["[]", "True"], out
+
+
+def test_star_import_takes_scorchs_names_and_torch_names_still_resolve():
+    import torch
+
+    import scorch
+    ns = {}
+    exec("from scorch import *", ns)
+    assert set(ns) - {"__builtins__"} == set(scorch.__all__)
+    assert ns["einsum"] is scorch.einsum and ns["SparseTensor"] is scorch.SparseTensor and "zeros" not in ns
+    import scorch as torch_alias
+    assert torch_alias.zeros is torch.zeros and torch_alias.nn.Linear is torch.nn.Linear
+    assert {"zeros", "einsum", "SparseTensor", "save_portable"} <= set(dir(scorch))  # completion sees both
+
+
+def test_help_is_a_page_of_scorch():
+    import pydoc
+
+    import scorch
+    text = pydoc.render_doc(scorch, renderer=pydoc.plaintext)
+    head = "\n".join(text.splitlines()[:60])
+    for entry in ("asformat", "einsum", "explain", "schedule(model)", "compile", "stats()", "save_portable"):
+        assert entry in head, entry
+    # the one long part is SparseTensor's: torch.Tensor's ~4,900 methods and properties it inherits
+    start = text.index("\n    class SparseTensor")
+    end = text.index("\n    class ", start + 1)
+    assert len(text.splitlines()) < 6500 and len((text[:start] + text[end:]).splitlines()) < 1000
+    assert "zeros_like" not in text[:start] + text[end:]  # none of torch's 900 names listed
+    assert len(scorch.__doc__.splitlines()) < 45
