@@ -37,27 +37,30 @@ from . import _forward
 
 _forward.install()
 
-from . import formats  # noqa: E402
-from .formats import Format  # noqa: E402
-from .sparse_tensor import SparseTensor  # noqa: E402
-from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,  # noqa: E402
-                      sparse_compressed_tensor, sparse_coo_tensor, sparse_csc_tensor, sparse_csr_tensor,
-                      to_torch)
-from . import nn, sparse  # noqa: E402
-from . import ops  # noqa: E402,F401  (registers the sparse implementations of torch ops)
-from .ops.linalg import einsum  # noqa: E402
-from .ops.pattern import stored_only  # noqa: E402
-from .engine import explain  # noqa: E402
-from .compiler.caches import cache_info, clear_caches  # noqa: E402
-from .compiler.schedule import Directives  # noqa: E402
-from .rearrange import rearrange  # noqa: E402
-from .deferred import deferral  # noqa: E402
-from .fusion import compile  # noqa: E402
-from . import fusion_epilogue  # noqa: E402,F401  (registers scorch.compile's elementwise epilogues)
-from .nn.schedule import schedule  # noqa: E402
-from .portable import from_portable, load_portable, save_portable, to_portable  # noqa: E402
-from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,  # noqa: E402
-                     stats, strict)
+# Python's full garbage collection walks every object torch made (0.2 s, half of what importing scorch added to
+# importing torch), and the ~300k objects scorch makes at import set one off: none of them is garbage
+with _forward.no_collection():
+    from . import formats
+    from .formats import Format
+    from .sparse_tensor import SparseTensor
+    from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,
+                          sparse_compressed_tensor, sparse_coo_tensor, sparse_csc_tensor, sparse_csr_tensor,
+                          to_torch)
+    from . import nn, sparse
+    from . import ops  # noqa: F401  (registers the sparse implementations of torch ops)
+    from .ops.linalg import einsum
+    from .ops.pattern import stored_only
+    from .engine import explain
+    from .compiler.caches import cache_info, clear_caches
+    from .compiler.schedule import Directives
+    from .rearrange import rearrange
+    from .deferred import deferral
+    from .fusion import compile
+    from . import fusion_epilogue  # noqa: F401  (registers scorch.compile's elementwise epilogues)
+    from .nn.schedule import schedule
+    from .portable import from_portable, load_portable, save_portable, to_portable
+    from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,
+                         stats, strict)
 
 spmm = sparse.routed(_torch.spmm)  # a sparse-only function: torch sparse operands run through scorch too
 

@@ -14,6 +14,8 @@ Dense calls pay one Python call and a ``try`` (measured in ``docs/design-notes.m
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -184,6 +186,18 @@ class TorchAliasFinder(importlib.abc.MetaPathFinder):
         except ImportError:
             return None
         return importlib.util.spec_from_loader(fullname, _AliasLoader(module))
+
+
+@contextlib.contextmanager
+def no_collection():
+    """The block without Python's cyclic garbage collection (as it was after it, also where the block raises)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def install():

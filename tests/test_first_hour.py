@@ -22,9 +22,31 @@ def test_import_leaves_dynamo_unloaded():
         import scorch
         heavy = [m for m in ("torch._dynamo", "torch._inductor", "sympy", "scorch.dynamo", "scorch.dynamo_sparse")
                  if m in sys.modules]
-        print(heavy)
+        import gc
+        print(heavy, gc.isenabled())
     """)
-    assert out.strip() == "[]", out
+    assert out.strip() == "[] True", out
+
+
+def test_garbage_collection_paused_only_inside():
+    """scorch's import runs without the cyclic collector and gives it back as it was, also when the block raises
+    or the collector was off."""
+    import gc
+
+    from scorch._forward import no_collection
+    assert gc.isenabled()
+    with pytest.raises(ZeroDivisionError):
+        with no_collection():
+            assert not gc.isenabled()
+            1 / 0
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 _PRODUCT = """
