@@ -3,13 +3,17 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(code: str) -> str:
     """``code`` run in a fresh interpreter (nothing imported yet); its standard output."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                       cwd=str(ROOT))  # (this checkout's scorch)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
