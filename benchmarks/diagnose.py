@@ -2,8 +2,6 @@
 with it (``-fopt-info-vec``, same compiler and flags as scorch's runtime)."""
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import shutil
@@ -30,8 +28,7 @@ class Diagnosis:
 def diagnose(title: str, equation: str, *operands) -> Diagnosis:
     d = Diagnosis(title)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # explain prints the plan as well as returning it
-            text = scorch.explain(equation, *operands)
+        text = scorch.explain(equation, *operands, source=True)
     except Exception as e:  # noqa: BLE001
         d.error = f"scorch.explain failed: {type(e).__name__}: {e}"
         return d

@@ -14,6 +14,8 @@ Dense calls pay one Python call and a ``try`` (measured in ``docs/design-notes.m
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -84,7 +86,13 @@ def _tensor_functions(target) -> frozenset:
     return frozenset(id(f) for f in _torch.overrides.get_overridable_functions().get(target, ()))
 
 
+#: per forwarding namespace: ``(namespace, target, names)``, the names whose torch object it keeps (``refresh``)
+_FORWARDED = []
+
+
 def forward(namespace: dict, target, routed: bool = False):
+    forwarded = set()
+    _FORWARDED.append((namespace, target, forwarded))
     if routed:  # now, while torch's modules are torch's: code that aliases torch to scorch later reads them here
         _tensor_functions(target)
 
@@ -98,12 +106,24 @@ def forward(namespace: dict, target, routed: bool = False):
             value = on_torch_layouts(value, namespace["__name__"], name)
         if not isinstance(value, _PLAIN_DATA):  # plain data may be reassigned in torch: always read it there
             namespace[name] = value
+            forwarded.add(name)
         return value
 
     def __dir__():
         return sorted(set(namespace) | set(dir(target)))
 
     return __getattr__, __dir__
+
+
+def refresh():
+    """Forget the kept torch objects torch has replaced since (importing ``torch._dynamo`` replaces
+    ``torch.manual_seed`` by a version Dynamo does not trace): the next read takes torch's object of now."""
+    for namespace, target, names in _FORWARDED:
+        for name in list(names):
+            kept, now = namespace.get(name), getattr(target, name, None)
+            if kept is not now and getattr(kept, "__wrapped__", None) is not now:
+                namespace.pop(name, None)
+                names.discard(name)
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -166,6 +186,18 @@ class TorchAliasFinder(importlib.abc.MetaPathFinder):
         except ImportError:
             return None
         return importlib.util.spec_from_loader(fullname, _AliasLoader(module))
+
+
+@contextlib.contextmanager
+def no_collection():
+    """The block without Python's cyclic garbage collection (as it was after it, also where the block raises)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def install():

@@ -147,6 +147,16 @@ in-place op without a sparse rule raises on a sparse `self` (**error**: a sparse
 place), as do the ops about dense storage (`data_ptr`, `storage`...). **Metadata** reads are answered by the
 wrapper.
 
+**Checkpoints.** `torch.save` of a SparseTensor (a state dict with sparse weights) pickles scorch's rebuild
+function, so it loads where scorch is imported (`torch.load` then takes it with `weights_only=True`, validating
+the arrays). In a process without scorch, `torch.load` fails with `Weights only load failed ... Unsupported global:
+GLOBAL scorch.sparse_tensor._rebuild was not an allowed global by default`: `import scorch` before `torch.load`
+(do not pass `weights_only=False`: the file would still need scorch). For a checkpoint plain torch loads, write
+it with `scorch.save_portable(obj, f)`: each SparseTensor is saved as torch's sparse tensor (CSR, CSC, COO, BSR,
+BSC; COO for a format torch lacks, never densified; a dense format dense) with its scorch format beside it;
+`scorch.load_portable(f)` gives the SparseTensors back in their formats and index dtypes (`scorch.to_portable` /
+`scorch.from_portable` do the same in memory).
+
 """
 
 

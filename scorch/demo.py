@@ -58,7 +58,7 @@ def main(argv=None):
         ok = torch.allclose(got, expected, atol=1e-5)
         print(f"{what:42s} -> {kind:24s} matches dense torch: {'yes' if ok else 'NO'}")
     print("\nThe plan and generated kernel for S @ X (scorch.explain):")
-    scorch.explain("ij,jk->ik", s, X)
+    print(scorch.explain("ij,jk->ik", s, X, source=True))
 
 
 if __name__ == "__main__":

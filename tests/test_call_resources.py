@@ -104,7 +104,7 @@ def test_packed_arguments_carry_pointers_integers_and_floats(alpha):
         torch.testing.assert_close(torch.add(d, s, alpha=alpha), d + alpha * a)
         x = torch.randn(23, 16, generator=g)
         torch.testing.assert_close(s @ x, a @ x)
-    src = scorch.explain("ij,jk->ik", s, x)
+    src = scorch.explain("ij,jk->ik", s, x, source=True)
     assert 'extern "C" void scorch_kernel_packed(const int64_t* a)' in src
     loaded = [runtime._libs[p] for p in list(runtime._libs)]
     assert any(hasattr(lib, "scorch_kernel_packed") for lib in loaded)

@@ -47,7 +47,8 @@ class Plan:
     library: object = None  # on a GPU: the measured choice between this kernel and a library call (library.py)
     library_call: object = None  # on a GPU: ``(name, fn)`` of a library call computing this assignment, or None
 
-    def explain(self) -> str:
+    def explain(self, source: bool = True) -> str:
+        """The plan in words; ``source``: with the generated source (else one line saying it is left out)."""
         out = self.output
         fmt = "dense (torch tensor)" if out.format is None else (out.format.name or str(out.format))
         lines = [f"expression:   {self.asg}",
@@ -65,7 +66,7 @@ class Plan:
             lines += gpu_lines(self.kernel)
             if self.library is not None:
                 lines.append(f"path:         {self.library.describe()}")
-            lines += [f"kernel:       {how}: {self.kernel.path}", "source:", self.source]
+            lines += [f"kernel:       {how}: {self.kernel.path}", *_source_lines(self.source, source)]
         return "\n".join(lines)
 
 
@@ -243,7 +244,8 @@ class CoPlan:
             self.sources[phase], self.kernels[phase] = build(low, self.backend)
         return self.kernels[phase]
 
-    def explain(self) -> str:
+    def explain(self, source: bool = True) -> str:
+        """The plan in words; ``source``: with the generated sources (else one line saying they are left out)."""
         cs, out = self.schedule, self.output
         fmt = "dense (torch tensor)" if out.format is None else (out.format.name or str(out.format))
         lines = [f"expression:   {self.asg}",
@@ -275,8 +277,15 @@ class CoPlan:
             how = {"compiled": f"compiled now ({k.compile_seconds:.2f} s)", "disk": "loaded from the disk cache",
                    "memory": "from the memory cache"}.get(k.origin, k.origin)
             lines += gpu_lines(k)
-            lines += [f"kernel {phase}: {how}: {k.path}", "source:", self.sources[phase]]
+            lines += [f"kernel {phase}: {how}: {k.path}", *_source_lines(self.sources[phase], source)]
         return "\n".join(lines)
+
+
+def _source_lines(text: str, source: bool) -> list:
+    if source:
+        return ["source:", text]
+    n = len(text.splitlines())
+    return [f"source:       left out ({n} lines: scorch.explain(..., source=True) shows it)"]
 
 
 def coiteration_plan(key, asg, output, broadcast, backend, weights=None) -> CoPlan:

@@ -333,11 +333,15 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
 
 
 class Explanation(str):
-    """What ``scorch.explain`` returns: the printed text (a ``str``), and the plans behind it: ``plans`` (each
-    kernel's ``Plan`` or ``CoPlan``, in the order they ran), ``schedule`` (the last kernel's schedule, printable)
-    and ``directives`` (the ``schedule=`` that gives that schedule again, to edit and pass to ``scorch.einsum``;
-    None for a merge of several sparse operands)."""
+    """What ``scorch.explain`` returns: the report (a ``str``; its ``repr`` is the report too, so the REPL shows it
+    once, as text), and the plans behind it: ``plans`` (each kernel's ``Plan`` or ``CoPlan``, in the order they
+    ran), ``schedule`` (the last kernel's schedule, printable), ``directives`` (the ``schedule=`` that gives that
+    schedule again, to edit and pass to ``scorch.einsum``; None for a merge of several sparse operands) and
+    ``source`` (the generated source of every kernel, whether or not the report shows it)."""
     plans: tuple = ()
+
+    def __repr__(self):
+        return str(self).rstrip("\n")
 
     @property
     def schedule(self):
@@ -349,6 +353,10 @@ class Explanation(str):
         if plan is None or not isinstance(plan, Plan):
             return None
         return directives_of(plan.asg, plan.schedule)
+
+    @property
+    def source(self) -> str:
+        return "\n".join(p.source if isinstance(p, Plan) else "\n".join(p.sources.values()) for p in self.plans)
 
 
 def scaled(equation, alpha, *operands, format=None):
@@ -366,25 +374,27 @@ def scaled(equation, alpha, *operands, format=None):
                scalars={"alpha": alpha}, name="einsum")
 
 
-def explain(equation, *operands, format=None, file=None, schedule=None) -> Explanation:
-    """Run ``einsum(equation, *operands)`` and print (to ``file``, default stdout) and return its plan: the
-    contraction order for three or more operands, the inferred output format and the rule that chose it, any
-    operand reformatting, the loop order, workspaces and assembly, the parallel loop, specialized extents,
-    where each kernel came from (compiled now, disk or memory cache) and the generated source (``Explanation``:
-    the text, with the plans behind it)."""
+def explain(equation, *operands, format=None, schedule=None, source=False, file=None) -> Explanation:
+    """Run ``einsum(equation, *operands)`` and return its plan as a report (``Explanation``: a ``str``, with the
+    plans behind it): the contraction order for three or more operands, the inferred output format and the rule
+    that chose it, any operand reformatting, the loop order, workspaces and assembly, the parallel loop,
+    specialized extents, where each kernel came from (compiled now, disk or memory cache); with ``source=True``
+    the generated source too (``.source`` has it either way). Nothing is printed unless ``file`` is given (a
+    file object the report is written to): ``print(scorch.explain(...))``, or the REPL's echo, shows it once."""
     import contextlib
     import io
-    import sys
     from .run import _EXPLAINING
     buf = io.StringIO()
-    before, _EXPLAINING.plans = _EXPLAINING.plans, []
+    before = _EXPLAINING.plans, _EXPLAINING.source
+    _EXPLAINING.plans, _EXPLAINING.source = [], bool(source)
     try:
         with contextlib.redirect_stdout(buf):
             einsum(equation, *operands, format=format, explain=True, schedule=schedule)
         plans = tuple(_EXPLAINING.plans)
     finally:
-        _EXPLAINING.plans = before
+        _EXPLAINING.plans, _EXPLAINING.source = before
     text = Explanation(buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n")
     text.plans = plans
-    print(text, end="", file=file or sys.stdout)
+    if file is not None:
+        print(text, end="", file=file)
     return text

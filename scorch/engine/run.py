@@ -25,6 +25,7 @@ from .convert import asformat, converted_already, recurring_pattern
 
 class _Explaining(threading.local):
     plans = None
+    source = True  # the generated source in the printed plan (``scorch.explain(source=...)``)
 
 
 _EXPLAINING = _Explaining()
@@ -32,7 +33,7 @@ _EXPLAINING = _Explaining()
 
 def explained(plan):
     """Print ``plan`` (a call with ``explain=True``) and keep it for ``scorch.explain``'s result."""
-    print(plan.explain())
+    print(plan.explain(source=_EXPLAINING.source))
     if _EXPLAINING.plans is not None:
         _EXPLAINING.plans.append(plan)
 

@@ -63,7 +63,7 @@ def test_a_row_slice_sums_its_own_entries():
 
 def test_the_loop_is_vectorized_with_gathers():
     s, x = scorch.asformat(_rows_of_every_length(torch.float32), "csr"), torch.ones(24)
-    text = scorch.explain("ij,j->i", s, x, file=open(os.devnull, "w"))
+    text = scorch.explain("ij,j->i", s, x, source=True)
     # (a row sum's vectors are at most 32 bytes: where the machine's are 64, the half-width helpers)
     pre = "scorch_hv" if VECTOR_BYTES == 64 else "scorch_"
     assert all(f"{pre}{h}(" in text for h in ("gather", "gathern", "keep", "hsum")), text
@@ -74,7 +74,7 @@ def test_the_loop_is_vectorized_with_gathers():
 def test_lead_vectors_of_a_contiguous_sum_whatever_the_machine():
     """A row sum without gathers (``ij->i``) has its lead vectors on every machine."""
     s = scorch.asformat(_rows_of_every_length(torch.float32), "csr")
-    text = scorch.explain("ij->i", s, file=open(os.devnull, "w"))
+    text = scorch.explain("ij->i", s, source=True)
     assert "t0_l1_mean" in text and ">= 3" in text, text
     torch.testing.assert_close(scorch.einsum("ij->i", s), s.to_dense().sum(1))
 
@@ -172,7 +172,7 @@ def test_lead_vectors_on_an_inner_level(n):
     x = torch.randn(n, generator=g)
     x[0] = float("inf")
     s = scorch.asformat(a, "csf")
-    text = scorch.explain("ijk,k->ij", s, x, format="dense", file=open(os.devnull, "w"))
+    text = scorch.explain("ijk,k->ij", s, x, format="dense", source=True)
     assert ("t0_l2_mean" in text) == CPU.lead_gathers, text  # (see test_the_loop_is_vectorized_with_gathers)
     want = torch.einsum("ijk,k->ij", a.double(), torch.where(torch.isinf(x), 0, x).double()).float()
     torch.testing.assert_close(scorch.einsum("ijk,k->ij", s, x, format="dense"), want)

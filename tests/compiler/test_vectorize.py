@@ -11,7 +11,7 @@ from scorch.compiler.target import CPU
 
 
 def _kernel_source(eq, *ops):
-    text = scorch.explain(eq, *ops, file=open("/dev/null", "w"))
+    text = scorch.explain(eq, *ops, source=True)
     return text[text.index("#include"):]
 
 

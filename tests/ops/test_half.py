@@ -210,7 +210,7 @@ def test_bfloat16_tiles_in_lane_pairs(dtype, vectors, paired):
     s, a = _pair((40, 30), "csr", dtype, seed=14)
     g = torch.Generator().manual_seed(15)
     x = torch.randint(-64, 65, (30, cols), generator=g) / 8
-    src = scorch.explain("ij,jk->ik", s, x.to(dtype))
+    src = scorch.explain("ij,jk->ik", s, x.to(dtype), source=True)
     assert ("scorch_widen_pair(&" in src) == paired, src
     _check(s @ x.to(dtype), a @ x, dtype)
 

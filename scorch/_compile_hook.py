@@ -1,0 +1,74 @@
+"""scorch's ``torch.compile`` support, loaded when ``torch._dynamo`` is (issue 44).
+
+``scorch/dynamo.py`` and ``scorch/dynamo_sparse.py`` register scorch's custom ops (``torch.ops.scorch.*``), the
+traced rules and ``allow_in_graph`` calls; importing them imports ``torch._dynamo`` (with sympy, Inductor's config and
+``torch.distributed``), which took more than half of ``import scorch``'s time, for programs that never compile.
+Nothing of them is needed before Dynamo or ``torch.export`` runs, and both import ``torch._dynamo`` first (an
+``is_compiling()`` that is true implies it), so they are imported right after ``torch._dynamo`` is: a finder at the
+front of ``sys.meta_path`` wraps that module's loader (``install()``), as ``wrapt``'s post-import hooks do. Where
+``torch._dynamo`` was imported before scorch, ``install()`` loads them at once. Importing ``torch._dynamo``
+replaces ``torch.manual_seed``; the forwarded names scorch kept are refreshed then (``_forward.refresh``).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+_TARGET = "torch._dynamo"
+_loaded = False
+
+
+def load():
+    """Import scorch's ``torch.compile`` modules (once; the registrations are theirs)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import _forward, dynamo, dynamo_sparse  # noqa: F401
+        _forward.refresh()
+
+
+class _ThenLoad(importlib.abc.Loader):
+    """``torch._dynamo``'s own loader, then ``load()``."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # (its own again: get_source, resources)
+        _uninstall()
+        load()
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class _DynamoFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _ThenLoad(spec.loader)
+        return spec
+
+
+_FINDER = _DynamoFinder()
+
+
+def _uninstall():
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+
+
+def install():
+    """Load scorch's compile support now if ``torch._dynamo`` is imported already, else right after it is."""
+    if _TARGET in sys.modules:
+        load()
+    elif _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
