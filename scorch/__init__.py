@@ -12,9 +12,9 @@ _forward.install()
 from . import formats  # noqa: E402
 from .formats import Format  # noqa: E402
 from .sparse_tensor import SparseTensor  # noqa: E402
-from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,  # noqa: E402
+from .interop import (asformat, from_scipy, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,  # noqa: E402
                       sparse_compressed_tensor, sparse_coo_tensor, sparse_csc_tensor, sparse_csr_tensor,
-                      to_torch)
+                      to_scipy, to_torch)
 from . import nn, sparse  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers the sparse implementations of torch ops)
 from .ops.linalg import einsum  # noqa: E402

@@ -32,8 +32,9 @@ from ..formats import storage as _storage
 from ..formats.storage import array_version
 from ..formats.levels.base import INDEX_DTYPES, NARROW_INDEX_DTYPES
 from ..rules import RULES
-from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad
+from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad, refuse_complex
 from .args import SUPPORTED, argument, level_info, tensor_type
+from .scipy_interop import from_scipy, is_scipy_sparse
 
 
 def convert(x: SparseTensor, fmt, index_dtype=None, drop_zeros=False):
@@ -92,7 +93,14 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     Returns ``x`` itself when it already has that format and index type.
     """
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        x = from_scipy(x) if is_scipy_sparse(x) else torch.as_tensor(x)
+    if x.is_complex():
+        refuse_complex("scorch.asformat's input", x.dtype)
+    if x.device.type == "meta" and x.layout == torch.strided:
+        raise NotImplementedError("scorch.asformat: a dense tensor on the meta device has no values, so which of"
+                                  " its entries are nonzero (the pattern, and nnz) is unknown. A meta SparseTensor"
+                                  " needs meta index arrays: scorch.sparse_csr_tensor(crow, col, values, size)"
+                                  " with meta tensors, or S.to('meta') of a real SparseTensor")
     if x.dim() == 0:
         raise ValueError("scorch formats store tensors of at least one dimension, got a 0-d tensor")
     fmt = resolve(format, x.dim())
