@@ -64,9 +64,11 @@ def _as_storage(level):
 
 
 def refuse_complex(what: str, dtype) -> None:
-    """Raise the ``TypeError`` for complex values: scorch's kernels and sparse rules take real values only, and a
-    complex SparseTensor accepted here would fail later, in some op, with torch's dtype error."""
-    raise TypeError(f"scorch: {what} has complex values ({dtype}); SparseTensors hold real values only (bool,"
+    """Raise the ``TypeError`` for complex values (``UnsupportedDtype``): scorch's kernels and sparse rules take
+    real values only, and a complex SparseTensor accepted here would fail later, in some op, with torch's dtype
+    error. Raised inside an op (``S * 1j``, ``S.cfloat()``), it makes that op run on the dense form, as any op
+    without a sparse rule: torch's complex result, warned and counted."""
+    raise UnsupportedDtype(f"scorch: {what} has complex values ({dtype}); SparseTensors hold real values only (bool,"
                     " integers, float16, bfloat16, float32, float64). Keep a complex tensor dense, or store its"
                     " real and imaginary parts as two SparseTensors (x.real, x.imag)")
 
@@ -593,7 +595,9 @@ def _converter(dtype):
     def convert(self, memory_format=torch.preserve_format):
         return self.to(dtype)
     convert.__name__ = convert.__qualname__ = f"to_{str(dtype).removeprefix('torch.')}"
-    convert.__doc__ = f"The values converted to {dtype}; the pattern (shared index arrays) and format kept."
+    convert.__doc__ = (f"The values converted to {dtype}; the pattern (shared index arrays) and format kept." if not
+                       dtype.is_complex else f"{dtype}: SparseTensors hold real values, so the dense fallback (torch's"
+                       " dense complex result, warned and counted).")
     return convert
 
 
