@@ -83,7 +83,8 @@ _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.s
 
 
 def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
-    """``x`` (a dense tensor, a torch sparse tensor or a SparseTensor) stored in ``format``.
+    """``x`` (a dense tensor, a torch sparse tensor, a SparseTensor or a SciPy sparse array, viewed first by
+    ``scorch.from_scipy``) stored in ``format``.
 
     ``format`` is a ``scorch.Format``, format text, or a name (``"csr"``, ``"bsr(2, 2)"``...).
     ``index_dtype`` forces the index arrays' dtype (default: int32 when the sizes allow; int8 or int16 for

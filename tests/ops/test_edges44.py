@@ -290,3 +290,15 @@ def test_masked_fill_with_a_dense_mask_and_a_nonzero_value_is_dense():
     falls_back(lambda: s.masked_fill(m, 1.0), lambda: d.masked_fill(m, 1.0), "Tensor.masked_fill")
     with pytest.raises(NotImplementedError, match="in place"):
         s.masked_fill_(scorch.asformat(m, "csr"), 1.0)
+
+
+@settings(max_examples=30)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 6), seed=st.integers(0, 999),
+       fmt=st.sampled_from(["csr", "coo", "csc", "bsr(1, 2)", "ell"]), mask_fmt=st.sampled_from(["csr", "coo"]),
+       value=st.sampled_from([1.0, -2.5, float("inf")]))
+def test_masked_fill_union_against_dense(rows, cols, seed, fmt, mask_fmt, value):
+    d = _matrix((rows, cols), seed=seed)
+    m = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed + 1)) > 0.5
+    got = scorch.asformat(d, fmt).masked_fill(scorch.asformat(m, mask_fmt), value)
+    assert isinstance(got, scorch.SparseTensor)
+    torch.testing.assert_close(got.to_dense(), d.masked_fill(m, value), rtol=0, atol=0)
