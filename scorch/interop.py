@@ -126,7 +126,7 @@ def to_scipy(s) -> "scipy.sparse.sparray":  # noqa: F821
     """``s`` (a 2-d SparseTensor, or a torch sparse tensor) as a SciPy sparse array: csr, csc, coo and bsr formats
     as the SciPy array of that format, sharing the index arrays and values (torch's ``Tensor.numpy()``: writes
     through one are seen by the other); other formats converted first (bsc to bsr, dcsr to csr, dcsc to csc, any
-    other to csr). As ``Tensor.numpy()``: on the CPU, outside autograd (``s.detach().to_scipy()``), values of a
+    other to csr, and a blocked format whose shape is not a multiple of its blocks to csr). As ``Tensor.numpy()``: on the CPU, outside autograd (``s.detach().to_scipy()``), values of a
     dtype scipy.sparse takes (not float16 or bfloat16: ``s.float().to_scipy()``)."""
     if isinstance(s, torch.Tensor) and not isinstance(s, SparseTensor) and s.layout != torch.strided:
         s = from_torch(s)
@@ -144,13 +144,13 @@ def to_scipy(s) -> "scipy.sparse.sparray":  # noqa: F821
     if s.dtype in (torch.bfloat16, torch.float16):  # (NumPy has no bfloat16; scipy.sparse refuses float16)
         raise TypeError(f"scorch.to_scipy: scipy.sparse has no {s.dtype}: convert first, s.float().to_scipy()")
     fmt, name = s.format, named.name_of(s.format) or ""
-    if fmt in (named.csr, named.csc) or named.hybrid_coo_dims(fmt) == (0, True) or \
-            named.hybrid_coo_dims(fmt) == (0, False) or name.startswith("bsr"):
+    block = named.block_size(fmt)
+    if block is not None and (s.shape[0] % block[0] or s.shape[1] % block[1]):
+        block = None  # (SciPy's BSR needs the shape to be a multiple of the block: CSR instead)
+    if fmt in (named.csr, named.csc) or named.hybrid_coo_dims(fmt) in ((0, True), (0, False)) or \
+            (block is not None and name.startswith("bsr")):
         return _scipy.to_scipy(s)
-    if name.startswith("bsc"):
-        target = named.bsr(*named.block_size(fmt))
-    else:
-        target = _NEAREST_SCIPY.get(name, "csr")
+    target = named.bsr(*block) if block is not None else _NEAREST_SCIPY.get(name, "csr")
     return _scipy.to_scipy(asformat(s, target))
 
 

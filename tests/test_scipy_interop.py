@@ -216,6 +216,14 @@ def test_to_scipy_nearest_format(fmt, kind):
         _equal(s, a.toarray())
 
 
+@pytest.mark.parametrize("fmt", ["bsr(2, 2)", "bsc(2, 3)"])
+def test_to_scipy_of_blocks_that_do_not_tile_the_shape_is_csr(fmt):
+    x = torch.from_numpy(_dense((5, 7)))
+    a = scorch.asformat(x, fmt).to_scipy()
+    assert a.format == "csr"
+    _equal(a.toarray(), x.numpy())
+
+
 def test_to_scipy_uncoalesced_coo_sums_as_scorch_does():
     t = torch.sparse_coo_tensor(torch.tensor([[1, 0, 1], [2, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (2, 3))
     s = scorch.from_torch(t)
