@@ -11,6 +11,7 @@ Sparse tensors
     SparseTensor, Format, formats   the tensor type (a torch.Tensor), formats and their levels
     sparse_csr_tensor(...) ...      torch's constructors (coo, csr, csc, bsr, bsc, compressed)
     from_torch(t), to_torch(s)      torch's sparse layouts <-> SparseTensor, sharing the arrays
+    from_scipy(a), to_scipy(s)      SciPy sparse arrays <-> SparseTensor, sharing the arrays where they can
 Computing
     einsum(eq, *ops, format=)       any expression; the result's format is inferred (or asked for)
     explain(eq, *ops)               the plan as a report: output format and why, loops, kernel (source=True)
@@ -43,9 +44,9 @@ with _forward.no_collection():
     from . import formats
     from .formats import Format
     from .sparse_tensor import SparseTensor
-    from .interop import (asformat, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,
+    from .interop import (asformat, from_scipy, from_torch, sparse_bsc_tensor, sparse_bsr_tensor,
                           sparse_compressed_tensor, sparse_coo_tensor, sparse_csc_tensor, sparse_csr_tensor,
-                          to_torch)
+                          to_scipy, to_torch)
     from . import nn, sparse
     from . import ops  # noqa: F401  (registers the sparse implementations of torch ops)
     from .ops.linalg import einsum
@@ -70,7 +71,8 @@ __scorch_version__ = "0.1.0"
 
 # scorch's own API: what ``from scorch import *`` takes and ``help(scorch)`` documents (torch's 900 names stay
 # reachable as attributes, and in ``dir(scorch)`` for completion)
-__all__ = ["SparseTensor", "Format", "formats", "asformat", "from_torch", "to_torch", "sparse_coo_tensor",
+__all__ = ["SparseTensor", "Format", "formats", "asformat", "from_torch", "to_torch", "from_scipy", "to_scipy",
+           "sparse_coo_tensor",
            "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
            "sparse_compressed_tensor", "einsum", "explain", "Directives", "rearrange", "spmm", "sparse", "compile",
            "deferral", "stored_only", "schedule", "nn", "save_portable", "load_portable", "to_portable",

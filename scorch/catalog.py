@@ -157,6 +157,13 @@ BSC; COO for a format torch lacks, never densified; a dense format dense) with i
 `scorch.load_portable(f)` gives the SparseTensors back in their formats and index dtypes (`scorch.to_portable` /
 `scorch.from_portable` do the same in memory).
 
+**Where scorch differs from torch on purpose.** Products with a sparse operand (`@`, `mm`, `mv`, `addmm`,
+`einsum`, `F.linear`, `sampled_addmm`...) of operands of different dtypes compute in and return the promoted dtype
+(`torch.promote_types`: a bfloat16 SparseTensor times a float32 matrix is float32; an int64 one-hot gate times
+float32 experts is float32), where torch raises `RuntimeError: expected ... same dtype` for dense and sparse
+operands alike; torch code casts first and gets the same values. SparseTensors hold real values (bool, integers,
+float16, bfloat16, float32, float64): complex values are refused where a SparseTensor would be made (`TypeError`).
+
 """
 
 

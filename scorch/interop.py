@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 from .engine.convert import asformat, coo_from_entries, from_torch, quiet_beta, to_torch  # noqa: F401
+from .engine import scipy_interop as _scipy
+from .formats import named
 from .formats import storage as _storage
 from .rules import RULES
-from .sparse_tensor import checking_invariants, needs_grad
+from .sparse_tensor import SparseTensor, checking_invariants, needs_grad
 
 
 def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariants, **extra):
@@ -27,7 +29,7 @@ def _build(torch_fn, args, values, dtype, device, requires_grad, check_invariant
     # that validating the same arrays again (a pattern reused every step) is recognized and skipped
     given = [a for a in args if isinstance(a, torch.Tensor)]
     s._levels = tuple(st.map(lambda a: _same_array(a, given)) for st in s._levels)
-    if check or checking_invariants():
+    if (check or checking_invariants()) and s.device.type != "meta":  # (meta arrays hold no data to check)
         _storage.validate(s._format, s._shape, s._levels, s._vals)
     if grads:
         # values computed by a graph (attention scores, ...): the result's values are that graph's output
@@ -103,3 +105,53 @@ sparse_bsr_tensor = _compressed_ctor(torch.sparse_bsr_tensor, "crow_indices", "c
 
 
 sparse_bsc_tensor = _compressed_ctor(torch.sparse_bsc_tensor, "ccol_indices", "row_indices", torch.sparse_bsc)
+
+
+def from_scipy(a, format=None) -> SparseTensor:
+    """A SciPy sparse array or matrix (``scipy.sparse``) as a SparseTensor, sharing its index arrays and values
+    where it can: csr -> ``"csr"``, csc -> ``"csc"``, coo -> ``"coo"``, bsr -> ``"bsr(bh, bw)"`` with SciPy's
+    blocks; dia, lil and dok through SciPy's ``tocsr()``. Shared only when SciPy's arrays are in canonical form
+    (sorted, no repeated entry: otherwise they are summed as SciPy does, into new arrays) and of a dtype torch
+    can share. Explicit zeros stay stored. ``format``: convert to that format afterwards (``scorch.asformat``).
+    Complex values are refused (``TypeError``)."""
+    s = _scipy.from_scipy(a)
+    return s if format is None else asformat(s, format)
+
+
+# the SciPy format nearest to each scorch format that has none (``to_scipy`` converts to it first)
+_NEAREST_SCIPY = {"dcsr": "csr", "dcsc": "csc", "dense": "csr"}
+
+
+def to_scipy(s) -> "scipy.sparse.sparray":  # noqa: F821
+    """``s`` (a 2-d SparseTensor, or a torch sparse tensor) as a SciPy sparse array: csr, csc, coo and bsr formats
+    as the SciPy array of that format, sharing the index arrays and values (torch's ``Tensor.numpy()``: writes
+    through one are seen by the other); other formats converted first (bsc to bsr, dcsr to csr, dcsc to csc, any
+    other to csr, and a blocked format whose shape is not a multiple of its blocks to csr). As ``Tensor.numpy()``: on the CPU, outside autograd (``s.detach().to_scipy()``), values of a
+    dtype scipy.sparse takes (not float16 or bfloat16: ``s.float().to_scipy()``)."""
+    if isinstance(s, torch.Tensor) and not isinstance(s, SparseTensor) and s.layout != torch.strided:
+        s = from_torch(s)
+    if not isinstance(s, SparseTensor):
+        raise TypeError(f"scorch.to_scipy takes a SparseTensor (or a torch sparse tensor), got {type(s).__name__}"
+                        f"{'' if not isinstance(s, torch.Tensor) else ' (a dense tensor: use scorch.asformat first)'}")
+    if s.dim() != 2:
+        raise ValueError(f"scorch.to_scipy: SciPy's sparse arrays are 2-d; this tensor has shape {tuple(s.shape)}")
+    if s.device.type != "cpu":
+        raise TypeError(f"scorch.to_scipy: the tensor is on {s.device}; SciPy reads host memory: use"
+                        " s.cpu().to_scipy()")
+    if s.requires_grad:
+        raise RuntimeError("scorch.to_scipy: the tensor requires grad, and SciPy's array would be outside the"
+                           " graph: use s.detach().to_scipy()")
+    if s.dtype in (torch.bfloat16, torch.float16):  # (NumPy has no bfloat16; scipy.sparse refuses float16)
+        raise TypeError(f"scorch.to_scipy: scipy.sparse has no {s.dtype}: convert first, s.float().to_scipy()")
+    fmt, name = s.format, named.name_of(s.format) or ""
+    block = named.block_size(fmt)
+    if block is not None and (s.shape[0] % block[0] or s.shape[1] % block[1]):
+        block = None  # (SciPy's BSR needs the shape to be a multiple of the block: CSR instead)
+    if fmt in (named.csr, named.csc) or named.hybrid_coo_dims(fmt) in ((0, True), (0, False)) or \
+            (block is not None and name.startswith("bsr")):
+        return _scipy.to_scipy(s)
+    target = named.bsr(*block) if block is not None else _NEAREST_SCIPY.get(name, "csr")
+    return _scipy.to_scipy(asformat(s, target))
+
+
+RULES.register(to_scipy=to_scipy)

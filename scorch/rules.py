@@ -22,6 +22,7 @@ Rules, by owner:
   ``scorch.compile``, or None.
 - ``engine``: ``to_dense(format, shape, levels, values)``, ``asformat(x, format, **options)`` and ``to_torch(x)``,
   for ``SparseTensor``'s methods.
+- ``interop``: ``to_scipy(x)``, for ``SparseTensor.to_scipy``.
 - ``ops``: ``product_operator(s, other, left)``, ``SparseTensor.__matmul__`` (``left``) and ``__rmatmul__``.
 - ``dynamo``: ``traced_op(func, types, args, kwargs)``, the graph's call for an op with a sparse operand while
   ``torch.compile`` traces (a custom op over the operands' arrays); ``traced_tensor(layout, compressed, plain,
@@ -39,7 +40,7 @@ class Rules:
     __slots__ = ("differentiable_einsum", "differentiable_run", "differentiable_convert", "lazy_type",
                  "compute_lazy", "substitute_lazy", "fused_product", "lazy_epilogue", "to_dense", "asformat",
                  "to_torch", "traced_op", "traced_tensor", "coalesce_leaf", "attach_wrapper",
-                 "adopt_wrapper", "product_operator")
+                 "adopt_wrapper", "product_operator", "to_scipy")
 
     def __init__(self):
         for name in self.__slots__:

@@ -63,6 +63,16 @@ def _as_storage(level):
     raise TypeError(f"a level's storage is a LevelStorage or a dict with 'pos'/'crd', got {type(level).__name__}")
 
 
+def refuse_complex(what: str, dtype) -> None:
+    """Raise the ``TypeError`` for complex values (``UnsupportedDtype``): scorch's kernels and sparse rules take
+    real values only, and a complex SparseTensor accepted here would fail later, in some op, with torch's dtype
+    error. Raised inside an op (``S * 1j``, ``S.cfloat()``), it makes that op run on the dense form, as any op
+    without a sparse rule: torch's complex result, warned and counted."""
+    raise UnsupportedDtype(f"scorch: {what} has complex values ({dtype}); SparseTensors hold real values only (bool,"
+                    " integers, float16, bfloat16, float32, float64). Keep a complex tensor dense, or store its"
+                    " real and imaginary parts as two SparseTensors (x.real, x.imag)")
+
+
 class SparseTensor(Traceable, torch.Tensor):
     """A sparse tensor in any scorch format. Build one with ``scorch.asformat`` or the ``sparse_*_tensor``
     constructors; ``SparseTensor(format, shape, levels, values)`` wraps existing arrays without copying
@@ -80,6 +90,8 @@ class SparseTensor(Traceable, torch.Tensor):
         levels = _storage.uniform_index_dtype(_as_storage(lv) for lv in levels)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.is_complex():
+            refuse_complex("a sparse tensor", values.dtype)
         # kernels read arrays as contiguous: a strided view (a column of a matrix) is copied
         if not values.is_contiguous():
             values = values.contiguous()
@@ -246,8 +258,10 @@ class SparseTensor(Traceable, torch.Tensor):
         """The same pattern with ``values``, which the caller knows to be 1-d, contiguous and on the pattern's
         device (and of ``dtype``, where given: a deferred value's metadata reads are calls): only the wrapper is
         made."""
-        r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=dtype or values.dtype,
-                                                device=self._vals.device)
+        dtype = dtype or values.dtype
+        if dtype.is_complex:  # (x * 1j, x.cfloat(): as at construction)
+            refuse_complex("the result", dtype)
+        r = torch.Tensor._make_wrapper_subclass(SparseTensor, self._shape, dtype=dtype, device=self._vals.device)
         r._format, r._levels, r._vals, r._shape = self._format, self._levels, values, self._shape
         r._index_dtype = self._index_dtype
         if values.requires_grad and attachable(values, torch.is_grad_enabled()):
@@ -278,6 +292,12 @@ class SparseTensor(Traceable, torch.Tensor):
         """The torch layout this format matches (COO, CSR, CSC, BSR, BSC or strided), sharing storage."""
         self._adopt()
         return RULES.to_torch(self)
+
+    def to_scipy(self):
+        """The SciPy sparse array (``scipy.sparse``: csr, csc, coo or bsr, the nearest to this format; other
+        formats are converted first) sharing this tensor's arrays where the dtypes allow. 2-d, on the CPU."""
+        self._adopt()
+        return RULES.to_scipy(self)
 
     def asformat(self, format, **kwargs) -> "SparseTensor":
         self._adopt()
@@ -575,7 +595,9 @@ def _converter(dtype):
     def convert(self, memory_format=torch.preserve_format):
         return self.to(dtype)
     convert.__name__ = convert.__qualname__ = f"to_{str(dtype).removeprefix('torch.')}"
-    convert.__doc__ = f"The values converted to {dtype}; the pattern (shared index arrays) and format kept."
+    convert.__doc__ = (f"The values converted to {dtype}; the pattern (shared index arrays) and format kept." if not
+                       dtype.is_complex else f"{dtype}: SparseTensors hold real values, so the dense fallback (torch's"
+                       " dense complex result, warned and counted).")
     return convert
 
 

@@ -32,8 +32,9 @@ from ..formats import storage as _storage
 from ..formats.storage import array_version
 from ..formats.levels.base import INDEX_DTYPES, NARROW_INDEX_DTYPES
 from ..rules import RULES
-from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad
+from ..sparse_tensor import SparseTensor, checking_invariants, needs_grad, refuse_complex
 from .args import SUPPORTED, argument, level_info, tensor_type
+from .scipy_interop import from_scipy, is_scipy_sparse
 
 
 def convert(x: SparseTensor, fmt, index_dtype=None, drop_zeros=False):
@@ -82,7 +83,8 @@ _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.s
 
 
 def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
-    """``x`` (a dense tensor, a torch sparse tensor or a SparseTensor) stored in ``format``.
+    """``x`` (a dense tensor, a torch sparse tensor, a SparseTensor or a SciPy sparse array, viewed first by
+    ``scorch.from_scipy``) stored in ``format``.
 
     ``format`` is a ``scorch.Format``, format text, or a name (``"csr"``, ``"bsr(2, 2)"``...).
     ``index_dtype`` forces the index arrays' dtype (default: int32 when the sizes allow; int8 or int16 for
@@ -92,7 +94,14 @@ def asformat(x, format, *, index_dtype=None, check=False) -> SparseTensor:
     Returns ``x`` itself when it already has that format and index type.
     """
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        x = from_scipy(x) if is_scipy_sparse(x) else torch.as_tensor(x)
+    if x.is_complex():
+        refuse_complex("scorch.asformat's input", x.dtype)
+    if x.device.type == "meta" and x.layout == torch.strided:
+        raise NotImplementedError("scorch.asformat: a dense tensor on the meta device has no values, so which of"
+                                  " its entries are nonzero (the pattern, and nnz) is unknown. A meta SparseTensor"
+                                  " needs meta index arrays: scorch.sparse_csr_tensor(crow, col, values, size)"
+                                  " with meta tensors, or S.to('meta') of a real SparseTensor")
     if x.dim() == 0:
         raise ValueError("scorch formats store tensors of at least one dimension, got a 0-d tensor")
     fmt = resolve(format, x.dim())

@@ -7,7 +7,8 @@ torch's semantics.
   and/or/xor): the union of the two patterns (``union_elementwise``), dense (counted) where op(0, 0) != 0.
 - ``torch.where(mask, x, 0)`` with a sparse bool mask: sparse on the mask's pattern; with a dense mask and a
   sparse ``x``: sparse on ``x``'s pattern. ``masked_fill`` of a dense tensor by a sparse mask: dense;
-  ``masked_fill(S, mask, 0)``: ``S``'s pattern with the masked entries zeroed.
+  ``masked_fill(S, mask, 0)``: ``S``'s pattern with the masked entries zeroed; ``masked_fill(S, sparse_mask, v)``:
+  the union of both patterns; a nonzero value with a dense mask: dense (the fallback, counted).
 
 Everything is vectorized torch on the values and the coordinates (``storage.coordinates``), so autograd (through
 the values) comes from torch's own ops.
@@ -19,6 +20,7 @@ import numbers
 import torch
 
 from .. import _stats
+from ..engine.convert import asformat, coo_from_entries
 from ..formats import storage
 from ..sparse_tensor import NoSparseRule, SparseTensor
 from .entries import _coalesced, _desc, _entries, _kind, _linear, _no_out, _register
@@ -281,16 +283,41 @@ def _masked_fill(input, mask, value, inplace):
             input._vals.masked_fill_(at, 0)  # zeroing keeps padding 0
             return input
         return input.with_values(input._vals.masked_fill(at, 0))
+    if isinstance(input, SparseTensor) and isinstance(mask, SparseTensor) and not inplace:
+        return _filled_union(input, mask, value, name)
     raise NoSparseRule(
-        f"scorch: {name}(input={_kind(input)}, mask={_kind(mask)}, value={_kind(value)}) is not supported: the sparse"
-        " forms are masked_fill(dense, sparse_mask, v) (dense result) and masked_fill(S, mask, 0) (S's pattern); a"
-        " nonzero value on a sparse input would fill its implicit zeros (use S.to_dense().masked_fill(...))")
+        f"scorch: {name}(input={_kind(input)}, mask={_kind(mask)}, value={_kind(value)}) has no sparse form: the"
+        " sparse forms are masked_fill(dense, sparse_mask, v) (dense result), masked_fill(S, mask, 0) (S's pattern)"
+        " and masked_fill(S, sparse_mask, v) (the union of both patterns); a nonzero value with a dense mask fills"
+        " the implicit zeros the mask selects, a dense result")
+
+
+def _filled_union(input: SparseTensor, mask: SparseTensor, value, name):
+    """``masked_fill(S, sparse_mask, v)`` with a nonzero ``v``: torch's result is ``v`` at the mask's True
+    entries, stored or not, and ``S`` elsewhere, so the union of the two patterns, in ``S``'s format (explicit
+    zeros of ``S`` stay stored). The fill is torch's own ``masked_fill`` on the values (its casts, its gradient)."""
+    _bool_mask(mask, name)
+    shape = input._shape
+    if mask._shape != shape:
+        raise NoSparseRule(f"scorch: {name} of {_desc(input)} by a sparse mask of shape {tuple(mask._shape)}: the"
+                           " shapes must be equal")
+    edims, vals = _entries(input)
+    trues = _true_coordinates(_coalesced(mask))
+    stored, filled = _linear(edims, shape), _linear(trues, shape)
+    hit = torch.isin(stored, filled)
+    new = trues[:, ~torch.isin(filled, stored)]
+    dims = torch.cat([edims, new], 1)
+    vals = torch.cat([vals, vals.new_zeros(new.shape[1])])
+    at = torch.cat([hit, torch.ones(new.shape[1], dtype=torch.bool, device=hit.device)])
+    out = coo_from_entries(list(dims.unbind(0)), vals.masked_fill(at, value), tuple(shape), duplicates=False)
+    return out if out._format == input._format else asformat(out, input._format)
 
 
 @_register(torch.masked_fill, _T.masked_fill)
 def masked_fill(input, mask, value):
     """A dense input with a sparse bool mask: dense, the value at the mask's True entries; a sparse input with
-    ``value`` 0 (mask dense or sparse): the input's pattern with the masked entries zeroed."""
+    ``value`` 0 (mask dense or sparse): the input's pattern with the masked entries zeroed; a sparse input, a
+    sparse mask and another value: the union of the two patterns, in the input's format."""
     return _masked_fill(input, mask, value, inplace=False)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .. import engine
 from ..compiler.ir import Access, Add, Map, Mul, Scalar
+from ..formats import storage
 from ..sparse_tensor import NoSparseRule, ShapeError, SparseTensor, implements
 from ..unary_maps import MAPS
 from .entries import mapped_values, paired_values
@@ -77,11 +78,30 @@ def mul(a, b):
             torch.divide, torch.Tensor.divide)
 def div(a, b, *, rounding_mode=None):
     """Division by a scalar (a number or a 0-d tensor): the values divided, pattern and format kept; as in
-    torch.sparse, positions not stored stay zero (also for ``x / 0``). Anything else goes dense."""
+    torch.sparse, positions not stored stay zero (also for ``x / 0``). By a dense tensor with no 0 and no nan
+    (``F.normalize``'s norms, a row scaling; broadcast as torch broadcasts): the values divided by the divisor
+    at their coordinates, pattern and format kept (0 / d is 0 for such d). Anything else goes dense."""
     if isinstance(a, SparseTensor) and rounding_mode is None and (isinstance(b, numbers.Number) or (
             isinstance(b, torch.Tensor) and b.dim() == 0 and not isinstance(b, SparseTensor))):
         return a.with_values(mapped_values(a, lambda v: v / b))
-    raise NoSparseRule("division keeps the pattern by a nonzero scalar only (x / 0 is not zero-preserving)")
+    if isinstance(a, SparseTensor) and isinstance(b, torch.Tensor) and not _sparse(b) and b.dim() > 0:
+        return _div_by_dense(a, b, rounding_mode)
+    raise NoSparseRule("division keeps the pattern by a scalar, or by a dense tensor without 0 or nan, only (0 / 0"
+                       " and 0 / nan are nan: the implicit zeros would not stay zero)")
+
+
+def _div_by_dense(a: SparseTensor, b: torch.Tensor, rounding_mode):
+    """``a / b`` for a dense ``b`` with no 0 and no nan: the implicit zeros stay 0, the stored values are divided
+    by ``b`` at their coordinates (differentiable in both)."""
+    if bool((b == 0).any()) or (b.is_floating_point() and bool(b.isnan().any())):
+        raise NoSparseRule("division by a dense tensor holding 0 or nan (0 / 0 and 0 / nan are nan, not zero)")
+    shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
+    a = broadcast_to(a, shape)
+    leaf, dims, inside = storage.coordinates(a._format, shape, a._levels)
+    at = b.expand(shape)[tuple(torch.where(inside, dims[d], 0) for d in range(len(shape)))]
+    # the divisor for every stored position (1 for padding and positions outside the shape: masked to 0 below)
+    divisor = torch.ones(a._vals.shape, dtype=at.dtype, device=at.device).index_put((leaf,), at)
+    return a.with_values(mapped_values(a, lambda v: torch.div(v, divisor, rounding_mode=rounding_mode)))
 
 
 def _sparse(x):

@@ -399,7 +399,9 @@ def expand(x, *sizes):
 
 @implements(_T.expand_as)
 def expand_as(x, other):
-    """``x.expand(other.shape)``."""
+    """``x.expand(other.shape)`` (a dense ``x`` expanded as a sparse ``other``: torch's own expand, a view)."""
+    if type(x) is not SparseTensor:
+        return x.expand(other.shape)
     return broadcast_to(x, other.shape)
 
 

@@ -128,3 +128,17 @@ def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
             return vector_norm(input, 2, dim, keepdim, dtype=dtype)
         return matrix_norm(input, p, tuple(range(input.dim())) if dim is None else dim, keepdim, dtype=dtype)
     return vector_norm(input, 2.0 if p is None else p, dim, keepdim, dtype=dtype)
+
+
+@_register(torch.nn.functional.normalize)
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """``F.normalize``: each stored value divided by its slice's p-norm along ``dim`` (at least ``eps``), as
+    torch's ``input / input.norm(p, dim, keepdim=True).clamp_min(eps)``; the pattern and format kept (0 divided
+    by a positive norm stays 0). A slice whose norm is nan (a nan value) runs dense, as torch's division does."""
+    _no_out(out, "torch.nn.functional.normalize", input)
+    if type(input) is not SparseTensor:
+        raise NoSparseRule("scorch: F.normalize with a sparse argument other than the input")
+    denom = vector_norm(input, p, dim, keepdim=True).clamp_min(eps)
+    if denom.is_floating_point() and bool(denom.isnan().any()):
+        raise NoSparseRule("scorch: F.normalize of a slice holding nan: 0 / nan is nan at its implicit zeros")
+    return torch.div(input, denom)

@@ -500,7 +500,8 @@ def test_where_and_masked_fill_errors():
                         (lambda: torch.where(m, sd[:1].expand(2, 5, 7), 0.0),
                          lambda: torch.where(md, sd[:1].expand(2, 5, 7), 0.0))):
         falls_back(call, dense, "torch.where")
-    falls_back(lambda: s.masked_fill(m, 1.0), lambda: sd.masked_fill(md, 1.0), "Tensor.masked_fill")
+    falls_back(lambda: s.masked_fill(md, 1.0), lambda: sd.masked_fill(md, 1.0), "Tensor.masked_fill")
+    assert_matches_dense(s.masked_fill(m, 1.0), sd.masked_fill(md, 1.0))  # a sparse mask: the union, sparse
     zero = torch.tensor(0.0, requires_grad=True)
     falls_back(lambda: s.masked_fill(md, zero), lambda: sd.masked_fill(md, zero), "Tensor.masked_fill")
     with pytest.raises(NotImplementedError, match="masked_fill_ would write its result into a sparse tensor"):
