@@ -1,0 +1,318 @@
+"""``F.scaled_dot_product_attention`` with a sparse ``attn_mask``: the scores, their softmax and the product with
+``value`` computed only at the mask's entries.
+
+The mask says which (query, key) pairs attend, in any scorch format (CSR, COO, blocked, N-d COO...) and of any
+shape that broadcasts to ``(*batch, L, S)`` as torch's dense mask does:
+
+- a **bool** mask: its stored entries whose value is True attend (a stored False is masked out, as in the dense
+  mask), every other position is masked out;
+- a **float** (additive) mask: its stored entries attend, with their values added to the scores; a position not
+  stored is masked out: the mask means the dense additive mask whose unstored positions are ``-inf`` (not 0, the
+  implicit value of a sparse tensor elsewhere: a sparse mask lists what is allowed). Its values may require
+  gradients (a learned bias): they get ``d(loss)/d(score)`` at their entries, as the dense mask's would.
+
+``is_causal=True`` with a sparse mask keeps the mask's entries with ``key <= query`` (torch's top-left causal
+mask): the intersection (torch refuses a mask with ``is_causal``; the sparse rule does not need to). A row with no
+allowed key gives zeros, and zero gradients, as torch 2.13's SDPA does for a fully masked row.
+
+How it runs: the batch's ``N`` (batch x heads) problems become one: ``query`` as ``(N L, E)``, ``key`` as
+``(N S, E)``, ``value`` as ``(N S, Ev)`` and the mask's pattern repeated (or, for a mask with batch dimensions,
+laid) along the diagonal of an ``(N L) x (N S)`` CSR pattern, made once per mask and kept (``_PATTERNS``); rows
+never mix problems, and the softmax is per row. A bool mask without dropout runs the fused attention kernel
+(``scorch.fusion``: SDDMM, row softmax and SpMM in one pass per row, forward and backward); an additive mask or
+dropout runs the same three sparse ops one by one (``sampled_addmm`` with the mask's values as its input,
+``torch.sparse.softmax``, dropout of the probabilities' stored values, ``@``). A dense or absent mask, or a sparse
+``query`` / ``key`` / ``value``, is torch's own SDPA (on the dense form, visibly, for a sparse one).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import engine, fusion, interop
+from .. import loopir as L
+from ..compiler.caches import register
+from ..engine.convert import asformat
+from ..formats import named
+from ..formats.storage import PatternMemo
+from ..sparse_tensor import SparseTensor, dense_fallback, implements
+
+_SDPA = F.scaled_dot_product_attention
+#: the value types the fused kernels take (16-bit ones computed in float32)
+_FLOATS = (torch.float32, torch.float64) + L.HALF_DTYPES
+
+#: the block-diagonal patterns made from masks, by the mask's arrays (values included: a bool mask's values are
+#: part of its pattern) and the problem's shape
+_PATTERNS = PatternMemo(32)
+register("attention-masks", "block-diagonal attention patterns made from sparse SDPA masks", _PATTERNS.__len__,
+         _PATTERNS.clear)
+
+
+class _Arrays:
+    """One more array for ``PatternMemo``'s key (it reads ``levels`` as objects with ``arrays()``)."""
+
+    def __init__(self, **arrays):
+        self._arrays = arrays
+
+    def arrays(self):
+        return self._arrays
+
+
+def _check(q, k, v, mask, enable_gqa):
+    """torch's argument checks, with torch's messages where torch has one (every one is a RuntimeError there)."""
+    if q.dim() < 2 or k.dim() < 2 or v.dim() < 2:
+        raise RuntimeError("Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: "
+                           f"{q.dim()} key.dim: {k.dim()} and value.dim: {v.dim()} instead.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RuntimeError(f"Expected query, key, and value to have the same dtype, but got query.dtype: {q.dtype} "
+                           f"key.dtype: {k.dtype} and value.dtype: {v.dtype} instead.")
+    if not q.dtype.is_floating_point:
+        raise RuntimeError(f"scorch: scaled_dot_product_attention takes floating-point query, key and value, got "
+                           f"{q.dtype}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise RuntimeError(f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                           f"attn_mask.dtype: {mask.dtype} and  query.dtype: {q.dtype} instead.")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise RuntimeError(f"scaled_dot_product_attention: query {tuple(q.shape)}, key {tuple(k.shape)} and value "
+                           f"{tuple(v.shape)} do not fit: query and key need the same last size (E), key and value "
+                           "the same number of keys (S)")
+    if enable_gqa and q.dim() >= 3 and k.dim() >= 3 and (
+            k.shape[-3] != v.shape[-3] or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]):
+        raise RuntimeError(f"Number of heads in key and value must divide the number of heads in query: query "
+                           f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
+
+
+def _is_coo(mask) -> bool:
+    return mask._format in (named.coo_nd(mask.dim()), named.coo_nd(mask.dim(), coalesced=False))
+
+
+def _entries(mask, batch, L, S, causal):
+    """``(crow, col, src, keep_from)`` of the ``(N L) x (N S)`` block-diagonal pattern of ``mask`` broadcast to
+    ``(*batch, L, S)``: row and column arrays of a CSR pattern, and for each of its entries the position of the
+    mask's stored value it comes from (``src``: duplicates of an uncoalesced mask are summed by the caller through
+    ``keep_from``: None, or ``(inverse, count)`` mapping each stored value to its coalesced entry)."""
+    shape = (*batch, L, S)
+    nvals = mask._vals.numel()
+    # each stored value's coordinates: a COO mask's own (its duplicates kept), any other format's by converting
+    # the positions 1..n (never zero, so none is dropped; no duplicates, so none is summed) to COO
+    positions = torch.arange(1, nvals + 1, device=mask.device).reshape(mask._vals.shape)
+    coo = mask.with_values(positions) if _is_coo(mask) else asformat(mask.with_values(positions), "coo")
+    at = coo._vals.to(torch.int64) - 1
+    coords = [lvl.crd.to(torch.int64) for lvl in coo._levels]
+    # the mask's own linear keys: coalesce duplicates (torch's dense form sums them; for bool, any)
+    mkey = torch.zeros_like(at)
+    for c, n in zip(coords, mask.shape):
+        mkey = mkey * n + c
+    keep_from = None
+    if mkey.numel() > 1 and not bool((mkey[1:] > mkey[:-1]).all()):
+        order = torch.argsort(mkey, stable=True)
+        mkey, at, coords = mkey[order], at[order], [c[order] for c in coords]
+        uniq, inverse = torch.unique_consecutive(mkey, return_inverse=True)
+        if uniq.numel() != mkey.numel():
+            first = torch.ones_like(mkey, dtype=torch.bool)
+            first[1:] = mkey[1:] != mkey[:-1]
+            keep_from = (at, inverse, uniq.numel())  # stored position -> coalesced entry
+            at = torch.arange(uniq.numel(), device=at.device)  # (positions into the coalesced values from here)
+            coords = [c[first] for c in coords]
+    # broadcast: pad the mask's dimensions on the left, then tile each dimension of size 1 that the problem has
+    # more of (innermost first, so that a mask shared by the batch stays in order)
+    coords = [torch.zeros_like(at)] * (len(shape) - len(coords)) + coords
+    msizes = (1,) * (len(shape) - mask.dim()) + tuple(mask.shape)
+    for d in reversed(range(len(shape))):
+        if msizes[d] == 1 and shape[d] != 1:
+            n = at.numel()
+            at = at.repeat(shape[d])
+            coords = [c.repeat(shape[d]) for c in coords]
+            coords[d] = torch.arange(shape[d], device=at.device).repeat_interleave(n)
+    if causal:
+        keep = coords[-1] <= coords[-2]
+        at, coords = at[keep], [c[keep] for c in coords]
+    b = torch.zeros_like(at)
+    for c, n in zip(coords[:-2], batch):
+        b = b * n + c
+    rows, cols = b * L + coords[-2], b * S + coords[-1]
+    key = rows * (S * max(math.prod(batch), 1)) + cols
+    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+        order = torch.argsort(key)
+        rows, cols, at = rows[order], cols[order], at[order]
+    nrows = math.prod(batch) * L
+    crow = torch.zeros(nrows + 1, dtype=torch.int64, device=at.device)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=nrows), 0)
+    return crow, cols, at, keep_from
+
+
+def _pattern(mask, batch, L, S, causal, dtype):
+    """``(pattern, (transposed, perm), src, keep_from)``: the block-diagonal CSR pattern (values: ones of
+    ``dtype``) of the mask's allowed entries, its transpose, and where each entry comes from (``_entries``); kept
+    per mask arrays and problem shape."""
+    def make():
+        crow, cols, src, keep_from = _entries(mask, batch, L, S, causal)
+        if mask.dtype == torch.bool:  # a stored False is masked out: only the True entries are the pattern
+            allowed = mask._vals.detach().reshape(-1)
+            if keep_from is not None:  # duplicates: allowed where any of them is True (the dense form's sum)
+                at, inverse, count = keep_from
+                allowed = torch.zeros(count, dtype=torch.int64, device=at.device).index_add_(
+                    0, inverse, allowed[at].to(torch.int64)) > 0
+                keep_from = None
+            keep = allowed[src]
+            if not bool(keep.all()):
+                rows = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device), crow.diff())
+                rows, cols, src = rows[keep], cols[keep], src[keep]
+                crow = torch.zeros_like(crow)
+                crow[1:] = torch.cumsum(torch.bincount(rows, minlength=crow.numel() - 1), 0)
+        n = math.prod(batch)
+        index = torch.int32 if max(n * L, n * S, cols.numel()) < 2 ** 31 - 1 else torch.int64
+        # the transposed pattern too (the backward's dk and dv are products with it; its entry e is the pattern's
+        # entry perm[e]): transposing values by a known permutation each step would cost more than the products
+        rows = torch.repeat_interleave(torch.arange(n * L, device=cols.device), crow.diff())
+        perm = torch.argsort(cols * (n * L) + rows)
+        crow_t = torch.zeros(n * S + 1, dtype=torch.int64, device=cols.device)
+        crow_t[1:] = torch.cumsum(torch.bincount(cols, minlength=n * S), 0)
+        ones = torch.ones(cols.numel(), dtype=dtype, device=mask.device)
+        pattern, transposed = (interop.sparse_compressed_tensor(
+            c.to(index), i.to(index), ones, shape, layout=torch.sparse_csr, check_invariants=False)
+            for c, i, shape in ((crow, cols, (n * L, n * S)), (crow_t, rows[perm], (n * S, n * L))))
+        return pattern, (transposed, perm), src, keep_from
+
+    values = (_Arrays(values=mask._vals),) if mask.dtype == torch.bool else ()
+    return _PATTERNS.lookup((tuple(batch), L, S, bool(causal), dtype, tuple(mask.shape), mask._format),
+                            (*mask._levels, *values), make)
+
+
+def _attend(pattern, q, k, v, scale):
+    """The attention on a CSR pattern as three sparse ops (SDDMM, row softmax, SpMM): differentiable by autograd
+    through their own rules; the fused kernels' fallback and their recorded (double) backward."""
+    scores = torch.sparse.sampled_addmm(pattern, q, k.t(), beta=0.0, alpha=scale)
+    return torch.sparse.softmax(scores, 1) @ v
+
+
+class _FusedAttention(torch.autograd.Function):
+    """``softmax(scale * SDDMM(pattern, q, k)) @ v`` by ``fusion.attention`` (one pass per row), backward by
+    ``fusion.attention_backward`` (the scores' gradient and ``dq`` in one pass) and two transposed products (``dk``,
+    ``dv``). Called directly rather than through ``scorch.compile``'s lazy values: those fingerprint ``q`` and
+    ``k`` on every call (a third of the forward's time at L = 1024)."""
+
+    @staticmethod
+    def forward(ctx, boxed, q, k, v, scale):
+        pattern, ctx_t = boxed
+        keep = ctx is not None and any(ctx.needs_input_grad[1:4])
+        out, p = fusion.attention(fusion.SddmmExpr(pattern, q, k, scale), v, keep_probs=keep)
+        if ctx is not None:
+            ctx.pattern, ctx.transposed, ctx.scale = pattern, ctx_t, scale
+            ctx.save_for_backward(p, q, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        p, q, k, v = ctx.saved_tensors
+        pattern, scale, need = ctx.pattern, ctx.scale, ctx.needs_input_grad[1:4]
+        done = None if torch.is_grad_enabled() else fusion.attention_backward(pattern, p, g, v, k, scale)
+        if done is None:  # a backward recording a graph, or kernels that are not one row loop: op by op
+            return (None, *_unfused_grads(pattern, q, k, v, scale, g, need), None)
+        ds, dq = done
+        transposed, perm = ctx.transposed
+        dk = engine.einsum("ij,jk->ik", transposed.with_values(ds[perm]), q) if need[1] else None
+        dv = engine.einsum("ij,jk->ik", transposed.with_values(p[perm]), g) if need[2] else None
+        return None, dq if need[0] else None, dk, dv, None
+
+
+def _unfused_grads(pattern, q, k, v, scale, g, need):
+    """The gradients of ``q``, ``k``, ``v`` (where ``need``ed) through the three ops, differentiated by autograd:
+    as a graph of the saved inputs when the backward records one (the fused backward's probabilities are saved
+    values, so second-order terms through them would be lost), else on detached copies."""
+    graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        xs = [x if graph and n else x.detach().requires_grad_(n) for x, n in zip((q, k, v), need)]
+        out = _attend(pattern, *xs, scale)
+        got = iter(torch.autograd.grad(out, [x for x, n in zip(xs, need) if n], g, create_graph=graph,
+                                       allow_unused=True))
+    return tuple(next(got) if n else None for n in need)
+
+
+def _fused(pattern, transposed, q, k, v, scale):
+    if q.device.type != "cpu" or q.dtype not in _FLOATS:
+        return _attend(pattern, q, k, v, scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _FusedAttention.apply((pattern, transposed), q, k, v, scale)
+    return _FusedAttention.forward(None, (pattern, transposed), q, k, v, scale)
+
+
+@implements(_SDPA)
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention with a sparse ``attn_mask`` (any format: CSR, COO, blocked,
+    N-d COO, torch's sparse layouts; a shape broadcasting to ``(*batch, L, S)``) computes the attention only at the
+    mask's allowed entries: a bool mask's stored True entries (a stored False is masked out), or an additive float
+    mask's stored entries, their values added to the scores (an unstored position means -inf: masked out). Every
+    batch x head problem runs in one block-diagonal pattern, made once per mask: a bool mask without dropout by
+    the fused SDDMM -> row softmax -> SpMM kernels, forward and backward; an additive mask or ``dropout_p > 0`` by
+    the three sparse ops in turn. ``is_causal=True`` keeps the mask's entries with key <= query (torch refuses a
+    mask with it); ``scale``, ``dropout_p`` and ``enable_gqa`` as torch; a row with no allowed key gives zeros, as
+    torch. Values and gradients (q, k, v, and an additive mask's values) are dense SDPA's given the dense mask. A
+    dense or absent mask is torch's own SDPA; a sparse query, key or value, or a hybrid mask, the dense fallback.
+
+    (The module's documentation says how; ``_entries`` how the mask becomes the pattern.)"""
+    mask = attn_mask
+    if type(mask) is not SparseTensor or any(type(t) is SparseTensor for t in (query, key, value)) or \
+            mask.dense_dim() or (mask._format.keeps_duplicates and not _is_coo(mask)):
+        # (a hybrid mask, or duplicates in a format other than COO: on the dense form, visibly)
+        return dense_fallback(_SDPA, (query, key, value), dict(
+            attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
+    _check(query, key, value, mask, enable_gqa)
+    q, k, v = query, key, value
+    if enable_gqa and q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # torch's grouped query
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if torch.broadcast_shapes(tuple(mask.shape), (*batch, L, S)) != (*batch, L, S):
+        raise RuntimeError(f"scaled_dot_product_attention: attn_mask of shape {tuple(mask.shape)} does not broadcast "
+                           f"to the attention's shape {(*batch, L, S)}")
+    n = math.prod(batch)
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    out_shape = (*batch, L, Ev)
+    if n * L * Ev == 0 or n * S == 0:  # an empty problem: torch's answer, on an empty (so free) dense mask
+        return _SDPA(query, key, value, attn_mask=mask.to_dense(), dropout_p=dropout_p, scale=scale,
+                     enable_gqa=enable_gqa)
+    pattern, transposed, src, keep_from = _pattern(mask, batch, L, S, is_causal, q.dtype)
+    q2 = q.expand(*batch, L, E).reshape(n * L, E)
+    k2 = k.expand(*batch, S, E).reshape(n * S, E)
+    v2 = v.expand(*batch, S, Ev).reshape(n * S, Ev)
+    dropout = dropout_p > 0.0
+    if mask.dtype == torch.bool and not dropout:
+        out = _fused(pattern, transposed, q2, k2, v2, scale)
+    else:
+        if mask.dtype == torch.bool:
+            scores = torch.sparse.sampled_addmm(pattern, q2, k2.t(), beta=0.0, alpha=scale)
+        else:
+            bias = mask._vals.reshape(-1).to(q.dtype)
+            if keep_from is not None:  # an uncoalesced mask's duplicates: their sum, as its dense form has
+                at, inverse, count = keep_from
+                bias = torch.zeros(count, dtype=bias.dtype, device=bias.device).index_add(0, inverse, bias[at])
+            scores = torch.sparse.sampled_addmm(pattern.with_values(bias[src]), q2, k2.t(), beta=1.0, alpha=scale)
+            scores = _without_minus_inf(scores)
+        probs = torch.sparse.softmax(scores, 1)
+        if dropout:
+            probs = F.dropout(probs, dropout_p, True)
+        out = probs @ v2
+    return out.reshape(out_shape)
+
+
+def _without_minus_inf(scores):
+    """The scores with their ``-inf`` entries (a stored ``-inf`` of an additive mask) left out of the pattern: they
+    are masked out either way, and a row of only ``-inf`` gives torch's zeros instead of the softmax's NaN."""
+    vals = scores._vals
+    out = torch.isneginf(vals.detach())
+    if not bool(out.any()):
+        return scores
+    pos = scores._levels[1].pos.to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(pos.numel() - 1, device=pos.device), pos.diff())
+    keep = ~out
+    crow = torch.zeros_like(pos)
+    crow[1:] = torch.cumsum(torch.bincount(rows[keep], minlength=pos.numel() - 1), 0)
+    idx = scores._levels[1].crd
+    return interop.sparse_compressed_tensor(crow.to(idx.dtype), idx[keep], vals[keep], tuple(scores.shape),
+                                            layout=torch.sparse_csr, check_invariants=False)
