@@ -31,11 +31,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import engine, fusion, interop
+from .. import engine, fusion
 from .. import loopir as L
 from ..compiler.caches import register
 from ..engine.convert import asformat
-from ..formats import named
+from ..formats import LevelStorage, named, storage
 from ..formats.storage import PatternMemo
 from ..sparse_tensor import SparseTensor, dense_fallback, implements
 
@@ -88,93 +88,94 @@ def _is_coo(mask) -> bool:
     return mask._format in (named.coo_nd(mask.dim()), named.coo_nd(mask.dim(), coalesced=False))
 
 
-def _entries(mask, batch, L, S, causal):
-    """``(crow, col, src, keep_from)`` of the ``(N L) x (N S)`` block-diagonal pattern of ``mask`` broadcast to
-    ``(*batch, L, S)``: row and column arrays of a CSR pattern, and for each of its entries the position of the
-    mask's stored value it comes from (``src``: duplicates of an uncoalesced mask are summed by the caller through
-    ``keep_from``: None, or ``(inverse, count)`` mapping each stored value to its coalesced entry)."""
-    shape = (*batch, L, S)
+def _mask_entries(mask, L, S, ndim, causal):
+    """The mask's allowed entries, coalesced, sorted by (mask batch index, query, key): ``(mb, l, s, at, keep_from,
+    batch sizes)``: the flat index over the mask's batch dimensions (of sizes ``batch sizes``, padded to ``ndim -
+    2`` on the left), the query and key coordinates (a query or key dimension of size 1 broadcast to ``L`` /
+    ``S``), and where each entry's value is: ``at``, a position in the mask's values, or with ``keep_from`` (an
+    uncoalesced additive mask: ``(stored positions, inverse, count)``) a position among its summed duplicates."""
     nvals = mask._vals.numel()
     # each stored value's coordinates: a COO mask's own (its duplicates kept), any other format's by converting
     # the positions 1..n (never zero, so none is dropped; no duplicates, so none is summed) to COO
     positions = torch.arange(1, nvals + 1, device=mask.device).reshape(mask._vals.shape)
     coo = mask.with_values(positions) if _is_coo(mask) else asformat(mask.with_values(positions), "coo")
     at = coo._vals.to(torch.int64) - 1
-    coords = [lvl.crd.to(torch.int64) for lvl in coo._levels]
-    # the mask's own linear keys: coalesce duplicates (torch's dense form sums them; for bool, any)
-    mkey = torch.zeros_like(at)
-    for c, n in zip(coords, mask.shape):
-        mkey = mkey * n + c
+    pad = ndim - mask.dim()
+    coords = [torch.zeros_like(at)] * pad + [lvl.crd.to(torch.int64) for lvl in coo._levels]
+    sizes = (1,) * pad + tuple(mask.shape)
+    for d, n in ((ndim - 2, L), (ndim - 1, S)):  # a query or key dimension of size 1, broadcast
+        if sizes[d] == 1 and n != 1:
+            m = at.numel()
+            at, coords = at.repeat(n), [c.repeat(n) for c in coords]
+            coords[d] = torch.arange(n, device=at.device).repeat_interleave(m)
+    mb = torch.zeros_like(at)
+    for c, n in zip(coords[:-2], sizes[:-2]):
+        mb = mb * n + c
+    l, s = coords[-2], coords[-1]
+    key = (mb * L + l) * S + s
     keep_from = None
-    if mkey.numel() > 1 and not bool((mkey[1:] > mkey[:-1]).all()):
-        order = torch.argsort(mkey, stable=True)
-        mkey, at, coords = mkey[order], at[order], [c[order] for c in coords]
-        uniq, inverse = torch.unique_consecutive(mkey, return_inverse=True)
-        if uniq.numel() != mkey.numel():
-            first = torch.ones_like(mkey, dtype=torch.bool)
-            first[1:] = mkey[1:] != mkey[:-1]
-            keep_from = (at, inverse, uniq.numel())  # stored position -> coalesced entry
-            at = torch.arange(uniq.numel(), device=at.device)  # (positions into the coalesced values from here)
-            coords = [c[first] for c in coords]
-    # broadcast: pad the mask's dimensions on the left, then tile each dimension of size 1 that the problem has
-    # more of (innermost first, so that a mask shared by the batch stays in order)
-    coords = [torch.zeros_like(at)] * (len(shape) - len(coords)) + coords
-    msizes = (1,) * (len(shape) - mask.dim()) + tuple(mask.shape)
-    for d in reversed(range(len(shape))):
-        if msizes[d] == 1 and shape[d] != 1:
-            n = at.numel()
-            at = at.repeat(shape[d])
-            coords = [c.repeat(shape[d]) for c in coords]
-            coords[d] = torch.arange(shape[d], device=at.device).repeat_interleave(n)
-    if causal:
-        keep = coords[-1] <= coords[-2]
-        at, coords = at[keep], [c[keep] for c in coords]
-    b = torch.zeros_like(at)
-    for c, n in zip(coords[:-2], batch):
-        b = b * n + c
-    rows, cols = b * L + coords[-2], b * S + coords[-1]
-    key = rows * (S * max(math.prod(batch), 1)) + cols
     if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
-        order = torch.argsort(key)
-        rows, cols, at = rows[order], cols[order], at[order]
-    nrows = math.prod(batch) * L
-    crow = torch.zeros(nrows + 1, dtype=torch.int64, device=at.device)
-    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=nrows), 0)
-    return crow, cols, at, keep_from
+        order = torch.argsort(key, stable=True)
+        key, at, mb, l, s = key[order], at[order], mb[order], l[order], s[order]
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]
+        if not bool(first.all()):  # duplicates (an uncoalesced COO mask): one entry each, values summed
+            inverse = torch.cumsum(first, 0) - 1
+            keep_from = (at, inverse, int(inverse[-1]) + 1)
+            at = torch.arange(keep_from[2], device=at.device)
+            mb, l, s = mb[first], l[first], s[first]
+    if mask.dtype == torch.bool:  # a stored False is masked out: only the True entries are the pattern
+        allowed = mask._vals.detach().reshape(-1)
+        if keep_from is not None:  # duplicates: allowed where any is True (their sum, in the dense form)
+            stored, inverse, count = keep_from
+            allowed = torch.zeros(count, dtype=torch.int64, device=at.device).index_add_(
+                0, inverse, allowed[stored].to(torch.int64)) > 0
+            keep_from = None
+        keep = allowed[at]
+        if causal:
+            keep &= s <= l
+        mb, l, s, at = mb[keep], l[keep], s[keep], at[keep]
+    elif causal:
+        keep = s <= l
+        mb, l, s, at = mb[keep], l[keep], s[keep], at[keep]
+    return mb, l, s, at, keep_from, sizes[:-2]
+
+
+def _csr(crow, col, values, shape):
+    index = storage.pick_index_dtype(col.numel(), *shape)
+    return SparseTensor("csr", shape, (LevelStorage(), LevelStorage(pos=crow.to(index), crd=col.to(index))), values,
+                        check=False)
 
 
 def _pattern(mask, batch, L, S, causal, dtype):
-    """``(pattern, (transposed, perm), src, keep_from)``: the block-diagonal CSR pattern (values: ones of
-    ``dtype``) of the mask's allowed entries, its transpose, and where each entry comes from (``_entries``); kept
-    per mask arrays and problem shape."""
+    """``(pattern, (transposed, perm), src, keep_from)``: the ``(N L) x (N S)`` block-diagonal CSR pattern (values:
+    ones of ``dtype``) of the mask's allowed entries broadcast to ``(*batch, L, S)`` (block ``b``: the mask's batch
+    element that ``b`` broadcasts from), its transpose (for the backward's ``dk`` and ``dv``: its entry ``e`` is the
+    pattern's entry ``perm[e]``), and each entry's value in the mask (``src``, ``keep_from``: ``_mask_entries``);
+    made once per mask arrays and problem shape. The work on entries is done on the mask's own (a mask shared by
+    the batch: one block's), then laid out N times, so it stays in order and needs no sort of the big pattern."""
     def make():
-        crow, cols, src, keep_from = _entries(mask, batch, L, S, causal)
-        if mask.dtype == torch.bool:  # a stored False is masked out: only the True entries are the pattern
-            allowed = mask._vals.detach().reshape(-1)
-            if keep_from is not None:  # duplicates: allowed where any of them is True (the dense form's sum)
-                at, inverse, count = keep_from
-                allowed = torch.zeros(count, dtype=torch.int64, device=at.device).index_add_(
-                    0, inverse, allowed[at].to(torch.int64)) > 0
-                keep_from = None
-            keep = allowed[src]
-            if not bool(keep.all()):
-                rows = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device), crow.diff())
-                rows, cols, src = rows[keep], cols[keep], src[keep]
-                crow = torch.zeros_like(crow)
-                crow[1:] = torch.cumsum(torch.bincount(rows, minlength=crow.numel() - 1), 0)
-        n = math.prod(batch)
-        index = torch.int32 if max(n * L, n * S, cols.numel()) < 2 ** 31 - 1 else torch.int64
-        # the transposed pattern too (the backward's dk and dv are products with it; its entry e is the pattern's
-        # entry perm[e]): transposing values by a known permutation each step would cost more than the products
-        rows = torch.repeat_interleave(torch.arange(n * L, device=cols.device), crow.diff())
-        perm = torch.argsort(cols * (n * L) + rows)
-        crow_t = torch.zeros(n * S + 1, dtype=torch.int64, device=cols.device)
-        crow_t[1:] = torch.cumsum(torch.bincount(cols, minlength=n * S), 0)
-        ones = torch.ones(cols.numel(), dtype=dtype, device=mask.device)
-        pattern, transposed = (interop.sparse_compressed_tensor(
-            c.to(index), i.to(index), ones, shape, layout=torch.sparse_csr, check_invariants=False)
-            for c, i, shape in ((crow, cols, (n * L, n * S)), (crow_t, rows[perm], (n * S, n * L))))
-        return pattern, (transposed, perm), src, keep_from
+        mb, l, s, at, keep_from, msizes = _mask_entries(mask, L, S, len(batch) + 2, causal)
+        dev, nmb, n = at.device, math.prod(msizes), math.prod(batch)
+        start = torch.zeros(nmb + 1, dtype=torch.int64, device=dev)  # each mask batch element's entries
+        start[1:] = torch.cumsum(torch.bincount(mb, minlength=nmb), 0)
+        of = torch.arange(nmb, device=dev).reshape(msizes).expand(batch).reshape(-1)  # block -> mask element
+        count = start[1:][of] - start[:-1][of]
+        first = torch.zeros(n, dtype=torch.int64, device=dev)  # each block's first entry in the pattern
+        first[1:] = torch.cumsum(count, 0)[:-1]
+        block = torch.repeat_interleave(torch.arange(n, device=dev), count)
+        idx = torch.arange(block.numel(), device=dev) - first[block] + start[:-1][of][block]  # -> the mask's entry
+        perm_t = torch.argsort((mb * S + s) * L + l)  # the mask's entries in transposed order
+        rel = perm_t - start[:-1][mb[perm_t]]
+
+        def crow(rows, size):
+            per = torch.bincount(mb * size + rows, minlength=nmb * size).reshape(nmb, size)[of].reshape(-1)
+            return torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(per, 0)])
+
+        ones = torch.ones(idx.numel(), dtype=dtype, device=dev)
+        pattern = _csr(crow(l, L), s[idx] + block * S, ones, (n * L, n * S))
+        transposed = _csr(crow(s, S), l[perm_t][idx] + block * L, ones, (n * S, n * L))
+        return pattern, (transposed, rel[idx] + first[block]), at[idx], keep_from
 
     values = (_Arrays(values=mask._vals),) if mask.dtype == torch.bool else ()
     return _PATTERNS.lookup((tuple(batch), L, S, bool(causal), dtype, tuple(mask.shape), mask._format),
@@ -246,15 +247,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention with a sparse ``attn_mask`` (any format: CSR, COO, blocked,
     N-d COO, torch's sparse layouts; a shape broadcasting to ``(*batch, L, S)``) computes the attention only at the
     mask's allowed entries: a bool mask's stored True entries (a stored False is masked out), or an additive float
-    mask's stored entries, their values added to the scores (an unstored position means -inf: masked out). Every
-    batch x head problem runs in one block-diagonal pattern, made once per mask: a bool mask without dropout by
-    the fused SDDMM -> row softmax -> SpMM kernels, forward and backward; an additive mask or ``dropout_p > 0`` by
-    the three sparse ops in turn. ``is_causal=True`` keeps the mask's entries with key <= query (torch refuses a
+    mask's stored entries (a blocked format's stored padding too), their values added to the scores (an unstored
+    position means -inf: masked out). Every batch x head problem runs in one block-diagonal pattern, made once per
+    mask: a bool mask without dropout by the fused SDDMM -> row softmax -> SpMM kernels, forward and backward; an
+    additive mask or ``dropout_p > 0`` by the three sparse ops in turn. ``is_causal=True`` keeps the mask's entries with key <= query (torch refuses a
     mask with it); ``scale``, ``dropout_p`` and ``enable_gqa`` as torch; a row with no allowed key gives zeros, as
     torch. Values and gradients (q, k, v, and an additive mask's values) are dense SDPA's given the dense mask. A
     dense or absent mask is torch's own SDPA; a sparse query, key or value, or a hybrid mask, the dense fallback.
 
-    (The module's documentation says how; ``_entries`` how the mask becomes the pattern.)"""
+    (The module's documentation says how; ``_pattern`` how the mask becomes the pattern.)"""
     mask = attn_mask
     if type(mask) is not SparseTensor or any(type(t) is SparseTensor for t in (query, key, value)) or \
             mask.dense_dim() or (mask._format.keeps_duplicates and not _is_coo(mask)):
@@ -293,7 +294,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                 at, inverse, count = keep_from
                 bias = torch.zeros(count, dtype=bias.dtype, device=bias.device).index_add(0, inverse, bias[at])
             scores = torch.sparse.sampled_addmm(pattern.with_values(bias[src]), q2, k2.t(), beta=1.0, alpha=scale)
-            scores = _without_minus_inf(scores)
+            if bool(torch.isneginf(bias.detach()).any()):  # (read on the mask's values: fewer than the scores)
+                scores = _without_minus_inf(scores)
         probs = torch.sparse.softmax(scores, 1)
         if dropout:
             probs = F.dropout(probs, dropout_p, True)
@@ -306,13 +308,9 @@ def _without_minus_inf(scores):
     are masked out either way, and a row of only ``-inf`` gives torch's zeros instead of the softmax's NaN."""
     vals = scores._vals
     out = torch.isneginf(vals.detach())
-    if not bool(out.any()):
-        return scores
     pos = scores._levels[1].pos.to(torch.int64)
     rows = torch.repeat_interleave(torch.arange(pos.numel() - 1, device=pos.device), pos.diff())
     keep = ~out
     crow = torch.zeros_like(pos)
     crow[1:] = torch.cumsum(torch.bincount(rows[keep], minlength=pos.numel() - 1), 0)
-    idx = scores._levels[1].crd
-    return interop.sparse_compressed_tensor(crow.to(idx.dtype), idx[keep], vals[keep], tuple(scores.shape),
-                                            layout=torch.sparse_csr, check_invariants=False)
+    return _csr(crow, scores._levels[1].crd[keep], vals[keep], tuple(scores.shape))
