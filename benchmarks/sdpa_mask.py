@@ -5,7 +5,8 @@ batch 2 x 4 heads of 64 dimensions, a random mask of 5% and of 10% (plus the dia
 the forward (under ``no_grad``) and the forward + backward to q, k and v, of
 
 - scorch: ``F.scaled_dot_product_attention(q, k, v, attn_mask=S)``, ``S`` the mask as a scorch CSR bool tensor
-  (the fused kernels), and with ``--additive`` also as a float CSR additive mask (the three sparse ops in turn);
+  (the fused kernels), and with ``--additive`` also as a float CSR additive mask (the fused kernels adding its
+  values to the scores);
 - torch: the same call on the dense mask (bool; for the additive one, float with ``-inf`` where not stored).
 
 Medians of interleaved repeats (``benchmarks.fusion._interleaved``), in milliseconds, and the ratio torch / scorch

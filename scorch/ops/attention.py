@@ -18,9 +18,10 @@ allowed key gives zeros, and zero gradients, as torch 2.13's SDPA does for a ful
 How it runs: the batch's ``N`` (batch x heads) problems become one: ``query`` as ``(N L, E)``, ``key`` as
 ``(N S, E)``, ``value`` as ``(N S, Ev)`` and the mask's pattern repeated (or, for a mask with batch dimensions,
 laid) along the diagonal of an ``(N L) x (N S)`` CSR pattern, made once per mask and kept (``_PATTERNS``); rows
-never mix problems, and the softmax is per row. A bool mask without dropout runs the fused attention kernel
-(``scorch.fusion``: SDDMM, row softmax and SpMM in one pass per row, forward and backward); an additive mask or
-dropout runs the same three sparse ops one by one (``sampled_addmm`` with the mask's values as its input,
+never mix problems, and the softmax is per row. Without dropout the fused attention kernels run (``scorch.fusion``:
+SDDMM, row softmax and SpMM in one pass per row, forward and backward; an additive mask's values added to the
+scores as the kernel stores them, ``fuse.add_stores``). Dropout, and an additive mask holding ``-inf``, run the
+same three sparse ops one by one (``sampled_addmm``, with an additive mask's values as its input,
 ``torch.sparse.softmax``, dropout of the probabilities' stored values, ``@``). A dense or absent mask, or a sparse
 ``query`` / ``key`` / ``value``, is torch's own SDPA (on the dense form, visibly, for a sparse one).
 """
@@ -97,11 +98,18 @@ def _mask_entries(mask, L, S, ndim, causal):
     nvals = mask._vals.numel()
     # each stored value's coordinates: a COO mask's own (its duplicates kept), any other format's by converting
     # the positions 1..n (never zero, so none is dropped; no duplicates, so none is summed) to COO
-    positions = torch.arange(1, nvals + 1, device=mask.device).reshape(mask._vals.shape)
-    coo = mask.with_values(positions) if _is_coo(mask) else asformat(mask.with_values(positions), "coo")
-    at = coo._vals.to(torch.int64) - 1
+    if mask._format == named.csr:  # (the usual mask: its coordinates read off directly)
+        pos = mask._levels[1].pos.to(torch.int64)
+        at = torch.arange(nvals, device=mask.device)
+        found = [torch.repeat_interleave(torch.arange(pos.numel() - 1, device=pos.device), pos.diff()),
+                 mask._levels[1].crd.to(torch.int64)]
+    else:
+        positions = torch.arange(1, nvals + 1, device=mask.device).reshape(mask._vals.shape)
+        coo = mask.with_values(positions) if _is_coo(mask) else asformat(mask.with_values(positions), "coo")
+        at = coo._vals.to(torch.int64) - 1
+        found = [lvl.crd.to(torch.int64) for lvl in coo._levels]
     pad = ndim - mask.dim()
-    coords = [torch.zeros_like(at)] * pad + [lvl.crd.to(torch.int64) for lvl in coo._levels]
+    coords = [torch.zeros_like(at)] * pad + found
     sizes = (1,) * pad + tuple(mask.shape)
     for d, n in ((ndim - 2, L), (ndim - 1, S)):  # a query or key dimension of size 1, broadcast
         if sizes[d] == 1 and n != 1:
@@ -164,7 +172,7 @@ def _pattern(mask, batch, L, S, causal, dtype):
         first = torch.zeros(n, dtype=torch.int64, device=dev)  # each block's first entry in the pattern
         first[1:] = torch.cumsum(count, 0)[:-1]
         block = torch.repeat_interleave(torch.arange(n, device=dev), count)
-        idx = torch.arange(block.numel(), device=dev) - first[block] + start[:-1][of][block]  # -> the mask's entry
+        idx = torch.arange(block.numel(), device=dev) + (start[:-1][of] - first)[block]  # -> the mask's entry
         perm_t = torch.argsort((mb * S + s) * L + l)  # the mask's entries in transposed order
         rel = perm_t - start[:-1][mb[perm_t]]
 
@@ -182,63 +190,74 @@ def _pattern(mask, batch, L, S, causal, dtype):
                             (*mask._levels, *values), make)
 
 
-def _attend(pattern, q, k, v, scale):
+def _scores(pattern, q, k, scale, bias=None):
+    """``scale * q @ k^T`` (plus ``bias``, values on the pattern's entries) at the pattern's entries, by
+    ``sampled_addmm``; a stored ``-inf`` in ``bias`` leaves the pattern (``_without_minus_inf``)."""
+    if bias is None:
+        return torch.sparse.sampled_addmm(pattern, q, k.t(), beta=0.0, alpha=scale)
+    scores = torch.sparse.sampled_addmm(pattern.with_values(bias), q, k.t(), beta=1.0, alpha=scale)
+    return _without_minus_inf(scores) if bool(torch.isneginf(bias.detach()).any()) else scores
+
+
+def _attend(pattern, q, k, v, scale, bias=None):
     """The attention on a CSR pattern as three sparse ops (SDDMM, row softmax, SpMM): differentiable by autograd
     through their own rules; the fused kernels' fallback and their recorded (double) backward."""
-    scores = torch.sparse.sampled_addmm(pattern, q, k.t(), beta=0.0, alpha=scale)
-    return torch.sparse.softmax(scores, 1) @ v
+    return torch.sparse.softmax(_scores(pattern, q, k, scale, bias), 1) @ v
 
 
 class _FusedAttention(torch.autograd.Function):
-    """``softmax(scale * SDDMM(pattern, q, k)) @ v`` by ``fusion.attention`` (one pass per row), backward by
-    ``fusion.attention_backward`` (the scores' gradient and ``dq`` in one pass) and two transposed products (``dk``,
-    ``dv``). Called directly rather than through ``scorch.compile``'s lazy values: those fingerprint ``q`` and
-    ``k`` on every call (a third of the forward's time at L = 1024)."""
+    """``softmax(scale * SDDMM(pattern, q, k) + bias) @ v`` by ``fusion.attention`` (one pass per row), backward by
+    ``fusion.attention_backward`` (the scores' gradient and ``dq`` in one pass; the bias's gradient is the scores'
+    without the scale) and two transposed products (``dk``, ``dv``). Called directly rather than through
+    ``scorch.compile``'s lazy values: those fingerprint ``q`` and ``k`` on every call (design notes, issue 44)."""
 
     @staticmethod
-    def forward(ctx, boxed, q, k, v, scale):
+    def forward(ctx, boxed, q, k, v, bias, scale):
         pattern, ctx_t = boxed
-        keep = ctx is not None and any(ctx.needs_input_grad[1:4])
-        out, p = fusion.attention(fusion.SddmmExpr(pattern, q, k, scale), v, keep_probs=keep)
+        keep = ctx is not None and any(ctx.needs_input_grad[1:5])
+        out, p = fusion.attention(fusion.SddmmExpr(pattern, q, k, scale, bias), v, keep_probs=keep)
         if ctx is not None:
             ctx.pattern, ctx.transposed, ctx.scale = pattern, ctx_t, scale
-            ctx.save_for_backward(p, q, k, v)
+            ctx.save_for_backward(p, q, k, v, bias)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        p, q, k, v = ctx.saved_tensors
-        pattern, scale, need = ctx.pattern, ctx.scale, ctx.needs_input_grad[1:4]
+        p, q, k, v, bias = ctx.saved_tensors
+        pattern, scale, need = ctx.pattern, ctx.scale, ctx.needs_input_grad[1:5]
         done = None if torch.is_grad_enabled() else fusion.attention_backward(pattern, p, g, v, k, scale)
         if done is None:  # a backward recording a graph, or kernels that are not one row loop: op by op
-            return (None, *_unfused_grads(pattern, q, k, v, scale, g, need), None)
+            return (None, *_unfused_grads(pattern, (q, k, v, bias), scale, g, need), None)
         ds, dq = done
         transposed, perm = ctx.transposed
         dk = engine.einsum("ij,jk->ik", transposed.with_values(ds[perm]), q) if need[1] else None
         dv = engine.einsum("ij,jk->ik", transposed.with_values(p[perm]), g) if need[2] else None
-        return None, dq if need[0] else None, dk, dv, None
+        return None, dq if need[0] else None, dk, dv, ds / scale if need[3] else None, None
 
 
-def _unfused_grads(pattern, q, k, v, scale, g, need):
-    """The gradients of ``q``, ``k``, ``v`` (where ``need``ed) through the three ops, differentiated by autograd:
-    as a graph of the saved inputs when the backward records one (the fused backward's probabilities are saved
-    values, so second-order terms through them would be lost), else on detached copies."""
+def _unfused_grads(pattern, inputs, scale, g, need):
+    """The gradients of ``inputs`` (q, k, v, bias; where ``need``ed) through the three ops, differentiated by
+    autograd: as a graph of the saved inputs when the backward records one (the fused backward's probabilities are
+    saved values, so second-order terms through them would be lost), else on detached copies."""
     graph = torch.is_grad_enabled()
     with torch.enable_grad():
-        xs = [x if graph and n else x.detach().requires_grad_(n) for x, n in zip((q, k, v), need)]
-        out = _attend(pattern, *xs, scale)
+        xs = [x if x is None or (graph and n) else x.detach().requires_grad_(n) for x, n in zip(inputs, need)]
+        out = _attend(pattern, *xs[:3], scale, xs[3])
         got = iter(torch.autograd.grad(out, [x for x, n in zip(xs, need) if n], g, create_graph=graph,
                                        allow_unused=True))
     return tuple(next(got) if n else None for n in need)
 
 
-def _fused(pattern, transposed, q, k, v, scale):
-    if q.device.type != "cpu" or q.dtype not in _FLOATS:
-        return _attend(pattern, q, k, v, scale)
+def _fused(pattern, transposed, q, k, v, scale, bias):
+    """The attention by the fused kernels (CPU, float types; with a bias: no ``-inf`` in it, a nonzero scale,
+    which its gradient is divided by), else by the three ops."""
+    if q.device.type != "cpu" or q.dtype not in _FLOATS or (bias is not None and (
+            scale == 0 or bool(torch.isneginf(bias.detach()).any()))):
+        return _attend(pattern, q, k, v, scale, bias)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return _FusedAttention.apply((pattern, transposed), q, k, v, scale)
-    return _FusedAttention.forward(None, (pattern, transposed), q, k, v, scale)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, bias)):
+        return _FusedAttention.apply((pattern, transposed), q, k, v, bias, scale)
+    return _FusedAttention.forward(None, (pattern, transposed), q, k, v, bias, scale)
 
 
 @implements(_SDPA)
@@ -249,8 +268,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask's allowed entries: a bool mask's stored True entries (a stored False is masked out), or an additive float
     mask's stored entries (a blocked format's stored padding too), their values added to the scores (an unstored
     position means -inf: masked out). Every batch x head problem runs in one block-diagonal pattern, made once per
-    mask: a bool mask without dropout by the fused SDDMM -> row softmax -> SpMM kernels, forward and backward; an
-    additive mask or ``dropout_p > 0`` by the three sparse ops in turn. ``is_causal=True`` keeps the mask's entries with key <= query (torch refuses a
+    mask, by the fused SDDMM (+ the additive mask) -> row softmax -> SpMM kernels, forward and backward; with
+    ``dropout_p > 0``, or an additive mask holding -inf, by the three sparse ops in turn. ``is_causal=True`` keeps the mask's entries with key <= query (torch refuses a
     mask with it); ``scale``, ``dropout_p`` and ``enable_gqa`` as torch; a row with no allowed key gives zeros, as
     torch. Values and gradients (q, k, v, and an additive mask's values) are dense SDPA's given the dense mask. A
     dense or absent mask is torch's own SDPA; a sparse query, key or value, or a hybrid mask, the dense fallback.
@@ -282,24 +301,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q2 = q.expand(*batch, L, E).reshape(n * L, E)
     k2 = k.expand(*batch, S, E).reshape(n * S, E)
     v2 = v.expand(*batch, S, Ev).reshape(n * S, Ev)
-    dropout = dropout_p > 0.0
-    if mask.dtype == torch.bool and not dropout:
-        out = _fused(pattern, transposed, q2, k2, v2, scale)
+    bias = None
+    if mask.dtype != torch.bool:  # the additive mask's values on the pattern's entries
+        bias = mask._vals.reshape(-1).to(q.dtype)
+        if keep_from is not None:  # an uncoalesced mask's duplicates: their sum, as its dense form has
+            at, inverse, count = keep_from
+            bias = torch.zeros(count, dtype=bias.dtype, device=bias.device).index_add(0, inverse, bias[at])
+        bias = bias[src]
+    if dropout_p > 0.0:  # (dropout of the probabilities: not in the fused kernel)
+        out = F.dropout(torch.sparse.softmax(_scores(pattern, q2, k2, scale, bias), 1), dropout_p, True) @ v2
     else:
-        if mask.dtype == torch.bool:
-            scores = torch.sparse.sampled_addmm(pattern, q2, k2.t(), beta=0.0, alpha=scale)
-        else:
-            bias = mask._vals.reshape(-1).to(q.dtype)
-            if keep_from is not None:  # an uncoalesced mask's duplicates: their sum, as its dense form has
-                at, inverse, count = keep_from
-                bias = torch.zeros(count, dtype=bias.dtype, device=bias.device).index_add(0, inverse, bias[at])
-            scores = torch.sparse.sampled_addmm(pattern.with_values(bias[src]), q2, k2.t(), beta=1.0, alpha=scale)
-            if bool(torch.isneginf(bias.detach()).any()):  # (read on the mask's values: fewer than the scores)
-                scores = _without_minus_inf(scores)
-        probs = torch.sparse.softmax(scores, 1)
-        if dropout:
-            probs = F.dropout(probs, dropout_p, True)
-        out = probs @ v2
+        out = _fused(pattern, transposed, q2, k2, v2, scale, bias)
     return out.reshape(out_shape)
 
 

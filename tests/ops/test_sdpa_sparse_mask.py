@@ -120,13 +120,14 @@ def test_3d_inputs_and_one_token():
     _compare(mask, dense, q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_())
 
 
-def test_the_fused_kernels_run(monkeypatch):
+@pytest.mark.parametrize("additive", [False, True])
+def test_the_fused_kernels_run(monkeypatch, additive):
     used = []
     forward, backward = fusion.attention, fusion.attention_backward
     monkeypatch.setattr(fusion, "attention", lambda *a, **kw: used.append("forward") or forward(*a, **kw))
     monkeypatch.setattr(fusion, "attention_backward", lambda *a: used.append("backward") or backward(*a))
     g = torch.Generator().manual_seed(4)
-    mask, dense = _mask((16, 12), 0.3, "csr", False, torch.float32, g)
+    mask, dense = _mask((16, 12), 0.3, "csr", additive, torch.float32, g)
     q, k, v = _qkv(2, 2, 16, 12, 8, 8, torch.float32, g)
     _compare(mask, dense, q, k, v)
     assert used == ["forward", "backward"]
@@ -308,3 +309,30 @@ def test_a_float32_mask_adds_to_float64_scores():
     mask, dense = _mask((4, 5), 0.6, "csr", True, torch.float32, g)
     q, k, v = _qkv(1, 2, 4, 5, 3, 2, torch.float64, g)
     _compare(mask, dense, q, k, v)
+
+
+@pytest.mark.parametrize("keep_probs", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_additive_fused_kernel_interpreted_matches_compiled(keep_probs, dtype):
+    """The fused kernel with the bias added to the scores as they are stored (``fuse.add_stores``): its IR through
+    the loop-IR interpreter (bounds-checked) gives the compiled kernel's result, and that is the dense softmax of
+    the biased scores."""
+    from scorch import loopir as L
+    from scorch.compiler import interp
+    g = torch.Generator().manual_seed(18)
+    keep = torch.rand(9, 7, generator=g) < 0.5
+    keep[3] = False  # (an empty row)
+    pattern = scorch.asformat(keep.to(dtype), "csr")
+    q, k, v = (torch.randn(n, e, generator=g, dtype=torch.float64).to(dtype) for n, e in ((9, 4), (7, 4), (7, 3)))
+    bias = torch.randn(pattern.nnz, generator=g, dtype=torch.float64).to(dtype)
+    sddmm = fusion.SddmmExpr(pattern, q, k, 0.5, bias)
+    out, probs = fusion.attention(sddmm, v, keep_probs=keep_probs)
+    fused, _, values = fusion.prepare(sddmm, v, keep_probs)
+    assert "bias" in [p.name for p in fused.params]
+    assert len(fused.body.stmts) == 1 and isinstance(fused.body.stmts[0], L.For)  # one row loop
+    interp.run(fused, {name: (x.reshape(-1).numpy() if isinstance(x, torch.Tensor) else x)
+                       for name, x in values.items()})
+    torch.testing.assert_close(values["out"], out)
+    dense = torch.full((9, 7), float("-inf"), dtype=dtype).masked_scatter(keep, bias)
+    want = torch.softmax(0.5 * q @ k.T + dense, 1).nan_to_num(0.0) @ v
+    torch.testing.assert_close(out, want)
