@@ -248,11 +248,27 @@ def _unfused_grads(pattern, inputs, scale, g, need):
     return tuple(next(got) if n else None for n in need)
 
 
-def _fused(pattern, transposed, q, k, v, scale, bias):
+def _bias(mask, src, keep_from, dtype, problem):
+    """``(bias, minus_inf)``: an additive mask's values on the pattern's entries (``_pattern``'s ``src``,
+    ``keep_from``) as ``dtype``, and whether any is ``-inf``; kept per mask values unless they need a gradient."""
+    def make():
+        bias = mask._vals.reshape(-1).to(dtype)
+        if keep_from is not None:  # an uncoalesced mask's duplicates: their sum, as its dense form has
+            at, inverse, count = keep_from
+            bias = torch.zeros(count, dtype=bias.dtype, device=bias.device).index_add(0, inverse, bias[at])
+        return bias[src], bool(torch.isneginf(mask._vals.detach()).any())
+
+    if mask._vals.requires_grad and torch.is_grad_enabled():
+        return make()
+    batch, L, S, causal = problem
+    return _PATTERNS.lookup(("bias", tuple(batch), L, S, bool(causal), dtype, tuple(mask.shape), mask._format),
+                            (*mask._levels, _Arrays(values=mask._vals)), make)
+
+
+def _fused(pattern, transposed, q, k, v, scale, bias, minus_inf):
     """The attention by the fused kernels (CPU, float types; with a bias: no ``-inf`` in it, a nonzero scale,
     which its gradient is divided by), else by the three ops."""
-    if q.device.type != "cpu" or q.dtype not in _FLOATS or (bias is not None and (
-            scale == 0 or bool(torch.isneginf(bias.detach()).any()))):
+    if q.device.type != "cpu" or q.dtype not in _FLOATS or (bias is not None and (scale == 0 or minus_inf)):
         return _attend(pattern, q, k, v, scale, bias)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, bias)):
@@ -301,17 +317,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q2 = q.expand(*batch, L, E).reshape(n * L, E)
     k2 = k.expand(*batch, S, E).reshape(n * S, E)
     v2 = v.expand(*batch, S, Ev).reshape(n * S, Ev)
-    bias = None
-    if mask.dtype != torch.bool:  # the additive mask's values on the pattern's entries
-        bias = mask._vals.reshape(-1).to(q.dtype)
-        if keep_from is not None:  # an uncoalesced mask's duplicates: their sum, as its dense form has
-            at, inverse, count = keep_from
-            bias = torch.zeros(count, dtype=bias.dtype, device=bias.device).index_add(0, inverse, bias[at])
-        bias = bias[src]
+    bias, minus_inf = (None, False) if mask.dtype == torch.bool else _bias(mask, src, keep_from, q.dtype,
+                                                                                      (batch, L, S, is_causal))
     if dropout_p > 0.0:  # (dropout of the probabilities: not in the fused kernel)
         out = F.dropout(torch.sparse.softmax(_scores(pattern, q2, k2, scale, bias), 1), dropout_p, True) @ v2
     else:
-        out = _fused(pattern, transposed, q2, k2, v2, scale, bias)
+        out = _fused(pattern, transposed, q2, k2, v2, scale, bias, minus_inf)
     return out.reshape(out_shape)
 
 

@@ -336,3 +336,20 @@ def test_additive_fused_kernel_interpreted_matches_compiled(keep_probs, dtype):
     dense = torch.full((9, 7), float("-inf"), dtype=dtype).masked_scatter(keep, bias)
     want = torch.softmax(0.5 * q @ k.T + dense, 1).nan_to_num(0.0) @ v
     torch.testing.assert_close(out, want)
+
+
+def test_an_additive_mask_changed_in_place_or_reused_causally():
+    """The values of an additive mask are kept per mask with the pattern: a change in place is seen, and the same
+    mask with and without ``is_causal`` gets the entries of each."""
+    g = torch.Generator().manual_seed(19)
+    mask, dense = _mask((6, 6), 0.7, "csr", True, torch.float64, g)
+    q, k, v = (x.detach() for x in _qkv(2, 2, 6, 6, 4, 3, torch.float64, g))
+    tri = torch.ones(6, 6, dtype=torch.bool).tril()
+    for _ in range(2):
+        for causal in (False, True):
+            want = _TF.scaled_dot_product_attention(q, k, v, attn_mask=dense.masked_fill(~tri, float("-inf"))
+                                                    if causal else dense)
+            torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal),
+                                       want)
+        mask.values().mul_(3.0)
+        dense = dense * 3.0
