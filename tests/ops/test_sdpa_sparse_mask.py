@@ -280,6 +280,7 @@ def test_the_mask_pattern_is_made_once():
                                _TF.scaled_dot_product_attention(q, k, v, attn_mask=keep))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("layout", ["csr", "coo", "bsr"])
 def test_torch_sparse_layout_masks(layout):
     g = torch.Generator().manual_seed(15)
@@ -353,3 +354,29 @@ def test_an_additive_mask_changed_in_place_or_reused_causally():
                                        want)
         mask.values().mul_(3.0)
         dense = dense * 3.0
+
+
+@pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_one_input_needs_grad_and_a_transposed_query(additive, which):
+    """Multi-head code passes ``x.view(B, L, H, E).transpose(1, 2)``: a strided query; only one input needing a
+    gradient."""
+    g = torch.Generator().manual_seed(20)
+    mask, dense = _mask((6, 7), 0.5, "csr", additive, torch.float64, g)
+    q = torch.randn(2, 6, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2)
+    k, v = (torch.randn(2, 3, 7, e, generator=g, dtype=torch.float64) for e in (4, 5))
+    xs = [q, k, v]
+    xs[which] = xs[which].detach().requires_grad_()
+    out = F.scaled_dot_product_attention(*xs, attn_mask=mask)
+    ref = _TF.scaled_dot_product_attention(*xs, attn_mask=dense)
+    torch.testing.assert_close(out, ref)
+    gout = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, xs[which], gout), torch.autograd.grad(ref, xs[which], gout))
+
+
+@pytest.mark.parametrize("L,S", [(0, 7), (5, 0)])
+def test_empty_problems(L, S):
+    q, k, v = torch.randn(2, L, 4), torch.randn(2, S, 4), torch.randn(2, S, 3)
+    keep = torch.ones(L, S, dtype=torch.bool)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=scorch.asformat(keep, "coo"))
+    torch.testing.assert_close(out, _TF.scaled_dot_product_attention(q, k, v, attn_mask=keep))
