@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import engine, fusion
-from .. import loopir as L
+from .. import loopir
 from ..compiler.caches import register
 from ..engine.convert import asformat
 from ..formats import LevelStorage, named, storage
@@ -42,7 +42,7 @@ from ..sparse_tensor import SparseTensor, dense_fallback, implements
 
 _SDPA = F.scaled_dot_product_attention
 #: the value types the fused kernels take (16-bit ones computed in float32)
-_FLOATS = (torch.float32, torch.float64) + L.HALF_DTYPES
+_FLOATS = (torch.float32, torch.float64) + loopir.HALF_DTYPES
 
 #: the block-diagonal patterns made from masks, by the mask's arrays (values included: a bool mask's values are
 #: part of its pattern) and the problem's shape
