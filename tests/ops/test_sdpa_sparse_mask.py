@@ -186,9 +186,10 @@ def test_grouped_query_attention():
     _compare(mask, dense, q, k, v, enable_gqa=True)
 
 
-def test_dropout():
+@pytest.mark.parametrize("additive", [False, True])
+def test_dropout(additive):
     g = torch.Generator().manual_seed(9)
-    mask, dense = _mask((6, 8), 0.5, "csr", False, torch.float64, g)
+    mask, dense = _mask((6, 8), 0.5, "csr", additive, torch.float64, g)
     q, k, v = _qkv(1, 2, 6, 8, 4, 8, torch.float64, g)
     plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0), plain)
@@ -199,7 +200,7 @@ def test_dropout():
     dropped = F.scaled_dot_product_attention(q, k, eye, attn_mask=mask, dropout_p=p)
     probs = _TF.scaled_dot_product_attention(q, k, eye, attn_mask=dense)
     kept = dropped != 0
-    assert not (kept & ~dense).any()  # never outside the mask
+    assert not (kept & (probs == 0)).any()  # never outside the mask
     torch.testing.assert_close(dropped[kept], probs[kept] / (1 - p))
     assert 0 < kept.sum() < (probs != 0).sum()
     torch.manual_seed(0)
