@@ -183,7 +183,8 @@ def _pattern(mask, batch, L, S, causal, dtype):
         ones = torch.ones(idx.numel(), dtype=dtype, device=dev)
         pattern = _csr(crow(l, L), s[idx] + block * S, ones, (n * L, n * S))
         transposed = _csr(crow(s, S), l[perm_t][idx] + block * L, ones, (n * S, n * L))
-        return pattern, (transposed, rel[idx] + first[block]), at[idx], keep_from
+        small = storage.pick_index_dtype(idx.numel(), at.numel())  # (kept with the pattern: int32 where it fits)
+        return pattern, (transposed, (rel[idx] + first[block]).to(small)), at[idx].to(small), keep_from
 
     values = (_Arrays(values=mask._vals),) if mask.dtype == torch.bool else ()
     return _PATTERNS.lookup((tuple(batch), L, S, bool(causal), dtype, tuple(mask.shape), mask._format),
