@@ -164,6 +164,12 @@ float32 experts is float32), where torch raises `RuntimeError: expected ... same
 operands alike; torch code casts first and gets the same values. SparseTensors hold real values (bool, integers,
 float16, bfloat16, float32, float64): complex values are refused where a SparseTensor would be made (`TypeError`).
 
+**Sparse attention** is written as in torch: `F.scaled_dot_product_attention(q, k, v, attn_mask=S)` with a sparse
+mask `S` computes the scores only at the mask's allowed entries (a bool mask's stored True entries; an additive
+float mask's stored entries, their values added to the scores, an unstored position meaning `-inf`), for every
+batch and head at once, by the fused kernels (SDDMM, row softmax and SpMM in one pass per row), forward and
+backward. Its row below says the rest (`is_causal`, dropout, shapes, formats).
+
 """
 
 

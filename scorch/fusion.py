@@ -120,12 +120,13 @@ def _sddmm_grad(which, pattern, q, k, grad_values):
 
 
 class SddmmExpr:
-    """``alpha * (q @ k^T)`` at the stored entries of a row-compressed ``pattern``, as values."""
+    """``alpha * (q @ k^T)`` at the stored entries of a row-compressed ``pattern``, as values; plus ``bias`` (values
+    on the pattern's entries: an additive attention mask's) where given."""
     exact_layout = True
     dense = False
 
-    def __init__(self, pattern, q, k, alpha):
-        self.pattern, self.q, self.k, self.alpha = pattern, q, k, alpha
+    def __init__(self, pattern, q, k, alpha, bias=None):
+        self.pattern, self.q, self.k, self.alpha, self.bias = pattern, q, k, alpha, bias
         self.operands = (q, k)
         self.grad = False  # (whether the scores are an autograd Function's output: set by lazy_sddmm)
 
@@ -136,7 +137,8 @@ class SddmmExpr:
         # the pattern's own format: the values must line up with its entries (a differentiable einsum would give
         # a padded pattern's result unpadded)
         ones = _ones(self.pattern, self.q.dtype)
-        return engine.scaled("ij,ik,jk->ij", self.alpha, ones, self.q, self.k, format=ones.format).values()
+        scores = engine.scaled("ij,ik,jk->ij", self.alpha, ones, self.q, self.k, format=ones.format).values()
+        return scores if self.bias is None else scores + self.bias
 
 
 class SoftmaxExpr:
@@ -447,7 +449,7 @@ class _Ready:
         probs = torch.empty(p._vals.shape, dtype=q.dtype) if self.keep_probs else None
         out = (torch.zeros if self.zero_out else torch.empty)(p._shape[0], v.shape[1], dtype=q.dtype)
         live = {"q": q, "k": sddmm.k, "v": v, "probs": probs, "out": out, "pos": st.pos, "crd": st.crd,
-                "scale": sddmm.alpha, "threads": torch.get_num_threads()}
+                "scale": sddmm.alpha, "threads": torch.get_num_threads(), "bias": sddmm.bias}
         args = list(self.template)
         for i, name in self.slots:
             x = live[name]
@@ -461,7 +463,8 @@ def attention(sddmm: SddmmExpr, v, keep_probs=True):
     unless ``keep_probs`` (the kernel keeps a row's probabilities in a row buffer then, as it does the scores).
     Public for tests: they call it, and spy on it to see the fused kernel run."""
     p, q, st = sddmm.pattern, sddmm.q, sddmm.pattern._levels[-1]
-    key = (id(st.pos), id(st.crd), p._format, p._shape, q.dtype, q.shape, sddmm.k.shape, v.shape, keep_probs)
+    key = (id(st.pos), id(st.crd), p._format, p._shape, q.dtype, q.shape, sddmm.k.shape, v.shape, keep_probs,
+           sddmm.bias is None)
     ready = READY.get(key)
     if ready is not None:
         done = ready(sddmm, v)
@@ -475,7 +478,7 @@ def attention(sddmm: SddmmExpr, v, keep_probs=True):
     fused, compiled, values = prepared
     cpp.call(fused, compiled, values)
     bound = _Ready.binding(fused, values, {"q": q, "k": sddmm.k, "v": v, "probs": values.get("probs"),
-                                           "out": values["out"], "pos": st.pos, "crd": st.crd})
+                                           "out": values["out"], "pos": st.pos, "crd": st.crd, "bias": sddmm.bias})
     if bound is not None and len(p._levels) == 2 and p._levels[0].pos is None and st.crd is not None:  # (CSR)
         zero_out = not _PLANS[_signature(sddmm, v)][1][0].lowered.writes_every_output
         READY[key] = _Ready(compiled, *bound, st, zero_out, keep_probs)
@@ -500,6 +503,7 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
     vt, it = L.type_of(q.dtype), L.type_of(p.index_dtype)
     ct = L.compute_type(vt)
     maps, inner = _KERNEL_MAPS[False, vt != ct]
+    additive = sddmm.bias is not None
 
     def build():
         # the scores are scaled as they are stored, and their max taken there too (no pass over the row for it);
@@ -509,6 +513,8 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
             t, it, normalize=keep_probs, peak_of="smax", rounded=rounded if keep_probs else None), plan3))
         fused = L.Kernel(fused.name, fused.params + (L.Param("scale", "scalar", ct),), fused.body)
         fused = fuse.scale_stores(fused, "scores", L.Var("scale", ct))
+        if additive:
+            fused = fuse.add_stores(fused, "scores", "bias", vt)
         fused = fuse.track_max(fused, "scores", "smax", ct, CPU.lanes(ct))
         if not keep_probs:
             fused = fuse.scale_stores(fused, "out", L.Var("inv_f1", ct))
@@ -517,7 +523,7 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
         fused = fuse.localize(fused, ("scores",) if keep_probs and inner == "probs" else ("scores", inner), it)
         return fuse.constant(fused, "f0_t0_vals", 1.0)
 
-    built = _compiled((id(plan1), id(plan3), keep_probs), build)
+    built = _compiled((id(plan1), id(plan3), keep_probs, additive), build)
     if built is None:
         return None
     fused, compiled = built
@@ -530,7 +536,7 @@ def prepare(sddmm: SddmmExpr, v, keep_probs=True):
     values = _part_values(maps, ((0, engine.arguments(plan1, [ones, q, k], sizes1, scores)),
                                  (2, engine.arguments(plan3, [ones, v], sizes3, out))))
     values.update({"probs": probs, "out": out, "scale": sddmm.alpha, "nthreads": torch.get_num_threads(),
-                   "longest": _longest(p)})
+                   "longest": _longest(p), "bias": sddmm.bias})
     return fused, compiled, {prm.name: values[prm.name] for prm in fused.params}
 
 

@@ -285,6 +285,19 @@ def scale_stores(kernel: L.Kernel, array: str, factor: L.Expr) -> L.Kernel:
     return L.Kernel(kernel.name, kernel.params, body)
 
 
+def add_stores(kernel: L.Kernel, array: str, addend: str, vtype: str) -> L.Kernel:
+    """``kernel`` with ``addend[i]`` (an array of ``vtype`` values, read at the store's own index, in the stored
+    value's type) added to every value it stores into ``array[i]``: an additive attention mask's values added to
+    the scores as they are stored."""
+    def add(s):
+        if not isinstance(s, L.Store) or s.array != array:
+            return None
+        term = L.Load(addend, s.index, vtype)
+        term = term if vtype == s.value.type else L.Cast(term, s.value.type)
+        return replace(s, value=L.Binary("add", s.value, term, s.value.type))
+    return L.Kernel(kernel.name, kernel.params + (L.Param(addend, "array", vtype),), _rewrite(kernel.body, add))
+
+
 def row_kernel(name: str, itype: str, body: L.Block, params) -> L.Kernel:
     """A kernel of one parallel loop over a CSR pattern's rows (variable ``c0``, nnz-balanced by ``t0_l1_pos``),
     as the lowering makes it for operand 0, so that ``rows`` can fuse it with lowered kernels; ``params`` are the
