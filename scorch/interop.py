@@ -126,8 +126,8 @@ def to_scipy(s) -> "scipy.sparse.sparray":  # noqa: F821
     """``s`` (a 2-d SparseTensor, or a torch sparse tensor) as a SciPy sparse array: csr, csc, coo and bsr formats
     as the SciPy array of that format, sharing the index arrays and values (torch's ``Tensor.numpy()``: writes
     through one are seen by the other); other formats converted first (bsc to bsr, dcsr to csr, dcsc to csc, any
-    other to csr, and a blocked format whose shape is not a multiple of its blocks to csr). As ``Tensor.numpy()``: on the CPU, outside autograd (``s.detach().to_scipy()``), values of a
-    dtype scipy.sparse takes (not float16 or bfloat16: ``s.float().to_scipy()``)."""
+    other to csr, and a blocked format whose shape is not a multiple of its blocks to csr). As ``Tensor.numpy()``:
+    on the CPU, outside autograd (``s.detach().to_scipy()``), values of a dtype scipy.sparse takes (not float16 or bfloat16: ``s.float().to_scipy()``)."""
     if isinstance(s, torch.Tensor) and not isinstance(s, SparseTensor) and s.layout != torch.strided:
         s = from_torch(s)
     if not isinstance(s, SparseTensor):

@@ -50,8 +50,9 @@ def planned(plan: Tiles) -> Tiles:
 
 
 def forward(plan: Tiles) -> L.Kernel:
-    """``y = x @ W^T (+ bias)`` for a ``planned`` plan: work items of a token tile and a chunk of ``row_chunk`` rows (whole blocks of
-    ``rows``), each block's rows summed tile by tile into ``ta``, then the epilogue and the store."""
+    """``y = x @ W^T (+ bias)`` for a ``planned`` plan: work items of a token tile and a chunk of ``row_chunk``
+    rows (whole blocks of ``rows``), each block's rows summed tile by tile into ``ta``, then the epilogue and the
+    store."""
     T, R, U, TP = plan.T, plan.rows, plan.unroll, tile_pairs(plan.T)
     n_out, tiles = L.Var("n_out"), L.Var("tiles")
     vec = plan.lanes if plan.lanes > 1 else 0

@@ -314,7 +314,8 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
     chunks, row_chunk = _split(plan, x.shape[0], n_out, torch.get_num_threads())
     kernel, loaded = _kernel(plan, "pair_tiles")
-    cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": _PAIR_WORDS.lookup(("pairs", plan.T), vals, words, (dest,)),
+    packed = _PAIR_WORDS.lookup(("pairs", plan.T), vals, words, (dest,))
+    cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
                               "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
                               "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
                               "tiles": (seg.numel() - 1) // (-(-n_out // family.STORE_ROWS) * family.STORE_ROWS),

@@ -286,8 +286,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask's stored entries (a blocked format's stored padding too), their values added to the scores (an unstored
     position means -inf: masked out). Every batch x head problem runs in one block-diagonal pattern, made once per
     mask, by the fused SDDMM (+ the additive mask) -> row softmax -> SpMM kernels, forward and backward; with
-    ``dropout_p > 0``, or an additive mask holding -inf, by the three sparse ops in turn. ``is_causal=True`` keeps the mask's entries with key <= query (torch refuses a
-    mask with it); ``scale``, ``dropout_p`` and ``enable_gqa`` as torch; a row with no allowed key gives zeros, as
+    ``dropout_p > 0``, or an additive mask holding -inf, by the three sparse ops in turn. ``is_causal=True`` keeps
+    the mask's entries with key <= query (torch refuses a mask with it); ``scale``, ``dropout_p`` and ``enable_gqa`` as torch; a row with no allowed key gives zeros, as
     torch. Values and gradients (q, k, v, and an additive mask's values) are dense SDPA's given the dense mask. A
     dense or absent mask is torch's own SDPA; a sparse query, key or value, or a hybrid mask, the dense fallback.
 
