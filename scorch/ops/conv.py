@@ -1,0 +1,184 @@
+"""Convolutions with a sparse weight: ``F.conv1d`` / ``conv2d`` / ``conv3d`` (``torch.conv*`` are the same functions)
+on a dense input and a SparseTensor weight of shape ``(out, in / groups, *kernel)``.
+
+A convolution is a product of the weight's matrix view ``(out, in / groups * prod(kernel))`` with the unfolded
+input (im2col: one row per output position, ``in * prod(kernel)`` columns), so it runs through ``F.linear``'s
+sparse-weight kernel family (``engine.weights``: CSR, BSR and n:m) forward and backward: the input gradient
+is ``linear``'s, folded back by autograd through the unfolding (a strided view), and the weight gradient is
+computed on the view's pattern only, then gathered back onto the weight's own stored positions.
+
+Groups are one product, not one per group: the view of a grouped weight is block diagonal, ``(out,
+in * prod(kernel))``, row ``o``'s entries shifted to its group's columns, which has the weight's nnz.
+
+The view's format is the one ``scorch.schedule`` recorded on the weight (``set_format("csr")``, ``.block(bh,
+bw)``, ``NM(n, m)`` name the format of the matrix view: ``_view_format``), else CSR; a view that does not fit
+it (an n:m pattern whose groups the block-diagonal shift breaks) runs as CSR. The view's index arrays and the
+map from its positions to the weight's are built once per weight pattern (``PatternMemo``); each call gathers
+the current values, so optimizer steps are seen.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compiler.caches import register
+from ..engine import asformat
+from ..engine.convert import coo_from_entries
+from ..formats import named, storage
+from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
+from .linalg import linear
+
+#: the matrix views of conv weights, per pattern, view format and groups
+_VIEWS = storage.PatternMemo(128)
+register("conv-views", "matrix views of sparse conv weights and their maps to the weights' positions", _VIEWS.__len__,
+         _VIEWS.clear)
+
+
+def view_format_of(weight: SparseTensor):
+    """The format of ``weight``'s matrix view: the one recorded at ``schedule.apply`` (``_view_format``), else CSR."""
+    return weight.__dict__.get("_view_format") or named.resolve("csr", 2)
+
+
+def _build_view(weight: SparseTensor, fmt, groups: int):
+    """``(format, levels, index)`` of the block-diagonal matrix view: the view's stored positions hold the
+    weight's values at ``index`` (``nnz``, one past the last, where a position has none: block fill, padding)."""
+    out, cg = weight.shape[0], weight.shape[1]
+    k = math.prod(weight.shape[2:])
+    leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
+    if weight._format.padded:
+        inside &= ~padding_of(weight)[leaf]
+    leaf, dims = leaf[inside], dims[:, inside]
+    col = storage.linear_index(dims[1:], tuple(weight.shape[1:]))
+    col = col + (dims[0] // (out // groups)) * (cg * k)
+    # the weight's positions, counted from 1, as the values of the view: 0 marks a position that has none
+    tags = (leaf + 1).to(torch.float64)
+    coo = coo_from_entries([dims[0], col], tags, (out, groups * cg * k), False)
+    try:
+        view = asformat(coo, fmt)
+    except ValueError:
+        if named.name_of(fmt) == "csr":
+            raise
+        view = asformat(coo, named.resolve("csr", 2))
+    index = view.values().round().long() - 1
+    index = torch.where(index < 0, weight.nnz, index)
+    return view._format, view._levels, index
+
+
+def matrix_view(weight: SparseTensor, groups: int = 1) -> SparseTensor:
+    """``weight`` (``out x in/groups x *kernel``) as its block-diagonal ``out x in * prod(kernel)`` matrix, on the
+    weight's current values (differentiable: the gradient of the view's values reaches the weight's)."""
+    fmt = view_format_of(weight)
+    key = (fmt, groups, tuple(weight.shape))
+    hit = _VIEWS.get(key, weight._levels)
+    if hit is None:
+        with torch.no_grad():
+            hit = _build_view(weight, fmt, groups)
+        _VIEWS.put(key, weight._levels, hit)
+    vfmt, levels, index = hit
+    vals = weight.values()
+    vals = torch.cat([vals, vals.new_zeros(1)])[index]
+    k = math.prod(weight.shape[2:])
+    return SparseTensor(vfmt, (weight.shape[0], groups * weight.shape[1] * k), levels, vals, check=False)
+
+
+def _tuple(v, d: int, what: str, op: str) -> tuple:
+    t = tuple(v) if isinstance(v, (tuple, list)) else (v,) * d
+    if len(t) == 1:
+        t = t * d
+    if len(t) != d or any(isinstance(x, bool) or not isinstance(x, int) for x in t):
+        raise ValueError(f"{op}: {what} must be an int or {d} ints, got {v!r}")
+    return t
+
+
+def _pads(padding, d, kernel, stride, dilation, op):
+    """``((left, right), ...)`` per spatial dimension; ``"same"`` puts the odd one on the right, as torch does."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [(0, 0)] * d
+        if padding != "same":
+            raise ValueError(f"{op}: padding must be 'valid', 'same', an int or a tuple of ints, got {padding!r}")
+        if any(s != 1 for s in stride):
+            raise ValueError(f"{op}: padding='same' is not supported for strided convolutions")
+        total = [dl * (k - 1) for k, dl in zip(kernel, dilation)]
+        return [(t // 2, t - t // 2) for t in total]
+    p = _tuple(padding, d, "padding", op)
+    if any(x < 0 for x in p):
+        raise ValueError(f"{op}: padding must be non-negative, got {padding!r}")
+    return [(x, x) for x in p]
+
+
+def _unfold(x, kernel, stride, dilation):
+    """``x`` (N, C, *spatial), already padded, as (N * positions, C * prod(kernel)) rows (im2col), and the output's
+    spatial size. One strided view (``Tensor.unfold`` per dimension), copied once into rows."""
+    d = len(kernel)
+    for i, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(2 + i, dl * (k - 1) + 1, s)
+    if any(dl != 1 for dl in dilation):
+        x = x[(...,) + tuple(slice(None, None, dl) for dl in dilation)]
+    n, c, sizes = x.shape[0], x.shape[1], tuple(x.shape[2:2 + d])
+    # (N, C, *L, *k) -> (N, *L, C, *k)
+    x = x.movedim(1, 1 + d)
+    return x.reshape(n * math.prod(sizes), c * math.prod(kernel)), sizes
+
+
+def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """The ``d``-dimensional convolution of a dense ``input`` with a sparse ``weight`` (see the module docstring)."""
+    op = f"conv{d}d"
+    if not isinstance(weight, SparseTensor) or isinstance(input, SparseTensor) or isinstance(bias, SparseTensor) \
+            or not isinstance(input, torch.Tensor) or input.layout != torch.strided:
+        raise NoSparseRule(f"{op}: only a sparse weight with a dense input and bias runs sparse")
+    if weight.dim() != d + 2:
+        raise ValueError(f"{op}: weight must be {d + 2}-d (out, in / groups, *kernel), got shape"
+                         f" {tuple(weight.shape)}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(f"{op}: groups must be a positive integer, got {groups!r}")
+    batched = input.dim() == d + 2
+    if input.dim() not in (d + 1, d + 2):
+        raise ValueError(f"{op}: expected a {d + 1}-d (unbatched) or {d + 2}-d (batched) input, got shape"
+                         f" {tuple(input.shape)}")
+    x = input if batched else input.unsqueeze(0)
+    out_ch, cg = weight.shape[0], weight.shape[1]
+    kernel = tuple(weight.shape[2:])
+    if out_ch % groups:
+        raise ValueError(f"{op}: out_channels ({out_ch}) must be divisible by groups ({groups})")
+    if x.shape[1] != cg * groups:
+        raise ValueError(f"{op}: input of shape {tuple(input.shape)} has {x.shape[1]} channels; the weight of shape"
+                         f" {tuple(weight.shape)} with groups={groups} expects {cg * groups}")
+    if bias is not None and tuple(bias.shape) != (out_ch,):
+        raise ValueError(f"{op}: bias must have shape ({out_ch},), got {tuple(bias.shape)}")
+    stride = _tuple(stride, d, "stride", op)
+    dilation = _tuple(dilation, d, "dilation", op)
+    if any(s <= 0 for s in stride) or any(dl <= 0 for dl in dilation):
+        raise ValueError(f"{op}: stride and dilation must be positive, got {stride} and {dilation}")
+    pads = _pads(padding, d, kernel, stride, dilation, op)
+    if any(p for pair in pads for p in pair):
+        x = torch.nn.functional.pad(x, [p for pair in reversed(pads) for p in pair])
+    for size, k, dl in zip(x.shape[2:], kernel, dilation):
+        if size < dl * (k - 1) + 1:
+            raise ValueError(f"{op}: the (padded) input of spatial size {tuple(x.shape[2:])} is smaller than the"
+                             f" dilated kernel {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{op}: input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    rows, sizes = _unfold(x, kernel, stride, dilation)
+    out = linear(rows, matrix_view(weight, groups), bias)
+    out = out.reshape(x.shape[0], *sizes, out_ch).movedim(-1, 1)
+    return out if batched else out.squeeze(0)
+
+
+@implements(torch.nn.functional.conv1d)
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """``F.conv1d`` with a sparse weight (``conv``)."""
+    return conv(1, input, weight, bias, stride, padding, dilation, groups)
+
+
+@implements(torch.nn.functional.conv2d)
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """``F.conv2d`` with a sparse weight (``conv``)."""
+    return conv(2, input, weight, bias, stride, padding, dilation, groups)
+
+
+@implements(torch.nn.functional.conv3d)
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """``F.conv3d`` with a sparse weight (``conv``)."""
+    return conv(3, input, weight, bias, stride, padding, dilation, groups)
