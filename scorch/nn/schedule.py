@@ -40,9 +40,15 @@ Applying
     several modules is replaced everywhere). The modules' code is unchanged: their forward reaches scorch
     because ``F.linear`` etc. dispatch on the SparseTensor. A parameter whose module calls a torch function
     scorch does not implement for sparse operands (``nn.MultiheadAttention`` calls
-    ``F.multi_head_attention_forward``; convolutions, norms) raises ``NotImplementedError`` at
+    ``F.multi_head_attention_forward``; transposed convolutions, norms) raises ``NotImplementedError`` at
     ``apply`` naming it, before anything is replaced. Create the optimizer after ``apply`` (it must hold the
     new Parameters).
+
+Convolution weights
+    The weight of a ``Conv1d``/``Conv2d``/``Conv3d`` is sparsified and formatted as its matrix view ``(out,
+    in / groups * prod(kernel))`` (``"csr"``, ``.block(bh, bw)``, ``NM(2, 4)`` along that view's rows): the
+    Parameter keeps the conv's shape (canonical COO of the kept entries, ``to_dense()`` the N-d weight) and
+    records the view's format, which ``F.conv*d`` computes in (``scorch.ops.conv``).
 
 Dynamic patterns
     ``s.step(optimizer=None)`` (after ``opt.step()``), or ``s.attach(opt)`` (a step post hook doing it),
@@ -268,11 +274,11 @@ class ParameterSelection(_Selection):
 
     @property
     def formats(self) -> dict:
-        """``{name: scorch.Format}``: the format each selected parameter will be stored in."""
-        params = self._schedule._parameters()
-        plans = [self._schedule._params.get(n) for n in self.names]
-        return {n: _stored_format(p, params[n]) if p is not None else Layout().compose(params[n].dim())
-                for n, p in zip(self.names, plans)}
+        """``{name: scorch.Format}``: the format each selected parameter will be stored in (a conv weight's: that
+        of its matrix view)."""
+        params, model = self._schedule._parameters(), self._schedule.model
+        return {n: _stored_format(self._schedule._params.get(n) or _ParamPlan(), _as_stored(model, n, params[n]))
+                for n in self.names}
 
     def _edit(self, change):
         params = self._schedule._parameters()
@@ -281,7 +287,7 @@ class ParameterSelection(_Selection):
         for name, layout in zip(self.names, layouts):  # all checked before any is changed
             change(layout)
             try:
-                layout.compose(params[name].dim())
+                layout.compose(2 if _conv_weight(self._schedule.model, name) else params[name].dim())
             except ValueError as e:
                 raise ValueError(f"parameter {name!r} {tuple(params[name].shape)}: {e}") from e
         for plan, layout in zip(plans, layouts):
@@ -357,6 +363,28 @@ def _stored_format(plan, w) -> Format:
             and 0 < rule.n and w.shape[1] % rule.m == 0:
         return named.nm(rule.n, rule.m)
     return layout.compose(w.dim())
+
+
+def _conv_weight(model, name) -> bool:
+    """Whether the parameter ``name`` is the weight of a ``Conv1d``/``Conv2d``/``Conv3d``: its formats and
+    sparsifiers apply to its matrix view ``(out, in / groups * prod(kernel))`` (``ops.conv``)."""
+    owner, _, attr = name.rpartition(".")
+    return attr == "weight" and isinstance(model.get_submodule(owner), (_nn.Conv1d, _nn.Conv2d, _nn.Conv3d))
+
+
+def _as_stored(model, name, w):
+    """``w`` as its format applies to it: a conv weight's matrix view, any other parameter itself."""
+    return w.reshape(w.shape[0], -1) if _conv_weight(model, name) else w
+
+
+def _sparse_conv_weight(rule, w, fmt: Format) -> SparseTensor:
+    """``w`` (``out x in/groups x *kernel``) sparsified by ``rule`` on its matrix view, stored in ``fmt`` there,
+    kept as the canonical COO of the conv's shape (the entries of the view: block fill stays stored, padding
+    does not) with ``fmt`` recorded as the view's format (``_view_format``, read by ``ops.conv``)."""
+    view = rule.sparsify(w.reshape(w.shape[0], -1), fmt)
+    out = view.reshape(tuple(w.shape))
+    out.__dict__["_view_format"] = fmt
+    return out
 
 
 def _replace(model, old, new):
@@ -496,8 +524,14 @@ class Schedule:
             p = params[name]
             w = p.detach()
             try:
-                fmt = _stored_format(plan, w)
-                built[name] = _nn.Parameter(plan.rule.sparsify(w, fmt), requires_grad=p.requires_grad)
+                if _conv_weight(self.model, name):
+                    fmt = _stored_format(plan, _as_stored(self.model, name, w))
+                    sparse = _sparse_conv_weight(plan.rule, w, fmt)
+                    built[name] = _nn.Parameter(sparse, requires_grad=p.requires_grad)
+                    built[name].__dict__["_view_format"] = fmt
+                else:
+                    fmt = _stored_format(plan, w)
+                    built[name] = _nn.Parameter(plan.rule.sparsify(w, fmt), requires_grad=p.requires_grad)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parameter {name!r} {tuple(w.shape)}: {e}") from e
         for name, new in built.items():
@@ -564,7 +598,9 @@ class Schedule:
                 continue
             with torch.no_grad():
                 dense = p.detach().to_dense()
-                new = masked(dense, plan.rule.checked_mask(dense), p.format)
+                view = p.__dict__.get("_view_format")
+                new = masked(dense, plan.rule.checked_mask(dense), p.format) if view is None else \
+                    _sparse_conv_weight(plan.rule, dense, view)
                 p.copy_(new)  # same pattern: values copied; another pattern: p's pattern replaced
                 for opt in optimizers:
                     state = opt.state.get(p)
@@ -584,7 +620,9 @@ class Schedule:
                 continue
             sparse = isinstance(p, SparseTensor)
             rows.append(dict(kind="param", name=name, shape=tuple(p.shape),
-                             format=short_name(p.format) if sparse else "dense (not applied)",
+                             format=(short_name(p.format) if "_view_format" not in p.__dict__ else
+                                     f"{short_name(p.__dict__['_view_format'])} (matrix view)")
+                             if sparse else "dense (not applied)",
                              density=p.density if sparse else 1.0, dense_bytes=p.numel() * p.element_size(),
                              bytes=storage_bytes(p)))
         for name, plan in self._outputs.items():

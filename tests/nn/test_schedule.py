@@ -277,10 +277,11 @@ def test_multihead_attention_parameters_are_refused_at_apply(name):
     assert type(layer.linear1.weight) is torch.nn.Parameter  # nothing replaced
 
 
-def test_convolution_weights_are_refused_at_apply():
-    s = scorch.schedule(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)))
+def test_transposed_convolution_weights_are_refused_at_apply():
+    # (Conv1d/2d/3d weights are sparse in their matrix view: tests/nn/test_sparse_conv.py)
+    s = scorch.schedule(torch.nn.Sequential(torch.nn.ConvTranspose2d(3, 4, 3)))
     s["0.weight"].sparsify(ScalarFraction(0.5)).set_format("coo")
-    with pytest.raises(NotImplementedError, match="'0.weight'.*conv2d"):
+    with pytest.raises(NotImplementedError, match="'0.weight'.*conv_transpose2d"):
         s.apply()
 
 

@@ -1,0 +1,55 @@
+"""ResNet-18 (He et al. 2016) in torchvision's layout (``BasicBlock``: conv3x3-bn-relu-conv3x3-bn, a 1x1 conv-bn
+shortcut where the shape changes; stem 7x7/2 conv and 3x3/2 max pool; global average pool and a linear head),
+written here so that sparse-convolution tests and measurements need no torchvision. Parameter names match
+torchvision's (``layer1.0.conv1.weight``...), so a state_dict saved from its ``resnet18`` loads."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, layers=(2, 2, 2, 2), num_classes: int = 1000, width: int = 64):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        planes, inplanes = width, width
+        for k, blocks in enumerate(layers):
+            stride = 1 if k == 0 else 2
+            mods = [BasicBlock(inplanes, planes, stride)] + [BasicBlock(planes, planes) for _ in range(blocks - 1)]
+            setattr(self, f"layer{k + 1}", nn.Sequential(*mods))
+            inplanes, planes = planes, planes * 2
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inplanes, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18(num_classes: int = 1000, width: int = 64) -> ResNet:
+    """ResNet-18; ``width`` scales every stage (64 is the standard model; tests use smaller widths)."""
+    return ResNet((2, 2, 2, 2), num_classes, width)

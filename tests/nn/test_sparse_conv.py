@@ -1,0 +1,243 @@
+"""Convolutions with a sparse weight (``scorch.ops.conv``) and conv weights in ``scorch.schedule``: values, input
+gradients and weight gradients (on the pattern) against dense torch on the masked weight, for conv1d/2d/3d in
+CSR, BSR and n:m; a small CNN trained 3 steps; state_dict round trips; ResNet-18 at 90% CSR."""
+import copy
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import scorch
+from scorch.nn import NM, BlockFraction, ScalarFraction
+
+CONVS = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}
+FUNCS = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
+
+
+def _schedule(model, names, kind):
+    """Schedule the weights ``names`` of ``model`` in the format ``kind`` (csr, bsr, nm) and apply."""
+    s = scorch.schedule(model)
+    for name in names:
+        if kind == "csr":
+            s[name].sparsify(ScalarFraction(0.6)).set_format("csr")
+        elif kind == "bsr":
+            s[name].sparsify(BlockFraction(0.5, block=(2, 2))).block(2, 2)
+        else:
+            s[name].sparsify(NM(2, 4))
+    return s.apply()
+
+
+def _mask(p):
+    """The stored positions of a sparse parameter, as a dense bool tensor of its shape."""
+    return p.detach().with_values(torch.ones_like(p.detach().values())).to_dense() != 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=st.sampled_from([1, 2, 3]), kind=st.sampled_from(["csr", "bsr", "nm"]), groups=st.sampled_from([1, 2]),
+       og=st.integers(1, 3), cg=st.integers(1, 3), k=st.integers(1, 3), stride=st.integers(1, 2),
+       dilation=st.integers(1, 2), padding=st.sampled_from([0, 1, 2, "same", "valid"]), batch=st.integers(1, 2),
+       bias=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_conv_matches_dense(d, kind, groups, og, cg, k, stride, dilation, padding, batch, bias, seed):
+    if padding == "same":
+        stride = 1
+    if kind == "nm":
+        cg = 4  # (the matrix view's rows need a multiple of 4 entries)
+    if kind == "bsr":
+        og = 2  # (block rows inside one group)
+    torch.manual_seed(seed)
+    conv = CONVS[d](cg * groups, og * groups, k, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                    bias=bias)
+    dense = copy.deepcopy(conv)
+    _schedule(conv, ["weight"], kind)
+    w = conv.weight
+    assert isinstance(w, scorch.SparseTensor) and tuple(w.shape) == tuple(dense.weight.shape)
+    mask = _mask(w)
+    with torch.no_grad():
+        dense.weight.copy_(w.to_dense())
+    assert torch.equal(dense.weight * mask, dense.weight)
+    size = dilation * (k - 1) + 1 + 2
+    x = torch.randn(batch, cg * groups, *(size + i for i in range(d)), requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with scorch.strict():
+        y = conv(x)
+    yr = dense(xr)
+    assert y.shape == yr.shape
+    torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-5)
+    gy = torch.randn_like(yr)
+    (y * gy).sum().backward()
+    (yr * gy).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    g = w.grad
+    assert isinstance(g, scorch.SparseTensor)
+    torch.testing.assert_close(g.to_dense(), dense.weight.grad * mask, rtol=1e-4, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(conv.bias.grad, dense.bias.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["csr", "bsr", "nm"])
+def test_functional_conv_unbatched_and_channels_last(kind):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 6, 3, padding=1)
+    _schedule(conv, ["weight"], kind)
+    w, b = conv.weight, conv.bias
+    x = torch.randn(2, 8, 9, 7)
+    ref = torch.nn.functional.conv2d(x, w.detach().to_dense(), b, padding=1)
+    torch.testing.assert_close(torch.conv2d(x, w, b, 1, 1), ref, rtol=1e-4, atol=1e-5)
+    cl = x.to(memory_format=torch.channels_last)
+    torch.testing.assert_close(torch.nn.functional.conv2d(cl, w, b, padding=1), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.nn.functional.conv2d(x[0], w, b, padding=1), ref[0], rtol=1e-4, atol=1e-5)
+
+
+def test_depthwise_and_float64():
+    torch.manual_seed(1)
+    conv = torch.nn.Conv2d(6, 12, 3, padding="same", groups=6).double()
+    dense = copy.deepcopy(conv)
+    _schedule(conv, ["weight"], "csr")
+    with torch.no_grad():
+        dense.weight.copy_(conv.weight.to_dense())
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(conv(x), dense(x))
+
+
+def test_bad_arguments_raise():
+    conv = torch.nn.Conv2d(4, 6, 3)
+    _schedule(conv, ["weight"], "csr")
+    w = conv.weight
+    F = torch.nn.functional
+    with pytest.raises(ValueError, match="channels"):
+        F.conv2d(torch.randn(1, 5, 8, 8), w)
+    with pytest.raises(ValueError, match="groups"):
+        F.conv2d(torch.randn(1, 4, 8, 8), w, groups=4)
+    with pytest.raises(ValueError, match="strided"):
+        F.conv2d(torch.randn(1, 4, 8, 8), w, stride=2, padding="same")
+    with pytest.raises(ValueError, match="smaller than"):
+        F.conv2d(torch.randn(1, 4, 2, 2), w)
+    with pytest.raises(ValueError, match="4-d"):
+        F.conv2d(torch.randn(1, 4, 8, 8), scorch.asformat(torch.randn(6, 36), "csr"))
+
+
+def test_schedule_formats_and_refusals():
+    conv = torch.nn.Conv2d(3, 4, 3)  # the matrix view is 4 x 27
+    s = scorch.schedule(conv)
+    assert scorch.nn.schedule.named.name_of(s["weight"].set_format("csr").formats["weight"]) == "csr"
+    with pytest.raises(ValueError, match="2-d"):  # a transposed conv has no matrix view: its weight is 4-d
+        scorch.schedule(torch.nn.ConvTranspose2d(4, 4, 3))["weight"].set_format("csr")
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(NM(2, 4))  # 27 columns: not a multiple of 4
+    with pytest.raises(ValueError, match="27"):
+        s.apply()
+    assert type(conv.weight) is torch.nn.Parameter
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(ScalarFraction(0.5)).set_format("coo")  # any 2-d format: COO runs through einsum
+    s.apply()
+    x = torch.randn(1, 3, 6, 6)
+    torch.testing.assert_close(conv(x), torch.nn.functional.conv2d(x, conv.weight.to_dense(), conv.bias))
+
+
+def small_cnn(seed=0):
+    # (no conv bias before a BatchNorm: its gradient is ~0, rounding noise that Adam's normalization magnifies)
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 5))
+
+
+@pytest.mark.parametrize("kind,opt", [("csr", "adam"), ("bsr", "sgd"), ("nm", "adam")])
+def test_small_cnn_training_matches_masked_dense(kind, opt):
+    model = small_cnn()
+    names = ["0.weight", "3.weight"] if kind != "nm" else ["3.weight"]
+    ref = copy.deepcopy(model)
+    _schedule(model, names, kind)
+    masks = {n: _mask(p) for n, p in model.named_parameters() if isinstance(p, scorch.SparseTensor)}
+    assert set(masks) == set(names)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if n in masks:
+                p.copy_(dict(model.named_parameters())[n].to_dense())
+
+    def make(m):
+        return torch.optim.Adam(m.parameters(), lr=1e-2) if opt == "adam" else \
+            torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+    o, oref = make(model), make(ref)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, t = torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 5, (4,), generator=gen)
+        for m, op in ((model, o), (ref, oref)):
+            op.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), t).backward()
+        for n, p in ref.named_parameters():
+            if n in masks:
+                p.grad *= masks[n]
+        o.step()
+        oref.step()
+    params = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        q = params[n]
+        got = q.detach().to_dense() if isinstance(q, scorch.SparseTensor) else q.detach()
+        torch.testing.assert_close(got, p.detach(), rtol=1e-4, atol=1e-5)
+        if n in masks:
+            assert isinstance(q, scorch.SparseTensor) and torch.equal(_mask(q), masks[n])
+
+
+def test_state_dict_round_trip():
+    model = small_cnn()
+    _schedule(model, ["0.weight", "3.weight"], "csr")
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    y = model(x)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=False)
+    other = small_cnn(seed=5)
+    _schedule(other, ["0.weight", "3.weight"], "csr")
+    other.load_state_dict(sd)
+    other.eval()
+    torch.testing.assert_close(other(x), y)
+    dense = small_cnn(seed=7)
+    dense.load_state_dict({k: v.to_dense() if isinstance(v, scorch.SparseTensor) else v for k, v in sd.items()})
+    dense.eval()
+    torch.testing.assert_close(dense(x), y, rtol=1e-4, atol=1e-5)
+    assert tuple(sd["0.weight"].to_dense().shape) == (8, 3, 3, 3)
+
+
+def test_summary_names_the_matrix_view_format():
+    model = small_cnn()
+    s = scorch.schedule(model)
+    s["3.weight"].sparsify(BlockFraction(0.5, block=(2, 2))).block(2, 2)
+    s.apply()
+    row = [r for r in s.summary(print_it=False) if r["name"] == "3.weight"][0]
+    assert row["shape"] == (8, 8, 3, 3) and "matrix view" in row["format"] and "bsr" in row["format"]
+
+
+def test_resnet18_every_conv_csr_90_matches_masked_dense():
+    from benchmarks.resnet import resnet18
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10).eval()
+    ref = copy.deepcopy(model)
+    convs = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 20
+    s = scorch.schedule(model)
+    for n in convs:
+        s[f"{n}.weight"].sparsify(ScalarFraction(0.9)).set_format("csr")
+    s.apply()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n in convs:
+            w = params[f"{n}.weight"]
+            assert isinstance(w, scorch.SparseTensor) and w.density <= 0.11
+            ref.get_parameter(f"{n}.weight").copy_(w.to_dense())
+    x = torch.randn(1, 3, 32, 32)
+    with scorch.strict():
+        y = model(x)
+    yr = ref(x)
+    torch.testing.assert_close(y, yr, rtol=1e-3, atol=1e-4)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    for n in convs[:3] + convs[-3:]:
+        w = params[f"{n}.weight"]
+        r = ref.get_parameter(f"{n}.weight")
+        torch.testing.assert_close(w.grad.to_dense(), r.grad * _mask(w), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(model.fc.weight.grad, ref.fc.weight.grad, rtol=1e-3, atol=1e-4)
