@@ -46,7 +46,8 @@ Applying
 
 Convolution weights
     The weight of a ``Conv1d``/``Conv2d``/``Conv3d`` is sparsified and formatted as its matrix view ``(out,
-    in / groups * prod(kernel))`` (``"csr"``, ``.block(bh, bw)``, ``NM(2, 4)`` along that view's rows): the
+    prod(kernel) * in / groups)``, columns in the order ``(*kernel, in)`` (torch's channels_last weight order:
+    ``NM(2, 4)`` groups run along input channels) (``"csr"``, ``.block(bh, bw)``, ``NM(2, 4)``): the
     Parameter keeps the conv's shape (canonical COO of the kept entries, ``to_dense()`` the N-d weight) and
     records the view's format, which ``F.conv*d`` computes in (``scorch.ops.conv``).
 
@@ -77,10 +78,11 @@ import torch
 import torch.nn as _nn
 import torch.nn.functional as _F
 
-from ..formats import Format, named
+from ..formats import Format, named, storage
 from ..formats.expr import Div, Mod, Var, dim_name
 from ..formats.levels import Dense
 from ..formats.named import short_name
+from ..interop import coo_from_entries
 from ..ops.pattern import same_pattern
 from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, padding_of
 from .sparsify import NM, ScalarThreshold, Sparsifier, masked
@@ -373,16 +375,26 @@ def _conv_weight(model, name) -> bool:
 
 
 def _as_stored(model, name, w):
-    """``w`` as its format applies to it: a conv weight's matrix view, any other parameter itself."""
-    return w.reshape(w.shape[0], -1) if _conv_weight(model, name) else w
+    """``w`` as its format applies to it: a conv weight's matrix view ``(out, *kernel, in / groups)`` flattened to
+    ``(out, prod(kernel) * in / groups)`` (``ops.conv``), any other parameter itself."""
+    return w.movedim(1, -1).reshape(w.shape[0], -1) if _conv_weight(model, name) else w
 
 
 def _sparse_conv_weight(rule, w, fmt: Format) -> SparseTensor:
     """``w`` (``out x in/groups x *kernel``) sparsified by ``rule`` on its matrix view, stored in ``fmt`` there,
-    kept as the canonical COO of the conv's shape (the entries of the view: block fill stays stored, padding
-    does not) with ``fmt`` recorded as the view's format (``_view_format``, read by ``ops.conv``)."""
-    view = rule.sparsify(w.reshape(w.shape[0], -1), fmt)
-    out = view.reshape(tuple(w.shape))
+    kept as the canonical COO of the conv's shape (the view's entries: block fill stays stored, padding does not)
+    with ``fmt`` recorded as the view's format (``_view_format``, read by ``ops.conv``)."""
+    view = rule.sparsify(w.movedim(1, -1).reshape(w.shape[0], -1), fmt)
+    leaf, dims, inside = storage.coordinates(view.format, view.shape, view.levels)
+    if view.format.padded:
+        inside &= ~padding_of(view)[leaf]
+    leaf, (row, col) = leaf[inside], dims[:, inside]
+    kernel, cg = tuple(w.shape[2:]), w.shape[1]
+    coords, flat = [], col // cg
+    for k in reversed(kernel):
+        coords.append(flat % k)
+        flat = flat // k
+    out = coo_from_entries([row, col % cg, *reversed(coords)], view.values()[leaf], tuple(w.shape), False)
     out.__dict__["_view_format"] = fmt
     return out
 

@@ -1,14 +1,19 @@
 """Convolutions with a sparse weight: ``F.conv1d`` / ``conv2d`` / ``conv3d`` (``torch.conv*`` are the same functions)
 on a dense input and a SparseTensor weight of shape ``(out, in / groups, *kernel)``.
 
-A convolution is a product of the weight's matrix view ``(out, in / groups * prod(kernel))`` with the unfolded
-input (im2col: one row per output position, ``in * prod(kernel)`` columns), so it runs through ``F.linear``'s
+A convolution is a product of the weight's matrix view ``(out, prod(kernel) * in / groups)``, its columns in the
+order ``(*kernel, channel)`` (torch's channels_last weight order), with the unfolded input (im2col: one row per
+output position, ``prod(kernel) * in`` columns, each kernel position's channels contiguous), so it runs through ``F.linear``'s
 sparse-weight kernel family (``engine.weights``: CSR, BSR and n:m) forward and backward: the input gradient
 is ``linear``'s, folded back by autograd through the unfolding (a strided view), and the weight gradient is
 computed on the view's pattern only, then gathered back onto the weight's own stored positions.
 
 Groups are one product, not one per group: the view of a grouped weight is block diagonal, ``(out,
-in * prod(kernel))``, row ``o``'s entries shifted to its group's columns, which has the weight's nnz.
+prod(kernel) * in)``, row ``o``'s entries at its group's channels, which has the weight's nnz.
+
+Channels innermost, because the unfolding then copies runs of contiguous channels from a channels_last input
+(the output of the previous convolution is one: the product's rows are its positions), where the (channel,
+kernel) order of ``F.unfold`` copies runs of ``kw`` entries.
 
 The view's format is the one ``scorch.schedule`` recorded on the weight (``set_format("csr")``, ``.block(bh,
 bw)``, ``NM(n, m)`` name the format of the matrix view: ``_view_format``), else CSR; a view that does not fit
@@ -19,6 +24,7 @@ the current values, so optimizer steps are seen.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -41,16 +47,17 @@ def view_format_of(weight: SparseTensor):
 
 
 def _build_view(weight: SparseTensor, fmt, groups: int):
-    """``(format, levels, index)`` of the block-diagonal matrix view: the view's stored positions hold the
-    weight's values at ``index`` (``nnz``, one past the last, where a position has none: block fill, padding)."""
+    """``(format, levels, index, last)`` of the block-diagonal matrix view: the view's stored positions hold the
+    weight's values at ``index`` (``nnz``, one past the last, where a position has none: block fill, padding);
+    ``last``: the view's values last made without autograd, for the same values tensor and version."""
     out, cg = weight.shape[0], weight.shape[1]
     k = math.prod(weight.shape[2:])
     leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
     if weight._format.padded:
         inside &= ~padding_of(weight)[leaf]
     leaf, dims = leaf[inside], dims[:, inside]
-    col = storage.linear_index(dims[1:], tuple(weight.shape[1:]))
-    col = col + (dims[0] // (out // groups)) * (cg * k)
+    channel = dims[1] + (dims[0] // (out // groups)) * cg  # (the block-diagonal shift: the group's channels)
+    col = storage.linear_index(torch.cat([dims[2:], channel[None]]), tuple(weight.shape[2:]) + (groups * cg,))
     # the weight's positions, counted from 1, as the values of the view: 0 marks a position that has none
     tags = (leaf + 1).to(torch.float64)
     coo = coo_from_entries([dims[0], col], tags, (out, groups * cg * k), False)
@@ -62,11 +69,11 @@ def _build_view(weight: SparseTensor, fmt, groups: int):
         view = asformat(coo, named.resolve("csr", 2))
     index = view.values().round().long() - 1
     index = torch.where(index < 0, weight.nnz, index)
-    return view._format, view._levels, index
+    return view._format, view._levels, index, []
 
 
 def matrix_view(weight: SparseTensor, groups: int = 1) -> SparseTensor:
-    """``weight`` (``out x in/groups x *kernel``) as its block-diagonal ``out x in * prod(kernel)`` matrix, on the
+    """``weight`` (``out x in/groups x *kernel``) as its block-diagonal ``out x prod(kernel) * in`` matrix, on the
     weight's current values (differentiable: the gradient of the view's values reaches the weight's)."""
     fmt = view_format_of(weight)
     key = (fmt, groups, tuple(weight.shape))
@@ -75,11 +82,17 @@ def matrix_view(weight: SparseTensor, groups: int = 1) -> SparseTensor:
         with torch.no_grad():
             hit = _build_view(weight, fmt, groups)
         _VIEWS.put(key, weight._levels, hit)
-    vfmt, levels, index = hit
+    vfmt, levels, index, last = hit
     vals = weight.values()
-    vals = torch.cat([vals, vals.new_zeros(1)])[index]
+    tracked = vals.requires_grad and torch.is_grad_enabled()
+    if not tracked and last and last[0]() is vals and last[1] == vals._version:
+        view_vals = last[2]  # (inference: the same values tensor, unchanged, gives the same view, whose packed
+        #                    copies in engine.weights (ValuesMemo) then stay valid too)
+    else:
+        view_vals = torch.cat([vals, vals.new_zeros(1)])[index]
+        last[:] = [] if tracked else [weakref.ref(vals), vals._version, view_vals]
     k = math.prod(weight.shape[2:])
-    return SparseTensor(vfmt, (weight.shape[0], groups * weight.shape[1] * k), levels, vals, check=False)
+    return SparseTensor(vfmt, (weight.shape[0], groups * weight.shape[1] * k), levels, view_vals, check=False)
 
 
 def _tuple(v, d: int, what: str, op: str) -> tuple:
@@ -108,18 +121,26 @@ def _pads(padding, d, kernel, stride, dilation, op):
     return [(x, x) for x in p]
 
 
-def _unfold(x, kernel, stride, dilation):
-    """``x`` (N, C, *spatial), already padded, as (N * positions, C * prod(kernel)) rows (im2col), and the output's
-    spatial size. One strided view (``Tensor.unfold`` per dimension), copied once into rows."""
+def _unfold(x, kernel, stride, dilation, pads):
+    """``x`` (N, C, *spatial) as (N * positions, prod(kernel) * C) rows (im2col, channels innermost), padded by
+    ``pads``, and the output's spatial size. Channels last first (a view where ``x`` is channels_last, the one
+    copy of the input otherwise), then one strided view (``Tensor.unfold`` per dimension) copied once into rows:
+    each row is runs of C contiguous channels."""
     d = len(kernel)
+    x = x.movedim(1, -1)
+    if any(p for pair in pads for p in pair):
+        x = torch.nn.functional.pad(x, [0, 0] + [p for pair in reversed(pads) for p in pair])
+    for size, k, dl in zip(x.shape[1:1 + d], kernel, dilation):
+        if size < dl * (k - 1) + 1:
+            raise ValueError(f"the (padded) input of spatial size {tuple(x.shape[1:1 + d])} is smaller than the"
+                             f" dilated kernel {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
     for i, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
-        x = x.unfold(2 + i, dl * (k - 1) + 1, s)
+        x = x.unfold(1 + i, dl * (k - 1) + 1, s)
     if any(dl != 1 for dl in dilation):
         x = x[(...,) + tuple(slice(None, None, dl) for dl in dilation)]
-    n, c, sizes = x.shape[0], x.shape[1], tuple(x.shape[2:2 + d])
-    # (N, C, *L, *k) -> (N, *L, C, *k)
-    x = x.movedim(1, 1 + d)
-    return x.reshape(n * math.prod(sizes), c * math.prod(kernel)), sizes
+    n, sizes, c = x.shape[0], tuple(x.shape[1:1 + d]), x.shape[1 + d]
+    x = x.movedim(1 + d, -1)  # (N, *L, C, *k) -> (N, *L, *k, C)
+    return x.reshape(n * math.prod(sizes), math.prod(kernel) * c), sizes
 
 
 def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -152,15 +173,12 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     if any(s <= 0 for s in stride) or any(dl <= 0 for dl in dilation):
         raise ValueError(f"{op}: stride and dilation must be positive, got {stride} and {dilation}")
     pads = _pads(padding, d, kernel, stride, dilation, op)
-    if any(p for pair in pads for p in pair):
-        x = torch.nn.functional.pad(x, [p for pair in reversed(pads) for p in pair])
-    for size, k, dl in zip(x.shape[2:], kernel, dilation):
-        if size < dl * (k - 1) + 1:
-            raise ValueError(f"{op}: the (padded) input of spatial size {tuple(x.shape[2:])} is smaller than the"
-                             f" dilated kernel {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
     if x.dtype != weight.dtype:
         raise TypeError(f"{op}: input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    rows, sizes = _unfold(x, kernel, stride, dilation)
+    try:
+        rows, sizes = _unfold(x, kernel, stride, dilation, pads)
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
     out = linear(rows, matrix_view(weight, groups), bias)
     out = out.reshape(x.shape[0], *sizes, out_ch).movedim(-1, 1)
     return out if batched else out.squeeze(0)

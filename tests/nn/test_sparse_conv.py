@@ -81,6 +81,12 @@ def test_functional_conv_unbatched_and_channels_last(kind):
     conv = torch.nn.Conv2d(8, 6, 3, padding=1)
     _schedule(conv, ["weight"], kind)
     w, b = conv.weight, conv.bias
+    # the matrix view is (out, kh * kw * in), channels innermost, and runs in the scheduled format
+    view = scorch.ops.conv.matrix_view(w)
+    assert scorch.nn.schedule.named.name_of(view.format) == {"csr": "csr", "bsr": "bsr(2, 2)", "nm": "nm(2, 4)"}[kind]
+    torch.testing.assert_close(view.to_dense(), w.detach().to_dense().movedim(1, -1).reshape(6, 72))
+    if kind == "nm":  # 2 of every 4 input channels at each kernel position
+        assert torch.equal(_mask(w).movedim(1, -1).reshape(6, 18, 4).sum(-1), torch.full((6, 18), 2))
     x = torch.randn(2, 8, 9, 7)
     ref = torch.nn.functional.conv2d(x, w.detach().to_dense(), b, padding=1)
     torch.testing.assert_close(torch.conv2d(x, w, b, 1, 1), ref, rtol=1e-4, atol=1e-5)
@@ -241,3 +247,41 @@ def test_resnet18_every_conv_csr_90_matches_masked_dense():
         r = ref.get_parameter(f"{n}.weight")
         torch.testing.assert_close(w.grad.to_dense(), r.grad * _mask(w), rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(model.fc.weight.grad, ref.fc.weight.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_dynamic_pattern_follows_the_steps():
+    from scorch.nn import RandomFraction
+    torch.manual_seed(2)
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(RandomFraction(0.5, seed=0), dynamic=True).set_format("csr")
+    s.apply()
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+    s.attach(opt)
+    x = torch.randn(2, 4, 6, 6)
+    masks = [_mask(conv.weight)]
+    for _ in range(2):
+        opt.zero_grad()
+        conv(x).square().sum().backward()
+        opt.step()
+        masks.append(_mask(conv.weight))
+        # the convolution reads the new pattern (its matrix view is rebuilt), values as the dense weight's
+        torch.testing.assert_close(conv(x), torch.nn.functional.conv2d(x, conv.weight.detach().to_dense(), conv.bias,
+                                                                       padding=1), rtol=1e-4, atol=1e-5)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert all(int(m.sum()) == 144 for m in masks)
+    assert scorch.nn.schedule.named.name_of(conv.weight.__dict__["_view_format"]) == "csr"
+
+
+def test_inference_sees_values_changed_in_place():
+    torch.manual_seed(4)
+    conv = torch.nn.Conv1d(4, 4, 3, bias=False)
+    _schedule(conv, ["weight"], "csr")
+    x = torch.randn(2, 4, 9)
+    with torch.no_grad():
+        y1 = conv(x)
+        torch.testing.assert_close(conv(x), y1)  # (the view's values kept)
+        conv.weight.values().mul_(2)  # (a new version of the same values tensor)
+        torch.testing.assert_close(conv(x), 2 * y1)
+        conv.weight.copy_(conv.weight.detach().with_values(torch.ones(conv.weight.nnz)))
+        torch.testing.assert_close(conv(x), torch.nn.functional.conv1d(x, _mask(conv.weight).float()))
