@@ -186,17 +186,20 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
 
 @implements(torch.nn.functional.conv1d)
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    """``F.conv1d`` with a sparse weight (``conv``)."""
+    """A sparse weight on a dense input: the unfolded input times the weight's matrix view by the sparse-weight
+    ``linear`` kernels (CSR, BSR, n:m), forward and backward; a sparse input or bias runs on the dense form."""
     return conv(1, input, weight, bias, stride, padding, dilation, groups)
 
 
 @implements(torch.nn.functional.conv2d)
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    """``F.conv2d`` with a sparse weight (``conv``)."""
+    """A sparse weight on a dense input: the unfolded input times the weight's matrix view by the sparse-weight
+    ``linear`` kernels (CSR, BSR, n:m), forward and backward; a sparse input or bias runs on the dense form."""
     return conv(2, input, weight, bias, stride, padding, dilation, groups)
 
 
 @implements(torch.nn.functional.conv3d)
 def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    """``F.conv3d`` with a sparse weight (``conv``)."""
+    """A sparse weight on a dense input: the unfolded input times the weight's matrix view by the sparse-weight
+    ``linear`` kernels (CSR, BSR, n:m), forward and backward; a sparse input or bias runs on the dense form."""
     return conv(3, input, weight, bias, stride, padding, dilation, groups)

@@ -285,3 +285,21 @@ def test_inference_sees_values_changed_in_place():
         torch.testing.assert_close(conv(x), 2 * y1)
         conv.weight.copy_(conv.weight.detach().with_values(torch.ones(conv.weight.nnz)))
         torch.testing.assert_close(conv(x), torch.nn.functional.conv1d(x, _mask(conv.weight).float()))
+
+
+def test_any_sparse_weight_runs_as_csr_view():
+    # a 4-d weight made by scorch.asformat (no schedule, no recorded view format): its view is CSR
+    torch.manual_seed(5)
+    w = torch.randn(6, 2, 3, 3) * (torch.rand(6, 2, 3, 3) > 0.7)
+    S = scorch.asformat(w, "csf").requires_grad_()
+    x = torch.randn(1, 4, 7, 7, requires_grad=True)
+    with scorch.strict():
+        y = torch.nn.functional.conv2d(x, S, None, 1, 1, 1, 2)
+    xr, wr = x.detach().requires_grad_(), w.clone().requires_grad_()
+    yr = torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, 2)
+    torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-5)
+    assert scorch.nn.schedule.named.name_of(scorch.ops.conv.matrix_view(S, 2).format) == "csr"
+    y.sum().backward()
+    yr.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(S.grad.to_dense(), wr.grad * (w != 0), rtol=1e-4, atol=1e-5)
