@@ -139,6 +139,16 @@ def test_schedule_formats_and_refusals():
     s.apply()
     x = torch.randn(1, 3, 6, 6)
     torch.testing.assert_close(conv(x), torch.nn.functional.conv2d(x, conv.weight.to_dense(), conv.bias))
+    conv = torch.nn.Conv2d(4, 4, 3)
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(ScalarFraction(0.7)).set_format("bsr(2, 4)")  # elementwise mask, stored in blocks
+    s.apply()
+    view = scorch.ops.conv.matrix_view(conv.weight)
+    assert scorch.nn.schedule.named.name_of(view.format) == "bsr(2, 4)"
+    assert conv.weight.nnz == view.nnz  # (the blocks' zeros stay stored: the gradient covers whole blocks)
+    x = torch.randn(2, 4, 6, 6)
+    torch.testing.assert_close(conv(x), torch.nn.functional.conv2d(x, conv.weight.to_dense(), conv.bias),
+                               rtol=1e-4, atol=1e-5)
 
 
 def small_cnn(seed=0):
@@ -303,3 +313,14 @@ def test_any_sparse_weight_runs_as_csr_view():
     yr.sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(S.grad.to_dense(), wr.grad * (w != 0), rtol=1e-4, atol=1e-5)
+
+
+def test_a_view_that_does_not_fit_its_format_runs_as_csr():
+    w = torch.zeros(2, 4, 1, 1)
+    w[0, :3] = 1.0  # 3 of 4 input channels: not 2:4
+    w[1, 1] = 2.0
+    S = scorch.asformat(w, "coo")
+    S.__dict__["_view_format"] = scorch.nn.schedule.named.nm(2, 4)
+    assert scorch.nn.schedule.named.name_of(scorch.ops.conv.matrix_view(S).format) == "csr"
+    x = torch.randn(1, 4, 3, 3)
+    torch.testing.assert_close(torch.nn.functional.conv2d(x, S), torch.nn.functional.conv2d(x, w))
