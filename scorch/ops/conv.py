@@ -13,7 +13,9 @@ prod(kernel) * in)``, row ``o``'s entries at its group's channels, which has the
 
 Channels innermost, because the unfolding then copies runs of contiguous channels from a channels_last input
 (the output of the previous convolution is one: the product's rows are its positions), where the (channel,
-kernel) order of ``F.unfold`` copies runs of ``kw`` entries.
+kernel) order of ``F.unfold`` copies runs of ``kw`` entries (ResNet-18's 64-channel 3x3 layer at 56 x 56, batch 1,
+2 threads: 0.12 ms from a channels_last input, 0.18 ms from NCHW, against 1.2 ms for ``F.unfold`` and the copy to
+rows).
 
 The view's format is the one ``scorch.schedule`` recorded on the weight (``set_format("csr")``, ``.block(bh,
 bw)``, ``NM(n, m)`` name the format of the matrix view: ``_view_format``), else CSR; a view that does not fit
