@@ -208,12 +208,26 @@ def test_float_sparse_mask_through_the_module():
 
 
 def test_schedule_accepted_the_attention_weights_it_refused():
-    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2,
-                                        enable_nested_tensor=False)
+    """The issue's example, as a user writes it (nested tensors on): eval with a padding mask; torch's dense model
+    takes its nested-tensor fast path (zeros at the padded positions), the sparse one the slow path."""
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2)
+    ref = copy.deepcopy(model)
     s = scorch.schedule(model)
     s.glob("*self_attn.in_proj_weight").sparsify(scorch.nn.ScalarFraction(0.5))
     s.apply()
     assert all(isinstance(layer.self_attn.in_proj_weight, scorch.SparseTensor) for layer in model.layers)
+    with torch.no_grad():
+        for layer, other in zip(model.layers, ref.layers):
+            other.self_attn.in_proj_weight.copy_(layer.self_attn.in_proj_weight.to_dense())
+    model.eval()
+    ref.eval()
+    x = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(1))
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[1, -2:] = True
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, src_key_padding_mask=kpm)[~kpm], ref(x, src_key_padding_mask=kpm)[~kpm],
+                                   rtol=1e-5, atol=1e-5)
 
 
 ENCODER_WEIGHTS = ["self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight"]
