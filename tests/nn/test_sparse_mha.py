@@ -285,3 +285,15 @@ def test_transformer_encoder_every_weight_sparse(fmt, batch_first):
         for name in names:
             torch.testing.assert_close(other.get_parameter(name).detach().to_dense(),
                                        sparse.get_parameter(name).detach().to_dense())
+
+
+def test_bad_arguments_raise_as_torch():
+    sparse, dense = _sparse_pair(lambda: torch.nn.MultiheadAttention(E, H), ["in_proj_weight"], "csr")
+    x = torch.randn(L, B, E, dtype=F64)
+    for m in (sparse, dense):
+        with pytest.raises(RuntimeError, match="2D attn_mask"):
+            m(x, x, x, attn_mask=torch.zeros(L, L + 1, dtype=F64))
+        with pytest.raises(RuntimeError, match="is_causal"):
+            m(x, x, x, is_causal=True)
+        with pytest.raises(AssertionError, match="key_padded_mask"):
+            m(x, x, x, key_padding_mask=torch.zeros(B + 1, L, dtype=torch.bool))
