@@ -38,10 +38,10 @@ Applying
     ``s.apply()`` replaces every selected parameter, on its owning module(s), by an
     ``nn.Parameter(SparseTensor)`` holding the kept values (``requires_grad`` preserved; a parameter shared by
     several modules is replaced everywhere). The modules' code is unchanged: their forward reaches scorch
-    because ``F.linear`` etc. dispatch on the SparseTensor. A parameter whose module calls a torch function
-    scorch does not implement for sparse operands (``nn.MultiheadAttention`` calls
-    ``F.multi_head_attention_forward``; transposed convolutions, norms) raises ``NotImplementedError`` at
-    ``apply`` naming it, before anything is replaced. Create the optimizer after ``apply`` (it must hold the
+    because ``F.linear``, ``F.conv*d``, ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``'s projection
+    weights) etc. dispatch on the SparseTensor. A parameter whose module calls a torch function scorch does not
+    implement for sparse operands (transposed convolutions, norms) raises ``NotImplementedError`` at ``apply``
+    naming it, before anything is replaced. Create the optimizer after ``apply`` (it must hold the
     new Parameters).
 
 Convolution weights

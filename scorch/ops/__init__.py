@@ -8,8 +8,8 @@ import inspect as _inspect
 
 import torch as _torch
 
-from . import (activation, attention, autograd_api, compare, conv, elementwise, embedding, extrema, foreach,  # noqa: F401
-               indexing, linalg, norms, pattern, reduce, shape, shape_ops, sparse_api)
+from . import (activation, attention, autograd_api, compare, conv, elementwise, embedding, extrema,  # noqa: F401
+               foreach, indexing, linalg, mha, norms, pattern, reduce, shape, shape_ops, sparse_api)
 from .._forward import forward as _forward
 from ..sparse_tensor import IMPLEMENTATIONS as _IMPLEMENTATIONS, SparseTensor as _SparseTensor
 from ..sparse_tensor import _INPLACE_DUNDERS, dense_fallback as _dense_fallback

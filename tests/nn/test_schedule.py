@@ -267,14 +267,16 @@ def test_transformer_encoder_layer_linear_layers_forward_backward_and_adam():
 
 
 @pytest.mark.parametrize("name", ["self_attn.in_proj_weight", "self_attn.out_proj.weight"])
-def test_multihead_attention_parameters_are_refused_at_apply(name):
+def test_multihead_attention_parameters_are_applied(name):
+    """(Refused at apply before F.multi_head_attention_forward had a sparse rule: tests/nn/test_sparse_mha.py.)"""
     layer = encoder_layer()
+    ref = masked_copy(layer, {name: ScalarFraction(0.5).mask(layer.get_parameter(name).detach())})
     s = scorch.schedule(layer)
-    s["linear1.weight"].sparsify(ScalarFraction(0.5))
     s[name].sparsify(ScalarFraction(0.5))
-    with pytest.raises(NotImplementedError, match=re.escape(name) + ".*multi_head_attention_forward"):
-        s.apply()
-    assert type(layer.linear1.weight) is torch.nn.Parameter  # nothing replaced
+    s.apply()
+    assert isinstance(layer.get_parameter(name), scorch.SparseTensor)
+    x = _x(2, 5, 16)
+    torch.testing.assert_close(layer(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
 def test_transposed_convolution_weights_are_refused_at_apply():
