@@ -151,6 +151,19 @@ def test_schedule_formats_and_refusals():
                                rtol=1e-4, atol=1e-5)
 
 
+def _steps(pairs, masks, batches):
+    """An optimizer step of each ``(model, optimizer)`` pair per batch ``(x, target)``, the second pair's model (the
+    dense reference) with its gradients masked by ``masks`` (by parameter name)."""
+    for x, t in batches:
+        for m, op in pairs:
+            op.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), t).backward()
+        for n, mask in masks.items():
+            pairs[1][0].get_parameter(n).grad *= mask
+        for _, op in pairs:
+            op.step()
+
+
 def small_cnn(seed=0):
     # (no conv bias before a BatchNorm: its gradient is ~0, rounding noise that Adam's normalization magnifies)
     torch.manual_seed(seed)
@@ -176,18 +189,9 @@ def test_small_cnn_training_matches_masked_dense(kind, opt):
     def make(m):
         return torch.optim.Adam(m.parameters(), lr=1e-2) if opt == "adam" else \
             torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
-    o, oref = make(model), make(ref)
     gen = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        x, t = torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 5, (4,), generator=gen)
-        for m, op in ((model, o), (ref, oref)):
-            op.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), t).backward()
-        for n, p in ref.named_parameters():
-            if n in masks:
-                p.grad *= masks[n]
-        o.step()
-        oref.step()
+    _steps(((model, make(model)), (ref, make(ref))), masks,
+           [(torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 5, (4,), generator=gen)) for _ in range(3)])
     params = dict(model.named_parameters())
     for n, p in ref.named_parameters():
         q = params[n]
@@ -355,17 +359,9 @@ def test_resnet18_every_conv_trains_as_the_masked_dense_model(kind):
     with torch.no_grad():
         for n in masks:
             ref.get_parameter(n).copy_(params[n].to_dense())
-    o, oref = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
     gen = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x, t = torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)
-        for m, op in ((model, o), (ref, oref)):
-            op.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), t).backward()
-        for n, mask in masks.items():
-            ref.get_parameter(n).grad *= mask
-        o.step()
-        oref.step()
+    _steps([(m, torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)) for m in (model, ref)], masks,
+           [(torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)) for _ in range(3)])
     for n, p in ref.named_parameters():
         q = params[n].detach()
         torch.testing.assert_close(q.to_dense() if n in masks else q, p.detach(), rtol=1e-3, atol=1e-4)
