@@ -51,18 +51,19 @@ def native_vector_bytes() -> int:
     forced = _forced("SCORCH_VECTOR_BYTES", ("16", "32", "64"))
     if forced:
         return int(forced)
-    info = _cpuinfo()
-    listed = info.get("flags", info.get("Features"))  # (x86; ARM)
-    if listed is None:
+    flags = cpu_flags()
+    if flags is None:
         return 32
-    flags = set(listed.split())
     return 64 if "avx512f" in flags else 32 if flags & {"avx2", "avx"} else 16
 
 
-def cpu_flags() -> frozenset:
-    """This machine's CPU feature flags (``/proc/cpuinfo``; empty where there is none)."""
+@functools.lru_cache(maxsize=None)
+def cpu_flags():
+    """This machine's CPU feature flags (``/proc/cpuinfo``'s ``flags``, ARM's ``Features``), a frozenset, or None
+    where it lists none; read once (kernel choices ask per call)."""
     info = _cpuinfo()
-    return frozenset(info.get("flags", info.get("Features", "")).split())
+    listed = info.get("flags", info.get("Features"))  # (x86; ARM)
+    return None if listed is None else frozenset(listed.split())
 
 
 def native_lead_gathers() -> bool:

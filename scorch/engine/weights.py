@@ -165,23 +165,34 @@ register("weight bitmaps", "a bit per column of sparse weights' patterns, with e
 BITS_DENSITY = {"f32": 0.35, "bf16": 0.06}
 
 
+def _row_ordered(weight: SparseTensor):
+    """``(rows, cols)`` of the stored values where they are in row order with increasing columns and every stored
+    slot is an entry (the values' own order, no padding or repeated coordinate), else None."""
+    n_in = weight._shape[1]
+    leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
+    rows, cols = dims[0], dims[1]
+    flat = rows * max(n_in, 1) + cols
+    if not (bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and
+            bool((flat[1:] > flat[:-1]).all())):
+        return None
+    return rows, cols
+
+
 def _bitmap(weight: SparseTensor):
     """``(pos, bits)``: each row's first stored value and a 16-bit word per 16 columns of each row (bit ``u``: the
     column holds the row's next value), or None where the values are not in that order (a coordinate repeated, as
     an n:m format's padding repeats its row's last one, or out of order). Made once per pattern."""
     def make():
         n_out, n_in = weight._shape
-        leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
-        rows, cols = dims[0], dims[1]
-        flat = rows * max(n_in, 1) + cols
-        if not (bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and
-                bool((flat[1:] > flat[:-1]).all())):
+        found = _row_ordered(weight)
+        if found is None:
             return None
+        rows, cols = found
         words = _words(n_in)
         word = torch.zeros(n_out * words, dtype=torch.int32)
         word.index_add_(0, rows * words + cols // L.BITS, torch.ones_like(cols, dtype=torch.int32)
                         << (cols % L.BITS).to(torch.int32))
-        itype = torch.int32 if leaf.numel() < 2 ** 31 else torch.int64
+        itype = torch.int32 if rows.numel() < 2 ** 31 else torch.int64
         pos = torch.zeros(n_out + 1, dtype=torch.int64)
         pos[1:] = torch.bincount(rows, minlength=n_out).cumsum(0)
         return pos.to(itype), word.to(torch.int16)
@@ -266,20 +277,19 @@ def pair_tiles_serve(kind: str, vtype: str, xtype: str, tokens: int, density: fl
     if not (kind == "csr" and vtype == xtype == "bf16" and tokens >= 2 and density >= PAIR_TILES_DENSITY):
         return False
     return PAIR_TILES if PAIR_TILES is not None else \
-        CPU.lanes(family.F32) == 16 and "avx512_bf16" in cpu_flags()
+        CPU.lanes(family.F32) == 16 and "avx512_bf16" in (cpu_flags() or ())
 
 
 def _pair_tiles(weight: SparseTensor, T: int):
-    """``(seg, idx, dest, operations)`` of ``weights_tiled``'s layout for tiles of ``T`` tokens, ``dest`` taking
-    each stored value to its place in the operations' values (``2 * operation + column % 2``), or None where the
-    values are not in row order with increasing columns. Made once per pattern."""
+    """``(seg, idx, dest, operations, tiles)`` of ``weights_tiled``'s layout for tiles of ``T`` tokens, ``dest``
+    taking each stored value to its place in the operations' values (``2 * operation + column % 2``), or None where
+    the values are not in row order with increasing columns (``_row_ordered``). Made once per pattern."""
     def make():
         n_out, n_in = weight._shape
-        leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
-        rows, cols = dims[0], dims[1]
-        if not (bool(inside.all()) and bool((leaf == torch.arange(leaf.numel())).all()) and
-                bool((rows[1:] * n_in + cols[1:] > rows[:-1] * n_in + cols[:-1]).all())):
+        found = _row_ordered(weight)
+        if found is None:
             return None
+        rows, cols = found
         R, TP, pairs = family.STORE_ROWS, tiled.tile_pairs(T), (n_in + 1) // 2
         tiles, blocks = max(1, -(-pairs // TP)), -(-n_out // R)
         keys, op = torch.unique_consecutive(rows * pairs + cols // 2, return_inverse=True)
@@ -291,7 +301,7 @@ def _pair_tiles(weight: SparseTensor, T: int):
         seg = torch.zeros(blocks * tiles * R + 1, dtype=torch.int64)
         seg[1:] = torch.bincount(segment, minlength=blocks * tiles * R).cumsum(0)
         itype = torch.int32 if 2 * keys.numel() < 2 ** 31 else torch.int64
-        return seg.to(itype), (k[order] % TP).to(torch.int16), 2 * rank[op] + cols % 2, keys.numel()
+        return seg.to(itype), (k[order] % TP).to(torch.int16), 2 * rank[op] + cols % 2, keys.numel(), tiles
     return _PAIR_TILES.lookup(("pair tiles", T, weight._format, tuple(weight._shape)), weight._levels, make)
 
 
@@ -304,7 +314,7 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     found = _pair_tiles(weight, plan.T)
     if found is None:
         return None
-    seg, idx, dest, count = found
+    seg, idx, dest, count, tiles = found
 
     def words():
         out = torch.zeros(2 * count, dtype=vals.dtype)
@@ -318,8 +328,7 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
                               "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
                               "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
-                              "tiles": (seg.numel() - 1) // (-(-n_out // family.STORE_ROWS) * family.STORE_ROWS),
-                              **extra})
+                              "tiles": tiles, **extra})
     return y
 
 

@@ -136,7 +136,7 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     s = scorch.asformat(w, "csr")
     target = Target("cpu", vector_bytes=4 * lanes)
     plan = tiled.planned(family.tiles(target, "csr", tokens, "bf16", "bf16", "i64", "i64", bias=True))
-    seg, idx, dest, count = kernels._pair_tiles(s, plan.T)
+    seg, idx, dest, count, tiles = kernels._pair_tiles(s, plan.T)
     words = torch.zeros(2 * count)
     words[dest] = s._vals
     x, b = torch.randn(tokens, inp).bfloat16().float(), torch.randn(out).bfloat16().float()
@@ -145,7 +145,7 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     interp.run(tiled.forward(plan), {
         "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
         "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp, "chunks": 2,
-        "row_chunk": 16, "nthreads": 1, "tiles": (seg.numel() - 1) // (blocks * family.STORE_ROWS)})
-    assert (seg.numel() - 1) // (blocks * family.STORE_ROWS) >= 2
+        "row_chunk": 16, "nthreads": 1, "tiles": tiles})
+    assert tiles == (seg.numel() - 1) // (blocks * family.STORE_ROWS) >= 2
     torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert L.type_of(idx.dtype) == "i16"
