@@ -26,7 +26,6 @@ the current values, so optimizer steps are seen.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -41,6 +40,10 @@ from .linalg import linear
 _VIEWS = storage.PatternMemo(128)
 register("conv-views", "matrix views of sparse conv weights and their maps to the weights' positions", _VIEWS.__len__,
          _VIEWS.clear)
+#: the views' values last made without autograd, per values tensor (remade when the values change)
+_VIEW_VALUES = storage.ValuesMemo(128)
+register("conv-view values", "the values of sparse conv weights' matrix views made without autograd, per values"
+         " tensor", _VIEW_VALUES.__len__, _VIEW_VALUES.clear)
 
 
 def view_format_of(weight: SparseTensor):
@@ -49,9 +52,8 @@ def view_format_of(weight: SparseTensor):
 
 
 def _build_view(weight: SparseTensor, fmt, groups: int):
-    """``(format, levels, index, last)`` of the block-diagonal matrix view: the view's stored positions hold the
-    weight's values at ``index`` (``nnz``, one past the last, where a position has none: block fill, padding);
-    ``last``: the view's values last made without autograd, for the same values tensor and version."""
+    """``(format, levels, index)`` of the block-diagonal matrix view: the view's stored positions hold the
+    weight's values at ``index`` (``nnz``, one past the last, where a position has none: block fill, padding)."""
     out, cg = weight.shape[0], weight.shape[1]
     k = math.prod(weight.shape[2:])
     leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
@@ -71,7 +73,7 @@ def _build_view(weight: SparseTensor, fmt, groups: int):
         view = asformat(coo, named.resolve("csr", 2))
     index = view.values().round().long() - 1
     index = torch.where(index < 0, weight.nnz, index)
-    return view._format, view._levels, index, []
+    return view._format, view._levels, index
 
 
 def matrix_view(weight: SparseTensor, groups: int = 1) -> SparseTensor:
@@ -79,20 +81,20 @@ def matrix_view(weight: SparseTensor, groups: int = 1) -> SparseTensor:
     weight's current values (differentiable: the gradient of the view's values reaches the weight's)."""
     fmt = view_format_of(weight)
     key = (fmt, groups, tuple(weight.shape))
-    hit = _VIEWS.get(key, weight._levels)
-    if hit is None:
+
+    def build():
         with torch.no_grad():
-            hit = _build_view(weight, fmt, groups)
-        _VIEWS.put(key, weight._levels, hit)
-    vfmt, levels, index, last = hit
+            return _build_view(weight, fmt, groups)
+    vfmt, levels, index = _VIEWS.lookup(key, weight._levels, build)
     vals = weight.values()
-    tracked = vals.requires_grad and torch.is_grad_enabled()
-    if not tracked and last and last[0]() is vals and last[1] == vals._version:
-        view_vals = last[2]  # (inference: the same values tensor, unchanged, gives the same view, whose packed
-        #                    copies in engine.weights (ValuesMemo) then stay valid too)
-    else:
-        view_vals = torch.cat([vals, vals.new_zeros(1)])[index]
-        last[:] = [] if tracked else [weakref.ref(vals), vals._version, view_vals]
+
+    def gather():
+        return torch.cat([vals, vals.new_zeros(1)])[index]
+    if vals.requires_grad and torch.is_grad_enabled():
+        view_vals = gather()
+    else:  # (inference: the same values tensor, unchanged, gives the same view values, whose packed copies in
+        #    engine.weights (ValuesMemo) then stay valid too)
+        view_vals = _VIEW_VALUES.lookup(key, vals, gather, (index,))
     k = math.prod(weight.shape[2:])
     return SparseTensor(vfmt, (weight.shape[0], groups * weight.shape[1] * k), levels, view_vals, check=False)
 
