@@ -184,8 +184,9 @@ def values_at(r, x: SparseTensor, letters=None, r_letters=None):
     0 at padding and where ``r`` has no entry. ``r_letters`` name ``r``'s dimensions by ``x``'s ``letters``
     (distinct; default: ``r`` is indexed as ``x``). A result that shares ``x``'s index arrays gives its values
     directly."""
-    if r_letters is None and type(r) is SparseTensor and r._format == x._format and r._shape == x._shape and all(
-            a is b for a, b in zip(r._levels, x._levels)):
+    if r_letters is None and type(r) is SparseTensor and _shares_arrays(r, x):
+        # (the same index arrays: a compiled graph's gradient is rebuilt around the parameter's own arrays, in new
+        # level records, which took the general lookup below, a sort and a search per step)
         # (a padded format's padding slots are no entries: ``(W + W).values().sum()`` gives them gradient)
         return r._vals.masked_fill(padding_of(x), 0) if x._format.padded else r._vals
     from .formats import storage

@@ -31,9 +31,13 @@ from . import engine
 from .compiler.einsum import parse
 from .formats.format import from_text
 from .formats import LevelStorage
-from .ops.linalg import matmul_equation
+from .engine import weights as weight_kernels
+from .ops.linalg import _linear_gradient, matmul_equation
 from .rules import RULES
 from .sparse_tensor import SparseTensor
+
+#: the product of ``F.linear`` with a sparse weight in a graph (``_linear``): x (b x i) by the weight (o x i)
+LINEAR = "bi,oi->bo"
 
 # --- meta text: one item per operand, ";" between them -------------------------------------------------------
 # a dense operand: "D"; a sparse one: "S|<format text>|<arrays>", <arrays> one letter pair per level (p: pos present,
@@ -141,18 +145,32 @@ def _value_arrays(meta: str, arrays):
 
 
 def _fresh(r: torch.Tensor, arrays) -> torch.Tensor:
-    """A custom op's output may not alias an input: a copy where ``r`` shares storage with one."""
+    """A custom op's output may not alias an input: a copy where ``r`` shares storage with one. A view of a buffer
+    of the op's own (a kernel's result reshaped) is returned detached from it: not a view, and not copied."""
     ptr = r.untyped_storage().data_ptr()
-    if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in arrays) or \
-            r._base is not None:
+    if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in arrays):
         return r.clone()
-    return r
+    return r.detach() if r._base is not None else r
 
 
-def _like(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The gradient ``g`` of ``target`` in a new tensor laid out as ``target`` (``empty_like``: the strides the fake
-    implementation promises, a transposed operand's included)."""
+def _like(target: torch.Tensor, g: torch.Tensor, inputs=()) -> torch.Tensor:
+    """The gradient ``g`` of ``target`` laid out as ``target`` (``empty_like``: the strides the fake implementation
+    promises, a transposed operand's included): ``g`` itself where it already is (a copy of a whole activation's
+    gradient per product was most of the compiled GCN's extra time over eager), unless it shares storage with one
+    of the op's ``inputs`` (a custom op's output may not alias them)."""
+    if g.dtype == target.dtype and g.shape == target.shape and g.device == target.device and \
+            target.is_contiguous() and g.is_contiguous():
+        return _fresh(g, inputs)
     return torch.empty_like(target).copy_(g)
+
+
+def _weight_product(equation: str, ops):
+    """``(weight, x)`` where ``equation`` is ``F.linear``'s product (``_linear``) of a dense ``x`` and a sparse weight
+    that the weight family takes (``engine.weights``: the kernels eager ``F.linear`` runs, forward and backward),
+    else None: the compiled graph calls the same kernels as the eager model, not the general lowering's."""
+    if equation != LINEAR or len(ops) != 2 or type(ops[1]) is not SparseTensor or type(ops[0]) is not torch.Tensor:
+        return None
+    return (ops[1], ops[0]) if weight_kernels.applies(ops[1], ops[0]) else None
 
 
 # --- the ops -------------------------------------------------------------------------------------------------
@@ -161,7 +179,9 @@ def _like(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def einsum_dense(equation: str, meta: str, arrays: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     """``engine.einsum(equation, *operands, format="dense")`` of the operands ``meta``, ``arrays`` and ``sizes``
     describe."""
-    r = engine.einsum(equation, *_rebuild(meta, arrays, sizes), format="dense")
+    ops = _rebuild(meta, arrays, sizes)
+    wx = _weight_product(equation, ops)
+    r = weight_kernels.linear(*wx) if wx else engine.einsum(equation, *ops, format="dense")
     if isinstance(r, SparseTensor):
         r = r.to_dense()
     return _fresh(r.contiguous(), arrays)
@@ -188,11 +208,14 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], si
     """The gradient of operand ``k``'s values (sparse: aligned with its values array) or tensor (dense) from the
     gradient ``grad`` of the dense result of ``einsum_dense(equation, meta, arrays, sizes)``."""
     ops = _rebuild(meta, arrays, sizes)
-    inputs, out = parse(equation, [len(x._shape) if isinstance(x, SparseTensor) else x.dim() for x in ops])
-    g = _einsum_grad(k, inputs, out, ops, grad)
+    wx = _weight_product(equation, ops)
+    g = _linear_gradient(1 - k, wx, grad.t()) if wx else None  # (its operands: the weight first)
+    if g is None:
+        inputs, out = parse(equation, [len(x._shape) if isinstance(x, SparseTensor) else x.dim() for x in ops])
+        g = _einsum_grad(k, inputs, out, ops, grad)
     if isinstance(g, SparseTensor):
         g = g.to_dense()
-    return _like(arrays[_value_arrays(meta, arrays)[k]], g)
+    return _like(arrays[_value_arrays(meta, arrays)[k]], g, [*arrays, grad])
 
 
 @einsum_grad.register_fake
@@ -337,7 +360,7 @@ def _linear(input, weight, bias=None):
     one custom op."""
     if isinstance(weight, SparseTensor) and not isinstance(input, SparseTensor):
         lead = input.shape[:-1]
-        out = traced_op(torch.einsum, (), ("bi,oi->bo", input.reshape(-1, input.shape[-1]), weight), {})
+        out = traced_op(torch.einsum, (), (LINEAR, input.reshape(-1, input.shape[-1]), weight), {})
         out = out.reshape(*lead, out.shape[-1])
     elif isinstance(input, SparseTensor) and not isinstance(weight, SparseTensor) and _ndim(input) == 2:
         out = traced_op(torch.einsum, (), ("bi,oi->bo", input, weight), {})

@@ -105,7 +105,10 @@ def eager_grad(name: str, meta: str, arrays: list[torch.Tensor], sizes: list[int
         r = _run(name, meta, inputs, sizes, scalars)
         grads = torch.autograd.grad(r, [inputs[k] for k in wanted], grad, allow_unused=True) if r.requires_grad \
             else [None] * len(wanted)
-    return [torch.zeros_like(arrays[k]) if g is None else _like(arrays[k], g) for k, g in zip(wanted, grads)]
+    out = []
+    for k, g in zip(wanted, grads):  # (an output may alias neither an input nor another output)
+        out.append(torch.zeros_like(arrays[k]) if g is None else _like(arrays[k], g, [*arrays, grad, *out]))
+    return out
 
 
 @eager_grad.register_fake

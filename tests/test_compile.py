@@ -221,3 +221,47 @@ def test_sparse_input_gradient_through_autograd_grad_and_backward_inputs():
     torch.testing.assert_close(torch.autograd.grad(compiled(A, X, W), A)[0].values(), ref)
     compiled(A, X, W).backward(inputs=[A])
     torch.testing.assert_close(A.grad.values(), ref)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr", "nm"])
+def test_sparse_weight_linear_runs_the_weight_kernels(fmt, monkeypatch):
+    """``F.linear`` with a sparse weight in a compiled graph calls the kernels eager ``F.linear`` calls
+    (``engine.weights``: forward, input gradient, weight gradient), not the general lowering's; values and
+    gradients equal to eager; a second backward accumulates as eager's does, and reads the gradient off the
+    parameter's own index arrays (no pattern lookup per step)."""
+    from scorch.engine import weights
+    from scorch.formats import storage
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 16)
+    s = scorch.schedule(layer)
+    sel = s["weight"]
+    if fmt == "csr":
+        sel.sparsify(scorch.nn.ScalarFraction(0.7)).set_format("csr")
+    elif fmt == "bsr":
+        sel.sparsify(scorch.nn.BlockFraction(0.5, (4, 4))).block(4, 4)
+    else:
+        sel.sparsify(scorch.nn.NM(2, 4)).set_format(scorch.formats.named.nm(2, 4))
+    s.apply()
+    X = torch.randn(2, 24, 32, requires_grad=True)
+    ref = layer(X).relu().sum()
+    gx, = torch.autograd.grad(ref, X, retain_graph=True)
+    ref.backward()
+    layer(X).relu().sum().backward()
+    gw, gb = layer.weight.grad.values().clone(), layer.bias.grad.clone()
+    layer.zero_grad()
+    calls = {}
+    for name in ("linear", "input_grad", "weight_grad"):
+        real = getattr(weights, name)
+        monkeypatch.setattr(weights, name, lambda *a, _real=real, _name=name, **k: (
+            calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
+    compiled = torch.compile(lambda X: layer(X).relu().sum(), fullgraph=True)
+    out = compiled(X)
+    got_x, = torch.autograd.grad(out, X, retain_graph=True)
+    monkeypatch.setattr(storage, "lookup", lambda *a, **k: pytest.fail("the gradient took a pattern lookup"))
+    out.backward()
+    compiled(X).backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(got_x, gx)
+    torch.testing.assert_close(layer.weight.grad.values(), gw)
+    torch.testing.assert_close(layer.bias.grad, gb)
+    assert calls.get("linear", 0) >= 2 and calls.get("input_grad", 0) >= 1 and calls.get("weight_grad", 0) >= 2, calls
