@@ -57,7 +57,7 @@ from ..formats import Format, named, storage
 from ..sparse_tensor import SparseTensor
 from .sparsify import KeepAll, Sparsifier, masked
 
-__all__ = ["sparsified_op", "SparsifiedOp", "Spec"]
+__all__ = ["sparsified_op", "SparsifiedOp", "Spec", "GradSelection"]
 
 _DENSE = torch.Tensor  # the format that means "a plain dense tensor" (STen's spelling)
 
@@ -298,3 +298,70 @@ def sparsified_op(op, out_fmt=None, grad_out_fmt=None, grad_inp_fmt=None) -> Spa
     temporary format, external sparsifier, final format)`` or ``(sparsifier, format)``; see
     ``scorch.nn.sparsified``."""
     return SparsifiedOp(op, out_fmt, grad_out_fmt, grad_inp_fmt)
+
+
+# --- a dense parameter's gradient format as a schedule rule (``scorch.schedule(model).grad(name)``) ----------
+
+class GradSelection:
+    """Parameters whose gradient a ``Schedule`` sparsifies (``s.grad(name)``, STen's ``set_weight_grad``): each
+    method applies to all of them and returns the selection. The spec starts as ``(KeepAll(), "coo")``:
+    ``.sparsify(sparsifier)`` sets its sparsifier, ``.set_format(format)`` its format (``"coo"``, torch's sparse
+    gradient, or ``torch.Tensor``, a dense one), ``.spec(inline, tmp_format, external, final_format)`` both stages.
+    From ``apply()`` on, every forward of the owning module uses the parameter through the spec, so ``.grad``
+    receives each use's gradient as the spec stores it."""
+
+    def __init__(self, specs: dict, params: dict):
+        self._specs, self._params, self.names = specs, params, tuple(params)
+        for n in self.names:
+            specs.setdefault(n, Spec(None, "coo", None, "coo", where=f"the gradient of {n!r}"))
+
+    def _set(self, *stages):
+        new = {}
+        for n in self.names:  # all checked before any is changed
+            new[n] = Spec(*stages, where=f"the gradient of {n!r}")
+            _leaf_layout(new[n], self._params[n], f"the gradient of {n!r}")
+        self._specs.update(new)
+        return self
+
+    def sparsify(self, sparsifier: Sparsifier) -> "GradSelection":
+        """Keep the gradient entries ``sparsifier`` chooses (on each backward)."""
+        return self._set(*((sparsifier,) + self._stages()[1:]))
+
+    def set_format(self, format) -> "GradSelection":
+        """Store the gradient as ``"coo"`` (torch's sparse COO ``.grad``) or ``torch.Tensor`` (dense)."""
+        inline, _, external, _ = self._stages()
+        return self._set(inline, format, external, format)
+
+    def spec(self, inline=None, tmp_format=None, external=None, final_format="coo") -> "GradSelection":
+        """Both stages of the spec (see ``scorch.nn.sparsified``)."""
+        return self._set(inline, tmp_format, external, final_format)
+
+    def _stages(self):
+        s = self._specs[self.names[0]]
+        return s.inline, s.tmp_format, s.external, s.final_format
+
+    def __repr__(self):
+        return f"GradSelection({list(self.names)}: {self._specs[self.names[0]]!r})"
+
+
+def install_grad_spec(model, param, spec: Spec, name: str) -> list:
+    """Hooks on every module of ``model`` that holds ``param``: during the module's forward its attribute is
+    ``param`` through ``spec`` (an identity whose backward gives ``param`` the spec's gradient), and ``param``
+    again afterwards, even when the forward raises (as ``torch.func.functional_call`` swaps parameters)."""
+    if isinstance(param, SparseTensor) or param.layout != torch.strided:
+        raise ValueError(f"the gradient of {name!r}: the parameter is sparse, so its gradient is already sparse on"
+                         " its pattern (a gradient format is for dense parameters)")
+    layout = _leaf_layout(spec, param, f"the gradient of {name!r}")
+    handles = []
+    for module in model.modules():  # (each module once, however often the model holds it)
+        for attr in [a for a, p in module._parameters.items() if p is param]:
+            def swap_in(mod, args, attr=attr):
+                if mod._parameters.get(attr) is param and param.requires_grad and torch.is_grad_enabled():
+                    mod._parameters[attr] = _GradSpec.apply(param, spec, layout)
+
+            def swap_out(mod, args, output, attr=attr):
+                if attr in mod._parameters:
+                    mod._parameters[attr] = param
+            handles += [module.register_forward_pre_hook(swap_in),
+                        module.register_forward_hook(swap_out, always_call=True)]
+    return handles

@@ -1,6 +1,8 @@
 """``scorch.sparsified_op`` (STen's operator model): outputs and gradients sparsified through an inline and an
 external stage into formats, checked against dense torch computing ``op(...) * mask`` and masked gradients; STen's
 two examples (an ``add`` re-sparsified 2:4; a Linear whose weight gradient is kept top-k in COO, trained by SGD)."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,3 +281,75 @@ def test_bad_calls_raise_clear_errors():
         scorch.sparsified_op(torch.add, grad_inp_fmt={"other": (KeepAll(), "coo")})(x, y)
     with pytest.raises(ValueError, match="not a multiple of 4"):
         scorch.sparsified_op(torch.add, out_fmt=[(NM(2, 4), "nm(2, 4)")])(x[:, :6], y[:, :6])
+
+
+# --- the same as a schedule rule: s.grad(name) (STen's set_weight_grad) -------------------------------------
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6)).double()
+
+
+def test_schedule_grad_rule_trains_as_dense_with_the_masked_gradient():
+    model, ref = _mlp(), _mlp()
+    s = scorch.schedule(model)
+    s.grad("0.weight").sparsify(ScalarFraction(0.75))  # COO by default
+    s.grad(re.compile(r"2\.weight")).spec(ScalarThreshold(0.01), "csr", NM(2, 4), torch.Tensor)
+    s["2.bias"]  # selecting alone changes nothing
+    s.apply()
+    assert "gradient of 0.weight" in repr(s) and isinstance(model[0].weight, torch.nn.Parameter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(7, 12, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt_ref.zero_grad()
+        ref(x).pow(2).sum().backward()
+        w0, w2 = ref[0].weight.grad, ref[2].weight.grad
+        w0 *= ScalarFraction(0.75).mask(w0)
+        inline = w2.abs() > 0.01
+        w2 *= inline & NM(2, 4).mask(w2 * inline)
+        assert model[0].weight.grad.layout == torch.sparse_coo and model[2].weight.grad.layout == torch.strided
+        torch.testing.assert_close(model[0].weight.grad.to_dense(), w0)
+        torch.testing.assert_close(model[2].weight.grad, w2)
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
+    s.undo()
+    model.zero_grad()
+    model(x).sum().backward()
+    assert model[0].weight.grad.layout == torch.strided
+
+
+def test_schedule_grad_rule_restores_the_parameter_when_forward_raises_and_on_a_shared_module():
+    lin = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)  # one module used twice: each use's gradient masked
+    s = scorch.schedule(model)
+    s.grad("0.weight").sparsify(ScalarFraction(0.5))
+    s.apply()
+    with pytest.raises(RuntimeError):
+        model(torch.randn(3, 5))
+    assert lin._parameters["weight"] is s._parameters()["0.weight"]
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    # each use's gradient masked on its own: the first use (through tanh) and the second, as two copies of w
+    w1, w2 = (lin.weight.detach().clone().requires_grad_() for _ in range(2))
+    F.linear(torch.tanh(F.linear(x, w1, lin.bias.detach())), w2, lin.bias.detach()).sum().backward()
+    expected = sum(gw * ScalarFraction(0.5).mask(gw) for gw in (w1.grad, w2.grad))
+    torch.testing.assert_close(lin.weight.grad.to_dense(), expected)
+
+
+def test_schedule_grad_rule_errors():
+    model = _mlp()
+    s = scorch.schedule(model)
+    with pytest.raises(ValueError, match="only as sparse COO"):
+        s.grad("0.weight").set_format("csr")
+    with pytest.raises(KeyError, match="no parameter matches"):
+        s.grad("1")  # a module (its output), not a parameter
+    s.grad("0.weight").sparsify(ScalarFraction(0.5))
+    s["0.weight"].sparsify(ScalarFraction(0.5))
+    with pytest.raises(ValueError, match="is made sparse"):
+        s.apply()
