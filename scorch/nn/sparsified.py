@@ -28,7 +28,8 @@ entry).
     ``grad_out_fmt``: one spec per tensor output, for the gradient with respect to that output, as it enters the
     op's backward (STen's ``grad_out_fmt``). ``grad_inp_fmt``: one spec per positional argument (``None`` for
     those left as they are), or a dict ``{position or keyword name: spec}``, for the gradient the op's backward
-    gives that argument: a dense parameter's gradient (what STen's ``SparsityBuilder.set_weight_grad`` sets).
+    gives that argument: a dense parameter's gradient (what STen's ``SparsityBuilder.set_weight_grad`` sets; as a
+    schedule rule, without touching the model's code: ``scorch.schedule(model).grad(name)``, ``GradSelection``).
 
 Semantics, as dense torch computes them:
 

@@ -60,8 +60,8 @@ def test_add_of_sparse_operands_runs_through_scorch_and_keeps_only_stored_entrie
 
 def _linear_pair(seed=0):
     torch.manual_seed(seed)
-    layer = torch.nn.Linear(12, 6)
-    ref = torch.nn.Linear(12, 6)
+    layer = torch.nn.Linear(12, 6).double()  # (float64: a rounding difference cannot flip a top-k choice)
+    ref = torch.nn.Linear(12, 6).double()
     ref.load_state_dict(layer.state_dict())
     return layer, ref
 
@@ -74,7 +74,7 @@ def test_linear_with_top_k_coo_weight_gradient_trains_as_dense_with_the_masked_g
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
-        x, target = torch.randn(5, 12, generator=g), torch.randn(5, 6, generator=g)
+        x, target = (torch.randn(n, k, generator=g, dtype=torch.float64) for n, k in ((5, 12), (5, 6)))
         opt.zero_grad()
         F.mse_loss(linear(x, layer.weight, layer.bias), target).backward()
         grad = layer.weight.grad
@@ -98,7 +98,7 @@ def test_sparse_weight_gradient_with_sparse_adam_and_adams_refusal():
     opt_ref = torch.optim.SparseAdam([ref.weight], lr=0.05)
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
-        x = torch.randn(3, 12, generator=g)
+        x = torch.randn(3, 12, generator=g, dtype=torch.float64)
         opt.zero_grad()
         linear(x, layer.weight, layer.bias).pow(2).sum().backward()
         opt_ref.zero_grad()
@@ -116,7 +116,7 @@ def test_sparse_leaf_gradients_accumulate_over_backward_calls():
     linear = scorch.sparsified_op(F.linear, grad_inp_fmt={"weight": (ScalarFraction(0.9), "coo")})
     expected = torch.zeros_like(ref.weight)
     for seed in (0, 1):
-        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         linear(x, weight=layer.weight, bias=layer.bias).sum().backward()
         ref.weight.grad = None
         ref(x).sum().backward()
@@ -226,7 +226,7 @@ def test_gradient_spec_on_a_non_leaf_and_a_dense_leaf_format():
 
 def test_gradient_spec_on_a_sparse_result():
     a = scorch.asformat(torch.randn(4, 8, generator=torch.Generator().manual_seed(2)).relu(), "csr")
-    w = torch.randn(4, 8, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
     op = scorch.sparsified_op(torch.mul, grad_out_fmt=[(ScalarFraction(0.5), "coo")])
     z = op(a, w)
     assert isinstance(z, scorch.SparseTensor) and z.format == a.format
@@ -325,15 +325,16 @@ def test_schedule_grad_rule_trains_as_dense_with_the_masked_gradient():
 
 
 def test_schedule_grad_rule_restores_the_parameter_when_forward_raises_and_on_a_shared_module():
-    lin = torch.nn.Linear(4, 4)
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(4, 4).double()
     model = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)  # one module used twice: each use's gradient masked
     s = scorch.schedule(model)
     s.grad("0.weight").sparsify(ScalarFraction(0.5))
     s.apply()
     with pytest.raises(RuntimeError):
-        model(torch.randn(3, 5))
+        model(torch.randn(3, 5, dtype=torch.float64))
     assert lin._parameters["weight"] is s._parameters()["0.weight"]
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, dtype=torch.float64)
     model(x).sum().backward()
     # each use's gradient masked on its own: the first use (through tanh) and the second, as two copies of w
     w1, w2 = (lin.weight.detach().clone().requires_grad_() for _ in range(2))
