@@ -55,6 +55,7 @@ import numbers
 import torch
 
 from ..formats import Format, named, storage
+from ..formats.expr import Var
 from ..sparse_tensor import SparseTensor
 from .sparsify import KeepAll, Sparsifier, masked
 
@@ -129,17 +130,25 @@ def _stored(x: SparseTensor) -> torch.Tensor:
     return out
 
 
-def _stage(x: torch.Tensor, sparsifier: Sparsifier, fmt) -> torch.Tensor:
-    """One stage of a spec: ``x``'s entries that ``sparsifier`` keeps (and ``x`` stores), in ``fmt``."""
-    keep_all = type(sparsifier) is KeepAll
+def _masking(x: torch.Tensor, sparsifier: Sparsifier):
+    """``(dense, mask)``: ``x``'s dense form (differentiable) and the entries ``sparsifier`` keeps among those ``x``
+    stores (``None``: every entry of a dense ``x``)."""
     sparse = isinstance(x, SparseTensor)
-    if keep_all and (fmt is None or (fmt is _DENSE and not sparse)):
-        return x
     dense = x.to_dense() if sparse else x
     with torch.no_grad():
-        mask = None if keep_all else sparsifier.checked_mask(dense.detach())
+        mask = None if type(sparsifier) is KeepAll else sparsifier.checked_mask(dense.detach())
         if sparse:
             mask = _stored(x) if mask is None else mask & _stored(x)
+    return dense, mask
+
+
+def _stage(x: torch.Tensor, sparsifier: Sparsifier, fmt) -> torch.Tensor:
+    """One stage of a spec: ``x``'s entries that ``sparsifier`` keeps (and ``x`` stores), in ``fmt``."""
+    sparse = isinstance(x, SparseTensor)
+    if type(sparsifier) is KeepAll and (fmt is None or (fmt is _DENSE and not sparse)
+                                        or (sparse and fmt is not _DENSE and named.resolve(fmt, x.dim()) == x.format)):
+        return x  # (a one-stage spec's second stage: the temporary is the final tensor)
+    dense, mask = _masking(x, sparsifier)
     if fmt is None:
         fmt = x.format if sparse else _DENSE
     if fmt is _DENSE:
@@ -165,6 +174,23 @@ def _leaf_layout(spec: Spec, x: torch.Tensor, where: str) -> str:
                      f" apply it): use the final format 'coo' (or torch.Tensor for a dense gradient), not {fmt!r}")
 
 
+def _final_mask(spec: Spec, g: torch.Tensor):
+    """``(values, mask)`` of the dense ``g`` through ``spec``, the final format aside: the dense tensor the external
+    sparsifier sees and the entries the final tensor stores. Where the temporary is dense, or in a format that
+    stores exactly its mask (plain levels, no padding: coo, csr...), the masks are combined without building it."""
+    tmp = spec.tmp_format
+    fmt = None if tmp is None or tmp is _DENSE else named.resolve(tmp, g.dim())
+    if fmt is not None and (fmt.padded or not all(isinstance(e, Var) for e in fmt.exprs)):
+        return _masking(_stage(g, spec.inline, tmp), spec.external)  # (blocks, padding: what it stores decides)
+    with torch.no_grad():
+        first = None if type(spec.inline) is KeepAll else spec.inline.checked_mask(g)
+        values = g if first is None else g * first
+        second = None if type(spec.external) is KeepAll else spec.external.checked_mask(values)
+    if fmt is None or first is None:  # a dense temporary stores every entry
+        return values, second
+    return values, first if second is None else first & second
+
+
 class _GradSpec(torch.autograd.Function):
     """The identity forward; backward gives the incoming gradient through a spec (to a dense leaf as its
     ``layout``: torch's sparse COO or dense; to anything else dense, since torch's backward formulas take dense
@@ -179,12 +205,15 @@ class _GradSpec(torch.autograd.Function):
     def backward(ctx, g):
         if isinstance(g, SparseTensor):
             g = g.to_dense()
-        r = ctx.spec.apply(g)
-        if not isinstance(r, SparseTensor):
-            return r, None, None
-        if ctx.layout == "coo":
-            return r.to_torch(), None, None  # (torch stores it uncoalesced, as an embedding's sparse gradient)
-        return r.to_dense(), None, None
+        spec = ctx.spec
+        if ctx.layout == "coo":  # torch's COO made straight from the final mask (row-major: canonical order)
+            dense, mask = _final_mask(spec, g)
+            if mask is None:
+                mask = torch.ones(dense.shape, dtype=torch.bool, device=dense.device)
+            return torch.sparse_coo_tensor(mask.nonzero().t(), dense[mask], dense.shape, is_coalesced=True,
+                                           check_invariants=False), None, None
+        r = spec.apply(g)
+        return (r.to_dense() if isinstance(r, SparseTensor) else r), None, None
 
 
 def _with_grad_spec(x, spec: Spec | None, where: str):

@@ -111,6 +111,36 @@ def test_sparse_weight_gradient_with_sparse_adam_and_adams_refusal():
         torch.optim.Adam([layer.weight]).step()
 
 
+def _blocks(mask, bh, bw):
+    r, c = mask.shape
+    return mask.reshape(r // bh, bh, c // bw, bw).any(3).any(1).repeat_interleave(bh, 0).repeat_interleave(bw, 1)
+
+
+@pytest.mark.parametrize("case", ["coo", "csr", "dense", "nm", "bsr"])
+def test_two_stage_gradient_of_a_leaf_stored_as_coo(case):
+    """The COO gradient of a parameter stores the final mask: where the temporary format stores exactly its mask
+    (coo, csr) the inline and external masks combine; a dense temporary stores every entry; an nm temporary its
+    n:m entries; a bsr temporary whole blocks (zeros included), which an external KeepAll keeps."""
+    inline, tmp, external = {
+        "coo": (ScalarFraction(0.5), "coo", ScalarThreshold(0.3)),
+        "csr": (ScalarThreshold(0.2), "csr", NM(1, 4)),
+        "dense": (ScalarFraction(0.5), torch.Tensor, KeepAll()),
+        "nm": (NM(2, 4), "nm(2, 4)", ScalarThreshold(0.3)),
+        "bsr": (ScalarFraction(0.9), "bsr(2, 4)", KeepAll()),
+    }[case]
+    w = torch.nn.Parameter(torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    up = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    op = scorch.sparsified_op(torch.mul, grad_inp_fmt={1: (inline, tmp, external, "coo")})
+    (op(up, w)).sum().backward()
+    first = inline.mask(up)
+    stored = {"dense": torch.ones_like(first), "bsr": _blocks(first, 2, 4)}.get(case, first)
+    expected = stored & external.mask(up * first)
+    grad = w.grad.coalesce()
+    assert grad.layout == torch.sparse_coo and grad._nnz() == int(expected.sum())
+    assert torch.equal(grad.indices(), expected.nonzero().t())
+    torch.testing.assert_close(grad.to_dense(), up * first * expected)
+
+
 def test_sparse_leaf_gradients_accumulate_over_backward_calls():
     layer, ref = _linear_pair(5)
     linear = scorch.sparsified_op(F.linear, grad_inp_fmt={"weight": (ScalarFraction(0.9), "coo")})
