@@ -39,12 +39,12 @@ Semantics, as dense torch computes them:
 - A gradient spec masks the gradient's values as the spec's sparsifiers choose (computed on the gradient itself).
   A gradient that flows on into other backward functions is handed on in dense form with those values (torch's
   backward formulas take dense gradients); the gradient of a dense **leaf** (a parameter) is stored in
-  ``param.grad`` as the spec's final form: ``"coo"`` gives torch's sparse COO gradient (what ``torch.optim.SGD``,
-  with or without momentum, and ``torch.optim.SparseAdam`` apply to a dense parameter: only the stored entries
-  move; ``torch.optim.Adam`` refuses it, as torch does, naming SparseAdam), ``torch.Tensor``/``None``/``"dense"``
-  a dense gradient. Other sparse formats are refused for a dense leaf (torch stores no other sparse gradient of
-  a dense tensor), and a gradient spec for a SparseTensor argument is refused (its gradient is already sparse, on
-  its own pattern).
+  ``param.grad`` as the spec's final form: ``"coo"`` gives torch's sparse COO gradient (what ``torch.optim.SGD``
+  and ``torch.optim.SparseAdam`` apply to a dense parameter, touching the entries the gradient (and SGD's sparse
+  momentum buffer) stores; ``torch.optim.Adam`` refuses it, as torch does, naming SparseAdam, and SGD's
+  ``weight_decay`` fails on it in torch), ``torch.Tensor``/``None``/``"dense"`` a dense gradient. Other sparse
+  formats are refused for a dense leaf (torch stores no other sparse gradient of a dense tensor), and a gradient
+  spec for a SparseTensor argument is refused (its gradient is already sparse, on its own pattern).
 - The op itself runs as it would be called: on SparseTensor operands it goes through scorch (sparse rules or the
   visible dense fallback), on dense ones through torch.
 """
