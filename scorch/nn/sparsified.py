@@ -345,9 +345,11 @@ class GradSelection:
         for n in self.names:
             specs.setdefault(n, Spec(None, "coo", None, "coo", where=f"the gradient of {n!r}"))
 
-    def _set(self, *stages):
+    def _edit(self, change):
         new = {}
         for n in self.names:  # all checked before any is changed
+            old = self._specs[n]
+            stages = change((old.inline, old.tmp_format, old.external, old.final_format))
             new[n] = Spec(*stages, where=f"the gradient of {n!r}")
             _leaf_layout(new[n], self._params[n], f"the gradient of {n!r}")
         self._specs.update(new)
@@ -355,20 +357,15 @@ class GradSelection:
 
     def sparsify(self, sparsifier: Sparsifier) -> "GradSelection":
         """Keep the gradient entries ``sparsifier`` chooses (on each backward)."""
-        return self._set(*((sparsifier,) + self._stages()[1:]))
+        return self._edit(lambda st: (sparsifier,) + st[1:])
 
     def set_format(self, format) -> "GradSelection":
         """Store the gradient as ``"coo"`` (torch's sparse COO ``.grad``) or ``torch.Tensor`` (dense)."""
-        inline, _, external, _ = self._stages()
-        return self._set(inline, format, external, format)
+        return self._edit(lambda st: (st[0], format, st[2], format))
 
     def spec(self, inline=None, tmp_format=None, external=None, final_format="coo") -> "GradSelection":
         """Both stages of the spec (see ``scorch.nn.sparsified``)."""
-        return self._set(inline, tmp_format, external, final_format)
-
-    def _stages(self):
-        s = self._specs[self.names[0]]
-        return s.inline, s.tmp_format, s.external, s.final_format
+        return self._edit(lambda st: (inline, tmp_format, external, final_format))
 
     def __repr__(self):
         return f"GradSelection({list(self.names)}: {self._specs[self.names[0]]!r})"
@@ -385,13 +382,20 @@ def install_grad_spec(model, param, spec: Spec, name: str) -> list:
     handles = []
     for module in model.modules():  # (each module once, however often the model holds it)
         for attr in [a for a, p in module._parameters.items() if p is param]:
-            def swap_in(mod, args, attr=attr):
-                if mod._parameters.get(attr) is param and param.requires_grad and torch.is_grad_enabled():
-                    mod._parameters[attr] = _GradSpec.apply(param, spec, layout)
+            state = {"depth": 0, "view": None}  # (a module called inside its own forward: the outer call swaps)
 
-            def swap_out(mod, args, output, attr=attr):
-                if attr in mod._parameters:
-                    mod._parameters[attr] = param
+            def swap_in(mod, args, attr=attr, state=state):
+                state["depth"] += 1
+                if state["depth"] == 1 and mod._parameters.get(attr) is param and param.requires_grad and \
+                        torch.is_grad_enabled():
+                    state["view"] = mod._parameters[attr] = _GradSpec.apply(param, spec, layout)
+
+            def swap_out(mod, args, output, attr=attr, state=state):
+                state["depth"] -= 1
+                if state["depth"] == 0 and state["view"] is not None:
+                    if mod._parameters.get(attr) is state["view"]:  # (not a Parameter assigned meanwhile)
+                        mod._parameters[attr] = param
+                    state["view"] = None
             handles += [module.register_forward_pre_hook(swap_in),
                         module.register_forward_hook(swap_out, always_call=True)]
     return handles

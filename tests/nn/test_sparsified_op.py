@@ -384,3 +384,16 @@ def test_schedule_grad_rule_errors():
     s["0.weight"].sparsify(ScalarFraction(0.5))
     with pytest.raises(ValueError, match="is made sparse"):
         s.apply()
+
+
+def test_schedule_grad_selection_edits_each_parameters_own_spec():
+    model = _mlp()
+    s = scorch.schedule(model)
+    s.grad("0.weight").set_format(torch.Tensor)
+    s.grad(re.compile(r"\d\.weight")).sparsify(ScalarFraction(0.5))  # both: 0.weight stays dense, 2.weight COO
+    s.apply()
+    x = torch.randn(3, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    model(x).sum().backward()
+    g0, g2 = model[0].weight.grad, model[2].weight.grad
+    assert g0.layout == torch.strided and g2.layout == torch.sparse_coo
+    assert int((g0 != 0).sum()) <= g0.numel() // 2 and g2.coalesce()._nnz() == g2.numel() // 2
