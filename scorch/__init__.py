@@ -23,6 +23,7 @@ Computing
     stored_only()                   in-place scalars touch the stored entries only (as an optimizer step)
 Models
     schedule(model)                 which parameters / activations are sparse, pruned how, stored how
+    sparsified_op(op, out_fmt=...)  an op whose outputs and gradients are sparsified into formats (STen's)
     nn                              torch.nn plus SparseLinear, patch_model, sparsifiers (ScalarFraction, NM...)
     save_portable, load_portable    checkpoints plain torch loads (to_portable / from_portable in memory)
 When something runs dense
@@ -59,6 +60,7 @@ with _forward.no_collection():
     from .fusion import compile
     from . import fusion_epilogue  # noqa: F401  (registers scorch.compile's elementwise epilogues)
     from .nn.schedule import schedule
+    from .nn.sparsified import sparsified_op
     from .portable import from_portable, load_portable, save_portable, to_portable
     from ._stats import (DensifyError, DensifyWarning, fallback_limit, reset_stats, set_fallback_limit,
                          stats, strict)
@@ -75,7 +77,7 @@ __all__ = ["SparseTensor", "Format", "formats", "asformat", "from_torch", "to_to
            "sparse_coo_tensor",
            "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
            "sparse_compressed_tensor", "einsum", "explain", "Directives", "rearrange", "spmm", "sparse", "compile",
-           "deferral", "stored_only", "schedule", "nn", "save_portable", "load_portable", "to_portable",
+           "deferral", "stored_only", "schedule", "sparsified_op", "nn", "save_portable", "load_portable", "to_portable",
            "from_portable", "stats", "reset_stats", "strict", "DensifyError", "DensifyWarning", "fallback_limit",
            "set_fallback_limit", "cache_info", "clear_caches"]
 

@@ -170,6 +170,17 @@ float mask's stored entries, their values added to the scores, an unstored posit
 batch and head at once, by the fused kernels (SDDMM, row softmax and SpMM in one pass per row), forward and
 backward. Its row below says the rest (`is_causal`, dropout, shapes, formats).
 
+**Sparsified ops** (STen's operator model): `scorch.sparsified_op(op, out_fmt=..., grad_out_fmt=...,
+grad_inp_fmt=...)` makes any function of tensors into one whose outputs, the gradients with respect to them, and
+the gradients its arguments receive are sparsified and stored in formats: each through a spec `(inline sparsifier,
+temporary format, external sparsifier, final format)` or `(sparsifier, format)`, with scorch's sparsifiers
+(`KeepAll`, `ScalarThreshold`, `ScalarFraction`, `RandomFraction`, `BlockFraction`, `NM`, or a subclass of
+`scorch.nn.Sparsifier`): `sparsified_op(torch.add, out_fmt=[(NM(2, 4), "nm(2, 4)")])` is an add whose result is
+a 2:4 SparseTensor; `sparsified_op(F.linear, grad_inp_fmt=[None, (ScalarFraction(0.9), "coo")])` a linear whose
+dense weight receives the top 10% of its gradient as torch's sparse COO `.grad` (applied by `torch.optim.SGD` and
+`SparseAdam`). The op itself runs as called (through scorch on sparse operands). Examples and semantics:
+`docs/training.md`, `scorch/nn/sparsified.py`.
+
 """
 
 

@@ -6,6 +6,7 @@ from . import functional  # noqa: F401
 from .sparsify import (NM, BlockFraction, KeepAll, RandomFraction, ScalarFraction, ScalarThreshold,  # noqa: F401
                        Sparsifier)
 from .schedule import Schedule, storage_bytes  # noqa: F401
+from .sparsified import SparsifiedOp, Spec, sparsified_op  # noqa: F401
 from .layers import SparseLinear, patch_model, reformat_model  # noqa: F401
 from . import distributed  # noqa: E402
 

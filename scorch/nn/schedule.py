@@ -6,6 +6,7 @@ sparsified, and in which format they are stored.
     s.glob("encoder.*.linear2.weight").sparsify(scorch.nn.NM(2, 4), dynamic=True)
     s.regex(r"head\\.\\d+\\.weight").block(16, 16).set_format("ell", axes=[0, 1]).set_format("coo", axes=[2, 3])
     s.output("encoder.0.linear1").sparsify(scorch.nn.ScalarThreshold(0.1)).set_format("coo")
+    s.grad("decoder.weight").sparsify(scorch.nn.ScalarFraction(0.9))   # a dense weight's top-10% gradient, COO
     s.apply()                     # rewrites the model in place
     opt = torch.optim.Adam(model.parameters()); s.attach(opt)   # dynamic patterns follow every opt.step()
     s.summary()
@@ -15,7 +16,8 @@ Selection
     name (``model.named_modules()``), which selects that module's output (activations). ``s[re.compile(r)]``
     and ``s.regex(r)`` select the parameters whose whole name matches ``r`` (``re.fullmatch``); ``s.glob(p)``
     those matching the shell pattern ``p`` (``fnmatch``: ``*`` also matches dots); ``s.output(name)`` (or
-    ``s.output(re.compile(r))``) selects module outputs. Selecting nothing raises ``KeyError``.
+    ``s.output(re.compile(r))``) selects module outputs. Selecting nothing raises ``KeyError``. ``s.grad(key)``
+    selects the gradients of dense parameters (``scorch.nn.sparsified.GradSelection``: sparsified into ``.grad``).
 
 Chained calls (each returns the selection; later calls override earlier ones)
     ``.sparsify(sparsifier, dynamic=False)``: the rule choosing the kept entries (default: the nonzeros,
@@ -85,6 +87,7 @@ from ..formats.named import short_name
 from ..interop import coo_from_entries
 from ..ops.pattern import same_pattern
 from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, padding_of
+from .sparsified import GradSelection, install_grad_spec
 from .sparsify import NM, ScalarThreshold, Sparsifier, masked
 
 __all__ = ["schedule", "Schedule", "ParameterSelection", "OutputSelection", "Layout", "Summary"]
@@ -444,6 +447,7 @@ class Schedule:
         self.model = model
         self._params: dict[str, _ParamPlan] = {}
         self._outputs: dict[str, _OutputPlan] = {}
+        self._grads, self._grad_hooks = {}, []  # parameter name -> Spec of its gradient; the installed hooks
         self._optimizers = []
 
     # --- selection ---------------------------------------------------------------------------------------
@@ -515,18 +519,29 @@ class Schedule:
             self._missing("module", getattr(name, "pattern", name), modules)
         return OutputSelection(self, names)
 
+    def grad(self, key) -> GradSelection:
+        """The gradients of the (dense) parameters ``s[key]`` selects, sparsified into their ``.grad``."""
+        sel = self[key]
+        if not isinstance(sel, ParameterSelection):
+            self._missing("parameter", key, self._parameters())
+        return GradSelection(self._grads, {n: self._parameters()[n] for n in sel.names})
+
     # --- applying ----------------------------------------------------------------------------------------
     def apply(self) -> _nn.Module:
         """Rewrite the model in place (see the module docstring); returns the model. Applying again rebuilds
         every selected parameter from its current values and re-installs the output hooks."""
         params = self._parameters()
-        missing = [n for n in self._params if n not in params]
+        missing = [n for n in list(self._params) + list(self._grads) if n not in params]
         if missing:
             raise KeyError(f"the model no longer has the parameter(s) {', '.join(missing)}")
         modules = self._modules()
         missing = [n for n in self._outputs if n not in modules]
         if missing:
             raise KeyError(f"the model no longer has the module(s) {', '.join(missing)}")
+        both = [n for n in self._grads if n in self._params]
+        if both:
+            raise ValueError(f"scorch.schedule: {both[0]!r} is made sparse, so its gradient is sparse on its pattern;"
+                             " s.grad(...) is for dense parameters")
         for name in self._params:
             why = _unsupported(self.model, name)
             if why:
@@ -553,6 +568,10 @@ class Schedule:
             if plan.handle is not None:
                 plan.handle.remove()
             plan.handle = modules[name].register_forward_hook(self._output_hook(name, plan))
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = [h for n, spec in self._grads.items() for h in install_grad_spec(self.model, params[n],
+                                                                                            spec, n)]
         return self.model
 
     @staticmethod
@@ -584,6 +603,9 @@ class Schedule:
             if plan.handle is not None:
                 plan.handle.remove()
                 plan.handle = None
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
         return self.model
 
     # --- dynamic patterns --------------------------------------------------------------------------------
@@ -650,6 +672,7 @@ class Schedule:
                          f"{'' if plan.param is None else ' (applied)'}")
         for name, plan in self._outputs.items():
             lines.append(f"  output of {name}: {plan.rule!r}, {plan.layout.describe()}")
+        lines += [f"  gradient of {name}: {spec!r}" for name, spec in self._grads.items()]
         return "\n".join(lines)
 
 
