@@ -1,5 +1,6 @@
 """The ``compile`` group: scorch under ``torch.compile`` against eager scorch and the best torch / PyG version, itself
-compiled where torch.compile takes it, per training epoch (issue 20).
+compiled where torch.compile takes it, per training epoch (issue 20); and a pruned BERT's inference under
+``torch.compile`` against its eager run and the dense model compiled (issue 46).
 
 Two apps, each backend trained in this process one after another with the same seed and data (as ``apps.py``'s
 tables): the GNN app (``python -m apps.gnn --compile``) and the sparse transformer app (``python -m
@@ -9,7 +10,13 @@ A backend that torch.compile cannot take is a row saying why, not a failure of t
 """
 from __future__ import annotations
 
+import copy
+
+import torch
+
 from .apps import app_table
+from .cases import _ratio_target, run_peers
+from .timing import Table
 
 GNN = {"scorch, torch.compile": ("scorch", True), "scorch, eager": ("scorch", False),
        "PyG, torch.compile": ("pyg", True), "PyG, eager": ("pyg", False), "torch.sparse, eager": ("torch", False)}
@@ -63,4 +70,47 @@ def transformer(threads: int, quick: bool):
                    "the fused row kernel of `scorch.compile`; the projections, norms and feed-forward blocks are "
                    "Inductor's. torch.compile does not take torch's own sparse tensors, so torch.sparse has no "
                    "compiled row.")
+    return t
+
+
+BERT_COMPILED, BERT_EAGER = "scorch csr 90%, torch.compile", "scorch csr 90%, eager"
+DENSE_COMPILED, DENSE_EAGER = "dense fp32, torch.compile", "dense fp32, eager"
+#: issue 46's goals: the compiled pruned model over its eager run, and over the dense model compiled
+BERT_GOALS = {BERT_EAGER: 1.2, DENSE_COMPILED: 2.0}
+
+
+def bert(cfg, quick: bool) -> Table:
+    """A pruned BERT's inference under ``torch.compile`` (default mode, the whole model: one graph) against its eager
+    run, and the dense model eager and compiled; the compiled pruned model is checked against the dense model
+    holding the same pruned weights."""
+    from . import models
+    layers, batch = (2, 1) if quick else (4, 8)
+    t = Table("compile", f"Pruned BERT ({layers} layers) under torch.compile, batch {batch} x {models.SEQ} tokens, "
+              "inference", f"transformers BertModel(BertConfig(num_hidden_layers={layers})), eval, no gradients; the "
+              f"{layers * models.LINEARS_PER_LAYER} encoder Linear weights 90% pruned by scorch.schedule (csr); "
+              "torch.compile(model) of the pruned and of the dense model")
+    t.scorch, t.torch = BERT_COMPILED, DENSE_COMPILED
+    names = [BERT_COMPILED, BERT_EAGER, DENSE_COMPILED, DENSE_EAGER]
+    tf = models.transformers_or_none()
+    if isinstance(tf, str):
+        return models._missing_table(t, names, tf)
+    torch.manual_seed(0)
+    config = tf.BertConfig(num_hidden_layers=layers)
+    dense = tf.BertModel(config).eval()
+    sparse, masked, _ = models.prune(dense, models.CSR)
+    ids = torch.randint(0, config.vocab_size, (batch, models.SEQ), generator=torch.Generator().manual_seed(batch))
+    compiled_sparse, compiled_dense = torch.compile(sparse), torch.compile(copy.deepcopy(dense))
+
+    def run(model):
+        with torch.no_grad():
+            return model(input_ids=ids).last_hidden_state
+
+    peers = {BERT_COMPILED: lambda: run(compiled_sparse), BERT_EAGER: lambda: run(sparse),
+             DENSE_COMPILED: lambda: run(compiled_dense), DENSE_EAGER: lambda: run(dense)}
+    refs = {BERT_COMPILED: lambda: run(masked), BERT_EAGER: lambda: run(masked)}
+    run_peers(t, peers, DENSE_EAGER, cfg, refs)
+    for other, goal in BERT_GOALS.items():
+        t.targets.append(_ratio_target(t, f"{BERT_COMPILED} >= {goal:g}x faster than {other}", goal, other,
+                                       BERT_COMPILED))
+    t.notes.append("The first call of each compiled model (the graph's compilation) is its warm-up, not timed.")
     return t
