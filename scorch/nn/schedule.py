@@ -44,6 +44,14 @@ Applying
     naming it, before anything is replaced. Create the optimizer after ``apply`` (it must hold the
     new Parameters).
 
+Kernel schedules
+    ``.schedule(order=..., parallel=..., workspace=...)`` (or what ``scorch.einsum(schedule=)`` takes) gives a
+    parameter's products, or those with a sparse operand in a module's forward (``s["block"]``; its output is
+    then not sparsified unless asked), einsum's directives, in the letters of the op's product (``F.linear`` with a
+    sparse weight: ``einsum("oi,bi->ob", W, X)``), which then runs the general lowering, not ``engine.weights``.
+    Checked at ``apply`` for an ``nn.Linear``'s weight (einsum's ``ValueError``, nothing replaced), else at the
+    first call; shown by ``summary()``/``repr``, removed by ``undo()``, not in the state dict (``nn.directives``).
+
 Convolution weights
     The weight of a ``Conv1d``/``Conv2d``/``Conv3d`` is sparsified and formatted as its matrix view ``(out,
     prod(kernel) * in / groups)``, columns in the order ``(*kernel, in)`` (torch's channels_last weight order:
@@ -85,6 +93,8 @@ from ..formats.named import short_name
 from ..interop import coo_from_entries
 from ..ops.pattern import same_pattern
 from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, padding_of
+from . import directives as _directives
+from .report import Summary, storage_bytes
 from .sparsify import NM, ScalarThreshold, Sparsifier, masked
 
 __all__ = ["schedule", "Schedule", "ParameterSelection", "OutputSelection", "Layout", "Summary"]
@@ -200,6 +210,7 @@ class _Plan:
         self.sparsifier: Sparsifier | None = None
         self.dynamic = False
         self.layout = Layout()
+        self.directives = None  # the kernels' schedule (``.schedule``), None: the compiler's
 
     @property
     def rule(self) -> Sparsifier:
@@ -217,6 +228,12 @@ class _OutputPlan(_Plan):
         super().__init__()
         self.handle = None
         self._formats = {}  # output rank -> (Format, flattened to 2-d)
+        self.sparsified = False  # sparsify/block/set_format called: else only directives (if any) are installed
+        self.hooks = ()  # the directives' forward hooks
+
+    @property
+    def sparsifies(self) -> bool:
+        return self.sparsified or self.directives is None
 
     def format_for(self, ndim):
         hit = self._formats.get(ndim)
@@ -245,6 +262,22 @@ class _Selection:
 
     def _plans(self):
         return [self._schedule._plan(self._kind, n) for n in self.names]
+
+    def schedule(self, spec=None, **fields):
+        """The loop order, parallel loop and workspace of the kernels this selection's products compile to
+        (``order=``, ``parallel=``, ``workspace=``, ``transpose=``, ``temporary=``; or a ``scorch.Directives``, a
+        dict of its fields or a loop order, as ``scorch.einsum(..., schedule=)`` takes): a parameter's products
+        (``F.linear`` is ``einsum("oi,bi->ob", W, X)``), or those with a sparse operand in a module's forward.
+        Checked as ``einsum(schedule=)`` checks them: at ``apply`` for an ``nn.Linear``'s weight, else at the
+        first call. ``.schedule()`` takes them away. See ``scorch.nn.directives``."""
+        d = _directives.directives_of(spec, fields)
+        for name in self.names:
+            why = _directives.refused(self._schedule.model, name) if self._kind == "param" else None
+            if why and d is not None:
+                raise NotImplementedError(f"scorch.schedule: parameter {name!r} cannot take directives: {why}")
+        for plan in self._plans():
+            plan.directives = d
+        return self
 
     def __repr__(self):
         shown = ", ".join(self.names[:4]) + (f", ... ({len(self.names)} in all)" if len(self.names) > 4 else "")
@@ -306,7 +339,7 @@ class OutputSelection(_Selection):
         """Keep the entries of each output that ``sparsifier`` chooses (computed per forward)."""
         _check_sparsifier(sparsifier)
         for plan in self._plans():
-            plan.sparsifier = sparsifier
+            plan.sparsifier, plan.sparsified = sparsifier, True
         return self
 
     def block(self, bh: int, bw: int) -> "OutputSelection":
@@ -314,6 +347,7 @@ class OutputSelection(_Selection):
         for plan in self._plans():
             plan.layout.set_block(bh, bw)
             plan._formats.clear()
+            plan.sparsified = True
         return self
 
     def set_format(self, format, axes=None) -> "OutputSelection":
@@ -321,6 +355,7 @@ class OutputSelection(_Selection):
         for plan in self._plans():
             plan.layout.set_format(format, axes)
             plan._formats.clear()
+            plan.sparsified = True
         return self
 
 
@@ -405,33 +440,6 @@ def _replace(model, old, new):
         for attr, p in list(module._parameters.items()):
             if p is old:
                 setattr(module, attr, new)
-
-
-def storage_bytes(t) -> int:
-    """Bytes a tensor's storage takes: a SparseTensor's values and index arrays, a dense tensor's elements."""
-    if isinstance(t, SparseTensor):
-        arrays = [a for st in t.levels for a in st.arrays().values()] + [t.values()]
-        return sum(a.numel() * a.element_size() for a in arrays)
-    return t.numel() * t.element_size()
-
-
-class Summary(list):
-    """Rows (dicts: ``name, shape, format, density, dense_bytes, bytes``) for the scheduled parameters, then one
-    row per sparsified module output; ``str()`` is the table."""
-
-    def __str__(self):
-        head = ("parameter", "shape", "format", "density", "dense bytes", "bytes")
-        rows = [(r["name"], "x".join(map(str, r["shape"])), r["format"], f"{r['density']:.3f}",
-                 str(r["dense_bytes"]), str(r["bytes"])) for r in self if r["kind"] == "param"]
-        if rows:
-            total = sum(r["dense_bytes"] for r in self if r["kind"] == "param")
-            after = sum(r["bytes"] for r in self if r["kind"] == "param")
-            rows.append(("total", "", "", "", str(total), f"{after} ({after / max(total, 1):.1%})"))
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head, *rows]]
-        lines += [f"output of {r['name']}: {r['format']}, {r['sparsifier']}, mask computed per forward"
-                  for r in self if r["kind"] == "output"]
-        return "\n".join(lines)
 
 
 class Schedule:
@@ -546,14 +554,31 @@ class Schedule:
                     built[name] = _nn.Parameter(plan.rule.sparsify(w, fmt), requires_grad=p.requires_grad)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parameter {name!r} {tuple(w.shape)}: {e}") from e
+            if plan.directives is not None:
+                if _directives.linear_owner(self.model, name):
+                    _directives.check_linear(f"parameter {name!r}", built[name], plan.directives)
+                _directives.attach(built[name], plan.directives)
+        for name, plan in self._outputs.items():  # a Linear module's weight, sparse after this apply
+            w = built.get(f"{name}.weight", getattr(modules[name], "weight", None))
+            if plan.directives is not None and _directives.linear_owner(self.model, f"{name}.weight"):
+                _directives.check_linear(f"module {name!r}", w, plan.directives)
         for name, new in built.items():
             _replace(self.model, params[name], new)
             self._params[name].param = new
         for name, plan in self._outputs.items():
-            if plan.handle is not None:
-                plan.handle.remove()
-            plan.handle = modules[name].register_forward_hook(self._output_hook(name, plan))
+            self._remove_hooks(plan)
+            if plan.sparsifies:
+                plan.handle = modules[name].register_forward_hook(self._output_hook(name, plan))
+            if plan.directives is not None:
+                plan.hooks = _directives.install(modules[name], plan.directives)
         return self.model
+
+    @staticmethod
+    def _remove_hooks(plan):
+        for h in (plan.handle, *plan.hooks):
+            if h is not None:
+                h.remove()
+        plan.handle, plan.hooks = None, ()
 
     @staticmethod
     def _output_hook(name, plan):
@@ -578,12 +603,11 @@ class Schedule:
         for plan in self._params.values():
             p = plan.param
             if p is not None:
+                _directives.detach(p)
                 _replace(self.model, p, _nn.Parameter(p.detach().to_dense().clone(), requires_grad=p.requires_grad))
                 plan.param = None
         for plan in self._outputs.values():
-            if plan.handle is not None:
-                plan.handle.remove()
-                plan.handle = None
+            self._remove_hooks(plan)
         return self.model
 
     # --- dynamic patterns --------------------------------------------------------------------------------
@@ -636,9 +660,10 @@ class Schedule:
                                      f"{short_name(p.__dict__['_view_format'])} (matrix view)")
                              if sparse else "dense (not applied)",
                              density=p.density if sparse else 1.0, dense_bytes=p.numel() * p.element_size(),
-                             bytes=storage_bytes(p)))
+                             bytes=storage_bytes(p), schedule=_shown(self._params[name])))
         for name, plan in self._outputs.items():
-            rows.append(dict(kind="output", name=name, format=plan.layout.describe(), sparsifier=repr(plan.rule)))
+            rows.append(dict(kind="output", name=name, format=plan.layout.describe() if plan.sparsifies else None,
+                             sparsifier=repr(plan.rule) if plan.sparsifies else None, schedule=_shown(plan)))
         if print_it:
             print(rows)
         return rows
@@ -647,10 +672,17 @@ class Schedule:
         lines = [f"Schedule({type(self.model).__name__})"]
         for name, plan in self._params.items():
             lines.append(f"  {name}: {plan.rule!r}{' dynamic' if plan.dynamic else ''}, {plan.layout.describe()}"
-                         f"{'' if plan.param is None else ' (applied)'}")
+                         f"{_shown(plan, ', schedule ')}{'' if plan.param is None else ' (applied)'}")
         for name, plan in self._outputs.items():
-            lines.append(f"  output of {name}: {plan.rule!r}, {plan.layout.describe()}")
+            lines.append(f"  output of {name}: {plan.rule!r}, {plan.layout.describe()}" if plan.sparsifies else
+                         f"  module {name}: dense output")
+            lines[-1] += _shown(plan, ", schedule ")
         return "\n".join(lines)
+
+
+def _shown(plan, prefix=""):
+    """A plan's directives as text (``order oib, parallel o``), after ``prefix``; "" without directives."""
+    return "" if plan.directives is None else prefix + _directives.describe(plan.directives)
 
 
 def _on_pattern(p: SparseTensor, v: SparseTensor) -> SparseTensor:
