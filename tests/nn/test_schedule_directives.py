@@ -123,7 +123,11 @@ def test_directives_of_a_generic_einsum_are_checked_at_the_first_call():
     r = scorch.schedule(ref)
     r["proj"].sparsify(ScalarFraction(0.5))
     r.apply()
-    torch.testing.assert_close(model(x), ref(x))
+    y, y_ref = model(x), ref(x)
+    torch.testing.assert_close(y, y_ref)
+    y.square().sum().backward()  # (the gradients' products are the compiler's: the order names the forward's)
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(model.proj.grad.to_dense(), ref.proj.grad.to_dense())
     e = scorch.explain(lambda a: torch.einsum("ij,bj->bi", model.proj, a), torch.randn(3, 8))
     assert e.directives.order == ("b", "i", "j")
 
@@ -138,7 +142,11 @@ def test_a_modules_directives_reach_the_products_in_its_forward():
     x = torch.randn(4, 24)
     out = model.fc2(torch.relu(model.fc1(x)))
     assert not isinstance(out, scorch.SparseTensor)  # directives alone do not sparsify the output
-    torch.testing.assert_close(model(x), ref(x))
+    y, y_ref = model(x), ref(x)
+    torch.testing.assert_close(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    torch.testing.assert_close(model.fc2.weight.grad.to_dense(), ref.fc2.weight.grad.to_dense())
     e = scorch.explain(model.fc2, torch.randn(4, 16))
     assert e.directives.order == ("b", "o", "i")
     # outside the module's forward the same weight runs the compiler's schedule
