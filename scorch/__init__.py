@@ -14,7 +14,8 @@ Sparse tensors
     from_scipy(a), to_scipy(s)      SciPy sparse arrays <-> SparseTensor, sharing the arrays where they can
 Computing
     einsum(eq, *ops, format=)       any expression; the result's format is inferred (or asked for)
-    explain(eq, *ops)               the plan as a report: output format and why, loops, kernel (source=True)
+    explain(eq, *ops)               the plan as a report: output format and why, loops, kernel (source=True);
+                                    explain(layer, x): every compiled product of a call, a layer's directives
     Directives                      a schedule to pass as einsum(..., schedule=...)
     rearrange(x, "i j -> j i")      einops patterns on dense and sparse tensors
     spmm, sparse                    torch.sparse's functions, sparse operands through scorch

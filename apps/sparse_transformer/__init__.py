@@ -1,5 +1,6 @@
 """Sparse transformer: attention on a Longformer/BigBird pattern (local window, global tokens, random blocks) as
-SDDMM -> sparse softmax -> SpMM, in a small encoder trained on a synthetic long-sequence task.
+SDDMM -> sparse softmax -> SpMM, in a small encoder trained on a synthetic long-sequence task; or (``--pattern
+routing``) on a pattern computed from the data every forward: the Routing Transformer's same-cluster pairs.
 
 Backends (one model file, ``model.py``, ordinary PyTorch against the ``torch`` module passed in):
   scorch  ``import scorch as torch``; the mask is a scorch CSR SparseTensor, so sampled_addmm, softmax and mm run
@@ -28,7 +29,9 @@ from . import model as _model
 BACKENDS = ("scorch", "dense", "sparse")
 
 DEFAULTS = dict(seq_len=512, window=64, n_globals=2, random_blocks=1, block=64, d_model=64, heads=2, layers=2,
-                batch=4, train_size=64, test_size=16, vocab=8, lr=3e-3, fuse=False, compile=False)
+                batch=4, train_size=64, test_size=16, vocab=8, lr=3e-3, fuse=False, compile=False, pattern="bigbird",
+                clusters=4)
+PATTERNS = ("bigbird", "routing")
 
 
 def _torch_for(backend):
@@ -43,6 +46,29 @@ def pattern_and_mask(backend, seq_len, window, n_globals, random_blocks, block, 
     torch = _torch_for(backend)
     crow, col = build_pattern(seq_len, window, n_globals, random_blocks, block, seed)
     return crow, col, _model.make_mask(torch, crow, col, seq_len, sparse=backend != "dense")
+
+
+def routing_config(backend, pattern, clusters, n_globals, compile=False):
+    """The attention layers' ``routing`` argument (``model.py``, ``routing.py``) for ``pattern``: None for the fixed
+    ``"bigbird"`` pattern; for ``"routing"``, ``clusters`` per head, the ``n_globals`` global tokens, a sparse mask
+    unless the backend is dense."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
+    if pattern == "bigbird":
+        return None
+    if isinstance(clusters, bool) or not isinstance(clusters, int) or clusters < 1:
+        raise ValueError(f"clusters must be a positive integer, got {clusters!r}")
+    if compile:
+        raise ValueError("pattern 'routing' builds its mask from the data in Python: not under compile=True")
+    return dict(clusters=clusters, n_globals=n_globals, sparse=backend != "dense")
+
+
+def routed_size(net, seq_len):
+    """``(nnz, density)`` of the routed patterns of ``net``'s last forward: per ``n x n`` problem (one sequence, one
+    head), averaged over the attention layers."""
+    sizes = [m.last_nnz for m in net.modules() if getattr(m, "routing", None) is not None]
+    nnz = sum(sizes) / max(len(sizes), 1)
+    return int(round(nnz)), nnz / seq_len ** 2
 
 
 def _config(options):
@@ -71,12 +97,18 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     import torch as real_torch  # data and bookkeeping: plain tensors under every backend
 
     n = cfg["seq_len"]
-    crow, col, mask = pattern_and_mask(backend, n, cfg["window"], cfg["n_globals"], cfg["random_blocks"],
-                                       cfg["block"], seed)
+    routing = routing_config(backend, cfg["pattern"], cfg["clusters"], cfg["n_globals"], cfg["compile"])
+    if routing is None:
+        crow, col, mask = pattern_and_mask(backend, n, cfg["window"], cfg["n_globals"], cfg["random_blocks"],
+                                           cfg["block"], seed)
+    else:  # (the layers build their masks from the data)
+        if device != "cpu":
+            raise ValueError("pattern 'routing' runs on the CPU only")
+        crow = mask = None
     x_train, y_train = make_task(cfg["train_size"], n, cfg["vocab"], seed + 1)
     x_test, y_test = make_task(cfg["test_size"], n, cfg["vocab"], seed + 2)
     net = _model.build_encoder(torch, cfg["vocab"], cfg["d_model"], cfg["heads"], cfg["layers"], CLASSES, seed,
-                               fuse=cfg["fuse"])
+                               fuse=cfg["fuse"], routing=routing)
     if device != "cpu":
         net, mask = net.to(device), common.to_device(mask, device)
         x_train, y_train, x_test, y_test = common.to_device((x_train, y_train, x_test, y_test), device)
@@ -117,11 +149,12 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
             test_loss += float(F.cross_entropy(logits[keep], y[keep], reduction="sum"))
             correct += int((logits.argmax(-1)[keep] == y[keep]).sum())
             total += int(keep.sum())
+    nnz, dens = (int(crow[-1]), density(crow)) if routing is None else routed_size(net, n)
     return {
         "backend": backend, "seq_len": n, "window": cfg["window"], "globals": cfg["n_globals"],
-        "random_blocks": cfg["random_blocks"], "block": cfg["block"], "nnz": int(crow[-1]),
-        "density": density(crow), "d_model": cfg["d_model"], "heads": cfg["heads"], "layers": cfg["layers"],
-        "batch": bs, "params": sum(p.numel() for p in net.parameters()), "epochs": epochs,
+        "random_blocks": cfg["random_blocks"], "block": cfg["block"], "pattern": cfg["pattern"],
+        "clusters": cfg["clusters"], "nnz": nnz, "density": dens, "d_model": cfg["d_model"], "heads": cfg["heads"],
+        "layers": cfg["layers"], "batch": bs, "params": sum(p.numel() for p in net.parameters()), "epochs": epochs,
         "threads": threads, "accuracy": correct / max(total, 1), "loss": test_loss / max(total, 1),
         "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
         "epoch_s": epoch_watch.median(skip=1), "step_s": step_watch.median(skip=steps_per_epoch),
@@ -133,14 +166,18 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
 # --- one attention layer: time and memory --------------------------------------------------------------------
 
 def attention_setup(backend, seq_len, window, n_globals, random_blocks, block, d_model, heads, batch, seed,
-                    fuse=False):
+                    fuse=False, pattern="bigbird", clusters=4):
     """``(torch, crow, layer, x, grad, mask)``: one attention layer of ``backend`` (``torch`` the module it runs
-    against, ``crow`` the pattern's row pointers, ``mask`` the backend's mask), an input ``x`` that requires grad
-    and an output gradient ``grad``, all seeded by ``seed``. What ``time_attention`` and ``measure_memory`` time;
-    public for tests, which run the layer of each backend and compare."""
+    against, ``crow`` the pattern's row pointers, ``mask`` the backend's mask; both None for ``pattern="routing"``,
+    whose layer builds its mask per forward), an input ``x`` that requires grad and an output gradient ``grad``,
+    all seeded by ``seed``. What ``time_attention`` and ``measure_memory`` time; public for tests, which run the
+    layer of each backend and compare."""
     torch = _torch_for(backend)
-    crow, col, mask = pattern_and_mask(backend, seq_len, window, n_globals, random_blocks, block, seed)
-    layer = _model.build_attention(torch, d_model, heads, seed, fuse)
+    routing = routing_config(backend, pattern, clusters, n_globals)
+    crow = mask = None
+    if routing is None:
+        crow, col, mask = pattern_and_mask(backend, seq_len, window, n_globals, random_blocks, block, seed)
+    layer = _model.build_attention(torch, d_model, heads, seed, fuse, routing)
     torch.manual_seed(seed + 1)
     x = torch.randn(batch, seq_len, d_model, requires_grad=True)
     grad = torch.randn(batch, seq_len, d_model)
@@ -148,7 +185,7 @@ def attention_setup(backend, seq_len, window, n_globals, random_blocks, block, d
 
 
 def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, block=64, d_model=128, heads=4,
-                   batch=1, repeats=5, threads=None, seed=0, fuse=False) -> dict:
+                   batch=1, repeats=5, threads=None, seed=0, fuse=False, pattern="bigbird", clusters=4) -> dict:
     """Median seconds of one attention layer (QKV and output projections included): ``fwd_s`` a forward under
     ``no_grad``, ``fwd_bwd_s`` a forward and backward (to the input and the weights); ``fwd_min_s`` and
     ``fwd_bwd_min_s`` the fastest repeats (steadier than medians on a machine shared with other jobs). One
@@ -157,7 +194,7 @@ def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, bl
     if threads:
         common.set_threads(threads)
     torch, crow, layer, x, grad, mask = attention_setup(backend, seq_len, window, n_globals, random_blocks,
-                                                        block, d_model, heads, batch, seed, fuse)
+                                                        block, d_model, heads, batch, seed, fuse, pattern, clusters)
 
     def fwd_bwd():
         layer.zero_grad()
@@ -177,8 +214,11 @@ def time_attention(backend, seq_len, window=64, n_globals=2, random_blocks=1, bl
         both.append(t2 - t1)
     return {"backend": backend, "seq_len": seq_len, "window": window, "globals": n_globals,
             "random_blocks": random_blocks, "block": block, "d_model": d_model, "heads": heads, "batch": batch,
-            "nnz": int(crow[-1]), "density": density(crow), "fwd_s": statistics.median(fwd),
-            "fwd_bwd_s": statistics.median(both), "fwd_min_s": min(fwd), "fwd_bwd_min_s": min(both), "fuse": fuse}
+            "pattern": pattern, "clusters": clusters,
+            **(dict(zip(("nnz", "density"), routed_size(layer, seq_len))) if crow is None else
+               {"nnz": int(crow[-1]), "density": density(crow)}),
+            "fwd_s": statistics.median(fwd), "fwd_bwd_s": statistics.median(both), "fwd_min_s": min(fwd),
+            "fwd_bwd_min_s": min(both), "fuse": fuse}
 
 
 def _rss_bytes() -> int:
@@ -282,6 +322,12 @@ def main(argv=None):
                    help="instead of training: peak memory of one attention layer's forward and forward+backward, "
                    "each in a fresh subprocess")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats for --time-attention (default 5)")
+    p.add_argument("--pattern", choices=PATTERNS, default=DEFAULTS["pattern"],
+                   help="the attention pattern: bigbird (window, globals, random blocks: fixed) or routing (the pairs"
+                   " whose query and key fall in the same cluster, computed from the data every forward, plus the"
+                   " globals and the diagonal) (default %(default)s)")
+    p.add_argument("--clusters", type=int, default=DEFAULTS["clusters"],
+                   help="--pattern routing: clusters per head (default %(default)s)")
     p.add_argument("--fuse", action="store_true", help="scorch backend: run each head's SDDMM -> softmax -> SpMM as"
                    " one fused kernel (scorch.compile)")
     common.add_compile(p)
@@ -291,10 +337,13 @@ def main(argv=None):
     shape = dict(window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
                  d_model=a.d_model, heads=a.heads, batch=a.batch, seed=a.seed)
     if a.time_attention:
-        r = time_attention(a.backend, a.seq_len, repeats=a.repeats, threads=a.threads, fuse=a.fuse, **shape)
+        r = time_attention(a.backend, a.seq_len, repeats=a.repeats, threads=a.threads, fuse=a.fuse,
+                           pattern=a.pattern, clusters=a.clusters, **shape)
         common.report(f"sparse_transformer attention layer ({a.backend})", r)
         return r
     if a.measure_memory:
+        if a.pattern != "bigbird":
+            p.error("--measure-memory measures the fixed pattern (--pattern bigbird)")
         r = {"backend": a.backend, "seq_len": a.seq_len}
         for mode in ("fwd", "fwd_bwd"):
             m = measure_memory(a.backend, a.seq_len, mode=mode, threads=a.threads, **shape)
@@ -305,7 +354,8 @@ def main(argv=None):
     r = run(a.backend, epochs=a.epochs, threads=a.threads, seed=a.seed, quiet=a.quiet, data=a.data,
             seq_len=a.seq_len, window=a.window, n_globals=a.n_globals, random_blocks=a.random_blocks, block=a.block,
             d_model=a.d_model, heads=a.heads, layers=a.layers, batch=a.batch, train_size=a.train_size,
-            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device, fuse=a.fuse, compile=a.compile)
+            test_size=a.test_size, vocab=a.vocab, lr=a.lr, device=a.device, fuse=a.fuse, compile=a.compile,
+            pattern=a.pattern, clusters=a.clusters)
     shown = {k: v for k, v in r.items() if k != "losses"}
     common.report(f"sparse_transformer ({a.backend})", shown)
     return r

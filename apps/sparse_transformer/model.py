@@ -13,6 +13,11 @@
   softmax backward is wrong for a negative ``dim`` (the forward is right), see README.md.
 - a dense bool mask runs ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` over all heads at once.
 
+``routing`` (a dict: ``clusters``, ``n_globals``, ``sparse``) makes the pattern a function of the data instead
+(``routing.py``): every forward assigns each head's queries and keys to clusters and builds the block-diagonal
+mask of the same-cluster pairs, sparse (CSR, the path above) or dense (bool, ``(B, H, n, n)``, SDPA); the
+``mask`` argument is then unused.
+
 ``fuse=True`` (scorch only) wraps the per-head attention in ``torch.compile`` (``scorch.compile``): the three
 ops run as one fused kernel, one pass over each row of the pattern.
 """
@@ -81,7 +86,7 @@ def make_modules(torch):
     class Attention(nn.Module):
         """Multi-head self-attention; the mask decides the kernel (see the module docstring)."""
 
-        def __init__(self, d_model, heads, fuse=False):
+        def __init__(self, d_model, heads, fuse=False, routing=None):
             super().__init__()
             if d_model % heads:
                 raise ValueError(f"d_model {d_model} is not divisible by heads {heads}")
@@ -89,6 +94,12 @@ def make_modules(torch):
             self.qkv = nn.Linear(d_model, 3 * d_model)
             self.out = nn.Linear(d_model, d_model)
             self._state = {}
+            self.routing = routing
+            if routing is not None:
+                from .routing import init_centroids
+                # (drawn after the weights, from the same seeded generator: the same under every backend)
+                self.register_buffer("centroids", init_centroids(heads, routing["clusters"], d_model // heads))
+                self.last_pattern, self.last_nnz = None, 0  # the last forward's (crow, col), entries per problem
             self._attend = lambda q, k, v, mask: sparse_attention(torch, q, k, v, mask, self._state)
             if fuse:
                 if not hasattr(torch, "fusion"):
@@ -101,7 +112,9 @@ def make_modules(torch):
             # (3, B, H, n, dh), each head's (n, dh) slice contiguous
             qkv = self.qkv(x).reshape(B, n, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()
             q, k, v = qkv[0], qkv[1], qkv[2]
-            if is_sparse_mask(torch, mask) and torch.compiler.is_compiling():
+            if self.routing is not None:
+                o = self._routed(q, k, v)
+            elif is_sparse_mask(torch, mask) and torch.compiler.is_compiling():
                 # (under torch.compile: one head at a time, as traced before; the block-diagonal mask is built from
                 # the pattern's arrays, which a traced graph does not read)
                 heads = [torch.stack([self._attend(q[b, h], k[b, h], v[b, h], mask) for h in range(H)])
@@ -119,13 +132,33 @@ def make_modules(torch):
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(o.transpose(1, 2).reshape(B, n, d))
 
+        def _routed(self, q, k, v):
+            """Attention on the pattern the clusters of ``q`` and ``k`` give (``routing.py``), built now; in training
+            mode the centroids then take one EMA step."""
+            from . import routing as R
+            B, H, n, dh = q.shape
+            with torch.no_grad():
+                cq, ck = R.assign(q.detach(), self.centroids), R.assign(k.detach(), self.centroids)
+                crow, col = R.pattern(cq.reshape(B * H, n), ck.reshape(B * H, n), self.routing["n_globals"])
+                if self.training:
+                    R.update(self.centroids, (q.detach(), k.detach()), (cq, ck))
+            self.last_pattern, self.last_nnz = (crow, col), int(crow[-1]) / (B * H)  # (a problem: a sequence's head)
+            if not self.routing["sparse"]:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=R.dense_blocks(crow, col, B * H)
+                                                      .reshape(B, H, n, n))
+            # (valid by construction, tests/apps: the per-call validation was half of the forward at 2048 tokens)
+            mask = torch.sparse_csr_tensor(crow.to(torch.int32), col.to(torch.int32), torch.ones(col.numel()),
+                                           (B * H * n, B * H * n), check_invariants=False)
+            o = self._attend(q.reshape(B * H * n, dh), k.reshape(B * H * n, dh), v.reshape(B * H * n, dh), mask)
+            return o.reshape(B, H, n, dh)
+
     class Layer(nn.Module):
         """A pre-norm encoder layer: attention and a feed-forward block, each with a residual."""
 
-        def __init__(self, d_model, heads, ff=2, fuse=False):
+        def __init__(self, d_model, heads, ff=2, fuse=False, routing=None):
             super().__init__()
             self.norm1 = nn.LayerNorm(d_model)
-            self.attn = Attention(d_model, heads, fuse)
+            self.attn = Attention(d_model, heads, fuse, routing)
             self.norm2 = nn.LayerNorm(d_model)
             self.ff = nn.Sequential(nn.Linear(d_model, ff * d_model), nn.GELU(), nn.Linear(ff * d_model, d_model))
 
@@ -136,11 +169,11 @@ def make_modules(torch):
     class Encoder(nn.Module):
         """A token embedding plus fixed sinusoidal positions, ``layers`` encoder layers, a per-token classifier."""
 
-        def __init__(self, vocab, d_model, heads, layers, classes, fuse=False):
+        def __init__(self, vocab, d_model, heads, layers, classes, fuse=False, routing=None):
             super().__init__()
             self.tok = nn.Embedding(vocab, d_model)
             self.d_model = d_model
-            self.layers = nn.ModuleList([Layer(d_model, heads, fuse=fuse) for _ in range(layers)])
+            self.layers = nn.ModuleList([Layer(d_model, heads, fuse=fuse, routing=routing) for _ in range(layers)])
             self.norm = nn.LayerNorm(d_model)
             self.head = nn.Linear(d_model, classes)
 
@@ -155,17 +188,17 @@ def make_modules(torch):
     return Attention, Layer, Encoder
 
 
-def build_encoder(torch, vocab, d_model, heads, layers, classes, seed=0, fuse=False):
+def build_encoder(torch, vocab, d_model, heads, layers, classes, seed=0, fuse=False, routing=None):
     """The encoder with weights drawn from ``seed`` (the same weights under every backend); any sequence length
-    (fixed sinusoidal positions)."""
+    (fixed sinusoidal positions). ``routing``: see the module docstring."""
     torch.manual_seed(seed)
-    return make_modules(torch)[2](vocab, d_model, heads, layers, classes, fuse)
+    return make_modules(torch)[2](vocab, d_model, heads, layers, classes, fuse, routing)
 
 
-def build_attention(torch, d_model, heads, seed=0, fuse=False):
+def build_attention(torch, d_model, heads, seed=0, fuse=False, routing=None):
     """One attention layer with weights drawn from ``seed``."""
     torch.manual_seed(seed)
-    return make_modules(torch)[0](d_model, heads, fuse)
+    return make_modules(torch)[0](d_model, heads, fuse, routing)
 
 
 def make_mask(torch, crow, col, n, sparse=True):

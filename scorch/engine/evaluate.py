@@ -28,7 +28,7 @@ from .prepared import SDDMM, keep_product, keep_sddmm, kept_call, kept_product, 
 from .convert import asformat, compressed_rows, from_torch
 from .args import tensor_type
 from .bind import backend_for, cast, index_sizes, result_dtype
-from .run import run
+from .run import _EXPLAINING, run
 
 _PATHS = cache("paths", "contraction trees per equation, sizes and nnz (to a power of two)")
 _FAST_EQ = prepared.BY_EQUATION  # (the name tests and tools knew it by)
@@ -81,6 +81,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
         # read) the dense form
         raise NoSparseRule("under a torch.func transform (vmap, grad, jvp)")
     directives = None if schedule is None else Directives.of(schedule)
+    explain = explain or _EXPLAINING.calls
     # a signature seen before: its prepared call, in memory or kept on disk (only calls with no early step, no
     # gradient and one kernel on the operands as given are kept under it: the end of this function)
     sig = None if explain or backend != "cpp" else prepared.equation_key(equation, format, directives, operands)
@@ -380,19 +381,30 @@ def explain(equation, *operands, format=None, schedule=None, source=False, file=
     that chose it, any operand reformatting, the loop order, workspaces and assembly, the parallel loop,
     specialized extents, where each kernel came from (compiled now, disk or memory cache); with ``source=True``
     the generated source too (``.source`` has it either way). Nothing is printed unless ``file`` is given (a
-    file object the report is written to): ``print(scorch.explain(...))``, or the REPL's echo, shows it once."""
+    file object the report is written to): ``print(scorch.explain(...))``, or the REPL's echo, shows it once.
+
+    ``equation`` may instead be a module or function: ``explain(layer, x)`` runs ``layer(x)`` (without
+    gradients) and reports every compiled product it runs, with the directives a ``scorch.schedule`` gave the
+    layer (``.directives`` is then the last product's). Products served by a library or the dense-activation x
+    sparse-weight kernels (``engine.weights``) run as usual and are not reported."""
     import contextlib
     import io
-    from .run import _EXPLAINING
+    call = callable(equation) and not isinstance(equation, str)
+    if call and (format is not None or schedule is not None):
+        raise TypeError("scorch.explain(module_or_function, *args): format= and schedule= are for an equation")
     buf = io.StringIO()
-    before = _EXPLAINING.plans, _EXPLAINING.source
-    _EXPLAINING.plans, _EXPLAINING.source = [], bool(source)
+    before = _EXPLAINING.plans, _EXPLAINING.source, _EXPLAINING.calls
+    _EXPLAINING.plans, _EXPLAINING.source, _EXPLAINING.calls = [], bool(source), call
     try:
         with contextlib.redirect_stdout(buf):
-            einsum(equation, *operands, format=format, explain=True, schedule=schedule)
+            if call:
+                with torch.no_grad():
+                    equation(*operands)
+            else:
+                einsum(equation, *operands, format=format, explain=True, schedule=schedule)
         plans = tuple(_EXPLAINING.plans)
     finally:
-        _EXPLAINING.plans, _EXPLAINING.source = before
+        _EXPLAINING.plans, _EXPLAINING.source, _EXPLAINING.calls = before
     text = Explanation(buf.getvalue() or "(no compiled plan: dense operands go straight to torch)\n")
     text.plans = plans
     if file is not None:

@@ -26,9 +26,15 @@ from .convert import asformat, converted_already, recurring_pattern
 class _Explaining(threading.local):
     plans = None
     source = True  # the generated source in the printed plan (``scorch.explain(source=...)``)
+    calls = False  # every einsum explains itself (``scorch.explain(module_or_function, *args)``)
 
 
 _EXPLAINING = _Explaining()
+
+
+def explaining() -> bool:
+    """Whether ``scorch.explain`` runs a whole call (a module's forward), whose products report themselves."""
+    return _EXPLAINING.calls
 
 
 def explained(plan):
@@ -130,10 +136,7 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         format = coiterable_version(at.output.format)
         at.replan(format=format)
         as_given = False
-    if at.n_sparse == 1 and directives is not None and directives.workspace == "hash":
-        raise ValueError(f"scorch: {name}: a hash workspace assembles the sparse output of several sparse operands;"
-                         " this kernel has one sparse operand (its output is dense, or shares the operand's levels,"
-                         " or goes through a dense workspace)")
+    _refused(at, name)
     if at.n_sparse > 1:
         return _coiterated(at.key, at.asg, at.output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce,
                            directives, name)
@@ -160,6 +163,31 @@ def run(inputs, out, ops, *, format=None, explain=False, name="einsum", rhs=None
         elif rhs is None and not explain:
             STEPS[sig] = (steps, kernel_sig, found)
     return steps.result(result, out)
+
+
+def check(inputs, out, ops, format, directives, name) -> None:
+    """Raise what ``run`` raises for ``directives`` on operands of these types and sizes, without running a kernel
+    (a sparse operand the order walks against its storage is converted, as ``run`` does): a layer's directives
+    checked where they are given (``scorch.schedule``'s ``apply``), with the messages its first call would give."""
+    sizes, broadcast = index_sizes(inputs, ops, name)
+    at = _Planning(inputs, out, ops, format, broadcast, None, "sum", directives)
+    _refused(at, name)
+    if at.n_sparse == 1:
+        _decide(at, sizes, "cpp", False, name, None)
+
+
+def _refused(at, name) -> None:
+    """The directives' requests no kernel of ``at`` can meet (``ValueError``, ``NotImplementedError``)."""
+    d = at.directives
+    if d is None:
+        return
+    if at.n_sparse == 1 and d.workspace == "hash":
+        raise ValueError(f"scorch: {name}: a hash workspace assembles the sparse output of several sparse operands;"
+                         " this kernel has one sparse operand (its output is dense, or shares the operand's levels,"
+                         " or goes through a dense workspace)")
+    if at.n_sparse > 1 and (d.order is not None or d.parallel is not None):
+        raise NotImplementedError(f"scorch: {name}: a user's loop order or parallel loop for several sparse operands"
+                                  " (a merge) is not supported yet; scorch.explain shows the order it chooses")
 
 
 class _Planning:
@@ -298,10 +326,8 @@ def _kernel(key, asg, output, sched0, ops, sizes, broadcast, dtype, scalars, bac
 
 def _coiterated(key, asg, output, ops, sizes, broadcast, dtype, scalars, backend, explain, reduce, directives,
                 name):
-    """An assignment over several sparse operands: one merged loop nest (``compiler.coiterate``)."""
-    if directives is not None and (directives.order is not None or directives.parallel is not None):
-        raise NotImplementedError(f"scorch: {name}: a user's loop order or parallel loop for several sparse operands"
-                                  " (a merge) is not supported yet; scorch.explain shows the order it chooses")
+    """An assignment over several sparse operands: one merged loop nest (``compiler.coiterate``; the directives
+    it cannot follow were refused: ``_refused``)."""
     if reduce != "sum":
         raise NotImplementedError(f"scorch: {name}: a {reduce} reduction over several sparse operands is not"
                                   " supported yet")

@@ -46,6 +46,14 @@ Applying
     naming it, before anything is replaced. Create the optimizer after ``apply`` (it must hold the
     new Parameters).
 
+Kernel schedules
+    ``.schedule(order=..., parallel=..., workspace=...)`` (or what ``scorch.einsum(schedule=)`` takes) gives a
+    parameter's products, or those with a sparse operand in a module's forward (``s["block"]``; its output is
+    then not sparsified unless asked), einsum's directives, in the letters of the op's product (``F.linear`` with a
+    sparse weight: ``einsum("oi,bi->ob", W, X)``), which then runs the general lowering, not ``engine.weights``.
+    Checked at ``apply`` for an ``nn.Linear``'s weight (einsum's ``ValueError``, nothing replaced), else at the
+    first call; shown by ``summary()``/``repr``, removed by ``undo()``, not in the state dict (``nn.directives``).
+
 Convolution weights
     The weight of a ``Conv1d``/``Conv2d``/``Conv3d`` is sparsified and formatted as its matrix view ``(out,
     prod(kernel) * in / groups)``, columns in the order ``(*kernel, in)`` (torch's channels_last weight order:
@@ -78,15 +86,16 @@ import re
 
 import torch
 import torch.nn as _nn
-import torch.nn.functional as _F
 
 from ..formats import Format, named, storage
 from ..formats.expr import Div, Mod, Var, dim_name
 from ..formats.levels import Dense
 from ..formats.named import short_name
-from ..interop import coo_from_entries
 from ..ops.pattern import same_pattern
-from ..sparse_tensor import IMPLEMENTATIONS, SparseTensor, padding_of
+from ..sparse_tensor import SparseTensor, padding_of
+from . import directives as _directives
+from .owners import as_stored, conv_weight, sparse_conv_weight, unsupported
+from .report import Summary, storage_bytes
 from .sparsified import GradSelection, install_grad_spec
 from .sparsify import NM, ScalarThreshold, Sparsifier, masked
 
@@ -203,6 +212,7 @@ class _Plan:
         self.sparsifier: Sparsifier | None = None
         self.dynamic = False
         self.layout = Layout()
+        self.directives = None  # the kernels' schedule (``.schedule``), None: the compiler's
 
     @property
     def rule(self) -> Sparsifier:
@@ -220,6 +230,12 @@ class _OutputPlan(_Plan):
         super().__init__()
         self.handle = None
         self._formats = {}  # output rank -> (Format, flattened to 2-d)
+        self.sparsified = False  # sparsify/block/set_format called: else only directives (if any) are installed
+        self.hooks = ()  # the directives' forward hooks
+
+    @property
+    def sparsifies(self) -> bool:
+        return self.sparsified or self.directives is None
 
     def format_for(self, ndim):
         hit = self._formats.get(ndim)
@@ -248,6 +264,22 @@ class _Selection:
 
     def _plans(self):
         return [self._schedule._plan(self._kind, n) for n in self.names]
+
+    def schedule(self, spec=None, **fields):
+        """The loop order, parallel loop and workspace of the kernels this selection's products compile to
+        (``order=``, ``parallel=``, ``workspace=``, ``transpose=``, ``temporary=``; or a ``scorch.Directives``, a
+        dict of its fields or a loop order, as ``scorch.einsum(..., schedule=)`` takes): a parameter's products
+        (``F.linear`` is ``einsum("oi,bi->ob", W, X)``), or those with a sparse operand in a module's forward.
+        Checked as ``einsum(schedule=)`` checks them: at ``apply`` for an ``nn.Linear``'s weight, else at the
+        first call. ``.schedule()`` takes them away. See ``scorch.nn.directives``."""
+        d = _directives.directives_of(spec, fields)
+        for name in self.names:
+            why = _directives.refused(self._schedule.model, name) if self._kind == "param" else None
+            if why and d is not None:
+                raise NotImplementedError(f"scorch.schedule: parameter {name!r} cannot take directives: {why}")
+        for plan in self._plans():
+            plan.directives = d
+        return self
 
     def __repr__(self):
         shown = ", ".join(self.names[:4]) + (f", ... ({len(self.names)} in all)" if len(self.names) > 4 else "")
@@ -282,7 +314,7 @@ class ParameterSelection(_Selection):
         """``{name: scorch.Format}``: the format each selected parameter will be stored in (a conv weight's: that
         of its matrix view)."""
         params, model = self._schedule._parameters(), self._schedule.model
-        return {n: _stored_format(self._schedule._params.get(n) or _ParamPlan(), _as_stored(model, n, params[n]))
+        return {n: _stored_format(self._schedule._params.get(n) or _ParamPlan(), as_stored(model, n, params[n]))
                 for n in self.names}
 
     def _edit(self, change):
@@ -292,7 +324,7 @@ class ParameterSelection(_Selection):
         for name, layout in zip(self.names, layouts):  # all checked before any is changed
             change(layout)
             try:
-                layout.compose(2 if _conv_weight(self._schedule.model, name) else params[name].dim())
+                layout.compose(2 if conv_weight(self._schedule.model, name) else params[name].dim())
             except ValueError as e:
                 raise ValueError(f"parameter {name!r} {tuple(params[name].shape)}: {e}") from e
         for plan, layout in zip(plans, layouts):
@@ -309,7 +341,7 @@ class OutputSelection(_Selection):
         """Keep the entries of each output that ``sparsifier`` chooses (computed per forward)."""
         _check_sparsifier(sparsifier)
         for plan in self._plans():
-            plan.sparsifier = sparsifier
+            plan.sparsifier, plan.sparsified = sparsifier, True
         return self
 
     def block(self, bh: int, bw: int) -> "OutputSelection":
@@ -317,6 +349,7 @@ class OutputSelection(_Selection):
         for plan in self._plans():
             plan.layout.set_block(bh, bw)
             plan._formats.clear()
+            plan.sparsified = True
         return self
 
     def set_format(self, format, axes=None) -> "OutputSelection":
@@ -324,41 +357,11 @@ class OutputSelection(_Selection):
         for plan in self._plans():
             plan.layout.set_format(format, axes)
             plan._formats.clear()
+            plan.sparsified = True
         return self
 
 
 # --- the schedule --------------------------------------------------------------------------------------------
-
-# module types whose forward passes their parameters to a torch function; a sparse parameter works only where
-# scorch implements that function for sparse operands
-_OWNER_FUNCTIONS = [
-    (_nn.MultiheadAttention, (_F.multi_head_attention_forward,), True),  # True: its submodules (out_proj) too
-    (_nn.Conv1d, (_F.conv1d,), False), (_nn.Conv2d, (_F.conv2d,), False), (_nn.Conv3d, (_F.conv3d,), False),
-    (_nn.ConvTranspose1d, (_F.conv_transpose1d,), False), (_nn.ConvTranspose2d, (_F.conv_transpose2d,), False),
-    (_nn.ConvTranspose3d, (_F.conv_transpose3d,), False), (_nn.Embedding, (_F.embedding,), False),
-    (_nn.EmbeddingBag, (_F.embedding_bag,), False), (_nn.LayerNorm, (_F.layer_norm,), False),
-    (_nn.GroupNorm, (_F.group_norm,), False), (_nn.modules.batchnorm._NormBase, (_F.batch_norm,), False),
-    (_nn.Bilinear, (_F.bilinear,), False),
-]
-
-
-def _unsupported(model, name) -> str | None:
-    """Why the parameter ``name`` cannot be sparse (its owner calls an op scorch lacks), or None."""
-    parts = name.split(".")
-    owner_path = parts[:-1]
-    for depth in range(len(owner_path) + 1):
-        module = model.get_submodule(".".join(owner_path[:depth]))
-        direct = depth == len(owner_path)
-        for cls, funcs, covers_children in _OWNER_FUNCTIONS:
-            if isinstance(module, cls) and (direct or covers_children):
-                missing = [f for f in funcs if f not in IMPLEMENTATIONS]
-                if missing:
-                    where = ".".join(owner_path[:depth]) or "the model"
-                    fn = ", ".join(f"{f.__module__}.{f.__name__}" for f in missing)
-                    return (f"its module {where!r} ({type(module).__name__}) passes it to {fn}, which scorch does not"
-                            " implement for sparse operands")
-    return None
-
 
 def _stored_format(plan, w) -> Format:
     """The format ``apply`` stores ``w`` in: the layout's, or ``nm(n, m)`` for a 2-d weight an ``NM(n, m)`` along its
@@ -370,71 +373,12 @@ def _stored_format(plan, w) -> Format:
     return layout.compose(w.dim())
 
 
-def _conv_weight(model, name) -> bool:
-    """Whether the parameter ``name`` is the weight of a ``Conv1d``/``Conv2d``/``Conv3d``: its formats and
-    sparsifiers apply to its matrix view ``(out, in / groups * prod(kernel))`` (``ops.conv``)."""
-    owner, _, attr = name.rpartition(".")
-    return attr == "weight" and isinstance(model.get_submodule(owner), (_nn.Conv1d, _nn.Conv2d, _nn.Conv3d))
-
-
-def _as_stored(model, name, w):
-    """``w`` as its format applies to it: a conv weight's matrix view ``(out, *kernel, in / groups)`` flattened to
-    ``(out, prod(kernel) * in / groups)`` (``ops.conv``), any other parameter itself."""
-    return w.movedim(1, -1).reshape(w.shape[0], -1) if _conv_weight(model, name) else w
-
-
-def _sparse_conv_weight(rule, w, fmt: Format) -> SparseTensor:
-    """``w`` (``out x in/groups x *kernel``) sparsified by ``rule`` on its matrix view, stored in ``fmt`` there,
-    kept as the canonical COO of the conv's shape (the view's entries: block fill stays stored, padding does not)
-    with ``fmt`` recorded as the view's format (``_view_format``, read by ``ops.conv``)."""
-    view = rule.sparsify(w.movedim(1, -1).reshape(w.shape[0], -1), fmt)
-    leaf, dims, inside = storage.coordinates(view.format, view.shape, view.levels)
-    if view.format.padded:
-        inside &= ~padding_of(view)[leaf]
-    leaf, (row, col) = leaf[inside], dims[:, inside]
-    kernel, cg = tuple(w.shape[2:]), w.shape[1]
-    coords, flat = [], col // cg
-    for k in reversed(kernel):
-        coords.append(flat % k)
-        flat = flat // k
-    out = coo_from_entries([row, col % cg, *reversed(coords)], view.values()[leaf], tuple(w.shape), False)
-    out.__dict__["_view_format"] = fmt
-    return out
-
-
 def _replace(model, old, new):
     """Install ``new`` wherever ``model`` (or a submodule) holds the Parameter ``old``."""
     for _, module in model.named_modules(remove_duplicate=False):
         for attr, p in list(module._parameters.items()):
             if p is old:
                 setattr(module, attr, new)
-
-
-def storage_bytes(t) -> int:
-    """Bytes a tensor's storage takes: a SparseTensor's values and index arrays, a dense tensor's elements."""
-    if isinstance(t, SparseTensor):
-        arrays = [a for st in t.levels for a in st.arrays().values()] + [t.values()]
-        return sum(a.numel() * a.element_size() for a in arrays)
-    return t.numel() * t.element_size()
-
-
-class Summary(list):
-    """Rows (dicts: ``name, shape, format, density, dense_bytes, bytes``) for the scheduled parameters, then one
-    row per sparsified module output; ``str()`` is the table."""
-
-    def __str__(self):
-        head = ("parameter", "shape", "format", "density", "dense bytes", "bytes")
-        rows = [(r["name"], "x".join(map(str, r["shape"])), r["format"], f"{r['density']:.3f}",
-                 str(r["dense_bytes"]), str(r["bytes"])) for r in self if r["kind"] == "param"]
-        if rows:
-            total = sum(r["dense_bytes"] for r in self if r["kind"] == "param")
-            after = sum(r["bytes"] for r in self if r["kind"] == "param")
-            rows.append(("total", "", "", "", str(total), f"{after} ({after / max(total, 1):.1%})"))
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head, *rows]]
-        lines += [f"output of {r['name']}: {r['format']}, {r['sparsifier']}, mask computed per forward"
-                  for r in self if r["kind"] == "output"]
-        return "\n".join(lines)
 
 
 class Schedule:
@@ -543,7 +487,7 @@ class Schedule:
             raise ValueError(f"scorch.schedule: {both[0]!r} is made sparse, so its gradient is sparse on its pattern;"
                              " s.grad(...) is for dense parameters")
         for name in self._params:
-            why = _unsupported(self.model, name)
+            why = unsupported(self.model, name)
             if why:
                 raise NotImplementedError(f"scorch.schedule: parameter {name!r} cannot be sparse: {why}")
         built = {}
@@ -551,9 +495,9 @@ class Schedule:
             p = params[name]
             w = p.detach()
             try:
-                if _conv_weight(self.model, name):
-                    fmt = _stored_format(plan, _as_stored(self.model, name, w))
-                    sparse = _sparse_conv_weight(plan.rule, w, fmt)
+                if conv_weight(self.model, name):
+                    fmt = _stored_format(plan, as_stored(self.model, name, w))
+                    sparse = sparse_conv_weight(plan.rule, w, fmt)
                     built[name] = _nn.Parameter(sparse, requires_grad=p.requires_grad)
                     built[name].__dict__["_view_format"] = fmt
                 else:
@@ -561,18 +505,35 @@ class Schedule:
                     built[name] = _nn.Parameter(plan.rule.sparsify(w, fmt), requires_grad=p.requires_grad)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parameter {name!r} {tuple(w.shape)}: {e}") from e
+            if plan.directives is not None:
+                if _directives.linear_owner(self.model, name):
+                    _directives.check_linear(f"parameter {name!r}", built[name], plan.directives)
+                _directives.attach(built[name], plan.directives)
+        for name, plan in self._outputs.items():  # a Linear module's weight, sparse after this apply
+            w = built.get(f"{name}.weight", getattr(modules[name], "weight", None))
+            if plan.directives is not None and _directives.linear_owner(self.model, f"{name}.weight"):
+                _directives.check_linear(f"module {name!r}", w, plan.directives)
         for name, new in built.items():
             _replace(self.model, params[name], new)
             self._params[name].param = new
         for name, plan in self._outputs.items():
-            if plan.handle is not None:
-                plan.handle.remove()
-            plan.handle = modules[name].register_forward_hook(self._output_hook(name, plan))
+            self._remove_hooks(plan)
+            if plan.sparsifies:
+                plan.handle = modules[name].register_forward_hook(self._output_hook(name, plan))
+            if plan.directives is not None:
+                plan.hooks = _directives.install(modules[name], plan.directives)
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = [h for n, spec in self._grads.items() for h in install_grad_spec(self.model, params[n],
                                                                                             spec, n)]
         return self.model
+
+    @staticmethod
+    def _remove_hooks(plan):
+        for h in (plan.handle, *plan.hooks):
+            if h is not None:
+                h.remove()
+        plan.handle, plan.hooks = None, ()
 
     @staticmethod
     def _output_hook(name, plan):
@@ -597,12 +558,11 @@ class Schedule:
         for plan in self._params.values():
             p = plan.param
             if p is not None:
+                _directives.detach(p)
                 _replace(self.model, p, _nn.Parameter(p.detach().to_dense().clone(), requires_grad=p.requires_grad))
                 plan.param = None
         for plan in self._outputs.values():
-            if plan.handle is not None:
-                plan.handle.remove()
-                plan.handle = None
+            self._remove_hooks(plan)
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
@@ -634,7 +594,7 @@ class Schedule:
                 dense = p.detach().to_dense()
                 view = p.__dict__.get("_view_format")
                 new = masked(dense, plan.rule.checked_mask(dense), p.format) if view is None else \
-                    _sparse_conv_weight(plan.rule, dense, view)
+                    sparse_conv_weight(plan.rule, dense, view)
                 p.copy_(new)  # same pattern: values copied; another pattern: p's pattern replaced
                 for opt in optimizers:
                     state = opt.state.get(p)
@@ -658,9 +618,10 @@ class Schedule:
                                      f"{short_name(p.__dict__['_view_format'])} (matrix view)")
                              if sparse else "dense (not applied)",
                              density=p.density if sparse else 1.0, dense_bytes=p.numel() * p.element_size(),
-                             bytes=storage_bytes(p)))
+                             bytes=storage_bytes(p), schedule=_shown(self._params[name])))
         for name, plan in self._outputs.items():
-            rows.append(dict(kind="output", name=name, format=plan.layout.describe(), sparsifier=repr(plan.rule)))
+            rows.append(dict(kind="output", name=name, format=plan.layout.describe() if plan.sparsifies else None,
+                             sparsifier=repr(plan.rule) if plan.sparsifies else None, schedule=_shown(plan)))
         if print_it:
             print(rows)
         return rows
@@ -669,16 +630,22 @@ class Schedule:
         lines = [f"Schedule({type(self.model).__name__})"]
         for name, plan in self._params.items():
             lines.append(f"  {name}: {plan.rule!r}{' dynamic' if plan.dynamic else ''}, {plan.layout.describe()}"
-                         f"{'' if plan.param is None else ' (applied)'}")
+                         f"{_shown(plan, ', schedule ')}{'' if plan.param is None else ' (applied)'}")
         for name, plan in self._outputs.items():
-            lines.append(f"  output of {name}: {plan.rule!r}, {plan.layout.describe()}")
+            lines.append(f"  output of {name}: {plan.rule!r}, {plan.layout.describe()}" if plan.sparsifies else
+                         f"  module {name}: dense output")
+            lines[-1] += _shown(plan, ", schedule ")
         lines += [f"  gradient of {name}: {spec!r}" for name, spec in self._grads.items()]
         return "\n".join(lines)
 
 
+def _shown(plan, prefix=""):
+    """A plan's directives as text (``order oib, parallel o``), after ``prefix``; "" without directives."""
+    return "" if plan.directives is None else prefix + _directives.describe(plan.directives)
+
+
 def _on_pattern(p: SparseTensor, v: SparseTensor) -> SparseTensor:
     """``v``'s entries at ``p``'s stored positions, on ``p``'s index arrays (0 where ``v`` stores nothing)."""
-    from ..formats import storage
     dense = v.detach().to_dense()
     leaf, dims, inside = storage.coordinates(p.format, p.shape, p.levels)
     if p.format.padded:  # padding: its state stays 0

@@ -17,6 +17,7 @@ from ..formats import Mod, named
 from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, dense_fallback, device_of, dtype_of, implements,
                              needs_grad, padding_of, shape_of)
 from .sparse_api import coalesce
+from . import directed
 
 
 #: operand types an all-dense einsum may defer (a model's weights are Parameters)
@@ -48,6 +49,8 @@ def einsum(equation, *operands, format=None, schedule=None):
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     operands = autocast(*operands)
+    if schedule is None:
+        schedule = directed.of(operands)  # (a layer's, from scorch.schedule)
     if torch.compiler.is_compiling() and format is None and schedule is None:  # torch.compile traces: the graph's
         return torch.einsum(equation, *operands)                               # call (scorch/dynamo.py)
     if schedule is not None:
@@ -103,7 +106,11 @@ def matmul_equation(da: int, db: int) -> str:
 
 
 def _deferred_or_now(eq, a, b, fmt):
-    """The product, deferred where the deferral mode asks for it (``deferred.product``), else computed now."""
+    """The product, deferred where the deferral mode asks for it (``deferred.product``), else computed now; with
+    the directives a layer gave an operand (``directed``), now, with them."""
+    schedule = directed.of((a, b))
+    if schedule is not None:
+        return engine.einsum(eq, a, b, format=fmt, schedule=schedule)
     d = deferred.product(eq, (a, b), fmt)
     return d if d is not None else engine.einsum(eq, a, b, format=fmt)
 
@@ -263,7 +270,10 @@ def linear(input, weight, bias=None):
     if shape_of(input)[-1] != n_in:
         raise ValueError(f"linear: input of shape {tuple(shape_of(input))} and weight of shape"
                          f" {tuple(shape_of(weight))} cannot be multiplied ({shape_of(input)[-1]} != {n_in})")
-    if _is_sparse(weight) and not _is_sparse(input):
+    schedule = directed.of((weight, input))
+    if schedule is not None and _is_sparse(weight) != _is_sparse(input):
+        out = _directed_linear(input, weight, schedule)
+    elif _is_sparse(weight) and not _is_sparse(input):
         lead = tuple(input.shape[:-1])
         x = input.reshape(math.prod(lead), n_in)  # (not -1: no row count follows from 0 elements when n_in is 0)
         n, w = x.shape[0], engine.prepare([weight])[0]
@@ -295,6 +305,25 @@ def linear(input, weight, bias=None):
     else:  # (only the bias is sparse)
         out = torch.nn.functional.linear(input, weight)
     return out if bias is None else out + bias
+
+
+def _directed_linear(input, weight, schedule):
+    """``F.linear``'s product with a layer's directives (``scorch.schedule``'s ``.schedule(...)``), through the
+    general lowering, which they direct: a sparse weight's as ``einsum("oi,bi->ob", W, X)`` (the letters an order
+    names: ``o`` output feature, ``i`` input feature, ``b`` token, the input's leading dimensions flattened), a
+    sparse 2-d input's as ``einsum("bi,oi->bo", X, W)``. Not the weight family's kernels (``engine.weights``):
+    they are hand-tiled, with no loop order or parallel loop of this kind to direct (docs/design-notes.md)."""
+    if engine.explaining():
+        print(f"directives:   {directed.describe(schedule)} (the layer's, from scorch.schedule): F.linear through"
+              " the general lowering")
+    if _is_sparse(input):
+        if len(shape_of(input)) != 2:
+            raise ValueError(f"scorch: F.linear with directives and a sparse input of shape {tuple(shape_of(input))}:"
+                             " only a 2-d sparse input (einsum 'bi,oi->bo') takes a schedule")
+        return engine.einsum("bi,oi->bo", input, weight, format="dense", schedule=schedule)
+    lead, (n_out, n_in) = tuple(input.shape[:-1]), shape_of(weight)
+    x = input.reshape(math.prod(lead), n_in)
+    return engine.einsum("oi,bi->ob", weight, x, format="dense", schedule=schedule).t().reshape(*lead, n_out)
 
 
 @implements(torch.sparse.sampled_addmm)

@@ -197,6 +197,105 @@ def test_run_rejects_unknown_options():
         st.run("cuda", epochs=1, **TINY)
 
 
+# --- routing attention: the pattern computed from the data -----------------------------------------------------
+
+st_routing = import_app("sparse_transformer.routing")
+ROUTED = dict(d_model=32, heads=2, batch=2, seed=0, pattern="routing", clusters=3, **TINY)
+
+
+def _same_cluster_mask(q, k, centroids, n_globals):
+    """The routing pattern by its definition, densely: ``(B, H, n, n)`` bool."""
+    cq, ck = st_routing.assign(q, centroids), st_routing.assign(k, centroids)
+    i = torch.arange(q.shape[2])
+    extra = (i[:, None] == i[None, :]) | (i[:, None] < n_globals) | (i[None, :] < n_globals)
+    return (cq[..., :, None] == ck[..., None, :]) | extra
+
+
+def test_routing_pattern_is_the_same_cluster_pairs():
+    gen = torch.Generator().manual_seed(0)
+    for problems, n, clusters, g in ((3, 10, 3, 0), (4, 17, 5, 2), (2, 8, 1, 0), (1, 1, 1, 1)):
+        cq = torch.randint(clusters, (problems, n), generator=gen)
+        ck = torch.randint(clusters, (problems, n), generator=gen)
+        crow, col = st_routing.pattern(cq, ck, g)
+        _check_csr(crow, col, problems * n)
+        rows = st_pattern.rows_of(crow)
+        assert torch.equal(rows // n, col // n)                  # block-diagonal: problems never mix
+        i = torch.arange(n)
+        want = (cq[:, :, None] == ck[:, None, :]) | (i[:, None] == i[None, :]) | (i[:, None] < g) | (i[None, :] < g)
+        assert torch.equal(st_routing.dense_blocks(crow, col, problems), want)
+
+
+def test_routing_attention_equals_dense_attention_with_the_same_mask():
+    """The scorch layer (its mask a scorch CSR SparseTensor built in the forward) against plain torch SDPA with the
+    routing pattern written out densely from its definition: values and every gradient."""
+    import torch.nn.functional as F
+    with record_sparse_ops() as seen:
+        _, crow, layer, x, grad, mask = st.attention_setup("scorch", **ROUTED)
+        assert crow is None and mask is None
+        layer.eval()  # (the centroids stay: the reference below reads the same ones)
+        out = layer(x, None)
+        out.backward(grad)
+    for fn in (torch.sparse.sampled_addmm, torch.sparse.softmax, torch.sparse.mm):
+        assert seen[fn] == 1, (fn, seen)                         # scorch ran the attention, all heads in one call
+    _, _, ref, x_ref, _, _ = st.attention_setup("dense", **ROUTED)
+    B, n, d = x_ref.shape
+    H, dh = 2, d // 2
+    qkv = ref.qkv(x_ref).reshape(B, n, 3, H, dh).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    allowed = _same_cluster_mask(q.detach(), k.detach(), ref.centroids, TINY["n_globals"])
+    assert layer.last_nnz == allowed.sum().item() / (B * H)
+    assert 0.2 < allowed.float().mean() < 0.9                    # neither empty nor dense at 3 clusters
+    want = ref.out(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).reshape(B, n, d))
+    want.backward(grad)
+    torch.testing.assert_close(out.detach(), want.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), (_, p_ref) in zip(layer.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_routing_pattern_follows_the_data_and_the_centroids_learn():
+    _, _, layer, x, _, _ = st.attention_setup("scorch", **ROUTED)
+    layer.eval()
+
+    def routed(inputs):
+        layer(inputs, None)
+        return layer.last_pattern
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with torch.no_grad():
+        first = routed(x)
+        before = layer.centroids.clone()
+        assert same(routed(x), first) and torch.equal(layer.centroids, before)  # eval: the same pattern again
+        assert not same(routed(torch.randn_like(x)), first)       # other inputs, another pattern
+        layer.train()
+        layer(x, None)
+        assert not torch.allclose(layer.centroids, before)        # training: the centroids move (EMA)...
+        torch.testing.assert_close(layer.centroids.norm(dim=-1), torch.ones(2, 3))  # ...and stay unit vectors
+        layer.eval()
+        assert not same(routed(x), first)                         # so the same input is routed anew
+
+
+def test_routing_training_steps_agree_across_backends():
+    opts = dict(epochs=1, threads=1, seed=1, train_size=8, test_size=4, batch=4, d_model=32, heads=2, layers=2,
+                pattern="routing", clusters=3, **TINY)
+    results = {b: st.run(b, **opts) for b in ("scorch", "dense")}
+    ref = results["dense"]["losses"]
+    assert len(ref) == 2 and all(math.isfinite(v) for v in ref)
+    assert results["scorch"]["losses"] == pytest.approx(ref, rel=1e-4)
+    for r in results.values():
+        assert r["pattern"] == "routing" and 0 < r["density"] < 1 and r["nnz"] > 0
+
+
+def test_routing_options_are_checked():
+    with pytest.raises(ValueError, match="unknown pattern"):
+        st.run("scorch", epochs=1, pattern="lsh", **TINY)
+    with pytest.raises(ValueError, match="clusters"):
+        st.run("scorch", epochs=1, pattern="routing", clusters=0, **TINY)
+    with pytest.raises(ValueError, match="compile"):
+        st.run("scorch", epochs=1, pattern="routing", compile=True, **TINY)
+
+
 # --- timing and memory helpers ------------------------------------------------------------------------------------
 
 def test_time_attention_tiny():
@@ -222,7 +321,7 @@ def test_cli_help():
     assert p.returncode == 0, p.stderr
     for option in ("--backend", "--data", "--epochs", "--threads", "--seq-len", "--window", "--globals",
                    "--random-blocks", "--block", "--d-model", "--heads", "--layers", "--batch", "--time-attention",
-                   "--measure-memory"):
+                   "--measure-memory", "--pattern", "--clusters"):
         assert option in p.stdout, option
     assert "scorch" in p.stdout and "dense" in p.stdout and "sparse" in p.stdout
 
@@ -233,6 +332,15 @@ def test_cli_tiny_run():
              "--threads", "1")
     assert p.returncode == 0, p.stderr
     for key in ("backend                scorch", "accuracy", "epoch_s", "infer_s", "nnz", "density"):
+        assert key in p.stdout, (key, p.stdout)
+
+
+def test_cli_tiny_routing_run():
+    p = _cli("--backend", "scorch", "--pattern", "routing", "--clusters", "3", "--epochs", "1", "--seq-len", "64",
+             "--train-size", "4", "--test-size", "4", "--batch", "2", "--d-model", "32", "--layers", "1", "--quiet",
+             "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    for key in ("pattern                routing", "clusters               3", "accuracy", "density"):
         assert key in p.stdout, (key, p.stdout)
 
 
