@@ -12,11 +12,33 @@ parameter and for a SparseTensor computed before the compiled function (across a
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .formats import LevelStorage
 from .formats.format import from_text
 from .rules import RULES
+
+
+def _refuse_export() -> None:
+    """``torch.export`` of SparseTensors: refused, naming what is missing. Export traces below torch functions,
+    where scorch's sparse ops are not seen: the program it made held each SparseTensor as an opaque input of
+    ``aten`` ops, which then ran densely (a fallback), or it failed inside torch with "Expected meta != nullptr".
+    Export sets no flag while it fakifies parameters, so its frame on the stack tells (``torch.export._trace``)."""
+    if "torch.export._trace" not in sys.modules:  # (no export has run: no stack walk on every flatten)
+        return
+    f, depth = sys._getframe(2), 0
+    while f is not None and depth < 40:  # (export's frame is ~15 above; a compiled call's flatten walks no further)
+        depth += 1
+        if f.f_code.co_name in ("_export", "_export_for_training") and \
+                f.f_code.co_filename.endswith(("export/_trace.py", "export\\_trace.py")):
+            raise NotImplementedError(
+                "scorch: torch.export of a SparseTensor (a sparse parameter, buffer or input) is not supported: "
+                "export traces below torch functions, where scorch's sparse ops are not seen, so the exported "
+                "program would run them densely. Use torch.compile (supported), eager, or export a dense copy "
+                "(scorch.schedule(model).undo(), or to_dense() the weights)")
+        f = f.f_back
 
 
 class Traceable:
@@ -25,6 +47,7 @@ class Traceable:
     def __tensor_flatten__(self):
         """The inner tensors' attribute names (the values, then each level's ``pos``/``crd`` present, as
         ``_pos<k>``/``_crd<k>``) and the static metadata: the format text and the number of levels."""
+        _refuse_export()
         if _sparse_base(self._vals) or any(_sparse_base(a) for st in self._levels for a in (st.pos, st.crd)):
             self._vals, self._levels = _unviewed(self._vals), tuple(st.map(_unviewed) for st in self._levels)
         names = ["_vals"]

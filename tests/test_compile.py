@@ -265,3 +265,46 @@ def test_sparse_weight_linear_runs_the_weight_kernels(fmt, monkeypatch):
     torch.testing.assert_close(layer.weight.grad.values(), gw)
     torch.testing.assert_close(layer.bias.grad, gb)
     assert calls.get("linear", 0) >= 2 and calls.get("input_grad", 0) >= 1 and calls.get("weight_grad", 0) >= 2, calls
+
+
+def _scheduled_mlp():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    s = scorch.schedule(m)
+    s.regex(r".*weight").sparsify(scorch.nn.ScalarFraction(0.8)).set_format("csr")
+    s.apply()
+    return m
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_modes_on_cpu(mode):
+    """``mode="reduce-overhead"`` (CUDA graphs: none on CPU, Inductor's default code) and the autotuning modes take
+    a model with sparse weights: values and gradients equal to eager."""
+    m = _scheduled_mlp()
+    X = torch.randn(16, 32)
+    ref = m(X)
+    ref.sum().backward()
+    gw = m[0].weight.grad.values().clone()
+    m.zero_grad()
+    out = torch.compile(m, mode=mode, fullgraph=True)(X)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(m[0].weight.grad.values(), gw)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_refused_clearly(strict):
+    """torch.export traces below torch functions, where scorch's ops are not seen: a model with sparse parameters,
+    or a sparse input, is refused with an error naming torch.export (it failed inside torch, "Expected meta !=
+    nullptr", or exported a program that ran the sparse weights densely)."""
+    m = _scheduled_mlp()
+    with pytest.raises(Exception, match="torch.export of a SparseTensor"):
+        torch.export.export(m, (torch.randn(4, 32),), strict=strict)
+    A = scorch.asformat(torch.randn(8, 8).relu(), "csr")
+
+    class Product(torch.nn.Module):
+        def forward(self, A, X):
+            return A @ X
+
+    with pytest.raises(Exception, match="torch.export of a SparseTensor"):
+        torch.export.export(Product(), (A, torch.randn(8, 2)), strict=strict)
