@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..compiler import grouped_gemm
 from ..compiler.einsum import equation as einsum_string
 from ..compiler.grouped import Grouping
 from ..formats.storage import linear_index
@@ -142,12 +143,14 @@ class Routing:
     (top-1 gates), the entry of each row: the result is then gathered in row order (faster than a scatter, and
     no zero fill), else None and the entries are added into zeros."""
 
-    __slots__ = ("rows", "ranges", "covered", "inverse", "n")
+    __slots__ = ("rows", "ranges", "covered", "inverse", "n", "starts")
 
     def __init__(self, rows, counts, n):
         self.rows, self.n = rows, n
+        # (the compiled kernels take the groups' first entries: ``starts[g]:starts[g + 1]`` is group g's range)
+        self.starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
         self.ranges, lo = [], 0
-        for g, c in enumerate(counts):
+        for g, c in enumerate(counts.tolist()):
             if c:
                 self.ranges.append((g, lo, lo + c))
             lo += c
@@ -198,9 +201,13 @@ class _GroupedProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, routing, vals, x, w):
+        ctx.routing = routing
+        if compiled(vals, x, w):  # (the product unweighted kept for the gate values' gradient only)
+            y, p = compiled_forward(routing, vals, x, w, keep=ctx.needs_input_grad[1])
+            ctx.save_for_backward(vals, x, w, None, p)
+            return y
         xs = x.index_select(0, routing.rows)
         p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
-        ctx.routing = routing
         ctx.save_for_backward(vals, x, w, xs, p)
         if routing.inverse is not None:  # (gathered first, then weighed in place: one result-sized allocation)
             return p.index_select(0, routing.inverse).mul_(vals.index_select(0, routing.inverse)[:, None])
@@ -210,8 +217,10 @@ class _GroupedProduct(torch.autograd.Function):
     def backward(ctx, dy):
         routing = ctx.routing
         vals, x, w, xs, p = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a graph of the backward: the products again, as differentiable ops
-            xs = x.index_select(0, routing.rows)
+        if xs is None and not torch.is_grad_enabled() and compiled(vals, x, w, dy):
+            return (None,) + compiled_backward(routing, vals, x, w, p, dy, ctx.needs_input_grad[1:])
+        if torch.is_grad_enabled() or xs is None:  # a graph of the backward (the products again, as
+            xs = x.index_select(0, routing.rows)    # differentiable ops), or the compiled forward's inputs
             p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
         dys = dy.index_select(0, routing.rows)
         gv = (dys * p).sum(1) if ctx.needs_input_grad[1] else None
@@ -224,6 +233,56 @@ class _GroupedProduct(torch.autograd.Function):
             gw = _mm_ranges(routing, xs, lambda g, lo, hi: dps[lo:hi], w.shape[2], transpose_a=True,
                             out=torch.empty_like(w))
         return None, gv, gx, gw
+
+
+def compiled(*ts) -> bool:
+    """Whether the compiled kernels (``compiler/grouped_gemm.py``) serve: float32 CPU tensors, and ``x`` and ``W``
+    not empty (the others take the torch ops below)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and ts[1].numel() > 0 and \
+        ts[2].numel() > 0
+
+
+def compiled_forward(routing, vals, x, w, keep):
+    """``(y, p)``: ``y[r] = sum_e v[e] x[rows[e]] W[g(e)]`` by the compiled kernel, and with ``keep`` the sorted
+    entries' products unweighted ``p`` (else None). Where rows repeat (top-k > 1) the kernel writes the entries'
+    products and torch adds them into ``y``'s rows."""
+    x, w, vals = x.contiguous(), w.contiguous(), vals.contiguous()
+    rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
+    (n, d), (groups, _, h) = x.shape, w.shape
+    once = routing.inverse is not None
+    y = x.new_empty(n, h) if once else None
+    p = x.new_empty(rows.numel(), h) if keep or not once else None
+    threads = torch.get_num_threads()
+    grouped_gemm.kernel("forward")(groups, starts.data_ptr(), rows.data_ptr(), vals.data_ptr(), x.data_ptr(),
+                                   w.data_ptr(), d, h, y.data_ptr() if once else None,
+                                   None if p is None else p.data_ptr(), int(not keep), 
+                                   grouped_gemm.row_block(rows.numel(), d, threads), threads)
+    if not once:
+        y = x.new_zeros(n, h).index_add_(0, rows, p * vals[:, None] if keep else p)
+    return y, p
+
+
+def compiled_backward(routing, vals, x, w, p, dy, needs):
+    """The gradients ``(vals, x, W)`` (None where ``needs`` says not) of ``compiled_forward``: ``dW`` and the gate
+    values' by the compiled kernel, ``dx`` as torch products on the sorted entries."""
+    x, w, vals, dy = x.contiguous(), w.contiguous(), vals.contiguous(), dy.contiguous()
+    rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
+    (n, d), (groups, _, h) = x.shape, w.shape
+    gv = gx = gw = None
+    if needs[2]:
+        gw = torch.empty_like(w)
+        gv = x.new_empty(rows.numel()) if needs[0] else None
+        mc, db = grouped_gemm.grad_blocks(groups, rows.numel(), d, h, torch.get_num_threads())
+        grouped_gemm.kernel("weight_grad")(groups, starts.data_ptr(), rows.data_ptr(), vals.data_ptr(),
+                                           x.data_ptr(), dy.data_ptr(), None if gv is None else p.data_ptr(), d, h,
+                                           gw.data_ptr(), None if gv is None else gv.data_ptr(), mc, db,
+                                           torch.get_num_threads())
+    elif needs[0]:
+        gv = (dy.index_select(0, rows) * p).sum(1)
+    if needs[1]:
+        dps = dy.index_select(0, rows).mul_(vals[:, None])
+        gx = _place(routing, _mm_ranges(routing, dps, lambda g, lo, hi: w[g].t(), d), d)
+    return gv, gx, gw
 
 
 #: above this many bytes of gathered rows, the forward without gradients runs group by group in the cache (the
@@ -244,10 +303,12 @@ def _moe_product(grouping, form, inputs, ops, sizes, dtype):
     (r,), (g,) = grouping.rows, grouping.group
     dims, vals = storage.unpack(s.format, s.shape, s.levels, s.values())
     keys, order = torch.sort(dims[letters.index(g)], stable=True)
-    routing = Routing(dims[letters.index(r)][order], torch.bincount(keys, minlength=sizes[g]).tolist(), sizes[r])
+    routing = Routing(dims[letters.index(r)][order], torch.bincount(keys, minlength=sizes[g]), sizes[r])
     vals, x, w = vals[order].to(dtype), ops[xj].to(dtype), ops[wj].to(dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or vals.requires_grad):
         return _GroupedProduct.apply(routing, vals, x, w)
+    if compiled(vals, x, w):
+        return compiled_forward(routing, vals, x, w, keep=False)[0]
     h = w.shape[2]
     ones = bool((vals == 1).all())
     if vals.numel() * max(x.shape[1], h) * x.element_size() <= IN_CACHE_BYTES:
