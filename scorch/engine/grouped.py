@@ -138,26 +138,46 @@ def moe_operands(grouping: Grouping, inputs, out):
 
 class Routing:
     """The sparse operand's entries sorted by group once, for the forward and the backward alike: ``rows`` the
-    entries' rows in that order, ``ranges`` ``(group, lo, hi)`` of each group with entries (contiguous),
-    ``covered`` whether every group has some; ``inverse`` where each of the ``n`` rows is named exactly once
-    (top-1 gates), the entry of each row: the result is then gathered in row order (faster than a scatter, and
-    no zero fill), else None and the entries are added into zeros."""
+    entries' rows in that order, ``starts`` each group's first entry (and the end: ``starts[g]:starts[g + 1]``
+    is group g's range), ``ranges`` ``(group, lo, hi)`` of each group with entries, ``covered`` whether every
+    group has some; ``once`` whether each of the ``n`` rows is named exactly once (top-1 gates), and then
+    ``inverse``, the entry of each row: the result is gathered in row order (faster than a scatter, and no zero
+    fill), else ``inverse`` is None and the entries are added into zeros. ``route`` makes one."""
 
-    __slots__ = ("rows", "ranges", "covered", "inverse", "n", "starts")
+    __slots__ = ("rows", "starts", "n", "ranges", "covered", "once", "_inverse")
 
-    def __init__(self, rows, counts, n):
-        self.rows, self.n = rows, n
-        # (the compiled kernels take the groups' first entries: ``starts[g]:starts[g + 1]`` is group g's range)
-        self.starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-        self.ranges, lo = [], 0
-        for g, c in enumerate(counts.tolist()):
-            if c:
-                self.ranges.append((g, lo, lo + c))
-            lo += c
-        self.covered = len(self.ranges) == len(counts)
-        self.inverse = None
-        if _once_each(rows, n):
-            self.inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(n, device=rows.device))
+    def __init__(self, rows, starts, n, once):
+        self.rows, self.starts, self.n, self.once, self._inverse = rows, starts, n, once, None
+        bounds = starts.tolist()
+        self.ranges = [(g, lo, hi) for g, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo]
+        self.covered = len(self.ranges) == len(bounds) - 1
+
+    @property
+    def inverse(self):
+        if self.once and self._inverse is None:
+            self._inverse = torch.empty_like(self.rows).scatter_(0, self.rows, torch.arange(
+                self.n, device=self.rows.device))
+        return self._inverse if self.once else None
+
+
+def route(groups, rows, n_groups, n):
+    """``(Routing, order)``: the entries (their groups and rows, in storage order) sorted by group, stably
+    (``order`` the permutation of the entries), by a compiled counting sort that also says whether every one of
+    the ``n`` rows is named once (on the CPU; torch's sort elsewhere)."""
+    groups, rows = groups.to(torch.int64), rows.to(torch.int64)
+    if groups.device.type != "cpu":
+        keys, order = torch.sort(groups, stable=True)
+        starts = torch.cat([keys.new_zeros(1), torch.cumsum(torch.bincount(keys, minlength=n_groups), 0)])
+        rows = rows[order]
+        return Routing(rows, starts, n, _once_each(rows, n)), order
+    groups, rows = groups.contiguous(), rows.contiguous()
+    starts = torch.empty(n_groups + 1, dtype=torch.int64)
+    sorted_rows, order = torch.empty_like(rows), torch.empty_like(rows)
+    once = grouped_gemm.kernel("route")(groups.numel(), groups.data_ptr(), rows.data_ptr(), n_groups, n,
+                                        starts.data_ptr(), sorted_rows.data_ptr(), order.data_ptr())
+    if once < 0:
+        raise IndexError(f"a sparse operand's entry names group {-once - 1}, past its {n_groups} groups")
+    return Routing(sorted_rows, starts, n, bool(once)), order
 
 
 def _mm_ranges(routing, a, b_of, cols, transpose_a=False, out=None):
@@ -249,7 +269,7 @@ def compiled_forward(routing, vals, x, w, keep):
     x, w, vals = x.contiguous(), w.contiguous(), vals.contiguous()
     rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
     (n, d), (groups, _, h) = x.shape, w.shape
-    once = routing.inverse is not None
+    once = routing.once
     y = x.new_empty(n, h) if once else None
     p = x.new_empty(rows.numel(), h) if keep or not once else None
     threads = torch.get_num_threads()
@@ -302,8 +322,7 @@ def _moe_product(grouping, form, inputs, ops, sizes, dtype):
     s, letters = ops[k], inputs[k]
     (r,), (g,) = grouping.rows, grouping.group
     dims, vals = storage.unpack(s.format, s.shape, s.levels, s.values())
-    keys, order = torch.sort(dims[letters.index(g)], stable=True)
-    routing = Routing(dims[letters.index(r)][order], torch.bincount(keys, minlength=sizes[g]), sizes[r])
+    routing, order = route(dims[letters.index(g)], dims[letters.index(r)], sizes[g], sizes[r])
     vals, x, w = vals[order].to(dtype), ops[xj].to(dtype), ops[wj].to(dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or vals.requires_grad):
         return _GroupedProduct.apply(routing, vals, x, w)

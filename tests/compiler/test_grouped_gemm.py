@@ -110,8 +110,7 @@ def test_compiled_forward_matches_the_per_expert_loop():
     ``index_add_``) in float32: the same sums up to rounding."""
     x, E, gate = _case(300, 48, 96, 6, 1, empty=(5,))
     nz = gate.nonzero()
-    keys, order = torch.sort(nz[:, 1], stable=True)
-    routing = grouped.Routing(nz[order, 0], torch.bincount(keys, minlength=6), 300)
+    routing, order = grouped.route(nz[:, 1], nz[:, 0], 6, 300)
     vals = gate[nz[order, 0], nz[order, 1]].float()
     y, p = grouped.compiled_forward(routing, vals, x, E, keep=True)
     want = torch.zeros(300, 96)
@@ -134,3 +133,23 @@ def test_other_dtypes_take_the_torch_path(dtype):
     want = torch.einsum("bn,bd,ndh->bh", gate, x.double(), E.double())
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_route_sorts_stably_and_says_whether_rows_are_named_once(index_dtype):
+    """``route``: the entries sorted by group, stably (torch's stable sort's permutation), each group's first
+    entry, and whether every row is named once; a group key out of range raises instead of writing past the
+    counts."""
+    groups = torch.tensor([2, 0, 2, 1, 0, 2], dtype=index_dtype)
+    rows = torch.tensor([0, 1, 2, 3, 4, 5], dtype=index_dtype)
+    routing, order = grouped.route(groups, rows, 4, 6)
+    assert order.equal(torch.sort(groups.long(), stable=True)[1])
+    assert routing.rows.equal(rows.long()[order])
+    assert routing.starts.tolist() == [0, 2, 3, 6, 6]
+    assert routing.ranges == [(0, 0, 2), (1, 2, 3), (2, 3, 6)] and not routing.covered
+    assert routing.once and routing.inverse.equal(torch.argsort(routing.rows))
+    assert not grouped.route(groups, torch.tensor([0, 1, 2, 3, 4, 4]), 4, 6)[0].once   # a row twice
+    assert not grouped.route(groups, rows, 4, 7)[0].once                                # a row without entry
+    assert grouped.route(groups, rows, 4, 7)[0].inverse is None
+    with pytest.raises(IndexError, match="group 4"):
+        grouped.route(torch.tensor([0, 4]), torch.tensor([0, 1]), 4, 2)
