@@ -13,7 +13,7 @@ import torch
 
 from ..compiler import grouped_gemm
 from ..compiler.einsum import equation as einsum_string
-from ..compiler.grouped import Grouping
+from ..compiler.grouped import Grouping, moe_operands  # noqa: F401  (moe_operands: evaluate's)
 from ..formats.storage import linear_index
 
 
@@ -116,24 +116,6 @@ def matrix_product(idx_g, res_idx, p):
         if res_idx == (b1, a1):
             return lambda ops: torch.mm(ops[1].t(), ops[0])
     return None
-
-
-def moe_operands(grouping: Grouping, inputs, out):
-    """``(xj, wj)``, the positions of ``x`` and ``W`` where the einsum is the mixture-of-experts form
-    ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` (any operand order), else None."""
-    k = grouping.sparse
-    if len(inputs) != 3 or len(grouping.rows) != 1 or len(grouping.group) != 1:
-        return None
-    (r,), (g,) = grouping.rows, grouping.group
-    others = [j for j in range(3) if j != k]
-    xj = next((j for j in others if r in inputs[j]), None)
-    wj = next((j for j in others if g in inputs[j]), None)
-    if xj is None or wj is None:
-        return None
-    xi, wi = inputs[xj], inputs[wj]
-    if len(xi) != 2 or xi[0] != r or len(wi) != 3 or wi[0] != g or xi[1] != wi[1] or tuple(out) != (r, wi[2]):
-        return None
-    return xj, wj
 
 
 class Routing:
@@ -260,6 +242,15 @@ def compiled(*ts) -> bool:
     not empty (the others take the torch ops below)."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and ts[1].numel() > 0 and \
         ts[2].numel() > 0
+
+
+def compiled_operands(ops) -> bool:
+    """Whether an einsum over ``ops`` computes in float32 on the CPU (its operands' promoted type), so that a
+    mixture-of-experts product among them runs by the compiled kernels (the planner's ``compiled``)."""
+    dtype = ops[0].dtype
+    for t in ops[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype == torch.float32 and all(t.device.type == "cpu" for t in ops)
 
 
 def compiled_forward(routing, vals, x, w, keep):
