@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..compiler import grouped_gemm
+from ..compiler import grouped_gemm, relayout
 from ..compiler.einsum import equation as einsum_string
 from ..compiler.grouped import Grouping, moe_operands  # noqa: F401  (moe_operands: evaluate's)
 from ..formats.storage import linear_index
@@ -275,7 +275,8 @@ def compiled_forward(routing, vals, x, w, keep):
 
 def compiled_backward(routing, vals, x, w, p, dy, needs):
     """The gradients ``(vals, x, W)`` (None where ``needs`` says not) of ``compiled_forward``: ``dW`` and the gate
-    values' by the compiled kernel, ``dx`` as torch products on the sorted entries."""
+    values' by the weight gradient's kernel, ``dx`` by the forward's with each expert's matrix transposed (one
+    copy of ``W``, by ``relayout``'s tiled transposition)."""
     x, w, vals, dy = x.contiguous(), w.contiguous(), vals.contiguous(), dy.contiguous()
     rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
     (n, d), (groups, _, h) = x.shape, w.shape
@@ -290,9 +291,8 @@ def compiled_backward(routing, vals, x, w, p, dy, needs):
                                            torch.get_num_threads())
     elif needs[0]:
         gv = (dy.index_select(0, rows) * p).sum(1)
-    if needs[1]:
-        dps = dy.index_select(0, rows).mul_(vals[:, None])
-        gx = _place(routing, _mm_ranges(routing, dps, lambda g, lo, hi: w[g].t(), d), d)
+    if needs[1]:  # dx[r] = sum_e v[e] dY[rows[e]] W[g(e)]^T: the forward's kernel on W transposed
+        gx = compiled_forward(routing, vals, dy, relayout.dim_last(w, 1), keep=False)[0]
     return gv, gx, gw
 
 
