@@ -182,21 +182,22 @@ extern "C" void scorch_grouped_forward(int64_t groups, const int64_t* starts, co
 
 // gw[g] = sum_{e in g} (v[e] x[rows[e], :])^T dy[rows[e], :] (zero for a group without entries), over blocks
 // of at most mc entries (the first stored, the others added), dy's rows read in place (the last column tile from
-// a zero-padded copy); gv[e] = dot(dy[rows[e], :], p[e, :]) (gv may be null)
+// a zero-padded copy); gv[e] = dot(dy[rows[e], :], p[e, :]) (gv may be null), or with p_at_rows (p the
+// forward's result y, each row named once) dot(dy[rows[e], :], y[rows[e], :]) / v[e]
 extern "C" void scorch_grouped_weight_grad(int64_t groups, const int64_t* starts, const int64_t* rows,
                                            const float* vals, const float* x, const float* dy, const float* p,
-                                           int64_t d, int64_t h, float* gw, float* gv, int64_t mc, int64_t db,
-                                           int64_t nthreads) {
+                                           int64_t p_at_rows, int64_t d, int64_t h, float* gw, float* gv,
+                                           int64_t mc, int64_t db, int64_t nthreads) {
   int64_t entries = starts[groups];
   if (gv) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t e = 0; e < entries; e++) {
       const float* a = dy + rows[e] * h;
-      const float* b = p + e * h;
+      const float* b = p + (p_at_rows ? rows[e] : e) * h;
       float s = 0.0f;
       #pragma omp simd reduction(+ : s)
       for (int64_t c = 0; c < h; c++) s += a[c] * b[c];
-      gv[e] = s;
+      gv[e] = p_at_rows ? s / vals[e] : s;
     }
   }
   db = up(db, MR);
@@ -314,7 +315,7 @@ def kernel(name: str):
     if k is None:
         p, i = ctypes.c_void_p, ctypes.c_int64
         args = {"forward": [i, p, p, p, p, p, i, i, p, p, i, i, i],
-                "weight_grad": [i, p, p, p, p, p, p, i, i, p, p, i, i, i],
+                "weight_grad": [i, p, p, p, p, p, p, i, i, i, p, p, i, i, i],
                 "route": [i, p, p, i, i, p, p, p]}[name]
         k = _kernels[name] = runtime.load(_ROUTE_SOURCE if name == "route" else source(),
                                           f"scorch_grouped_{name}", args, i if name == "route" else None)

@@ -196,17 +196,22 @@ def _place(routing, part, cols):
 
 
 class _GroupedProduct(torch.autograd.Function):
-    """``y[r, h] = sum_e v[e] x[rows[e], d] W[g(e), d, h]`` over the entries ``e`` sorted by group: one gather of
-    ``x``'s rows, one matrix product per group over its contiguous range, the weighted rows placed into ``y``.
-    The backward reuses the sorted order and the gathered rows: ``dW[g] = X_g^T (v dY_g)``, ``dx`` the products
+    """``y[r, h] = sum_e v[e] x[rows[e], d] W[g(e), d, h]`` over the entries ``e`` sorted by group. float32 on the
+    CPU: the compiled kernels (``compiled_forward``, ``compiled_backward``). Otherwise torch ops: one gather of
+    ``x``'s rows, one matrix product per group over its contiguous range, the weighted rows placed into ``y``; the
+    backward reuses the sorted order and the gathered rows: ``dW[g] = X_g^T (v dY_g)``, ``dx`` the products
     ``(v dY_g) W[g]^T`` placed back, the values' gradient each entry's row of ``dY`` against its product."""
 
     @staticmethod
     def forward(ctx, routing, vals, x, w):
         ctx.routing = routing
-        if compiled(vals, x, w):  # (the product unweighted kept for the gate values' gradient only)
-            y, p = compiled_forward(routing, vals, x, w, keep=ctx.needs_input_grad[1])
-            ctx.save_for_backward(vals, x, w, None, p)
+        if compiled(vals, x, w):
+            # the gate values' gradient needs each entry's product unweighted: ``y``'s row over the weight where
+            # each row has one entry and no weight is too small to divide by (no second result written), else
+            # the products kept
+            ctx.p_in_y = ctx.needs_input_grad[1] and routing.once and bool((vals.abs() >= DIVISIBLE).all())
+            y, p = compiled_forward(routing, vals, x, w, keep=ctx.needs_input_grad[1] and not ctx.p_in_y)
+            ctx.save_for_backward(vals, x, w, None, y if ctx.p_in_y else p)
             return y
         xs = x.index_select(0, routing.rows)
         p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
@@ -220,7 +225,7 @@ class _GroupedProduct(torch.autograd.Function):
         routing = ctx.routing
         vals, x, w, xs, p = ctx.saved_tensors
         if xs is None and not torch.is_grad_enabled() and compiled(vals, x, w, dy):
-            return (None,) + compiled_backward(routing, vals, x, w, p, dy, ctx.needs_input_grad[1:])
+            return (None,) + compiled_backward(routing, vals, x, w, p, ctx.p_in_y, dy, ctx.needs_input_grad[1:])
         if torch.is_grad_enabled() or xs is None:  # a graph of the backward (the products again, as
             xs = x.index_select(0, routing.rows)    # differentiable ops), or the compiled forward's inputs
             p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
@@ -273,8 +278,9 @@ def compiled_forward(routing, vals, x, w, keep):
     return y, p
 
 
-def compiled_backward(routing, vals, x, w, p, dy, needs):
-    """The gradients ``(vals, x, W)`` (None where ``needs`` says not) of ``compiled_forward``: ``dW`` and the gate
+def compiled_backward(routing, vals, x, w, p, p_in_y, dy, needs):
+    """The gradients ``(vals, x, W)`` (None where ``needs`` says not) of ``compiled_forward``, given its unweighted
+    products ``p`` (or with ``p_in_y`` its result, each row one entry's product weighted): ``dW`` and the gate
     values' by the weight gradient's kernel, ``dx`` by the forward's with each expert's matrix transposed (one
     copy of ``W``, by ``relayout``'s tiled transposition)."""
     x, w, vals, dy = x.contiguous(), w.contiguous(), vals.contiguous(), dy.contiguous()
@@ -286,15 +292,20 @@ def compiled_backward(routing, vals, x, w, p, dy, needs):
         gv = x.new_empty(rows.numel()) if needs[0] else None
         mc, db = grouped_gemm.grad_blocks(groups, rows.numel(), d, h, torch.get_num_threads())
         grouped_gemm.kernel("weight_grad")(groups, starts.data_ptr(), rows.data_ptr(), vals.data_ptr(),
-                                           x.data_ptr(), dy.data_ptr(), None if gv is None else p.data_ptr(), d, h,
-                                           gw.data_ptr(), None if gv is None else gv.data_ptr(), mc, db,
-                                           torch.get_num_threads())
+                                           x.data_ptr(), dy.data_ptr(), None if gv is None else p.data_ptr(),
+                                           int(p_in_y), d, h, gw.data_ptr(), None if gv is None else gv.data_ptr(),
+                                           mc, db, torch.get_num_threads())
     elif needs[0]:
-        gv = (dy.index_select(0, rows) * p).sum(1)
+        gv = (dy.index_select(0, rows) * (p.index_select(0, rows) if p_in_y else p)).sum(1)
+        gv = gv / vals if p_in_y else gv
     if needs[1]:  # dx[r] = sum_e v[e] dY[rows[e]] W[g(e)]^T: the forward's kernel on W transposed
         gx = compiled_forward(routing, vals, dy, relayout.dim_last(w, 1), keep=False)[0]
     return gv, gx, gw
 
+
+#: the smallest gate weight by which the forward's result is divided to recover an entry's product (top-1): the
+#: quotient's error is then at most float32's smallest subnormal step (1.4e-45) / 2^-40 = 1.5e-33 an element
+DIVISIBLE = 2.0 ** -40
 
 #: above this many bytes of gathered rows, the forward without gradients runs group by group in the cache (the
 #: gathered rows and their product stay there between the calls); below it, as whole-array ops (fewer calls)

@@ -79,11 +79,29 @@ def test_compiled_moe_product(monkeypatch, B, D, H, N, top_k, empty, missing):
     _check(monkeypatch, *_case(B, D, H, N, top_k, empty, missing))
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("needs", [("E",), ("gate",), ("x",), ("E", "gate")])
-def test_compiled_moe_product_each_gradient(monkeypatch, needs):
-    """Each gradient alone (the kernel's gate values' gradient with and without the experts', the input's by
-    torch products on the sorted entries)."""
-    _check(monkeypatch, *_case(61, 24, 40, 3, 2, missing=(5,)), needs=needs)
+def test_compiled_moe_product_each_gradient(monkeypatch, needs, top_k):
+    """Each gradient alone (the gate values' gradient by the weight gradient's kernel or, without the experts',
+    by torch; the input's by the forward's kernel on the transposed experts), from the products kept (top-2) or
+    recovered from the result's rows (top-1)."""
+    _check(monkeypatch, *_case(61, 24, 40, 3, top_k), needs=needs)
+
+
+@pytest.mark.parametrize("needs", [("gate",), ("E", "gate")])
+def test_compiled_moe_product_tiny_gate_weight(monkeypatch, needs):
+    """A top-1 gate weight below ``DIVISIBLE``: the products are kept instead of recovered from the result
+    (dividing by 1e-13 would not give them back), the gate values' gradient still torch's."""
+    x, E, gate = _case(40, 16, 24, 4, 1)
+    keeps, forward = [], grouped.compiled_forward
+    monkeypatch.setattr(grouped, "compiled_forward", lambda *a, keep: keeps.append(keep) or forward(*a, keep=keep))
+    _check(monkeypatch, x, E, gate, needs=needs)
+    assert keeps[0] is False  # (every weight divisible: recovered from the result)
+    gate[7] = gate[7] * 1e-13
+    assert gate[7].abs().max() < grouped.DIVISIBLE
+    keeps.clear()
+    _check(monkeypatch, x, E, gate, needs=needs)
+    assert keeps[0] is True
 
 
 def test_compiled_moe_product_small_blocks(monkeypatch):
