@@ -271,7 +271,7 @@ def compiled_forward(routing, vals, x, w, keep):
     threads = torch.get_num_threads()
     grouped_gemm.kernel("forward")(groups, starts.data_ptr(), rows.data_ptr(), vals.data_ptr(), x.data_ptr(),
                                    w.data_ptr(), d, h, y.data_ptr() if once else None,
-                                   None if p is None else p.data_ptr(), int(not keep), 
+                                   None if p is None else p.data_ptr(), int(not keep),
                                    grouped_gemm.row_block(rows.numel(), d, threads), threads)
     if not once:
         y = x.new_zeros(n, h).index_add_(0, rows, p * vals[:, None] if keep else p)
@@ -285,7 +285,7 @@ def compiled_backward(routing, vals, x, w, p, p_in_y, dy, needs):
     copy of ``W``, by ``relayout``'s tiled transposition)."""
     x, w, vals, dy = x.contiguous(), w.contiguous(), vals.contiguous(), dy.contiguous()
     rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
-    (n, d), (groups, _, h) = x.shape, w.shape
+    (_, d), (groups, _, h) = x.shape, w.shape
     gv = gx = gw = None
     if needs[2]:
         gw = torch.empty_like(w)
