@@ -171,3 +171,63 @@ def test_route_sorts_stably_and_says_whether_rows_are_named_once(index_dtype):
     assert grouped.route(groups, rows, 4, 7)[0].inverse is None
     with pytest.raises(IndexError, match="group 4"):
         grouped.route(torch.tensor([0, 4]), torch.tensor([0, 1]), 4, 2)
+
+
+SANITIZED = r'''
+import torch, scorch
+from scorch.compiler import grouped_gemm
+from scorch.engine import grouped
+
+def case(B, D, H, N, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, E = torch.randn(B, D, generator=g), torch.randn(N, D, H, generator=g)
+    pick = torch.stack([torch.randperm(N, generator=g)[:top_k] for _ in range(B)])
+    gate = torch.zeros(B, N, dtype=torch.float64).scatter(1, pick, torch.rand(B, top_k, generator=g,
+                                                                               dtype=torch.float64) + 0.25)
+    gate[B // 2] = 0
+    return x, E, gate
+
+n, bad = 0, []
+for small in (False, True):
+    if small:  # one tile a task, five entries a block of the weight gradient
+        grouped_gemm.row_block = lambda *a: 1
+        grouped_gemm.grad_blocks = lambda *a: (5, 1)
+    for widths in ([None, (8, 2)] if grouped_gemm.vectors()[0] >= 8 else [None]):
+        if widths:
+            grouped_gemm.vectors = lambda: widths
+            grouped_gemm._kernels.clear()
+        for B, D, H, N, top_k in ((37, 13, 70, 5, 1), (37, 13, 70, 5, 2), (9, 7, 5, 12, 1), (64, 20, 64, 3, 1)):
+            x, E, gate = case(B, D, H, N, top_k, n)
+            xs, Es, g = x.clone().requires_grad_(), E.clone().requires_grad_(), scorch.asformat(gate.float(), "csr")
+            g.requires_grad_(True)
+            y = scorch.einsum("bn,bd,ndh->bh", g, xs, Es)
+            (y * y).sum().backward()
+            xr, Er, gr = x.double().requires_grad_(), E.double().requires_grad_(), gate.clone().requires_grad_()
+            yr = torch.einsum("bn,bd,ndh->bh", gr, xr, Er)
+            (yr * yr).sum().backward()
+            for got, want in ((y, yr), (xs.grad, xr.grad), (Es.grad, Er.grad), (g.grad.to_dense(), gr.grad * (gate != 0))):
+                n += 1
+                if not torch.allclose(got.double(), want, rtol=1e-3, atol=1e-3):
+                    bad.append((B, D, H, N, top_k, small, widths))
+print("MISMATCH", bad) if bad else print("checked", n)
+'''
+
+
+def test_compiled_kernels_under_sanitizers(tmp_path):
+    """The compiled grouped kernels (route, forward, weight gradient; both vector widths; small blocks) built with
+    AddressSanitizer and UndefinedBehaviorSanitizer, in a subprocess: no read or write outside torch's buffers
+    (partial row and column tiles, the prefetches' pointer rows), the results torch's."""
+    import os
+    import subprocess
+    import sys
+    from test_sanitize import _sanitized_env, _sanitizer_available
+    if not sys.platform.startswith("linux") or not _sanitizer_available():
+        pytest.skip("no ASan/UBSan runtime here")
+    env = _sanitized_env(tmp_path)
+    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+    run = subprocess.run([sys.executable, "-c", SANITIZED], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = run.stdout + run.stderr
+    assert "AddressSanitizer" not in out and "runtime error" not in out, out[-6000:]
+    assert run.returncode == 0 and "checked" in run.stdout and "MISMATCH" not in run.stdout, out[-6000:]
+    assert list((tmp_path / "cache").rglob("*.so"))
