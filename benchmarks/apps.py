@@ -134,8 +134,9 @@ def moe(threads: int, quick: bool) -> list:
     t.targets.append(_target(t, "sparse gate >= 4x faster than the dense-gate einsum (every expert for every token)",
                              4.0, "torch, dense gate, every expert (fused)"))
     t.notes.append("`fused` spells the block as one einsum `bn,bd,ndh->bh`: with a sparse gate, scorch sorts the "
-                   "gate's entries by expert once and runs one matrix product per expert over its contiguous rows, "
-                   "forward and backward (`scorch/engine/grouped.py`). `slots` spells it as dispatch (`sb,bd->sd`), "
+                   "gate's entries by expert once and runs one matrix product per expert over its tokens, forward "
+                   "and backward, in float32 as compiled kernels that read the tokens in place "
+                   "(`scorch/engine/grouped.py`, `scorch/compiler/grouped_gemm.py`). `slots` spells it as dispatch (`sb,bd->sd`), "
                    "expert matmuls per slot (`ncd,ndh->nch`, padded to the fullest expert) and combine "
                    "(`bs,sh->bh`). The per-expert loop is plain PyTorch, no gate tensor (`apps/moe/model.py`, "
                    "`loop`). The app runs one backend after another: the interleaved tables below compare step by "

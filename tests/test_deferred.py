@@ -233,7 +233,9 @@ def test_issue_program_computes_only_kept_entries(monkeypatch):
     assert isinstance(y_experts, Deferred) and pending(y_experts)
     assert [g.group for g in calls] == [("n",)]  # one grouped product over the gate's entries
     expect = torch.einsum("bnd,bn->bd", torch.einsum("bd,ndh->bnh", x, E), gates.float())
-    torch.testing.assert_close(y.to_dense(), expect)
+    # (float32 sums of 512 products of normal numbers, about 20 in size, each rounded in its own order: the
+    # compiled grouped kernel's and MKL's differ by some 1e-5, as each does from the float64 sum)
+    torch.testing.assert_close(y.to_dense(), expect, rtol=1e-5, atol=2e-4)
 
 
 @pytest.mark.parametrize("how", ["data", "inference"])

@@ -79,7 +79,7 @@ def _stored(node) -> float:
     return 0.0 if node.parts is None and len(node.leaves) == 1 else INTERMEDIATE_COST * node.nnz
 
 
-def best_path(operands, out, sizes) -> Node:
+def best_path(operands, out, sizes, compiled=False) -> Node:
     n = len(operands)
     full = frozenset(range(n))
 
@@ -112,7 +112,7 @@ def best_path(operands, out, sizes) -> Node:
             keep = kept(subset)
             sp, nnz = _result(ops, keep, sizes)
             node = Node(tuple(sorted(subset)), keep, None, kernel_cost(ops, sizes, idx), sp, nnz)
-            node = _grouped(node, ops, keep, sizes)
+            node = _grouped(node, ops, keep, sizes, compiled)
             if len(subset) <= EXHAUSTIVE:
                 members = sorted(subset)
                 for r in range(1, len(members) // 2 + 1):
@@ -134,15 +134,16 @@ def best_path(operands, out, sizes) -> Node:
     return best(full)
 
 
-def _grouped(node, ops, keep, sizes):
-    """``node`` run as a grouped product (``grouped.py``) where that qualifies and is estimated cheaper."""
+def _grouped(node, ops, keep, sizes, compiled=False):
+    """``node`` run as a grouped product (``grouped.py``) where that qualifies and is estimated cheaper
+    (``compiled``: the operands are those the compiled grouped kernels take, float32 on the CPU)."""
     from . import grouped
     if node.sparse:
         return node
     g = grouped.match([o.indices for o in ops], keep, [o.sparse for o in ops], sizes)
     if g is None or ops[g.sparse].nnz < 1:
         return node
-    c = grouped.cost(g, [o.indices for o in ops], keep, sizes, ops[g.sparse].nnz, DENSE_DISCOUNT)
+    c = grouped.cost(g, [o.indices for o in ops], keep, sizes, ops[g.sparse].nnz, DENSE_DISCOUNT, compiled)
     if c >= node.cost:
         return node
     return Node(node.leaves, node.indices, None, c, False, node.nnz, g)

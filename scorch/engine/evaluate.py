@@ -276,14 +276,15 @@ def contraction_path(inputs, out, ops, name):
     choices do not hinge on finer differences), so a repeated call does not search again."""
     sizes, _ = index_sizes(inputs, ops, name)
     nnz = [float(x.nnz) if isinstance(x, SparseTensor) else float(x.numel()) for x in ops]
+    compiled = grouped.compiled_operands(ops)
     key = (inputs, out, tuple(sorted(sizes.items())),
-           tuple((isinstance(x, SparseTensor), int(n).bit_length()) for x, n in zip(ops, nnz)))
+           tuple((isinstance(x, SparseTensor), int(n).bit_length()) for x, n in zip(ops, nnz)), compiled)
     node = _PATHS.get(key)
     if node is None:
         meta = [contract.Operand(idx, isinstance(x, SparseTensor), n,
                                  frozenset(idx) if isinstance(x, SparseTensor) else frozenset())
                 for idx, x, n in zip(inputs, ops, nnz)]
-        node = contract.best_path(meta, out, sizes)
+        node = contract.best_path(meta, out, sizes, compiled)
         _PATHS[key] = node
     return node
 
@@ -295,10 +296,12 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
     (the caller rounds the tree's result to the operands' type)."""
     if node.grouped is not None:
         idx = [inputs[k] for k in node.leaves]
-        if explain:
-            print(f"grouped:      {contract.describe(node, inputs)}: the entries of the sparse operand grouped by"
-                  f" {''.join(node.grouped.group)}, one dense product per group (torch)")
         leaves = [ops[k] for k in node.leaves]
+        if explain:
+            by = "compiled grouped kernels" if grouped.compiled_operands(leaves) and \
+                grouped.moe_operands(node.grouped, idx, tuple(target)) else "torch"
+            print(f"grouped:      {contract.describe(node, inputs)}: the entries of the sparse operand grouped by"
+                  f" {''.join(node.grouped.group)}, one dense product per group ({by})")
         sizes, _ = index_sizes(idx, leaves, "einsum")
         r = grouped.evaluate(node.grouped, idx, tuple(target), leaves, sizes)
         # the format a kernel would have written: the requested one, else the inferred one

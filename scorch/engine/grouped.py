@@ -11,8 +11,9 @@ import math
 
 import torch
 
+from ..compiler import grouped_gemm, relayout
 from ..compiler.einsum import equation as einsum_string
-from ..compiler.grouped import Grouping
+from ..compiler.grouped import Grouping, moe_operands  # noqa: F401  (moe_operands: evaluate's)
 from ..formats.storage import linear_index
 
 
@@ -117,44 +118,48 @@ def matrix_product(idx_g, res_idx, p):
     return None
 
 
-def moe_operands(grouping: Grouping, inputs, out):
-    """``(xj, wj)``, the positions of ``x`` and ``W`` where the einsum is the mixture-of-experts form
-    ``y[r, h] = sum S[r, g] x[r, d] W[g, d, h]`` (any operand order), else None."""
-    k = grouping.sparse
-    if len(inputs) != 3 or len(grouping.rows) != 1 or len(grouping.group) != 1:
-        return None
-    (r,), (g,) = grouping.rows, grouping.group
-    others = [j for j in range(3) if j != k]
-    xj = next((j for j in others if r in inputs[j]), None)
-    wj = next((j for j in others if g in inputs[j]), None)
-    if xj is None or wj is None:
-        return None
-    xi, wi = inputs[xj], inputs[wj]
-    if len(xi) != 2 or xi[0] != r or len(wi) != 3 or wi[0] != g or xi[1] != wi[1] or tuple(out) != (r, wi[2]):
-        return None
-    return xj, wj
-
-
 class Routing:
     """The sparse operand's entries sorted by group once, for the forward and the backward alike: ``rows`` the
-    entries' rows in that order, ``ranges`` ``(group, lo, hi)`` of each group with entries (contiguous),
-    ``covered`` whether every group has some; ``inverse`` where each of the ``n`` rows is named exactly once
-    (top-1 gates), the entry of each row: the result is then gathered in row order (faster than a scatter, and
-    no zero fill), else None and the entries are added into zeros."""
+    entries' rows in that order, ``starts`` each group's first entry (and the end: ``starts[g]:starts[g + 1]``
+    is group g's range), ``ranges`` ``(group, lo, hi)`` of each group with entries, ``covered`` whether every
+    group has some; ``once`` whether each of the ``n`` rows is named exactly once (top-1 gates), and then
+    ``inverse``, the entry of each row: the result is gathered in row order (faster than a scatter, and no zero
+    fill), else ``inverse`` is None and the entries are added into zeros. ``route`` makes one."""
 
-    __slots__ = ("rows", "ranges", "covered", "inverse", "n")
+    __slots__ = ("rows", "starts", "n", "ranges", "covered", "once", "_inverse")
 
-    def __init__(self, rows, counts, n):
-        self.rows, self.n = rows, n
-        self.ranges, lo = [], 0
-        for g, c in enumerate(counts):
-            if c:
-                self.ranges.append((g, lo, lo + c))
-            lo += c
-        self.covered = len(self.ranges) == len(counts)
-        self.inverse = None
-        if _once_each(rows, n):
-            self.inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(n, device=rows.device))
+    def __init__(self, rows, starts, n, once):
+        self.rows, self.starts, self.n, self.once, self._inverse = rows, starts, n, once, None
+        bounds = starts.tolist()
+        self.ranges = [(g, lo, hi) for g, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo]
+        self.covered = len(self.ranges) == len(bounds) - 1
+
+    @property
+    def inverse(self):
+        if self.once and self._inverse is None:
+            self._inverse = torch.empty_like(self.rows).scatter_(0, self.rows, torch.arange(
+                self.n, device=self.rows.device))
+        return self._inverse if self.once else None
+
+
+def route(groups, rows, n_groups, n):
+    """``(Routing, order)``: the entries (their groups and rows, in storage order) sorted by group, stably
+    (``order`` the permutation of the entries), by a compiled counting sort that also says whether every one of
+    the ``n`` rows is named once (on the CPU; torch's sort elsewhere)."""
+    groups, rows = groups.to(torch.int64), rows.to(torch.int64)
+    if groups.device.type != "cpu":
+        keys, order = torch.sort(groups, stable=True)
+        starts = torch.cat([keys.new_zeros(1), torch.cumsum(torch.bincount(keys, minlength=n_groups), 0)])
+        rows = rows[order]
+        return Routing(rows, starts, n, _once_each(rows, n)), order
+    groups, rows = groups.contiguous(), rows.contiguous()
+    starts = torch.empty(n_groups + 1, dtype=torch.int64)
+    sorted_rows, order = torch.empty_like(rows), torch.empty_like(rows)
+    once = grouped_gemm.kernel("route")(groups.numel(), groups.data_ptr(), rows.data_ptr(), n_groups, n,
+                                        starts.data_ptr(), sorted_rows.data_ptr(), order.data_ptr())
+    if once < 0:
+        raise IndexError(f"a sparse operand's entry names group {-once - 1}, past its {n_groups} groups")
+    return Routing(sorted_rows, starts, n, bool(once)), order
 
 
 def _mm_ranges(routing, a, b_of, cols, transpose_a=False, out=None):
@@ -191,16 +196,25 @@ def _place(routing, part, cols):
 
 
 class _GroupedProduct(torch.autograd.Function):
-    """``y[r, h] = sum_e v[e] x[rows[e], d] W[g(e), d, h]`` over the entries ``e`` sorted by group: one gather of
-    ``x``'s rows, one matrix product per group over its contiguous range, the weighted rows placed into ``y``.
-    The backward reuses the sorted order and the gathered rows: ``dW[g] = X_g^T (v dY_g)``, ``dx`` the products
+    """``y[r, h] = sum_e v[e] x[rows[e], d] W[g(e), d, h]`` over the entries ``e`` sorted by group. float32 on the
+    CPU: the compiled kernels (``compiled_forward``, ``compiled_backward``). Otherwise torch ops: one gather of
+    ``x``'s rows, one matrix product per group over its contiguous range, the weighted rows placed into ``y``; the
+    backward reuses the sorted order and the gathered rows: ``dW[g] = X_g^T (v dY_g)``, ``dx`` the products
     ``(v dY_g) W[g]^T`` placed back, the values' gradient each entry's row of ``dY`` against its product."""
 
     @staticmethod
     def forward(ctx, routing, vals, x, w):
+        ctx.routing = routing
+        if compiled(vals, x, w):
+            # the gate values' gradient needs each entry's product unweighted: ``y``'s row over the weight where
+            # each row has one entry and no weight is too small to divide by (no second result written), else
+            # the products kept
+            ctx.p_in_y = ctx.needs_input_grad[1] and routing.once and bool((vals.abs() >= DIVISIBLE).all())
+            y, p = compiled_forward(routing, vals, x, w, keep=ctx.needs_input_grad[1] and not ctx.p_in_y)
+            ctx.save_for_backward(vals, x, w, None, y if ctx.p_in_y else p)
+            return y
         xs = x.index_select(0, routing.rows)
         p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
-        ctx.routing = routing
         ctx.save_for_backward(vals, x, w, xs, p)
         if routing.inverse is not None:  # (gathered first, then weighed in place: one result-sized allocation)
             return p.index_select(0, routing.inverse).mul_(vals.index_select(0, routing.inverse)[:, None])
@@ -210,8 +224,10 @@ class _GroupedProduct(torch.autograd.Function):
     def backward(ctx, dy):
         routing = ctx.routing
         vals, x, w, xs, p = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a graph of the backward: the products again, as differentiable ops
-            xs = x.index_select(0, routing.rows)
+        if xs is None and not torch.is_grad_enabled() and compiled(vals, x, w, dy):
+            return (None,) + compiled_backward(routing, vals, x, w, p, ctx.p_in_y, dy, ctx.needs_input_grad[1:])
+        if torch.is_grad_enabled() or xs is None:  # a graph of the backward (the products again, as
+            xs = x.index_select(0, routing.rows)    # differentiable ops), or the compiled forward's inputs
             p = _mm_ranges(routing, xs, lambda g, lo, hi: w[g], w.shape[2])
         dys = dy.index_select(0, routing.rows)
         gv = (dys * p).sum(1) if ctx.needs_input_grad[1] else None
@@ -225,6 +241,71 @@ class _GroupedProduct(torch.autograd.Function):
                             out=torch.empty_like(w))
         return None, gv, gx, gw
 
+
+def compiled(*ts) -> bool:
+    """Whether the compiled kernels (``compiler/grouped_gemm.py``) serve: float32 CPU tensors, and ``x`` and ``W``
+    not empty (the others take the torch ops below)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and ts[1].numel() > 0 and \
+        ts[2].numel() > 0
+
+
+def compiled_operands(ops) -> bool:
+    """Whether an einsum over ``ops`` computes in float32 on the CPU (its operands' promoted type), so that a
+    mixture-of-experts product among them runs by the compiled kernels (the planner's ``compiled``)."""
+    dtype = ops[0].dtype
+    for t in ops[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype == torch.float32 and all(t.device.type == "cpu" for t in ops)
+
+
+def compiled_forward(routing, vals, x, w, keep):
+    """``(y, p)``: ``y[r] = sum_e v[e] x[rows[e]] W[g(e)]`` by the compiled kernel, and with ``keep`` the sorted
+    entries' products unweighted ``p`` (else None). Where rows repeat (top-k > 1) the kernel writes the entries'
+    products and torch adds them into ``y``'s rows."""
+    x, w, vals = x.contiguous(), w.contiguous(), vals.contiguous()
+    rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
+    (n, d), (groups, _, h) = x.shape, w.shape
+    once = routing.once
+    y = x.new_empty(n, h) if once else None
+    p = x.new_empty(rows.numel(), h) if keep or not once else None
+    threads = torch.get_num_threads()
+    grouped_gemm.kernel("forward")(groups, starts.data_ptr(), rows.data_ptr(), vals.data_ptr(), x.data_ptr(),
+                                   w.data_ptr(), d, h, y.data_ptr() if once else None,
+                                   None if p is None else p.data_ptr(), int(not keep),
+                                   grouped_gemm.row_block(rows.numel(), d, threads), threads)
+    if not once:
+        y = x.new_zeros(n, h).index_add_(0, rows, p * vals[:, None] if keep else p)
+    return y, p
+
+
+def compiled_backward(routing, vals, x, w, p, p_in_y, dy, needs):
+    """The gradients ``(vals, x, W)`` (None where ``needs`` says not) of ``compiled_forward``, given its unweighted
+    products ``p`` (or with ``p_in_y`` its result, each row one entry's product weighted): ``dW`` and the gate
+    values' by the weight gradient's kernel, ``dx`` by the forward's with each expert's matrix transposed (one
+    copy of ``W``, by ``relayout``'s tiled transposition)."""
+    x, w, vals, dy = x.contiguous(), w.contiguous(), vals.contiguous(), dy.contiguous()
+    rows, starts = routing.rows.to(torch.int64).contiguous(), routing.starts.to(torch.int64)
+    (_, d), (groups, _, h) = x.shape, w.shape
+    gv = gx = gw = None
+    if needs[2]:
+        gw = torch.empty_like(w)
+        gv = x.new_empty(rows.numel()) if needs[0] else None
+        mc, db = grouped_gemm.grad_blocks(groups, rows.numel(), d, h, torch.get_num_threads())
+        grouped_gemm.kernel("weight_grad")(groups, starts.data_ptr(), rows.data_ptr(), vals.data_ptr(),
+                                           x.data_ptr(), dy.data_ptr(), None if gv is None else p.data_ptr(),
+                                           int(p_in_y), d, h, gw.data_ptr(), None if gv is None else gv.data_ptr(),
+                                           mc, db, torch.get_num_threads())
+    elif needs[0]:
+        gv = (dy.index_select(0, rows) * (p.index_select(0, rows) if p_in_y else p)).sum(1)
+        gv = gv / vals if p_in_y else gv
+    if needs[1]:  # dx[r] = sum_e v[e] dY[rows[e]] W[g(e)]^T: the forward's kernel on W transposed
+        gx = compiled_forward(routing, vals, dy, relayout.dim_last(w, 1), keep=False)[0]
+    return gv, gx, gw
+
+
+#: the smallest gate weight by which the forward's result is divided to recover an entry's product (top-1): the
+#: quotient's error is then at most float32's smallest subnormal step (1.4e-45) / 2^-40 = 1.5e-33 an element
+DIVISIBLE = 2.0 ** -40
 
 #: above this many bytes of gathered rows, the forward without gradients runs group by group in the cache (the
 #: gathered rows and their product stay there between the calls); below it, as whole-array ops (fewer calls)
@@ -243,11 +324,12 @@ def _moe_product(grouping, form, inputs, ops, sizes, dtype):
     s, letters = ops[k], inputs[k]
     (r,), (g,) = grouping.rows, grouping.group
     dims, vals = storage.unpack(s.format, s.shape, s.levels, s.values())
-    keys, order = torch.sort(dims[letters.index(g)], stable=True)
-    routing = Routing(dims[letters.index(r)][order], torch.bincount(keys, minlength=sizes[g]).tolist(), sizes[r])
+    routing, order = route(dims[letters.index(g)], dims[letters.index(r)], sizes[g], sizes[r])
     vals, x, w = vals[order].to(dtype), ops[xj].to(dtype), ops[wj].to(dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or vals.requires_grad):
         return _GroupedProduct.apply(routing, vals, x, w)
+    if compiled(vals, x, w):
+        return compiled_forward(routing, vals, x, w, keep=False)[0]
     h = w.shape[2]
     ones = bool((vals == 1).all())
     if vals.numel() * max(x.shape[1], h) * x.element_size() <= IN_CACHE_BYTES:

@@ -95,6 +95,10 @@ def test_planner_groups_the_moe_product():
     # experts small enough for a kernel to read from the cache for every token: no reuse to gain, the kernel
     narrow = {"b": 2048, "d": 128, "h": 128, "n": 16}
     assert contract.best_path(ops, ("b", "h"), narrow).grouped is None
+    # ... unless the compiled grouped kernels run it (float32 on the CPU: no torch call per group), down to
+    # experts of 8K elements
+    assert contract.best_path(ops, ("b", "h"), narrow, compiled=True).grouped is not None
+    assert contract.best_path(ops, ("b", "h"), {**narrow, "d": 64, "h": 64}, compiled=True).grouped is None
     # few entries per group and little work per entry: the kernel
     small = {"b": 4096, "d": 4, "h": 4, "n": 4096}
     ops[2] = contract.Operand(("b", "n"), True, 4096, frozenset("bn"))
