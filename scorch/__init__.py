@@ -36,7 +36,11 @@ Every torch function and method on sparse operands: docs/sparse-api.md; design: 
 """
 import torch as _torch
 
-from . import _forward
+from ._versions import check_torch as _check_torch  # noqa: E402
+
+_check_torch(_torch.__version__)
+
+from . import _forward  # noqa: E402
 
 _forward.install()
 

@@ -1,5 +1,6 @@
 """``import scorch as torch``: torch's names are torch's own objects; submodules import the way torch's do."""
 import importlib
+import re
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import scorch
+from scorch._versions import MIN_TORCH, check_torch
 
 NAMES = """
 tensor randn rand zeros ones empty full arange linspace eye zeros_like ones_like randn_like rand_like randint
@@ -168,3 +170,22 @@ def test_torch_submodules_import_where_torch_is_scorch_in_sys_modules():
             "try:\n    import torch.no_such_module\nexcept ImportError:\n    print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("version, refused", [("2.12.1+cu130", True), ("2.4.0", True), ("1.13.1", True),
+                                              ("2.13.0+cpu", False), ("2.14.1", False), ("2.15.0", False),
+                                              ("3.0.0a0+git1234", False)])
+def test_old_torch_refused_at_import(version, refused):
+    """torch older than 2.13 (where torch.compile of SparseTensors fails inside Dynamo) is refused at import with
+    a message naming both versions; newer ones pass."""
+    if refused:
+        with pytest.raises(ImportError, match=r"scorch needs torch >= 2\.13, found torch " + re.escape(version)):
+            check_torch(version)
+    else:
+        check_torch(version)
+
+
+def test_pyproject_requires_what_import_checks():
+    import pathlib
+    text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"torch>=' + ".".join(map(str, MIN_TORCH)) + '"' in text
