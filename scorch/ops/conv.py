@@ -31,6 +31,7 @@ import torch
 
 from ..compiler.caches import register
 from ..engine import asformat
+from ..engine import conv_direct
 from ..engine.convert import coo_from_entries
 from ..formats import named, storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
@@ -179,6 +180,11 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     pads = _pads(padding, d, kernel, stride, dilation, op)
     if x.dtype != weight.dtype:
         raise TypeError(f"{op}: input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if d == 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                                   (bias is not None and bias.requires_grad))):
+        out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
+        if out is not None:
+            return out if batched else out.squeeze(0)
     try:
         rows, sizes = _unfold(x, kernel, stride, dilation, pads)
     except ValueError as e:

@@ -1,0 +1,110 @@
+"""A direct convolution with a sparse weight, as loop IR: no unfolded (im2col) copy of the input, no transposed panel.
+
+The input is held channel-major (NCHW), each channel's plane zero-padded and flattened with a row width ``Wq``;
+a strided convolution's planes are first split into their stride phases (``x[a::s, b::s]`` for the phases the
+kernel's taps use), so that every tap is a stride-1 shift of one plane. The output is computed on the same grid,
+``Ho`` rows of ``Wq`` pixels (the columns past ``Wo`` are thrown away by the caller), so the output pixel ``q``
+of a stored weight ``(o, c, kh, kw)`` reads ``x[q + off]`` with one offset per stored weight (its plane and its
+row and column shift): consecutive output pixels read consecutive inputs, and a vector of pixels is one
+unaligned load.
+
+``y[img, o, q] = sum_p vals[p] * x[img, q + off[p]] (+ bias[o])`` over the entries ``p`` of row ``o``
+(``pos[o] .. pos[o + 1]``): per stored weight, one broadcast and, per vector of the tile's pixels, a load and a
+multiply-add into accumulators that stay in registers for the whole row, ``unroll`` sets of them so that the
+multiply-adds' latency hides behind each other. The work items are (image, pixel tile, row chunk), tile-major:
+a tile's inputs (every channel's plane around the tile) stay in the cache while the rows pass.
+
+Against im2col and the sparse-weight ``linear`` family (``compiler.weights``), this reads each input once per
+stored weight from the cache instead of copying ``prod(kernel)`` shifted copies of the input into rows and then
+transposing them into a panel: those copies cost as much as the sparse product itself at 90% sparsity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import loopir as L
+from .target import Target
+from .weights import _add, _bv, _c, _mul, _vloop, sets_total, unrolled
+
+I64, F32 = "i64", "f32"
+#: accumulator vectors a row holds (``vectors`` x ``unroll``), of the 16 (AVX2) / 32 (AVX-512) registers
+ACCUMULATORS = 8
+#: pixel vectors per tile at most
+MAX_VECTORS = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """``lanes`` per vector, ``vectors`` per tile (``T = lanes * vectors`` output pixels), ``unroll`` accumulator
+    sets; ``ptype`` the row positions' type; ``bias``: added in the epilogue."""
+    lanes: int
+    vectors: int
+    unroll: int
+    ptype: str
+    bias: bool
+
+    @property
+    def T(self) -> int:
+        return self.lanes * self.vectors
+
+    @property
+    def name(self) -> str:
+        return "scorch_conv_direct"
+
+
+def plan(target: Target, pixels: int, ptype: str, bias: bool) -> Plan:
+    """The tile for an output plane of ``pixels`` (grid) pixels: as many vectors as it fills, at most
+    ``MAX_VECTORS``; ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight."""
+    lanes = target.lanes(F32) if target.vectors else 1
+    vectors = max(1, min(MAX_VECTORS, -(-pixels // lanes)))
+    return Plan(lanes, vectors, max(1, ACCUMULATORS // vectors), ptype, bias)
+
+
+def _div(a, b):
+    return L.binary("floordiv", a, b)
+
+
+def forward(p: Plan) -> L.Kernel:
+    """The kernel: parameters ``pos``, ``off`` (i32), ``vals``, [``bias``], ``x``, ``y``; scalars ``n`` (images),
+    ``x_image`` (input elements per image), ``grid`` (output pixels per plane, a multiple of ``T``), ``n_out``,
+    ``chunks`` and ``row_chunk`` (the rows split for the threads), ``nthreads``. ``x`` must be readable up to
+    ``grid + max(off)`` past each image's start (the caller pads its end)."""
+    T, U = p.T, p.unroll
+    item, img, rest, tile, chunk = (L.Var(v) for v in ("item", "img", "rest", "tile", "chunk"))
+    xb, yb, o, lo, hi, q, k, e = (L.Var(v) for v in ("xb", "yb", "o", "lo", "hi", "q", "k", "e"))
+    n, n_out, grid = L.Var("n"), L.Var("n_out"), L.Var("grid")
+    tiles = _div(grid, _c(T))
+    per_img = _mul(tiles, L.Var("chunks"))
+    r_lo = _mul(chunk, L.Var("row_chunk"))
+    r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
+    vector = p.lanes if p.lanes > 1 else 0
+
+    def entry(at, u):
+        w = L.Load("vals", at, F32)
+        src = _add(xb, L.Cast(L.Load("off", at, "i32"), I64), _bv)
+        return _vloop(T, p.lanes, L.Store("acc", _add(_c(u * T), _bv), _mul(w, L.Load("x", src, F32)), "add"))
+
+    total = sets_total("acc", U, T)
+    if p.bias:
+        total = _add(total, L.Load("bias", o, F32))
+    row = L.block(
+        L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vector),
+        L.Let(lo, L.Cast(L.Load("pos", o, p.ptype), I64)),
+        L.Let(hi, L.Cast(L.Load("pos", _add(o, _c(1)), p.ptype), I64)),
+        *unrolled(lo, hi, U, entry, k, q, e),
+        _vloop(T, p.lanes, L.Store("y", _add(yb, _mul(o, grid), _bv), total)))
+    loop = L.For(item, _c(0), _mul(n, per_img), L.block(
+        L.Let(img, _div(item, per_img)),
+        L.Let(rest, L.binary("mod", item, per_img)),
+        L.Let(tile, _div(rest, L.Var("chunks"))),
+        L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
+        L.Let(xb, _add(_mul(img, L.Var("x_image")), _mul(tile, _c(T)))),
+        L.Let(yb, _add(_mul(_mul(img, n_out), grid), _mul(tile, _c(T)))),
+        L.For(o, r_lo, r_hi, row)), parallel=L.Parallel("static", None, L.block(), chunk=1))
+    params = (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"), L.Param("vals", "array", F32)) + \
+        ((L.Param("bias", "array", F32),) if p.bias else ()) + \
+        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True),
+         L.Param("n", "scalar", I64), L.Param("x_image", "scalar", I64), L.Param("grid", "scalar", I64),
+         L.Param("n_out", "scalar", I64), L.Param("chunks", "scalar", I64), L.Param("row_chunk", "scalar", I64),
+         L.Param("nthreads", "scalar", I64))
+    return L.Kernel(p.name + ("_bias" if p.bias else ""), params, L.block(loop))
