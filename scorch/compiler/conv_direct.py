@@ -108,3 +108,59 @@ def forward(p: Plan) -> L.Kernel:
          L.Param("n_out", "scalar", I64), L.Param("chunks", "scalar", I64), L.Param("row_chunk", "scalar", I64),
          L.Param("nthreads", "scalar", I64))
     return L.Kernel(p.name + ("_bias" if p.bias else ""), params, L.block(loop))
+
+
+def _strided(array: str, base: L.Expr, coords, strides) -> L.Expr:
+    return L.Load(array, _add(base, *[_mul(c, L.Var(s)) for c, s in zip(coords, strides)]), F32)
+
+
+def pack(channels_inner: bool) -> L.Kernel:
+    """The input buffer, in one pass: ``buf[img, phase, c, i, j] = x[img, c, pa[phase] + sr * i - pt, pb[phase] +
+    sc * j - pl]``, 0 outside the input (the padding). ``x`` is read through its strides (``xs_*``), so NCHW and
+    channels_last inputs take no copy first; each work item is one row ``i`` of every channel of a phase, so a
+    channels_last input's row stays in the cache. ``channels_inner``: the channels the inner loop (channels_last:
+    contiguous reads), else the columns (NCHW)."""
+    item, img, rest, ph, i, c, j, r, col, base = (L.Var(v) for v in ("item", "img", "rest", "ph", "i", "c", "j",
+                                                                     "r", "col", "base"))
+    P, C, H, W, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "W", "Hq", "Wq"))
+    inside_r = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
+    inside = L.binary("and", inside_r, L.binary("and", L.binary("ge", col, _c(0)), L.binary("lt", col, W)))
+    value = L.Select(inside, _strided("x", _mul(img, L.Var("xs_n")), (c, r, col), ("xs_c", "xs_h", "xs_w")),
+                     L.Const(0.0, F32))
+    store = L.Store("buf", _add(base, _mul(c, _mul(Hq, Wq)), j), value)
+    col_let = L.Let(col, L.binary("sub", _add(L.Cast(L.Load("pb", ph, I64), I64), _mul(L.Var("sc"), j)), L.Var("pl")))
+    if channels_inner:
+        inner = L.For(j, _c(0), Wq, L.block(col_let, L.For(c, _c(0), C, L.block(store))))
+    else:
+        inner = L.For(c, _c(0), C, L.block(L.For(j, _c(0), Wq, L.block(col_let, store))))
+    per_img = _mul(P, Hq)
+    loop = L.For(item, _c(0), _mul(L.Var("n"), per_img), L.block(
+        L.Let(img, _div(item, per_img)), L.Let(rest, L.binary("mod", item, per_img)),
+        L.Let(ph, _div(rest, Hq)), L.Let(i, L.binary("mod", rest, Hq)),
+        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
+        L.Let(base, _add(_mul(_mul(_add(_mul(img, P), ph), C), _mul(Hq, Wq)), _mul(i, Wq))),
+        inner), parallel=L.Parallel("static", None, L.block(), chunk=1))
+    scalars = ("n", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w", "nthreads")
+    params = (L.Param("pa", "array", I64), L.Param("pb", "array", I64), L.Param("x", "array", F32),
+              L.Param("buf", "array", F32, output=True)) + tuple(L.Param(s, "scalar", I64) for s in scalars)
+    return L.Kernel("scorch_conv_pack" + ("_cl" if channels_inner else ""), params, L.block(loop))
+
+
+def unpack(channels_inner: bool) -> L.Kernel:
+    """The result from the grid, in one pass: ``y[img, o, h, w] = grid[img, o, h * Wq + w]`` for the ``Wo`` valid
+    columns, ``y`` written through its strides (``ys_*``: NCHW or channels_last), one output row ``h`` of every
+    channel a work item. ``channels_inner``: the channels the inner loop (channels_last: contiguous writes)."""
+    item, img, h, o, w = (L.Var(v) for v in ("item", "img", "h", "o", "w"))
+    O, Ho, Wo, G = (L.Var(v) for v in ("O", "Ho", "Wo", "G"))
+    value = L.Load("grid", _add(_mul(_add(_mul(img, O), o), G), _mul(h, L.Var("Wq")), w), F32)
+    at = _add(_mul(img, L.Var("ys_n")), _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")), _mul(w, L.Var("ys_w")))
+    store = L.Store("y", at, value)
+    inner = L.For(w, _c(0), Wo, L.block(L.For(o, _c(0), O, L.block(store)))) if channels_inner else \
+        L.For(o, _c(0), O, L.block(L.For(w, _c(0), Wo, L.block(store))))
+    loop = L.For(item, _c(0), _mul(L.Var("n"), Ho), L.block(
+        L.Let(img, _div(item, Ho)), L.Let(h, L.binary("mod", item, Ho)), inner),
+        parallel=L.Parallel("static", None, L.block(), chunk=1))
+    scalars = ("n", "O", "Ho", "Wo", "Wq", "G", "ys_n", "ys_c", "ys_h", "ys_w", "nthreads")
+    params = (L.Param("grid", "array", F32), L.Param("y", "array", F32, output=True)) + \
+        tuple(L.Param(s, "scalar", I64) for s in scalars)
+    return L.Kernel("scorch_conv_unpack" + ("_cl" if channels_inner else ""), params, L.block(loop))

@@ -135,10 +135,6 @@ def _unfold(x, kernel, stride, dilation, pads):
     x = x.movedim(1, -1)
     if any(p for pair in pads for p in pair):
         x = torch.nn.functional.pad(x, [0, 0] + [p for pair in reversed(pads) for p in pair])
-    for size, k, dl in zip(x.shape[1:1 + d], kernel, dilation):
-        if size < dl * (k - 1) + 1:
-            raise ValueError(f"the (padded) input of spatial size {tuple(x.shape[1:1 + d])} is smaller than the"
-                             f" dilated kernel {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
     for i, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
         x = x.unfold(1 + i, dl * (k - 1) + 1, s)
     if any(dl != 1 for dl in dilation):
@@ -180,15 +176,16 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     pads = _pads(padding, d, kernel, stride, dilation, op)
     if x.dtype != weight.dtype:
         raise TypeError(f"{op}: input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    padded = tuple(n + sum(pair) for n, pair in zip(x.shape[2:], pads))
+    if any(n < dl * (k - 1) + 1 for n, k, dl in zip(padded, kernel, dilation)):
+        raise ValueError(f"{op}: the (padded) input of spatial size {padded} is smaller than the dilated kernel"
+                         f" {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
     if d == 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                                    (bias is not None and bias.requires_grad))):
         out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
         if out is not None:
             return out if batched else out.squeeze(0)
-    try:
-        rows, sizes = _unfold(x, kernel, stride, dilation, pads)
-    except ValueError as e:
-        raise ValueError(f"{op}: {e}") from None
+    rows, sizes = _unfold(x, kernel, stride, dilation, pads)
     out = linear(rows, matrix_view(weight, groups), bias)
     out = out.reshape(x.shape[0], *sizes, out_ch).movedim(-1, 1)
     return out if batched else out.squeeze(0)

@@ -96,20 +96,38 @@ def test_direct_declines_what_it_does_not_serve():
                                    torch.nn.functional.conv2d(x, w.double()))
 
 
-def test_the_kernel_interpreted_gives_the_compiled_result(monkeypatch):
-    """The loop IR run by the NumPy interpreter (the reference semantics) on the arguments of a compiled call."""
+def test_the_kernels_interpreted_give_the_compiled_result(monkeypatch):
+    """The loop IR of the three kernels (the input buffer's pack, the convolution, the result's unpack) run by the
+    NumPy interpreter (the reference semantics), each on the previous one's interpreted output, give the compiled
+    result; NCHW and channels_last."""
     from scorch.compiler import interp
     calls = []
     real = conv_direct.cpp.call
     monkeypatch.setattr(conv_direct.cpp, "call", lambda kernel, loaded, args: calls.append((kernel, dict(args))) or
                         real(kernel, loaded, args))
     w, S = _sparse_weight((5, 3, 3, 2), 0.4, "coo", 7)
-    x, b = torch.randn(2, 3, 6, 5), torch.randn(5)
-    y = conv_direct.conv2d(S, x, b, (2, 1), (1, 2), [(1, 1), (2, 2)], 1)
-    torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w, b, (2, 1), (1, 2), (1, 2)), rtol=1e-4, atol=1e-5)
-    (kernel, args), = calls
-    numpy_args = {k: (v.detach().reshape(-1).numpy().copy() if isinstance(v, torch.Tensor) else v)
-                  for k, v in args.items()}
-    numpy_args["y"][:] = 0
-    interp.run(kernel, numpy_args)
-    torch.testing.assert_close(torch.from_numpy(numpy_args["y"]), args["y"].reshape(-1), rtol=1e-5, atol=1e-6)
+    b = torch.randn(5)
+    for x in (torch.randn(2, 3, 6, 5), torch.randn(2, 3, 6, 5).to(memory_format=torch.channels_last)):
+        calls.clear()
+        y = conv_direct.conv2d(S, x, b, (2, 1), (1, 2), [(1, 1), (2, 2)], 1)
+        torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w, b, (2, 1), (1, 2), (1, 2)), rtol=1e-4,
+                                   atol=1e-5)
+        assert [k.name.split("_")[2] for k, _ in calls] == ["pack", "direct", "unpack"]
+        # (x's and y's elements as strided in memory: the kernels index them by their strides)
+        flat = {"x": x.permute(0, 2, 3, 1) if x.stride(1) == 1 else x}
+        out = None
+        for kernel, args in calls:
+            numpy_args = {}
+            for k, v in args.items():
+                if not isinstance(v, torch.Tensor):
+                    numpy_args[k] = v
+                elif kernel.param(k).output:  # (the buffer's slack past the planes: zeros, as the caller makes it)
+                    numpy_args[k] = torch.full((v.numel(),), 0.0 if k == "buf" else float("nan")).numpy()
+                else:
+                    numpy_args[k] = (out if out is not None and k in ("x", "grid") else
+                                     flat.get(k, v).detach().reshape(-1).numpy().copy())
+            interp.run(kernel, numpy_args)
+            out = numpy_args[next(p.name for p in kernel.params if p.output)]
+        got = torch.from_numpy(out)
+        want = (y.permute(0, 2, 3, 1) if y.stride(1) == 1 else y).reshape(-1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
