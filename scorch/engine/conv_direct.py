@@ -8,6 +8,8 @@ Inference only: it has no backward, so the caller uses it where no gradient is w
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import loopir as L
@@ -60,7 +62,7 @@ def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride,
     """``(pos, off, order)``: row ``o``'s entries ``pos[o] .. pos[o + 1]`` (int32), each entry's offset into an
     image's buffer (int32), and the weight's value position of each entry; None where an offset needs 64 bits."""
     phases, hq, wq, _, _ = geometry
-    out, cg = weight.shape[0], weight.shape[1]
+    out, cg = weight._shape[0], weight._shape[1]
     if len(phases) * channels * hq * wq + wq >= 2 ** 31:
         return None
     leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
@@ -93,6 +95,13 @@ def _helper(name: str, channels_inner: bool):
     return entry
 
 
+@functools.lru_cache(maxsize=64)
+def _phase_arrays(phases: tuple) -> tuple:
+    """The phases' row and column offsets as the int64 arrays ``family.pack`` reads (made once: never written)."""
+    return (torch.tensor([a for a, _ in phases], dtype=torch.int64),
+            torch.tensor([b for _, b in phases], dtype=torch.int64))
+
+
 def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor:
     """The flat input buffer: per image, per phase, per channel, the padded plane's rows ``a + s * i`` and columns
     ``b + s * j`` (``Hq x Wq``, zeros outside the input), and ``slack`` zeros at the end (``family.pack``: one
@@ -103,8 +112,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     buf = torch.empty(size + slack, dtype=x.dtype)
     buf[size:] = 0
     kernel, loaded = _helper("pack", _channels_last(x))
-    pa = torch.tensor([a for a, _ in phases], dtype=torch.int64)
-    pb = torch.tensor([b for _, b in phases], dtype=torch.int64)
+    pa, pb = _phase_arrays(tuple(phases))
     strides = x.stride()
     cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "x": x, "buf": buf, "n": n, "P": len(phases), "C": c, "H": h,
                               "W": w, "Hq": hq, "Wq": wq, "sr": stride[0], "sc": stride[1], "pt": pads[0][0],
@@ -135,15 +143,15 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     (left, right))), or None where the kernel does not serve it."""
     vals = weight.__dict__.get("_vals")
     if type(vals) is not torch.Tensor or vals.dtype != torch.float32 or x.dtype != torch.float32 or \
-            x.device.type != "cpu" or vals.device.type != "cpu" or x.dim() != 4 or weight.dim() != 4 or \
+            x.device.type != "cpu" or vals.device.type != "cpu" or x.dim() != 4 or len(weight._shape) != 4 or \
             (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")) or x.numel() == 0 or \
-            weight.shape[0] == 0:
+            weight._shape[0] == 0:
         return None
-    geometry = _geometry(weight.shape, x.shape, stride, dilation, pads)
+    geometry = _geometry(weight._shape, x.shape, stride, dilation, pads)
     phases, hq, wq, ho, wo = geometry
     n, c = x.shape[:2]
-    out = weight.shape[0]
-    key = ("direct", tuple(weight.shape), c, groups, tuple(phases), hq, wq, tuple(stride), tuple(dilation))
+    out = weight._shape[0]
+    key = ("direct", tuple(weight._shape), c, groups, tuple(phases), hq, wq, tuple(stride), tuple(dilation))
 
     def build():
         with torch.no_grad():
