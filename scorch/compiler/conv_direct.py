@@ -110,23 +110,21 @@ def forward(p: Plan) -> L.Kernel:
     return L.Kernel(p.name + ("_bias" if p.bias else ""), params, L.block(loop))
 
 
-def _strided(array: str, base: L.Expr, coords, strides) -> L.Expr:
-    return L.Load(array, _add(base, *[_mul(c, L.Var(s)) for c, s in zip(coords, strides)]), F32)
-
-
 def pack(channels_inner: bool) -> L.Kernel:
     """The input buffer, in one pass: ``buf[img, phase, c, i, j] = x[img, c, pa[phase] + sr * i - pt, pb[phase] +
     sc * j - pl]``, 0 outside the input (the padding). ``x`` is read through its strides (``xs_*``), so NCHW and
     channels_last inputs take no copy first; each work item is one row ``i`` of every channel of a phase, so a
     channels_last input's row stays in the cache. ``channels_inner``: the channels the inner loop (channels_last:
-    contiguous reads), else the columns (NCHW)."""
+    contiguous reads; ``xs_c`` must be 1), else the columns (NCHW; ``xs_w`` must be 1)."""
     item, img, rest, ph, i, c, j, r, col, base = (L.Var(v) for v in ("item", "img", "rest", "ph", "i", "c", "j",
                                                                      "r", "col", "base"))
     P, C, H, W, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "W", "Hq", "Wq"))
     inside_r = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
     inside = L.binary("and", inside_r, L.binary("and", L.binary("ge", col, _c(0)), L.binary("lt", col, W)))
-    value = L.Select(inside, _strided("x", _mul(img, L.Var("xs_n")), (c, r, col), ("xs_c", "xs_h", "xs_w")),
-                     L.Const(0.0, F32))
+    # (the stride 1 known here: channels_last's channels, NCHW's columns)
+    at = _add(_mul(img, L.Var("xs_n")), c if channels_inner else _mul(c, L.Var("xs_c")), _mul(r, L.Var("xs_h")),
+              _mul(col, L.Var("xs_w")) if channels_inner else col)
+    value = L.Select(inside, L.Load("x", at, F32), L.Const(0.0, F32))
     store = L.Store("buf", _add(base, _mul(c, _mul(Hq, Wq)), j), value)
     col_let = L.Let(col, L.binary("sub", _add(L.Cast(L.Load("pb", ph, I64), I64), _mul(L.Var("sc"), j)), L.Var("pl")))
     if channels_inner:
@@ -149,11 +147,14 @@ def pack(channels_inner: bool) -> L.Kernel:
 def unpack(channels_inner: bool) -> L.Kernel:
     """The result from the grid, in one pass: ``y[img, o, h, w] = grid[img, o, h * Wq + w]`` for the ``Wo`` valid
     columns, ``y`` written through its strides (``ys_*``: NCHW or channels_last), one output row ``h`` of every
-    channel a work item. ``channels_inner``: the channels the inner loop (channels_last: contiguous writes)."""
+    channel a work item. ``channels_inner``: the channels the inner loop, ``ys_c`` 1 (channels_last: contiguous
+    writes), else the columns, ``ys_w`` 1 (NCHW)."""
     item, img, h, o, w = (L.Var(v) for v in ("item", "img", "h", "o", "w"))
     O, Ho, Wo, G = (L.Var(v) for v in ("O", "Ho", "Wo", "G"))
     value = L.Load("grid", _add(_mul(_add(_mul(img, O), o), G), _mul(h, L.Var("Wq")), w), F32)
-    at = _add(_mul(img, L.Var("ys_n")), _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")), _mul(w, L.Var("ys_w")))
+    # (the inner loop's stride 1, known here: the writes are contiguous, NCHW's loop a plain vectorized copy)
+    at = _add(_mul(img, L.Var("ys_n")), o if channels_inner else _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")),
+              _mul(w, L.Var("ys_w")) if channels_inner else w)
     store = L.Store("y", at, value)
     inner = L.For(w, _c(0), Wo, L.block(L.For(o, _c(0), O, L.block(store)))) if channels_inner else \
         L.For(o, _c(0), O, L.block(L.For(w, _c(0), Wo, L.block(store))))

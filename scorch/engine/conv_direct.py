@@ -111,7 +111,10 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     size = n * len(phases) * c * hq * wq
     buf = torch.empty(size + slack, dtype=x.dtype)
     buf[size:] = 0
-    kernel, loaded = _helper("pack", _channels_last(x))
+    cl = _channels_last(x)
+    if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
+        x = x.contiguous()
+    kernel, loaded = _helper("pack", cl)
     pa, pb = _phase_arrays(tuple(phases))
     strides = x.stride()
     cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "x": x, "buf": buf, "n": n, "P": len(phases), "C": c, "H": h,
