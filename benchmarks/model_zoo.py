@@ -10,7 +10,8 @@ torch's default layout (NCHW) and in channels_last (model and input), as a peer 
 and on a channels_last input (a sparse convolution's output follows its input's memory format, as torch's do, so
 the BatchNorms, ReLUs and the max pool run channels_last too: torch's NCHW max pool takes 6 ms at batch 1, its
 channels_last one 0.3). The targets take the faster layout on each side (named in the target). A training step
-(train mode, cross entropy on random labels, backward, SGD with momentum) at batch 1 and 8, with no target.
+(train mode with frozen BatchNorm, cross entropy on random labels, backward, SGD with momentum) at batch 1 and 8,
+with no target.
 
 ``nn.TransformerEncoder`` at BERT-base's shape (d_model 768, 12 heads, feed-forward 3072, GELU, batch_first) with
 every attention and feed-forward weight (``in_proj_weight``, ``out_proj.weight``, ``linear1.weight``,
@@ -46,8 +47,7 @@ RESNET_PRUNINGS = (Pruning("scorch csr 90%", lambda: scorch.nn.ScalarFraction(0.
                    Pruning("scorch nm(2, 4), stem dense", lambda: scorch.nn.NM(2, 4), "nm(2, 4)"))
 #: the issue's goals over the faster dense ResNet-18 (inference)
 RESNET_GOALS = {RESNET_PRUNINGS[0].name: 2.0, RESNET_PRUNINGS[1].name: 1.2}
-#: a training step's check: BatchNorm's batch statistics (train mode) divide by the batch's spread, which turns the
-#: different summation orders of the sparse and dense products into relative differences above float32's 1e-4
+#: a training step's check: float32 sums in another order through a deep network's backward
 STEP_TOLERANCE = 1e-3
 ENCODER = dict(d_model=768, nhead=12, dim_feedforward=3072)
 ENCODER_LAYERS = 4
@@ -178,9 +178,21 @@ def _step_check(pairs, names, step, through: str) -> str:
             f"{STEP_TOLERANCE:g}): " + "; ".join(f"{k} {v:.1e}" for k, v in errs.items()) + ".")
 
 
+def _train(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in train mode but its BatchNorms on their running statistics (frozen BatchNorm, as detection and
+    segmentation models fine-tune): batch statistics of one 224 x 224 image at ResNet's last 7 x 7 maps, where a
+    pruned channel varies little, turn float32 rounding into 10% gradient differences between two right models
+    (measured: 6e-3 on the stem BatchNorm's weight gradient, 0.1 on the pruned weights'), so no check could hold."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return model
+
+
 def _fresh(pair, optimizer):
-    """Train-mode copies of ``pair``'s models, each with its optimizer."""
-    return [(m, optimizer(m.parameters())) for m in (copy.deepcopy(pair[0]).train(), copy.deepcopy(pair[1]).train())]
+    """Train-mode copies (``_train``) of ``pair``'s models, each with its optimizer."""
+    return [(m, optimizer(m.parameters())) for m in (_train(copy.deepcopy(pair[0])), _train(copy.deepcopy(pair[1])))]
 
 
 def _sgd(params):
@@ -190,7 +202,7 @@ def _sgd(params):
 def resnet_training(models: Models, cfg: Config, batch: int) -> Table:
     image = models.size
     t = Table("models", f"ResNet-18 training step, batch {batch}, {image} x {image}",
-              "train mode (BatchNorm batch statistics); cross entropy on random labels; backward; SGD (momentum 0.9) "
+              "train mode, BatchNorm frozen (on its running statistics); cross entropy on random labels; backward; SGD (momentum 0.9) "
               "over all parameters; every conv weight pruned as in the inference tables")
     built = models.get()
     gen = torch.Generator().manual_seed(batch)
@@ -207,7 +219,7 @@ def resnet_training(models: Models, cfg: Config, batch: int) -> Table:
 
     checks, peers, refs = [], {}, {}
     dense = _fresh((built["dense"], built["dense"]), _sgd)[0]
-    cl_model = copy.deepcopy(built["dense"]).train().to(memory_format=torch.channels_last)
+    cl_model = _train(copy.deepcopy(built["dense"])).to(memory_format=torch.channels_last)
     cl = (cl_model, _sgd(cl_model.parameters()))
     x_cl = x.contiguous(memory_format=torch.channels_last)
     peers = {dense_name: lambda: step(*dense), cl_name: lambda: step(*cl, inp=x_cl)}
