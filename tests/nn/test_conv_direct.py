@@ -131,3 +131,17 @@ def test_the_kernels_interpreted_give_the_compiled_result(monkeypatch):
         got = torch.from_numpy(out)
         want = (y.permute(0, 2, 3, 1) if y.stride(1) == 1 else y).reshape(-1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_large_planes_take_the_wide_tile():
+    """A plane of thousands of grid pixels takes the tile of ``MAX_VECTORS`` vectors (small ones 4 at most)."""
+    from scorch.compiler import conv_direct as family
+    from scorch.compiler.target import CPU
+    assert family.plan(CPU, 50 * 53, "i32", False).vectors == family.MAX_VECTORS or not CPU.vectors
+    assert family.plan(CPU, 63, "i32", False).vectors <= 4
+    w, S = _sparse_weight((7, 5, 3, 3), 0.2, "coo", 9)
+    for x in (torch.randn(2, 5, 50, 51), torch.randn(1, 5, 101, 99).to(memory_format=torch.channels_last)):
+        b = torch.randn(7)
+        for stride in (1, 2):
+            torch.testing.assert_close(conv_direct.conv2d(S, x, b, (stride, stride), (1, 1), [(1, 1), (1, 1)], 1),
+                                       torch.nn.functional.conv2d(x, w, b, stride, 1), rtol=1e-4, atol=1e-5)
