@@ -29,6 +29,7 @@ backward, every pruned weight's gradient on its pattern, and the weights after t
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -309,18 +310,28 @@ def encoder_finetune(models: Models, cfg: Config, batch: int) -> Table:
 
 #: --quick: ResNet-18 on 64 x 64 images, a one-layer encoder (no targets)
 QUICK_IMAGE, QUICK_LAYERS = 64, 1
+#: timed rounds and seconds per table at most (the suite's 20 and 40 s would add 10 minutes to the group)
+ROUNDS, BUDGET_S = 7, 15.0
+
+
+def _rounds_noted(table: Table, cfg: Config) -> Table:
+    table.notes.append(f"Timed in at most {cfg.repeat} interleaved rounds ({cfg.budget_s:g} s a table, at least 3 "
+                       "rounds) to keep the group short.")
+    return table
 
 
 def tasks(cfg: Config, batches) -> list:
     """(title, thunk) of the group's ResNet-18 and encoder tables, at ``batches``; each model set built on its
     first table and dropped after its last."""
+    cfg = dataclasses.replace(cfg, repeat=min(cfg.repeat, ROUNDS), budget_s=min(cfg.budget_s, BUDGET_S), min_s=0.0)
     resnet = Models(lambda image: resnet18(), _resnet_selection, RESNET_PRUNINGS, QUICK_IMAGE if cfg.quick else IMAGE)
     enc = Models(encoder, _encoder_selection, BERT_PRUNINGS, QUICK_LAYERS if cfg.quick else ENCODER_LAYERS)
     out = []
     for models, parts in ((resnet, (("ResNet-18", resnet_inference), ("ResNet-18 training step", resnet_training))),
                           (enc, (("TransformerEncoder", encoder_inference),
                                  ("TransformerEncoder fine-tuning step", encoder_finetune)))):
-        group = [(f"{name}, batch {b}", lambda f=f, b=b, m=models: f(m, cfg, b)) for name, f in parts for b in batches]
+        group = [(f"{name}, batch {b}", lambda f=f, b=b, m=models: _rounds_noted(f(m, cfg, b), cfg))
+                 for name, f in parts for b in batches]
         title, last = group[-1]
         group[-1] = (title, lambda last=last, m=models: m.after(last))
         out += group

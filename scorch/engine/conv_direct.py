@@ -41,12 +41,18 @@ def _kernel(p: family.Plan):
     return entry
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias)
+
+
 def _taps(k: int, s: int, dl: int):
     """Each tap's ``(phase, shift)`` along one dimension: the padded input row ``i * dl + s * h`` of output row
     ``h`` is row ``shift + h`` of the phase ``(i * dl) % s``."""
     return [((i * dl) % s, (i * dl) // s) for i in range(k)]
 
 
+@functools.lru_cache(maxsize=256)
 def _geometry(weight_shape, x_shape, stride, dilation, pads):
     """The flat buffer's layout: ``(phases, Hq, Wq, Ho, Wo)``, ``phases`` the (row, column) stride phases the taps
     use, in order; each phase plane ``Hq x Wq``."""
@@ -54,7 +60,7 @@ def _geometry(weight_shape, x_shape, stride, dilation, pads):
     rows, cols = _taps(kh, stride[0], dilation[0]), _taps(kw, stride[1], dilation[1])
     ho = (h + sum(pads[0]) - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     wo = (w + sum(pads[1]) - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    phases = sorted({(a, b) for a, _ in rows for b, _ in cols})
+    phases = tuple(sorted({(a, b) for a, _ in rows for b, _ in cols}))
     return phases, ho + max(s for _, s in rows), wo + max(s for _, s in cols), ho, wo
 
 
@@ -115,7 +121,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
         x = x.contiguous()
     kernel, loaded = _helper("pack", cl)
-    pa, pb = _phase_arrays(tuple(phases))
+    pa, pb = _phase_arrays(phases)
     strides = x.stride()
     cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "x": x, "buf": buf, "n": n, "P": len(phases), "C": c, "H": h,
                               "W": w, "Hq": hq, "Wq": wq, "sr": stride[0], "sc": stride[1], "pt": pads[0][0],
@@ -150,11 +156,12 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
             (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")) or x.numel() == 0 or \
             weight._shape[0] == 0:
         return None
-    geometry = _geometry(weight._shape, x.shape, stride, dilation, pads)
+    geometry = _geometry(tuple(weight._shape), tuple(x.shape), tuple(stride), tuple(dilation),
+                         tuple(map(tuple, pads)))
     phases, hq, wq, ho, wo = geometry
     n, c = x.shape[:2]
     out = weight._shape[0]
-    key = ("direct", tuple(weight._shape), c, groups, tuple(phases), hq, wq, tuple(stride), tuple(dilation))
+    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation))
 
     def build():
         with torch.no_grad():
@@ -163,7 +170,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     if found is None:
         return None
     pos, off, order = found
-    p = family.plan(CPU, ho * wq, L.type_of(pos.dtype), bias is not None)
+    p = _plan(ho * wq, pos.dtype, bias is not None)
     grid = -(-ho * wq // p.T) * p.T
     y = torch.empty(n, out, grid, dtype=x.dtype)
     ordered = _VALUES.lookup(key, vals, lambda: vals.detach()[order].contiguous(), (order,))
