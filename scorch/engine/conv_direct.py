@@ -101,11 +101,13 @@ def _helper(name: str, channels_inner: bool):
     return entry
 
 
-@functools.lru_cache(maxsize=64)
-def _phase_arrays(phases: tuple) -> tuple:
-    """The phases' row and column offsets as the int64 arrays ``family.pack`` reads (made once: never written)."""
-    return (torch.tensor([a for a, _ in phases], dtype=torch.int64),
-            torch.tensor([b for _, b in phases], dtype=torch.int64))
+@functools.lru_cache(maxsize=256)
+def _phase_arrays(phases: tuple, sc: int, pl: int, w: int, wq: int) -> tuple:
+    """The int64 arrays ``family.pack`` reads (made once: never written): each phase's row and column offset and
+    its columns ``jlo .. jhi`` that fall inside the input (column ``b + sc * j - pl`` in ``[0, w)``)."""
+    jlo = [max(0, -(-(pl - b) // sc)) for _, b in phases]
+    jhi = [max(lo, min(wq, (w - 1 + pl - b) // sc + 1)) for lo, (_, b) in zip(jlo, phases)]
+    return tuple(torch.tensor(v, dtype=torch.int64) for v in ([a for a, _ in phases], [b for _, b in phases], jlo, jhi))
 
 
 def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor:
@@ -121,12 +123,13 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
         x = x.contiguous()
     kernel, loaded = _helper("pack", cl)
-    pa, pb = _phase_arrays(phases)
+    pa, pb, jlo, jhi = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     strides = x.stride()
-    cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "x": x, "buf": buf, "n": n, "P": len(phases), "C": c, "H": h,
-                              "W": w, "Hq": hq, "Wq": wq, "sr": stride[0], "sc": stride[1], "pt": pads[0][0],
-                              "pl": pads[1][0], "xs_n": strides[0], "xs_c": strides[1], "xs_h": strides[2],
-                              "xs_w": strides[3], "nthreads": torch.get_num_threads()})
+    cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "x": x, "buf": buf, "n": n,
+                              "P": len(phases), "C": c, "H": h, "Hq": hq, "Wq": wq, "sr": stride[0],
+                              "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0],
+                              "xs_c": strides[1], "xs_h": strides[2], "xs_w": strides[3],
+                              "nthreads": torch.get_num_threads()})
     return buf
 
 
