@@ -27,15 +27,16 @@ from .target import Target
 from .weights import _add, _bv, _c, _mul, _vloop, sets_total, unrolled
 
 I64, F32 = "i64", "f32"
-#: accumulator vectors a row holds (``vectors`` x ``unroll``), of the 16 (AVX2) / 32 (AVX-512) registers
+#: accumulator vectors a row holds at least (``vectors`` x ``unroll``), of the 16 (AVX2) / 32 (AVX-512) registers
 ACCUMULATORS = 8
-#: pixel vectors per tile at most. Measured (AMD Zen 4, 1 thread, 90% csr, minimum of 40 interleaved calls):
-#: 64 channels at 56 x 56, vectors x sets 8 x 1 0.59 ms, 6 x 2 0.62, 4 x 1/2/3 0.66-0.67, 3 x 3 0.70, 2 x 4 0.78
-#: (at 50%: 2.09, 2.15, 2.34, 2.57, 2.85): the sets do not matter, the entries' fixed cost (value, offset,
-#: broadcast) over more vectors does; 512 channels at 7 x 7 (63 grid pixels), 8 x 1 0.99 against 4 x 2 0.60: half
-#: the tile off the grid
-MAX_VECTORS = 8
-#: the tile of ``MAX_VECTORS`` vectors is taken where it pads the grid by at most this much more than one of 4
+#: pixel vectors per tile at most, by the target's registers (AVX-512's 32 hold 16 accumulators and the loads;
+#: AVX2's 16 would spill them). Measured (AMD Zen 4, 1 thread, 90% csr, minimum of 40 interleaved calls):
+#: 64 channels at 56 x 56, vectors x sets 16 x 1 0.51 ms, 12 x 1 0.51, 10 x 1 0.54, 8 x 1 0.56-0.59, 6 x 2 0.62,
+#: 4 x 1/2/3 0.66-0.67, 3 x 3 0.70, 2 x 4 0.78 (at 50%: 16 x 1 1.95, 12 x 1 1.94, 8 x 1 2.06, 4 x 2 2.34, 2 x 4
+#: 2.85): the sets do not matter, the entries' fixed cost (value, offset, broadcast) over more vectors does; 512
+#: channels at 7 x 7 (63 grid pixels), 8 x 1 0.99 against 4 x 2 0.60: most of the tile off the grid
+MAX_VECTORS = {64: 16, 32: 8}
+#: the widest tile (of 16, 12, 8 vectors) is taken that pads the grid at most this much more than one of 4
 GRID_SLACK = 1.05
 @dataclass(frozen=True)
 class Plan:
@@ -57,14 +58,16 @@ class Plan:
 
 
 def plan(target: Target, pixels: int, ptype: str, bias: bool) -> Plan:
-    """The tile for an output plane of ``pixels`` (grid) pixels: ``MAX_VECTORS`` vectors where the grid wastes
-    little more with them than with 4, else as many as it fills up to 4; ``unroll`` sets so that ``ACCUMULATORS``
-    vectors are in flight."""
+    """The tile for an output plane of ``pixels`` (grid) pixels: the widest of 16, 12, 8 vectors (at most the
+    target's ``MAX_VECTORS``) that pads the grid little more than 4 do, else as many as it fills up to 4;
+    ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight."""
     lanes = target.lanes(F32) if target.vectors else 1
 
     def padded(v):
         return -(-pixels // (v * lanes)) * v * lanes
-    vectors = MAX_VECTORS if padded(MAX_VECTORS) <= GRID_SLACK * padded(4) else max(1, min(4, -(-pixels // lanes)))
+    widest = MAX_VECTORS.get(target.vector_bytes, 4)
+    wide = [v for v in (16, 12, 8) if v <= widest and padded(v) <= GRID_SLACK * padded(4)]
+    vectors = wide[0] if wide else max(1, min(4, -(-pixels // lanes)))
     return Plan(lanes, vectors, max(1, ACCUMULATORS // vectors), ptype, bias)
 
 

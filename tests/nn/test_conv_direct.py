@@ -134,10 +134,10 @@ def test_the_kernels_interpreted_give_the_compiled_result(monkeypatch):
 
 
 def test_large_planes_take_the_wide_tile():
-    """A plane of thousands of grid pixels takes the tile of ``MAX_VECTORS`` vectors (small ones 4 at most)."""
+    """A plane of thousands of grid pixels takes the widest tile (small ones 4 vectors at most)."""
     from scorch.compiler import conv_direct as family
     from scorch.compiler.target import CPU
-    assert family.plan(CPU, 50 * 53, "i32", False).vectors == family.MAX_VECTORS or not CPU.vectors
+    assert family.plan(CPU, 50 * 53, "i32", False).vectors >= 8 or not CPU.vectors
     assert family.plan(CPU, 63, "i32", False).vectors <= 4
     w, S = _sparse_weight((7, 5, 3, 3), 0.2, "coo", 9)
     for x in (torch.randn(2, 5, 50, 51), torch.randn(1, 5, 101, 99).to(memory_format=torch.channels_last)):
