@@ -1,6 +1,7 @@
 """A 2-d convolution with a sparse weight by the direct kernel (``compiler.conv_direct``): the input's planes padded
 (and split into stride phases) into one flat buffer, each stored weight's offset into it made once per pattern and
-geometry, the output computed on the buffer's row width and returned as a view of its ``Wo`` columns.
+geometry, the output computed on the buffer's row width, its ``Wo`` valid columns then unpacked into a compact
+result in the input's memory format. The buffer's packing and the unpacking are generated kernels too.
 
 ``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
@@ -33,11 +34,12 @@ register("conv-direct values", "sparse conv weights' values in the direct convol
 ITEMS_PER_THREAD = 4
 
 
-def _kernel(p: family.Plan):
-    entry = _KERNELS.get(p)
+def _loaded(key, make):
+    """``(loop IR, loaded kernel)`` of ``make()``, kept under ``key``."""
+    entry = _KERNELS.get(key)
     if entry is None:
-        kernel = family.forward(p)
-        entry = _KERNELS[p] = (kernel, cpp.load(kernel))
+        kernel = make()
+        entry = _KERNELS[key] = (kernel, cpp.load(kernel))
     return entry
 
 
@@ -92,15 +94,6 @@ def _channels_last(t: torch.Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
-def _helper(name: str, channels_inner: bool):
-    """The loaded ``pack`` or ``unpack`` kernel."""
-    entry = _KERNELS.get((name, channels_inner))
-    if entry is None:
-        kernel = getattr(family, name)(channels_inner)
-        entry = _KERNELS[(name, channels_inner)] = (kernel, cpp.load(kernel))
-    return entry
-
-
 @functools.lru_cache(maxsize=256)
 def _phase_arrays(phases: tuple, sc: int, pl: int, w: int, wq: int) -> tuple:
     """The int64 arrays ``family.pack`` reads (made once: never written): each phase's row and column offset and
@@ -122,7 +115,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     cl = _channels_last(x)
     if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
         x = x.contiguous()
-    kernel, loaded = _helper("pack", cl)
+    kernel, loaded = _loaded(("pack", cl), lambda: family.pack(cl))
     pa, pb, jlo, jhi = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     strides = x.stride()
     cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "x": x, "buf": buf, "n": n,
@@ -142,7 +135,7 @@ def _result(y: torch.Tensor, geometry, like: torch.Tensor) -> torch.Tensor:
     cl = _channels_last(like)
     res = torch.empty(n, out, ho, wo, dtype=y.dtype,
                       memory_format=torch.channels_last if cl else torch.contiguous_format)
-    kernel, loaded = _helper("unpack", cl)
+    kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
     strides = res.stride()
     cpp.call(kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
                               "ys_n": strides[0], "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3],
@@ -183,7 +176,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     chunks = 1 if n * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
         min(out, -(-ITEMS_PER_THREAD * threads // (n * tiles)))
     row_chunk = -(-out // chunks)
-    kernel, loaded = _kernel(p)
+    kernel, loaded = _loaded(p, lambda: family.forward(p))
     args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y, "n": n,
             "x_image": len(phases) * c * hq * wq, "grid": grid, "n_out": out, "chunks": -(-out // row_chunk),
             "row_chunk": row_chunk, "nthreads": threads}
