@@ -24,7 +24,9 @@ SparseTensors, take the Python path, their products in scorch.
 
 Every sparse model is checked against the dense model holding the same pruned weights before it is timed; a
 training step against the same step of the masked dense model (fresh copies): a gradient that passes every layer's
-backward, every pruned weight's gradient on its pattern, and the weights after the optimizer's step.
+backward, every pruned weight's gradient on its pattern, and the weights after the optimizer's step. Each table
+is timed in at most ``ROUNDS`` interleaved rounds (``BUDGET_S`` seconds), said in its notes, to keep the group
+short.
 """
 from __future__ import annotations
 
