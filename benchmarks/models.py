@@ -352,6 +352,8 @@ def tasks(cfg: Config) -> list:
             for b in sizes.finetune_batches]
     title, last = out[-1]
     out[-1] = (title, lambda: bert.after(last))  # (the MLP tables need the memory more than the models)
+    from . import model_zoo  # (it takes the BERT prunings and goals from here)
+    out += model_zoo.tasks(cfg, sizes.batches)
     weights = MLPWeights()
     width, hidden = sizes.mlp
     for d_in, d_out in ((width, hidden), (hidden, width)):

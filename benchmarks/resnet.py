@@ -57,7 +57,8 @@ def resnet18(num_classes: int = 1000, width: int = 64) -> ResNet:
 
 def _main():
     """ResNet-18 inference, dense against every conv at 90% CSR (magnitude), interleaved medians:
-    ``python -m benchmarks.resnet [--size 224] [--threads 2] [--repeats 7]``."""
+    ``python -m benchmarks.resnet [--size 224] [--batch 1] [--threads 2] [--repeats 7] [--channels-last]``
+    (``--channels-last``: the dense model and both inputs channels_last)."""
     import argparse
     import copy
     import statistics
@@ -70,6 +71,8 @@ def _main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sparsity", type=float, default=0.9)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--channels-last", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -80,7 +83,10 @@ def _main():
         if isinstance(m, nn.Conv2d):
             s[f"{n}.weight"].sparsify(ScalarFraction(args.sparsity)).set_format("csr")
     s.apply()
-    x = torch.randn(1, 3, args.size, args.size)
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    if args.channels_last:
+        dense = dense.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     times = {"dense": [], "csr": []}
     with torch.no_grad():
         for model in (dense, sparse):  # warm: kernels compiled, views built
@@ -91,7 +97,9 @@ def _main():
                 model(x)
                 times[name].append(time.perf_counter() - t)
     d, c = statistics.median(times["dense"]), statistics.median(times["csr"])
-    print(f"ResNet-18 batch 1 {args.size}x{args.size}, {args.threads} threads, {args.repeats} interleaved runs:"
+    layout = ", channels_last" if args.channels_last else ""
+    print(f"ResNet-18 batch {args.batch} {args.size}x{args.size}{layout}, {args.threads} threads, {args.repeats}"
+          " interleaved runs:"
           f" dense {d * 1e3:.1f} ms, every conv {args.sparsity:.0%} csr {c * 1e3:.1f} ms: {d / c:.2f}x dense")
 
 

@@ -251,6 +251,25 @@ def _group_rows(plan: Tiles, rb: L.Expr, re: L.Expr) -> L.Stmt:
         L.For(g, _c(0), groups, L.block(*body)), *out))
 
 
+def unrolled(lo: L.Expr, hi: L.Expr, sets: int, entry, k: L.Var, q: L.Var, p: L.Var) -> list:
+    """The entries ``lo .. hi``: ``sets`` at a time, each into its own accumulator set (``entry(position, set)``:
+    the multiply-adds of one set hide behind the others'), then the rest into set 0."""
+    body = []
+    for u in range(sets):
+        pu = L.Var(f"{p.name}{u}")
+        body += [L.Let(pu, _add(lo, _mul(k, _c(sets)), _c(u))), entry(pu, u)]
+    return [L.Let(q, L.binary("floordiv", L.binary("sub", hi, lo), _c(sets))), L.For(k, _c(0), q, L.block(*body)),
+            L.For(p, _add(lo, _mul(q, _c(sets))), hi, L.block(entry(p, 0)))]
+
+
+def sets_total(acc: str, sets: int, T: int) -> L.Expr:
+    """The sum of the accumulator sets ``acc[u * T + bv]`` at the vector loop's ``bv``."""
+    total = L.Load(acc, _bv, F32)
+    for u in range(1, sets):
+        total = _add(total, L.Load(acc, _add(_c(u * T), _bv), F32))
+    return total
+
+
 def prefetch(plan: Tiles, panel: str, coordinate: L.Expr) -> L.Stmt:
     """A hint for the panel row of the entry ``prefetch_distance`` entries on (``coordinate`` is its column,
     read in bounds by the caller)."""

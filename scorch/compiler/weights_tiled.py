@@ -29,7 +29,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import loopir as L
-from .weights import F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vloop, _work, epilogue, store
+from .weights import F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vloop, _work, epilogue, sets_total, \
+    store, unrolled
 
 #: bytes of a panel's tile of columns: half of a 32 KiB L1 (the weight's operations stream through the rest)
 TILE_BYTES = 16384
@@ -66,22 +67,13 @@ def forward(plan: Tiles) -> L.Kernel:
         return _vloop(T, plan.lanes, L.Store("acc", _add(_c(u * T), _bv),
                                              L.PairDot("panel", _add(_mul(pair, _c(T)), _bv), "words",
                                                        _mul(at, _c(2))), "add"))
-    unrolled = []
-    for u in range(U):
-        pu = L.Var(f"p{u}")
-        unrolled += [L.Let(pu, _add(lo, _mul(k, _c(U)), _c(u))), op(pu, u)]
-    total = L.Load("acc", _bv, F32)
-    for u in range(1, U):
-        total = _add(total, L.Load("acc", _add(_c(u * T), _bv), F32))
     segment = L.block(
         L.Let(s, _add(_mul(_add(_mul(L.binary("floordiv", rb, _c(R)), tiles), c), _c(R)), r)),
         L.Let(lo, L.Cast(L.Load("seg", s, plan.ptype), I64)),
         L.Let(hi, L.Cast(L.Load("seg", _add(s, _c(1)), plan.ptype), I64)),
-        L.Let(q, L.binary("floordiv", L.binary("sub", hi, lo), _c(U))),
         L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vec),
-        L.For(k, _c(0), q, L.block(*unrolled)),
-        L.For(p, _add(lo, _mul(q, _c(U))), hi, L.block(op(p, 0))),
-        _vloop(T, plan.lanes, L.Store("ta", _add(_mul(r, _c(T)), _bv), total, "add")))
+        *unrolled(lo, hi, U, op, k, q, p),
+        _vloop(T, plan.lanes, L.Store("ta", _add(_mul(r, _c(T)), _bv), sets_total("acc", U, T), "add")))
     zero = L.For(k, _c(0), _c(R * T), L.block(L.Store("ta", k, L.Const(0.0, F32))))
     count = L.binary("sub", re, rb)
     block = L.block(

@@ -1,6 +1,11 @@
 """Convolutions with a sparse weight: ``F.conv1d`` / ``conv2d`` / ``conv3d`` (``torch.conv*`` are the same functions)
 on a dense input and a SparseTensor weight of shape ``(out, in / groups, *kernel)``.
 
+A 2-d float32 convolution that no gradient flows from (inference: ``no_grad``, ``inference_mode``, or nothing
+requiring grad) runs the direct kernel (``engine.conv_direct``: each stored weight an offset into the padded input
+planes, no unfolded copy), its result in the input's memory format. Every other call takes the path below, which
+has a backward.
+
 A convolution is a product of the weight's matrix view ``(out, prod(kernel) * in / groups)``, its columns in the
 order ``(*kernel, channel)`` (torch's channels_last weight order), with the unfolded input (im2col: one row per
 output position, ``prod(kernel) * in`` columns, each kernel position's channels contiguous), so it runs through
@@ -31,6 +36,7 @@ import torch
 
 from ..compiler.caches import register
 from ..engine import asformat
+from ..engine import conv_direct
 from ..engine.convert import coo_from_entries
 from ..formats import named, storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
@@ -134,10 +140,6 @@ def _unfold(x, kernel, stride, dilation, pads):
     x = x.movedim(1, -1)
     if any(p for pair in pads for p in pair):
         x = torch.nn.functional.pad(x, [0, 0] + [p for pair in reversed(pads) for p in pair])
-    for size, k, dl in zip(x.shape[1:1 + d], kernel, dilation):
-        if size < dl * (k - 1) + 1:
-            raise ValueError(f"the (padded) input of spatial size {tuple(x.shape[1:1 + d])} is smaller than the"
-                             f" dilated kernel {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
     for i, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
         x = x.unfold(1 + i, dl * (k - 1) + 1, s)
     if any(dl != 1 for dl in dilation):
@@ -153,9 +155,9 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     if not isinstance(weight, SparseTensor) or isinstance(input, SparseTensor) or isinstance(bias, SparseTensor) \
             or not isinstance(input, torch.Tensor) or input.layout != torch.strided:
         raise NoSparseRule(f"{op}: only a sparse weight with a dense input and bias runs sparse")
-    if weight.dim() != d + 2:
+    if len(weight._shape) != d + 2:
         raise ValueError(f"{op}: weight must be {d + 2}-d (out, in / groups, *kernel), got shape"
-                         f" {tuple(weight.shape)}")
+                         f" {tuple(weight._shape)}")
     if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
         raise ValueError(f"{op}: groups must be a positive integer, got {groups!r}")
     batched = input.dim() == d + 2
@@ -163,13 +165,13 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
         raise ValueError(f"{op}: expected a {d + 1}-d (unbatched) or {d + 2}-d (batched) input, got shape"
                          f" {tuple(input.shape)}")
     x = input if batched else input.unsqueeze(0)
-    out_ch, cg = weight.shape[0], weight.shape[1]
-    kernel = tuple(weight.shape[2:])
+    out_ch, cg = weight._shape[0], weight._shape[1]
+    kernel = tuple(weight._shape[2:])
     if out_ch % groups:
         raise ValueError(f"{op}: out_channels ({out_ch}) must be divisible by groups ({groups})")
     if x.shape[1] != cg * groups:
         raise ValueError(f"{op}: input of shape {tuple(input.shape)} has {x.shape[1]} channels; the weight of shape"
-                         f" {tuple(weight.shape)} with groups={groups} expects {cg * groups}")
+                         f" {tuple(weight._shape)} with groups={groups} expects {cg * groups}")
     if bias is not None and tuple(bias.shape) != (out_ch,):
         raise ValueError(f"{op}: bias must have shape ({out_ch},), got {tuple(bias.shape)}")
     stride = _tuple(stride, d, "stride", op)
@@ -177,12 +179,19 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     if any(s <= 0 for s in stride) or any(dl <= 0 for dl in dilation):
         raise ValueError(f"{op}: stride and dilation must be positive, got {stride} and {dilation}")
     pads = _pads(padding, d, kernel, stride, dilation, op)
-    if x.dtype != weight.dtype:
+    if x.dtype != weight._vals.dtype:
         raise TypeError(f"{op}: input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    try:
-        rows, sizes = _unfold(x, kernel, stride, dilation, pads)
-    except ValueError as e:
-        raise ValueError(f"{op}: {e}") from None
+    padded = tuple(n + sum(pair) for n, pair in zip(x.shape[2:], pads))
+    if any(n < dl * (k - 1) + 1 for n, k, dl in zip(padded, kernel, dilation)):
+        raise ValueError(f"{op}: the (padded) input of spatial size {padded} is smaller than the dilated kernel"
+                         f" {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
+    # (the direct kernel has no backward: it serves the calls no gradient flows from)
+    if d == 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight._vals.requires_grad or
+                                                   weight.requires_grad or (bias is not None and bias.requires_grad))):
+        out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
+        if out is not None:
+            return out if batched else out.squeeze(0)
+    rows, sizes = _unfold(x, kernel, stride, dilation, pads)
     out = linear(rows, matrix_view(weight, groups), bias)
     out = out.reshape(x.shape[0], *sizes, out_ch).movedim(-1, 1)
     return out if batched else out.squeeze(0)

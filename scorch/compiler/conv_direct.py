@@ -1,0 +1,202 @@
+"""A direct convolution with a sparse weight, as loop IR: no unfolded (im2col) copy of the input, no transposed panel.
+
+The input is held channel-major (NCHW), each channel's plane zero-padded and flattened with a row width ``Wq``;
+a strided convolution's planes are first split into their stride phases (``x[a::s, b::s]`` for the phases the
+kernel's taps use), so that every tap is a stride-1 shift of one plane. The output is computed on the same grid,
+``Ho`` rows of ``Wq`` pixels (the columns past ``Wo`` are thrown away by the caller), so the output pixel ``q``
+of a stored weight ``(o, c, kh, kw)`` reads ``x[q + off]`` with one offset per stored weight (its plane and its
+row and column shift): consecutive output pixels read consecutive inputs, and a vector of pixels is one
+unaligned load.
+
+``y[img, o, q] = sum_p vals[p] * x[img, q + off[p]] (+ bias[o])`` over the entries ``p`` of row ``o``
+(``pos[o] .. pos[o + 1]``): per stored weight, one broadcast and, per vector of the tile's pixels, a load and a
+multiply-add into accumulators that stay in registers for the whole row, ``unroll`` sets of them so that the
+multiply-adds' latency hides behind each other. The work items are (image, pixel tile, row chunk), tile-major:
+a tile's inputs (every channel's plane around the tile) stay in the cache while the rows pass.
+
+Against im2col and the sparse-weight ``linear`` family (``compiler.weights``), this reads each input once per
+stored weight from the cache instead of copying ``prod(kernel)`` shifted copies of the input into rows and then
+transposing them into a panel: those copies cost as much as the sparse product itself at 90% sparsity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import loopir as L
+from .target import Target
+from .weights import _add, _bv, _c, _mul, _vloop, sets_total, unrolled
+
+I64, F32 = "i64", "f32"
+#: accumulator vectors a row holds at least (``vectors`` x ``unroll``), of the 16 (AVX2) / 32 (AVX-512) registers
+ACCUMULATORS = 8
+#: pixel vectors per tile at most, by the target's registers (AVX-512's 32 hold 16 accumulators and the loads;
+#: AVX2's 16 would spill them). Measured (AMD Zen 4, 1 thread, 90% csr, minimum of 40 interleaved calls):
+#: 64 channels at 56 x 56, vectors x sets 16 x 1 0.51 ms, 12 x 1 0.51, 10 x 1 0.54, 8 x 1 0.56-0.59, 6 x 2 0.62,
+#: 4 x 1/2/3 0.66-0.67, 3 x 3 0.70, 2 x 4 0.78 (at 50%: 16 x 1 1.95, 12 x 1 1.94, 8 x 1 2.06, 4 x 2 2.34, 2 x 4
+#: 2.85): the sets do not matter, the entries' fixed cost (value, offset, broadcast) over more vectors does; 512
+#: channels at 7 x 7 (63 grid pixels), 8 x 1 0.99 against 4 x 2 0.60: most of the tile off the grid
+MAX_VECTORS = {64: 16, 32: 8}
+#: the widest tile (of 16, 12, 8 vectors) is taken that pads the grid at most this much more than one of 4
+GRID_SLACK = 1.05
+@dataclass(frozen=True)
+class Plan:
+    """``lanes`` per vector, ``vectors`` per tile (``T = lanes * vectors`` output pixels), ``unroll`` accumulator
+    sets; ``ptype`` the row positions' type; ``bias``: added in the epilogue."""
+    lanes: int
+    vectors: int
+    unroll: int
+    ptype: str
+    bias: bool
+
+    @property
+    def T(self) -> int:
+        return self.lanes * self.vectors
+
+    @property
+    def name(self) -> str:
+        return "scorch_conv_direct"
+
+
+def plan(target: Target, pixels: int, ptype: str, bias: bool) -> Plan:
+    """The tile for an output plane of ``pixels`` (grid) pixels: the widest of 16, 12, 8 vectors (at most the
+    target's ``MAX_VECTORS``) that pads the grid little more than 4 do, else as many as it fills up to 4;
+    ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight."""
+    lanes = target.lanes(F32) if target.vectors else 1
+
+    def padded(v):
+        return -(-pixels // (v * lanes)) * v * lanes
+    widest = MAX_VECTORS.get(target.vector_bytes, 4)
+    wide = [v for v in (16, 12, 8) if v <= widest and padded(v) <= GRID_SLACK * padded(4)]
+    vectors = wide[0] if wide else max(1, min(4, -(-pixels // lanes)))
+    return Plan(lanes, vectors, max(1, ACCUMULATORS // vectors), ptype, bias)
+
+
+def _div(a, b):
+    return L.binary("floordiv", a, b)
+
+
+def forward(p: Plan) -> L.Kernel:
+    """The kernel: parameters ``pos``, ``off`` (i32), ``vals``, [``bias``], ``x``, ``y``; scalars ``n`` (images),
+    ``x_image`` (input elements per image), ``grid`` (output pixels per plane, a multiple of ``T``), ``n_out``,
+    ``chunks`` and ``row_chunk`` (the rows split for the threads), ``nthreads``. ``x`` must be readable up to
+    ``grid + max(off)`` past each image's start (the caller pads its end)."""
+    T, U = p.T, p.unroll
+    item, img, rest, tile, chunk = (L.Var(v) for v in ("item", "img", "rest", "tile", "chunk"))
+    xb, yb, o, lo, hi, q, k, e = (L.Var(v) for v in ("xb", "yb", "o", "lo", "hi", "q", "k", "e"))
+    n, n_out, grid = L.Var("n"), L.Var("n_out"), L.Var("grid")
+    tiles = _div(grid, _c(T))
+    per_img = _mul(tiles, L.Var("chunks"))
+    r_lo = _mul(chunk, L.Var("row_chunk"))
+    r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
+    vector = p.lanes if p.lanes > 1 else 0
+
+    def entry(at, u):
+        w = L.Load("vals", at, F32)
+        src = _add(xb, L.Cast(L.Load("off", at, "i32"), I64), _bv)
+        return _vloop(T, p.lanes, L.Store("acc", _add(_c(u * T), _bv), _mul(w, L.Load("x", src, F32)), "add"))
+
+    total = sets_total("acc", U, T)
+    if p.bias:
+        total = _add(total, L.Load("bias", o, F32))
+    row = L.block(
+        L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vector),
+        L.Let(lo, L.Cast(L.Load("pos", o, p.ptype), I64)),
+        L.Let(hi, L.Cast(L.Load("pos", _add(o, _c(1)), p.ptype), I64)),
+        *unrolled(lo, hi, U, entry, k, q, e),
+        _vloop(T, p.lanes, L.Store("y", _add(yb, _mul(o, grid), _bv), total)))
+    loop = L.For(item, _c(0), _mul(n, per_img), L.block(
+        L.Let(img, _div(item, per_img)),
+        L.Let(rest, L.binary("mod", item, per_img)),
+        L.Let(tile, _div(rest, L.Var("chunks"))),
+        L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
+        L.Let(xb, _add(_mul(img, L.Var("x_image")), _mul(tile, _c(T)))),
+        L.Let(yb, _add(_mul(_mul(img, n_out), grid), _mul(tile, _c(T)))),
+        L.For(o, r_lo, r_hi, row)), parallel=L.Parallel("static", None, L.block(), chunk=1))
+    params = (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"), L.Param("vals", "array", F32)) + \
+        ((L.Param("bias", "array", F32),) if p.bias else ()) + \
+        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True),
+         L.Param("n", "scalar", I64), L.Param("x_image", "scalar", I64), L.Param("grid", "scalar", I64),
+         L.Param("n_out", "scalar", I64), L.Param("chunks", "scalar", I64), L.Param("row_chunk", "scalar", I64),
+         L.Param("nthreads", "scalar", I64))
+    return L.Kernel(p.name + ("_bias" if p.bias else ""), params, L.block(loop))
+
+
+#: channels a channels_last pack or unpack moves together: a cache line of them on the channels_last side, one
+#: line of each of their planes on the other, so neither side holds more lines than L1 keeps. Measured (64 x 56 x
+#: 56, batch 8, 1 thread): pack 1.60 ms unblocked (every channel of a column, then the next column), 1.28 blocked
+#: the same way, 0.76 blocked with the planes' rows inner (contiguous writes); unpack 0.58 with the channels inner
+#: (contiguous writes), 0.99 with the rows inner; a torch channels_last <-> NCHW copy 1.0-1.1, a plain copy 0.18
+CHANNEL_BLOCK = 16
+
+
+def _channel_blocks(channels: L.Expr, body) -> L.For:
+    """``body(c0, c1)`` for the blocks ``[c0, c1)`` of ``CHANNEL_BLOCK`` channels."""
+    cb, c0 = L.Var("cb"), L.Var("c0")
+    return L.For(cb, _c(0), _div(_add(channels, _c(CHANNEL_BLOCK - 1)), _c(CHANNEL_BLOCK)), L.block(
+        L.Let(c0, _mul(cb, _c(CHANNEL_BLOCK))),
+        body(c0, L.binary("min", channels, _add(c0, _c(CHANNEL_BLOCK))))))
+
+
+def pack(channels_inner: bool) -> L.Kernel:
+    """The input buffer, in one pass: ``buf[img, phase, c, i, j] = x[img, c, pa[phase] + sr * i - pt, pb[phase] +
+    sc * j - pl]``, 0 outside the input (the padding). ``x`` is read through its strides (``xs_*``), so NCHW and
+    channels_last inputs take no copy first; each work item is one row ``i`` of every channel of a phase, so a
+    channels_last input's row stays in the cache. The columns ``jlo[phase] .. jhi[phase]`` read the input (the
+    caller computes them), the rest are zeros: no test per element. ``channels_inner``: channels_last (``xs_c`` must
+    be 1), in blocks of ``CHANNEL_BLOCK`` channels, each channel's row inner; else NCHW (``xs_w`` must be 1)."""
+    item, img, rest, ph, i, c, j, r, col, base, lo, hi = (L.Var(v) for v in (
+        "item", "img", "rest", "ph", "i", "c", "j", "r", "col", "base", "lo", "hi"))
+    P, C, H, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "Hq", "Wq"))
+    inside = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
+    # (the stride 1 known here: channels_last's channels, NCHW's columns)
+    at = _add(_mul(img, L.Var("xs_n")), c if channels_inner else _mul(c, L.Var("xs_c")), _mul(r, L.Var("xs_h")),
+              _mul(col, L.Var("xs_w")) if channels_inner else col)
+    plane = _add(base, _mul(c, _mul(Hq, Wq)))
+    copy = L.Store("buf", _add(plane, j), L.Load("x", at, F32))
+    col_let = L.Let(col, L.binary("sub", _add(L.Cast(L.Load("pb", ph, I64), I64), _mul(L.Var("sc"), j)), L.Var("pl")))
+    if channels_inner:
+        copies = _channel_blocks(C, lambda c0, c1: L.For(c, c0, c1, L.block(L.For(j, lo, hi,
+                                                                                 L.block(col_let, copy)))))
+    else:
+        copies = L.For(c, _c(0), C, L.block(L.For(j, lo, hi, L.block(col_let, copy))))
+    zero = L.Const(0.0, F32)
+    zeros = L.For(c, _c(0), C, L.block(L.For(j, _c(0), lo, L.block(L.Store("buf", _add(plane, j), zero))),
+                                        L.For(j, hi, Wq, L.block(L.Store("buf", _add(plane, j), zero)))))
+    per_img = _mul(P, Hq)
+    loop = L.For(item, _c(0), _mul(L.Var("n"), per_img), L.block(
+        L.Let(img, _div(item, per_img)), L.Let(rest, L.binary("mod", item, per_img)),
+        L.Let(ph, _div(rest, Hq)), L.Let(i, L.binary("mod", rest, Hq)),
+        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
+        L.Let(base, _add(_mul(_mul(_add(_mul(img, P), ph), C), _mul(Hq, Wq)), _mul(i, Wq))),
+        # (a row outside the input: every column zero)
+        L.Let(lo, L.Select(inside, L.Load("jlo", ph, I64), Wq, I64)),
+        L.Let(hi, L.Select(inside, L.Load("jhi", ph, I64), Wq, I64)),
+        zeros, copies), parallel=L.Parallel("static", None, L.block(), chunk=1))
+    scalars = ("n", "P", "C", "H", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w", "nthreads")
+    params = tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi")) + \
+        (L.Param("x", "array", F32), L.Param("buf", "array", F32, output=True)) + \
+        tuple(L.Param(s, "scalar", I64) for s in scalars)
+    return L.Kernel("scorch_conv_pack" + ("_cl" if channels_inner else ""), params, L.block(loop))
+
+
+def unpack(channels_inner: bool) -> L.Kernel:
+    """The result from the grid, in one pass: ``y[img, o, h, w] = grid[img, o, h * Wq + w]`` for the ``Wo`` valid
+    columns, ``y`` written through its strides (``ys_*``: NCHW or channels_last), one output row ``h`` of every
+    channel a work item. ``channels_inner``: channels_last (``ys_c`` 1), in blocks of ``CHANNEL_BLOCK`` channels,
+    the channels inner (contiguous writes); else NCHW (``ys_w`` 1), the columns inner."""
+    item, img, h, o, w = (L.Var(v) for v in ("item", "img", "h", "o", "w"))
+    O, Ho, Wo, G = (L.Var(v) for v in ("O", "Ho", "Wo", "G"))
+    value = L.Load("grid", _add(_mul(_add(_mul(img, O), o), G), _mul(h, L.Var("Wq")), w), F32)
+    # (the inner loop's stride 1, known here: the writes are contiguous, NCHW's loop a plain vectorized copy)
+    at = _add(_mul(img, L.Var("ys_n")), o if channels_inner else _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")),
+              _mul(w, L.Var("ys_w")) if channels_inner else w)
+    store = L.Store("y", at, value)
+    inner = _channel_blocks(O, lambda o0, o1: L.For(w, _c(0), Wo, L.block(L.For(o, o0, o1, L.block(store))))) \
+        if channels_inner else L.For(o, _c(0), O, L.block(L.For(w, _c(0), Wo, L.block(store))))
+    loop = L.For(item, _c(0), _mul(L.Var("n"), Ho), L.block(
+        L.Let(img, _div(item, Ho)), L.Let(h, L.binary("mod", item, Ho)), inner),
+        parallel=L.Parallel("static", None, L.block(), chunk=1))
+    scalars = ("n", "O", "Ho", "Wo", "Wq", "G", "ys_n", "ys_c", "ys_h", "ys_w", "nthreads")
+    params = (L.Param("grid", "array", F32), L.Param("y", "array", F32, output=True)) + \
+        tuple(L.Param(s, "scalar", I64) for s in scalars)
+    return L.Kernel("scorch_conv_unpack" + ("_cl" if channels_inner else ""), params, L.block(loop))

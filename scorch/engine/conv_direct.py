@@ -1,0 +1,186 @@
+"""A 2-d convolution with a sparse weight by the direct kernel (``compiler.conv_direct``): the input's planes padded
+(and split into stride phases) into one flat buffer, each stored weight's offset into it made once per pattern and
+geometry, the output computed on the buffer's row width, its ``Wo`` valid columns then unpacked into a compact
+result in the input's memory format. The buffer's packing and the unpacking are generated kernels too.
+
+``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
+float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
+Inference only: it has no backward, so the caller uses it where no gradient is wanted.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import loopir as L
+from ..compiler import conv_direct as family
+from ..compiler.caches import cache, register
+from ..compiler.codegen import cpp
+from ..compiler.target import CPU
+from ..formats import storage
+from ..sparse_tensor import SparseTensor, padding_of
+
+_KERNELS = cache("conv-direct", "kernels of the direct sparse convolution per plan")
+#: per weight pattern and geometry: the rows' positions, the entries' offsets and their values' order
+_ENTRIES = storage.PatternMemo(256)
+register("conv-direct entries", "the direct convolution's row positions, offsets and value order per weight pattern"
+         " and input geometry", _ENTRIES.__len__, _ENTRIES.clear)
+#: the weights' values in the entries' order, per values tensor
+_VALUES = storage.ValuesMemo(256)
+register("conv-direct values", "sparse conv weights' values in the direct convolution's entry order, per values"
+         " tensor", _VALUES.__len__, _VALUES.clear)
+#: work items per thread at least, where the pixel tiles are fewer: the rows are split into chunks
+ITEMS_PER_THREAD = 4
+
+
+def _loaded(key, make):
+    """``(loop IR, loaded kernel)`` of ``make()``, kept under ``key``."""
+    entry = _KERNELS.get(key)
+    if entry is None:
+        kernel = make()
+        entry = _KERNELS[key] = (kernel, cpp.load(kernel))
+    return entry
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias)
+
+
+def _taps(k: int, s: int, dl: int):
+    """Each tap's ``(phase, shift)`` along one dimension: the padded input row ``i * dl + s * h`` of output row
+    ``h`` is row ``shift + h`` of the phase ``(i * dl) % s``."""
+    return [((i * dl) % s, (i * dl) // s) for i in range(k)]
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(weight_shape, x_shape, stride, dilation, pads):
+    """The flat buffer's layout: ``(phases, Hq, Wq, Ho, Wo)``, ``phases`` the (row, column) stride phases the taps
+    use, in order; each phase plane ``Hq x Wq``."""
+    (kh, kw), (h, w) = weight_shape[2:], x_shape[2:]
+    rows, cols = _taps(kh, stride[0], dilation[0]), _taps(kw, stride[1], dilation[1])
+    ho = (h + sum(pads[0]) - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (w + sum(pads[1]) - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    phases = tuple(sorted({(a, b) for a, _ in rows for b, _ in cols}))
+    return phases, ho + max(s for _, s in rows), wo + max(s for _, s in cols), ho, wo
+
+
+def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride, dilation):
+    """``(pos, off, order)``: row ``o``'s entries ``pos[o] .. pos[o + 1]`` (int32), each entry's offset into an
+    image's buffer (int32), and the weight's value position of each entry; None where an offset needs 64 bits."""
+    phases, hq, wq, _, _ = geometry
+    out, cg = weight._shape[0], weight._shape[1]
+    if len(phases) * channels * hq * wq + wq >= 2 ** 31:
+        return None
+    leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
+    if weight._format.padded:
+        inside &= ~padding_of(weight)[leaf]
+    leaf, dims = leaf[inside], dims[:, inside]
+    o, c = dims[0], dims[1] + (dims[0] // (out // groups)) * cg  # (the group's channels)
+    r, s = dims[2] * dilation[0], dims[3] * dilation[1]
+    phase_of = torch.full((stride[0], stride[1]), -1, dtype=torch.int64)
+    for i, (a, b) in enumerate(phases):
+        phase_of[a, b] = i
+    plane = phase_of[r % stride[0], s % stride[1]] * channels + c
+    off = plane * (hq * wq) + (r // stride[0]) * wq + s // stride[1]
+    order = torch.argsort(o * (len(phases) * channels * hq * wq) + off)
+    pos = torch.zeros(out + 1, dtype=torch.int64)
+    pos[1:] = torch.bincount(o, minlength=out).cumsum(0)
+    return pos.to(torch.int32), off[order].to(torch.int32), leaf[order]
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _phase_arrays(phases: tuple, sc: int, pl: int, w: int, wq: int) -> tuple:
+    """The int64 arrays ``family.pack`` reads (made once: never written): each phase's row and column offset and
+    its columns ``jlo .. jhi`` that fall inside the input (column ``b + sc * j - pl`` in ``[0, w)``)."""
+    jlo = [max(0, -(-(pl - b) // sc)) for _, b in phases]
+    jhi = [max(lo, min(wq, (w - 1 + pl - b) // sc + 1)) for lo, (_, b) in zip(jlo, phases)]
+    return tuple(torch.tensor(v, dtype=torch.int64) for v in ([a for a, _ in phases], [b for _, b in phases], jlo, jhi))
+
+
+def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor:
+    """The flat input buffer: per image, per phase, per channel, the padded plane's rows ``a + s * i`` and columns
+    ``b + s * j`` (``Hq x Wq``, zeros outside the input), and ``slack`` zeros at the end (``family.pack``: one
+    pass, reading ``x`` through its strides)."""
+    phases, hq, wq, _, _ = geometry
+    n, c, h, w = x.shape
+    size = n * len(phases) * c * hq * wq
+    buf = torch.empty(size + slack, dtype=x.dtype)
+    buf[size:] = 0
+    cl = _channels_last(x)
+    if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
+        x = x.contiguous()
+    kernel, loaded = _loaded(("pack", cl), lambda: family.pack(cl))
+    pa, pb, jlo, jhi = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
+    strides = x.stride()
+    cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "x": x, "buf": buf, "n": n,
+                              "P": len(phases), "C": c, "H": h, "Hq": hq, "Wq": wq, "sr": stride[0],
+                              "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0],
+                              "xs_c": strides[1], "xs_h": strides[2], "xs_w": strides[3],
+                              "nthreads": torch.get_num_threads()})
+    return buf
+
+
+def _result(y: torch.Tensor, geometry, like: torch.Tensor) -> torch.Tensor:
+    """The ``Wo`` valid columns of the grid ``y`` (images x channels x grid), compact, in ``like``'s memory format
+    as torch's convolutions do (``family.unpack``): torch runs BatchNorm on a strided view of the grid 4x slower
+    than on a contiguous tensor, and max pooling on channels_last 20x faster than on NCHW."""
+    _, _, wq, ho, wo = geometry
+    n, out, grid = y.shape
+    cl = _channels_last(like)
+    res = torch.empty(n, out, ho, wo, dtype=y.dtype,
+                      memory_format=torch.channels_last if cl else torch.contiguous_format)
+    kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
+    strides = res.stride()
+    cpp.call(kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
+                              "ys_n": strides[0], "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3],
+                              "nthreads": torch.get_num_threads()})
+    return res
+
+
+def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int):
+    """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` for a 4-d ``x`` (``pads``: ((top, bottom),
+    (left, right))), or None where the kernel does not serve it."""
+    vals = weight.__dict__.get("_vals")
+    if type(vals) is not torch.Tensor or vals.dtype != torch.float32 or x.dtype != torch.float32 or \
+            x.device.type != "cpu" or vals.device.type != "cpu" or x.dim() != 4 or len(weight._shape) != 4 or \
+            (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")) or x.numel() == 0 or \
+            weight._shape[0] == 0:
+        return None
+    geometry = _geometry(tuple(weight._shape), tuple(x.shape), tuple(stride), tuple(dilation),
+                         tuple(map(tuple, pads)))
+    phases, hq, wq, ho, wo = geometry
+    n, c = x.shape[:2]
+    out = weight._shape[0]
+    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation))
+
+    def build():
+        with torch.no_grad():
+            return _entries(weight, c, groups, geometry, stride, dilation)
+    found = _ENTRIES.lookup(key, weight._levels, build)
+    if found is None:
+        return None
+    pos, off, order = found
+    p = _plan(ho * wq, pos.dtype, bias is not None)
+    grid = -(-ho * wq // p.T) * p.T
+    y = torch.empty(n, out, grid, dtype=x.dtype)
+    ordered = _VALUES.lookup(key, vals, lambda: vals.detach()[order].contiguous(), (order,))
+    buf = _buffer(x, geometry, stride, pads, grid - ho * wq + wq)
+    tiles = grid // p.T
+    threads = torch.get_num_threads()
+    chunks = 1 if n * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
+        min(out, -(-ITEMS_PER_THREAD * threads // (n * tiles)))
+    row_chunk = -(-out // chunks)
+    kernel, loaded = _loaded(p, lambda: family.forward(p))
+    args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y, "n": n,
+            "x_image": len(phases) * c * hq * wq, "grid": grid, "n_out": out, "chunks": -(-out // row_chunk),
+            "row_chunk": row_chunk, "nthreads": threads}
+    if bias is not None:
+        args["bias"] = bias.detach().contiguous()
+    cpp.call(kernel, loaded, args)
+    return _result(y, geometry, x)

@@ -1,0 +1,147 @@
+"""The direct sparse convolution (``scorch.engine.conv_direct``, the kernel of ``scorch.compiler.conv_direct``), which
+serves ``F.conv2d`` with a sparse float32 weight where no gradient is wanted: values against dense torch on the
+masked weight over odd sizes, strides, padding, dilation, groups, one-pixel outputs, all-zero weight rows, bias,
+every format; that it is the path taken; values changed in place; the general path kept where gradients flow."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import scorch
+from scorch.engine import conv_direct
+
+
+def _sparse_weight(shape, density, kind, seed):
+    """A dense 4-d weight with about ``density`` of its entries kept (output channel 0 all zero), and the same
+    weight as a SparseTensor in the 4-d format ``kind``."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < density)
+    w[0] = 0.0
+    return w, scorch.asformat(w, kind)
+
+
+@settings(max_examples=60, deadline=None)
+@given(og=st.integers(1, 5), cg=st.integers(1, 5), groups=st.sampled_from([1, 2, 3]), kh=st.integers(1, 4),
+       kw=st.integers(1, 4), stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)), padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+       batch=st.integers(1, 3), extra=st.tuples(st.integers(0, 9), st.integers(0, 9)), bias=st.booleans(),
+       density=st.sampled_from([0.0, 0.1, 0.5, 1.0]), kind=st.sampled_from(["coo", "csf"]), seed=st.integers(0, 999))
+def test_direct_conv_matches_dense(og, cg, groups, kh, kw, stride, dilation, padding, batch, extra, bias, density,
+                                   kind, seed):
+    out, cin = og * groups, cg * groups
+    w, S = _sparse_weight((out, cg, kh, kw), density, kind, seed)
+    # the smallest input the dilated kernel fits in, plus ``extra``: one output pixel up to several rows
+    h = max(1, dilation[0] * (kh - 1) + 1 - 2 * padding[0]) + extra[0]
+    wd = max(1, dilation[1] * (kw - 1) + 1 - 2 * padding[1]) + extra[1]
+    x = torch.randn(batch, cin, h, wd, generator=torch.Generator().manual_seed(seed + 1))
+    b = torch.randn(out) if bias else None
+    direct = conv_direct.conv2d(S, x, b, stride, dilation, [(padding[0],) * 2, (padding[1],) * 2], groups)
+    ref = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
+    assert direct is not None and direct.shape == ref.shape
+    torch.testing.assert_close(direct, ref, rtol=1e-4, atol=1e-5)
+    with torch.no_grad(), scorch.strict():
+        y = torch.nn.functional.conv2d(x, S, b, stride, padding, dilation, groups)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr", "nm"])
+def test_scheduled_formats_run_direct_in_inference(fmt, monkeypatch):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=True)
+    s = scorch.schedule(conv)
+    if fmt == "csr":
+        s["weight"].sparsify(scorch.nn.ScalarFraction(0.9)).set_format("csr")
+    elif fmt == "bsr":
+        s["weight"].sparsify(scorch.nn.BlockFraction(0.5, block=(4, 4))).block(4, 4)
+    else:
+        s["weight"].sparsify(scorch.nn.NM(2, 4))
+    s.apply()
+    dense_w = conv.weight.detach().to_dense()
+    calls = []
+    real = conv_direct.conv2d
+    monkeypatch.setattr(conv_direct, "conv2d", lambda *a: calls.append(1) or real(*a))
+    for x in (torch.randn(2, 8, 13, 11), torch.randn(2, 8, 13, 11).to(memory_format=torch.channels_last),
+              torch.randn(2, 8, 13, 22)[..., ::2], torch.randn(8, 9, 9)):
+        ref = torch.nn.functional.conv2d(x, dense_w, conv.bias, 2, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(conv(x), ref, rtol=1e-4, atol=1e-5)
+        with torch.inference_mode():
+            torch.testing.assert_close(conv(x), ref, rtol=1e-4, atol=1e-5)
+    assert len(calls) == 8
+    # with gradients wanted, the general path (im2col and the linear family, which has a backward)
+    x = torch.randn(1, 8, 7, 7, requires_grad=True)
+    conv(x).sum().backward()
+    assert len(calls) == 8 and x.grad is not None and conv.weight.grad is not None
+
+
+def test_direct_sees_values_changed_in_place_and_new_patterns():
+    w, S = _sparse_weight((6, 4, 3, 3), 0.3, "coo", 3)
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        y1 = torch.nn.functional.conv2d(x, S, padding=1)
+        torch.testing.assert_close(y1, torch.nn.functional.conv2d(x, w, padding=1), rtol=1e-4, atol=1e-5)
+        S.values().mul_(3)
+        torch.testing.assert_close(torch.nn.functional.conv2d(x, S, padding=1), 3 * y1, rtol=1e-4, atol=1e-5)
+        # another input size: the offsets follow the geometry
+        x2 = torch.randn(2, 4, 5, 11)
+        torch.testing.assert_close(torch.nn.functional.conv2d(x2, S, padding=1),
+                                   torch.nn.functional.conv2d(x2, 3 * w, padding=1), rtol=1e-4, atol=1e-5)
+
+
+def test_direct_declines_what_it_does_not_serve():
+    w, S = _sparse_weight((4, 4, 3, 3), 0.5, "coo", 4)
+    x = torch.randn(1, 4, 6, 6, dtype=torch.float64)
+    assert conv_direct.conv2d(S.double(), x, None, (1, 1), (1, 1), [(0, 0), (0, 0)], 1) is None
+    with torch.no_grad():  # (float64 runs on the general path)
+        torch.testing.assert_close(torch.nn.functional.conv2d(x, S.double()),
+                                   torch.nn.functional.conv2d(x, w.double()))
+
+
+def test_the_kernels_interpreted_give_the_compiled_result(monkeypatch):
+    """The loop IR of the three kernels (the input buffer's pack, the convolution, the result's unpack) run by the
+    NumPy interpreter (the reference semantics), each on the previous one's interpreted output, give the compiled
+    result; NCHW and channels_last."""
+    from scorch.compiler import interp
+    calls = []
+    real = conv_direct.cpp.call
+    monkeypatch.setattr(conv_direct.cpp, "call", lambda kernel, loaded, args: calls.append((kernel, dict(args))) or
+                        real(kernel, loaded, args))
+    w, S = _sparse_weight((5, 3, 3, 2), 0.4, "coo", 7)
+    b = torch.randn(5)
+    for x in (torch.randn(2, 3, 6, 5), torch.randn(2, 3, 6, 5).to(memory_format=torch.channels_last)):
+        calls.clear()
+        y = conv_direct.conv2d(S, x, b, (2, 1), (1, 2), [(1, 1), (2, 2)], 1)
+        torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w, b, (2, 1), (1, 2), (1, 2)), rtol=1e-4,
+                                   atol=1e-5)
+        assert [k.name.split("_")[2] for k, _ in calls] == ["pack", "direct", "unpack"]
+        # (x's and y's elements as strided in memory: the kernels index them by their strides)
+        flat = {"x": x.permute(0, 2, 3, 1) if x.stride(1) == 1 else x}
+        out = None
+        for kernel, args in calls:
+            numpy_args = {}
+            for k, v in args.items():
+                if not isinstance(v, torch.Tensor):
+                    numpy_args[k] = v
+                elif kernel.param(k).output:  # (the buffer's slack past the planes: zeros, as the caller makes it)
+                    numpy_args[k] = torch.full((v.numel(),), 0.0 if k == "buf" else float("nan")).numpy()
+                else:
+                    numpy_args[k] = (out if out is not None and k in ("x", "grid") else
+                                     flat.get(k, v).detach().reshape(-1).numpy().copy())
+            interp.run(kernel, numpy_args)
+            out = numpy_args[next(p.name for p in kernel.params if p.output)]
+        got = torch.from_numpy(out)
+        want = (y.permute(0, 2, 3, 1) if y.stride(1) == 1 else y).reshape(-1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_large_planes_take_the_wide_tile():
+    """A plane of thousands of grid pixels takes the widest tile (small ones 4 vectors at most)."""
+    from scorch.compiler import conv_direct as family
+    from scorch.compiler.target import CPU
+    assert family.plan(CPU, 50 * 53, "i32", False).vectors >= 8 or not CPU.vectors
+    assert family.plan(CPU, 63, "i32", False).vectors <= 4
+    w, S = _sparse_weight((7, 5, 3, 3), 0.2, "coo", 9)
+    for x in (torch.randn(2, 5, 50, 51), torch.randn(1, 5, 101, 99).to(memory_format=torch.channels_last)):
+        b = torch.randn(7)
+        for stride in (1, 2):
+            torch.testing.assert_close(conv_direct.conv2d(S, x, b, (stride, stride), (1, 1), [(1, 1), (1, 1)], 1),
+                                       torch.nn.functional.conv2d(x, w, b, stride, 1), rtol=1e-4, atol=1e-5)
