@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from ..compiler.schedule import Directives
 from ..sparse_tensor import SparseTensor
 
@@ -52,7 +54,10 @@ def left() -> None:
 def of(operands):
     """The directives a product of ``operands`` compiles with: those attached to a sparse operand (``ValueError``
     where two operands carry different ones: which to follow is not ours to pick), else the innermost running
-    module's, else None (the compiler's schedule)."""
+    module's, else None (the compiler's schedule). None while Dynamo traces: directives are not carried into a
+    compiled graph (docs/training.md), and a traced tensor's ``__dict__`` is no place to look (Dynamo fails on it)."""
+    if torch.compiler.is_compiling():
+        return None
     found = None
     for x in operands:
         d = attached(x)
