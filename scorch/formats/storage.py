@@ -475,13 +475,13 @@ def validate_loaded(fmt: Format, shape, levels, values) -> None:
     import torch._utils as tu
     original = tu._validate_loaded_sparse_tensors
     if not getattr(original, "scorch", False):  # (once: torch calls this hook at the end of every load)
-        def validate_pending():
+        def validate_pending(*args, **kwargs):  # (torch 2.14 passes weights_only=)
             try:
                 while _LOADED:
                     validate(*_LOADED.pop())
             finally:
                 _LOADED.clear()
-                original()
+                original(*args, **kwargs)
         validate_pending.scorch = True
         tu._validate_loaded_sparse_tensors = validate_pending
     _LOADED.append((fmt, shape, levels, values))
