@@ -43,6 +43,15 @@ def coalesce_method(x):
     return x
 
 
+@implements(torch.Tensor._is_view)
+def _is_view(x):
+    """False: a SparseTensor is not a view of another tensor (the values it shares with its parameter or with a
+    ``detach()`` are its own arrays). Torch's tracers ask (``torch.export``'s fakification): on the dense form it
+    was a densify warning, and the wrapper's own answer (True for an ``nn.Parameter`` over it, with no autograd
+    view record) crashed ``_get_creation_meta``."""
+    return False
+
+
 @implements(torch.Tensor.is_coalesced)
 def is_coalesced(x):
     """False only for COO that may hold duplicates."""
