@@ -137,6 +137,7 @@ def _indexed_entries(x: SparseTensor, key, dims, vals):
     if sum(_is_index_tensor(k) for k in key) > 1:
         raise NoSparseRule("several index tensors")
     shape, out_shape, d = list(x._shape), [], 0  # d: the dimension of x the next key item indexes
+    out_of_range = None
     out_dims = []  # per output dimension: a coordinate row, or None for a new size-1 dimension
     for k in key:
         if k is None:
@@ -150,9 +151,16 @@ def _indexed_entries(x: SparseTensor, key, dims, vals):
             out_dims.append(d)
             d += 1
         elif _is_index_tensor(k):
-            idx = _as_index(k, shape[d], vals.device)
-            dims, vals = _gather_along(dims, vals, d, idx)
-            out_shape.append(idx.numel())
+            try:
+                idx = _as_index(k, shape[d], vals.device)
+                dims, vals = _gather_along(dims, vals, d, idx)
+                count = idx.numel()
+            except IndexError as e:  # torch checks an index's bounds only while it fills a non-empty result
+                if "out of range" not in str(e):
+                    raise
+                out_of_range, count = e, torch.as_tensor(k).numel()
+                dims, vals = _take(dims, vals, torch.zeros(vals.numel(), dtype=torch.bool, device=vals.device))
+            out_shape.append(count)
             out_dims.append(d)
             d += 1
         elif isinstance(k, (numbers.Integral, torch.Tensor)) or hasattr(k, "__index__"):
@@ -166,6 +174,8 @@ def _indexed_entries(x: SparseTensor, key, dims, vals):
     for rest in range(d, x.dim()):
         out_shape.append(shape[rest])
         out_dims.append(rest)
+    if out_of_range is not None and _prod(out_shape) != 0:  # (``x[..., :0, [5]]`` is empty in torch, no error)
+        raise out_of_range
     zeros = torch.zeros(vals.numel(), dtype=torch.int64, device=vals.device)
     rows = [zeros if r is None else dims[r] for r in out_dims]
     return (torch.stack(rows) if rows else dims[:0]), vals, tuple(out_shape)

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import scorch
 from scorch import SparseTensor
@@ -473,6 +473,8 @@ def index_cases(draw):
 
 @settings(max_examples=60)
 @given(index_cases())
+@example(((1, 2, 1), "coo", (Ellipsis, slice(None, 0, None), [1]), 0.0, 0))  # empty: torch checks no bound
+@example(((0, 3), "csr", (slice(None), [5]), 0.5, 1))
 def test_indexing_matches_torch_with_gradients(case):
     shape, fmt, key, density, seed = case
     s, a = _pair(shape, fmt, seed, density, torch.float64)
