@@ -19,6 +19,7 @@ from ..compiler.schedule import Directives
 from ..engine.run import check
 from ..ops import directed
 from ..sparse_tensor import SparseTensor, dtype_of
+from .owners import owners
 
 describe, attach, detach = directed.describe, directed.attach, directed.remove
 
@@ -41,12 +42,9 @@ def directives_of(spec, fields: dict):
 
 def refused(model: _nn.Module, name: str):
     """Why the parameter ``name`` cannot take directives (its module passes it to an op that takes none), or None."""
-    path = name.split(".")[:-1]
-    for depth in range(len(path) + 1):
-        module = model.get_submodule(".".join(path[:depth]))
+    for where, module, direct in owners(model, name):
         for cls, children in _OTHER_OPS:
-            if isinstance(module, cls) and (depth == len(path) or children):
-                where = ".".join(path[:depth]) or "the model"
+            if isinstance(module, cls) and (direct or children):
                 return (f"its module {where!r} ({type(module).__name__}) computes with it in its own kernels, which"
                         " take no directives; F.linear, torch.einsum and matmul/@/mm/bmm products take them")
     return None

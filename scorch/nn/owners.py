@@ -27,18 +27,22 @@ _OWNER_FUNCTIONS = [
 ]
 
 
+def owners(model, name):
+    """``(where, module, direct)`` for each module on the path to the parameter ``name``, the model first:
+    ``where`` its dotted path (``"the model"`` for the root), ``direct`` whether it holds the parameter itself."""
+    path = name.split(".")[:-1]
+    for depth in range(len(path) + 1):
+        where = ".".join(path[:depth])
+        yield where or "the model", model.get_submodule(where), depth == len(path)
+
+
 def unsupported(model, name) -> str | None:
     """Why the parameter ``name`` cannot be sparse (its owner calls an op scorch lacks), or None."""
-    parts = name.split(".")
-    owner_path = parts[:-1]
-    for depth in range(len(owner_path) + 1):
-        module = model.get_submodule(".".join(owner_path[:depth]))
-        direct = depth == len(owner_path)
+    for where, module, direct in owners(model, name):
         for cls, funcs, covers_children in _OWNER_FUNCTIONS:
             if isinstance(module, cls) and (direct or covers_children):
                 missing = [f for f in funcs if f not in IMPLEMENTATIONS]
                 if missing:
-                    where = ".".join(owner_path[:depth]) or "the model"
                     fn = ", ".join(f"{f.__module__}.{f.__name__}" for f in missing)
                     return (f"its module {where!r} ({type(module).__name__}) passes it to {fn}, which scorch does not"
                             " implement for sparse operands")
