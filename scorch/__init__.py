@@ -36,7 +36,7 @@ Every torch function and method on sparse operands: docs/sparse-api.md; design: 
 """
 import torch as _torch
 
-from ._versions import check_torch as _check_torch  # noqa: E402
+from ._versions import check_torch as _check_torch
 
 _check_torch(_torch.__version__)
 
@@ -82,9 +82,9 @@ __all__ = ["SparseTensor", "Format", "formats", "asformat", "from_torch", "to_to
            "sparse_coo_tensor",
            "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
            "sparse_compressed_tensor", "einsum", "explain", "Directives", "rearrange", "spmm", "sparse", "compile",
-           "deferral", "stored_only", "schedule", "sparsified_op", "nn", "save_portable", "load_portable", "to_portable",
-           "from_portable", "stats", "reset_stats", "strict", "DensifyError", "DensifyWarning", "fallback_limit",
-           "set_fallback_limit", "cache_info", "clear_caches"]
+           "deferral", "stored_only", "schedule", "sparsified_op", "nn", "save_portable", "load_portable",
+           "to_portable", "from_portable", "stats", "reset_stats", "strict", "DensifyError", "DensifyWarning",
+           "fallback_limit", "set_fallback_limit", "cache_info", "clear_caches"]
 
 __getattr__, __dir__ = _forward.forward(globals(), _torch, routed=True)
 

@@ -25,6 +25,7 @@ import torch
 
 import scorch  # noqa: F401  (registers the implementations)
 from . import _stats
+from ._versions import release
 from .sparse_tensor import _INPLACE_DUNDERS, _METADATA, _NO_FALLBACK, IMPLEMENTATIONS, SparseTensor, _op_name
 
 # namespaces whose names spell the functions in the table, first one wins
@@ -132,7 +133,7 @@ def surface():
 
 def torch_minor() -> str:
     """The running torch's release, major.minor (``2.13``): the names this page lists are that release's."""
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return ".".join(map(str, release(torch.__version__)))
 
 
 HEADER = """# Torch functions on sparse operands
@@ -191,8 +192,9 @@ dense weight receives the top 10% of its gradient as torch's sparse COO `.grad` 
 
 
 def markdown() -> str:
-    lines = [HEADER.replace("TORCH_MINOR", torch_minor()) + "## Sparse rules\n", "| torch function / method | scorch implementation | what it does with the"
-             " format |", "| --- | --- | --- |"]
+    lines = [HEADER.replace("TORCH_MINOR", torch_minor()) + "## Sparse rules\n",
+             "| torch function / method | scorch implementation | what it does with the format |",
+             "| --- | --- | --- |"]
     for spelled, where, summary in entries():
         lines.append(f"| `{spelled.replace(', ', '`, `')}` | `{where}` | {summary.replace('|', '/')} |")
     rows = surface()
