@@ -28,7 +28,7 @@ import torch
 from ..formats import storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements
 from .entries import _groups, _reduce_dims, _shaped
-from .shape_ops import _coo, _delinearize, _dim, _entries, _gather_along, _index, _prod
+from .shape_ops import IndexOutOfRange, _coo, _delinearize, _dim, _entries, _gather_along, _index, _prod
 from .sparse_api import coalesce
 
 _T = torch.Tensor
@@ -155,9 +155,7 @@ def _indexed_entries(x: SparseTensor, key, dims, vals):
                 idx = _as_index(k, shape[d], vals.device)
                 dims, vals = _gather_along(dims, vals, d, idx)
                 count = idx.numel()
-            except IndexError as e:  # torch checks an index's bounds only while it fills a non-empty result
-                if "out of range" not in str(e):
-                    raise
+            except IndexOutOfRange as e:  # torch checks an index's bounds only while it fills a non-empty result
                 out_of_range, count = e, torch.as_tensor(k).numel()
                 dims, vals = _take(dims, vals, torch.zeros(vals.numel(), dtype=torch.bool, device=vals.device))
             out_shape.append(count)

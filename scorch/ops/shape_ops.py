@@ -354,6 +354,11 @@ def stack(tensors, dim=0):
 
 # --- index_select --------------------------------------------------------------------------------------------------
 
+class IndexOutOfRange(IndexError):
+    """An index value outside its dimension (``_index``): getitem raises it only where the result is not empty, as
+    torch checks an index's bounds only while it fills the result."""
+
+
 def _index(index, size: int, device) -> torch.Tensor:
     """``index`` as a 1-d int64 tensor on ``device``, every value checked to be in ``[0, size)``."""
     if not isinstance(index, torch.Tensor):
@@ -369,7 +374,7 @@ def _index(index, size: int, device) -> torch.Tensor:
         bad = (idx < 0) | (idx >= size)
         if bool(bad.any()):
             v = int(idx[bad.nonzero()[0, 0]])
-            raise IndexError(f"index_select: index {v} is out of range for dimension of size {size}")
+            raise IndexOutOfRange(f"index_select: index {v} is out of range for dimension of size {size}")
     return idx
 
 
