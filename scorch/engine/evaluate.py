@@ -13,7 +13,7 @@ from ..compiler import contract
 from ..compiler.caches import cache
 from ..compiler.einsum import equation as einsum_string
 from ..compiler.einsum import parse, to_index_notation
-from ..compiler.grouped import match as match_grouping
+from ..compiler.grouped import match as match_grouping, moe_operands
 from ..compiler.infer import infer
 from ..compiler.ir import Assignment, Mul, Scalar, TensorType
 from ..compiler.pipeline import Plan
@@ -138,7 +138,7 @@ def einsum(equation, *operands, format=None, explain=False, backend="cpp", sched
 
 
 def _grouped_with_grad(equation, operands):
-    """A mixture-of-experts product that needs gradients (``grouped.moe_operands``): the grouped product's own
+    """A mixture-of-experts product that needs gradients (``compiler.grouped.moe_operands``): the grouped product's own
     autograd Function (the entries sorted once, the backward on the same order and the gathered rows), whatever
     the planner would pick for the forward alone: a generated kernel's backward is three more einsums, the gate's
     a four-operand kernel, which its cost does not see (the app's training step at 512 tokens, width 64, 16
@@ -153,7 +153,7 @@ def _grouped_with_grad(equation, operands):
     name = f"einsum({equation!r})"
     sizes, _ = index_sizes(inputs, ops, name)
     g = match_grouping(inputs, out, [isinstance(x, SparseTensor) for x in ops], sizes)
-    if g is None or grouped.moe_operands(g, inputs, out) is None:
+    if g is None or moe_operands(g, inputs, out) is None:
         return None
     r = grouped.evaluate(g, inputs, out, ops, sizes)
     want = result_dtype(ops, name)
@@ -299,7 +299,7 @@ def evaluate_tree(node, inputs, ops, target, format=None, backend="cpp", explain
         leaves = [ops[k] for k in node.leaves]
         if explain:
             by = "compiled grouped kernels" if grouped.compiled_operands(leaves) and \
-                grouped.moe_operands(node.grouped, idx, tuple(target)) else "torch"
+                moe_operands(node.grouped, idx, tuple(target)) else "torch"
             print(f"grouped:      {contract.describe(node, inputs)}: the entries of the sparse operand grouped by"
                   f" {''.join(node.grouped.group)}, one dense product per group ({by})")
         sizes, _ = index_sizes(idx, leaves, "einsum")

@@ -13,7 +13,7 @@ import torch
 
 from ..compiler import grouped_gemm, relayout
 from ..compiler.einsum import equation as einsum_string
-from ..compiler.grouped import Grouping, moe_operands  # noqa: F401  (moe_operands: evaluate's)
+from ..compiler.grouped import Grouping, moe_operands
 from ..formats.storage import linear_index
 
 
