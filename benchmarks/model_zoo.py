@@ -205,8 +205,8 @@ def _sgd(params):
 def resnet_training(models: Models, cfg: Config, batch: int) -> Table:
     image = models.size
     t = Table("models", f"ResNet-18 training step, batch {batch}, {image} x {image}",
-              "train mode, BatchNorm frozen (on its running statistics); cross entropy on random labels; backward; SGD (momentum 0.9) "
-              "over all parameters; every conv weight pruned as in the inference tables")
+              "train mode, BatchNorm frozen (on its running statistics); cross entropy on random labels; backward; "
+              "SGD (momentum 0.9) over all parameters; every conv weight pruned as in the inference tables")
     built = models.get()
     gen = torch.Generator().manual_seed(batch)
     x, labels = torch.randn(batch, 3, image, image, generator=gen), torch.randint(0, 1000, (batch,), generator=gen)

@@ -127,7 +127,9 @@ static int64_t blocks(int64_t groups, const int64_t* starts, int64_t mc, int64_t
   int64_t n = 0;
   for (int64_t g = 0; g < groups; g++)
     for (int64_t lo = starts[g]; lo < starts[g + 1]; lo += mc) {
-      if (task) { task[3 * n] = g; task[3 * n + 1] = lo; task[3 * n + 2] = starts[g + 1] - lo < mc ? starts[g + 1] - lo : mc; }
+      if (task) {
+        task[3 * n] = g; task[3 * n + 1] = lo; task[3 * n + 2] = starts[g + 1] - lo < mc ? starts[g + 1] - lo : mc;
+      }
       n++;
     }
   return n;

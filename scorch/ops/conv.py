@@ -9,8 +9,8 @@ has a backward.
 A convolution is a product of the weight's matrix view ``(out, prod(kernel) * in / groups)``, its columns in the
 order ``(*kernel, channel)`` (torch's channels_last weight order), with the unfolded input (im2col: one row per
 output position, ``prod(kernel) * in`` columns, each kernel position's channels contiguous), so it runs through
-``F.linear``'s sparse-weight kernel family (``engine.weights``: CSR, BSR and n:m) forward and backward: the input gradient
-is ``linear``'s, folded back by autograd through the unfolding (a strided view), and the weight gradient is
+``F.linear``'s sparse-weight kernel family (``engine.weights``: CSR, BSR and n:m) forward and backward: the input
+gradient is ``linear``'s, folded back by autograd through the unfolding (a strided view), and the weight gradient is
 computed on the view's pattern only, then gathered back onto the weight's own stored positions.
 
 Groups are one product, not one per group: the view of a grouped weight is block diagonal, ``(out,

@@ -205,7 +205,8 @@ for small in (False, True):
             xr, Er, gr = x.double().requires_grad_(), E.double().requires_grad_(), gate.clone().requires_grad_()
             yr = torch.einsum("bn,bd,ndh->bh", gr, xr, Er)
             (yr * yr).sum().backward()
-            for got, want in ((y, yr), (xs.grad, xr.grad), (Es.grad, Er.grad), (g.grad.to_dense(), gr.grad * (gate != 0))):
+            for got, want in ((y, yr), (xs.grad, xr.grad), (Es.grad, Er.grad),
+                              (g.grad.to_dense(), gr.grad * (gate != 0))):
                 n += 1
                 if not torch.allclose(got.double(), want, rtol=1e-3, atol=1e-3):
                     bad.append((B, D, H, N, top_k, small, widths))

@@ -22,7 +22,8 @@ def _sparse_weight(shape, density, kind, seed):
 @settings(max_examples=60, deadline=None)
 @given(og=st.integers(1, 5), cg=st.integers(1, 5), groups=st.sampled_from([1, 2, 3]), kh=st.integers(1, 4),
        kw=st.integers(1, 4), stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-       dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)), padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+       dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+       padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
        batch=st.integers(1, 3), extra=st.tuples(st.integers(0, 9), st.integers(0, 9)), bias=st.booleans(),
        density=st.sampled_from([0.0, 0.1, 0.5, 1.0]), kind=st.sampled_from(["coo", "csf"]), seed=st.integers(0, 999))
 def test_direct_conv_matches_dense(og, cg, groups, kh, kw, stride, dilation, padding, batch, extra, bias, density,

@@ -37,7 +37,8 @@ def _sparse(model, **directives):
 
 @pytest.mark.parametrize("directives", [dict(order="oib", parallel="o"), dict(order="boi", parallel="b"),
                                         dict(order="bio"), dict(order="oib", parallel="none"),
-                                        dict(spec={"order": "iob"}), dict(spec=scorch.Directives(order=("b", "o", "i")))])
+                                        dict(spec={"order": "iob"}),
+                                        dict(spec=scorch.Directives(order=("b", "o", "i")))])
 def test_values_and_gradients_equal_the_default_schedule(directives):
     x = torch.randn(2, 5, 24)
     ref_model, model = _model(), _model()
