@@ -165,6 +165,81 @@ FAKE.update(sddmm=lambda arrays, s: torch.empty_like(arrays[0]),
             attention=lambda arrays, s: arrays[-1].new_empty((arrays[-3].shape[0], arrays[-1].shape[1]),
                                                             dtype=arrays[-1].dtype))
 
+
+# --- the fused attention, its probabilities kept for the backward -----------------------------------------------
+# ``scorch::eager("attention")``'s gradient ran the fused forward again (``eager_grad`` asks eager autograd, which
+# needs a recorded forward): a third of the compiled sparse transformer's attention time. Here the forward also
+# returns the probabilities, and the backward is the fused backward kernel on them, as eager's ``_FusedAttention``.
+
+def _attention_operands(meta, arrays, sizes):
+    """``(mask, q, k, v)`` of the graph's ``[mask, q, kt, v]`` (``k`` row-major, as the fused kernels read it)."""
+    mask, q, kt, v = _rebuild(meta, arrays, sizes)
+    return mask, q.contiguous(), kt.t().contiguous(), v
+
+
+@torch.library.custom_op("scorch::attention", mutates_args=())
+def attention(meta: str, arrays: list[torch.Tensor], sizes: list[int], alpha: float) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """``(softmax_rows(alpha * SDDMM(mask, q, kt)) @ v, the probabilities)`` by the fused kernel
+    (``fusion.attention``) on the operands ``meta``, ``arrays``, ``sizes`` describe (``[mask, q, kt, v]``)."""
+    from .fusion import SddmmExpr, attention as fused
+    mask, q, k, v = _attention_operands(meta, arrays, sizes)
+    with deferred.deferral("off"), torch.no_grad():
+        out, p = fused(SddmmExpr(mask, q, k, alpha), v, keep_probs=True)
+    return _fresh(out.contiguous(), arrays), _fresh(p.contiguous(), [*arrays, out])
+
+
+@attention.register_fake
+def _attention_fake(meta, arrays, sizes, alpha):
+    return FAKE["attention"](arrays, [alpha]), torch.empty_like(arrays[0])
+
+
+@torch.library.custom_op("scorch::attention_grad", mutates_args=())
+def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alpha: float, probs: torch.Tensor,
+                   grad: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of ``q``, ``kt`` and ``v`` (the last three arrays) of ``attention`` from its output's gradient
+    ``grad`` and its probabilities: ``dv = P^T grad``; the scores' gradient and ``dq`` by the fused backward kernel,
+    ``dk`` from the scores' gradient (eager ``_FusedAttention.backward``'s way). Where the fused backward does not
+    serve the shapes, eager autograd through the op (``eager_grad``)."""
+    from .fusion import _PRODUCT, _einsum_grad, _sddmm_grad, attention_backward
+    mask, q, k, v = _attention_operands(meta, arrays, sizes)
+    n = len(arrays)
+    with deferred.deferral("off"), torch.no_grad():
+        done = attention_backward(mask, probs, grad, v, k, alpha)
+        if done is None:
+            return eager_grad("attention", meta, arrays, sizes, [alpha], [n - 3, n - 2, n - 1], grad)
+        ds, dq = done
+        dk = _sddmm_grad(2, mask, q, k, ds)
+        dv = _einsum_grad(1, *_PRODUCT, [mask.with_values(probs), v], grad)
+    out = []
+    for target, g in zip(arrays[-3:], (dq, dk.t(), dv)):
+        out.append(_like(target, g, [*arrays, probs, grad, *out]))
+    return out
+
+
+@attention_grad.register_fake
+def _attention_grad_fake(meta, arrays, sizes, alpha, probs, grad):
+    return [torch.empty_like(a) for a in arrays[-3:]]
+
+
+def _attention_setup(ctx, inputs, output):
+    meta, arrays, sizes, alpha = inputs
+    ctx.args = (meta, sizes, alpha)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*arrays, output[1])
+
+
+def _attention_backward(ctx, grad, _probs_grad):
+    *arrays, probs = ctx.saved_tensors
+    meta, sizes, alpha = ctx.args
+    grads = [None] * len(arrays)
+    if ctx.needs_input_grad[1] and any(a.requires_grad for a in arrays[-3:]):
+        grads[-3:] = torch.ops.scorch.attention_grad(meta, arrays, sizes, alpha, probs, grad)
+    return None, grads, None, None
+
+
+attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
 # --- the traced ops ----------------------------------------------------------------------------------------------
 
 
@@ -225,7 +300,8 @@ def fused_product(equation, operands):
     if expr is None or expr[0] != "softmax" or v.dim() != 2 or v.dtype != attn.dtype:
         return None
     _, mask, q, kt, alpha = expr[1]
-    return call("attention", [mask, q, kt, v], [alpha])
+    meta, arrays, sizes = _flatten([mask, q, kt, v])
+    return torch.ops.scorch.attention(meta, arrays, sizes, float(alpha))[0]
 
 
 def _unary(m):

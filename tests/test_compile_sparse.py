@@ -55,6 +55,13 @@ def test_sparse_attention_inductor():
     _check_attention("inductor")
 
 
+def test_attention_backward_where_the_fused_one_declines(monkeypatch):
+    """Where the fused backward kernel does not serve the shapes (``attention_backward`` gives None), the compiled
+    backward takes eager autograd through the op: the same gradients."""
+    monkeypatch.setattr(fusion, "attention_backward", lambda *args, **kwargs: None)
+    _check_attention("aot_eager", n=20, d=6)
+
+
 def test_sparse_attention_one_graph():
     mask, _ = _mask(16, 0.3)
     explained = torch._dynamo.explain(attention_loss)(mask, *_qkv(16, 4))
@@ -89,9 +96,13 @@ def test_attention_runs_the_fused_kernel(monkeypatch):
 
     _check_attention(backend)
     assert calls["forward"] >= 1 and calls["backward"] >= 1, calls
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     names = [(n.args[0] if n.target is torch.ops.scorch.eager.default else None) for g in graphs
              for n in g.graph.nodes if n.op == "call_function"]
-    assert "attention" in names and "sddmm" not in names and "softmax" not in names, names
+    assert "sddmm" not in names and "softmax" not in names and "attention" not in names, names
+    # the forward keeps its probabilities for the fused backward (which does not run the forward again)
+    assert torch.ops.scorch.attention.default in targets and torch.ops.scorch.attention_grad.default in targets
+    assert torch.ops.scorch.eager_grad.default not in targets
 
 
 def test_probabilities_read_otherwise_stay_in_the_graph():

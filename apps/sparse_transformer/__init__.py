@@ -114,6 +114,16 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         x_train, y_train, x_test, y_test = common.to_device((x_train, y_train, x_test, y_test), device)
     opt = torch.optim.Adam(net.parameters(), lr=cfg["lr"])
     forward = common.compiled(net, cfg["compile"])
+    batched = {}
+
+    def mask_for(count):
+        """The mask of a batch of ``count`` sequences: a sparse mask as the batch's ``(B H n)^2`` block-diagonal
+        one (``model.block_diagonal``, made once per batch size), so that every head of the batch attends in one
+        call, compiled or not; a dense one as it is."""
+        if mask is None or not _model.is_sparse_mask(torch, mask):
+            return mask
+        return _model.block_diagonal(torch, mask, count * cfg["heads"], batched)
+
     F = torch.nn.functional
     bs = cfg["batch"]
     order_gen = real_torch.Generator().manual_seed(seed + 3)
@@ -128,7 +138,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         with epoch_watch:
             for idx in common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
                 with step_watch:
-                    logits = forward(x_train[idx], mask)
+                    logits = forward(x_train[idx], mask_for(len(idx)))
                     loss = F.cross_entropy(logits.reshape(-1, CLASSES), y_train[idx].reshape(-1),
                                            ignore_index=IGNORE)
                     opt.zero_grad()
@@ -143,7 +153,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     with torch.no_grad():
         for i in range(0, cfg["test_size"], bs):
             with infer_watch:
-                logits = forward(x_test[i:i + bs], mask)
+                logits = forward(x_test[i:i + bs], mask_for(min(bs, cfg["test_size"] - i)))
             y = y_test[i:i + bs]
             keep = y != IGNORE
             test_loss += float(F.cross_entropy(logits[keep], y[keep], reduction="sum"))

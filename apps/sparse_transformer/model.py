@@ -10,7 +10,10 @@
   torch has no CSR kernel for sparse softmax on the CPU (``aten::_sparse_softmax`` is COO only), so where the
   CSR softmax raises ``NotImplementedError`` the scores go through COO first (``scores.to_sparse_coo()``), the
   closest torch.sparse spelling; scorch takes CSR directly. ``dim=1``, not ``dim=-1``: torch 2.13's COO
-  softmax backward is wrong for a negative ``dim`` (the forward is right), see README.md.
+  softmax backward is wrong for a negative ``dim`` (the forward is right), see README.md. The caller may pass
+  that ``(B H n)^2`` mask itself (the app does, made once per batch size): under torch.compile it is the only way
+  to one call, since a traced graph takes the mask as an input and does not read its arrays to build it (given
+  an ``n x n`` mask, a compiled layer runs one head at a time).
 - a dense bool mask runs ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` over all heads at once.
 
 ``routing`` (a dict: ``clusters``, ``n_globals``, ``sparse``) makes the pattern a function of the data instead
@@ -114,6 +117,10 @@ def make_modules(torch):
             q, k, v = qkv[0], qkv[1], qkv[2]
             if self.routing is not None:
                 o = self._routed(q, k, v)
+            elif is_sparse_mask(torch, mask) and mask.shape[0] == B * H * n:
+                # the batch's block-diagonal mask, made by the caller (``block_diagonal``; the way under
+                # torch.compile, whose graph takes the mask as an input and does not read its arrays)
+                o = self._stacked(q, k, v, mask)
             elif is_sparse_mask(torch, mask) and torch.compiler.is_compiling():
                 # (under torch.compile: one head at a time, as traced before; the block-diagonal mask is built from
                 # the pattern's arrays, which a traced graph does not read)
@@ -124,13 +131,17 @@ def make_modules(torch):
                 # every (batch, head) at once: their (n, dh) slices stacked into one (B H n, dh) operand and the
                 # pattern repeated along the diagonal of a (B H n)^2 mask (rows never mix heads: the softmax is
                 # per row), so that each op is one call over all heads instead of B * H calls
-                big = block_diagonal(torch, mask, B * H, self._state)
-                dh = d // H
-                o = self._attend(q.reshape(B * H * n, dh), k.reshape(B * H * n, dh), v.reshape(B * H * n, dh), big)
-                o = o.reshape(B, H, n, dh)
+                o = self._stacked(q, k, v, block_diagonal(torch, mask, B * H, self._state))
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(o.transpose(1, 2).reshape(B, n, d))
+
+        def _stacked(self, q, k, v, big):
+            """Every (batch, head) problem of ``q, k, v`` (``(B, H, n, dh)``) in one call on ``big``, the ``(B H n)^2``
+            block-diagonal mask."""
+            B, H, n, dh = q.shape
+            o = self._attend(q.reshape(B * H * n, dh), k.reshape(B * H * n, dh), v.reshape(B * H * n, dh), big)
+            return o.reshape(B, H, n, dh)
 
         def _routed(self, q, k, v):
             """Attention on the pattern the clusters of ``q`` and ``k`` give (``routing.py``), built now; in training
@@ -149,8 +160,7 @@ def make_modules(torch):
             # (valid by construction, tests/apps: the per-call validation was half of the forward at 2048 tokens)
             mask = torch.sparse_csr_tensor(crow.to(torch.int32), col.to(torch.int32), torch.ones(col.numel()),
                                            (B * H * n, B * H * n), check_invariants=False)
-            o = self._attend(q.reshape(B * H * n, dh), k.reshape(B * H * n, dh), v.reshape(B * H * n, dh), mask)
-            return o.reshape(B, H, n, dh)
+            return self._stacked(q, k, v, mask)
 
     class Layer(nn.Module):
         """A pre-norm encoder layer: attention and a feed-forward block, each with a residual."""
