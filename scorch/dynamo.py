@@ -23,6 +23,8 @@ one entry of ``TRACED`` (torch function -> ``rule(*args, **kwargs)``), registere
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
@@ -104,12 +106,39 @@ def _rebuild(meta: str, arrays, sizes):
         for p, c in zip(have[0::2], have[1::2]):
             pos = crd = None
             if p != "-":
-                pos, k = arrays[k], k + 1
+                pos, k = _canonical(arrays[k]), k + 1
             if c != "-":
-                crd, k = arrays[k], k + 1
+                crd, k = _canonical(arrays[k]), k + 1
             levels.append(LevelStorage(pos=pos, crd=crd))
         ops.append(assemble(fmt, shape, levels, vals))
     return ops
+
+
+#: the first Python object seen over each index array's memory (by data pointer, dtype, shape, strides), by weak
+#: reference: AOTAutograd hands an array saved for the backward back as another object over the same memory (an
+#: alias), and scorch's pattern memos (``PatternMemo``, the transposition's ``recurring_pattern``) key on the
+#: arrays' identity: a compiled backward missed them every step (its sparse products' transpositions weighed
+#: and made again each call)
+_CANONICAL: dict = {}
+
+
+def _canonical(a: torch.Tensor) -> torch.Tensor:
+    """The first object seen over ``a``'s memory while it lives, where it reads the same data as ``a`` (the same
+    storage, view and version: aliases share the version counter), else ``a`` (and ``a`` is that object now)."""
+    if a.is_inference():  # (no version counter: the memos keep nothing of it either)
+        return a
+    key = (a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride())
+    ref = _CANONICAL.get(key)
+    c = None if ref is None else ref()
+    if c is not None and c._version == a._version and \
+            c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+        return c
+
+    def drop(r, key=key):
+        if _CANONICAL.get(key) is r:
+            del _CANONICAL[key]
+    _CANONICAL[key] = weakref.ref(a, drop)
+    return a
 
 
 def assemble(fmt: str, shape, levels, vals) -> SparseTensor:

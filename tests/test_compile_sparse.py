@@ -364,3 +364,18 @@ def test_dynamic_schedule_trains():
     assert [n for _, n in got] == [n for _, n in want]
     torch.testing.assert_close(torch.stack([x for x, _ in got]), torch.stack([x for x, _ in want]))
     assert counter.frame_count <= 2, counter.frame_count
+
+
+def test_canonical_arrays_follow_in_place_changes():
+    from scorch.dynamo import _canonical
+    a = torch.arange(6, dtype=torch.int32)
+    alias = a.view(6)
+    assert _canonical(a) is a and _canonical(alias) is a
+    b = torch.arange(6, dtype=torch.int32)
+    assert _canonical(b) is b  # (other memory: itself)
+    other = a[1:]  # (another view of the same storage: not the same array)
+    assert _canonical(other) is other
+    ro = torch.arange(6, dtype=torch.int32)
+    with torch.inference_mode():
+        inf = torch.arange(3)
+    assert _canonical(inf) is inf and _canonical(ro) is ro

@@ -361,3 +361,25 @@ def test_compiled_training_matches_eager(monkeypatch):
     assert len(calls) <= 6, len(calls)
     assert compiled["compiled"] and compiled["losses"] == pytest.approx(plain["losses"], rel=1e-4)
     assert compiled["accuracy"] == pytest.approx(plain["accuracy"], abs=1e-6)
+
+
+def test_compiled_steps_reuse_the_pattern_work(monkeypatch):
+    """The index arrays a compiled backward gets are the forward's (``scorch.dynamo._canonical``), not other objects
+    over the same memory (as AOTAutograd hands saved arrays back): the attention's sparse products weigh and make
+    their pattern's transposition once, not every step."""
+    import sys
+    from apps.sparse_transformer import model as M
+    from apps.sparse_transformer.task import CLASSES
+    engine_run = sys.modules["scorch.engine.run"]  # (the module: ``scorch.engine.run`` is also its function)
+    decided = []
+    decide = engine_run._decide
+    monkeypatch.setattr(engine_run, "_decide", lambda *a, **kw: decided.append(1) or decide(*a, **kw))
+    _, _, mask = st.pattern_and_mask("scorch", 64, 16, 2, 1, 16, 0)
+    net = M.build_encoder(scorch, 8, 32, 2, 1, CLASSES, 0)
+    step = torch.compile(net, fullgraph=True)
+    x, big = torch.randint(0, 8, (2, 64)), M.block_diagonal(scorch, mask, 4, {})
+    counts = []
+    for _ in range(5):
+        step(x, big).sum().backward()
+        counts.append(len(decided))
+    assert counts[-1] == counts[0], f"the compiled steps planned their products again: {counts}"
