@@ -92,6 +92,8 @@ def _tasks(cfg: cases.Config, inputs: cases.Inputs, groups, threads: int, varian
                                                                                   app_cfg.seq_lens)))
     if "compile" in groups:
         out += [("compile", "GCN under torch.compile", lambda: compiled.gnn(threads, cfg.quick)),
+                ("compile", "GCN under torch.compile, a generated graph",
+                 lambda: compiled.gnn(threads, cfg.quick, dataset="sbm-20000")),
                 ("compile", "sparse transformer under torch.compile", lambda: compiled.transformer(threads, cfg.quick)),
                 ("compile", "pruned BERT under torch.compile", lambda: compiled.bert(cfg, cfg.quick))]
     if "models" in groups:
