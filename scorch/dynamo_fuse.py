@@ -27,6 +27,7 @@ Only Inductor runs pre-grad passes: other backends (``aot_eager``) see the graph
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Optional
 
 import torch
@@ -34,7 +35,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 
 from . import engine
-from .dynamo import LINEAR, _flatten, _fresh, _rebuild
+from .dynamo import LINEAR, _flatten, _fresh, _rebuild, _value_arrays
 from .engine import weights as weight_kernels
 from .sparse_tensor import SparseTensor
 
@@ -123,6 +124,38 @@ def chained_linear(x, weight1, bias1, activation1: str, weight2, bias2, activati
     return out.reshape(*lead, out.shape[-1])
 
 
+@torch.library.custom_op("scorch::linear_shared", mutates_args=())
+def linear_shared(x: torch.Tensor, meta: str, arrays: list[torch.Tensor], sizes: list[int],
+                  biases: list[Optional[torch.Tensor]], activations: str) -> list[torch.Tensor]:
+    """``linear_epilogue`` of one input ``x`` with each weight ``dynamo._flatten(weights)`` describes, its bias and
+    activation (``activations``: theirs joined by ";"): ``x`` made into the kernels' panels once
+    (``engine.weights.linear_shared``)."""
+    weights, activations = _rebuild(meta, arrays, sizes), activations.split(";")
+    if all(a in ACTIVATIONS for a in activations) and all(weight_kernels.applies(w, x) for w in weights) and \
+            all(b is None or b.dtype == x.dtype for b in biases):
+        out = weight_kernels.linear_shared(weights, x, biases, [a or None for a in activations])
+    else:
+        out = [_eager(x, w, b, a) for w, b, a in zip(weights, biases, activations)]
+    return [_fresh(r, [x, *arrays, *biases]) for r in out]
+
+
+@linear_shared.register_fake
+def _linear_shared_fake(x, meta, arrays, sizes, biases, activations):
+    return [x.new_empty((x.shape[0], sizes[2 * k]), dtype=torch.promote_types(x.dtype, arrays[at].dtype))
+            for k, at in enumerate(_value_arrays(meta, arrays))]
+
+
+def shared_linear(x, weights, biases, activations) -> tuple:
+    """``tuple(fused_linear(x, w, b, a) for ...)``: one ``scorch::linear_shared`` where every one may be fused."""
+    if not all(_fusable(x, w, b) for w, b in zip(weights, biases)):
+        return tuple(fused_linear(x, w, b, a) for w, b, a in zip(weights, biases, activations))
+    lead = x.shape[:-1]
+    meta, arrays, sizes = _flatten(list(weights))
+    out = torch.ops.scorch.linear_shared(x.reshape(-1, x.shape[-1]).contiguous(), meta, arrays, sizes,
+                                         list(biases), ";".join(activations))
+    return tuple(y.reshape(*lead, y.shape[-1]) for y in out)
+
+
 # --- the pass --------------------------------------------------------------------------------------------------
 
 _LINEAR = (F.linear, torch._C._nn.linear)
@@ -195,7 +228,33 @@ def fuse(graph: torch.fx.Graph) -> int:
             node.replace_all_uses_with(chain)
             graph.erase_node(node)
             graph.erase_node(first)
+    _share(graph)
     return count
+
+
+def _share(graph: torch.fx.Graph) -> None:
+    """Each set of ``fused_linear`` calls on one input (at least two, each one's operands defined before the first
+    of them) as one ``shared_linear`` call there, each call's value taken from its result."""
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    groups = {}
+    for node in graph.nodes:
+        if node.target is fused_linear and isinstance(node.args[0], torch.fx.Node):
+            groups.setdefault(node.args[0], []).append(node)
+    for members in groups.values():
+        first = members[0]
+        if len(members) < 2 or any(order.get(a, order[first]) >= order[first] for m in members
+                                   for a in m.args[1:3] if isinstance(a, torch.fx.Node)):
+            continue
+        with graph.inserting_before(first):
+            shared = graph.call_function(shared_linear, (first.args[0], tuple(m.args[1] for m in members),
+                                                         tuple(m.args[2] for m in members),
+                                                         tuple(m.args[3] for m in members)))
+            for k, m in enumerate(members):
+                item = graph.call_function(operator.getitem, (shared, k))
+                item.meta.update(m.meta)
+                m.replace_all_uses_with(item)
+        for m in members:
+            graph.erase_node(m)
 
 
 class EpiloguePass(CustomGraphPass):

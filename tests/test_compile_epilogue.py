@@ -144,3 +144,30 @@ def test_linear_epilogue_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="activation"):
         torch.ops.scorch.linear_epilogue(meta, arrays, sizes, b, "tanh")
+
+
+class Attention(torch.nn.Module):
+    """Three linears of one input (a layer's query, key and value), one with an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) * self.k(x).relu() + self.v(x)
+
+
+def test_linears_of_one_input_share_its_panels(monkeypatch):
+    torch.manual_seed(0)
+    m = Attention()
+    s = scorch.schedule(m)
+    s.regex(r".*weight").sparsify(scorch.nn.ScalarFraction(0.7)).set_format("csr")
+    s.apply()
+    x = torch.randn(2, 9, 32)
+    shared, real = [], weights.linear_shared
+    monkeypatch.setattr(weights, "linear_shared", lambda *a: shared.append(list(a[3])) or real(*a))
+    with torch.no_grad():
+        ref = m(x)
+        out = torch.compile(m, fullgraph=True)(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert shared == [[None, "relu", None]]

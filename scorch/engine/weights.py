@@ -409,6 +409,39 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
     return y
 
 
+def panels(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``x`` (tokens x in) as the panels ``compiler.weights.pack`` makes, every tile's in turn (tiles x in x T, the
+    lanes past the last token zero): what a product with ``Tiles.in_panel`` reads in place."""
+    n, k = x.shape
+    tiles = -(-n // T)
+    if tiles * T != n:
+        x = torch.cat([x, x.new_zeros(tiles * T - n, k)])
+    return x.reshape(tiles, T, k).transpose(1, 2).contiguous()
+
+
+def linear_shared(weights, x: torch.Tensor, biases, activations) -> list:
+    """``[linear(w, x, b, act) for ...]``, products of one input (a layer's query, key and value): ``x`` made into
+    panels once (``panels``) and read in place by each product, where each packed its own. Float32 products on the
+    same tile of tokens, not through pairs or one token's kernels; else the separate calls."""
+    x = x.contiguous()
+    n = x.shape[0]
+    if any(w._shape[1] != x.shape[1] for w in weights):
+        raise ValueError(f"scorch: linear_shared of an input {tuple(x.shape)} and weights of shapes "
+                         f"{[tuple(w._shape) for w in weights]}")
+    plans = [plan_for(w, n, b is not None, activation=a) for w, b, a in zip(weights, biases, activations)]
+    if n < 2 or x.dtype != torch.float32 or any(p.paired for p in plans) or len({p.T for p in plans}) != 1:
+        return [linear(w, x, b, a) for w, b, a in zip(weights, biases, activations)]
+    panel, threads, out = panels(x, plans[0].T), torch.get_num_threads(), []
+    for w, bias, plan in zip(weights, biases, plans):
+        y = torch.empty(n, w._shape[0])
+        if y.numel():
+            extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
+            _run("forward", replace(plan, in_panel=True), w._shape, {**_arrays(w), "vals": w._vals}, n,
+                 *_split(plan, n, w._shape[0], threads), x=panel, y=y, **extra)
+        out.append(y)
+    return out
+
+
 def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:
     """``dy @ weight`` (tokens x out -> tokens x in), row-major: the input gradient of ``linear``. A CSR or n:m
     weight runs the forward kernel on its transpose (``_transposed``: each input feature's entries gathered, no

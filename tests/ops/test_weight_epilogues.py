@@ -190,3 +190,23 @@ def test_chained_panels_in_the_interpreter():
     torch.testing.assert_close(panels[:, :7].t(), F.gelu(F.linear(x, w1, b1)), rtol=1e-5, atol=1e-5)
     interp.run(family.forward(plans[1]), {**_args(s2, x, y, None, plans[1]), "x": mid})
     torch.testing.assert_close(torch.from_numpy(y), F.linear(F.gelu(F.linear(x, w1, b1)), w2), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [33, 1])
+def test_products_of_one_input_share_its_panels(tokens, monkeypatch):
+    """``linear_shared``: the input made into panels once (``panels``), each product reading them in place, each
+    with its own bias and activation; one token: the separate calls."""
+    runs, real = [], kernels._run
+    monkeypatch.setattr(kernels, "_run", lambda part, plan, *a, **k: runs.append(plan) or real(part, plan, *a, **k))
+    ws = [_masked(fmt, 16, 24, 11 + k) for k, fmt in enumerate(("csr", "nm(2, 4)", "csr"))]
+    x, b = torch.randn(tokens, 24), torch.randn(16)
+    out = kernels.linear_shared([scorch.asformat(w, f) for w, f in zip(ws, ("csr", "nm(2, 4)", "csr"))], x,
+                                [b, None, b], [None, "gelu", "relu"])
+    want = [F.linear(x, ws[0], b), F.gelu(F.linear(x, ws[1])), torch.relu(F.linear(x, ws[2], b))]
+    for y, w in zip(out, want):
+        torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
+    assert [p.in_panel for p in runs] == ([True] * 3 if tokens > 1 else [False] * len(runs))
+    panel = kernels.panels(x, 16)
+    assert panel.shape == (-(-tokens // 16), 24, 16) and torch.equal(panel[0, :, 0], x[0])
+    with pytest.raises(ValueError, match="linear_shared"):
+        kernels.linear_shared([scorch.asformat(ws[0].t().contiguous(), "csr")], x, [None], [None])
