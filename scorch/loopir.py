@@ -67,8 +67,11 @@ class Load(Expr):
 BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "lt", "le", "gt", "ge", "eq", "ne",
           "and", "or")
 #: unary maps; every one but ``not`` and ``exp`` maps 0 to 0, so it may run on stored values only (``exp`` serves
-#: kernels built as loop IR, such as ``fuse.softmax_rows``, never the lowering of an index expression)
-UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not", "exp", "log")
+#: kernels built as loop IR, such as ``fuse.softmax_rows``, never the lowering of an index expression).
+#: ``ACTIVATIONS`` serve the epilogues of kernels built as loop IR (``compiler.weights``), on float32 values.
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+UNARY = ("neg", "abs", "relu", "sqrt", "square", "sin", "tanh", "sign", "not", "exp", "log", "gelu", "gelu_tanh",
+         "silu")
 
 
 @dataclass(frozen=True)

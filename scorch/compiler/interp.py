@@ -263,4 +263,21 @@ def _unary(op, a, t):
         return (a > 0) - (a < 0)
     if op == "not":
         return not a
+    if op in L.ACTIVATIONS:  # (relu: above) in float64, then rounded to the expression's type by the caller
+        return _activation(op, float(a))
     raise ValueError(f"unknown unary op {op!r}")
+
+
+def _activation(op, a: float) -> float:
+    """GELU (erf), GELU (tanh) and SiLU of ``a``, as torch defines them (NaN stays NaN)."""
+    if a != a:
+        return a
+    if op == "gelu":
+        return 0.5 * a * (1.0 + math.erf(a / math.sqrt(2.0)))
+    if op == "gelu_tanh":
+        if abs(a) > 1e10:  # (tanh is +-1 there; the cube would overflow a float)
+            return a if a > 0 else -0.0
+        return 0.5 * a * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (a + 0.044715 * a ** 3)))
+    # silu: a * sigmoid(a), the exponential taken of a non-positive number (no overflow)
+    e = math.exp(-abs(a))
+    return a / (1.0 + e) if a >= 0 else a * e / (1.0 + e)

@@ -73,7 +73,10 @@ class Tiles:
     (n:m: the in-group offsets'); ``lanes`` per vector and ``vectors`` per tile (``T = lanes * vectors``
     tokens); ``unroll`` accumulator sets per row (CSR, n:m); ``block`` (bh, bw) for BSR, ``group`` (n, m) for
     n:m; ``rows`` per store (BSR: the block's rows), ``row_pass`` rows accumulated at once (BSR); ``bias``: added
-    in the epilogue; ``transposed``: the input gradient ``dX = dY @ W``."""
+    in the epilogue; ``transposed``: the input gradient ``dX = dY @ W``; ``activation``: one of
+    ``loopir.ACTIVATIONS`` applied after the bias, in float32, before the store (``activate``); ``out_panel``: the
+    result stored as the panels a next product of the family reads (``store``), ``in_panel``: the input read as such
+    panels in place, not packed (``_panel``): two products chained (``engine.weights.linear_chain``)."""
     kind: str
     vtype: str
     xtype: str
@@ -90,6 +93,9 @@ class Tiles:
     transposed: bool = False
     pairs: bool = False  # (BSR, bfloat16) the panel holds pairs of features, multiplied by ``PairDot``
     combos: bool = False  # (2:4, bfloat16) the panel holds every pair of a group's features (``COMBOS``)
+    activation: str | None = None
+    in_panel: bool = False
+    out_panel: bool = False
 
     @property
     def T(self) -> int:
@@ -106,18 +112,21 @@ class Tiles:
 
 
 def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype: str, ctype: str,
-          block=(1, 1), group=(1, 1), bias=False, transposed=False) -> Tiles:
+          block=(1, 1), group=(1, 1), bias=False, transposed=False, activation=None) -> Tiles:
     """The tile shape for ``tokens`` tokens on ``target``: as many vectors of tokens as the tokens fill (at most
     ``MAX_VECTORS``: one token still takes one vector, whose other lanes hold zeros); CSR and n:m rows keep
     ``unroll`` sets of accumulators so that ``ROW_ACCUMULATORS`` vectors are in flight; a BSR tile holds one vector
     of tokens for each of ``row_pass`` block rows, whose panel load it shares."""
+    if activation is not None and (activation not in L.ACTIVATIONS or transposed):
+        raise ValueError(f"scorch: an activation epilogue is one of {', '.join(L.ACTIVATIONS)} on a forward product;"
+                         f" got {activation!r}{' on the input gradient' if transposed else ''}")
     lanes = target.lanes("f32") if target.vectors else 1
     if kind == "bsr":
         bh = block[0]
         row_pass = max(r for r in range(1, bh + 1) if bh % r == 0 and r <= ACCUMULATORS + 4)
         pairs = vtype == xtype == "bf16" and block[1] % 2 == 0 and lanes > 1 and not transposed
         return Tiles(kind, vtype, xtype, ptype, ctype, lanes, 1, 1, tuple(block), (1, 1), bh, row_pass, bias,
-                     transposed, pairs)
+                     transposed, pairs, activation=activation)
     grouped = kind == "nm" and lanes > 1 and not transposed  # (rows in passes over the groups: ``_group_rows``)
     combos = grouped and tuple(group) == (2, 4) and vtype == xtype == "bf16"
     vectors = max(1, min(GROUP_VECTORS if grouped else MAX_VECTORS, -(-tokens // lanes)))
@@ -125,14 +134,14 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
     # (rows a pass: a power of 2 dividing the store's rows, 8 x 1 vector, 4 x 2)
     row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if grouped else 1
     return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS,
-                 row_pass, bias, transposed, combos=combos)
+                 row_pass, bias, transposed, combos=combos, activation=activation)
 
 
 # -- the parts ------------------------------------------------------------------------------------------------
 
 I64, F32 = "i64", "f32"
 _t0, _nt, _tile, _chunk = L.Var("t0"), L.Var("nt"), L.Var("tile"), L.Var("chunk")
-_bv, _cur = L.Var("bv"), L.Var("cur")
+_bv, _cur, _pb = L.Var("bv"), L.Var("cur"), L.Var("pb")
 
 
 def _c(v):
@@ -270,18 +279,24 @@ def sets_total(acc: str, sets: int, T: int) -> L.Expr:
     return total
 
 
+def _panel(plan: Tiles, panel: str, index: L.Expr) -> tuple:
+    """``(array, index)`` of the panel entry ``index``: in the thread's ``panel``, or (``in_panel``) in the input,
+    which holds every tile's panel in turn, the item's from ``pb`` on."""
+    return ("x", _add(_pb, index)) if plan.in_panel and panel == "panel" else (panel, index)
+
+
 def prefetch(plan: Tiles, panel: str, coordinate: L.Expr) -> L.Stmt:
     """A hint for the panel row of the entry ``prefetch_distance`` entries on (``coordinate`` is its column,
     read in bounds by the caller)."""
-    return L.Prefetch(panel, _mul(coordinate, _c(plan.T)), PREFETCH_LOCALITY)
+    return L.Prefetch(*_panel(plan, panel, _mul(coordinate, _c(plan.T))), PREFETCH_LOCALITY)
 
 
 def _entry(plan: Tiles, acc: str, u: int, w: L.Expr, col: L.Expr, panel: str) -> L.Stmt:
     """One stored weight ``w`` at column ``col``: ``acc[u] += w * panel[col]`` over the tile's tokens."""
     T = plan.T
     return _vloop(T, plan.lanes, L.Store(acc, _add(_c(u * T), _bv),
-                                         _mul(L.Cast(w, F32), L.Load(panel, _add(_mul(col, _c(T)), _bv), F32)),
-                                         "add"))
+                                         _mul(L.Cast(w, F32), L.Load(*_panel(plan, panel, _add(_mul(col, _c(T)), _bv)),
+                                                                     F32)), "add"))
 
 
 def accumulate_row(plan: Tiles, o: L.Expr, acc: str, panel: str) -> L.Block:
@@ -328,10 +343,33 @@ def epilogue(plan: Tiles, acc: str, sets: int, row: L.Expr, at: L.Expr, base: L.
     return _vloop(T, plan.lanes, L.Store("tb", _add(at, _bv), value))
 
 
+def activated(plan: Tiles, value: L.Expr) -> L.Expr:
+    """``value`` (float32) through the plan's activation, if any."""
+    return value if plan.activation is None else L.Unary(plan.activation, value, F32)
+
+
+def activate(plan: Tiles, count: L.Expr, buf: str = "tb") -> L.Stmt | None:
+    """The activation on the buffer's ``count`` rows of ``T`` (finished sums, bias added) before they are stored:
+    a plain loop the C++ compiler vectorizes over the branch-free helpers (``codegen.prelude.ACTIVATIONS``), on
+    the buffer while it is in L1. (In the epilogue's explicit vectors it would need vector forms of the helpers;
+    per value in the store's transposed loop it would not vectorize.)"""
+    if plan.activation is None:
+        return None
+    k = L.Var("ak")
+    return L.For(k, _c(0), _mul(count, _c(plan.T)), L.block(L.Store(buf, k, activated(plan, L.Load(buf, k, F32)))),
+                 simd=True)
+
+
 def store(plan: Tiles, out: str, width: L.Expr, first: L.Expr, count: L.Expr, buf: str = "tb") -> L.Stmt:
     """``out[(t0 + t) * width + first + r] = buf[r * T + t]`` for the tile's tokens and ``count`` rows: the
-    buffer transposed into the result's rows (16-bit results rounded once, here)."""
+    buffer transposed into the result's rows (16-bit results rounded once, here). ``out_panel``: the rows copied
+    as they are into the tile's panel, ``out[(tile * width + first + r) * T + t]``, the lanes past the last token
+    zero (as ``pack`` leaves them)."""
     t, r = L.Var("st"), L.Var("sr")
+    if plan.out_panel:
+        value = L.Select(L.binary("lt", t, _nt), L.Load(buf, _add(_mul(r, _c(plan.T)), t), F32), L.Const(0.0, F32))
+        return L.For(r, _c(0), count, L.block(L.For(t, _c(0), _c(plan.T), L.block(L.Store(
+            out, _add(_mul(_add(_mul(_tile, width), first, r), _c(plan.T)), t), L.Cast(value, plan.xtype))))))
     return L.For(t, _c(0), _nt, L.block(L.For(r, _c(0), count, L.block(
         L.Store(out, _add(_mul(_add(_t0, t), width), first, r),
                 L.Cast(L.Load(buf, _add(_mul(r, _c(plan.T)), t), F32), plan.xtype))))))
@@ -359,19 +397,23 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
     # (combos: 12 per group of 4; pairs: an odd width's last pair whole)
     size = _mul(width_in, _c(T * 3)) if plan.combos else _mul(_add(width_in, _c(1)) if plan.pairs else width_in,
                                                                 _c(T))
-    setup = L.block(L.Alloc("panel", plan.xtype if plan.paired else F32, size),
-                    L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
+    panel = None if plan.in_panel else L.Alloc("panel", plan.xtype if plan.paired else F32, size)
+    setup = L.block(panel, L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
+    # (in_panel: the tile's panel is in the input already)
+    packed = L.Let(_pb, _mul(_mul(_tile, width_in), _c(T))) if plan.in_panel else \
+        L.If(L.binary("ne", _tile, _cur), L.block(pack(plan, "panel", src, width_in), L.Assign(_cur, _tile)))
     return L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(
         L.Let(_tile, L.binary("floordiv", item, L.Var("chunks"))),
         L.Let(_chunk, L.binary("mod", item, L.Var("chunks"))),
         L.Let(_t0, _mul(_tile, _c(T))),
         L.Let(_nt, L.binary("min", _c(T), L.binary("sub", L.Var("n"), _t0))),
-        L.If(L.binary("ne", _tile, _cur), L.block(pack(plan, "panel", src, width_in), L.Assign(_cur, _tile))),
-        *body), parallel=L.Parallel("static", None, setup, chunk=1))
+        packed, *body), parallel=L.Parallel("static", None, setup, chunk=1))
 
 
 def forward(plan: Tiles) -> L.Kernel:
     """``y = x @ W^T (+ bias)``, ``W`` out x in: work items of a token tile and a chunk of ``row_chunk`` rows."""
+    if (plan.in_panel or plan.out_panel) and (plan.paired or plan.xtype != F32):
+        raise ValueError("scorch: products chained through panels read and write float32 panels, not pairs")
     T, n_in, n_out = plan.T, L.Var("n_in"), L.Var("n_out")
     r_lo = _mul(_chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
@@ -390,7 +432,7 @@ def forward(plan: Tiles) -> L.Kernel:
     blocks = L.binary("floordiv", _add(L.binary("sub", r_hi, r_lo), _c(R - 1)), _c(R))
     rows = L.For(ob, _c(0), L.binary("max", blocks, _c(0)), L.block(
         L.Let(rb, _add(r_lo, _mul(ob, _c(R)))), L.Let(re, L.binary("min", r_hi, _add(rb, _c(R)))),
-        body, store(plan, "y", n_out, rb, L.binary("sub", re, rb))))
+        body, activate(plan, L.binary("sub", re, rb)), store(plan, "y", n_out, rb, L.binary("sub", re, rb))))
     return L.Kernel(plan.name, _params(plan, "x", "y"), L.block(_work(plan, n_in, "x", [rows])))
 
 
@@ -406,7 +448,7 @@ def _bsr_rows(plan: Tiles, rb: L.Expr) -> L.Stmt:
         term = L.PairDot("panel", _add(_mul(_add(L.binary("floordiv", c0, _c(2)), c), _c(T)), _bv), "vals", at)
     else:
         term = _mul(L.Cast(L.Load("vals", at, plan.vtype), F32),
-                    L.Load("panel", _add(_mul(_add(c0, c), _c(T)), _bv), F32))
+                    L.Load(*_panel(plan, "panel", _add(_mul(_add(c0, c), _c(T)), _bv)), F32))
     steps = bw // 2 if plan.pairs else bw
     entry = L.For(r, _c(0), _c(Rt), L.block(_vloop(T, plan.lanes, L.Store(
         "acc", _add(_mul(r, _c(T)), _bv), term, "add"))), unroll=True)
@@ -602,7 +644,7 @@ def row_dots(plan: Tiles) -> L.Kernel:
                                                                plan.xtype))
         row = L.block(L.LocalArray("vsum", F32, 1, L.Const(0.0, F32), sums=lanes),
                       L.For(p, lo, hi, L.block(L.Store("vsum", _c(0), term, "add")), vector=lanes, tail=True),
-                      L.Store("y", o, _add(L.Load("vsum", _c(0), F32), bias)))
+                      L.Store("y", o, activated(plan, _add(L.Load("vsum", _c(0), F32), bias))))
         parallel = L.Parallel("nnz", "pos")
     else:
         n, m = plan.group
@@ -614,62 +656,7 @@ def row_dots(plan: Tiles) -> L.Kernel:
         row = L.block(L.Decl(s, L.Const(0.0, F32)), L.For(q, _c(0), slots, L.block(
             L.Let(p, _add(_mul(o, slots), q)),
             L.Assign(s, _mul(_f32(L.Load("vals", p, plan.vtype)), _f32(L.Load("x", col, plan.xtype))), "add")),
-            simd=True, reductions=(("add", "s"),)), L.Store("y", o, _add(s, bias)))
+            simd=True, reductions=(("add", "s"),)), L.Store("y", o, activated(plan, _add(s, bias))))
         parallel = L.Parallel("static")
     return L.Kernel(plan.name + "_dots", _params(plan, "x", "y"), L.block(L.For(o, _c(0), L.Var("n_out"), row,
                                                                                  parallel=parallel)))
-
-
-def bits(kind: str, vtype: str, tokens: int, target: Target) -> bool:
-    """Whether ``tokens`` may run as ``row_bits``: one token, a CSR or n:m weight of float32 or bfloat16 values,
-    a target with vectors of whole parts of a bitmap word. (Whether it pays, the weight's density says: the
-    engine chooses.)"""
-    return tokens == 1 and kind in ("csr", "nm") and vtype in (F32, "bf16") and target.vectors and \
-        L.BITS % target.lanes(F32) == 0
-
-
-#: bitmap words a ``row_bits`` row takes at a time, each into its own accumulator (a multiply-add's latency hidden
-#: behind the others'): the words of a row are padded to a multiple
-BIT_WORDS = 4
-
-
-def row_bits(plan: Tiles) -> L.Kernel:
-    """One token through the weight's bitmap (``loopir.Expand``): ``y[o] = sum_g expand(vals[p:], bits[o, g]) .
-    x[16 g: 16 g + 16] (+ bias[o])``, ``p`` advancing by each word's set bits from ``pos[o]``. The weight is read
-    as its values and one bit per column, not a coordinate per value: at half the columns kept, 2.1 bytes a column
-    in float32 and 1.1 in bfloat16 against 4 and 2 dense, where 16-bit coordinates take 3 and 2. ``words`` (16-bit
-    words a row) is a multiple of ``2 * BIT_WORDS`` (zero words past the input's columns); ``x`` holds ``words *
-    16`` columns, zeros past the input's: float32, or (``pairs``: bfloat16 values and token, 16-lane vectors)
-    bfloat16, the bitmap then read in 32-bit words, each group of 32 columns one ``ExpandPairDot``."""
-    o, g, c = L.Var("o"), L.Var("g"), L.Var("c")
-    words = L.Var("words")
-    bias = _f32(L.Load("bias", o, plan.vtype)) if plan.bias else L.Const(0.0, F32)
-    ps = [L.Var(f"p{u}") for u in range(BIT_WORDS + 1)]
-    width = 2 * L.BITS if plan.pairs else L.BITS
-    per_row = L.binary("floordiv", words, _c(2)) if plan.pairs else words
-    body = []
-    for u in range(BIT_WORDS):
-        b, word = L.Var(f"b{u}", "i32"), _add(_mul(g, _c(BIT_WORDS)), _c(u))
-        at = _add(_mul(o, per_row), word)
-        if plan.pairs:
-            term = L.ExpandPairDot("vals", ps[u], b, c, "x", _add(_mul(word, _c(width)), _mul(c, _c(2))))
-            load = L.Load("bits", at, "i32")
-        else:
-            term = _mul(L.Expand("vals", ps[u], b, c, F32), L.Load("x", _add(_mul(word, _c(width)), c), F32))
-            load = L.Cast(L.Load("bits", at, "i16"), "i32")
-        body += [L.Let(b, load), L.For(c, _c(0), _c(L.BITS), L.block(L.Store("vsum", _c(u), term, "add")),
-                                       vector=plan.lanes),
-                 L.Let(ps[u + 1], _add(ps[u], L.PopCount(b, width=width)))]
-    total = _add(*[L.Load("vsum", _c(u), F32) for u in range(BIT_WORDS)])
-    row = L.block(
-        L.LocalArray("vsum", F32, BIT_WORDS, L.Const(0.0, F32), sums=plan.lanes),
-        L.Decl(L.Var("p"), _bounds(plan, o)[0]),
-        L.For(g, _c(0), L.binary("floordiv", per_row, _c(BIT_WORDS)), L.block(
-            L.Let(ps[0], L.Var("p")), *body, L.Assign(L.Var("p"), ps[-1]))),
-        L.Store("y", o, _add(total, bias)))
-    params = (L.Param("pos", "array", plan.ptype), L.Param("bits", "array", "i32" if plan.pairs else "i16"),
-              L.Param("vals", "array", plan.vtype)) + ((L.Param("bias", "array", plan.vtype),) if plan.bias else ()) + \
-        (L.Param("x", "array", plan.vtype if plan.pairs else F32), L.Param("y", "array", F32, output=True),
-         L.Param("n_out", "scalar", I64), L.Param("words", "scalar", I64))
-    return L.Kernel("scorch_weights_bits" + ("_pairs" if plan.pairs else ""), params,
-                    L.block(L.For(o, _c(0), L.Var("n_out"), row, parallel=L.Parallel("static"))))

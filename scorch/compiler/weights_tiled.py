@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import loopir as L
-from .weights import F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vloop, _work, epilogue, sets_total, \
-    store, unrolled
+from .weights import F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vloop, _work, activate, epilogue, \
+    sets_total, store, unrolled
 
 #: bytes of a panel's tile of columns: half of a 32 KiB L1 (the weight's operations stream through the rest)
 TILE_BYTES = 16384
@@ -51,7 +51,7 @@ def planned(plan: Tiles) -> Tiles:
 
 
 def forward(plan: Tiles) -> L.Kernel:
-    """``y = x @ W^T (+ bias)`` for a ``planned`` plan: work items of a token tile and a chunk of ``row_chunk``
+    """``y = act(x @ W^T (+ bias))`` for a ``planned`` plan: work items of a token tile and a chunk of ``row_chunk``
     rows (whole blocks of ``rows``), each block's rows summed tile by tile into ``ta``, then the epilogue and the
     store."""
     T, R, U, TP = plan.T, plan.rows, plan.unroll, tile_pairs(plan.T)
@@ -80,7 +80,7 @@ def forward(plan: Tiles) -> L.Kernel:
         L.Let(rb, _add(r_lo, _mul(ob, _c(R)))), L.Let(re, L.binary("min", r_hi, _add(rb, _c(R)))), zero,
         L.For(c, _c(0), tiles, L.block(L.For(r, _c(0), count, segment))),
         L.For(r, _c(0), count, L.block(epilogue(plan, "ta", 1, _add(rb, r), _mul(r, _c(T)), _mul(r, _c(T))))),
-        store(plan, "y", n_out, rb, count))
+        activate(plan, count), store(plan, "y", n_out, rb, count))
     blocks = L.binary("floordiv", _add(L.binary("sub", r_hi, r_lo), _c(R - 1)), _c(R))
     rows = L.For(ob, _c(0), L.binary("max", blocks, _c(0)), block)
     params = (L.Param("seg", "array", plan.ptype), L.Param("idx", "array", "i16"),

@@ -14,6 +14,7 @@ import torch
 
 from .. import loopir as L
 from ..compiler import weights as family
+from ..compiler import weights_bits as bitmap
 from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp
@@ -67,22 +68,23 @@ def applies(weight, x) -> bool:
     return True
 
 
-def plan_for(weight: SparseTensor, tokens: int, bias: bool, transposed=False, arrays=None) -> family.Tiles:
+def plan_for(weight: SparseTensor, tokens: int, bias: bool, transposed=False, arrays=None,
+             activation=None) -> family.Tiles:
     """The plan of a product with ``weight`` at ``tokens`` tokens; ``arrays``: its ``_arrays`` where the caller
-    has them (the index types are read from them)."""
+    has them (the index types are read from them); ``activation``: the epilogue's (``loopir.ACTIVATIONS``)."""
     kind, block, group = kind_of(weight)
     arrays = _arrays(weight) if arrays is None else arrays
     ptype = L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64"
     vtype = L.type_of(weight._vals.dtype)
     return family.tiles(CPU, kind, tokens, vtype, vtype, ptype, L.type_of(arrays["crd"].dtype), block, group,
-                        bias, transposed)
+                        bias, transposed, activation)
 
 
 def _kernel(plan: family.Tiles, part: str = "forward"):
     """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
     entry = _KERNELS.get((plan, part))
     if entry is None:
-        build = {"forward": family.forward, "dots": family.row_dots, "bits": family.row_bits,
+        build = {"forward": family.forward, "dots": family.row_dots, "bits": bitmap.row_bits,
                  "pair_tiles": tiled.forward,
                  "input_grad": family.backward_input,
                  "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
@@ -218,16 +220,16 @@ def _combos(weight: SparseTensor, crd: torch.Tensor):
 def _words(n_in: int) -> int:
     """16-bit bitmap words of a row of ``n_in`` columns: a multiple of ``row_bits``'s words at a time, in 16 or 32
     bits (its rows then start on a 32-bit word)."""
-    step = 2 * family.BIT_WORDS
+    step = 2 * bitmap.BIT_WORDS
     return -(-n_in // (L.BITS * step)) * step
 
 
-def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
+def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str, activation=None):
     """One token's product read through the weight's bitmap (``row_bits``), or None where that is not the faster
     path (the weight below ``BITS_DENSITY``) or the values are not in bitmap order."""
     n_out, n_in = weight._shape
     vtype = L.type_of(weight._vals.dtype)
-    if not family.bits(kind, vtype, x.shape[0], CPU) or weight._vals.numel() < BITS_DENSITY[vtype] * n_out * n_in:
+    if not bitmap.bits(kind, vtype, x.shape[0], CPU) or weight._vals.numel() < BITS_DENSITY[vtype] * n_out * n_in:
         return None
     found = _bitmap(weight)
     if found is None:
@@ -239,7 +241,7 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str):
     xp = torch.zeros(count * L.BITS, dtype=torch.bfloat16 if pairs else torch.float32)
     xp[:n_in] = x[0]
     plan = family.tiles(CPU, "csr", 1, vtype, "bf16" if pairs else family.F32, L.type_of(pos.dtype), "i16",
-                        bias=bias is not None)
+                        bias=bias is not None, activation=activation)
     plan = replace(plan, pairs=pairs)
     words = words.view(torch.int32) if pairs else words
     kernel, loaded = _kernel(plan, "bits")
@@ -344,17 +346,19 @@ def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     return -(-rows // row_chunk) if rows else 1, max(row_chunk, plan.rows)
 
 
-def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
-    """``x @ weight.T + bias``, ``x`` 2-d (tokens x in): a new row-major tensor (tokens x out)."""
+def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """``activation(x @ weight.T + bias)``, ``x`` 2-d (tokens x in): a new row-major tensor (tokens x out).
+    ``activation``: None or one of ``loopir.ACTIVATIONS`` ("relu", "gelu", "gelu_tanh": GELU's tanh form,
+    "silu"), computed in the kernel's store from the float32 sum (a 16-bit result rounded once, after it)."""
     x = x.contiguous()
     n, n_out = x.shape[0], weight._shape[0]
     arrays = _arrays(weight)
-    plan = plan_for(weight, n, bias is not None, arrays=arrays)
+    plan = plan_for(weight, n, bias is not None, arrays=arrays, activation=activation)
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
     if n == 1:
-        y1 = _by_bits(weight, x, bias, plan.kind)
+        y1 = _by_bits(weight, x, bias, plan.kind, activation)
         if y1 is not None:
             return y1
     arrays["vals"] = weight._vals
@@ -378,6 +382,64 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tensor:
     _run("forward", plan, weight._shape, arrays, n, *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y,
          **extra)
     return y
+
+
+def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, b2=None, act2=None) -> torch.Tensor:
+    """``linear(w2, linear(w1, x, b1, act1), b2, act2)`` (a feed-forward block) with the intermediate never laid
+    out row-major: the first kernel stores its tiles as the panels the second reads in place (``Tiles.out_panel``,
+    ``in_panel``), so neither transposes it (at 1024 tokens and 3072 features, 12 MB each way). Both products in
+    float32 on the same tile of tokens, neither through its pairs or one token's kernels; else the two calls."""
+    x = x.contiguous()
+    n, (n_mid, n_in), n_out = x.shape[0], w1._shape, w2._shape[0]
+    if w2._shape[1] != n_mid or x.shape[1] != n_in:
+        raise ValueError(f"scorch: linear_chain of shapes {tuple(x.shape)}, {tuple(w1._shape)}, {tuple(w2._shape)}")
+    a1, a2 = _arrays(w1), _arrays(w2)
+    p1 = plan_for(w1, n, b1 is not None, arrays=a1, activation=act1)
+    p2 = plan_for(w2, n, b2 is not None, arrays=a2, activation=act2)
+    if n < 2 or x.dtype != torch.float32 or p1.T != p2.T or p1.paired or p2.paired or not n_mid or not n_out:
+        return linear(w2, linear(w1, x, b1, act1), b2, act2)
+    p1, p2 = replace(p1, out_panel=True), replace(p2, in_panel=True)
+    threads = torch.get_num_threads()
+    mid = torch.empty(-(-n // p1.T) * n_mid * p1.T)
+    y = torch.empty(n, n_out)
+    for plan, w, arrays, bias, src, out, rows in ((p1, w1, a1, b1, x, mid, n_mid), (p2, w2, a2, b2, mid, y, n_out)):
+        extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
+        _run("forward", plan, w._shape, {**arrays, "vals": w._vals}, n, *_split(plan, n, rows, threads), x=src,
+             y=out, **extra)
+    return y
+
+
+def panels(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``x`` (tokens x in) as the panels ``compiler.weights.pack`` makes, every tile's in turn (tiles x in x T, the
+    lanes past the last token zero): what a product with ``Tiles.in_panel`` reads in place."""
+    n, k = x.shape
+    tiles = -(-n // T)
+    if tiles * T != n:
+        x = torch.cat([x, x.new_zeros(tiles * T - n, k)])
+    return x.reshape(tiles, T, k).transpose(1, 2).contiguous()
+
+
+def linear_shared(weights, x: torch.Tensor, biases, activations) -> list:
+    """``[linear(w, x, b, act) for ...]``, products of one input (a layer's query, key and value): ``x`` made into
+    panels once (``panels``) and read in place by each product, where each packed its own. Float32 products on the
+    same tile of tokens, not through pairs or one token's kernels; else the separate calls."""
+    x = x.contiguous()
+    n = x.shape[0]
+    if any(w._shape[1] != x.shape[1] for w in weights):
+        raise ValueError(f"scorch: linear_shared of an input {tuple(x.shape)} and weights of shapes "
+                         f"{[tuple(w._shape) for w in weights]}")
+    plans = [plan_for(w, n, b is not None, activation=a) for w, b, a in zip(weights, biases, activations)]
+    if n < 2 or x.dtype != torch.float32 or any(p.paired for p in plans) or len({p.T for p in plans}) != 1:
+        return [linear(w, x, b, a) for w, b, a in zip(weights, biases, activations)]
+    panel, threads, out = panels(x, plans[0].T), torch.get_num_threads(), []
+    for w, bias, plan in zip(weights, biases, plans):
+        y = torch.empty(n, w._shape[0])
+        if y.numel():
+            extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
+            _run("forward", replace(plan, in_panel=True), w._shape, {**_arrays(w), "vals": w._vals}, n,
+                 *_split(plan, n, w._shape[0], threads), x=panel, y=y, **extra)
+        out.append(y)
+    return out
 
 
 def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:

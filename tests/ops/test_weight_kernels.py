@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import scorch
 from scorch import loopir as L
-from scorch.compiler import interp, weights as family
+from scorch.compiler import interp, weights as family, weights_bits
 from scorch.compiler.target import CPU, Target
 from scorch.engine import weights as kernels
 
@@ -416,7 +416,7 @@ def test_row_bits_in_the_interpreter(lanes, vtype, pairs):
     x, b, y = torch.zeros(count * 16), torch.randn(7), np.zeros(7, dtype=np.float32)
     x[:45] = torch.randn(45).bfloat16().float()
     bits = words.view(torch.int32) if pairs else words
-    interp.run(family.row_bits(plan), {"pos": pos.numpy(), "bits": bits.numpy(), "vals": s._vals.numpy(),
+    interp.run(weights_bits.row_bits(plan), {"pos": pos.numpy(), "bits": bits.numpy(), "vals": s._vals.numpy(),
                                        "bias": b.numpy(), "x": x.numpy(), "y": y, "n_out": 7, "words": count})
     torch.testing.assert_close(torch.from_numpy(y), F.linear(x[:45], w, b), rtol=1e-5, atol=1e-5)
 

@@ -12,7 +12,7 @@ import re
 from ... import loopir as L
 from .. import runtime
 from ..target import CPU
-from .prelude import HELPERS, VECTOR_BYTES
+from .prelude import DEPENDS, HELPERS, VECTOR_BYTES
 
 CTYPE = {"bool": "bool", "i8": "int8_t", "i16": "int16_t", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double", "bf16": "scorch_bf16",
          "f16": "_Float16"}
@@ -37,7 +37,8 @@ def _includes(body: str) -> str:
     if any(f"std::{f}" in body for f in ("abs", "sqrt", "sin", "tanh", "exp", "log")) or "NAN" in body or \
             "INFINITY" in body:
         inc.append("#include <cmath>\n")
-    inc += [text for name, text in HELPERS.items() if name in body]
+    needed = {dep for name, dep in DEPENDS.items() if name in body}
+    inc += [text for name, text in HELPERS.items() if name in body or name in needed]
     return "".join(inc)
 
 
@@ -429,6 +430,11 @@ class _Emitter:
                 t = CTYPE[e.type]
                 return f"(({t})({a}) {'<' if e.op == 'min' else '>'} ({t})({b}) ? ({t})({a}) : ({t})({b}))"
             return f"({a} {_CMP[e.op]} {b})"
+        if isinstance(e, L.Unary) and e.op in L.ACTIVATIONS and e.op != "relu":
+            if e.type != "f32" or self.vec:  # (the helpers take a float: a scalar loop over them vectorizes)
+                raise ValueError(f"{e.op} is computed on float32 scalars, not {e.type}"
+                                 f"{' vectors' if self.vec else ''}")
+            return f"scorch_{e.op}({self.expr(e.a)})"
         if isinstance(e, L.Unary):
             a, t = self.expr(e.a), CTYPE[e.type]
             if e.type in ("f16", "bf16") and e.op in ("abs", "sqrt", "sin", "tanh", "exp", "log"):

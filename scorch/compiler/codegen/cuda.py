@@ -437,6 +437,14 @@ class _Emitter(cpp._Emitter):
                 return f"(({a}) < {t}(0) ? -({a}) : ({a}))"
             f = {"abs": "fabs"}.get(e.op, e.op)
             return f"(({t}){f}((double)({a})))"
+        if isinstance(e, L.Unary) and e.op in ("gelu", "gelu_tanh", "silu"):
+            if e.type != "f32":
+                raise ValueError(f"{e.op} is computed on float32 values, not {e.type}")
+            a = self.expr(e.a)
+            return {"gelu": f"(0.5f * ({a}) * (1.0f + erff(({a}) * 0.70710678118654752f)))",
+                    "gelu_tanh": f"(({a}) / (1.0f + expf(-1.59576912160573072f * (({a}) + 0.044715f * ({a}) * ({a})"
+                                 f" * ({a})))))",
+                    "silu": f"(({a}) / (1.0f + expf(-({a}))))"}[e.op]
         return super().expr(e)
 
     # --- the launcher ------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from ... import loopir as L
 from ..target import CPU
+from .activations import ACTIVATIONS
+
 
 def _hsum(name, ctype, lanes, op="sum", vec=None, fname=None):
     """The sum (``op="max"``: the max) of a vector's lanes by halving (a tree: log2(lanes) dependent steps);
@@ -585,11 +587,17 @@ template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32
 """
 
 
+#: helpers that call another: a source naming the first gets the second too (before it, in ``HELPERS``' order)
+DEPENDS = {"scorch_gelu": "scorch_expf", "scorch_silu": "scorch_expf"}
+
 HELPERS = {
     "scorch_first_row": FIRST_ROW,
     "scorch_bf16": BF16,
     "scorch_atomic_add": ATOMIC16,
     "scorch_expf": EXPF,
+    # (each name finds the same guarded text: ``scorch_gelu`` is in ``scorch_gelu_tanh`` too; after ``scorch_expf``,
+    # which ``DEPENDS`` brings in)
+    "scorch_gelu": ACTIVATIONS, "scorch_silu": ACTIVATIONS,
     # explicit vectors: ``scorch_vf32`` (aligned, for register tiles) and ``scorch_vf32u`` (any float address)
     "scorch_vf": "".join(
         f"typedef {t} scorch_v{n} __attribute__((vector_size({VECTOR_BYTES})));\n"

@@ -1,0 +1,280 @@
+"""The bias and activation of a sparse-weight ``F.linear`` in its kernel's store, and two such products chained,
+under ``torch.compile`` (issue 46).
+
+Traced alone, ``F.linear(x, W, b)`` with a sparse weight is ``scorch::einsum_dense`` (``scorch/dynamo.py``) plus
+Inductor's add of the bias, and ``gelu(F.linear(x, W, b))`` one more Inductor kernel that reads the product's output
+back and writes it again (a pruned BERT's 3072-wide intermediate: 12 MB each way a layer at 1024 tokens). The
+kernel family behind the product (``compiler.weights``) adds the bias and applies ReLU, GELU (erf or tanh) or SiLU
+in its store instead, on the sums while they are in L1 (``Tiles.activation``); and where one product's output is read
+only by the next (a feed-forward block), the first stores its tiles as the panels the second reads in place
+(``engine.weights.linear_chain``), so the intermediate is never transposed into rows and back.
+
+``EpiloguePass`` is an Inductor pre-grad pass (``torch._inductor.config.pre_grad_custom_pass``, put after the passes
+already set there when scorch's compile support loads): on the graph Dynamo traced, where ``F.linear`` with a
+SparseTensor weight is still one node, it replaces each ``act(F.linear(x, W, b))`` (the linear read by nothing
+else; ``act`` optional) by ``fused_linear(x, W, b, act)``, then each ``fused_linear`` whose input is another read by
+nothing else by one ``chained_linear``. A graph with no sparse weight is left as it is. The pass runs before
+AOTAutograd, so ``fused_linear`` and ``chained_linear`` decide while they are traced:
+
+- no gradient needed (grad mode off, or no operand requiring one): one ``scorch::linear_epilogue`` (or
+  ``scorch::linear_chain``) op, which runs ``engine.weights.linear(W, x, b, act)`` (``linear_chain``); a weight
+  the family does not take: the general product, then torch's bias and activation;
+- a gradient needed: ``act(F.linear(x, W, b))`` as before the pass, whose backward needs the value before the
+  activation (GELU's, SiLU's derivative), which the fused kernel does not keep: the graph then is what it was.
+
+Only Inductor runs pre-grad passes: other backends (``aot_eager``) see the graph unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Optional
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+
+from . import engine
+from .dynamo import LINEAR, _flatten, _fresh, _rebuild, _value_arrays
+from .engine import weights as weight_kernels
+from .sparse_tensor import SparseTensor
+
+F = torch.nn.functional
+
+#: the epilogue's activations (``loopir.ACTIVATIONS``; "" none) as torch computes them
+ACTIVATIONS = {"": lambda y: y, "relu": torch.relu, "gelu": F.gelu,
+               "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}
+
+
+@torch.library.custom_op("scorch::linear_epilogue", mutates_args=())
+def linear_epilogue(meta: str, arrays: list[torch.Tensor], sizes: list[int], bias: Optional[torch.Tensor],
+                    activation: str) -> torch.Tensor:
+    """``activation(x @ W.T + bias)`` of ``x`` (2-d, dense) and the sparse ``W`` that ``meta``, ``arrays`` and
+    ``sizes`` describe (``dynamo._flatten([x, W])``); ``activation`` a key of ``ACTIVATIONS``."""
+    x, w = _rebuild(meta, arrays, sizes)
+    return _fresh(_eager(x, w, bias, activation), [*arrays, bias])
+
+
+def _eager(x, w, bias, activation: str) -> torch.Tensor:
+    """``ACTIVATIONS[activation](x @ w.T + bias)`` (``activation`` checked), contiguous: through the weight family
+    where it serves, else the general product and torch's bias and activation."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"scorch: a linear epilogue takes an activation of {sorted(ACTIVATIONS)}, not {activation!r}")
+    if weight_kernels.applies(w, x) and (bias is None or bias.dtype == x.dtype):
+        return weight_kernels.linear(w, x, bias, activation or None)
+    r = engine.einsum(LINEAR, x, w, format="dense")
+    return ACTIVATIONS[activation](r if bias is None else r + bias).contiguous()
+
+
+@linear_epilogue.register_fake
+def _linear_epilogue_fake(meta, arrays, sizes, bias, activation):
+    x, vals = arrays[0], arrays[1]
+    return x.new_empty((x.shape[0], sizes[0]), dtype=torch.promote_types(x.dtype, vals.dtype))
+
+
+@torch.library.custom_op("scorch::linear_chain", mutates_args=())
+def linear_chain(x: torch.Tensor, meta1: str, arrays1: list[torch.Tensor], sizes1: list[int],
+                 bias1: Optional[torch.Tensor], activation1: str, meta2: str, arrays2: list[torch.Tensor],
+                 sizes2: list[int], bias2: Optional[torch.Tensor], activation2: str) -> torch.Tensor:
+    """``linear_epilogue`` of ``linear_epilogue``: ``act2(act1(x @ W1.T + b1) @ W2.T + b2)``, each weight described
+    by ``dynamo._flatten([W])``; the intermediate in the kernels' panel layout (``engine.weights.linear_chain``)."""
+    (w1,), (w2,) = _rebuild(meta1, arrays1, sizes1), _rebuild(meta2, arrays2, sizes2)
+    if all(a in ACTIVATIONS for a in (activation1, activation2)) and weight_kernels.applies(w1, x) and \
+            weight_kernels.applies(w2, x) and all(b is None or b.dtype == x.dtype for b in (bias1, bias2)):
+        r = weight_kernels.linear_chain(w1, x, bias1, activation1 or None, w2, bias2, activation2 or None)
+    else:
+        r = _eager(_eager(x, w1, bias1, activation1), w2, bias2, activation2)
+    return _fresh(r, [x, *arrays1, *arrays2, bias1, bias2])
+
+
+@linear_chain.register_fake
+def _linear_chain_fake(x, meta1, arrays1, sizes1, bias1, activation1, meta2, arrays2, sizes2, bias2, activation2):
+    dtype = torch.promote_types(torch.promote_types(x.dtype, arrays1[0].dtype), arrays2[0].dtype)
+    return x.new_empty((x.shape[0], sizes2[0]), dtype=dtype)
+
+
+def _fusable(x, weight, bias) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` may run in a fused op while traced: no gradient needed, a sparse weight,
+    a dense input and bias."""
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, bias))
+    return not grad and type(weight) is SparseTensor and not isinstance(x, SparseTensor) and x.dim() >= 1 and \
+        not isinstance(bias, SparseTensor)
+
+
+def fused_linear(x, weight, bias, activation: str):
+    """``ACTIVATIONS[activation](F.linear(x, weight, bias))``, the call ``EpiloguePass`` puts in a graph: one
+    ``scorch::linear_epilogue`` where no gradient is needed, else the unfused calls (see the module's text)."""
+    if not _fusable(x, weight, bias):
+        return ACTIVATIONS[activation](F.linear(x, weight, bias))
+    lead = x.shape[:-1]
+    meta, arrays, sizes = _flatten([x.reshape(-1, x.shape[-1]), weight])
+    out = torch.ops.scorch.linear_epilogue(meta, arrays, sizes, bias, activation)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def chained_linear(x, weight1, bias1, activation1: str, weight2, bias2, activation2: str):
+    """``fused_linear(fused_linear(x, weight1, bias1, activation1), weight2, bias2, activation2)``: one
+    ``scorch::linear_chain`` where both may be fused."""
+    if not (_fusable(x, weight1, bias1) and _fusable(x, weight2, bias2)):
+        return fused_linear(fused_linear(x, weight1, bias1, activation1), weight2, bias2, activation2)
+    lead = x.shape[:-1]
+    (meta1, arrays1, sizes1), (meta2, arrays2, sizes2) = _flatten([weight1]), _flatten([weight2])
+    out = torch.ops.scorch.linear_chain(x.reshape(-1, x.shape[-1]).contiguous(), meta1, arrays1, sizes1, bias1,
+                                        activation1, meta2, arrays2, sizes2, bias2, activation2)
+    return out.reshape(*lead, out.shape[-1])
+
+
+@torch.library.custom_op("scorch::linear_shared", mutates_args=())
+def linear_shared(x: torch.Tensor, meta: str, arrays: list[torch.Tensor], sizes: list[int],
+                  biases: list[Optional[torch.Tensor]], activations: str) -> list[torch.Tensor]:
+    """``linear_epilogue`` of one input ``x`` with each weight ``dynamo._flatten(weights)`` describes, its bias and
+    activation (``activations``: theirs joined by ";"): ``x`` made into the kernels' panels once
+    (``engine.weights.linear_shared``)."""
+    weights, activations = _rebuild(meta, arrays, sizes), activations.split(";")
+    if all(a in ACTIVATIONS for a in activations) and all(weight_kernels.applies(w, x) for w in weights) and \
+            all(b is None or b.dtype == x.dtype for b in biases):
+        out = weight_kernels.linear_shared(weights, x, biases, [a or None for a in activations])
+    else:
+        out = [_eager(x, w, b, a) for w, b, a in zip(weights, biases, activations)]
+    return [_fresh(r, [x, *arrays, *biases]) for r in out]
+
+
+@linear_shared.register_fake
+def _linear_shared_fake(x, meta, arrays, sizes, biases, activations):
+    return [x.new_empty((x.shape[0], sizes[2 * k]), dtype=torch.promote_types(x.dtype, arrays[at].dtype))
+            for k, at in enumerate(_value_arrays(meta, arrays))]
+
+
+def shared_linear(x, weights, biases, activations) -> tuple:
+    """``tuple(fused_linear(x, w, b, a) for ...)``: one ``scorch::linear_shared`` where every one may be fused."""
+    if not all(_fusable(x, w, b) for w, b in zip(weights, biases)):
+        return tuple(fused_linear(x, w, b, a) for w, b, a in zip(weights, biases, activations))
+    lead = x.shape[:-1]
+    meta, arrays, sizes = _flatten(list(weights))
+    out = torch.ops.scorch.linear_shared(x.reshape(-1, x.shape[-1]).contiguous(), meta, arrays, sizes,
+                                         list(biases), ";".join(activations))
+    return tuple(y.reshape(*lead, y.shape[-1]) for y in out)
+
+
+# --- the pass --------------------------------------------------------------------------------------------------
+
+_LINEAR = (F.linear, torch._C._nn.linear)
+
+
+def _arg(node, k: int, name: str, default=None):
+    return node.args[k] if len(node.args) > k else node.kwargs.get(name, default)
+
+
+def _value(arg):
+    """The example value Dynamo recorded for a graph argument (None for a constant or where none was)."""
+    return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+
+
+def _sparse_linear(node) -> bool:
+    """Whether ``node`` is ``F.linear`` of a dense input with a SparseTensor weight (and a dense bias or none)."""
+    if node.op != "call_function" or node.target not in _LINEAR:
+        return False
+    x, w, b = _value(_arg(node, 0, "input")), _value(_arg(node, 1, "weight")), _arg(node, 2, "bias")
+    return type(w) is SparseTensor and isinstance(x, torch.Tensor) and not isinstance(x, SparseTensor) and \
+        (b is None or isinstance(_value(b), torch.Tensor) and not isinstance(_value(b), SparseTensor))
+
+
+def _activation(node, source) -> str | None:
+    """The name (``ACTIVATIONS``) of the activation ``node`` applies to ``source`` (its one tensor operand, out of
+    place), else None."""
+    if node.op == "call_method":
+        if node.target == "relu" and node.args == (source,) and not node.kwargs:
+            return "relu"
+        return None
+    if node.op != "call_function" or _arg(node, 0, "input") is not source:
+        return None
+    t = node.target
+    if t in (torch.relu, F.relu) and len(node.args) == 1 and not node.kwargs.get("inplace", False):
+        return "relu"
+    if t in (F.silu, torch._C._nn.silu) and len(node.args) == 1 and not node.kwargs.get("inplace", False):
+        return "silu"
+    if t in (F.gelu, torch._C._nn.gelu) and set(node.kwargs) <= {"approximate"} and len(node.args) <= 2:
+        approximate = _arg(node, 1, "approximate", "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    return None
+
+
+def fuse(graph: torch.fx.Graph) -> int:
+    """Rewrite ``graph``'s sparse-weight linears, each with its activation, into ``fused_linear`` calls, and a
+    ``fused_linear`` read only by another's input into one ``chained_linear``; the number of linears rewritten."""
+    count = 0
+    for node in list(graph.nodes):
+        if not _sparse_linear(node):
+            continue
+        users = list(node.users)
+        act = _activation(users[0], node) if len(users) == 1 else None
+        bias = _arg(node, 2, "bias")
+        last = users[0] if act else node
+        with graph.inserting_before(last):
+            fused = graph.call_function(fused_linear, (_arg(node, 0, "input"), _arg(node, 1, "weight"), bias,
+                                                      act or ""))
+        fused.meta.update(last.meta)
+        last.replace_all_uses_with(fused)
+        if act:
+            graph.erase_node(last)
+        graph.erase_node(node)
+        count += 1
+    for node in list(graph.nodes):
+        first = node.args[0] if node.target is fused_linear else None
+        if getattr(first, "target", None) is fused_linear and len(first.users) == 1:
+            with graph.inserting_before(node):
+                chain = graph.call_function(chained_linear, (*first.args, *node.args[1:]))
+            chain.meta.update(node.meta)
+            node.replace_all_uses_with(chain)
+            graph.erase_node(node)
+            graph.erase_node(first)
+    _share(graph)
+    return count
+
+
+def _share(graph: torch.fx.Graph) -> None:
+    """Each set of ``fused_linear`` calls on one input (at least two, each one's operands defined before the first
+    of them) as one ``shared_linear`` call there, each call's value taken from its result."""
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    groups = {}
+    for node in graph.nodes:
+        if node.target is fused_linear and isinstance(node.args[0], torch.fx.Node):
+            groups.setdefault(node.args[0], []).append(node)
+    for members in groups.values():
+        first = members[0]
+        if len(members) < 2 or any(order.get(a, order[first]) >= order[first] for m in members
+                                   for a in m.args[1:3] if isinstance(a, torch.fx.Node)):
+            continue
+        with graph.inserting_before(first):
+            shared = graph.call_function(shared_linear, (first.args[0], tuple(m.args[1] for m in members),
+                                                         tuple(m.args[2] for m in members),
+                                                         tuple(m.args[3] for m in members)))
+            for k, m in enumerate(members):
+                item = graph.call_function(operator.getitem, (shared, k))
+                item.meta.update(m.meta)
+                m.replace_all_uses_with(item)
+        for m in members:
+            graph.erase_node(m)
+
+
+class EpiloguePass(CustomGraphPass):
+    """``fuse`` as an Inductor pre-grad pass; its ``uuid`` (part of Inductor's cache keys) is this module's text."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        fuse(graph)
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
+PASS = EpiloguePass()
+
+
+def install() -> None:
+    """Put ``PASS`` after the pre-grad passes already set (once)."""
+    passes = get_custom_graph_passes(inductor_config.pre_grad_custom_pass)
+    if not any(isinstance(p, EpiloguePass) for p in passes):
+        inductor_config.pre_grad_custom_pass = [*passes, PASS] if passes else PASS
+
+
+install()
