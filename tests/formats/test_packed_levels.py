@@ -144,16 +144,22 @@ OPS = {
 }
 
 
-@settings(max_examples=30, deadline=None)
-@given(rows=st.integers(2, 24), cols=st.integers(2, 24), density=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
-       seed=st.integers(0, 2 ** 16), op=st.sampled_from(sorted(OPS)), mode=st.sampled_from(["auto", "all"]))
-def test_general_ops_on_packed_tensors_match_dense(rows, cols, density, seed, op, mode):
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 12), cols=st.integers(1, 12), density=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
+       seed=st.integers(0, 2 ** 16), op=st.sampled_from(sorted(OPS)), mode=st.sampled_from(["auto", "all"]),
+       fmt=st.sampled_from(["csr", "csc", "dcsr", "coo", "bsr(2, 2)"]))
+def test_general_ops_on_packed_tensors_match_dense(rows, cols, density, seed, op, mode, fmt):
+    """Every compressed level packed (CSR's columns, CSC's rows, DCSR's rows and columns, COO's rows, BSR's block
+    columns), through a spread of general ops, eager and deferred, each kernel given the width it was made for."""
+    rows, cols = 2 * rows, 2 * cols
     d = _sparse(rows, cols, density, seed)
     x = torch.randn(cols, 5, generator=torch.Generator().manual_seed(seed))
+    s = _packed(d, fmt)
+    assert any(type(lv) is PackedLevel for lv in s.levels)
     with pytest.MonkeyPatch.context() as mp:
         seen = _check_widths(mp)
         with scorch.deferral(mode):
-            got, want = OPS[op](_packed(d), d, x)
+            got, want = OPS[op](s, d, x)
             got = got.to_dense() if isinstance(got, SparseTensor) else got
             assert_matches_dense(got, want)
     assert all(t == "i32" for t in seen)
@@ -373,3 +379,17 @@ def test_a_sparse_parameter_is_packed_on_first_use():
     plain = torch.nn.Parameter(scorch.asformat(torch.eye(3, 40000), "csr"))
     F.linear(torch.randn(2, 40000), plain)
     assert type(plain.levels[1]) is LevelStorage  # (columns past 16 bits)
+
+
+def test_wide_view_made_under_inference_mode_serves_outside_it():
+    """The wide view is a normal array even when first made under ``torch.inference_mode`` (an inference array
+    saved for a backward later would raise)."""
+    d = _sparse(40, 30, 0.3, 9)
+    s = _packed(d)
+    x = torch.randn(30, 3)
+    with torch.inference_mode():
+        assert_matches_dense(s @ x, d @ x)
+    assert s.levels[1].widened and not s.levels[1].crd.is_inference()
+    w = s.detach().requires_grad_()
+    (w @ x).sum().backward()
+    assert_matches_dense(w.grad.to_dense() * (d != 0), torch.ones(40, 3) @ x.T * (d != 0))
