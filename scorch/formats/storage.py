@@ -508,8 +508,8 @@ def index_dtypes(levels) -> set:
 
 def index_dtype_of(levels) -> torch.dtype:
     """The index dtype of a tensor over ``levels`` (one, ``uniform_index_dtype``): that of its first index array as
-    kernels read it, int64 where there is none."""
-    return next((d for st in levels for d in st.dtypes()), torch.int64)
+    kernels read it (a packed level's positions come first), int64 where there is none."""
+    return next((a.dtype for st in levels for a in (st.pos, st.stored_crd) if a is not None), torch.int64)
 
 
 def packed_coordinates(fmt: Format, shape, levels, dtype=torch.int16) -> tuple:
