@@ -393,3 +393,24 @@ def test_wide_view_made_under_inference_mode_serves_outside_it():
     w = s.detach().requires_grad_()
     (w @ x).sum().backward()
     assert_matches_dense(w.grad.to_dense() * (d != 0), torch.ones(40, 3) @ x.T * (d != 0))
+
+
+def test_torch_compile_of_a_scheduled_training_step():
+    """A compiled module over packed weights (AOTAutograd traces the wrapper through its flattened arrays: the wide
+    view) computes the eager module's output and gradients."""
+    torch.manual_seed(2)
+    model = _Block()
+    s = scorch.schedule(model)
+    s.regex(r"(q|up|down)\.weight").sparsify(scorch.nn.ScalarFraction(0.9)).set_format("csr")
+    s.apply()
+    ref = copy.deepcopy(model)
+    assert type(model.up.weight.levels[1]) is PackedLevel and type(ref.up.weight.levels[1]) is PackedLevel
+    x = torch.randn(6, 24)
+    y, yr = torch.compile(model, backend="aot_eager")(x), ref(x)
+    torch.testing.assert_close(y, yr)
+    y.pow(2).sum().backward()
+    yr.pow(2).sum().backward()
+    for name in ("q", "up", "down"):
+        got, want = getattr(model, name).weight.grad, getattr(ref, name).weight.grad
+        torch.testing.assert_close(got.to_dense(), want.to_dense())
+    torch.testing.assert_close(model.q.bias.grad, ref.q.bias.grad)
