@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .formats import Format, LevelStorage, resolve
+from .formats import Format, LevelStorage, PackedLevel, packed_level, resolve
 from .formats import named
 from .formats.named import short_name
 from .formats import storage as _storage
@@ -112,7 +112,7 @@ class SparseTensor(Traceable, torch.Tensor):
         if requires_grad and not values.requires_grad:
             values = (values if values.is_leaf else values.detach()).requires_grad_()
         r._format, r._levels, r._vals, r._shape = fmt, levels, values, shape
-        r._index_dtype = next((a.dtype for st in levels for a in (st.pos, st.crd) if a is not None), torch.int64)
+        r._index_dtype = _storage.index_dtype_of(levels)
         if values.requires_grad and attachable(values, requires_grad or torch.is_grad_enabled()):
             attach(r)
         return r
@@ -411,10 +411,12 @@ class SparseTensor(Traceable, torch.Tensor):
         return "\n".join("  " + "".join(row) for row in grid)
 
     def __reduce_ex__(self, proto):
-        """Pickling (``torch.save``): format text, shape, arrays and values; validated when loaded."""
+        """Pickling (``torch.save``): format text, shape, the arrays as held (a packed level's narrow coordinates)
+        and values; validated when loaded."""
         return (_rebuild, (str(self._format), tuple(self.shape),
-                           tuple((st.pos, st.crd) for st in self._levels), self._vals.detach(), self.requires_grad,
-                           bool(getattr(self, "_is_param", False))))
+                           tuple((st.pos, st.stored_crd) for st in self._levels), self._vals.detach(),
+                           self.requires_grad, bool(getattr(self, "_is_param", False)),
+                           tuple(isinstance(st, PackedLevel) for st in self._levels)))
 
 
 def _g3(x) -> str:
@@ -443,9 +445,12 @@ def device_of(x) -> torch.device:
     return x._vals.device if type(x) is SparseTensor else x.device
 
 
-def _rebuild(fmt, shape, levels, values, requires_grad, is_param=False):
-    # validated: a checkpoint is input like any other (``storage.validate_loaded``)
-    fmt, levels = Format(fmt), [LevelStorage(*lv) for lv in levels]
+def _rebuild(fmt, shape, levels, values, requires_grad, is_param=False, packed=()):
+    # validated: a checkpoint is input like any other (``storage.validate_loaded``); a level saved packed is packed
+    # again where its arrays still have a packed level's widths, else widened as any mix (``uniform_index_dtype``)
+    fmt = Format(fmt)
+    levels = [packed_level(*lv) if k < len(packed) and packed[k] and len(lv) == 2 and
+              all(isinstance(a, torch.Tensor) for a in lv) else LevelStorage(*lv) for k, lv in enumerate(levels)]
     s = SparseTensor(fmt, shape, levels, values, requires_grad=requires_grad, check=False)
     _storage.validate_loaded(fmt, s._shape, s._levels, s._vals)
     if is_param:

@@ -94,8 +94,9 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
 
 
 def _arrays(weight: SparseTensor) -> dict:
-    """The weight's index arrays the kernels read: ``pos`` and ``crd`` of its compressed level (n:m: the offsets,
-    as ``crd``), the coordinates narrowed (``narrow``)."""
+    """The weight's index arrays the kernels read: ``pos`` and ``crd`` of its compressed level as held (n:m: the
+    offsets, as ``crd``; a packed weight's 16-bit columns as they are, ``storage.packed_coordinates``, not the
+    level's wide view), other coordinates narrowed (``narrow``)."""
     arrays = [lv for lv in weight._levels if lv.arrays()][-1].arrays()
     out = {k: arrays[k] for k in ("pos", "crd") if k in arrays}
     if "pos" in out:
@@ -114,7 +115,8 @@ NARROW_EXTENT = 2 ** 15
 def narrow(crd: torch.Tensor, extent: int, levels) -> torch.Tensor:
     """``crd`` as int16 where ``extent`` (the largest coordinate + 1) allows it, made once per pattern: the product's
     speed at a few tokens is bound by the weight's bytes, 8 a stored value with int32 coordinates, 6 with int16
-    (and 4 with bfloat16 values). The int16 copy is kept beside the tensor's own coordinates."""
+    (and 4 with bfloat16 values). The int16 copy is kept beside the tensor's own coordinates: a weight stored
+    packed (``scorch.nn``'s sparsifiers and schedules make them so) holds int16 columns itself and needs none."""
     if crd.dtype == torch.int16 or extent > NARROW_EXTENT or crd.device.type != "cpu":
         return crd
     return _NARROW.lookup(("crd", extent), levels, lambda: crd.to(torch.int16))

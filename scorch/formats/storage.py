@@ -13,7 +13,7 @@ import torch
 
 from .expr import Mod, Var, dim_name
 from .format import Format
-from .levels import Compressed, Dense, LevelStorage, Singleton
+from .levels import Compressed, Dense, LevelStorage, Singleton, packed_level
 from .levels.base import INDEX_DTYPES, NARROW_INDEX_DTYPES
 from .levels.fixed import Fixed, SlotsExceeded
 
@@ -272,14 +272,14 @@ def _coordinate_list(fmt: Format, shape, levels):
     if type(types[0]) is Compressed and all(type(t) is Singleton for t in types[1:]):
         lo, hi = (int(p) for p in levels[0].pos[:2])
         for e, st in zip(exprs, levels):
-            dims[e.dim] = st.crd[lo:hi].long()
+            dims[e.dim] = st.stored_crd[lo:hi].long()
     elif len(types) == 2 and type(types[0]) is Dense and type(types[1]) is Compressed:
         pos = levels[1].pos.long()
         lo, hi = int(pos[0]), int(pos[-1])
         rows = shape[exprs[0].dim]
         dims[exprs[0].dim] = torch.repeat_interleave(torch.arange(rows, device=pos.device), pos[1:] - pos[:-1],
                                                      output_size=hi - lo)
-        dims[exprs[1].dim] = levels[1].crd[lo:hi].long()
+        dims[exprs[1].dim] = levels[1].stored_crd[lo:hi].long()
     else:
         return None
     return torch.stack(dims), (lo, hi)
@@ -501,8 +501,29 @@ def _in_legacy_load() -> bool:
 
 
 def index_dtypes(levels) -> set:
-    """The dtypes of the index arrays of ``levels``."""
-    return {a.dtype for st in levels for a in st.arrays().values()}
+    """The dtypes of the index arrays of ``levels`` as kernels read them (a packed level's coordinates as its
+    positions' dtype: ``PackedLevel``)."""
+    return {d for st in levels for d in st.dtypes()}
+
+
+def index_dtype_of(levels) -> torch.dtype:
+    """The index dtype of a tensor over ``levels`` (one, ``uniform_index_dtype``): that of its first index array as
+    kernels read it (a packed level's positions come first), int64 where there is none."""
+    return next((a.dtype for st in levels for a in (st.pos, st.stored_crd) if a is not None), torch.int64)
+
+
+def packed_coordinates(fmt: Format, shape, levels, dtype=torch.int16) -> tuple:
+    """``levels`` with each compressed level's coordinates stored as ``dtype`` (``PackedLevel``) where every
+    coordinate of the level's range fits it and its positions are wider; other levels as they are. Kernels still
+    read one index dtype (the positions'); what is held shrinks: a pruned weight's columns take 2 bytes instead
+    of 4 where the weight has at most 2**15 columns."""
+    info, out = torch.iinfo(dtype), []
+    for (lo, hi), lvl, st in zip(fmt.level_bounds(shape), fmt.level_types, levels):
+        if type(lvl) is Compressed and type(st) is LevelStorage and st.pos is not None and st.crd is not None and \
+                info.min <= lo and hi - 1 <= info.max and st.crd.dtype != dtype:
+            st = packed_level(st.pos, st.crd.to(dtype))
+        out.append(st)
+    return tuple(out)
 
 
 def uniform_index_dtype(levels) -> tuple:

@@ -72,7 +72,7 @@ def broadcast_sparse(params, src: int = 0, group=None) -> None:
                              f"{src} but {mine[k]['shape']} {mine[k]['dtype']} here: the model differs")
         if rank == src:
             for a in _arrays(p):
-                dist.broadcast(a, group=group, group_src=src)
+                dist.broadcast(_on_wire(a), group=group, group_src=src)
             continue
         dev = p._vals.device
         levels = [{name: None if got is None else torch.empty(got[0], dtype=getattr(torch, got[1]), device=dev)
@@ -80,7 +80,7 @@ def broadcast_sparse(params, src: int = 0, group=None) -> None:
         same_nnz = want["nnz"] == p._vals.numel()
         values = p._vals.detach() if same_nnz else torch.empty(want["nnz"], dtype=p._vals.dtype, device=dev)
         for a in [a for lv in levels for a in (lv["pos"], lv["crd"]) if a is not None] + [values]:
-            dist.broadcast(a, group=group, group_src=src)
+            dist.broadcast(_on_wire(a), group=group, group_src=src)
         _adopt(p, want["format"], levels, values, same_nnz)
 
 
@@ -88,20 +88,29 @@ def _describe(p: SparseTensor) -> dict:
     def arr(a):
         return None if a is None else (a.numel(), str(a.dtype).removeprefix("torch."))
     return {"format": str(p._format), "shape": tuple(p._shape), "dtype": str(p.dtype), "nnz": p._vals.numel(),
-            "levels": [{"pos": arr(st.pos), "crd": arr(st.crd)} for st in p._levels]}
+            "levels": [{"pos": arr(st.pos), "crd": arr(st.stored_crd)} for st in p._levels]}
 
 
 def _arrays(p: SparseTensor) -> list:
-    """The index arrays (level by level, pos before crd) then the values, in the order ``broadcast_sparse`` sends."""
-    return [a for st in p._levels for a in (st.pos, st.crd) if a is not None] + [p._vals.detach()]
+    """The index arrays as held (level by level, pos before crd: a packed level's narrow coordinates) then the values,
+    in the order ``broadcast_sparse`` sends."""
+    return [a for st in p._levels for a in (st.pos, st.stored_crd) if a is not None] + [p._vals.detach()]
+
+
+def _on_wire(a: torch.Tensor) -> torch.Tensor:
+    """``a`` as the collectives send it: a packed level's int16 coordinates as their bytes (gloo and NCCL have no
+    16-bit integers), written through into the receiver's int16 array."""
+    return a.view(torch.uint8) if a.dtype == torch.int16 else a
 
 
 def _adopt(p: SparseTensor, fmt: str, levels, values, in_place: bool) -> None:
     """``p`` takes the received format, index arrays and values (already written into its own values array when
     ``in_place``)."""
-    from ..formats import Format
-    new = SparseTensor(Format(fmt), p._shape, [{"pos": lv["pos"], "crd": lv["crd"]} for lv in levels], values,
-                       check=True)
+    from ..formats import Format, LevelStorage, packed_level
+    # (coordinates narrower than their positions came from a packed level: packed again, not widened)
+    stored = [packed_level(lv["pos"], lv["crd"]) if lv["pos"] is not None and lv["crd"] is not None else
+              LevelStorage(lv["pos"], lv["crd"]) for lv in levels]
+    new = SparseTensor(Format(fmt), p._shape, stored, values, check=True)
     if in_place:  # the values array (a reducer's or optimizer's reference to it) stays
         p._format, p._levels, p._index_dtype = new._format, new._levels, new._index_dtype
     else:

@@ -97,7 +97,7 @@ from . import directives as _directives
 from .owners import as_stored, conv_weight, sparse_conv_weight, unsupported
 from .report import Summary, storage_bytes
 from .sparsified import GradSelection, install_grad_spec
-from .sparsify import NM, ScalarThreshold, Sparsifier, masked
+from .sparsify import NM, ScalarThreshold, Sparsifier, masked, packed_weight
 
 __all__ = ["schedule", "Schedule", "ParameterSelection", "OutputSelection", "Layout", "Summary"]
 
@@ -593,7 +593,7 @@ class Schedule:
             with torch.no_grad():
                 dense = p.detach().to_dense()
                 view = p.__dict__.get("_view_format")
-                new = masked(dense, plan.rule.checked_mask(dense), p.format) if view is None else \
+                new = packed_weight(masked(dense, plan.rule.checked_mask(dense), p.format)) if view is None else \
                     sparse_conv_weight(plan.rule, dense, view)
                 p.copy_(new)  # same pattern: values copied; another pattern: p's pattern replaced
                 for opt in optimizers:

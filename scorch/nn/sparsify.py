@@ -29,12 +29,28 @@ import numbers
 
 import torch
 
+from ..engine import weights
 from ..formats import storage as _storage
 from ..interop import asformat
 from ..sparse_tensor import SparseTensor
 
 __all__ = ["Sparsifier", "KeepAll", "ScalarThreshold", "ScalarFraction", "RandomFraction", "BlockFraction", "NM",
-           "masked"]
+           "masked", "packed_weight"]
+
+
+def packed_weight(s: SparseTensor) -> SparseTensor:
+    """``s`` as a weight is held for ``F.linear``'s kernels (``engine.weights``), on the same values: a CSR or BSR
+    weight on the CPU with at most 2**15 (block) columns keeps its column indices in 16 bits
+    (``storage.packed_coordinates``), which those kernels read natively, 6 bytes a float32 entry instead of 8. Every
+    other kernel reads them widened to the row pointers' width, made once per pattern (``PackedLevel``). Other
+    formats (n:m keeps a byte per offset already), devices and sizes: ``s`` itself."""
+    kind = weights.kind_of(s) if type(s) is SparseTensor and len(s._shape) == 2 else None
+    if kind is None or kind[0] not in ("csr", "bsr") or s._vals.device.type != "cpu":
+        return s
+    levels = _storage.packed_coordinates(s._format, s._shape, s._levels)
+    if all(a is b for a, b in zip(levels, s._levels)):
+        return s
+    return SparseTensor(s._format, s._shape, levels, s._vals, check=False)
 
 
 def masked(x: torch.Tensor, mask: torch.Tensor, format) -> SparseTensor:
@@ -107,11 +123,12 @@ class Sparsifier:
         return w * m
 
     def sparsify(self, w: torch.Tensor, format="csr") -> SparseTensor:
-        """``w``'s kept entries as a SparseTensor in ``format`` (values detached and exact)."""
+        """``w``'s kept entries as a SparseTensor in ``format`` (values detached and exact), stored for the weight
+        kernels (``packed_weight``)."""
         w = w.detach()
         if isinstance(w, SparseTensor):
             w = w.to_dense()
-        return masked(w, self.checked_mask(w), format)
+        return packed_weight(masked(w, self.checked_mask(w), format))
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -13,7 +13,7 @@ from ..deferred import Deferred
 from .. import engine
 from ..engine import weights as weight_kernels
 from ..rules import RULES
-from ..formats import Mod, named
+from ..formats import Mod, named, storage
 from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, dense_fallback, device_of, dtype_of, implements,
                              needs_grad, padding_of, shape_of)
 from .sparse_api import coalesce
@@ -257,6 +257,21 @@ def _linear_gradient(k, ops, gout):
     return torch.where(padding_of(w), 0, g) if w._format.padded else g
 
 
+def _pack_parameter(w: SparseTensor) -> None:
+    """A sparse ``nn.Parameter`` the weight kernels read is packed on its first use, in place: its columns held in 16
+    bits where they fit (``storage.packed_coordinates``), which the kernels read natively, its wide ones freed where
+    nothing else holds them. A weight made by ``asformat`` then takes the bytes of one made by ``scorch.nn``'s
+    sparsifiers (packed already). Looked at once per pattern."""
+    d = w.__dict__
+    if not d.get("_is_param") or d.get("_packing_seen") == id(d["_levels"]):
+        return
+    with torch.inference_mode(False):  # (arrays with a version counter: the pattern memos key on them)
+        packed = storage.packed_coordinates(w._format, w._shape, d["_levels"])
+    if any(a is not b for a, b in zip(packed, d["_levels"])):
+        d["_levels"] = packed
+    d["_packing_seen"] = id(d["_levels"])  # (an id reused by a new pattern only skips its packing)
+
+
 @implements(torch.nn.functional.linear)
 def linear(input, weight, bias=None):
     """``input @ weight.T + bias`` with a sparse weight (out x in) or a sparse input (... x in).
@@ -278,6 +293,7 @@ def linear(input, weight, bias=None):
         x = input.reshape(math.prod(lead), n_in)  # (not -1: no row count follows from 0 elements when n_in is 0)
         n, w = x.shape[0], engine.prepare([weight])[0]
         if weight_kernels.applies(w, x):
+            _pack_parameter(w)
             # the activation read in its own layout, the result written row-major (``engine.weights``)
             if needs_grad((weight, x)):
                 out = differentiable_einsum("oi,bi->ob", (weight, x), "dense",

@@ -55,9 +55,9 @@ def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
         return True
     if a._vals.shape != b._vals.shape:
         return False
-    for x, y in zip(a._levels, b._levels):
-        for p, q in ((x.pos, y.pos), (x.crd, y.crd)):
-            if p is not q and (p is None or q is None or not torch.equal(p, q)):
+    for x, y in zip(a._levels, b._levels):  # (as held: a packed level's narrow coordinates, not its wide view)
+        for p, q in ((x.pos, y.pos), (x.stored_crd, y.stored_crd)):
+            if p is not q and (p is None or q is None or not torch.equal(p, q.to(p.dtype))):
                 return False
     return True
 

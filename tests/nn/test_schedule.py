@@ -461,7 +461,7 @@ def test_summary_reports_formats_densities_and_bytes(capsys):
     r = by_name["0.weight"]
     assert r["shape"] == (32, 16) and r["format"] == "csr" and r["density"] == pytest.approx(0.25)
     nnz = int(masks["0.weight"].sum())
-    assert r["dense_bytes"] == 32 * 16 * 8 and r["bytes"] == nnz * 8 + nnz * 4 + 33 * 4  # values, crd, pos
+    assert r["dense_bytes"] == 32 * 16 * 8 and r["bytes"] == nnz * 8 + nnz * 2 + 33 * 4  # values, crd (16-bit: packed), pos
     assert str(rows) == printed.rstrip("\n")
 
 

@@ -44,13 +44,27 @@ from ... import loopir as L
 
 @dataclass(eq=False)
 class LevelStorage:
-    """The index arrays of one level (``None`` where the level type stores no such array)."""
+    """The index arrays of one level (``None`` where the level type stores no such array). ``pos`` and ``crd``
+    are the arrays as kernels read them, all of the tensor's one index dtype; ``arrays()`` the arrays the level
+    holds, which are the same except in a ``PackedLevel`` (coordinates stored narrower)."""
 
     pos: Optional[torch.Tensor] = None
     crd: Optional[torch.Tensor] = None
 
     def arrays(self):
+        """The arrays the level holds, by name (what its storage takes, what is saved and copied)."""
         return {k: v for k, v in (("pos", self.pos), ("crd", self.crd)) if v is not None}
+
+    @property
+    def stored_crd(self):
+        """The coordinates as held (``crd`` itself, except in a ``PackedLevel``): for code that reads them with
+        torch (and widens them there), so that it need not make a packed level's wide view."""
+        return self.crd
+
+    def dtypes(self) -> set:
+        """The dtypes of the arrays as kernels read them (``pos``, ``crd``), without making a packed level's
+        wide view."""
+        return {a.dtype for a in self.arrays().values()}
 
     def map(self, fn):
         return LevelStorage(*(None if a is None else fn(a) for a in (self.pos, self.crd)))
@@ -58,7 +72,74 @@ class LevelStorage:
     def __repr__(self):
         inner = ", ".join(f"{k}={v.tolist() if v.numel() <= 16 else f'<{v.numel()} x {v.dtype}>'}"
                           for k, v in self.arrays().items())
-        return f"LevelStorage({inner})"
+        return f"{type(self).__name__}({inner})"
+
+
+class PackedLevel(LevelStorage):
+    """A compressed level whose coordinates are stored narrower than its positions: a pruned weight's columns in
+    16 bits under 32-bit row pointers (6 bytes a float32 entry instead of 8, 4 instead of 6 in bfloat16). Its
+    ``crd`` is the coordinates widened to the positions' dtype, made on first read and kept with the level (so
+    once per pattern: every tensor on this pattern shares the level), remade if the stored array is changed in
+    place: every kernel, and every piece of code that reads ``crd``, sees one index dtype, as the compiler types
+    it (``SparseTensor.index_dtype``, the positions'). Only what asks for the stored array (``arrays()``,
+    ``stored_crd``: the weight kernels, which read 16-bit columns natively, the storage's size, saving and copying)
+    sees the narrow one. Made with ``packed_level``."""
+
+    def __init__(self, pos: torch.Tensor, crd: torch.Tensor):
+        if not isinstance(pos, torch.Tensor) or not isinstance(crd, torch.Tensor):
+            raise TypeError("a packed level holds a pos and a crd tensor")
+        if pos.dtype not in INDEX_DTYPES or crd.dtype not in NARROW_INDEX_DTYPES or \
+                INDEX_DTYPES.index(crd.dtype) >= INDEX_DTYPES.index(pos.dtype):
+            raise ValueError(f"a packed level stores int8 or int16 coordinates under wider positions, got pos"
+                             f" {pos.dtype} and crd {crd.dtype}")
+        if crd.device != pos.device:
+            raise ValueError(f"crd is on {crd.device} but pos is on {pos.device}")
+        self.pos = pos
+        self._narrow = crd
+
+    @property
+    def crd(self) -> torch.Tensor:
+        narrow = self._narrow
+        version = None if narrow.is_inference() else narrow._version  # (no counter: such an array is not changed)
+        kept = self.__dict__.get("_wide")
+        if kept is None or kept[0] != version:
+            with torch.inference_mode(False):  # (a normal array: one an op may save for its backward)
+                made = (version, narrow.to(self.pos.dtype))
+            if kept is None:  # (two threads reading it first keep one array: a kernel may be reading it already)
+                kept = self.__dict__.setdefault("_wide", made)
+            else:
+                kept = self.__dict__["_wide"] = made
+        return kept[1]
+
+    @property
+    def stored_crd(self) -> torch.Tensor:
+        return self._narrow
+
+    @property
+    def widened(self) -> bool:
+        """Whether the wide view (``crd``) has been made (a general kernel read this level)."""
+        return "_wide" in self.__dict__
+
+    def arrays(self):
+        return {"pos": self.pos, "crd": self._narrow}
+
+    def dtypes(self) -> set:
+        return {self.pos.dtype}
+
+    def map(self, fn):
+        return packed_level(fn(self.pos), fn(self._narrow))
+
+    def __reduce__(self):  # (the arrays held, not the wide view)
+        return packed_level, (self.pos, self._narrow)
+
+
+def packed_level(pos: torch.Tensor, crd: torch.Tensor) -> LevelStorage:
+    """A compressed level's storage: a ``PackedLevel`` where ``crd`` is int8 or int16 and narrower than ``pos``,
+    else a ``LevelStorage`` (a ``map`` that widened the coordinates to the positions' width gives a plain one)."""
+    if crd.dtype in NARROW_INDEX_DTYPES and pos.dtype in INDEX_DTYPES and \
+            INDEX_DTYPES.index(crd.dtype) < INDEX_DTYPES.index(pos.dtype):
+        return PackedLevel(pos, crd)
+    return LevelStorage(pos=pos, crd=crd)
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,13 @@ class Compressed(Level):
     append = True
 
     def num_positions(self, storage, parent_count, lo, hi):
-        return storage.crd.numel()
+        return storage.stored_crd.numel()
 
     def iterate(self, storage, parent_pos, parent_count, lo, hi):
         pos = storage.pos.long()
         starts = pos[parent_pos]
         src, child = ranges(starts, pos[parent_pos + 1] - starts)
-        return src, child, storage.crd[child].long()
+        return src, child, storage.stored_crd[child].long()
 
     def emit_pos_bounds(self, sym, parent):
         return sym.load(sym.pos, parent), sym.load(sym.pos, binary("add", parent, Const(1)))
@@ -56,7 +56,7 @@ class Compressed(Level):
         return LevelStorage(pos=pos, crd=crd), child, crd.numel()
 
     def validate(self, storage, parent_count, lo, hi, where):
-        pos, crd = storage.pos, storage.crd
+        pos, crd = storage.pos, storage.stored_crd  # (a packed level's as held: ``PackedLevel`` checks the widths)
         if pos is None or crd is None:
             raise ValueError(f"{where}: a compressed level needs pos and crd arrays")
         check_index_dtype(pos, where, "pos")
