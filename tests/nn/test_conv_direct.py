@@ -107,6 +107,7 @@ def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, mo
     monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
     monkeypatch.setattr(conv_direct, "SHIFT_SLACK", float("inf"))
+    monkeypatch.setattr(conv_direct, "SHIFT_DENSITY", 0.0)
     calls = []
     real = conv_direct.cpp.call
     monkeypatch.setattr(conv_direct.cpp, "call", lambda kernel, loaded, args: calls.append((kernel, dict(args))) or
@@ -169,10 +170,13 @@ def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, monkeypatch):
     """The input planes shifted per tap column (rows aligned to ``lanes``, wherever the geometry allows) or not,
     and the entries in channel chunks of one channel, of a few, or all in one: the same convolution (2:4 and 40%
     unstructured weights, all-zero output rows, NCHW and channels_last inputs, bias, groups, depthwise, strides,
-    dilation, one output pixel, batch 1 and more), and values changed in place are seen."""
+    dilation, one output pixel, batch 1 and more, its images packed all at once or one by one), and values changed
+    in place are seen."""
     monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(conv_direct, "BUFFER_BYTES", 1 if chunk_bytes == 300 else 1 << 30)
     monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
     monkeypatch.setattr(conv_direct, "SHIFT_SLACK", float("inf"))
+    monkeypatch.setattr(conv_direct, "SHIFT_DENSITY", 0.0)
     for i, (out, cin, groups, kernel, stride, dil, pad, batch, size, bias, cl) in enumerate(_LAYOUT_CASES):
         w, S = _sparse_weight((out, cin // groups) + kernel, 0.4, "coo", i)
         if (cin // groups) % 4 == 0:  # (2:4 along the input channels)
