@@ -58,8 +58,9 @@ SHIFT_SLACK = 1.15
 #: unshifted, 2.64x shifted)
 SHIFT_DENSITY = 0.25
 #: bytes of input buffer at most that a call packs before the kernel reads it: a batch's images a few at a time,
-#: so that the buffer is still in the cache (ResNet-18, 1 thread, batch 8: 90% csr 1.78x dense channels_last with
-#: the whole batch packed at once, 2.06x with 4 MiB, 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x)
+#: packed, convolved and unpacked while their buffer and grid are still in the cache (ResNet-18, 1 thread, batch 8,
+#: interleaved medians: 90% csr 1.78x dense channels_last with the whole batch packed at once, 2.06x with 4 MiB,
+#: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x)
 BUFFER_BYTES = 4 << 20
 
 
@@ -199,21 +200,18 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     return buf
 
 
-def _result(y: torch.Tensor, geometry, like: torch.Tensor) -> torch.Tensor:
-    """The ``Wo`` valid columns of the grid ``y`` (images x channels x grid), compact, in ``like``'s memory format
-    as torch's convolutions do (``family.unpack``): torch runs BatchNorm on a strided view of the grid 4x slower
-    than on a contiguous tensor, and max pooling on channels_last 20x faster than on NCHW."""
+def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool) -> None:
+    """The ``Wo`` valid columns of the grid ``y`` (images x channels x grid) into ``res`` (the result's images
+    ``y`` holds), compact (``family.unpack``), channels_last where ``cl`` (the input's memory format, as torch's
+    convolutions do: torch runs BatchNorm on a strided view of the grid 4x slower than on a contiguous tensor, and
+    max pooling on channels_last 20x faster than on NCHW)."""
     _, _, wq, ho, wo, _ = geometry
     n, out, grid = y.shape
-    cl = _channels_last(like)
-    res = torch.empty(n, out, ho, wo, dtype=y.dtype,
-                      memory_format=torch.channels_last if cl else torch.contiguous_format)
     kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
     strides = res.stride()
     cpp.call(kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
                               "ys_n": strides[0], "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3],
                               "nthreads": torch.get_num_threads()})
-    return res
 
 
 def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int):
@@ -243,13 +241,16 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
         return None
     pos, off, order = found
     grid = -(-ho * wq // p.T) * p.T
-    y = torch.empty(n, out, grid, dtype=x.dtype)
     ordered = _VALUES.lookup(key, vals, lambda: vals.detach()[order].contiguous(), (order,))
     kernel, loaded = _loaded(p, lambda: family.forward(p))
     image = len(phases) * c * hq * wq
-    # (a few images at a time, so that their buffer is still in the cache when the kernel reads it)
+    # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
     group = max(1, min(n, BUFFER_BYTES // (4 * image)))
     threads = torch.get_num_threads()
+    cl = _channels_last(x)
+    res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
+                      torch.contiguous_format)
+    y = torch.empty(group, out, grid, dtype=x.dtype)
     for g0 in range(0, n, group):
         g = min(group, n - g0)
         buf = _buffer(x[g0:g0 + g], geometry, stride, pads, grid - ho * wq + wq)
@@ -257,10 +258,11 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
         chunks = 1 if g * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
             min(out, -(-ITEMS_PER_THREAD * threads // (g * tiles)))
         row_chunk = -(-out // chunks)
-        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[g0:g0 + g], "n": g, "x_image": image,
+        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:g], "n": g, "x_image": image,
                 "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-out // row_chunk),
                 "row_chunk": row_chunk, "nthreads": threads}
         if bias is not None:
             args["bias"] = bias.detach().contiguous()
         cpp.call(kernel, loaded, args)
-    return _result(y, geometry, x)
+        _unpack(y[:g], geometry, res[g0:g0 + g], cl)
+    return res
