@@ -57,15 +57,16 @@ def resnet18(num_classes: int = 1000, width: int = 64) -> ResNet:
 
 def _main():
     """ResNet-18 inference, dense against every conv at 90% CSR (magnitude), interleaved medians:
-    ``python -m benchmarks.resnet [--size 224] [--batch 1] [--threads 2] [--repeats 7] [--channels-last]``
-    (``--channels-last``: the dense model and both inputs channels_last)."""
+    ``python -m benchmarks.resnet [--size 224] [--batch 1] [--threads 2] [--repeats 7] [--channels-last]
+    [--format csr|nm]`` (``--channels-last``: the dense model and both inputs channels_last; ``--format nm``:
+    2:4 on every conv but the 7 x 7 stem, whose 147 columns take no 2:4, as ``benchmarks.model_zoo`` prunes)."""
     import argparse
     import copy
     import statistics
     import time
 
     import scorch
-    from scorch.nn import ScalarFraction
+    from scorch.nn import NM, ScalarFraction
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--threads", type=int, default=2)
@@ -73,6 +74,7 @@ def _main():
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--format", choices=("csr", "nm"), default="csr")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -80,9 +82,12 @@ def _main():
     sparse = copy.deepcopy(dense)
     s = scorch.schedule(sparse)
     for n, m in sparse.named_modules():
-        if isinstance(m, nn.Conv2d):
+        if isinstance(m, nn.Conv2d) and args.format == "csr":
             s[f"{n}.weight"].sparsify(ScalarFraction(args.sparsity)).set_format("csr")
+        elif isinstance(m, nn.Conv2d) and n != "conv1":
+            s[f"{n}.weight"].sparsify(NM(2, 4))
     s.apply()
+    pruning = f"{args.sparsity:.0%} csr" if args.format == "csr" else "2:4 (stem dense)"
     x = torch.randn(args.batch, 3, args.size, args.size)
     if args.channels_last:
         dense = dense.to(memory_format=torch.channels_last)
@@ -100,7 +105,7 @@ def _main():
     layout = ", channels_last" if args.channels_last else ""
     print(f"ResNet-18 batch {args.batch} {args.size}x{args.size}{layout}, {args.threads} threads, {args.repeats}"
           " interleaved runs:"
-          f" dense {d * 1e3:.1f} ms, every conv {args.sparsity:.0%} csr {c * 1e3:.1f} ms: {d / c:.2f}x dense")
+          f" dense {d * 1e3:.1f} ms, every conv {pruning} {c * 1e3:.1f} ms: {d / c:.2f}x dense")
 
 
 if __name__ == "__main__":

@@ -78,11 +78,14 @@ def _div(a, b):
 def forward(p: Plan) -> L.Kernel:
     """The kernel: parameters ``pos``, ``off`` (i32), ``vals``, [``bias``], ``x``, ``y``; scalars ``n`` (images),
     ``x_image`` (input elements per image), ``grid`` (output pixels per plane, a multiple of ``T``), ``n_out``,
-    ``chunks`` and ``row_chunk`` (the rows split for the threads), ``nthreads``. ``x`` must be readable up to
-    ``grid + max(off)`` past each image's start (the caller pads its end)."""
+    ``kchunks`` (the entries' channel chunks), ``chunks`` and ``row_chunk`` (the rows split for the threads),
+    ``nthreads``. Row ``o``'s entries of channel chunk ``kc`` are ``pos[kc * n_out + o] .. pos[kc * n_out + o +
+    1]``: a tile goes over the chunks, every row of the item per chunk, so that the chunk's inputs around the tile
+    stay in L1 while the rows pass (the rows' sums so far read back from ``y``, which the chunks after the first
+    add to). ``x`` must be readable up to ``grid + max(off)`` past each image's start (the caller pads its end)."""
     T, U = p.T, p.unroll
     item, img, rest, tile, chunk = (L.Var(v) for v in ("item", "img", "rest", "tile", "chunk"))
-    xb, yb, o, lo, hi, q, k, e = (L.Var(v) for v in ("xb", "yb", "o", "lo", "hi", "q", "k", "e"))
+    xb, yb, o, lo, hi, q, k, e, kc, at = (L.Var(v) for v in ("xb", "yb", "o", "lo", "hi", "q", "k", "e", "kc", "at"))
     n, n_out, grid = L.Var("n"), L.Var("n_out"), L.Var("grid")
     tiles = _div(grid, _c(T))
     per_img = _mul(tiles, L.Var("chunks"))
@@ -90,20 +93,26 @@ def forward(p: Plan) -> L.Kernel:
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
     vector = p.lanes if p.lanes > 1 else 0
 
-    def entry(at, u):
-        w = L.Load("vals", at, F32)
-        src = _add(xb, L.Cast(L.Load("off", at, "i32"), I64), _bv)
+    def entry(at_, u):
+        w = L.Load("vals", at_, F32)
+        src = _add(xb, L.Cast(L.Load("off", at_, "i32"), I64), _bv)
         return _vloop(T, p.lanes, L.Store("acc", _add(_c(u * T), _bv), _mul(w, L.Load("x", src, F32)), "add"))
 
-    total = sets_total("acc", U, T)
-    if p.bias:
-        total = _add(total, L.Load("bias", o, F32))
+    y_at = _add(yb, _mul(o, grid), _bv)
+    first = L.binary("eq", kc, _c(0))
+    start = _vloop(T, p.lanes, L.Store("acc", _bv, L.Load("bias", o, F32), "add")) if p.bias else None
     row = L.block(
-        L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vector),
-        L.Let(lo, L.Cast(L.Load("pos", o, p.ptype), I64)),
-        L.Let(hi, L.Cast(L.Load("pos", _add(o, _c(1)), p.ptype), I64)),
-        *unrolled(lo, hi, U, entry, k, q, e),
-        _vloop(T, p.lanes, L.Store("y", _add(yb, _mul(o, grid), _bv), total)))
+        L.Let(at, _add(_mul(kc, n_out), o)),
+        L.Let(lo, L.Cast(L.Load("pos", at, p.ptype), I64)),
+        L.Let(hi, L.Cast(L.Load("pos", _add(at, _c(1)), p.ptype), I64)),
+        # (a row with no entries in a later chunk is left as it is: a grouped weight's rows have entries in
+        #  their group's chunks only)
+        L.If(L.binary("or", first, L.binary("lt", lo, hi)), L.block(
+            L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vector),
+            # (the sums so far, or the bias where the row starts)
+            L.If(first, L.block(start), L.block(_vloop(T, p.lanes, L.Store("acc", _bv, L.Load("y", y_at, F32))))),
+            *unrolled(lo, hi, U, entry, k, q, e),
+            _vloop(T, p.lanes, L.Store("y", y_at, sets_total("acc", U, T))))))
     loop = L.For(item, _c(0), _mul(n, per_img), L.block(
         L.Let(img, _div(item, per_img)),
         L.Let(rest, L.binary("mod", item, per_img)),
@@ -111,13 +120,14 @@ def forward(p: Plan) -> L.Kernel:
         L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
         L.Let(xb, _add(_mul(img, L.Var("x_image")), _mul(tile, _c(T)))),
         L.Let(yb, _add(_mul(_mul(img, n_out), grid), _mul(tile, _c(T)))),
-        L.For(o, r_lo, r_hi, row)), parallel=L.Parallel("static", None, L.block(), chunk=1))
+        L.For(kc, _c(0), L.Var("kchunks"), L.block(L.For(o, r_lo, r_hi, row)))),
+        parallel=L.Parallel("static", None, L.block(), chunk=1))
     params = (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"), L.Param("vals", "array", F32)) + \
         ((L.Param("bias", "array", F32),) if p.bias else ()) + \
         (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True),
          L.Param("n", "scalar", I64), L.Param("x_image", "scalar", I64), L.Param("grid", "scalar", I64),
-         L.Param("n_out", "scalar", I64), L.Param("chunks", "scalar", I64), L.Param("row_chunk", "scalar", I64),
-         L.Param("nthreads", "scalar", I64))
+         L.Param("n_out", "scalar", I64), L.Param("kchunks", "scalar", I64), L.Param("chunks", "scalar", I64),
+         L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
     return L.Kernel(p.name + ("_bias" if p.bias else ""), params, L.block(loop))
 
 
@@ -140,12 +150,15 @@ def _channel_blocks(channels: L.Expr, body) -> L.For:
 def pack(channels_inner: bool) -> L.Kernel:
     """The input buffer, in one pass: ``buf[img, phase, c, i, j] = x[img, c, pa[phase] + sr * i - pt, pb[phase] +
     sc * j - pl]``, 0 outside the input (the padding). ``x`` is read through its strides (``xs_*``), so NCHW and
-    channels_last inputs take no copy first; each work item is one row ``i`` of every channel of a phase, so a
+    channels_last inputs take no copy first; each work item is one row ``i`` of every channel of every phase, so a
     channels_last input's row stays in the cache. The columns ``jlo[phase] .. jhi[phase]`` read the input (the
     caller computes them), the rest are zeros: no test per element. ``channels_inner``: channels_last (``xs_c`` must
-    be 1), in blocks of ``CHANNEL_BLOCK`` channels, each channel's row inner; else NCHW (``xs_w`` must be 1)."""
-    item, img, rest, ph, i, c, j, r, col, base, lo, hi = (L.Var(v) for v in (
-        "item", "img", "rest", "ph", "i", "c", "j", "r", "col", "base", "lo", "hi"))
+    be 1), in blocks of ``CHANNEL_BLOCK`` channels, each channel's row inner; else NCHW (``xs_w`` must be 1).
+    A phase whose ``src_phase`` is not -1 is that phase (an earlier one) shifted left by ``src_shift`` columns
+    (the shifted planes of ``engine.conv_direct._geometry``: ``pb = pb[src] + sc * shift``): its rows are copied from that
+    phase's rows just written, contiguous, instead of gathered from ``x`` again; its last ``sh`` columns zero."""
+    item, img, ph, i, c, j, r, col, base, lo, hi, src, sh, sbase = (L.Var(v) for v in (
+        "item", "img", "ph", "i", "c", "j", "r", "col", "base", "lo", "hi", "src", "sh", "sbase"))
     P, C, H, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "Hq", "Wq"))
     inside = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
     # (the stride 1 known here: channels_last's channels, NCHW's columns)
@@ -162,18 +175,31 @@ def pack(channels_inner: bool) -> L.Kernel:
     zero = L.Const(0.0, F32)
     zeros = L.For(c, _c(0), C, L.block(L.For(j, _c(0), lo, L.block(L.Store("buf", _add(plane, j), zero))),
                                         L.For(j, hi, Wq, L.block(L.Store("buf", _add(plane, j), zero)))))
-    per_img = _mul(P, Hq)
-    loop = L.For(item, _c(0), _mul(L.Var("n"), per_img), L.block(
-        L.Let(img, _div(item, per_img)), L.Let(rest, L.binary("mod", item, per_img)),
-        L.Let(ph, _div(rest, Hq)), L.Let(i, L.binary("mod", rest, Hq)),
-        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
-        L.Let(base, _add(_mul(_mul(_add(_mul(img, P), ph), C), _mul(Hq, Wq)), _mul(i, Wq))),
-        # (a row outside the input: every column zero)
-        L.Let(lo, L.Select(inside, L.Load("jlo", ph, I64), Wq, I64)),
-        L.Let(hi, L.Select(inside, L.Load("jhi", ph, I64), Wq, I64)),
-        zeros, copies), parallel=L.Parallel("static", None, L.block(), chunk=1))
+    kept = L.binary("sub", Wq, sh)
+    shifted = L.For(c, _c(0), C, L.block(
+        L.For(j, _c(0), kept, L.block(L.Store("buf", _add(plane, j), L.Load(
+            "buf", _add(sbase, _mul(c, _mul(Hq, Wq)), j, sh), F32)))),
+        L.For(j, kept, Wq, L.block(L.Store("buf", _add(plane, j), zero)))))
+
+    def row_start(phase):
+        return _add(_mul(_mul(_add(_mul(img, P), phase), C), _mul(Hq, Wq)), _mul(i, Wq))
+    phase = L.block(
+        L.Let(src, L.Load("src_phase", ph, I64)),
+        L.Let(base, row_start(ph)),
+        L.If(L.binary("lt", src, _c(0)), L.block(
+            L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
+            # (a row outside the input: every column zero)
+            L.Let(lo, L.Select(inside, L.Load("jlo", ph, I64), Wq, I64)),
+            L.Let(hi, L.Select(inside, L.Load("jhi", ph, I64), Wq, I64)),
+            zeros, copies), L.block(
+            L.Let(sh, L.Load("src_shift", ph, I64)),
+            L.Let(sbase, row_start(src)),
+            shifted)))
+    loop = L.For(item, _c(0), _mul(L.Var("n"), Hq), L.block(
+        L.Let(img, _div(item, Hq)), L.Let(i, L.binary("mod", item, Hq)),
+        L.For(ph, _c(0), P, phase)), parallel=L.Parallel("static", None, L.block(), chunk=1))
     scalars = ("n", "P", "C", "H", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w", "nthreads")
-    params = tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi")) + \
+    params = tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi", "src_phase", "src_shift")) + \
         (L.Param("x", "array", F32), L.Param("buf", "array", F32, output=True)) + \
         tuple(L.Param(s, "scalar", I64) for s in scalars)
     return L.Kernel("scorch_conv_pack" + ("_cl" if channels_inner else ""), params, L.block(loop))

@@ -3,6 +3,11 @@
 geometry, the output computed on the buffer's row width, its ``Wo`` valid columns then unpacked into a compact
 result in the input's memory format. The buffer's packing and the unpacking are generated kernels too.
 
+Where the rows' padding to whole vectors costs little (``SHIFT_SLACK``), the planes are shifted: one plane per
+row phase and tap column, each row ``Wq`` a multiple of the vector's lanes, so that every entry's offset (its
+plane and row shift) is a multiple of the lanes and its pixel vectors are aligned loads. The entries are kept in
+channel chunks (``CHUNK_BYTES``) so that the rows of a work item pass over inputs that stay in L1.
+
 ``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
 Inference only: it has no backward, so the caller uses it where no gradient is wanted.
@@ -10,6 +15,7 @@ Inference only: it has no backward, so the caller uses it where no gradient is w
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -32,6 +38,30 @@ register("conv-direct values", "sparse conv weights' values in the direct convol
          " tensor", _VALUES.__len__, _VALUES.clear)
 #: work items per thread at least, where the pixel tiles are fewer: the rows are split into chunks
 ITEMS_PER_THREAD = 4
+#: bytes of input a channel chunk reads around a tile at most (``family.forward``: every row of a work item passes
+#: over a chunk while its inputs stay in L1). The multiply-adds, one load each, run at L1's pace only from aligned
+#: vectors (``SHIFT_SLACK``) and a small footprint: by hand, the kernel's loop on ResNet-18's 2:4 64-channel 56 x 56
+#: entries (AMD Zen 4, 1 thread, best of 30): one chunk 1.94 ms (2.0 G vector FMAs/s), chunks of 16 KiB 1.79,
+#: shifted planes alone 2.03, both: 8 KiB 1.96, 16 KiB 1.55, 24 KiB 1.56, 32 KiB 1.58, 48 KiB 1.74 (the same loop
+#: on offsets folded into 16 KiB: 1.33, 3.1 G/s, the dense convolution's pace). ResNet-18 2:4, batch 1, 1 thread,
+#: interleaved medians: one chunk unshifted 0.99x dense channels_last, chunks of 16 KiB 1.01x, shifted 16 KiB
+#: 1.09x, shifted 24 KiB 1.15x
+CHUNK_BYTES = 24 * 1024
+#: the shifted planes' grid (rows of ``Wo`` rounded up to whole vectors) at most this much larger than the
+#: unshifted one's (rows of ``Wo`` plus the taps' column shift) for the shifted planes to be taken: they cost
+#: ``kw`` planes per input plane (all but one copied from another, contiguous) and the rows' padding to whole
+#: vectors, and give aligned loads (ResNet-18: 56 -> 64 columns, 28 -> 32, 14 -> 16 taken; 7 -> 16 not)
+SHIFT_SLACK = 1.15
+#: the shifted planes for weights of at least this density: they read and write ``kw`` planes per input plane, which
+#: a sparser weight's fewer multiply-adds do not repay. ResNet-18, 1 thread, batch 8, interleaved medians: 90% csr
+#: 2.26x dense channels_last unshifted, 2.06x shifted; 2:4 0.86x unshifted, 0.91x shifted (batch 1: csr 2.59x
+#: unshifted, 2.64x shifted)
+SHIFT_DENSITY = 0.25
+#: bytes of input buffer at most that a call packs before the kernel reads it: a batch's images a few at a time,
+#: packed, convolved and unpacked while their buffer and grid are still in the cache (ResNet-18, 1 thread, batch 8,
+#: interleaved medians: 90% csr 1.78x dense channels_last with the whole batch packed at once, 2.06x with 4 MiB,
+#: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x)
+BUFFER_BYTES = 4 << 20
 
 
 def _loaded(key, make):
@@ -55,21 +85,47 @@ def _taps(k: int, s: int, dl: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _geometry(weight_shape, x_shape, stride, dilation, pads):
-    """The flat buffer's layout: ``(phases, Hq, Wq, Ho, Wo)``, ``phases`` the (row, column) stride phases the taps
-    use, in order; each phase plane ``Hq x Wq``."""
+def _geometry(weight_shape, x_shape, stride, dilation, pads, lanes: int):
+    """The flat buffer's layout: ``(phases, Hq, Wq, Ho, Wo, shifted)``, ``phases`` the planes, in order, each
+    ``Hq x Wq``: ``(a, b)`` holds the padded input's rows ``a + s * i`` and columns ``b + s * j``. Unshifted
+    (``lanes`` 1), the stride phases the taps use, a tap a row and column shift in its phase's plane; ``shifted``,
+    one plane per (row phase, tap column), so that a tap is a row shift only, and ``Wq`` a multiple of ``lanes``:
+    every entry's vectors of pixels are then aligned (loads that split no cache line)."""
     (kh, kw), (h, w) = weight_shape[2:], x_shape[2:]
     rows, cols = _taps(kh, stride[0], dilation[0]), _taps(kw, stride[1], dilation[1])
     ho = (h + sum(pads[0]) - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     wo = (w + sum(pads[1]) - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    hq = ho + max(s for _, s in rows)
+    if lanes > 1:
+        phases = tuple(sorted({(a, j * dilation[1]) for a, _ in rows for j in range(kw)}))
+        return phases, hq, -(-wo // lanes) * lanes, ho, wo, True
     phases = tuple(sorted({(a, b) for a, _ in rows for b, _ in cols}))
-    return phases, ho + max(s for _, s in rows), wo + max(s for _, s in cols), ho, wo
+    return phases, hq, wo + max(s for _, s in cols), ho, wo, False
 
 
-def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride, dilation):
-    """``(pos, off, order)``: row ``o``'s entries ``pos[o] .. pos[o + 1]`` (int32), each entry's offset into an
-    image's buffer (int32), and the weight's value position of each entry; None where an offset needs 64 bits."""
-    phases, hq, wq, _, _ = geometry
+def _lanes() -> int:
+    """float32 lanes of the target's vectors (1 where it has none)."""
+    return CPU.lanes("f32") if CPU.vectors else 1
+
+
+@functools.lru_cache(maxsize=256)
+def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float) -> int:
+    """The lanes the planes' rows are aligned to, ``_geometry``'s ``lanes``: the target's ``lanes`` where the
+    weight is ``dense`` enough (``SHIFT_DENSITY``) and the shifted grid wastes little more than the unshifted one
+    (``slack``: ``SHIFT_SLACK``), else 1 (unshifted)."""
+    if lanes == 1 or not dense:
+        return 1
+    _, _, wq, _, wo, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)
+    phases, _, aligned, _, _, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)
+    # (a plane copied shifted from another keeps ``Wo`` columns of it: ``family.pack``)
+    return lanes if aligned <= slack * wq and wo + max(_sources(phases, stride[1])[1]) <= aligned else 1
+
+
+def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride, dilation, chunk: int):
+    """``(pos, off, order)``: the entries of row ``o`` on the input channels ``kc * chunk .. (kc + 1) * chunk``
+    at ``pos[kc * out + o] .. pos[kc * out + o + 1]`` (int32), each entry's offset into an image's buffer (int32),
+    and the weight's value position of each entry; None where an offset needs 64 bits."""
+    phases, hq, wq, _, _, shifted = geometry
     out, cg = weight._shape[0], weight._shape[1]
     if len(phases) * channels * hq * wq + wq >= 2 ** 31:
         return None
@@ -79,14 +135,19 @@ def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride,
     leaf, dims = leaf[inside], dims[:, inside]
     o, c = dims[0], dims[1] + (dims[0] // (out // groups)) * cg  # (the group's channels)
     r, s = dims[2] * dilation[0], dims[3] * dilation[1]
-    phase_of = torch.full((stride[0], stride[1]), -1, dtype=torch.int64)
+    phase_of = torch.full((stride[0], 1 + max(b for _, b in phases)), -1, dtype=torch.int64)
     for i, (a, b) in enumerate(phases):
         phase_of[a, b] = i
-    plane = phase_of[r % stride[0], s % stride[1]] * channels + c
-    off = plane * (hq * wq) + (r // stride[0]) * wq + s // stride[1]
-    order = torch.argsort(o * (len(phases) * channels * hq * wq) + off)
-    pos = torch.zeros(out + 1, dtype=torch.int64)
-    pos[1:] = torch.bincount(o, minlength=out).cumsum(0)
+    if shifted:  # (the tap's column is its plane's)
+        plane, shift = phase_of[r % stride[0], s] * channels + c, 0
+    else:
+        plane, shift = phase_of[r % stride[0], s % stride[1]] * channels + c, s // stride[1]
+    off = plane * (hq * wq) + (r // stride[0]) * wq + shift
+    row = (c // chunk) * out + o
+    order = torch.argsort(row * (len(phases) * channels * hq * wq) + off)
+    kchunks = -(-channels // chunk)
+    pos = torch.zeros(kchunks * out + 1, dtype=torch.int64)
+    pos[1:] = torch.bincount(row, minlength=kchunks * out).cumsum(0)
     return pos.to(torch.int32), off[order].to(torch.int32), leaf[order]
 
 
@@ -94,20 +155,33 @@ def _channels_last(t: torch.Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
+def _sources(phases: tuple, sc: int) -> tuple:
+    """``(src, sh)`` per phase: the first phase of the same row phase whose columns are this one's shifted by
+    ``sh`` columns (``b = b[src] + sc * sh``), -1 and 0 where there is none (the phase is gathered from the input)."""
+    src, sh = [], []
+    for a, b in phases:
+        first = next(k for k, (a2, b2) in enumerate(phases) if a2 == a and b2 % sc == b % sc)
+        src.append(-1 if phases[first][1] == b else first)
+        sh.append((b - phases[first][1]) // sc)
+    return src, sh
+
+
 @functools.lru_cache(maxsize=256)
 def _phase_arrays(phases: tuple, sc: int, pl: int, w: int, wq: int) -> tuple:
-    """The int64 arrays ``family.pack`` reads (made once: never written): each phase's row and column offset and
-    its columns ``jlo .. jhi`` that fall inside the input (column ``b + sc * j - pl`` in ``[0, w)``)."""
+    """The int64 arrays ``family.pack`` reads (made once: never written): each phase's row and column offset, its
+    columns ``jlo .. jhi`` that fall inside the input (column ``b + sc * j - pl`` in ``[0, w)``), and the phase it
+    is copied from shifted (``_sources``)."""
     jlo = [max(0, -(-(pl - b) // sc)) for _, b in phases]
     jhi = [max(lo, min(wq, (w - 1 + pl - b) // sc + 1)) for lo, (_, b) in zip(jlo, phases)]
-    return tuple(torch.tensor(v, dtype=torch.int64) for v in ([a for a, _ in phases], [b for _, b in phases], jlo, jhi))
+    return tuple(torch.tensor(v, dtype=torch.int64) for v in ([a for a, _ in phases], [b for _, b in phases], jlo, jhi,
+                                                                *_sources(phases, sc)))
 
 
 def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor:
     """The flat input buffer: per image, per phase, per channel, the padded plane's rows ``a + s * i`` and columns
     ``b + s * j`` (``Hq x Wq``, zeros outside the input), and ``slack`` zeros at the end (``family.pack``: one
     pass, reading ``x`` through its strides)."""
-    phases, hq, wq, _, _ = geometry
+    phases, hq, wq = geometry[:3]
     n, c, h, w = x.shape
     size = n * len(phases) * c * hq * wq
     buf = torch.empty(size + slack, dtype=x.dtype)
@@ -116,9 +190,9 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
         x = x.contiguous()
     kernel, loaded = _loaded(("pack", cl), lambda: family.pack(cl))
-    pa, pb, jlo, jhi = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
+    pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     strides = x.stride()
-    cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "x": x, "buf": buf, "n": n,
+    cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
                               "P": len(phases), "C": c, "H": h, "Hq": hq, "Wq": wq, "sr": stride[0],
                               "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0],
                               "xs_c": strides[1], "xs_h": strides[2], "xs_w": strides[3],
@@ -126,21 +200,18 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     return buf
 
 
-def _result(y: torch.Tensor, geometry, like: torch.Tensor) -> torch.Tensor:
-    """The ``Wo`` valid columns of the grid ``y`` (images x channels x grid), compact, in ``like``'s memory format
-    as torch's convolutions do (``family.unpack``): torch runs BatchNorm on a strided view of the grid 4x slower
-    than on a contiguous tensor, and max pooling on channels_last 20x faster than on NCHW."""
-    _, _, wq, ho, wo = geometry
+def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool) -> None:
+    """The ``Wo`` valid columns of the grid ``y`` (images x channels x grid) into ``res`` (the result's images
+    ``y`` holds), compact (``family.unpack``), channels_last where ``cl`` (the input's memory format, as torch's
+    convolutions do: torch runs BatchNorm on a strided view of the grid 4x slower than on a contiguous tensor, and
+    max pooling on channels_last 20x faster than on NCHW)."""
+    _, _, wq, ho, wo, _ = geometry
     n, out, grid = y.shape
-    cl = _channels_last(like)
-    res = torch.empty(n, out, ho, wo, dtype=y.dtype,
-                      memory_format=torch.channels_last if cl else torch.contiguous_format)
     kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
     strides = res.stride()
     cpp.call(kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
                               "ys_n": strides[0], "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3],
                               "nthreads": torch.get_num_threads()})
-    return res
 
 
 def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int):
@@ -152,35 +223,46 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
             (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")) or x.numel() == 0 or \
             weight._shape[0] == 0:
         return None
-    geometry = _geometry(tuple(weight._shape), tuple(x.shape), tuple(stride), tuple(dilation),
-                         tuple(map(tuple, pads)))
-    phases, hq, wq, ho, wo = geometry
+    shapes = (tuple(weight._shape), tuple(x.shape), tuple(stride), tuple(dilation), tuple(map(tuple, pads)))
+    dense = weight._vals.numel() >= SHIFT_DENSITY * math.prod(weight._shape)
+    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK))
+    phases, hq, wq, ho, wo, _ = geometry
     n, c = x.shape[:2]
     out = weight._shape[0]
-    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation))
+    p = _plan(ho * wq, torch.int32, bias is not None)
+    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * (p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo))))
+    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk)
 
     def build():
         with torch.no_grad():
-            return _entries(weight, c, groups, geometry, stride, dilation)
+            return _entries(weight, c, groups, geometry, stride, dilation, chunk)
     found = _ENTRIES.lookup(key, weight._levels, build)
     if found is None:
         return None
     pos, off, order = found
-    p = _plan(ho * wq, pos.dtype, bias is not None)
     grid = -(-ho * wq // p.T) * p.T
-    y = torch.empty(n, out, grid, dtype=x.dtype)
     ordered = _VALUES.lookup(key, vals, lambda: vals.detach()[order].contiguous(), (order,))
-    buf = _buffer(x, geometry, stride, pads, grid - ho * wq + wq)
-    tiles = grid // p.T
-    threads = torch.get_num_threads()
-    chunks = 1 if n * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
-        min(out, -(-ITEMS_PER_THREAD * threads // (n * tiles)))
-    row_chunk = -(-out // chunks)
     kernel, loaded = _loaded(p, lambda: family.forward(p))
-    args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y, "n": n,
-            "x_image": len(phases) * c * hq * wq, "grid": grid, "n_out": out, "chunks": -(-out // row_chunk),
-            "row_chunk": row_chunk, "nthreads": threads}
-    if bias is not None:
-        args["bias"] = bias.detach().contiguous()
-    cpp.call(kernel, loaded, args)
-    return _result(y, geometry, x)
+    image = len(phases) * c * hq * wq
+    # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
+    group = max(1, min(n, BUFFER_BYTES // (4 * image)))
+    threads = torch.get_num_threads()
+    cl = _channels_last(x)
+    res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
+                      torch.contiguous_format)
+    y = torch.empty(group, out, grid, dtype=x.dtype)
+    for g0 in range(0, n, group):
+        g = min(group, n - g0)
+        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, grid - ho * wq + wq)
+        tiles = grid // p.T
+        chunks = 1 if g * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
+            min(out, -(-ITEMS_PER_THREAD * threads // (g * tiles)))
+        row_chunk = -(-out // chunks)
+        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:g], "n": g, "x_image": image,
+                "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-out // row_chunk),
+                "row_chunk": row_chunk, "nthreads": threads}
+        if bias is not None:
+            args["bias"] = bias.detach().contiguous()
+        cpp.call(kernel, loaded, args)
+        _unpack(y[:g], geometry, res[g0:g0 + g], cl)
+    return res

@@ -97,11 +97,17 @@ def test_direct_declines_what_it_does_not_serve():
                                    torch.nn.functional.conv2d(x, w.double()))
 
 
-def test_the_kernels_interpreted_give_the_compiled_result(monkeypatch):
+@pytest.mark.parametrize("chunk_bytes,lanes", [(1 << 30, 1), (1, 16)])
+def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, monkeypatch):
     """The loop IR of the three kernels (the input buffer's pack, the convolution, the result's unpack) run by the
     NumPy interpreter (the reference semantics), each on the previous one's interpreted output, give the compiled
-    result; NCHW and channels_last."""
+    result; NCHW and channels_last; the entries in one channel chunk, planes unshifted, or in chunks of one
+    channel, planes shifted per tap column (some copied from others)."""
     from scorch.compiler import interp
+    monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
+    monkeypatch.setattr(conv_direct, "SHIFT_SLACK", float("inf"))
+    monkeypatch.setattr(conv_direct, "SHIFT_DENSITY", 0.0)
     calls = []
     real = conv_direct.cpp.call
     monkeypatch.setattr(conv_direct.cpp, "call", lambda kernel, loaded, args: calls.append((kernel, dict(args))) or
@@ -146,3 +152,50 @@ def test_large_planes_take_the_wide_tile():
         for stride in (1, 2):
             torch.testing.assert_close(conv_direct.conv2d(S, x, b, (stride, stride), (1, 1), [(1, 1), (1, 1)], 1),
                                        torch.nn.functional.conv2d(x, w, b, stride, 1), rtol=1e-4, atol=1e-5)
+
+
+_LAYOUT_CASES = [  # (out, in, groups, kernel, stride, dilation, padding, batch, size, bias, channels_last)
+    (8, 12, 1, (3, 3), (1, 1), (1, 1), (1, 1), 1, (13, 13), False, True),
+    (6, 8, 1, (3, 3), (2, 2), (1, 1), (1, 1), 3, (12, 13), True, False),
+    (4, 8, 1, (1, 1), (2, 2), (1, 1), (0, 0), 2, (9, 9), False, True),
+    (6, 8, 2, (3, 2), (1, 2), (2, 1), (2, 0), 2, (10, 9), True, True),
+    (12, 12, 12, (3, 3), (1, 1), (1, 1), (1, 1), 1, (9, 20), True, False),  # (depthwise)
+    (5, 7, 1, (3, 3), (1, 1), (1, 1), (0, 0), 2, (3, 3), False, True),  # (one output pixel)
+    (9, 16, 1, (3, 3), (2, 1), (1, 2), (1, 2), 1, (5, 40), True, True)]
+
+
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+@pytest.mark.parametrize("chunk_bytes", [1, 300, 1 << 30])
+def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, monkeypatch):
+    """The input planes shifted per tap column (rows aligned to ``lanes``, wherever the geometry allows) or not,
+    and the entries in channel chunks of one channel, of a few, or all in one: the same convolution (2:4 and 40%
+    unstructured weights, all-zero output rows, NCHW and channels_last inputs, bias, groups, depthwise, strides,
+    dilation, one output pixel, batch 1 and more, its images packed all at once or one by one), and values changed
+    in place are seen."""
+    monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(conv_direct, "BUFFER_BYTES", 1 if chunk_bytes == 300 else 1 << 30)
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
+    monkeypatch.setattr(conv_direct, "SHIFT_SLACK", float("inf"))
+    monkeypatch.setattr(conv_direct, "SHIFT_DENSITY", 0.0)
+    for i, (out, cin, groups, kernel, stride, dil, pad, batch, size, bias, cl) in enumerate(_LAYOUT_CASES):
+        w, S = _sparse_weight((out, cin // groups) + kernel, 0.4, "coo", i)
+        if (cin // groups) % 4 == 0:  # (2:4 along the input channels)
+            conv = torch.nn.Conv2d(cin, out, kernel, stride, pad, dil, groups, bias=False)
+            s = scorch.schedule(conv)
+            s["weight"].sparsify(scorch.nn.NM(2, 4))
+            s.apply()
+            S = conv.weight
+            w = S.detach().to_dense()
+        x = torch.randn(batch, cin, *size, generator=torch.Generator().manual_seed(i))
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        b = torch.randn(out) if bias else None
+        ref = torch.nn.functional.conv2d(x, w, b, stride, pad, dil, groups)
+        got = conv_direct.conv2d(S, x, b, stride, dil, [(p, p) for p in pad], groups)
+        assert got is not None and got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():  # (values changed in place are seen)
+            S.values().mul_(-2)
+        torch.testing.assert_close(conv_direct.conv2d(S, x, b, stride, dil, [(p, p) for p in pad], groups),
+                                   torch.nn.functional.conv2d(x, -2 * w, b, stride, pad, dil, groups), rtol=1e-4,
+                                   atol=1e-5)
