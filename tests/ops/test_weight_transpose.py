@@ -124,3 +124,15 @@ def test_sparse_linears_under_narrower_vectors(width):
     env = dict(os.environ, SCORCH_VECTOR_BYTES=width)
     done = subprocess.run([sys.executable, "-c", _LINEARS], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_cuda_renders_the_plain_loops():
+    """CUDA has no helper: it renders the statement's meaning (``Transpose.loops``), the weight kernels as well."""
+    from scorch.compiler import weights as family
+    from scorch.compiler.codegen import cuda
+    from scorch.compiler.mapping import map_to_gpu
+    from scorch.compiler.target import Target
+    plan = family.tiles(Target("cpu", vector_bytes=64), "csr", 100, "f32", "f32", "i32", "i32")
+    for kernel in (_kernel("f32", "bf16"), family.forward(plan)):
+        src = cuda.generate(kernel, map_to_gpu(kernel), prelude=False, symbol="k")
+        assert "tr_i" in src and "scorch_transpose" not in src
