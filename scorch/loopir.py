@@ -256,6 +256,35 @@ class Prefetch(Stmt):
 
 
 @dataclass(frozen=True)
+class Transpose(Stmt):
+    """``dst[dst_at + j * dst_stride + i] = src[src_at + i * src_stride + j]`` for ``i < rows``, ``j < cols``: a
+    block of a row-major matrix copied transposed, converted from ``stype`` to ``dtype`` (through float32: a
+    16-bit result rounded once). Its meaning is ``loops()``; a renderer may copy square tiles by vector
+    shuffles instead, which compilers do not find in the loops."""
+    dst: str
+    dst_at: Expr
+    dst_stride: Expr
+    src: str
+    src_at: Expr
+    src_stride: Expr
+    rows: Expr
+    cols: Expr
+    stype: str
+    dtype: str
+
+    def loops(self) -> "For":
+        """The copy as plain loops (the scalar rendering, and the interpreter's)."""
+        i, j = Var("tr_i"), Var("tr_j")
+        value = Load(self.src, binary("add", self.src_at, binary("add", binary("mul", i, self.src_stride), j)),
+                     self.stype)
+        if self.stype != "f32" and self.dtype != "f32":
+            value = Cast(value, "f32")
+        return For(i, Const(0), self.rows, block(For(j, Const(0), self.cols, block(Store(
+            self.dst, binary("add", self.dst_at, binary("add", binary("mul", j, self.dst_stride), i)),
+            value if self.stype == self.dtype else Cast(value, self.dtype))))))
+
+
+@dataclass(frozen=True)
 class LocalArray(Stmt):
     """A workspace of compile-time ``size`` (kept in registers or on the stack), filled with ``init``.
     ``vector``: held as vectors of that many lanes (a register tile); only ``vector`` loops index it, at
@@ -467,7 +496,8 @@ def _has_loop(stmt):
 
 def expressions(s):
     """The expressions of the statement ``s`` itself (its value, index, condition, bounds, initial value)."""
-    for f in ("value", "index", "cond", "lo", "hi", "init", "lead"):
+    for f in ("value", "index", "cond", "lo", "hi", "init", "lead", "dst_at", "dst_stride", "src_at", "src_stride",
+              "rows", "cols"):
         e = getattr(s, f, None)
         if isinstance(e, Expr):
             yield e
@@ -483,7 +513,8 @@ def loads(e):
 
 def accesses(s):
     """``(array, index)`` of every store and load in the statement ``s`` itself (not in nested statements)."""
-    out = [(s.array, s.index)] if isinstance(s, Store) else []
+    out = [(s.array, s.index)] if isinstance(s, Store) else \
+        [(s.dst, s.dst_at), (s.src, s.src_at)] if isinstance(s, Transpose) else []
     for e in expressions(s):
         out += [(ld.array, ld.index) for ld in loads(e)]
     return out

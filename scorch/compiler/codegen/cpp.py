@@ -219,6 +219,12 @@ class _Emitter:
             if isinstance(s.init, L.Const) and s.init.value == 0:
                 return [f"{pad}{vt} {n}[{int(s.size)}] = {{}};"]
             return self.vector_array(n, vt, int(s.size), s.init, pad)
+        if isinstance(s, L.Transpose):  # (``codegen.transpose``: square tiles by vector shuffles)
+            if self.vec:
+                raise ValueError(f"a transpose into {s.dst} inside a vector loop")
+            args = [f"&{ident(s.dst)}[{self.expr(s.dst_at)}]", f"&{ident(s.src)}[{self.expr(s.src_at)}]"] + \
+                [f"(int64_t)({self.expr(e)})" for e in (s.rows, s.cols, s.dst_stride, s.src_stride)]
+            return [f"{pad}scorch_transpose({', '.join(args)});"]
         if isinstance(s, L.SumLanes):
             n, src = ident(s.name), ident(s.array)
             if self.sum_arrays.get(s.array, ("",))[0] != "add" or s.type not in ("f32", "f64") or \

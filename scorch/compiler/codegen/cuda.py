@@ -328,6 +328,8 @@ class _Emitter(cpp._Emitter):
             return self.loop(s, d)
         if isinstance(s, L.Prefetch):
             return []  # (a CPU cache hint)
+        if isinstance(s, L.Transpose):
+            return self.stmt(s.loops(), d)
         return super().stmt(s, d)
 
     def _store(self, s, d):

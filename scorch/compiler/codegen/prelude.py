@@ -7,6 +7,7 @@ from __future__ import annotations
 from ... import loopir as L
 from ..target import CPU
 from .activations import ACTIVATIONS
+from .transpose import TRANSPOSE
 
 
 def _hsum(name, ctype, lanes, op="sum", vec=None, fname=None):
@@ -683,4 +684,6 @@ struct scorch_buf {
     # rows name the bitmap helpers alone
     "scorch_sort": _SORT,
     "scorch_set_bit": _BITMAP,
+    # a block copied transposed (``loopir.Transpose``: ``codegen.transpose``)
+    "scorch_transpose": TRANSPOSE,
 }
