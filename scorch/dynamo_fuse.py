@@ -55,12 +55,19 @@ def linear_epilogue(meta: str, arrays: list[torch.Tensor], sizes: list[int], bia
     return _fresh(_eager(x, w, bias, activation), [*arrays, bias])
 
 
+def _served(x, weights, biases, activations) -> bool:
+    """Whether the weight family runs each product of ``x`` with ``weights``: activations it knows, weights it takes,
+    biases of ``x``'s dtype."""
+    return all(a in ACTIVATIONS for a in activations) and all(weight_kernels.applies(w, x) for w in weights) and \
+        all(b is None or b.dtype == x.dtype for b in biases)
+
+
 def _eager(x, w, bias, activation: str) -> torch.Tensor:
     """``ACTIVATIONS[activation](x @ w.T + bias)`` (``activation`` checked), contiguous: through the weight family
     where it serves, else the general product and torch's bias and activation."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"scorch: a linear epilogue takes an activation of {sorted(ACTIVATIONS)}, not {activation!r}")
-    if weight_kernels.applies(w, x) and (bias is None or bias.dtype == x.dtype):
+    if _served(x, [w], [bias], [activation]):
         return weight_kernels.linear(w, x, bias, activation or None)
     r = engine.einsum(LINEAR, x, w, format="dense")
     return ACTIVATIONS[activation](r if bias is None else r + bias).contiguous()
@@ -79,8 +86,7 @@ def linear_chain(x: torch.Tensor, meta1: str, arrays1: list[torch.Tensor], sizes
     """``linear_epilogue`` of ``linear_epilogue``: ``act2(act1(x @ W1.T + b1) @ W2.T + b2)``, each weight described
     by ``dynamo._flatten([W])``; the intermediate in the kernels' panel layout (``engine.weights.linear_chain``)."""
     (w1,), (w2,) = _rebuild(meta1, arrays1, sizes1), _rebuild(meta2, arrays2, sizes2)
-    if all(a in ACTIVATIONS for a in (activation1, activation2)) and weight_kernels.applies(w1, x) and \
-            weight_kernels.applies(w2, x) and all(b is None or b.dtype == x.dtype for b in (bias1, bias2)):
+    if _served(x, [w1, w2], [bias1, bias2], [activation1, activation2]):
         r = weight_kernels.linear_chain(w1, x, bias1, activation1 or None, w2, bias2, activation2 or None)
     else:
         r = _eager(_eager(x, w1, bias1, activation1), w2, bias2, activation2)
@@ -131,8 +137,7 @@ def linear_shared(x: torch.Tensor, meta: str, arrays: list[torch.Tensor], sizes:
     activation (``activations``: theirs joined by ";"): ``x`` made into the kernels' panels once
     (``engine.weights.linear_shared``)."""
     weights, activations = _rebuild(meta, arrays, sizes), activations.split(";")
-    if all(a in ACTIVATIONS for a in activations) and all(weight_kernels.applies(w, x) for w in weights) and \
-            all(b is None or b.dtype == x.dtype for b in biases):
+    if _served(x, weights, biases, activations):
         out = weight_kernels.linear_shared(weights, x, biases, [a or None for a in activations])
     else:
         out = [_eager(x, w, b, a) for w, b, a in zip(weights, biases, activations)]

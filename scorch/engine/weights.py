@@ -130,6 +130,18 @@ def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int
                               "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(), **args})
 
 
+def _bias(bias, dtype) -> dict:
+    """The kernels' bias argument: ``{"bias": bias}`` in ``dtype``, contiguous; nothing without a bias."""
+    return {} if bias is None else {"bias": bias.to(dtype).contiguous()}
+
+
+def _forward(plan: family.Tiles, weight: SparseTensor, arrays: dict, n: int, extra: dict, **args) -> None:
+    """``plan``'s forward kernel over ``n`` tokens and every row of ``weight`` (``arrays``: its index arrays and
+    values as the plan reads them; ``extra``: ``_bias``), the rows split among the threads (``_split``)."""
+    _run("forward", plan, weight._shape, arrays, n, *_split(plan, n, weight._shape[0], torch.get_num_threads()),
+         **args, **extra)
+
+
 #: the transposed patterns of CSR and n:m weights (``_transposed``), by the weight's index arrays
 _TRANSPOSED = PatternMemo(1024)
 register("weight transposes", "CSR patterns of weights' transposes, with their values' permutation, by the"
@@ -248,7 +260,7 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str, activation=
     words = words.view(torch.int32) if pairs else words
     kernel, loaded = _kernel(plan, "bits")
     y = torch.empty(1, n_out)
-    extra = {} if bias is None else {"bias": bias.to(weight._vals.dtype).contiguous()}
+    extra = _bias(bias, weight._vals.dtype)
     cpp.call(kernel, loaded, {"pos": pos, "bits": words, "vals": weight._vals, "x": xp, "y": y, "n_out": n_out,
                               "words": count, **extra})
     return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -364,7 +376,7 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
         if y1 is not None:
             return y1
     arrays["vals"] = weight._vals
-    extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
+    extra = _bias(bias, x.dtype)
     if family.dots(plan.kind, plan.vtype, n, CPU) and weight._shape[1] < 2 ** 31:  # (n:m columns: 32 bits)
         # (one token: read as float32 whatever the values' type, the sum rounded once into the result)
         wide = y if x.dtype == torch.float32 else torch.empty(n, n_out)
@@ -381,8 +393,7 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
             plan = replace(plan, combos=False)
         else:
             arrays = {"combo": combo, "vals": weight._vals}
-    _run("forward", plan, weight._shape, arrays, n, *_split(plan, n, n_out, torch.get_num_threads()), x=x, y=y,
-         **extra)
+    _forward(plan, weight, arrays, n, extra, x=x, y=y)
     return y
 
 
@@ -401,13 +412,10 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
     if n < 2 or x.dtype != torch.float32 or p1.T != p2.T or p1.paired or p2.paired or not n_mid or not n_out:
         return linear(w2, linear(w1, x, b1, act1), b2, act2)
     p1, p2 = replace(p1, out_panel=True), replace(p2, in_panel=True)
-    threads = torch.get_num_threads()
     mid = torch.empty(-(-n // p1.T) * n_mid * p1.T)
     y = torch.empty(n, n_out)
-    for plan, w, arrays, bias, src, out, rows in ((p1, w1, a1, b1, x, mid, n_mid), (p2, w2, a2, b2, mid, y, n_out)):
-        extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
-        _run("forward", plan, w._shape, {**arrays, "vals": w._vals}, n, *_split(plan, n, rows, threads), x=src,
-             y=out, **extra)
+    for plan, w, arrays, bias, src, out in ((p1, w1, a1, b1, x, mid), (p2, w2, a2, b2, mid, y)):
+        _forward(plan, w, {**arrays, "vals": w._vals}, n, _bias(bias, x.dtype), x=src, y=out)
     return y
 
 
@@ -433,13 +441,12 @@ def linear_shared(weights, x: torch.Tensor, biases, activations) -> list:
     plans = [plan_for(w, n, b is not None, activation=a) for w, b, a in zip(weights, biases, activations)]
     if n < 2 or x.dtype != torch.float32 or any(p.paired for p in plans) or len({p.T for p in plans}) != 1:
         return [linear(w, x, b, a) for w, b, a in zip(weights, biases, activations)]
-    panel, threads, out = panels(x, plans[0].T), torch.get_num_threads(), []
+    panel, out = panels(x, plans[0].T), []
     for w, bias, plan in zip(weights, biases, plans):
         y = torch.empty(n, w._shape[0])
         if y.numel():
-            extra = {} if bias is None else {"bias": bias.to(x.dtype).contiguous()}
-            _run("forward", replace(plan, in_panel=True), w._shape, {**_arrays(w), "vals": w._vals}, n,
-                 *_split(plan, n, w._shape[0], threads), x=panel, y=y, **extra)
+            _forward(replace(plan, in_panel=True), w, {**_arrays(w), "vals": w._vals}, n, _bias(bias, x.dtype),
+                     x=panel, y=y)
         out.append(y)
     return out
 
