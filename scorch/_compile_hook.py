@@ -24,7 +24,7 @@ def load():
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import _forward, dynamo, dynamo_fuse, dynamo_sparse  # noqa: F401
+        from . import _forward, dynamo, dynamo_fuse, dynamo_sparse, dynamo_train  # noqa: F401
         _forward.refresh()
 
 
