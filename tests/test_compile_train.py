@@ -186,3 +186,19 @@ def test_gcn_app_compiled_without_dropout_trains_as_eager():
             run.append(loss.detach())
         losses.append(torch.stack(run))
     torch.testing.assert_close(losses[1], losses[0])
+
+
+def test_install_keeps_the_passes_already_set_and_runs_before_the_epilogue_pass():
+    import torch._inductor.config as inductor_config
+    from scorch import dynamo_fuse
+
+    def user_pass(graph):
+        pass
+    with inductor_config.patch(pre_grad_custom_pass=user_pass):
+        dynamo_fuse.install()
+        dynamo_train.install()
+        dynamo_train.install()
+        assert inductor_config.pre_grad_custom_pass == [user_pass, dynamo_train.PASS, dynamo_fuse.PASS]
+    with inductor_config.patch(pre_grad_custom_pass=None):
+        dynamo_train.install()
+        assert inductor_config.pre_grad_custom_pass is dynamo_train.PASS
