@@ -87,10 +87,7 @@ def _scale(p: float) -> float:
 def relu_dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """``F.dropout(F.relu(x), p, training=True)`` of a float32/float64 CPU ``x``, its mask drawn from ``seed`` (a
     0-d int64 tensor): each element kept with probability ``1 - p``."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES:
-        raise ValueError(f"scorch::relu_dropout takes a float32 or float64 CPU tensor, not {x.dtype} on {x.device}")
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    _check(x, p)
     x = x.contiguous()
     out = torch.empty_like(x)
     threshold = min(int(p * 2.0 ** 32), 2 ** 32 - 1)  # a draw (32 bits) below it is dropped
@@ -98,6 +95,13 @@ def relu_dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
             ctypes.c_uint32, ctypes.c_double)(x.data_ptr(), out.data_ptr(), x.numel(), int(seed) & (2 ** 64 - 1),
                                               threshold, _scale(p), *_tail(x))
     return out
+
+
+def _check(x: torch.Tensor, p: float) -> None:
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        raise ValueError(f"scorch::relu_dropout takes a float32 or float64 CPU tensor, not {x.dtype} on {x.device}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
 
 
 def _kernel(symbol: str, *argtypes):
@@ -117,7 +121,11 @@ def _tail(x: torch.Tensor) -> tuple:
 def relu_dropout_backward(grad: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
     """The gradient of ``relu_dropout``'s input from its output ``out`` and the output's gradient ``grad``:
     ``grad / (1 - p)`` where ``out`` is positive, else 0."""
-    grad = grad.to(out.dtype).contiguous()
+    _check(out, p)
+    if grad.shape != out.shape or grad.device != out.device:
+        raise ValueError(f"scorch::relu_dropout_backward: a gradient of shape {tuple(grad.shape)} on {grad.device} "
+                         f"for an output of shape {tuple(out.shape)} on {out.device}")
+    grad, out = grad.to(out.dtype).contiguous(), out.contiguous()
     gx = torch.empty_like(out)
     _kernel("scorch_relu_dropout_backward", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
             ctypes.c_double)(grad.data_ptr(), out.data_ptr(), gx.data_ptr(), out.numel(), _scale(p), *_tail(out))

@@ -157,11 +157,18 @@ def test_op_edges():
         torch.ops.scorch.relu_dropout(x, 1.5, seed)
     with pytest.raises(ValueError, match="float32 or float64"):
         torch.ops.scorch.relu_dropout(x.half(), 0.5, seed)
+    out = torch.ops.scorch.relu_dropout(x, 0.5, seed)
+    with pytest.raises(ValueError, match="gradient of shape"):
+        torch.ops.scorch.relu_dropout_backward(x[:10], out, 0.5)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        torch.ops.scorch.relu_dropout_backward(x.half(), out.half(), 0.5)
 
 
 def test_opcheck():
     x = torch.randn(40, 8, requires_grad=True)
     torch.library.opcheck(torch.ops.scorch.relu_dropout.default, (x, 0.5, torch.tensor(3)))
+    out = torch.ops.scorch.relu_dropout(x.detach(), 0.5, torch.tensor(3))
+    torch.library.opcheck(torch.ops.scorch.relu_dropout_backward.default, (torch.randn(40, 8), out, 0.5))
 
 
 def test_gcn_app_compiled_without_dropout_trains_as_eager():
