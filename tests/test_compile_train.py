@@ -209,3 +209,16 @@ def test_install_keeps_the_passes_already_set_and_runs_before_the_epilogue_pass(
     with inductor_config.patch(pre_grad_custom_pass=None):
         dynamo_train.install()
         assert inductor_config.pre_grad_custom_pass is dynamo_train.PASS
+
+
+def test_new_nnz_recompiles_at_most_once():
+    """Inductor with the pass: graphs of other nnz (same size) run on the graph compiled with symbolic sizes, each
+    output the layer's under its mask."""
+    import torch._dynamo.testing
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for seed in range(3):
+        A, X, W, b = _graph(n=80, seed=seed)
+        out = compiled(A, X, W, b, 0.5)
+        torch.testing.assert_close(out, _mask_reference(A, X, W, b, out, 0.5))
+    assert counter.frame_count <= 2, counter.frame_count
