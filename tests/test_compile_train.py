@@ -222,3 +222,27 @@ def test_new_nnz_recompiles_at_most_once():
         out = compiled(A, X, W, b, 0.5)
         torch.testing.assert_close(out, _mask_reference(A, X, W, b, out, 0.5))
     assert counter.frame_count <= 2, counter.frame_count
+
+
+def test_compiled_backward_keeps_a_constant_operands_transposition(monkeypatch):
+    """A compiled graph's sparse operand is rebuilt every call; the transposition its backward product needs is
+    made on the first step only (``dynamo._share_conversions``), and the gradients stay eager's."""
+    import importlib
+    convert = importlib.import_module("scorch.engine.convert")  # (the module: ``engine.convert`` is a function)
+    made = []
+    real = convert._by_known_permutation
+    monkeypatch.setattr(convert, "_by_known_permutation", lambda *a: made.append(1) or real(*a))
+    A, X, W, b = _graph(n=120)
+    X.requires_grad_()
+
+    def f(A, X):
+        return (A @ X).square().sum()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    want = torch.autograd.grad(f(A, X), X)[0]
+    made.clear()
+    for step in range(4):
+        torch.testing.assert_close(torch.autograd.grad(compiled(A, X), X)[0], want)
+    assert len(made) <= 1, len(made)
+    with torch.no_grad():
+        A.values().mul_(2)  # new values, same pattern: the kept transposition is checked, not reused as it was
+    torch.testing.assert_close(torch.autograd.grad(compiled(A, X), X)[0], torch.autograd.grad(f(A, X), X)[0])
