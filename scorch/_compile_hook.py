@@ -24,8 +24,29 @@ def load():
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import _forward, dynamo, dynamo_fuse, dynamo_sparse  # noqa: F401
+        from . import _forward, dynamo, dynamo_fuse, dynamo_sparse, dynamo_train  # noqa: F401
         _forward.refresh()
+        _direct_cpu_kernels(dynamo, dynamo_fuse, dynamo_sparse, dynamo_train)
+
+
+_library = None
+
+
+def _direct_cpu_kernels(*modules):
+    """Each scorch custom op's function registered as its CPU kernel itself. ``torch.library.custom_op`` registers a
+    wrapper for every device (a dynamo-disabling frame, an output aliasing check, a kernel-enabled test) that cost
+    about 17 us a call, as much as the call of a small product itself (a Cora GCN's compiled training step calls 8
+    scorch ops); its autograd and fake kernels stay as registered. scorch's ops return fresh tensors
+    (``dynamo._fresh``), which that aliasing check verified; the tests' ``opcheck`` of them still does."""
+    global _library
+    import torch
+    from torch._library.custom_ops import CustomOpDef
+    _library = torch.library.Library("scorch", "IMPL")
+    for module in modules:
+        for op in vars(module).values():
+            fn = getattr(op, "_init_fn", None)
+            if isinstance(op, CustomOpDef) and callable(fn):
+                _library.impl(op._name, fn, "CPU")
 
 
 class _ThenLoad(importlib.abc.Loader):
