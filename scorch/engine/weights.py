@@ -459,9 +459,8 @@ def linear_stacked(weights, x: torch.Tensor, biases, activation=None) -> torch.T
 
 def stacked(weights) -> tuple:
     """``(arrays, shape)``: the index arrays and values (``_arrays`` and ``vals``) of the weights' rows stacked, one
-    weight of ``(sum of rows, in)``. The index arrays made once per set of patterns; the values gathered each call
-    (a weight may be changed in place, and they are a small part of a product's time: 0.7 MB for BERT's query, key
-    and value at 90%)."""
+    weight of ``(sum of rows, in)``. The index arrays made once per set of patterns, the values once per version of
+    each weight's values (a weight changed in place is gathered again)."""
     def make():
         parts = [_arrays(w) for w in weights]
         if "pos" not in parts[0]:  # (n:m: a row's entries at a fixed stride, nothing to offset)
@@ -471,14 +470,23 @@ def stacked(weights) -> tuple:
         return {"pos": pos.to(parts[0]["pos"].dtype), "crd": torch.cat([a["crd"] for a in parts])}
     levels = [lv for w in weights for lv in w._levels]
     arrays = _STACKED.lookup(("stacked", tuple(tuple(w._shape) for w in weights), weights[0]._format), levels, make)
-    return {**arrays, "vals": torch.cat([w._vals for w in weights])}, (sum(w._shape[0] for w in weights),
-                                                                      weights[0]._shape[1])
+    vals = [w._vals for w in weights]
+    if any(v.is_inference() for v in vals):  # (no version counters: nothing kept)
+        stacked_vals = torch.cat(vals)
+    else:
+        stacked_vals = _STACKED_VALUES.lookup(("stacked", tuple(v._version for v in vals[1:])), vals[0],
+                                              lambda: torch.cat(vals).detach(), vals[1:])
+    return {**arrays, "vals": stacked_vals}, (sum(w._shape[0] for w in weights), weights[0]._shape[1])
 
 
 #: the stacked index arrays of weights of one input (``stacked``), by the weights' index arrays
 _STACKED = PatternMemo(256)
 register("stacked weights", "the index arrays of sparse weights' rows stacked (the query, key and value products of"
          " one input as one), by the weights' index arrays", _STACKED.__len__, _STACKED.clear)
+#: their values stacked, by the first weight's values (the others' identity and versions in the key)
+_STACKED_VALUES = ValuesMemo(256)
+register("stacked weight values", "the values of sparse weights' rows stacked, by the first weight's values tensor"
+         " (remade when any of them changes)", _STACKED_VALUES.__len__, _STACKED_VALUES.clear)
 
 
 def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:

@@ -224,8 +224,13 @@ def test_products_of_one_input_stacked(tokens, monkeypatch):
     want = torch.cat([F.gelu(F.linear(x, w, bias)) for w, bias in zip(ws, bs)], 1)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert (runs == [(72, 24)]) if tokens > 1 else (72, 24) not in runs
-    # (the stacked pattern kept: the same objects again)
-    assert kernels.stacked(ss)[0]["pos"] is kernels.stacked(ss)[0]["pos"]
+    # (the stacked pattern and values kept: the same objects again; a weight changed in place: its values anew)
+    first = kernels.stacked(ss)[0]
+    assert first["pos"] is kernels.stacked(ss)[0]["pos"] and first["vals"] is kernels.stacked(ss)[0]["vals"]
+    with torch.no_grad():
+        ss[1]._vals.mul_(2)
+    torch.testing.assert_close(kernels.linear_stacked(ss, x, bs, "gelu")[:, 16:40], F.gelu(F.linear(x, 2 * ws[1])),
+                               rtol=1e-5, atol=1e-5)
     mixed = [ss[0], scorch.asformat(_masked("nm(2, 4)", 8, 24, 20), "nm(2, 4)")]
     got = kernels.linear_stacked(mixed, x, [None, None], None)
     torch.testing.assert_close(got, torch.cat([F.linear(x, ws[0]), F.linear(x, mixed[1].to_dense())], 1), rtol=1e-5,
