@@ -442,12 +442,12 @@ def linear_stacked(weights, x: torch.Tensor, biases, activation=None) -> torch.T
     if not weights or any(w._shape[1] != x.shape[1] for w in weights) or len(biases) != len(weights):
         raise ValueError(f"scorch: linear_stacked of an input {tuple(x.shape)} and weights of shapes "
                          f"{[tuple(w._shape) for w in weights]} (biases: {len(biases)})")
-    bias = any(b is not None for b in biases)
-    plans = {plan_for(w, n, bias, activation=activation) for w in weights}
+    bias, parts = any(b is not None for b in biases), [_arrays(w) for w in weights]
+    plans = {plan_for(w, n, bias, arrays=a, activation=activation) for w, a in zip(weights, parts)}
     if n < 2 or x.dtype != torch.float32 or len(plans) != 1 or next(iter(plans)).paired or \
             sum(w._vals.numel() for w in weights) >= 2 ** 31:
         return torch.cat([linear(w, x, b, activation) for w, b in zip(weights, biases)], 1)
-    plan, (arrays, shape) = plans.pop(), stacked(weights)
+    plan, (arrays, shape) = plans.pop(), stacked(weights, parts)
     extra = {} if not bias else {"bias": torch.cat([torch.zeros(w._shape[0], dtype=x.dtype) if b is None else
                                                     b.to(x.dtype) for w, b in zip(weights, biases)])}
     y = torch.empty(n, shape[0], dtype=x.dtype)
@@ -457,12 +457,14 @@ def linear_stacked(weights, x: torch.Tensor, biases, activation=None) -> torch.T
     return y
 
 
-def stacked(weights) -> tuple:
+def stacked(weights, parts=None) -> tuple:
     """``(arrays, shape)``: the index arrays and values (``_arrays`` and ``vals``) of the weights' rows stacked, one
-    weight of ``(sum of rows, in)``. The index arrays made once per set of patterns, the values once per version of
-    each weight's values (a weight changed in place is gathered again)."""
+    weight of ``(sum of rows, in)`` (``parts``: each weight's ``_arrays``, where the caller has them). The index
+    arrays made once per set of patterns, the values once per version of each weight's values (a weight changed in
+    place is gathered again)."""
     def make():
-        parts = [_arrays(w) for w in weights]
+        nonlocal parts
+        parts = parts or [_arrays(w) for w in weights]
         if "pos" not in parts[0]:  # (n:m: a row's entries at a fixed stride, nothing to offset)
             return {"crd": torch.cat([a["crd"] for a in parts])}
         ends = torch.tensor([0] + [int(a["pos"][-1]) for a in parts]).cumsum(0)
