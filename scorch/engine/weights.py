@@ -421,10 +421,10 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
         kernel = chain.forward_chain(p1, p2)
         entry = _KERNELS[((p1, p2), "chain")] = (kernel, cpp.load(kernel))
     second = {"pos2": a2.get("pos"), "crd2": a2["crd"], "vals2": w2._vals, "bias2": _bias(b2, x.dtype).get("bias")}
-    cpp.call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **{k: v for k, v in second.items() if v is not None},
-                      "x": x, "y": y, "n": n, "n_in": n_in, "n_mid": n_mid, "n_out": n_out,
-                      "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1], "chunks": 1, "row_chunk": n_mid,
-                      "nthreads": threads})
+    second = {k: v for k, v in second.items() if v is not None}
+    cpp.call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **second, "x": x, "y": y, "n": n, "n_in": n_in,
+                      "n_mid": n_mid, "n_out": n_out, "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1],
+                      "chunks": 1, "row_chunk": n_mid, "nthreads": threads})
     return y
 
 
