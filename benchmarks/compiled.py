@@ -130,6 +130,7 @@ def bert(cfg, quick: bool) -> Table:
                                        BERT_COMPILED))
     t.notes.append("The first call of each compiled model (the graph's compilation) is its warm-up, not timed. In the "
                    "compiled pruned model each Linear's bias and GELU run in the sparse kernel's store, the feed-forward "
-                   "block's two products are chained through the kernels' panels, and the query, key and value "
-                   "products share their input's panels (`scorch/dynamo_fuse.py`, an Inductor pre-grad pass).")
+                   "block's two products run as one kernel a tile of tokens at a time (the intermediate in the thread's "
+                   "cache), and the query, key and value products as one product of their weights' rows stacked "
+                   "(`scorch/dynamo_fuse.py`, an Inductor pre-grad pass).")
     return t

@@ -5,15 +5,19 @@ Traced alone, ``F.linear(x, W, b)`` with a sparse weight is ``scorch::einsum_den
 Inductor's add of the bias, and ``gelu(F.linear(x, W, b))`` one more Inductor kernel that reads the product's output
 back and writes it again (a pruned BERT's 3072-wide intermediate: 12 MB each way a layer at 1024 tokens). The
 kernel family behind the product (``compiler.weights``) adds the bias and applies ReLU, GELU (erf or tanh) or SiLU
-in its store instead, on the sums while they are in L1 (``Tiles.activation``); and where one product's output is read
-only by the next (a feed-forward block), the first stores its tiles as the panels the second reads in place
-(``engine.weights.linear_chain``), so the intermediate is never transposed into rows and back.
+in its store instead, on the sums while they are in L1 (``Tiles.activation``); where one product's output is read
+only by the next (a feed-forward block), both run in one kernel a token tile at a time
+(``engine.weights.linear_chain``), so the intermediate stays in the thread's cache as the second product's panel,
+never transposed into rows and back; and products of one input with one activation (query, key, value) run as one
+product of their weights' rows stacked (``engine.weights.linear_stacked``: the input packed once), each result a
+slice of its columns.
 
 ``EpiloguePass`` is an Inductor pre-grad pass (``torch._inductor.config.pre_grad_custom_pass``, put after the passes
 already set there when scorch's compile support loads): on the graph Dynamo traced, where ``F.linear`` with a
 SparseTensor weight is still one node, it replaces each ``act(F.linear(x, W, b))`` (the linear read by nothing
 else; ``act`` optional) by ``fused_linear(x, W, b, act)``, then each ``fused_linear`` whose input is another read by
-nothing else by one ``chained_linear``. A graph with no sparse weight is left as it is. The pass runs before
+nothing else by one ``chained_linear``, then ``fused_linear`` calls of one input and activation by one
+``shared_linear``. A graph with no sparse weight is left as it is. The pass runs before
 AOTAutograd, so ``fused_linear`` and ``chained_linear`` decide while they are traced:
 
 - no gradient needed (grad mode off, or no operand requiring one): one ``scorch::linear_epilogue`` (or
@@ -27,6 +31,7 @@ Only Inductor runs pre-grad passes: other backends (``aot_eager``) see the graph
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from typing import Optional
 
@@ -132,33 +137,35 @@ def chained_linear(x, weight1, bias1, activation1: str, weight2, bias2, activati
 
 @torch.library.custom_op("scorch::linear_shared", mutates_args=())
 def linear_shared(x: torch.Tensor, meta: str, arrays: list[torch.Tensor], sizes: list[int],
-                  biases: list[Optional[torch.Tensor]], activations: str) -> list[torch.Tensor]:
+                  biases: list[Optional[torch.Tensor]], activation: str) -> torch.Tensor:
     """``linear_epilogue`` of one input ``x`` with each weight ``dynamo._flatten(weights)`` describes, its bias and
-    activation (``activations``: theirs joined by ";"): ``x`` made into the kernels' panels once
-    (``engine.weights.linear_shared``)."""
-    weights, activations = _rebuild(meta, arrays, sizes), activations.split(";")
-    if _served(x, weights, biases, activations):
-        out = weight_kernels.linear_shared(weights, x, biases, [a or None for a in activations])
+    the one ``activation``, side by side in one result (``x``'s rows by all the weights' rows): one product of the
+    weights' rows stacked, which packs ``x`` into panels once (``engine.weights.linear_stacked``)."""
+    weights = _rebuild(meta, arrays, sizes)
+    if _served(x, weights, biases, [activation]):
+        out = weight_kernels.linear_stacked(weights, x, biases, activation or None)
     else:
-        out = [_eager(x, w, b, a) for w, b, a in zip(weights, biases, activations)]
-    return [_fresh(r, [x, *arrays, *biases]) for r in out]
+        out = torch.cat([_eager(x, w, b, activation) for w, b in zip(weights, biases)], 1)
+    return _fresh(out, [x, *arrays, *biases])
 
 
 @linear_shared.register_fake
-def _linear_shared_fake(x, meta, arrays, sizes, biases, activations):
-    return [x.new_empty((x.shape[0], sizes[2 * k]), dtype=torch.promote_types(x.dtype, arrays[at].dtype))
-            for k, at in enumerate(_value_arrays(meta, arrays))]
+def _linear_shared_fake(x, meta, arrays, sizes, biases, activation):
+    dtype = functools.reduce(torch.promote_types, [arrays[at].dtype for at in _value_arrays(meta, arrays)], x.dtype)
+    return x.new_empty((x.shape[0], sum(sizes[0::2])), dtype=dtype)
 
 
-def shared_linear(x, weights, biases, activations) -> tuple:
-    """``tuple(fused_linear(x, w, b, a) for ...)``: one ``scorch::linear_shared`` where every one may be fused."""
+def shared_linear(x, weights, biases, activation: str) -> tuple:
+    """``tuple(fused_linear(x, w, b, activation) for ...)``: one ``scorch::linear_shared`` where every one may be
+    fused, each result a slice of its columns."""
     if not all(_fusable(x, w, b) for w, b in zip(weights, biases)):
-        return tuple(fused_linear(x, w, b, a) for w, b, a in zip(weights, biases, activations))
+        return tuple(fused_linear(x, w, b, activation) for w, b in zip(weights, biases))
     lead = x.shape[:-1]
     meta, arrays, sizes = _flatten(list(weights))
     out = torch.ops.scorch.linear_shared(x.reshape(-1, x.shape[-1]).contiguous(), meta, arrays, sizes,
-                                         list(biases), ";".join(activations))
-    return tuple(y.reshape(*lead, y.shape[-1]) for y in out)
+                                         list(biases), activation)
+    ends = list(itertools.accumulate(w.shape[0] for w in weights))
+    return tuple(out[:, end - w.shape[0]:end].reshape(*lead, w.shape[0]) for w, end in zip(weights, ends))
 
 
 # --- the pass --------------------------------------------------------------------------------------------------
@@ -238,13 +245,14 @@ def fuse(graph: torch.fx.Graph) -> int:
 
 
 def _share(graph: torch.fx.Graph) -> None:
-    """Each set of ``fused_linear`` calls on one input (at least two, each one's operands defined before the first
-    of them) as one ``shared_linear`` call there, each call's value taken from its result."""
+    """Each set of ``fused_linear`` calls on one input with one activation (at least two, each one's operands
+    defined before the first of them) as one ``shared_linear`` call there, each call's value taken from its
+    result."""
     order = {n: k for k, n in enumerate(graph.nodes)}
     groups = {}
     for node in graph.nodes:
         if node.target is fused_linear and isinstance(node.args[0], torch.fx.Node):
-            groups.setdefault(node.args[0], []).append(node)
+            groups.setdefault((node.args[0], node.args[3]), []).append(node)
     for members in groups.values():
         first = members[0]
         if len(members) < 2 or any(order.get(a, order[first]) >= order[first] for m in members
@@ -252,8 +260,7 @@ def _share(graph: torch.fx.Graph) -> None:
             continue
         with graph.inserting_before(first):
             shared = graph.call_function(shared_linear, (first.args[0], tuple(m.args[1] for m in members),
-                                                         tuple(m.args[2] for m in members),
-                                                         tuple(m.args[3] for m in members)))
+                                                         tuple(m.args[2] for m in members), first.args[3]))
             for k, m in enumerate(members):
                 item = graph.call_function(operator.getitem, (shared, k))
                 item.meta.update(m.meta)

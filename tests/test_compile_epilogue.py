@@ -116,6 +116,7 @@ def test_inductor_runs_the_epilogues_in_one_graph(monkeypatch):
         real, chain = weights.linear, weights.linear_chain
         monkeypatch.setattr(weights, "linear", lambda w, x, b=None, act=None: seen.append(act) or real(w, x, b, act))
         monkeypatch.setattr(weights, "linear_chain", lambda *a: chains.append((a[3], a[6])) or chain(*a))
+        monkeypatch.setattr(weights, "CHAIN_TILES_PER_THREAD", 0)  # (one kernel whatever the threads)
         out = torch.compile(m, fullgraph=True)(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # (the first two linears and the next two are each one chain: the first's output feeds only the second)
@@ -165,10 +166,26 @@ def test_linears_of_one_input_share_its_panels(monkeypatch):
     s.regex(r".*weight").sparsify(scorch.nn.ScalarFraction(0.7)).set_format("csr")
     s.apply()
     x = torch.randn(2, 9, 32)
-    shared, real = [], weights.linear_shared
-    monkeypatch.setattr(weights, "linear_shared", lambda *a: shared.append(list(a[3])) or real(*a))
+    shared, real = [], weights.linear_stacked
+    monkeypatch.setattr(weights, "linear_stacked", lambda *a: shared.append((len(a[0]), a[3])) or real(*a))
     with torch.no_grad():
         ref = m(x)
         out = torch.compile(m, fullgraph=True)(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert shared == [[None, "relu", None]]
+    # (the query and value: one product of their rows stacked; the key, with its activation, alone)
+    assert shared == [(2, None)]
+
+
+def test_linear_shared_opcheck():
+    """The stacked op's schema and fake result (the weights' rows side by side), and the separate products where a
+    weight is not one the family serves (a COO weight)."""
+    from scorch.dynamo import _flatten
+    torch.manual_seed(0)
+    ws = [scorch.asformat(torch.randn(o, 32) * (torch.rand(o, 32) < 0.4), f) for o, f in ((16, "csr"), (8, "coo"))]
+    x, b = torch.randn(5, 32), torch.randn(16)
+    meta, arrays, sizes = _flatten(ws)
+    torch.library.opcheck(torch.ops.scorch.linear_shared.default, (x, meta, arrays, sizes, [b, None], "relu"),
+                          test_utils=("test_schema", "test_faketensor"))
+    out = torch.ops.scorch.linear_shared(x, meta, arrays, sizes, [b, None], "relu")
+    want = torch.cat([torch.relu(F.linear(x, ws[0].to_dense(), b)), torch.relu(F.linear(x, ws[1].to_dense()))], 1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

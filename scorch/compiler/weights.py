@@ -79,9 +79,7 @@ class Tiles:
     tokens); ``unroll`` accumulator sets per row (CSR, n:m); ``block`` (bh, bw) for BSR, ``group`` (n, m) for
     n:m; ``rows`` per store (BSR: the block's rows), ``row_pass`` rows accumulated at once (BSR); ``bias``: added
     in the epilogue; ``transposed``: the input gradient ``dX = dY @ W``; ``activation``: one of
-    ``loopir.ACTIVATIONS`` applied after the bias, in float32, before the store (``activate``); ``out_panel``: the
-    result stored as the panels a next product of the family reads (``store``), ``in_panel``: the input read as such
-    panels in place, not packed (``_panel``): two products chained (``engine.weights.linear_chain``)."""
+    ``loopir.ACTIVATIONS`` applied after the bias, in float32, before the store (``activate``)."""
     kind: str
     vtype: str
     xtype: str
@@ -99,8 +97,6 @@ class Tiles:
     pairs: bool = False  # (BSR, bfloat16) the panel holds pairs of features, multiplied by ``PairDot``
     combos: bool = False  # (2:4, bfloat16) the panel holds every pair of a group's features (``COMBOS``)
     activation: str | None = None
-    in_panel: bool = False
-    out_panel: bool = False
 
     @property
     def T(self) -> int:
@@ -146,7 +142,7 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
 
 I64, F32 = "i64", "f32"
 _t0, _nt, _tile, _chunk = L.Var("t0"), L.Var("nt"), L.Var("tile"), L.Var("chunk")
-_bv, _cur, _pb = L.Var("bv"), L.Var("cur"), L.Var("pb")
+_bv, _cur = L.Var("bv"), L.Var("cur")
 
 
 def _c(v):
@@ -287,24 +283,18 @@ def sets_total(acc: str, sets: int, T: int) -> L.Expr:
     return total
 
 
-def _panel(plan: Tiles, panel: str, index: L.Expr) -> tuple:
-    """``(array, index)`` of the panel entry ``index``: in the thread's ``panel``, or (``in_panel``) in the input,
-    which holds every tile's panel in turn, the item's from ``pb`` on."""
-    return ("x", _add(_pb, index)) if plan.in_panel and panel == "panel" else (panel, index)
-
-
 def prefetch(plan: Tiles, panel: str, coordinate: L.Expr) -> L.Stmt:
     """A hint for the panel row of the entry ``prefetch_distance`` entries on (``coordinate`` is its column,
     read in bounds by the caller)."""
-    return L.Prefetch(*_panel(plan, panel, _mul(coordinate, _c(plan.T))), PREFETCH_LOCALITY)
+    return L.Prefetch(panel, _mul(coordinate, _c(plan.T)), PREFETCH_LOCALITY)
 
 
 def _entry(plan: Tiles, acc: str, u: int, w: L.Expr, col: L.Expr, panel: str) -> L.Stmt:
     """One stored weight ``w`` at column ``col``: ``acc[u] += w * panel[col]`` over the tile's tokens."""
     T = plan.T
     return _vloop(T, plan.lanes, L.Store(acc, _add(_c(u * T), _bv),
-                                         _mul(L.Cast(w, F32), L.Load(*_panel(plan, panel, _add(_mul(col, _c(T)), _bv)),
-                                                                     F32)), "add"))
+                                         _mul(L.Cast(w, F32), L.Load(panel, _add(_mul(col, _c(T)), _bv), F32)),
+                                         "add"))
 
 
 def accumulate_row(plan: Tiles, o: L.Expr, acc: str, panel: str) -> L.Block:
@@ -370,14 +360,7 @@ def activate(plan: Tiles, count: L.Expr, buf: str = "tb") -> L.Stmt | None:
 
 def store(plan: Tiles, out: str, width: L.Expr, first: L.Expr, count: L.Expr, buf: str = "tb") -> L.Stmt:
     """``out[(t0 + t) * width + first + r] = buf[r * T + t]`` for the tile's tokens and ``count`` rows: the
-    buffer transposed into the result's rows (16-bit results rounded once, here). ``out_panel``: the rows copied
-    as they are into the tile's panel, ``out[(tile * width + first + r) * T + t]``, the lanes past the last token
-    zero (as ``pack`` leaves them)."""
-    t, r = L.Var("st"), L.Var("sr")
-    if plan.out_panel:
-        value = L.Select(L.binary("lt", t, _nt), L.Load(buf, _add(_mul(r, _c(plan.T)), t), F32), L.Const(0.0, F32))
-        return L.For(r, _c(0), count, L.block(L.For(t, _c(0), _c(plan.T), L.block(L.Store(
-            out, _add(_mul(_add(_mul(_tile, width), first, r), _c(plan.T)), t), L.Cast(value, plan.xtype))))))
+    buffer transposed into the result's rows (16-bit results rounded once, here)."""
     return L.Transpose(out, _add(_mul(_t0, width), first), width, buf, _c(0), _c(plan.T), count, _nt, F32, plan.xtype)
 
 
@@ -403,11 +386,9 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
     # (combos: 12 per group of 4; pairs: an odd width's last pair whole)
     size = _mul(width_in, _c(T * 3)) if plan.combos else _mul(_add(width_in, _c(1)) if plan.pairs else width_in,
                                                                 _c(T))
-    panel = None if plan.in_panel else L.Alloc("panel", plan.xtype if plan.paired else F32, size)
+    panel = L.Alloc("panel", plan.xtype if plan.paired else F32, size)
     setup = L.block(panel, L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
-    # (in_panel: the tile's panel is in the input already)
-    packed = L.Let(_pb, _mul(_mul(_tile, width_in), _c(T))) if plan.in_panel else \
-        L.If(L.binary("ne", _tile, _cur), L.block(pack(plan, "panel", src, width_in), L.Assign(_cur, _tile)))
+    packed = L.If(L.binary("ne", _tile, _cur), L.block(pack(plan, "panel", src, width_in), L.Assign(_cur, _tile)))
     return L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(
         L.Let(_tile, L.binary("floordiv", item, L.Var("chunks"))),
         L.Let(_chunk, L.binary("mod", item, L.Var("chunks"))),
@@ -418,13 +399,19 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
 
 def forward(plan: Tiles) -> L.Kernel:
     """``y = x @ W^T (+ bias)``, ``W`` out x in: work items of a token tile and a chunk of ``row_chunk`` rows."""
-    if (plan.in_panel or plan.out_panel) and (plan.paired or plan.xtype != F32):
-        raise ValueError("scorch: products chained through panels read and write float32 panels, not pairs")
-    T, n_in, n_out = plan.T, L.Var("n_in"), L.Var("n_out")
+    n_out = L.Var("n_out")
     r_lo = _mul(_chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
+    rows = block_rows(plan, r_lo, r_hi, lambda rb, count: store(plan, "y", n_out, rb, count))
+    return L.Kernel(plan.name, _params(plan, "x", "y"), L.block(_work(plan, L.Var("n_in"), "x", [rows])))
+
+
+def block_rows(plan: Tiles, r_lo: L.Expr, r_hi: L.Expr, finish) -> L.For:
+    """The output rows ``r_lo .. r_hi`` of the tile, a store block (``rows``) at a time: each row's stored weights
+    against ``panel`` summed into ``tb`` with the bias, the activation, then ``finish(rb, count)`` (the store of
+    the block's ``count`` rows from ``rb``)."""
+    T, R = plan.T, plan.rows
     ob, o, rb, re = L.Var("ob"), L.Var("o"), L.Var("rb"), L.Var("re")
-    R = plan.rows
     if plan.kind == "bsr":
         body = _bsr_rows(plan, rb)
     elif plan.row_pass > 1:
@@ -436,10 +423,10 @@ def forward(plan: Tiles) -> L.Kernel:
             accumulate_row(plan, o, "acc", "panel"),
             epilogue(plan, "acc", sets, o, _mul(L.binary("sub", o, rb), _c(T)))))
     blocks = L.binary("floordiv", _add(L.binary("sub", r_hi, r_lo), _c(R - 1)), _c(R))
-    rows = L.For(ob, _c(0), L.binary("max", blocks, _c(0)), L.block(
+    count = L.binary("sub", re, rb)
+    return L.For(ob, _c(0), L.binary("max", blocks, _c(0)), L.block(
         L.Let(rb, _add(r_lo, _mul(ob, _c(R)))), L.Let(re, L.binary("min", r_hi, _add(rb, _c(R)))),
-        body, activate(plan, L.binary("sub", re, rb)), store(plan, "y", n_out, rb, L.binary("sub", re, rb))))
-    return L.Kernel(plan.name, _params(plan, "x", "y"), L.block(_work(plan, n_in, "x", [rows])))
+        body, activate(plan, count), finish(rb, count)))
 
 
 def _bsr_rows(plan: Tiles, rb: L.Expr) -> L.Stmt:
@@ -454,7 +441,7 @@ def _bsr_rows(plan: Tiles, rb: L.Expr) -> L.Stmt:
         term = L.PairDot("panel", _add(_mul(_add(L.binary("floordiv", c0, _c(2)), c), _c(T)), _bv), "vals", at)
     else:
         term = _mul(L.Cast(L.Load("vals", at, plan.vtype), F32),
-                    L.Load(*_panel(plan, "panel", _add(_mul(_add(c0, c), _c(T)), _bv)), F32))
+                    L.Load("panel", _add(_mul(_add(c0, c), _c(T)), _bv), F32))
     steps = bw // 2 if plan.pairs else bw
     entry = L.For(r, _c(0), _c(Rt), L.block(_vloop(T, plan.lanes, L.Store(
         "acc", _add(_mul(r, _c(T)), _bv), term, "add"))), unroll=True)

@@ -15,6 +15,7 @@ import torch
 from .. import loopir as L
 from ..compiler import weights as family
 from ..compiler import weights_bits as bitmap
+from ..compiler import weights_chain as chain
 from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp
@@ -398,10 +399,11 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
 
 
 def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, b2=None, act2=None) -> torch.Tensor:
-    """``linear(w2, linear(w1, x, b1, act1), b2, act2)`` (a feed-forward block) with the intermediate never laid
-    out row-major: the first kernel stores its tiles as the panels the second reads in place (``Tiles.out_panel``,
-    ``in_panel``), so neither transposes it (at 1024 tokens and 3072 features, 12 MB each way). Both products in
-    float32 on the same tile of tokens, neither through its pairs or one token's kernels; else the two calls."""
+    """``linear(w2, linear(w1, x, b1, act1), b2, act2)`` (a feed-forward block) in one kernel, a tile of tokens at a
+    time (``compiler.weights_chain``): the intermediate stays in the thread's cache as the panel the second product
+    reads, never laid out in rows (at 1024 tokens and 3072 features, 12 MB written and read back each way). Both
+    products in float32 on the same tile of tokens, neither through pairs or one token's kernels, and tiles enough
+    for the threads; else the two calls."""
     x = x.contiguous()
     n, (n_mid, n_in), n_out = x.shape[0], w1._shape, w2._shape[0]
     if w2._shape[1] != n_mid or x.shape[1] != n_in:
@@ -409,46 +411,84 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
     a1, a2 = _arrays(w1), _arrays(w2)
     p1 = plan_for(w1, n, b1 is not None, arrays=a1, activation=act1)
     p2 = plan_for(w2, n, b2 is not None, arrays=a2, activation=act2)
-    if n < 2 or x.dtype != torch.float32 or p1.T != p2.T or p1.paired or p2.paired or not n_mid or not n_out:
+    threads = torch.get_num_threads()
+    if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or \
+            (threads > 1 and -(-n // p1.T) < CHAIN_TILES_PER_THREAD * threads):
         return linear(w2, linear(w1, x, b1, act1), b2, act2)
-    p1, p2 = replace(p1, out_panel=True), replace(p2, in_panel=True)
-    mid = torch.empty(-(-n // p1.T) * n_mid * p1.T)
     y = torch.empty(n, n_out)
-    for plan, w, arrays, bias, src, out in ((p1, w1, a1, b1, x, mid), (p2, w2, a2, b2, mid, y)):
-        _forward(plan, w, {**arrays, "vals": w._vals}, n, _bias(bias, x.dtype), x=src, y=out)
+    entry = _KERNELS.get(((p1, p2), "chain"))
+    if entry is None:
+        kernel = chain.forward_chain(p1, p2)
+        entry = _KERNELS[((p1, p2), "chain")] = (kernel, cpp.load(kernel))
+    second = {"pos2": a2.get("pos"), "crd2": a2["crd"], "vals2": w2._vals, "bias2": _bias(b2, x.dtype).get("bias")}
+    second = {k: v for k, v in second.items() if v is not None}
+    cpp.call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **second, "x": x, "y": y, "n": n, "n_in": n_in,
+                      "n_mid": n_mid, "n_out": n_out, "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1],
+                      "chunks": 1, "row_chunk": n_mid, "nthreads": threads})
     return y
 
 
-def panels(x: torch.Tensor, T: int) -> torch.Tensor:
-    """``x`` (tokens x in) as the panels ``compiler.weights.pack`` makes, every tile's in turn (tiles x in x T, the
-    lanes past the last token zero): what a product with ``Tiles.in_panel`` reads in place."""
-    n, k = x.shape
-    tiles = -(-n // T)
-    if tiles * T != n:
-        x = torch.cat([x, x.new_zeros(tiles * T - n, k)])
-    return x.reshape(tiles, T, k).transpose(1, 2).contiguous()
+#: token tiles per thread at least for ``linear_chain``'s one kernel: its work items are whole tiles (the second
+#: product needs all of a tile's intermediate), so with fewer the threads would idle where the two calls split rows
+CHAIN_TILES_PER_THREAD = 2
 
 
-def linear_shared(weights, x: torch.Tensor, biases, activations) -> list:
-    """``[linear(w, x, b, act) for ...]``, products of one input (a layer's query, key and value): ``x`` made into
-    panels once (``panels``) and read in place by each product, where each packed its own. Float32 products on the
-    same tile of tokens, not through pairs or one token's kernels; else the separate calls."""
+def linear_stacked(weights, x: torch.Tensor, biases, activation=None) -> torch.Tensor:
+    """``torch.cat([linear(w, x, b, activation) for ...], 1)``: products of one input (a layer's query, key and value)
+    as one product with the weights' rows stacked (``stacked``), so the input is packed into panels once for all of
+    them. float32 weights of one plan (format, types), two tokens or more; else the separate calls."""
     x = x.contiguous()
     n = x.shape[0]
-    if any(w._shape[1] != x.shape[1] for w in weights):
-        raise ValueError(f"scorch: linear_shared of an input {tuple(x.shape)} and weights of shapes "
-                         f"{[tuple(w._shape) for w in weights]}")
-    plans = [plan_for(w, n, b is not None, activation=a) for w, b, a in zip(weights, biases, activations)]
-    if n < 2 or x.dtype != torch.float32 or any(p.paired for p in plans) or len({p.T for p in plans}) != 1:
-        return [linear(w, x, b, a) for w, b, a in zip(weights, biases, activations)]
-    panel, out = panels(x, plans[0].T), []
-    for w, bias, plan in zip(weights, biases, plans):
-        y = torch.empty(n, w._shape[0])
-        if y.numel():
-            _forward(replace(plan, in_panel=True), w, {**_arrays(w), "vals": w._vals}, n, _bias(bias, x.dtype),
-                     x=panel, y=y)
-        out.append(y)
-    return out
+    if not weights or any(w._shape[1] != x.shape[1] for w in weights) or len(biases) != len(weights):
+        raise ValueError(f"scorch: linear_stacked of an input {tuple(x.shape)} and weights of shapes "
+                         f"{[tuple(w._shape) for w in weights]} (biases: {len(biases)})")
+    bias, parts = any(b is not None for b in biases), [_arrays(w) for w in weights]
+    plans = {plan_for(w, n, bias, arrays=a, activation=activation) for w, a in zip(weights, parts)}
+    if n < 2 or x.dtype != torch.float32 or len(plans) != 1 or next(iter(plans)).paired or \
+            sum(w._vals.numel() for w in weights) >= 2 ** 31:
+        return torch.cat([linear(w, x, b, activation) for w, b in zip(weights, biases)], 1)
+    plan, (arrays, shape) = plans.pop(), stacked(weights, parts)
+    extra = {} if not bias else {"bias": torch.cat([torch.zeros(w._shape[0], dtype=x.dtype) if b is None else
+                                                    b.to(x.dtype) for w, b in zip(weights, biases)])}
+    y = torch.empty(n, shape[0], dtype=x.dtype)
+    if y.numel():
+        _run("forward", plan, shape, arrays, n, *_split(plan, n, shape[0], torch.get_num_threads()), x=x, y=y,
+             **extra)
+    return y
+
+
+def stacked(weights, parts=None) -> tuple:
+    """``(arrays, shape)``: the index arrays and values (``_arrays`` and ``vals``) of the weights' rows stacked, one
+    weight of ``(sum of rows, in)`` (``parts``: each weight's ``_arrays``, where the caller has them). The index
+    arrays made once per set of patterns, the values once per version of each weight's values (a weight changed in
+    place is gathered again)."""
+    def make():
+        nonlocal parts
+        parts = parts or [_arrays(w) for w in weights]
+        if "pos" not in parts[0]:  # (n:m: a row's entries at a fixed stride, nothing to offset)
+            return {"crd": torch.cat([a["crd"] for a in parts])}
+        ends = torch.tensor([0] + [int(a["pos"][-1]) for a in parts]).cumsum(0)
+        pos = torch.cat([parts[0]["pos"][:1]] + [a["pos"][1:] + at for a, at in zip(parts, ends[:-1].tolist())])
+        return {"pos": pos.to(parts[0]["pos"].dtype), "crd": torch.cat([a["crd"] for a in parts])}
+    levels = [lv for w in weights for lv in w._levels]
+    arrays = _STACKED.lookup(("stacked", tuple(tuple(w._shape) for w in weights), weights[0]._format), levels, make)
+    vals = [w._vals for w in weights]
+    if any(v.is_inference() for v in vals):  # (no version counters: nothing kept)
+        stacked_vals = torch.cat(vals)
+    else:
+        stacked_vals = _STACKED_VALUES.lookup(("stacked", tuple(v._version for v in vals[1:])), vals[0],
+                                              lambda: torch.cat(vals).detach(), vals[1:])
+    return {**arrays, "vals": stacked_vals}, (sum(w._shape[0] for w in weights), weights[0]._shape[1])
+
+
+#: the stacked index arrays of weights of one input (``stacked``), by the weights' index arrays
+_STACKED = PatternMemo(256)
+register("stacked weights", "the index arrays of sparse weights' rows stacked (the query, key and value products of"
+         " one input as one), by the weights' index arrays", _STACKED.__len__, _STACKED.clear)
+#: their values stacked, by the first weight's values (the others' identity and versions in the key)
+_STACKED_VALUES = ValuesMemo(256)
+register("stacked weight values", "the values of sparse weights' rows stacked, by the first weight's values tensor"
+         " (remade when any of them changes)", _STACKED_VALUES.__len__, _STACKED_VALUES.clear)
 
 
 def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:

@@ -371,6 +371,21 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
                             torch.allclose(x.grad.double(), gx, rtol=tol, atol=tol) and
                             torch.allclose(got_w, gw, rtol=tol, atol=tol)):
                         bad.append(f"weight family {fmt} {dtype} tokens={tokens}")
+        # (two products in one kernel, the intermediate in a per-thread panel; the rows of two weights stacked)
+        family_engine.CHAIN_TILES_PER_THREAD = 0
+        w1, w2, w3 = values((37, 19), gen, 0.4), values((21, 37), gen, 0.4), values((5, 19), gen, 0.4)
+        s1, s2, s3 = (scorch.asformat(w, "csr") for w in (w1, w2, w3))
+        for tokens in (7, 70):
+            x = values((tokens, 19), gen)
+            n += 2
+            mid = torch.nn.functional.gelu(x.double() @ w1.double().T + 1)
+            got = family_engine.linear_chain(s1, x, torch.ones(37), "gelu", s2, None, None)
+            if not torch.allclose(got.double(), mid @ w2.double().T, rtol=1e-4, atol=1e-4):
+                bad.append(f"weight family chained tokens={tokens}")
+            got = family_engine.linear_stacked([s1, s3], x, [None, torch.ones(5)], "relu")
+            want = torch.relu(torch.cat([x.double() @ w1.double().T, x.double() @ w3.double().T + 1], 1))
+            if not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5):
+                bad.append(f"weight family stacked tokens={tokens}")
         return n, bad
 
 

@@ -2,7 +2,8 @@
 ``act(F.linear(x, W_masked, b))`` in torch for CSR, BSR and n:m weights, ReLU, GELU (erf and tanh) and SiLU, float32
 and bfloat16, one token (row dots, the bitmap) and many (tiles, the bfloat16 pair tiles), with and without bias;
 the loop IR with the activation in the NumPy interpreter; values far out in the activations' tails; two products
-chained through panels (``linear_chain``), in C++ and in the interpreter."""
+chained in one kernel a token tile at a time (``linear_chain``), in C++ and in the interpreter; products of one
+input stacked into one (``linear_stacked``)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ import torch
 
 import scorch
 from scorch import loopir as L
-from scorch.compiler import interp, weights as family
+from scorch.compiler import interp, weights as family, weights_chain as chain
 from scorch.compiler.target import Target
 from scorch.engine import weights as kernels
 
@@ -135,25 +136,36 @@ def test_the_loop_ir_in_the_interpreter(fmt, act, tokens):
     torch.testing.assert_close(torch.from_numpy(y), TORCH[act](F.linear(x, w, b)), rtol=1e-5, atol=1e-5)
 
 
+def _chains(monkeypatch) -> list:
+    """The plan pairs ``linear_chain`` runs as one kernel, recorded."""
+    seen, real = [], chain.forward_chain
+    monkeypatch.setattr(chain, "forward_chain", lambda p1, p2: seen.append((p1, p2)) or real(p1, p2))
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # (a tile a thread is enough: any CPU chains)
+    return seen
+
+
 @pytest.mark.parametrize("fmt1, fmt2, tokens", [("csr", "csr", 37), ("bsr(4, 8)", "bsr(2, 2)", 40),
-                                                ("nm(2, 4)", "csr", 16), ("csr", "csr", 1)])
-def test_two_products_chained_through_panels(fmt1, fmt2, tokens, monkeypatch):
-    """``linear_chain``: the first product's tiles stored as the second's panels, read in place (partial last tile,
-    rows split into chunks for the threads); one token, where the tiles do not serve, the two calls."""
-    runs, real = [], kernels._run
-    monkeypatch.setattr(kernels, "_run", lambda part, plan, *a, **k: runs.append(plan) or real(part, plan, *a, **k))
+                                                ("nm(2, 4)", "csr", 70), ("csr", "nm(2, 4)", 33), ("csr", "csr", 1)])
+def test_two_products_chained_a_tile_at_a_time(fmt1, fmt2, tokens, monkeypatch):
+    """``linear_chain``: one kernel, each token tile's intermediate kept as the second product's panel (partial last
+    tile, n:m and BSR on either side); one token, where the tiles do not serve, the two calls. The values are the
+    two calls' to the bit: each output summed in the same order."""
+    seen = _chains(monkeypatch)
     w1, w2 = _masked(fmt1, 64, 48, 5), _masked(fmt2, 40, 64, 6)
-    x, b1 = 2 * torch.randn(tokens, 48), torch.randn(64)
-    y = kernels.linear_chain(scorch.asformat(w1, fmt1), x, b1, "gelu", scorch.asformat(w2, fmt2), None, "silu")
+    x, b1, b2 = 2 * torch.randn(tokens, 48), torch.randn(64), torch.randn(40)
+    s1, s2 = scorch.asformat(w1, fmt1), scorch.asformat(w2, fmt2)
+    y = kernels.linear_chain(s1, x, b1, "gelu", s2, b2, "silu")
     # (two float32 products, each summed in its own order)
-    torch.testing.assert_close(y, F.silu(F.linear(F.gelu(F.linear(x, w1, b1)), w2)), rtol=1e-4, atol=1e-4)
-    chained = [(p.out_panel, p.in_panel) for p in runs]
-    assert chained == [(True, False), (False, True)] if tokens > 1 else not any(map(any, chained))
+    torch.testing.assert_close(y, F.silu(F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)), rtol=1e-4, atol=1e-4)
+    assert torch.equal(y, kernels.linear(s2, kernels.linear(s1, x, b1, "gelu"), b2, "silu"))
+    assert len(seen) == (tokens > 1)
 
 
-def test_chain_falls_back_where_panels_do_not_serve():
-    """bfloat16 (panels of float32 only), or tiles of different sizes (a BSR weight's one vector of tokens against
-    CSR's two): the two calls, the same values."""
+def test_chain_falls_back_where_one_kernel_does_not_serve(monkeypatch):
+    """bfloat16 (panels of float32 only), tiles of different sizes (a BSR weight's one vector of tokens against
+    CSR's two), or fewer token tiles than twice the threads: the two calls, the same values."""
+    seen = _chains(monkeypatch)
     w1, w2 = _masked("csr", 32, 32, 7), _masked("bsr(4, 8)", 16, 32, 8)
     x = torch.randn(40, 32)
     for a, b, dtype in ((w1, w1, torch.bfloat16), (w1, w2, torch.float32)):
@@ -163,50 +175,74 @@ def test_chain_falls_back_where_panels_do_not_serve():
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         want = F.linear(torch.relu(F.linear(x.to(dtype), a.to(dtype))).float(), b.to(dtype).float())
         torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # (40 tokens: two tiles of 32, one a thread)
+    y = kernels.linear_chain(scorch.asformat(w1, "csr"), x, None, "relu", scorch.asformat(w1, "csr"), None, None)
+    torch.testing.assert_close(y, F.linear(torch.relu(F.linear(x, w1)), w1), rtol=1e-4, atol=1e-4)
+    assert not seen
     with pytest.raises(ValueError, match="linear_chain"):
         kernels.linear_chain(scorch.asformat(w1, "csr"), x, None, None, scorch.asformat(w2, "bsr(4, 8)").t(), None)
+    with pytest.raises(ValueError, match="chain"):
+        p = family.tiles(Target("cpu", vector_bytes=16), "csr", 8, "bf16", "bf16", "i32", "i16")
+        chain.forward_chain(p, p)
 
 
-def test_chained_panels_in_the_interpreter():
-    """The panel store (``out_panel``: lanes past the last token zero) and the in-place panel reads (``in_panel``)
-    in the NumPy interpreter."""
+def test_chained_kernel_in_the_interpreter():
+    """The chained kernel's program in the NumPy interpreter: a partial tile, bias and activation on both sides,
+    an n:m second product (its groups renamed with its arrays)."""
     target = Target("cpu", vector_bytes=16)
     w1, w2 = _masked("csr", 12, 8, 9), _masked("nm(2, 4)", 6, 12, 10)
     s1, s2 = scorch.asformat(w1, "csr"), scorch.asformat(w2, "nm(2, 4)")
-    x, b1 = torch.randn(7, 8), torch.randn(12)
+    x, b1, b2 = torch.randn(7, 8), torch.randn(12), torch.randn(6)
     plans = []
-    for s, bias, act, flag in ((s1, True, "gelu", "out_panel"), (s2, False, None, "in_panel")):
+    for s, act in ((s1, "gelu"), (s2, "silu")):
         kind, block, group = kernels.kind_of(s)
         arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
         ptype = L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64"
-        plan = family.tiles(target, kind, 7, "f32", "f32", ptype, L.type_of(arrays["crd"].dtype), block, group,
-                            bias=bias, activation=act)
-        plans.append(replace(plan, **{flag: True}))
-    assert plans[0].T == plans[1].T == 8
-    mid, y = np.full(12 * 8, np.nan, dtype=np.float32), np.zeros((7, 6), dtype=np.float32)
-    interp.run(family.forward(plans[0]), _args(s1, x, mid, b1, plans[0]))
-    panels = torch.from_numpy(mid).reshape(12, 8)  # (one tile: feature-major, 8 token lanes)
-    assert bool((panels[:, 7] == 0).all())
-    torch.testing.assert_close(panels[:, :7].t(), F.gelu(F.linear(x, w1, b1)), rtol=1e-5, atol=1e-5)
-    interp.run(family.forward(plans[1]), {**_args(s2, x, y, None, plans[1]), "x": mid})
-    torch.testing.assert_close(torch.from_numpy(y), F.linear(F.gelu(F.linear(x, w1, b1)), w2), rtol=1e-4, atol=1e-4)
+        plans.append(family.tiles(target, kind, 7, "f32", "f32", ptype, L.type_of(arrays["crd"].dtype), block,
+                                  group, bias=True, activation=act))
+    y = np.zeros((7, 6), dtype=np.float32)
+    args = _args(s1, x, y, b1, plans[0])
+    second = _args(s2, x, y, b2, plans[1])
+    args.update({f"{k}2": second[k] for k in ("crd", "vals", "bias")})
+    args.update({"n_out": 6, "n_mid": 12, "groups2": 12 // 4, "chunks": 1, "row_chunk": 12})
+    interp.run(chain.forward_chain(*plans), args)
+    torch.testing.assert_close(torch.from_numpy(y), F.silu(F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens", [33, 1])
-def test_products_of_one_input_share_its_panels(tokens, monkeypatch):
-    """``linear_shared``: the input made into panels once (``panels``), each product reading them in place, each
-    with its own bias and activation; one token: the separate calls."""
+def test_products_of_one_input_stacked(tokens, monkeypatch):
+    """``linear_stacked``: the weights' rows stacked into one product (one pack of the input), biases where some
+    are missing, the index arrays stacked once per set of patterns; one token, or weights of different formats: the
+    separate calls, side by side."""
     runs, real = [], kernels._run
-    monkeypatch.setattr(kernels, "_run", lambda part, plan, *a, **k: runs.append(plan) or real(part, plan, *a, **k))
-    ws = [_masked(fmt, 16, 24, 11 + k) for k, fmt in enumerate(("csr", "nm(2, 4)", "csr"))]
-    x, b = torch.randn(tokens, 24), torch.randn(16)
-    out = kernels.linear_shared([scorch.asformat(w, f) for w, f in zip(ws, ("csr", "nm(2, 4)", "csr"))], x,
-                                [b, None, b], [None, "gelu", "relu"])
-    want = [F.linear(x, ws[0], b), F.gelu(F.linear(x, ws[1])), torch.relu(F.linear(x, ws[2], b))]
-    for y, w in zip(out, want):
-        torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
-    assert [p.in_panel for p in runs] == ([True] * 3 if tokens > 1 else [False] * len(runs))
-    panel = kernels.panels(x, 16)
-    assert panel.shape == (-(-tokens // 16), 24, 16) and torch.equal(panel[0, :, 0], x[0])
-    with pytest.raises(ValueError, match="linear_shared"):
-        kernels.linear_shared([scorch.asformat(ws[0].t().contiguous(), "csr")], x, [None], [None])
+    monkeypatch.setattr(kernels, "_run", lambda part, plan, *a, **k: runs.append(a[0]) or real(part, plan, *a, **k))
+    ws = [_masked("csr", 16 + 8 * k, 24, 11 + k) for k in range(3)]
+    x, bs = torch.randn(tokens, 24), [torch.randn(16), None, torch.randn(32)]
+    ss = [scorch.asformat(w, "csr") for w in ws]
+    out = kernels.linear_stacked(ss, x, bs, "gelu")
+    want = torch.cat([F.gelu(F.linear(x, w, bias)) for w, bias in zip(ws, bs)], 1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert (runs == [(72, 24)]) if tokens > 1 else (72, 24) not in runs
+    # (the stacked pattern and values kept: the same objects again; a weight changed in place: its values anew)
+    first = kernels.stacked(ss)[0]
+    assert first["pos"] is kernels.stacked(ss)[0]["pos"] and first["vals"] is kernels.stacked(ss)[0]["vals"]
+    with torch.no_grad():
+        ss[1]._vals.mul_(2)
+    torch.testing.assert_close(kernels.linear_stacked(ss, x, bs, "gelu")[:, 16:40], F.gelu(F.linear(x, 2 * ws[1])),
+                               rtol=1e-5, atol=1e-5)
+    mixed = [ss[0], scorch.asformat(_masked("nm(2, 4)", 8, 24, 20), "nm(2, 4)")]
+    got = kernels.linear_stacked(mixed, x, [None, None], None)
+    torch.testing.assert_close(got, torch.cat([F.linear(x, ws[0]), F.linear(x, mixed[1].to_dense())], 1), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="linear_stacked"):
+        kernels.linear_stacked([scorch.asformat(ws[0].t().contiguous(), "csr")], x, [None], None)
+
+
+@pytest.mark.parametrize("fmt", ["bsr(4, 8)", "nm(2, 4)"])
+def test_stacked_blocks_and_groups(fmt):
+    """BSR (block rows offset by the blocks before) and n:m (no row positions) weights stacked."""
+    ws = [_masked(fmt, 16, 32, 30 + k) for k in range(3)]
+    x = torch.randn(40, 32)
+    out = kernels.linear_stacked([scorch.asformat(w, fmt) for w in ws], x, [None] * 3, "relu")
+    torch.testing.assert_close(out, torch.cat([torch.relu(F.linear(x, w)) for w in ws], 1), rtol=1e-5, atol=1e-5)
