@@ -344,7 +344,7 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
                               "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
                               "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
-                              "tiles": tiles, **extra})
+                              "tiles": tiles, "ops": count, **extra})
     return y
 
 

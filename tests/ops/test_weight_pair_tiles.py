@@ -149,7 +149,7 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     interp.run(tiled.forward(plan), {
         "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
         "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp, "chunks": 2,
-        "row_chunk": 16, "nthreads": 1, "tiles": tiles})
+        "row_chunk": 16, "nthreads": 1, "tiles": tiles, "ops": count})
     assert tiles == (seg.numel() - 1) // (blocks * family.STORE_ROWS) >= 2
     torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert L.type_of(idx.dtype) == "i16"

@@ -461,6 +461,9 @@ class _Emitter:
             if self.pairs:
                 return f"scorch_widen_pair(&{ident(e.a.array)}[{self.expr(e.a.index)}], {ident(self.vec[0])})"
             return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"
+        if isinstance(e, L.Cast) and self.vec and self.vec[2] == "f32" and e.type == "f32" and \
+                isinstance(e.a, L.Load) and self.narrow.get(e.a.array) == "bf16" and e.a.array not in self.sum_arrays:
+            return f"scorch_splat_bf16(&{ident(e.a.array)}[{self.expr(e.a.index)}])"  # (a scalar, as a vector)
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
         if isinstance(e, L.PairDot):

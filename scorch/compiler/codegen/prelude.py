@@ -7,6 +7,7 @@ from __future__ import annotations
 from ... import loopir as L
 from ..target import CPU
 from .activations import ACTIVATIONS
+from .bf16 import splat
 from .transpose import TRANSPOSE
 
 
@@ -631,6 +632,7 @@ static inline scorch_vf32 scorch_expand_pair_dot(scorch_vf32 acc, const scorch_b
 }}
 """,
     "scorch_narrow": BF16 + WIDE16,
+    "scorch_splat_bf16": BF16 + "#include <cstring>\n" + splat(VECTOR_BYTES),
     # a bfloat16 pair dot added into a float vector (``loopir.PairDot``): AVX512-BF16's ``vdpbf16ps`` where the
     # CPU has it, else each pair widened by a shift and a mask and two multiply-adds (same products, summed in
     # float32)
