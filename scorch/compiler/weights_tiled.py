@@ -13,10 +13,11 @@ that ran at ~4 cycles an entry, half the dense bfloat16 product's speed. Here:
 - the columns are cut into tiles of ``tile_pairs(T)`` pairs (a 16 KiB slice of the panel: in L1), and each
   block of ``rows`` output rows goes over the tiles in turn, every row of the block taking its operations in
   that tile before the next tile: the slice is read from L2 once per block, not once per entry;
-- the operations are packed once per pattern (``engine.weights``): each one's pair in its tile (an ``i16``) and
-  its two values (``words``, bfloat16, the values' copy refreshed when they change), in segments of one row and
-  one tile, ``seg[((block * tiles) + tile) * rows + row]`` their first (empty rows past the weight's last pad its
-  last block).
+- the operations are packed once per pattern (``engine.weights``): each one's pair in its tile (16 bits, four
+  operations' to a 64-bit word of ``idx``) and its two values (``words``, bfloat16, the values' copy refreshed
+  when they change), in segments of one row and one tile padded to whole groups of ``UNROLL`` operations,
+  ``seg[((block * tiles) + tile) * rows + row]`` their first (empty rows past the weight's last pad its last
+  block); a group's pair numbers are one load and its values one 16-byte load, and both streams are prefetched.
 
 Measured in place (4096 -> 11008, 16 tokens, 1 thread, interleaved medians, AMD Zen 4): against the float32
 panel's kernel 1.87x at 50%, 1.62x at 30% (64 tokens); tiles of 8, 16, 32 KiB and one tile of the whole panel

@@ -88,3 +88,62 @@ def test_bfloat16_csr_linears_equal_dense(out, inp, tokens, monkeypatch):
     grad = scorch.asformat(s.grad, "csr").to_dense().float() if isinstance(s.grad, scorch.SparseTensor) \
         else s.grad.float()
     torch.testing.assert_close(grad, wd.grad * (w != 0), **tol)
+
+
+def _fields_kernel():
+    """``out[4 * i + u] = (int16) (word[i] >>> 16 u)``: the pair-tile kernel's unpacking of four pair numbers."""
+    i = L.Var("i")
+    body = [L.Store("out", L.binary("add", L.binary("mul", i, L.Const(4)), L.Const(u)), L.Cast(L.Cast(
+        L.binary("shr", L.Load("word", i, "i64"), L.Const(16 * u)), "i16"), "i64")) for u in range(4)]
+    return L.Kernel("scorch_test_shr_fields", (L.Param("word", "array", "i64"),
+                                               L.Param("out", "array", "i64", output=True),
+                                               L.Param("n", "scalar", "i64")),
+                    L.block(L.For(i, L.Const(0), L.Var("n"), L.block(*body))))
+
+
+def test_shr_takes_words_apart_alike_in_cpp_and_the_interpreter():
+    """Logical shifts of words with the sign bit set or not, and the 16-bit casts wrapping as C++'s do."""
+    from scorch.compiler import interp
+    fields = torch.tensor([[0, 1, 2, 3], [-1, 32767, -32768, 5], [255, -2, 0, -1]], dtype=torch.int16)
+    word = fields.reshape(-1).view(torch.int64).clone()
+    kernel = _fields_kernel()
+    out = torch.empty(word.numel() * 4, dtype=torch.int64)
+    cpp.call(kernel, cpp.load(kernel), {"word": word, "out": out, "n": word.numel()})
+    assert torch.equal(out, fields.reshape(-1).long())
+    got = np.zeros(word.numel() * 4, dtype=np.int64)
+    interp.run(kernel, {"word": word.numpy(), "out": got, "n": word.numel()})
+    np.testing.assert_array_equal(got, fields.reshape(-1).long().numpy())
+
+
+_PAIR_TILES_FORCED = r"""
+import torch, scorch
+from scorch.engine import weights as kernels
+from scorch.compiler.target import CPU
+assert CPU.vector_bytes == int(__import__("os").environ["SCORCH_VECTOR_BYTES"])
+kernels.PAIR_TILES = True
+F = torch.nn.functional
+g = torch.Generator().manual_seed(3)
+for out, inp, tokens, density in ((37, 45, 16, 0.5), (20, 64, 5, 0.3), (33, 2 * 2048 + 7, 20, 0.4)):
+    w = torch.randn(out, inp, generator=g) * (torch.rand(out, inp, generator=g) < density)
+    w[0] = 0
+    w[1] = torch.randn(inp, generator=g)
+    w = w.bfloat16()
+    x = torch.randn(tokens, inp, generator=g).bfloat16()
+    with torch.no_grad():
+        y = F.linear(x, scorch.asformat(w, "csr"))
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("width", ["32", "16"])
+def test_pair_tiles_under_narrower_vectors(width):
+    """The pair kernel forced on AVX2-width vectors (``vdpbf16ps`` on 256 bits where the CPU has AVX512-BF16 and
+    VL, else lane by lane) and on no vectors: the grouped pair dots' other branches (a fresh process each)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, SCORCH_VECTOR_BYTES=width)
+    done = subprocess.run([sys.executable, "-c", _PAIR_TILES_FORCED], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
