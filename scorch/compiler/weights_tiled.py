@@ -64,6 +64,8 @@ def forward(plan: Tiles) -> L.Kernel:
     rows (whole blocks of ``rows``), each block's rows summed tile by tile into ``ta``, then the epilogue and the
     store."""
     T, R, U, TP = plan.T, plan.rows, plan.unroll, tile_pairs(plan.T)
+    if U != 4:  # (a group's pair numbers are the four 16-bit fields of one 64-bit word, its values 16 bytes)
+        raise ValueError(f"scorch: the pair-tile kernel takes its operations 4 at a time, not {U}")
     n_out, tiles = L.Var("n_out"), L.Var("tiles")
     vec = plan.lanes if plan.lanes > 1 else 0
     r_lo = _mul(_chunk, L.Var("row_chunk"))
@@ -78,7 +80,7 @@ def forward(plan: Tiles) -> L.Kernel:
         pair = _add(_mul(c, _c(TP)), field)
         return _vloop(T, plan.lanes, L.Store("acc", _add(_c(u * T), _bv), L.PairDot(
             "panel", _add(_mul(pair, _c(T)), _bv), "words", _mul(_add(_mul(g, _c(U)), _c(u)), _c(2)),
-            lane=u if U == 4 else -1), "add"))
+            lane=u), "add"))
     ahead = L.binary("min", _add(g, _c(AHEAD // U)), last)  # (in bounds: the last group at most)
     groups = L.For(k, _c(0), L.binary("floordiv", L.binary("sub", hi, lo), _c(U)), L.block(
         L.Let(g, _add(L.binary("floordiv", lo, _c(U)), k)), L.Let(word, L.Load("idx", g, I64)),
