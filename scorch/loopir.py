@@ -63,9 +63,10 @@ class Load(Expr):
 
 
 #: binary operators: arithmetic (``div`` is true division for floats and truncation for integers;
-#: ``floordiv``/``mod`` are used on non-negative integers only), comparisons, logic, min/max
+#: ``floordiv``/``mod`` are used on non-negative integers only), comparisons, logic, min/max, and ``shr``: the
+#: 64 bits of an integer shifted right as unsigned (a field of a word that packs several narrow integers)
 BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "lt", "le", "gt", "ge", "eq", "ne",
-          "and", "or")
+          "and", "or", "shr")
 #: unary maps; every one but ``not`` and ``exp`` maps 0 to 0, so it may run on stored values only (``exp`` serves
 #: kernels built as loop IR, such as ``fuse.softmax_rows``, never the lowering of an index expression).
 #: ``ACTIVATIONS`` serve the epilogues of kernels built as loop IR (``compiler.weights``), on float32 values.
@@ -126,12 +127,16 @@ class PairDot(Expr):
     """``x[2 * i] * w[j] + x[2 * i + 1] * w[j + 1]`` in float32, ``x`` and ``w`` bfloat16 arrays: a pair of adjacent
     values of each multiplied and added. In a vector loop where ``i`` is contiguous and ``w[j]`` the same for every
     lane, a store adding it into a vector compiles to one ``vdpbf16ps`` where the CPU has AVX512-BF16 (two
-    multiply-adds per lane: a blocked weight's pair of columns against a panel of token pairs)."""
+    multiply-adds per lane: a blocked weight's pair of columns against a panel of token pairs). ``lane``, a hint
+    that does not change the meaning: where 0 to 3, ``w[j]`` is pair ``lane`` of four pairs from ``j - 2 * lane``
+    (a 16-byte aligned-or-not group) that stores nearby read too: the C++ renderer loads the group once and takes
+    the pair from it by a shuffle (``codegen.bf16.PAIR_DOT4``) instead of a broadcast load per pair."""
     x: str
     i: Expr
     w: str
     j: Expr
     type: str = "f32"
+    lane: int = -1
 
 
 #: the columns one word of a bitmap covers (``Expand``, ``PopCount``): a word is 16 bits

@@ -38,8 +38,9 @@ def run(kernel: L.Kernel, args: dict) -> None:
 def _cast(v, t):
     if t == "bool":
         return bool(v)
-    if t in L.INTS:
-        return int(v)
+    if t in L.INTS:  # (wrapped to the type's width, as C++ converts)
+        bits = {"i8": 8, "i16": 16, "i32": 32, "i64": 64}[t]
+        return (int(v) + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)
     return NP[t](v)
 
 
@@ -234,6 +235,9 @@ def _binary(op, a, b, t):
         return a // b
     if op == "mod":
         return a % b
+    if op == "shr":  # (the 64 bits as unsigned, the result read back as a signed 64-bit integer)
+        r = (int(a) % 2 ** 64) >> int(b)
+        return r - 2 ** 64 if r >= 2 ** 63 else r
     if op == "min":
         return min(a, b)
     if op == "max":

@@ -204,6 +204,9 @@ def pack(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
 
 #: the pairs of a 2:4 group's columns, in the order ``combo`` numbers them: ``(a, b)`` -> ``a * (5 - a) / 2 + b - 1``
 COMBOS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+#: groups ahead that a 2:4 bfloat16 row prefetches its values and pair numbers (``_group_rows``): a pass reads
+#: ``row_pass`` rows' streams at once, more than the hardware prefetcher follows
+COMBOS_AHEAD = 64
 
 
 def _pack_combos(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
@@ -256,6 +259,12 @@ def _group_rows(plan: Tiles, rb: L.Expr, re: L.Expr) -> L.Stmt:
             body += [L.Let(p, _add(_mul(at, _c(n)), _c(k))),
                      _entry(plan, "acc", r, L.Load("vals", p, plan.vtype),
                             _add(_mul(g, _c(m)), L.Cast(L.Load("crd", p, plan.ctype), I64)), "panel")]
+    if plan.combos:  # (each row's values and pair numbers a line ahead of every 16 groups: ``COMBOS_AHEAD``)
+        last = L.binary("sub", _mul(L.Var("n_out"), groups), _c(1))
+        ahead = [L.binary("min", _add(_mul(o, groups), g, _c(COMBOS_AHEAD)), last) for o in rows]
+        body = [L.If(L.binary("eq", L.binary("mod", g, _c(16)), _c(0)), L.block(
+            *(L.Prefetch("vals", _mul(a, _c(2)), 3) for a in ahead),
+            *(L.Prefetch("combo", a, 3) for a in ahead)))] + body
     out = [L.If(L.binary("lt", _add(first, _c(r)), re), L.block(
         epilogue(plan, "acc", 1, o, _mul(L.binary("sub", o, rb), _c(T)), _c(r * T)))) for r, o in enumerate(rows)]
     passes = L.binary("floordiv", _add(L.binary("sub", re, rb), _c(R - 1)), _c(R))

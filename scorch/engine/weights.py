@@ -300,7 +300,10 @@ def pair_tiles_serve(kind: str, vtype: str, xtype: str, tokens: int, density: fl
 def _pair_tiles(weight: SparseTensor, T: int):
     """``(seg, idx, dest, operations, tiles)`` of ``weights_tiled``'s layout for tiles of ``T`` tokens, ``dest``
     taking each stored value to its place in the operations' values (``2 * operation + column % 2``), or None where
-    the values are not in row order with increasing columns (``_row_ordered``). Made once per pattern."""
+    the values are not in row order with increasing columns (``_row_ordered``). Each segment is padded to whole
+    groups of ``UNROLL`` operations (values zero, the pair of the segment's last operation: no feature the row does
+    not read already), so that a group's 16-bit pair numbers are one 64-bit word of ``idx``, as the kernel reads
+    them. Made once per pattern."""
     def make():
         n_out, n_in = weight._shape
         found = _row_ordered(weight)
@@ -313,12 +316,23 @@ def _pair_tiles(weight: SparseTensor, T: int):
         o, k = keys // pairs, keys % pairs
         segment = ((o // R) * tiles + k // TP) * R + o % R
         order = torch.argsort(segment, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel())
-        seg = torch.zeros(blocks * tiles * R + 1, dtype=torch.int64)
-        seg[1:] = torch.bincount(segment, minlength=blocks * tiles * R).cumsum(0)
-        itype = torch.int32 if 2 * keys.numel() < 2 ** 31 else torch.int64
-        return seg.to(itype), (k[order] % TP).to(torch.int16), 2 * rank[op] + cols % 2, keys.numel(), tiles
+        counts = torch.bincount(segment, minlength=blocks * tiles * R)
+        U = tiled.UNROLL
+        seg, first = (torch.zeros(blocks * tiles * R + 1, dtype=torch.int64) for _ in range(2))
+        seg[1:] = ((counts + U - 1) // U * U).cumsum(0)
+        first[1:] = counts.cumsum(0)
+        ordered = segment[order]
+        at = torch.empty_like(order)  # (each operation's place, in the padded segments)
+        at[order] = seg[ordered] + torch.arange(order.numel()) - first[ordered]
+        total = int(seg[-1])
+        idx = torch.empty(total, dtype=torch.int16)
+        idx[at] = (k % TP).to(torch.int16)
+        pad = torch.ones(total, dtype=torch.bool)
+        pad[at] = False
+        owner = torch.repeat_interleave(torch.arange(counts.numel()), seg.diff())
+        idx[pad] = idx[(seg[:-1] + counts - 1)[owner[pad]]]
+        itype = torch.int32 if 2 * total < 2 ** 31 else torch.int64
+        return seg.to(itype), idx.view(torch.int64), 2 * at[op] + cols % 2, total, tiles
     return _PAIR_TILES.lookup(("pair tiles", T, weight._format, tuple(weight._shape)), weight._levels, make)
 
 
@@ -345,7 +359,7 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
                               "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
                               "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
-                              "tiles": tiles, **extra})
+                              "tiles": tiles, "ops": count, **extra})
     return y
 
 

@@ -149,7 +149,9 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     interp.run(tiled.forward(plan), {
         "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
         "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp, "chunks": 2,
-        "row_chunk": 16, "nthreads": 1, "tiles": tiles})
+        "row_chunk": 16, "nthreads": 1, "tiles": tiles, "ops": count})
     assert tiles == (seg.numel() - 1) // (blocks * family.STORE_ROWS) >= 2
     torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert L.type_of(idx.dtype) == "i16"
+    # (four 16-bit pair numbers a 64-bit word: every segment whole groups of operations, each number in its tile)
+    assert L.type_of(idx.dtype) == "i64" and bool((seg % tiled.UNROLL == 0).all()) and count == 4 * idx.numel()
+    assert bool(((idx.view(torch.int16) >= 0) & (idx.view(torch.int16) < tiled.tile_pairs(plan.T))).all())

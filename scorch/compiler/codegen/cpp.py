@@ -192,6 +192,9 @@ class _Emitter:
             if s.op != "add" or L.coefficient(e.i, self.vec[0]) != 1 or L.depends(e.j, self.vec[0]) or self.mask:
                 raise ValueError("a pair dot is added into a vector, its pairs contiguous in the loop")
             target = self.vector_ref(s.array, s.index, const=False)
+            if 0 <= e.lane < 4:  # (the pair from its group of four: ``codegen.bf16``)
+                return [f"{pad}{target} = scorch_pair_dot4<{e.lane}>({target}, &{ident(e.x)}[2 * ({self.expr(e.i)})], "
+                        f"&{ident(e.w)}[({self.expr(e.j)}) - {2 * e.lane}]);"]
             return [f"{pad}{target} = scorch_pair_dot({target}, &{ident(e.x)}[2 * ({self.expr(e.i)})], "
                     f"&{ident(e.w)}[{self.expr(e.j)}]);"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
@@ -435,6 +438,8 @@ class _Emitter:
             if e.op in ("min", "max"):
                 t = CTYPE[e.type]
                 return f"(({t})({a}) {'<' if e.op == 'min' else '>'} ({t})({b}) ? ({t})({a}) : ({t})({b}))"
+            if e.op == "shr":
+                return f"((int64_t)((uint64_t)({a}) >> ({b})))"
             return f"({a} {_CMP[e.op]} {b})"
         if isinstance(e, L.Unary) and e.op in L.ACTIVATIONS and e.op != "relu":
             if e.type != "f32" or self.vec:  # (the helpers take a float: a scalar loop over them vectorizes)
@@ -461,6 +466,9 @@ class _Emitter:
             if self.pairs:
                 return f"scorch_widen_pair(&{ident(e.a.array)}[{self.expr(e.a.index)}], {ident(self.vec[0])})"
             return f"scorch_widen(&{ident(e.a.array)}[{self.expr(e.a.index)}])"
+        if isinstance(e, L.Cast) and self.vec and self.vec[2] == "f32" and e.type == "f32" and \
+                isinstance(e.a, L.Load) and self.narrow.get(e.a.array) == "bf16" and e.a.array not in self.sum_arrays:
+            return f"scorch_splat_bf16(&{ident(e.a.array)}[{self.expr(e.a.index)}])"  # (a scalar, as a vector)
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
         if isinstance(e, L.PairDot):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ... import loopir as L
 from ..target import CPU
 from .activations import ACTIVATIONS
+from .bf16 import pair_dot4, splat
 from .transpose import TRANSPOSE
 
 
@@ -631,6 +632,7 @@ static inline scorch_vf32 scorch_expand_pair_dot(scorch_vf32 acc, const scorch_b
 }}
 """,
     "scorch_narrow": BF16 + WIDE16,
+    "scorch_splat_bf16": BF16 + "#include <cstring>\n" + splat(VECTOR_BYTES),
     # a bfloat16 pair dot added into a float vector (``loopir.PairDot``): AVX512-BF16's ``vdpbf16ps`` where the
     # CPU has it, else each pair widened by a shift and a mask and two multiply-adds (same products, summed in
     # float32)
@@ -651,6 +653,7 @@ static inline scorch_vf32 scorch_pair_dot(scorch_vf32 acc, const scorch_bf16* x,
 #endif
 }}
 """,
+    "scorch_pair_dot4": pair_dot4(VECTOR_BYTES),
     # ``c ? a : b`` with both already evaluated, chosen by a bit mask (a compiler keeps a branch for a ternary
     # over floats, mispredicted where ``c`` is a coin toss, as in a merge)
     "scorch_pick": """#include <cstdint>
