@@ -6,7 +6,9 @@ result in the input's memory format. The buffer's packing and the unpacking are 
 Where the rows' padding to whole vectors costs little (``SHIFT_SLACK``), the planes are shifted: one plane per
 row phase and tap column, each row ``Wq`` a multiple of the vector's lanes, so that every entry's offset (its
 plane and row shift) is a multiple of the lanes and its pixel vectors are aligned loads. The entries are kept in
-channel chunks (``CHUNK_BYTES``) so that the rows of a work item pass over inputs that stay in L1.
+channel chunks (``CHUNK_BYTES``) so that the rows of a work item pass over inputs that stay in L1, and, for a
+weight of more than a quarter of its entries (``SHIFT_DENSITY``), in lists per block of ``ROWS`` output rows and
+subset of them (``_blocked``) so that the rows that read an input share its loads.
 
 ``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
@@ -62,6 +64,13 @@ SHIFT_DENSITY = 0.25
 #: interleaved medians: 90% csr 1.78x dense channels_last with the whole batch packed at once, 2.06x with 4 MiB,
 #: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x)
 BUFFER_BYTES = 4 << 20
+#: output rows a block of the kernel computes together where the weight is dense enough (``SHIFT_DENSITY``):
+#: each input vector loaded once for the block's rows that read it (``family.forward``; 2:4 weights: 3 loads for
+#: 4 multiply-adds against 4). ResNet-18 2:4, 1 thread, interleaved medians (AMD Zen 4, a shared machine): per
+#: layer, batch 1, one row / blocks of 2 / of 3: 128 x 28 x 28 1.00x / 1.16x / - dense channels_last, 512 x 7 x
+#: 7 1.42x / 1.52x / 1.51x, 256 x 14 x 14 1.12x / 1.14x / 1.05x, 64 x 56 x 56 0.90x / 0.92x / 0.94x; the model,
+#: batch 1, 1.149x / 1.164x (the 90% csr weights keep one row: their rows share few inputs)
+ROWS = 2
 
 
 def _loaded(key, make):
@@ -74,8 +83,8 @@ def _loaded(key, make):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(pixels: int, ptype: torch.dtype, bias: bool) -> family.Plan:
-    return family.plan(CPU, pixels, L.type_of(ptype), bias)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows)
 
 
 def _taps(k: int, s: int, dl: int):
@@ -149,6 +158,35 @@ def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride,
     pos = torch.zeros(kchunks * out + 1, dtype=torch.int64)
     pos[1:] = torch.bincount(row, minlength=kchunks * out).cumsum(0)
     return pos.to(torch.int32), off[order].to(torch.int32), leaf[order]
+
+
+def _blocked(pos: torch.Tensor, off: torch.Tensor, order: torch.Tensor, out: int, rows: int, nnz: int):
+    """``_entries``' lists for ``family.forward``'s blocks of ``rows`` output rows: per chunk and block, one list
+    per subset of the block's rows (``family.subsets``), each entry an offset that exactly those rows read, in
+    offset order; ``(pos, off, order)`` with ``rows`` value positions per entry (``nnz`` where the row has none:
+    a zero appended to the values)."""
+    count = pos[1:].long() - pos[:-1].long()
+    kchunks = count.numel() // out
+    row = torch.repeat_interleave(torch.arange(count.numel()), count)
+    kc, o = row // out, row % out
+    blocks = -(-out // rows)
+    block = kc * blocks + o // rows
+    span = int(off.max()) + 1 if off.numel() else 1
+    # (one group per block and offset: the rows that read it)
+    groups, inverse = torch.unique(block * span + off.long(), return_inverse=True)
+    mask = torch.zeros(groups.numel(), dtype=torch.int64).index_add_(0, inverse, 1 << (o % rows))
+    rank = torch.zeros(1 << rows, dtype=torch.int64)
+    for i, m in enumerate(family.subsets(rows)):
+        rank[m] = i
+    S = len(family.subsets(rows))
+    g_block, g_off = groups // span, groups % span
+    key = (g_block * S + rank[mask]) * span + g_off
+    sort = torch.argsort(key)
+    values = torch.full((groups.numel(), rows), nnz, dtype=torch.int64)
+    values[inverse, o % rows] = order.long()
+    new_pos = torch.zeros(kchunks * blocks * S + 1, dtype=torch.int64)
+    new_pos[1:] = torch.bincount(g_block * S + rank[mask], minlength=kchunks * blocks * S).cumsum(0)
+    return new_pos.to(torch.int32), g_off[sort].to(torch.int32), values[sort].reshape(-1)
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -229,19 +267,22 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     phases, hq, wq, ho, wo, _ = geometry
     n, c = x.shape[:2]
     out = weight._shape[0]
-    p = _plan(ho * wq, torch.int32, bias is not None)
-    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * (p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo))))
-    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk)
+    rows = ROWS if dense else 1
+    p = _plan(ho * wq, torch.int32, bias is not None, rows)
+    span = p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo)  # (a tile's inputs in each plane)
+    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span))
+    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
 
     def build():
         with torch.no_grad():
-            return _entries(weight, c, groups, geometry, stride, dilation, chunk)
+            found = _entries(weight, c, groups, geometry, stride, dilation, chunk)
+            return found if found is None or rows == 1 else _blocked(*found, out, rows, vals.numel())
     found = _ENTRIES.lookup(key, weight._levels, build)
     if found is None:
         return None
     pos, off, order = found
     grid = -(-ho * wq // p.T) * p.T
-    ordered = _VALUES.lookup(key, vals, lambda: vals.detach()[order].contiguous(), (order,))
+    ordered = _VALUES.lookup(key, vals, lambda: torch.cat([vals.detach(), vals.new_zeros(1)])[order], (order,))
     kernel, loaded = _loaded(p, lambda: family.forward(p))
     image = len(phases) * c * hq * wq
     # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
@@ -251,16 +292,18 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
                       torch.contiguous_format)
     y = torch.empty(group, out, grid, dtype=x.dtype)
+    blocks = -(-out // rows)
     for g0 in range(0, n, group):
         g = min(group, n - g0)
         buf = _buffer(x[g0:g0 + g], geometry, stride, pads, grid - ho * wq + wq)
         tiles = grid // p.T
         chunks = 1 if g * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
-            min(out, -(-ITEMS_PER_THREAD * threads // (g * tiles)))
-        row_chunk = -(-out // chunks)
+            min(blocks, -(-ITEMS_PER_THREAD * threads // (g * tiles)))
+        row_chunk = -(-blocks // chunks)
         args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:g], "n": g, "x_image": image,
-                "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-out // row_chunk),
-                "row_chunk": row_chunk, "nthreads": threads}
+                "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-blocks // row_chunk),
+                "row_chunk": row_chunk, "nthreads": threads, "C": c, "P": len(phases), "plane": hq * wq,
+                "cc": chunk, "span": span}
         if bias is not None:
             args["bias"] = bias.detach().contiguous()
         cpp.call(kernel, loaded, args)

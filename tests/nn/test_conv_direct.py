@@ -97,13 +97,15 @@ def test_direct_declines_what_it_does_not_serve():
                                    torch.nn.functional.conv2d(x, w.double()))
 
 
-@pytest.mark.parametrize("chunk_bytes,lanes", [(1 << 30, 1), (1, 16)])
-def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, monkeypatch):
+@pytest.mark.parametrize("chunk_bytes,lanes,rows", [(1 << 30, 1, 1), (1, 16, 1), (1 << 30, 16, 2), (1, 1, 3)])
+def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, rows, monkeypatch):
     """The loop IR of the three kernels (the input buffer's pack, the convolution, the result's unpack) run by the
     NumPy interpreter (the reference semantics), each on the previous one's interpreted output, give the compiled
     result; NCHW and channels_last; the entries in one channel chunk, planes unshifted, or in chunks of one
-    channel, planes shifted per tap column (some copied from others)."""
+    channel, planes shifted per tap column (some copied from others); one output row at a time or blocks of
+    ``rows`` (5 rows: the last block partial)."""
     from scorch.compiler import interp
+    monkeypatch.setattr(conv_direct, "ROWS", rows)
     monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
     monkeypatch.setattr(conv_direct, "SHIFT_SLACK", float("inf"))
@@ -164,14 +166,17 @@ _LAYOUT_CASES = [  # (out, in, groups, kernel, stride, dilation, padding, batch,
     (9, 16, 1, (3, 3), (2, 1), (1, 2), (1, 2), 1, (5, 40), True, True)]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("lanes", [1, 4, 16])
 @pytest.mark.parametrize("chunk_bytes", [1, 300, 1 << 30])
-def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, monkeypatch):
+def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, rows, monkeypatch):
     """The input planes shifted per tap column (rows aligned to ``lanes``, wherever the geometry allows) or not,
     and the entries in channel chunks of one channel, of a few, or all in one: the same convolution (2:4 and 40%
     unstructured weights, all-zero output rows, NCHW and channels_last inputs, bias, groups, depthwise, strides,
-    dilation, one output pixel, batch 1 and more, its images packed all at once or one by one), and values changed
-    in place are seen."""
+    dilation, one output pixel, batch 1 and more, its images packed all at once or one by one), one output row at
+    a time or in blocks of 2 or 3 rows sharing their loads (odd row counts: a partial last block), and values
+    changed in place are seen."""
+    monkeypatch.setattr(conv_direct, "ROWS", rows)
     monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(conv_direct, "BUFFER_BYTES", 1 if chunk_bytes == 300 else 1 << 30)
     monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
@@ -199,3 +204,31 @@ def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, monkeypatch):
         torch.testing.assert_close(conv_direct.conv2d(S, x, b, stride, dil, [(p, p) for p in pad], groups),
                                    torch.nn.functional.conv2d(x, -2 * w, b, stride, pad, dil, groups), rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_row_blocks_on_2_4_weights_match_dense(rows, monkeypatch):
+    """Blocks of output rows sharing their input loads (``conv_direct.ROWS``): 2:4 weights (odd output counts,
+    a 2:4 layer with an all-zero weight, an all-zero row block), every subset list of a block filled, with bias,
+    strides, padding, dilation, groups, NCHW and channels_last, batch 1 and 3, against dense torch."""
+    monkeypatch.setattr(conv_direct, "ROWS", rows)
+    for i, (out, cin, groups, stride, pad, dil, batch, cl, zero) in enumerate([
+            (7, 16, 1, (1, 1), (1, 1), (1, 1), 1, True, False), (10, 8, 2, (2, 2), (1, 0), (1, 2), 3, False, False),
+            (5, 12, 1, (1, 2), (2, 2), (2, 1), 2, True, False), (6, 8, 1, (1, 1), (1, 1), (1, 1), 2, False, True)]):
+        conv = torch.nn.Conv2d(cin, out, 3, stride, pad, dil, groups, bias=True)
+        with torch.no_grad():
+            conv.weight[1:rows + 1] = 0.0  # (a block with no entries)
+            if zero:
+                conv.weight.zero_()
+        s = scorch.schedule(conv)
+        s["weight"].sparsify(scorch.nn.NM(2, 4))
+        s.apply()
+        S, w = conv.weight, conv.weight.detach().to_dense()
+        x = torch.randn(batch, cin, 11, 13, generator=torch.Generator().manual_seed(i))
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        b = torch.randn(out)
+        got = conv_direct.conv2d(S, x, b, stride, dil, [(p, p) for p in pad], groups)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, b, stride, pad, dil, groups), rtol=1e-4,
+                                   atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last) == cl
