@@ -44,13 +44,15 @@ LINE, PREFETCH_LOCALITY = 16, 2
 class Plan:
     """``lanes`` per vector, ``vectors`` per tile (``T = lanes * vectors`` output pixels), ``unroll`` accumulator
     sets; ``ptype`` the row positions' type; ``bias``: added in the epilogue; ``rows`` output rows a block
-    computes together (``forward``)."""
+    computes together (``forward``); ``images`` a tile's images (blocks of rows only: the tile's pixels in each).
+    """
     lanes: int
     vectors: int
     unroll: int
     ptype: str
     bias: bool
     rows: int = 1
+    images: int = 1
 
     @property
     def T(self) -> int:
@@ -58,7 +60,8 @@ class Plan:
 
     @property
     def name(self) -> str:
-        return "scorch_conv_direct" + (f"_r{self.rows}" if self.rows > 1 else "")
+        return "scorch_conv_direct" + (f"_r{self.rows}" if self.rows > 1 else "") + \
+            (f"_i{self.images}" if self.images > 1 else "")
 
 
 def subsets(rows: int) -> list:
@@ -67,10 +70,12 @@ def subsets(rows: int) -> list:
     return sorted(range(1, 1 << rows), key=lambda m: (-bin(m).count("1"), m))
 
 
-def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1) -> Plan:
+def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1, batch: int = 1) -> Plan:
     """The tile for an output plane of ``pixels`` (grid) pixels: the widest of 16, 12, 8 vectors (at most the
     target's ``MAX_VECTORS`` over ``rows``: a block holds every row's accumulators) that pads the grid little more
-    than 4 do, else as many as it fills up to 4; ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight."""
+    than 4 do, else as many as it fills up to 4; ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight.
+    Blocks of rows on a narrower tile than the widest take the same pixels of several of the ``batch``'s images
+    (``images``), so that each entry's value and offset serve as many multiply-adds (small planes: 512 x 7 x 7)."""
     lanes = target.lanes(F32) if target.vectors else 1
 
     def padded(v):
@@ -79,7 +84,8 @@ def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1) -> 
     wide = [v for v in (16, 12, 8) if v <= widest and padded(v) <= GRID_SLACK * padded(4)]
     vectors = wide[0] if wide else max(1, min(4, -(-pixels // lanes)))
     unroll = max(1, ACCUMULATORS // vectors) if rows == 1 else 1
-    return Plan(lanes, vectors, unroll, ptype, bias, rows)
+    images = max(1, min(batch, widest // vectors)) if rows > 1 and target.vectors else 1
+    return Plan(lanes, vectors, unroll, ptype, bias, rows, images)
 
 
 def _div(a, b):
@@ -136,9 +142,10 @@ def _prefetch(p: Plan) -> L.Stmt:
     kc, c, ph, j = L.Var("kc"), L.Var("pc"), L.Var("pph"), L.Var("pj")
     cc, C = L.Var("cc"), L.Var("C")
     c_lo = _mul(_add(kc, _c(1)), cc)
-    at = _add(L.Var("xb"), _mul(_add(_mul(ph, C), c), L.Var("plane")), _mul(j, _c(LINE)))
-    return L.For(c, c_lo, L.binary("min", C, _add(c_lo, cc)), L.block(L.For(ph, _c(0), L.Var("P"), L.block(
-        L.For(j, _c(0), _div(L.Var("span"), _c(LINE)), L.block(L.Prefetch("x", at, PREFETCH_LOCALITY)))))))
+    return L.block(*(L.For(c, c_lo, L.binary("min", C, _add(c_lo, cc)), L.block(L.For(ph, _c(0), L.Var("P"), L.block(
+        L.For(j, _c(0), _div(L.Var("span"), _c(LINE)), L.block(L.Prefetch("x", _add(
+            L.Var("xb"), _mul(_c(i), L.Var("x_image")), _mul(_add(_mul(ph, C), c), L.Var("plane")),
+            _mul(j, _c(LINE))), PREFETCH_LOCALITY))))))) for i in range(p.images)))
 
 
 def _params(p: Plan) -> tuple:
@@ -154,7 +161,7 @@ def _params(p: Plan) -> tuple:
 
 def _items(p: Plan, body: L.Stmt) -> L.For:
     """The work items (image, pixel tile, row chunk), tile-major, each ``body`` with ``img``, ``chunk``, the
-    tile's input and output starts ``xb`` and ``yb`` bound."""
+    tile's input and output starts ``xb`` and ``yb`` bound (``p.images`` images an item: ``n`` counts them)."""
     item, img, rest, tile, chunk, xb, yb = (L.Var(v) for v in ("item", "img", "rest", "tile", "chunk", "xb", "yb"))
     per_img = _mul(_div(L.Var("grid"), _c(p.T)), L.Var("chunks"))
     return L.For(item, _c(0), _mul(L.Var("n"), per_img), L.block(
@@ -162,8 +169,8 @@ def _items(p: Plan, body: L.Stmt) -> L.For:
         L.Let(rest, L.binary("mod", item, per_img)),
         L.Let(tile, _div(rest, L.Var("chunks"))),
         L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
-        L.Let(xb, _add(_mul(img, L.Var("x_image")), _mul(tile, _c(p.T)))),
-        L.Let(yb, _add(_mul(_mul(img, L.Var("n_out")), L.Var("grid")), _mul(tile, _c(p.T)))),
+        L.Let(xb, _add(_mul(_mul(img, _c(p.images)), L.Var("x_image")), _mul(tile, _c(p.T)))),
+        L.Let(yb, _add(_mul(_mul(_mul(img, _c(p.images)), L.Var("n_out")), L.Var("grid")), _mul(tile, _c(p.T)))),
         body), parallel=L.Parallel("static", None, L.block(), chunk=1))
 
 
@@ -176,7 +183,7 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
     entry ``e``'s values ``vals[e * rows + r]``. With half of the rows' entries on every input (2:4), a block
     of two loads 3 vectors for 4 multiply-adds on average against 4; rows past ``n_out`` (the last block's) are
     computed on row ``n_out - 1``'s sums and not stored."""
-    R, T, S = p.rows, p.T, len(subsets(p.rows))
+    R, T, S, M = p.rows, p.T, len(subsets(p.rows)), p.images
     kc, b, at, lo, hi, e = (L.Var(v) for v in ("kc", "b", "at", "lo", "hi", "e"))
     xb, yb, grid, n_out = L.Var("xb"), L.Var("yb"), L.Var("grid"), L.Var("n_out")
     blocks = _div(_add(n_out, _c(R - 1)), _c(R))
@@ -184,30 +191,36 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
     rows = [_add(_mul(b, _c(R)), _c(r)) for r in range(R)]
     kept = [L.binary("min", o, L.binary("sub", n_out, _c(1))) for o in rows]
 
-    def y_at(r):
-        return _add(yb, _mul(kept[r], grid), _bv)
-    start = [L.Store("acc", _add(_c(r * T), _bv), L.Load("bias", kept[r], F32), "add") for r in range(R)] \
-        if p.bias else []
-    resume = [L.Store("acc", _add(_c(r * T), _bv), L.Load("y", y_at(r), F32)) for r in range(R)]
+    def y_at(r, i):  # (row ``r``'s pixels in the tile's image ``i``)
+        return _add(yb, _mul(_c(i), _mul(n_out, grid)), _mul(kept[r], grid), _bv)
+
+    def acc(r, i):
+        return _add(_c((r * M + i) * T), _bv)
+    start = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load("bias", kept[r], F32), "add")
+                                  for r in range(R))) for i in range(M)] if p.bias else []
+    resume = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load("y", y_at(r, i), F32)) for r in range(R)))
+              for i in range(M)]
     lists = []
     for s, mask in enumerate(subsets(R)):
-        x_v = L.Load("x", _add(xb, L.Cast(L.Load("off", e, "i32"), I64), _bv), F32)
-        fmas = [L.Store("acc", _add(_c(r * T), _bv), _mul(L.Load("vals", _add(_mul(e, _c(R)), _c(r)), F32), x_v),
-                        "add") for r in range(R) if mask >> r & 1]
+        def fmas(i):
+            x_v = L.Load("x", _add(xb, _mul(_c(i), L.Var("x_image")), L.Cast(L.Load("off", e, "i32"), I64), _bv), F32)
+            return [L.Store("acc", acc(r, i), _mul(L.Load("vals", _add(_mul(e, _c(R)), _c(r)), F32), x_v), "add")
+                    for r in range(R) if mask >> r & 1]
         lists.append(L.For(e, L.Cast(L.Load("pos", _add(at, _c(s)), p.ptype), I64),
                            L.Cast(L.Load("pos", _add(at, _c(s + 1)), p.ptype), I64),
-                           L.block(_vloop(T, p.lanes, *fmas))))
-    stores = [L.If(L.binary("lt", rows[r], n_out), L.block(_vloop(T, p.lanes, L.Store(
-        "y", y_at(r), L.Load("acc", _add(_c(r * T), _bv), F32))))) if r else
-        _vloop(T, p.lanes, L.Store("y", y_at(r), L.Load("acc", _add(_c(r * T), _bv), F32))) for r in range(R)]
+                           L.block(*(_vloop(T, p.lanes, *fmas(i)) for i in range(M)))))
+
+    def store(r):
+        return [_vloop(T, p.lanes, L.Store("y", y_at(r, i), L.Load("acc", acc(r, i), F32))) for i in range(M)]
+    stores = [L.If(L.binary("lt", rows[r], n_out), L.block(*store(r))) if r else L.block(*store(r))
+              for r in range(R)]
     block = L.block(
         L.Let(at, _mul(_add(_mul(kc, blocks), b), _c(S))),
         L.Let(lo, L.Cast(L.Load("pos", at, p.ptype), I64)),
         L.Let(hi, L.Cast(L.Load("pos", _add(at, _c(S)), p.ptype), I64)),
         L.If(L.binary("or", first, L.binary("lt", lo, hi)), L.block(
-            L.LocalArray("acc", F32, R * T, L.Const(0.0, F32), vector=vector),
-            L.If(first, L.block(_vloop(T, p.lanes, *start)) if start else L.block(),
-                 L.block(_vloop(T, p.lanes, *resume))),
+            L.LocalArray("acc", F32, R * M * T, L.Const(0.0, F32), vector=vector),
+            L.If(first, L.block(*start), L.block(*resume)),
             *lists, *stores)))
     chunk = L.Var("chunk")
     r_lo = _mul(chunk, L.Var("row_chunk"))

@@ -83,8 +83,8 @@ def _loaded(key, make):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int) -> family.Plan:
-    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int, batch: int) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows, batch)
 
 
 def _taps(k: int, s: int, dl: int):
@@ -265,12 +265,12 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     dense = weight._vals.numel() >= SHIFT_DENSITY * math.prod(weight._shape)
     geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK))
     phases, hq, wq, ho, wo, _ = geometry
-    n, c = x.shape[:2]
     out = weight._shape[0]
     rows = ROWS if dense else 1
-    p = _plan(ho * wq, torch.int32, bias is not None, rows)
+    n, c = x.shape[:2]
+    p = _plan(ho * wq, torch.int32, bias is not None, rows, n)
     span = p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo)  # (a tile's inputs in each plane)
-    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span))
+    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span * p.images))
     key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
 
     def build():
@@ -287,6 +287,8 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     image = len(phases) * c * hq * wq
     # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
     group = max(1, min(n, BUFFER_BYTES // (4 * image)))
+    m = p.images  # (a kernel item's images: a group's last item reads zero planes past its images)
+    group = -(-group // m) * m
     threads = torch.get_num_threads()
     cl = _channels_last(x)
     res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
@@ -295,12 +297,13 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     blocks = -(-out // rows)
     for g0 in range(0, n, group):
         g = min(group, n - g0)
-        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, grid - ho * wq + wq)
+        items = -(-g // m)
+        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, (items * m - g) * image + grid - ho * wq + wq)
         tiles = grid // p.T
-        chunks = 1 if g * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
-            min(blocks, -(-ITEMS_PER_THREAD * threads // (g * tiles)))
+        chunks = 1 if items * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
+            min(blocks, -(-ITEMS_PER_THREAD * threads // (items * tiles)))
         row_chunk = -(-blocks // chunks)
-        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:g], "n": g, "x_image": image,
+        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:items * m], "n": items, "x_image": image,
                 "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-blocks // row_chunk),
                 "row_chunk": row_chunk, "nthreads": threads, "C": c, "P": len(phases), "plane": hq * wq,
                 "cc": chunk, "span": span}

@@ -210,11 +210,15 @@ def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, rows, monkeyp
 def test_row_blocks_on_2_4_weights_match_dense(rows, monkeypatch):
     """Blocks of output rows sharing their input loads (``conv_direct.ROWS``): 2:4 weights (odd output counts,
     a 2:4 layer with an all-zero weight, an all-zero row block), every subset list of a block filled, with bias,
-    strides, padding, dilation, groups, NCHW and channels_last, batch 1 and 3, against dense torch."""
+    strides, padding, dilation, groups, NCHW and channels_last, batch 1 to 5, against dense torch; small planes
+    at batch > 1 take tiles of several images (the last tile's partial: zero planes past the batch)."""
     monkeypatch.setattr(conv_direct, "ROWS", rows)
-    for i, (out, cin, groups, stride, pad, dil, batch, cl, zero) in enumerate([
-            (7, 16, 1, (1, 1), (1, 1), (1, 1), 1, True, False), (10, 8, 2, (2, 2), (1, 0), (1, 2), 3, False, False),
-            (5, 12, 1, (1, 2), (2, 2), (2, 1), 2, True, False), (6, 8, 1, (1, 1), (1, 1), (1, 1), 2, False, True)]):
+    for i, (out, cin, groups, stride, pad, dil, batch, cl, zero, size) in enumerate([
+            (7, 16, 1, (1, 1), (1, 1), (1, 1), 1, True, False, (11, 13)),
+            (10, 8, 2, (2, 2), (1, 0), (1, 2), 3, False, False, (11, 13)),
+            (5, 12, 1, (1, 2), (2, 2), (2, 1), 2, True, False, (11, 13)),
+            (6, 8, 1, (1, 1), (1, 1), (1, 1), 2, False, True, (11, 13)),
+            (7, 8, 1, (1, 1), (0, 0), (1, 1), 5, True, False, (5, 5))]):
         conv = torch.nn.Conv2d(cin, out, 3, stride, pad, dil, groups, bias=True)
         with torch.no_grad():
             conv.weight[1:rows + 1] = 0.0  # (a block with no entries)
@@ -224,7 +228,7 @@ def test_row_blocks_on_2_4_weights_match_dense(rows, monkeypatch):
         s["weight"].sparsify(scorch.nn.NM(2, 4))
         s.apply()
         S, w = conv.weight, conv.weight.detach().to_dense()
-        x = torch.randn(batch, cin, 11, 13, generator=torch.Generator().manual_seed(i))
+        x = torch.randn(batch, cin, *size, generator=torch.Generator().manual_seed(i))
         if cl:
             x = x.contiguous(memory_format=torch.channels_last)
         b = torch.randn(out)
@@ -232,3 +236,15 @@ def test_row_blocks_on_2_4_weights_match_dense(rows, monkeypatch):
         torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, b, stride, pad, dil, groups), rtol=1e-4,
                                    atol=1e-5)
         assert got.is_contiguous(memory_format=torch.channels_last) == cl
+
+
+def test_small_planes_at_batch_share_a_tile():
+    """A plane of a few pixels at batch > 1 takes several images a tile where blocks of rows leave room (the
+    target's vectors), one image otherwise."""
+    from scorch.compiler import conv_direct as family
+    from scorch.compiler.target import CPU
+    p = family.plan(CPU, 9, "i32", False, 2, 5)
+    assert p.images == (1 if not CPU.vectors else min(5, family.MAX_VECTORS.get(CPU.vector_bytes, 8) // 2 // p.vectors))
+    assert p.images > 1 or not CPU.vectors or CPU.vector_bytes < 32
+    assert family.plan(CPU, 9, "i32", False, 2, 1).images == 1
+    assert family.plan(CPU, 9, "i32", False, 1, 5).images == 1
