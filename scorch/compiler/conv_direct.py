@@ -214,8 +214,13 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
     for s, mask in enumerate(subsets(R)):
         def fmas(i):
             x_v = L.Load("x", _add(xb, _mul(_c(i), L.Var("x_image")), L.Cast(L.Load("off", e, "i32"), I64), _bv), F32)
-            return [L.Store("acc", acc(r, i), _mul(L.Load("vals", _add(_mul(e, _c(R)), _c(r)), F32), x_v), "add")
-                    for r in range(R) if mask >> r & 1]
+            # (an input that several rows read goes through a register of its own: left as one expression per
+            #  row, GCC folds it into each multiply-add as a memory operand, a load per multiply-add again)
+            shared = bin(mask).count("1") > 1
+            kept_x = L.Load("xs", _bv, F32) if shared else x_v
+            return ([L.Store("xs", _bv, x_v)] if shared else []) + [
+                L.Store("acc", acc(r, i), _mul(L.Load("vals", _add(_mul(e, _c(R)), _c(r)), F32), kept_x), "add")
+                for r in range(R) if mask >> r & 1]
         lists.append(L.For(e, L.Cast(L.Load("pos", _add(at, _c(s)), p.ptype), I64),
                            L.Cast(L.Load("pos", _add(at, _c(s + 1)), p.ptype), I64),
                            L.block(*(_vloop(T, p.lanes, *fmas(i)) for i in range(M)))))
@@ -230,6 +235,7 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
         L.Let(hi, L.Cast(L.Load("pos", _add(at, _c(S)), p.ptype), I64)),
         L.If(L.binary("or", first, L.binary("lt", lo, hi)), L.block(
             L.LocalArray("acc", F32, R * M * T, L.Const(0.0, F32), vector=vector),
+            L.LocalArray("xs", F32, T, L.Const(0.0, F32), vector=vector, pinned=True),
             L.If(first, L.block(*start), L.block(*resume)),
             *lists, *stores)))
     chunk = L.Var("chunk")

@@ -248,3 +248,16 @@ def test_small_planes_at_batch_share_a_tile():
     assert p.images > 1 or not CPU.vectors or CPU.vector_bytes < 32
     assert family.plan(CPU, 9, "i32", False, 2, 1).images == 1
     assert family.plan(CPU, 9, "i32", False, 1, 5).images == 1
+
+
+def test_shared_inputs_stay_in_registers():
+    """A block's input vector that several rows read is stored into a pinned workspace (``LocalArray.pinned``):
+    the generated C++ keeps it in a register (an empty asm on it) instead of a memory operand per row."""
+    from scorch.compiler import conv_direct as family
+    from scorch.compiler.codegen import cpp
+    from scorch.compiler.target import CPU
+    if not CPU.vectors:
+        pytest.skip("no vector target: the workspace is not held as vectors")
+    source = cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 2)))
+    assert source.count('__asm__("" : "+v"(xs[') == 1  # (the list of both rows only: one row reads it once)
+    assert '__asm__' not in cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 1)))
