@@ -261,3 +261,17 @@ def test_shared_inputs_stay_in_registers():
     source = cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 2)))
     assert source.count('__asm__("" : "+v"(xs[') == 1  # (the list of both rows only: one row reads it once)
     assert '__asm__' not in cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 1)))
+
+
+def test_workspaces_reused_across_modes_and_sizes():
+    """The buffer and grid kept per thread between calls: a call in inference mode, then a larger one outside
+    it, then a smaller one, each against dense torch; ``scorch.clear_caches`` empties them."""
+    w, S = _sparse_weight((6, 4, 3, 3), 0.5, "coo", 3)
+    for mode, size in ((torch.inference_mode, 6), (torch.no_grad, 12), (torch.no_grad, 5)):
+        x = torch.randn(2, 4, size, size + 1)
+        with mode():
+            got = conv_direct.conv2d(S, x, None, (1, 1), (1, 1), [(1, 1), (1, 1)], 1)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4, atol=1e-5)
+    assert conv_direct._workspace_size() > 0
+    scorch.clear_caches()
+    assert conv_direct._workspace_size() == 0
