@@ -261,12 +261,12 @@ def pack(channels_inner: bool) -> L.Kernel:
     be 1), every channel's row transposed by vector tiles; else NCHW (``xs_w`` must be 1).
     A phase whose ``src_phase`` is not -1 is that phase (an earlier one) shifted left by ``src_shift`` columns
     (the shifted planes of ``engine.conv_direct._geometry``: ``pb = pb[src] + sc * shift``): its rows are copied from that
-    phase's rows just written, contiguous, instead of gathered from ``x`` again; its last ``sh`` columns zero."""
+    phase's rows just written, contiguous, instead of gathered from ``x`` again; its last ``sh`` columns gathered
+    (zeros past the input)."""
     item, img, ph, i, c, j, r, col, base, lo, hi, src, sh, sbase = (L.Var(v) for v in (
         "item", "img", "ph", "i", "c", "j", "r", "col", "base", "lo", "hi", "src", "sh", "sbase"))
     P, C, H, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "Hq", "Wq"))
     inside = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
-    # (the stride 1 known here: channels_last's channels, NCHW's columns)
     # (NCHW: the columns' stride 1, known here)
     at = _add(_mul(img, L.Var("xs_n")), _mul(c, L.Var("xs_c")), _mul(r, L.Var("xs_h")), col)
     plane = _add(base, _mul(c, _mul(Hq, Wq)))
@@ -286,17 +286,28 @@ def pack(channels_inner: bool) -> L.Kernel:
         return L.For(j, j_lo, j_hi, L.block(L.For(c, _c(0), C, L.block(L.Store("buf", _add(plane, j), zero)))))
     zeros = L.block(zero_columns(_c(0), lo), zero_columns(hi, Wq))
     kept = L.binary("sub", Wq, sh)
+    # (the last ``sh`` columns, past the source row's end, gathered: inputs where the row's input reaches them,
+    #  images side by side (``engine.conv_direct._side_by_side``); read at clamped positions, then selected)
+    W = L.Var("W")
+
+    def clamp(v, size):
+        return L.binary("min", L.binary("max", v, _c(0)), L.binary("sub", size, _c(1)))
+    in_col = L.binary("and", inside, L.binary("and", L.binary("ge", col, _c(0)), L.binary("lt", col, W)))
+    tail_at = _add(_mul(img, L.Var("xs_n")), _mul(c, L.Var("xs_c")), _mul(clamp(r, H), L.Var("xs_h")),
+                   _mul(clamp(col, W), L.Var("xs_w")))
+    tail = L.For(j, kept, Wq, L.block(col_let, L.For(c, _c(0), C, L.block(L.Store(
+        "buf", _add(plane, j), L.Select(in_col, L.Load("x", tail_at, F32), zero, F32))))))
     shifted = L.block(L.For(c, _c(0), C, L.block(
         L.For(j, _c(0), kept, L.block(L.Store("buf", _add(plane, j), L.Load(
-            "buf", _add(sbase, _mul(c, _mul(Hq, Wq)), j, sh), F32)))))), zero_columns(kept, Wq))
+            "buf", _add(sbase, _mul(c, _mul(Hq, Wq)), j, sh), F32)))))), tail)
 
     def row_start(phase):
         return _add(_mul(_mul(_add(_mul(img, P), phase), C), _mul(Hq, Wq)), _mul(i, Wq))
     phase = L.block(
         L.Let(src, L.Load("src_phase", ph, I64)),
         L.Let(base, row_start(ph)),
+        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
         L.If(L.binary("lt", src, _c(0)), L.block(
-            L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
             # (a row outside the input: every column zero)
             L.Let(lo, L.Select(inside, L.Load("jlo", ph, I64), Wq, I64)),
             L.Let(hi, L.Select(inside, L.Load("jhi", ph, I64), Wq, I64)),
@@ -307,7 +318,8 @@ def pack(channels_inner: bool) -> L.Kernel:
     loop = L.For(item, _c(0), _mul(L.Var("n"), Hq), L.block(
         L.Let(img, _div(item, Hq)), L.Let(i, L.binary("mod", item, Hq)),
         L.For(ph, _c(0), P, phase)), parallel=L.Parallel("static", None, L.block(), chunk=1))
-    scalars = ("n", "P", "C", "H", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w", "nthreads")
+    scalars = ("n", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w",
+               "nthreads")
     params = tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi", "src_phase", "src_shift")) + \
         (L.Param("x", "array", F32), L.Param("buf", "array", F32, output=True)) + \
         tuple(L.Param(s, "scalar", I64) for s in scalars)

@@ -275,3 +275,30 @@ def test_workspaces_reused_across_modes_and_sizes():
     assert conv_direct._workspace_size() > 0
     scorch.clear_caches()
     assert conv_direct._workspace_size() == 0
+
+
+@pytest.mark.parametrize("cl", [False, True])
+def test_images_side_by_side_match_dense(cl, monkeypatch):
+    """Small planes at batch > 1 whose rows alone are too short for aligned planes run joined side by side, the
+    row padding's zeros between them (ResNet-18's 7 x 7 layers; dilation, padding on one side, an odd batch: the
+    last joint image partial), against dense torch; one image and strided rows run alone."""
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: 16)
+    for i, (batch, size, pad, dil, stride, joined) in enumerate([
+            (8, (7, 7), ((1, 1), (1, 1)), (1, 1), (1, 1), True), (5, (6, 7), ((2, 2), (2, 2)), (2, 2), (1, 1), True),
+            (3, (7, 6), ((0, 1), (2, 0)), (1, 1), (2, 1), True), (1, (7, 7), ((1, 1), (1, 1)), (1, 1), (1, 1), False),
+            (4, (7, 9), ((1, 1), (1, 1)), (1, 1), (1, 2), False)]):
+        conv = torch.nn.Conv2d(8, 6, 3, bias=False)
+        s = scorch.schedule(conv)
+        s["weight"].sparsify(scorch.nn.NM(2, 4))
+        s.apply()
+        S, w = conv.weight, conv.weight.detach().to_dense()
+        x = torch.randn(batch, 8, *size, generator=torch.Generator().manual_seed(i))
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        b = torch.randn(6)
+        shapes = (tuple(S.shape), tuple(x.shape), stride, dil, pad)
+        assert (conv_direct._side_by_side_count(*shapes, 16, conv_direct.SHIFT_SLACK) > 1) == joined
+        got = conv_direct.conv2d(S, x, b, stride, dil, pad, 1)
+        ref = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (*pad[1], *pad[0])), w, b, stride, 0, dil)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last) == cl
