@@ -148,7 +148,8 @@ def _prefetch(p: Plan) -> L.Stmt:
     the chunk's rows pass: the first row of a chunk otherwise waits on each line from L3 (a layer's buffer is
     larger than L2: ResNet-18's 64 x 56 x 56 shifted planes, 2.9 MB). The chunk's channels ``(kc + 1) * cc ..``
     of every phase plane (``plane`` elements apart; channel ``c`` of phase ``ph`` is plane ``ph * C + c``),
-    ``span`` elements from the tile's start each, a line (16 floats) at a time."""
+    ``span`` elements from the tile's start each, a line (16 floats) at a time. Kernel alone, batch 8, 1 thread:
+    64 x 56 x 56 1.43 -> 1.38 ms, 128 x 28 x 28 2.76 -> 2.85, 256 x 14 x 14 even."""
     kc, c, ph, j = L.Var("kc"), L.Var("pc"), L.Var("pph"), L.Var("pj")
     cc, C = L.Var("cc"), L.Var("C")
     c_lo = _mul(_add(kc, _c(1)), cc)
