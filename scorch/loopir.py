@@ -303,6 +303,9 @@ class LocalArray(Stmt):
     #              index not depending on the loop), a read outside vector loops adds the lanes up
     combine: str = "add"  # of ``sums``: "add", or "max" (partial maxima: stores with op "max", a read takes
     #                       the lanes' max; a store outside vector loops takes part in every lane)
+    pinned: bool = False  # (``vector``) each vector stored is kept in a register, not re-read from where it
+    #                       came: a hint (GCC otherwise folds a load with several uses into each use as a memory
+    #                       operand, a load per use)
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,21 @@ ACCUMULATORS = 8
 MAX_VECTORS = {64: 16, 32: 8}
 #: the widest tile (of 16, 12, 8 vectors) is taken that pads the grid at most this much more than one of 4
 GRID_SLACK = 1.05
+#: float32 elements per cache line, and the next chunk's prefetches into L2 (``_prefetch``)
+LINE, PREFETCH_LOCALITY = 16, 2
 @dataclass(frozen=True)
 class Plan:
     """``lanes`` per vector, ``vectors`` per tile (``T = lanes * vectors`` output pixels), ``unroll`` accumulator
-    sets; ``ptype`` the row positions' type; ``bias``: added in the epilogue."""
+    sets; ``ptype`` the row positions' type; ``bias``: added in the epilogue; ``rows`` output rows a block
+    computes together (``forward``); ``images`` a tile's images (blocks of rows only: the tile's pixels in each).
+    """
     lanes: int
     vectors: int
     unroll: int
     ptype: str
     bias: bool
+    rows: int = 1
+    images: int = 1
 
     @property
     def T(self) -> int:
@@ -54,21 +60,42 @@ class Plan:
 
     @property
     def name(self) -> str:
-        return "scorch_conv_direct"
+        return "scorch_conv_direct" + (f"_r{self.rows}" if self.rows > 1 else "") + \
+            (f"_i{self.images}" if self.images > 1 else "")
 
 
-def plan(target: Target, pixels: int, ptype: str, bias: bool) -> Plan:
+def subsets(rows: int) -> list:
+    """The nonempty subsets of a block's ``rows`` as bit masks, in the order of a block's entry lists: the most
+    rows first (``forward``)."""
+    return sorted(range(1, 1 << rows), key=lambda m: (-bin(m).count("1"), m))
+
+
+def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1, batch: int = 1) -> Plan:
     """The tile for an output plane of ``pixels`` (grid) pixels: the widest of 16, 12, 8 vectors (at most the
-    target's ``MAX_VECTORS``) that pads the grid little more than 4 do, else as many as it fills up to 4;
-    ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight."""
+    target's ``MAX_VECTORS`` over ``rows``: a block holds every row's accumulators) that pads the grid little more
+    than 4 do, else as many as it fills up to 4; ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight.
+    Blocks of rows take the widest of any vector count that pads the grid little more than the least does.
+    Blocks of rows on a narrower tile than the widest take the same pixels of several of the ``batch``'s images
+    (``images``), so that each entry's value and offset serve as many multiply-adds (small planes: 512 x 7 x 7)."""
     lanes = target.lanes(F32) if target.vectors else 1
 
     def padded(v):
         return -(-pixels // (v * lanes)) * v * lanes
-    widest = MAX_VECTORS.get(target.vector_bytes, 4)
+    widest = MAX_VECTORS.get(target.vector_bytes, 4 * rows) // rows
     wide = [v for v in (16, 12, 8) if v <= widest and padded(v) <= GRID_SLACK * padded(4)]
     vectors = wide[0] if wide else max(1, min(4, -(-pixels // lanes)))
-    return Plan(lanes, vectors, max(1, ACCUMULATORS // vectors), ptype, bias)
+    unroll = max(1, ACCUMULATORS // vectors) if rows == 1 else 1
+    if rows == 1 or not target.vectors:
+        return Plan(lanes, vectors, unroll, ptype, bias, rows)
+
+    def images(v):
+        return max(1, min(batch, widest // v))
+    # (blocks of rows: the widest tile that pads the grid little more than the least does, any vector count: a
+    #  256 x 14 x 14 layer's 224 grid pixels take 7 vectors, not 8 (256 pixels); batch 8, 1 thread, the kernel
+    #  13.9 ms -> 12.0, batch 1 1.69 -> 1.50. Narrower tiles over more images lose: 2 vectors x 4 images 15.3)
+    least = min(padded(v) for v in range(1, widest + 1))
+    vectors = max(v for v in range(1, widest + 1) if padded(v) <= GRID_SLACK * least)
+    return Plan(lanes, vectors, unroll, ptype, bias, rows, images(vectors))
 
 
 def _div(a, b):
@@ -84,11 +111,8 @@ def forward(p: Plan) -> L.Kernel:
     stay in L1 while the rows pass (the rows' sums so far read back from ``y``, which the chunks after the first
     add to). ``x`` must be readable up to ``grid + max(off)`` past each image's start (the caller pads its end)."""
     T, U = p.T, p.unroll
-    item, img, rest, tile, chunk = (L.Var(v) for v in ("item", "img", "rest", "tile", "chunk"))
     xb, yb, o, lo, hi, q, k, e, kc, at = (L.Var(v) for v in ("xb", "yb", "o", "lo", "hi", "q", "k", "e", "kc", "at"))
-    n, n_out, grid = L.Var("n"), L.Var("n_out"), L.Var("grid")
-    tiles = _div(grid, _c(T))
-    per_img = _mul(tiles, L.Var("chunks"))
+    chunk, n_out, grid = L.Var("chunk"), L.Var("n_out"), L.Var("grid")
     r_lo = _mul(chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
     vector = p.lanes if p.lanes > 1 else 0
@@ -98,8 +122,10 @@ def forward(p: Plan) -> L.Kernel:
         src = _add(xb, L.Cast(L.Load("off", at_, "i32"), I64), _bv)
         return _vloop(T, p.lanes, L.Store("acc", _add(_c(u * T), _bv), _mul(w, L.Load("x", src, F32)), "add"))
 
-    y_at = _add(yb, _mul(o, grid), _bv)
     first = L.binary("eq", kc, _c(0))
+    if p.rows > 1:
+        return _blocks(p, first)
+    y_at = _add(yb, _mul(o, grid), _bv)
     start = _vloop(T, p.lanes, L.Store("acc", _bv, L.Load("bias", o, F32), "add")) if p.bias else None
     row = L.block(
         L.Let(at, _add(_mul(kc, n_out), o)),
@@ -113,38 +139,118 @@ def forward(p: Plan) -> L.Kernel:
             L.If(first, L.block(start), L.block(_vloop(T, p.lanes, L.Store("acc", _bv, L.Load("y", y_at, F32))))),
             *unrolled(lo, hi, U, entry, k, q, e),
             _vloop(T, p.lanes, L.Store("y", y_at, sets_total("acc", U, T))))))
-    loop = L.For(item, _c(0), _mul(n, per_img), L.block(
-        L.Let(img, _div(item, per_img)),
-        L.Let(rest, L.binary("mod", item, per_img)),
-        L.Let(tile, _div(rest, L.Var("chunks"))),
-        L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
-        L.Let(xb, _add(_mul(img, L.Var("x_image")), _mul(tile, _c(T)))),
-        L.Let(yb, _add(_mul(_mul(img, n_out), grid), _mul(tile, _c(T)))),
-        L.For(kc, _c(0), L.Var("kchunks"), L.block(L.For(o, r_lo, r_hi, row)))),
-        parallel=L.Parallel("static", None, L.block(), chunk=1))
-    params = (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"), L.Param("vals", "array", F32)) + \
+    loop = _items(p, L.For(kc, _c(0), L.Var("kchunks"), L.block(_prefetch(p), L.For(o, r_lo, r_hi, row))))
+    return L.Kernel(p.name + ("_bias" if p.bias else ""), _params(p), L.block(loop))
+
+
+def _prefetch(p: Plan) -> L.Stmt:
+    """Hints for the next channel chunk's inputs around the tile, into L2 (``PREFETCH_LOCALITY``), issued before
+    the chunk's rows pass: the first row of a chunk otherwise waits on each line from L3 (a layer's buffer is
+    larger than L2: ResNet-18's 64 x 56 x 56 shifted planes, 2.9 MB). The chunk's channels ``(kc + 1) * cc ..``
+    of every phase plane (``plane`` elements apart; channel ``c`` of phase ``ph`` is plane ``ph * C + c``),
+    ``span`` elements from the tile's start each, a line (16 floats) at a time. Kernel alone, batch 8, 1 thread:
+    64 x 56 x 56 1.43 -> 1.38 ms, 128 x 28 x 28 2.76 -> 2.85, 256 x 14 x 14 even."""
+    kc, c, ph, j = L.Var("kc"), L.Var("pc"), L.Var("pph"), L.Var("pj")
+    cc, C = L.Var("cc"), L.Var("C")
+    c_lo = _mul(_add(kc, _c(1)), cc)
+    return L.block(*(L.For(c, c_lo, L.binary("min", C, _add(c_lo, cc)), L.block(L.For(ph, _c(0), L.Var("P"), L.block(
+        L.For(j, _c(0), _div(L.Var("span"), _c(LINE)), L.block(L.Prefetch("x", _add(
+            L.Var("xb"), _mul(_c(i), L.Var("x_image")), _mul(_add(_mul(ph, C), c), L.Var("plane")),
+            _mul(j, _c(LINE))), PREFETCH_LOCALITY))))))) for i in range(p.images)))
+
+
+def _params(p: Plan) -> tuple:
+    return (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"), L.Param("vals", "array", F32)) + \
         ((L.Param("bias", "array", F32),) if p.bias else ()) + \
         (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True),
          L.Param("n", "scalar", I64), L.Param("x_image", "scalar", I64), L.Param("grid", "scalar", I64),
          L.Param("n_out", "scalar", I64), L.Param("kchunks", "scalar", I64), L.Param("chunks", "scalar", I64),
-         L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
-    return L.Kernel(p.name + ("_bias" if p.bias else ""), params, L.block(loop))
+         L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64), L.Param("C", "scalar", I64),
+         L.Param("P", "scalar", I64), L.Param("plane", "scalar", I64), L.Param("cc", "scalar", I64),
+         L.Param("span", "scalar", I64))
 
 
-#: channels a channels_last pack or unpack moves together: a cache line of them on the channels_last side, one
-#: line of each of their planes on the other, so neither side holds more lines than L1 keeps. Measured (64 x 56 x
-#: 56, batch 8, 1 thread): pack 1.60 ms unblocked (every channel of a column, then the next column), 1.28 blocked
-#: the same way, 0.76 blocked with the planes' rows inner (contiguous writes); unpack 0.58 with the channels inner
-#: (contiguous writes), 0.99 with the rows inner; a torch channels_last <-> NCHW copy 1.0-1.1, a plain copy 0.18
-CHANNEL_BLOCK = 16
+def _items(p: Plan, body: L.Stmt) -> L.For:
+    """The work items (image, pixel tile, row chunk), tile-major, each ``body`` with ``img``, ``chunk``, the
+    tile's input and output starts ``xb`` and ``yb`` bound (``p.images`` images an item: ``n`` counts them)."""
+    item, img, rest, tile, chunk, xb, yb = (L.Var(v) for v in ("item", "img", "rest", "tile", "chunk", "xb", "yb"))
+    per_img = _mul(_div(L.Var("grid"), _c(p.T)), L.Var("chunks"))
+    return L.For(item, _c(0), _mul(L.Var("n"), per_img), L.block(
+        L.Let(img, _div(item, per_img)),
+        L.Let(rest, L.binary("mod", item, per_img)),
+        L.Let(tile, _div(rest, L.Var("chunks"))),
+        L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
+        L.Let(xb, _add(_mul(_mul(img, _c(p.images)), L.Var("x_image")), _mul(tile, _c(p.T)))),
+        L.Let(yb, _add(_mul(_mul(_mul(img, _c(p.images)), L.Var("n_out")), L.Var("grid")), _mul(tile, _c(p.T)))),
+        body), parallel=L.Parallel("static", None, L.block(), chunk=1))
 
 
-def _channel_blocks(channels: L.Expr, body) -> L.For:
-    """``body(c0, c1)`` for the blocks ``[c0, c1)`` of ``CHANNEL_BLOCK`` channels."""
-    cb, c0 = L.Var("cb"), L.Var("c0")
-    return L.For(cb, _c(0), _div(_add(channels, _c(CHANNEL_BLOCK - 1)), _c(CHANNEL_BLOCK)), L.block(
-        L.Let(c0, _mul(cb, _c(CHANNEL_BLOCK))),
-        body(c0, L.binary("min", channels, _add(c0, _c(CHANNEL_BLOCK))))))
+def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
+    """The kernel where a block of ``p.rows`` output rows shares its loads: its entries of a channel chunk come in
+    one list per subset of its rows (``subsets``: an entry of a list holds the value of each row, 0 where the
+    row has none, and one offset), so that an input vector is loaded once for every row of the block that reads
+    it, into accumulators that stay in registers for the whole block. Block ``b``'s list ``s`` of chunk ``kc``
+    is ``pos[(kc * blocks + b) * S + s] .. pos[... + s + 1]`` (``S`` lists, ``blocks = ceil(n_out / rows)``); its
+    entry ``e``'s values ``vals[e * rows + r]``. With half of the rows' entries on every input (2:4), a block
+    of two loads 3 vectors for 4 multiply-adds on average against 4; rows past ``n_out`` (the last block's) are
+    computed on row ``n_out - 1``'s sums and not stored."""
+    R, T, S, M = p.rows, p.T, len(subsets(p.rows)), p.images
+    kc, b, at, lo, hi, e = (L.Var(v) for v in ("kc", "b", "at", "lo", "hi", "e"))
+    xb, yb, grid, n_out = L.Var("xb"), L.Var("yb"), L.Var("grid"), L.Var("n_out")
+    blocks = _div(_add(n_out, _c(R - 1)), _c(R))
+    vector = p.lanes if p.lanes > 1 else 0
+    rows = [_add(_mul(b, _c(R)), _c(r)) for r in range(R)]
+    kept = [L.binary("min", o, L.binary("sub", n_out, _c(1))) for o in rows]
+
+    def y_at(r, i):  # (row ``r``'s pixels in the tile's image ``i``)
+        return _add(yb, _mul(_c(i), _mul(n_out, grid)), _mul(kept[r], grid), _bv)
+
+    def acc(r, i):
+        return _add(_c((r * M + i) * T), _bv)
+    start = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load("bias", kept[r], F32), "add")
+                                  for r in range(R))) for i in range(M)] if p.bias else []
+    resume = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load("y", y_at(r, i), F32)) for r in range(R)))
+              for i in range(M)]
+    lists = []
+    for s, mask in enumerate(subsets(R)):
+        def fmas(i):
+            x_v = L.Load("x", _add(xb, _mul(_c(i), L.Var("x_image")), L.Cast(L.Load("off", e, "i32"), I64), _bv), F32)
+            # (an input that several rows read goes through a register of its own: left as one expression per
+            #  row, GCC folds it into each multiply-add as a memory operand, a load per multiply-add again)
+            shared = bin(mask).count("1") > 1
+            kept_x = L.Load("xs", _bv, F32) if shared else x_v
+            return ([L.Store("xs", _bv, x_v)] if shared else []) + [
+                L.Store("acc", acc(r, i), _mul(L.Load("vals", _add(_mul(e, _c(R)), _c(r)), F32), kept_x), "add")
+                for r in range(R) if mask >> r & 1]
+        lists.append(L.For(e, L.Cast(L.Load("pos", _add(at, _c(s)), p.ptype), I64),
+                           L.Cast(L.Load("pos", _add(at, _c(s + 1)), p.ptype), I64),
+                           L.block(*(_vloop(T, p.lanes, *fmas(i)) for i in range(M)))))
+
+    def store(r):
+        return [_vloop(T, p.lanes, L.Store("y", y_at(r, i), L.Load("acc", acc(r, i), F32))) for i in range(M)]
+    stores = [L.If(L.binary("lt", rows[r], n_out), L.block(*store(r))) if r else L.block(*store(r))
+              for r in range(R)]
+    block = L.block(
+        L.Let(at, _mul(_add(_mul(kc, blocks), b), _c(S))),
+        L.Let(lo, L.Cast(L.Load("pos", at, p.ptype), I64)),
+        L.Let(hi, L.Cast(L.Load("pos", _add(at, _c(S)), p.ptype), I64)),
+        L.If(L.binary("or", first, L.binary("lt", lo, hi)), L.block(
+            L.LocalArray("acc", F32, R * M * T, L.Const(0.0, F32), vector=vector),
+            L.LocalArray("xs", F32, T, L.Const(0.0, F32), vector=vector, pinned=True),
+            L.If(first, L.block(*start), L.block(*resume)),
+            *lists, *stores)))
+    chunk = L.Var("chunk")
+    r_lo = _mul(chunk, L.Var("row_chunk"))
+    r_hi = L.binary("min", blocks, _add(r_lo, L.Var("row_chunk")))
+    loop = _items(p, L.For(kc, _c(0), L.Var("kchunks"), L.block(_prefetch(p), L.For(b, r_lo, r_hi, block))))
+    return L.Kernel(p.name + ("_bias" if p.bias else ""), _params(p), L.block(loop))
+
+
+#: (channels_last packs and unpacks: a row of every channel transposed by ``loopir.Transpose``'s vector tiles.
+#: Measured (64 x 56 x 56, batch 8, 1 thread): pack 1.60 ms a channel's column at a time, 0.76 in blocks of 16
+#: channels with the planes' rows inner; unpack 0.58 in such blocks; a torch channels_last <-> NCHW copy 1.0-1.1.
+#: The tiles, batch 1, 1 thread, kernels alone: 128 x 28 x 28 pack 0.42 -> 0.24 ms, 64 x 56 x 56 unpack 0.19 ->
+#: 0.13)
 
 
 def pack(channels_inner: bool) -> L.Kernel:
@@ -153,41 +259,56 @@ def pack(channels_inner: bool) -> L.Kernel:
     channels_last inputs take no copy first; each work item is one row ``i`` of every channel of every phase, so a
     channels_last input's row stays in the cache. The columns ``jlo[phase] .. jhi[phase]`` read the input (the
     caller computes them), the rest are zeros: no test per element. ``channels_inner``: channels_last (``xs_c`` must
-    be 1), in blocks of ``CHANNEL_BLOCK`` channels, each channel's row inner; else NCHW (``xs_w`` must be 1).
+    be 1), every channel's row transposed by vector tiles; else NCHW (``xs_w`` must be 1).
     A phase whose ``src_phase`` is not -1 is that phase (an earlier one) shifted left by ``src_shift`` columns
     (the shifted planes of ``engine.conv_direct._geometry``: ``pb = pb[src] + sc * shift``): its rows are copied from that
-    phase's rows just written, contiguous, instead of gathered from ``x`` again; its last ``sh`` columns zero."""
+    phase's rows just written, contiguous, instead of gathered from ``x`` again; its last ``sh`` columns gathered
+    (zeros past the input)."""
     item, img, ph, i, c, j, r, col, base, lo, hi, src, sh, sbase = (L.Var(v) for v in (
         "item", "img", "ph", "i", "c", "j", "r", "col", "base", "lo", "hi", "src", "sh", "sbase"))
     P, C, H, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "Hq", "Wq"))
     inside = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
-    # (the stride 1 known here: channels_last's channels, NCHW's columns)
-    at = _add(_mul(img, L.Var("xs_n")), c if channels_inner else _mul(c, L.Var("xs_c")), _mul(r, L.Var("xs_h")),
-              _mul(col, L.Var("xs_w")) if channels_inner else col)
+    # (NCHW: the columns' stride 1, known here)
+    at = _add(_mul(img, L.Var("xs_n")), _mul(c, L.Var("xs_c")), _mul(r, L.Var("xs_h")), col)
     plane = _add(base, _mul(c, _mul(Hq, Wq)))
     copy = L.Store("buf", _add(plane, j), L.Load("x", at, F32))
     col_let = L.Let(col, L.binary("sub", _add(L.Cast(L.Load("pb", ph, I64), I64), _mul(L.Var("sc"), j)), L.Var("pl")))
-    if channels_inner:
-        copies = _channel_blocks(C, lambda c0, c1: L.For(c, c0, c1, L.block(L.For(j, lo, hi,
-                                                                                 L.block(col_let, copy)))))
+    if channels_inner:  # (the row's columns ``lo .. hi`` by every channel, a block transposed by vector tiles)
+        first = L.binary("sub", _add(L.Cast(L.Load("pb", ph, I64), I64), _mul(L.Var("sc"), lo)), L.Var("pl"))
+        src_at = _add(_mul(img, L.Var("xs_n")), _mul(r, L.Var("xs_h")), _mul(first, L.Var("xs_w")))
+        copies = L.Transpose("buf", _add(base, lo), _mul(Hq, Wq), "x", src_at, _mul(L.Var("sc"), L.Var("xs_w")),
+                             L.binary("sub", hi, lo), C, F32, F32)
     else:
         copies = L.For(c, _c(0), C, L.block(L.For(j, lo, hi, L.block(col_let, copy))))
     zero = L.Const(0.0, F32)
-    zeros = L.For(c, _c(0), C, L.block(L.For(j, _c(0), lo, L.block(L.Store("buf", _add(plane, j), zero))),
-                                        L.For(j, hi, Wq, L.block(L.Store("buf", _add(plane, j), zero)))))
+    # (the padding columns a column at a time, every channel inner: a channel's few columns inner were a memset
+    #  call each, which cost as much as the rest of the pack: 128 x 28 x 28, batch 8, 1 thread)
+    def zero_columns(j_lo, j_hi):
+        return L.For(j, j_lo, j_hi, L.block(L.For(c, _c(0), C, L.block(L.Store("buf", _add(plane, j), zero)))))
+    zeros = L.block(zero_columns(_c(0), lo), zero_columns(hi, Wq))
     kept = L.binary("sub", Wq, sh)
-    shifted = L.For(c, _c(0), C, L.block(
+    # (the last ``sh`` columns, past the source row's end, gathered: inputs where the row's input reaches them,
+    #  images side by side (``engine.conv_direct._side_by_side``); read at clamped positions, then selected)
+    W = L.Var("W")
+
+    def clamp(v, size):
+        return L.binary("min", L.binary("max", v, _c(0)), L.binary("sub", size, _c(1)))
+    in_col = L.binary("and", inside, L.binary("and", L.binary("ge", col, _c(0)), L.binary("lt", col, W)))
+    tail_at = _add(_mul(img, L.Var("xs_n")), _mul(c, L.Var("xs_c")), _mul(clamp(r, H), L.Var("xs_h")),
+                   _mul(clamp(col, W), L.Var("xs_w")))
+    tail = L.For(j, kept, Wq, L.block(col_let, L.For(c, _c(0), C, L.block(L.Store(
+        "buf", _add(plane, j), L.Select(in_col, L.Load("x", tail_at, F32), zero, F32))))))
+    shifted = L.block(L.For(c, _c(0), C, L.block(
         L.For(j, _c(0), kept, L.block(L.Store("buf", _add(plane, j), L.Load(
-            "buf", _add(sbase, _mul(c, _mul(Hq, Wq)), j, sh), F32)))),
-        L.For(j, kept, Wq, L.block(L.Store("buf", _add(plane, j), zero)))))
+            "buf", _add(sbase, _mul(c, _mul(Hq, Wq)), j, sh), F32)))))), tail)
 
     def row_start(phase):
         return _add(_mul(_mul(_add(_mul(img, P), phase), C), _mul(Hq, Wq)), _mul(i, Wq))
     phase = L.block(
         L.Let(src, L.Load("src_phase", ph, I64)),
         L.Let(base, row_start(ph)),
+        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
         L.If(L.binary("lt", src, _c(0)), L.block(
-            L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
             # (a row outside the input: every column zero)
             L.Let(lo, L.Select(inside, L.Load("jlo", ph, I64), Wq, I64)),
             L.Let(hi, L.Select(inside, L.Load("jhi", ph, I64), Wq, I64)),
@@ -198,7 +319,8 @@ def pack(channels_inner: bool) -> L.Kernel:
     loop = L.For(item, _c(0), _mul(L.Var("n"), Hq), L.block(
         L.Let(img, _div(item, Hq)), L.Let(i, L.binary("mod", item, Hq)),
         L.For(ph, _c(0), P, phase)), parallel=L.Parallel("static", None, L.block(), chunk=1))
-    scalars = ("n", "P", "C", "H", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w", "nthreads")
+    scalars = ("n", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w",
+               "nthreads")
     params = tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi", "src_phase", "src_shift")) + \
         (L.Param("x", "array", F32), L.Param("buf", "array", F32, output=True)) + \
         tuple(L.Param(s, "scalar", I64) for s in scalars)
@@ -208,16 +330,16 @@ def pack(channels_inner: bool) -> L.Kernel:
 def unpack(channels_inner: bool) -> L.Kernel:
     """The result from the grid, in one pass: ``y[img, o, h, w] = grid[img, o, h * Wq + w]`` for the ``Wo`` valid
     columns, ``y`` written through its strides (``ys_*``: NCHW or channels_last), one output row ``h`` of every
-    channel a work item. ``channels_inner``: channels_last (``ys_c`` 1), in blocks of ``CHANNEL_BLOCK`` channels,
-    the channels inner (contiguous writes); else NCHW (``ys_w`` 1), the columns inner."""
+    channel a work item. ``channels_inner``: channels_last (``ys_c`` 1), the channels' rows transposed by vector
+    tiles; else NCHW (``ys_w`` 1), the columns inner."""
     item, img, h, o, w = (L.Var(v) for v in ("item", "img", "h", "o", "w"))
     O, Ho, Wo, G = (L.Var(v) for v in ("O", "Ho", "Wo", "G"))
     value = L.Load("grid", _add(_mul(_add(_mul(img, O), o), G), _mul(h, L.Var("Wq")), w), F32)
-    # (the inner loop's stride 1, known here: the writes are contiguous, NCHW's loop a plain vectorized copy)
-    at = _add(_mul(img, L.Var("ys_n")), o if channels_inner else _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")),
-              _mul(w, L.Var("ys_w")) if channels_inner else w)
-    store = L.Store("y", at, value)
-    inner = _channel_blocks(O, lambda o0, o1: L.For(w, _c(0), Wo, L.block(L.For(o, o0, o1, L.block(store))))) \
+    # (the inner loop's stride 1, known here: the writes are contiguous, a plain vectorized copy)
+    store = L.Store("y", _add(_mul(img, L.Var("ys_n")), _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")), w), value)
+    # (channels_last: every channel's row transposed by vector tiles)
+    inner = L.Transpose("y", _add(_mul(img, L.Var("ys_n")), _mul(h, L.Var("ys_h"))), L.Var("ys_w"), "grid",
+                        _add(_mul(_mul(img, O), G), _mul(h, L.Var("Wq"))), G, O, Wo, F32, F32) \
         if channels_inner else L.For(o, _c(0), O, L.block(L.For(w, _c(0), Wo, L.block(store))))
     loop = L.For(item, _c(0), _mul(L.Var("n"), Ho), L.block(
         L.Let(img, _div(item, Ho)), L.Let(h, L.binary("mod", item, Ho)), inner),

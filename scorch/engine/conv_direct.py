@@ -6,7 +6,9 @@ result in the input's memory format. The buffer's packing and the unpacking are 
 Where the rows' padding to whole vectors costs little (``SHIFT_SLACK``), the planes are shifted: one plane per
 row phase and tap column, each row ``Wq`` a multiple of the vector's lanes, so that every entry's offset (its
 plane and row shift) is a multiple of the lanes and its pixel vectors are aligned loads. The entries are kept in
-channel chunks (``CHUNK_BYTES``) so that the rows of a work item pass over inputs that stay in L1.
+channel chunks (``CHUNK_BYTES``) so that the rows of a work item pass over inputs that stay in L1, and, for a
+weight of more than a quarter of its entries (``SHIFT_DENSITY``), in lists per block of ``ROWS`` output rows and
+subset of them (``_blocked``) so that the rows that read an input share its loads.
 
 ``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 
@@ -36,6 +39,35 @@ register("conv-direct entries", "the direct convolution's row positions, offsets
 _VALUES = storage.ValuesMemo(256)
 register("conv-direct values", "sparse conv weights' values in the direct convolution's entry order, per values"
          " tensor", _VALUES.__len__, _VALUES.clear)
+#: images at most whose rows the input buffer joins side by side where one image's rows are too short for the
+#: aligned (shifted) planes (``_side_by_side``): ResNet-18's 7 x 7 planes, unshifted, cost their kernel 30% in loads
+#: that split cache lines (512 channels, batch 8, 1 thread: 18.0 ms against 12.5 on the same offsets aligned);
+#: two of them joined are 16 columns, shifted
+SIDE_BY_SIDE = 4
+#: per thread, the input buffer and output grid of the last calls, kept for the next (``_workspace``)
+_WORK = threading.local()
+
+
+def _workspace_size() -> int:
+    return len(getattr(_WORK, "arrays", {}))
+
+
+register("conv-direct workspaces", "the direct convolution's input buffer and output grid, kept per thread for the"
+         " next call", _workspace_size, lambda: getattr(_WORK, "arrays", {}).clear())
+
+
+def _workspace(name: str, numel: int) -> torch.Tensor:
+    """A float32 array of ``numel`` elements (uninitialized), the same memory call after call (grown as needed):
+    a fresh buffer of megabytes is mapped from the system and faulted in page by page on every call (ResNet-18's
+    128 x 28 x 28 2:4 layer, batch 8, 1 thread: 15.4 ms -> 14.6 with allocations that stay mapped)."""
+    arrays = _WORK.__dict__.setdefault("arrays", {})
+    have = arrays.get(name)
+    if have is None or have.numel() < numel:
+        with torch.inference_mode(False):  # (a normal tensor: written in place inside and outside inference mode)
+            have = arrays[name] = torch.empty(numel, dtype=torch.float32)
+    return have[:numel]
+
+
 #: work items per thread at least, where the pixel tiles are fewer: the rows are split into chunks
 ITEMS_PER_THREAD = 4
 #: bytes of input a channel chunk reads around a tile at most (``family.forward``: every row of a work item passes
@@ -62,6 +94,13 @@ SHIFT_DENSITY = 0.25
 #: interleaved medians: 90% csr 1.78x dense channels_last with the whole batch packed at once, 2.06x with 4 MiB,
 #: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x)
 BUFFER_BYTES = 4 << 20
+#: output rows a block of the kernel computes together where the weight is dense enough (``SHIFT_DENSITY``):
+#: each input vector loaded once for the block's rows that read it (``family.forward``; 2:4 weights: 3 loads for
+#: 4 multiply-adds against 4). ResNet-18 2:4, 1 thread, interleaved medians (AMD Zen 4, a shared machine): per
+#: layer, batch 1, one row / blocks of 2 / of 3: 128 x 28 x 28 1.00x / 1.16x / - dense channels_last, 512 x 7 x
+#: 7 1.42x / 1.52x / 1.51x, 256 x 14 x 14 1.12x / 1.14x / 1.05x, 64 x 56 x 56 0.90x / 0.92x / 0.94x; the model,
+#: batch 1, 1.149x / 1.164x (the 90% csr weights keep one row: their rows share few inputs)
+ROWS = 2
 
 
 def _loaded(key, make):
@@ -74,8 +113,8 @@ def _loaded(key, make):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(pixels: int, ptype: torch.dtype, bias: bool) -> family.Plan:
-    return family.plan(CPU, pixels, L.type_of(ptype), bias)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int, batch: int) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows, batch)
 
 
 def _taps(k: int, s: int, dl: int):
@@ -117,8 +156,7 @@ def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes
         return 1
     _, _, wq, _, wo, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)
     phases, _, aligned, _, _, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)
-    # (a plane copied shifted from another keeps ``Wo`` columns of it: ``family.pack``)
-    return lanes if aligned <= slack * wq and wo + max(_sources(phases, stride[1])[1]) <= aligned else 1
+    return lanes if aligned <= slack * wq else 1
 
 
 def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride, dilation, chunk: int):
@@ -149,6 +187,35 @@ def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride,
     pos = torch.zeros(kchunks * out + 1, dtype=torch.int64)
     pos[1:] = torch.bincount(row, minlength=kchunks * out).cumsum(0)
     return pos.to(torch.int32), off[order].to(torch.int32), leaf[order]
+
+
+def _blocked(pos: torch.Tensor, off: torch.Tensor, order: torch.Tensor, out: int, rows: int, nnz: int):
+    """``_entries``' lists for ``family.forward``'s blocks of ``rows`` output rows: per chunk and block, one list
+    per subset of the block's rows (``family.subsets``), each entry an offset that exactly those rows read, in
+    offset order; ``(pos, off, order)`` with ``rows`` value positions per entry (``nnz`` where the row has none:
+    a zero appended to the values)."""
+    count = pos[1:].long() - pos[:-1].long()
+    kchunks = count.numel() // out
+    row = torch.repeat_interleave(torch.arange(count.numel()), count)
+    kc, o = row // out, row % out
+    blocks = -(-out // rows)
+    block = kc * blocks + o // rows
+    span = int(off.max()) + 1 if off.numel() else 1
+    # (one group per block and offset: the rows that read it)
+    groups, inverse = torch.unique(block * span + off.long(), return_inverse=True)
+    mask = torch.zeros(groups.numel(), dtype=torch.int64).index_add_(0, inverse, 1 << (o % rows))
+    rank = torch.zeros(1 << rows, dtype=torch.int64)
+    for i, m in enumerate(family.subsets(rows)):
+        rank[m] = i
+    S = len(family.subsets(rows))
+    g_block, g_off = groups // span, groups % span
+    key = (g_block * S + rank[mask]) * span + g_off
+    sort = torch.argsort(key)
+    values = torch.full((groups.numel(), rows), nnz, dtype=torch.int64)
+    values[inverse, o % rows] = order.long()
+    new_pos = torch.zeros(kchunks * blocks * S + 1, dtype=torch.int64)
+    new_pos[1:] = torch.bincount(g_block * S + rank[mask], minlength=kchunks * blocks * S).cumsum(0)
+    return new_pos.to(torch.int32), g_off[sort].to(torch.int32), values[sort].reshape(-1)
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -184,7 +251,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     phases, hq, wq = geometry[:3]
     n, c, h, w = x.shape
     size = n * len(phases) * c * hq * wq
-    buf = torch.empty(size + slack, dtype=x.dtype)
+    buf = _workspace("buffer", size + slack)
     buf[size:] = 0
     cl = _channels_last(x)
     if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
@@ -193,7 +260,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     strides = x.stride()
     cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
-                              "P": len(phases), "C": c, "H": h, "Hq": hq, "Wq": wq, "sr": stride[0],
+                              "P": len(phases), "C": c, "H": h, "W": w, "Hq": hq, "Wq": wq, "sr": stride[0],
                               "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0],
                               "xs_c": strides[1], "xs_h": strides[2], "xs_w": strides[3],
                               "nthreads": torch.get_num_threads()})
@@ -214,6 +281,42 @@ def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool) -> None:
                               "nthreads": torch.get_num_threads()})
 
 
+@functools.lru_cache(maxsize=256)
+def _side_by_side_count(weight_shape, x_shape, stride, dilation, pads, lanes: int, slack: float) -> int:
+    """The images (2 .. ``SIDE_BY_SIDE``) whose rows joined side by side take the aligned (shifted) planes where
+    one image's rows do not (``_alignment``), else 1: stride 1 along the rows only."""
+    if lanes == 1 or stride[1] != 1 or x_shape[0] < 2 or \
+            _alignment(weight_shape, x_shape, stride, dilation, pads, True, lanes, slack) > 1:
+        return 1
+    n, c, h, w = x_shape
+    sep = sum(pads[1])
+    for k in range(2, min(n, SIDE_BY_SIDE) + 1):
+        joint = (-(-n // k), c, h, k * w + (k - 1) * sep)
+        if _alignment(weight_shape, joint, stride, dilation, pads, True, lanes, slack) > 1:
+            return k
+    return 1
+
+
+def _side_by_side(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int, k: int):
+    """``conv2d`` on ``k`` images at a time joined side by side along the rows, each pair apart by the row
+    padding's zeros (the left image's right padding and the right one's left: with stride 1, each image's output
+    columns read its own columns and those zeros only), then split."""
+    n, c, h, w = x.shape
+    seg = w + sum(pads[1])
+    fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
+    joint = torch.empty(-(-n // k), c, h, k * w + (k - 1) * sum(pads[1]), memory_format=fmt).zero_()
+    for j in range(k):
+        joint[:len(range(j, n, k)), :, :, j * seg:j * seg + w] = x[j::k]
+    out = conv2d(weight, joint, bias, stride, dilation, pads, groups)
+    if out is None:
+        return None
+    wo = w + sum(pads[1]) - dilation[1] * (weight._shape[3] - 1)
+    res = torch.empty(n, out.shape[1], out.shape[2], wo, memory_format=fmt)
+    for j in range(k):
+        res[j::k] = out[:len(range(j, n, k)), :, :, j * seg:j * seg + wo]
+    return res
+
+
 def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int):
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` for a 4-d ``x`` (``pads``: ((top, bottom),
     (left, right))), or None where the kernel does not serve it."""
@@ -225,42 +328,53 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
         return None
     shapes = (tuple(weight._shape), tuple(x.shape), tuple(stride), tuple(dilation), tuple(map(tuple, pads)))
     dense = weight._vals.numel() >= SHIFT_DENSITY * math.prod(weight._shape)
+    k = _side_by_side_count(*shapes, _lanes(), SHIFT_SLACK) if dense and SIDE_BY_SIDE > 1 else 1
+    if k > 1:
+        return _side_by_side(weight, x, bias, stride, dilation, pads, groups, k)
     geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK))
     phases, hq, wq, ho, wo, _ = geometry
-    n, c = x.shape[:2]
     out = weight._shape[0]
-    p = _plan(ho * wq, torch.int32, bias is not None)
-    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * (p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo))))
-    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk)
+    rows = ROWS if dense else 1
+    n, c = x.shape[:2]
+    p = _plan(ho * wq, torch.int32, bias is not None, rows, n)
+    span = p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo)  # (a tile's inputs in each plane)
+    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span * p.images))
+    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
 
     def build():
         with torch.no_grad():
-            return _entries(weight, c, groups, geometry, stride, dilation, chunk)
+            found = _entries(weight, c, groups, geometry, stride, dilation, chunk)
+            return found if found is None or rows == 1 else _blocked(*found, out, rows, vals.numel())
     found = _ENTRIES.lookup(key, weight._levels, build)
     if found is None:
         return None
     pos, off, order = found
     grid = -(-ho * wq // p.T) * p.T
-    ordered = _VALUES.lookup(key, vals, lambda: vals.detach()[order].contiguous(), (order,))
+    ordered = _VALUES.lookup(key, vals, lambda: torch.cat([vals.detach(), vals.new_zeros(1)])[order], (order,))
     kernel, loaded = _loaded(p, lambda: family.forward(p))
     image = len(phases) * c * hq * wq
     # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
     group = max(1, min(n, BUFFER_BYTES // (4 * image)))
+    m = p.images  # (a kernel item's images: a group's last item reads zero planes past its images)
+    group = -(-group // m) * m
     threads = torch.get_num_threads()
     cl = _channels_last(x)
     res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
                       torch.contiguous_format)
-    y = torch.empty(group, out, grid, dtype=x.dtype)
+    y = _workspace("grid", group * out * grid).view(group, out, grid)
+    blocks = -(-out // rows)
     for g0 in range(0, n, group):
         g = min(group, n - g0)
-        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, grid - ho * wq + wq)
+        items = -(-g // m)
+        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, (items * m - g) * image + grid - ho * wq + wq)
         tiles = grid // p.T
-        chunks = 1 if g * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
-            min(out, -(-ITEMS_PER_THREAD * threads // (g * tiles)))
-        row_chunk = -(-out // chunks)
-        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:g], "n": g, "x_image": image,
-                "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-out // row_chunk),
-                "row_chunk": row_chunk, "nthreads": threads}
+        chunks = 1 if items * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
+            min(blocks, -(-ITEMS_PER_THREAD * threads // (items * tiles)))
+        row_chunk = -(-blocks // chunks)
+        args = {"pos": pos, "off": off, "vals": ordered, "x": buf, "y": y[:items * m], "n": items, "x_image": image,
+                "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-blocks // row_chunk),
+                "row_chunk": row_chunk, "nthreads": threads, "C": c, "P": len(phases), "plane": hq * wq,
+                "cc": chunk, "span": span}
         if bias is not None:
             args["bias"] = bias.detach().contiguous()
         cpp.call(kernel, loaded, args)

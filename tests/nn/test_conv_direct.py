@@ -97,13 +97,15 @@ def test_direct_declines_what_it_does_not_serve():
                                    torch.nn.functional.conv2d(x, w.double()))
 
 
-@pytest.mark.parametrize("chunk_bytes,lanes", [(1 << 30, 1), (1, 16)])
-def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, monkeypatch):
+@pytest.mark.parametrize("chunk_bytes,lanes,rows", [(1 << 30, 1, 1), (1, 16, 1), (1 << 30, 16, 2), (1, 1, 3)])
+def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, rows, monkeypatch):
     """The loop IR of the three kernels (the input buffer's pack, the convolution, the result's unpack) run by the
     NumPy interpreter (the reference semantics), each on the previous one's interpreted output, give the compiled
     result; NCHW and channels_last; the entries in one channel chunk, planes unshifted, or in chunks of one
-    channel, planes shifted per tap column (some copied from others)."""
+    channel, planes shifted per tap column (some copied from others); one output row at a time or blocks of
+    ``rows`` (5 rows: the last block partial)."""
     from scorch.compiler import interp
+    monkeypatch.setattr(conv_direct, "ROWS", rows)
     monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
     monkeypatch.setattr(conv_direct, "SHIFT_SLACK", float("inf"))
@@ -164,14 +166,17 @@ _LAYOUT_CASES = [  # (out, in, groups, kernel, stride, dilation, padding, batch,
     (9, 16, 1, (3, 3), (2, 1), (1, 2), (1, 2), 1, (5, 40), True, True)]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("lanes", [1, 4, 16])
 @pytest.mark.parametrize("chunk_bytes", [1, 300, 1 << 30])
-def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, monkeypatch):
+def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, rows, monkeypatch):
     """The input planes shifted per tap column (rows aligned to ``lanes``, wherever the geometry allows) or not,
     and the entries in channel chunks of one channel, of a few, or all in one: the same convolution (2:4 and 40%
     unstructured weights, all-zero output rows, NCHW and channels_last inputs, bias, groups, depthwise, strides,
-    dilation, one output pixel, batch 1 and more, its images packed all at once or one by one), and values changed
-    in place are seen."""
+    dilation, one output pixel, batch 1 and more, its images packed all at once or one by one), one output row at
+    a time or in blocks of 2 or 3 rows sharing their loads (odd row counts: a partial last block), and values
+    changed in place are seen."""
+    monkeypatch.setattr(conv_direct, "ROWS", rows)
     monkeypatch.setattr(conv_direct, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(conv_direct, "BUFFER_BYTES", 1 if chunk_bytes == 300 else 1 << 30)
     monkeypatch.setattr(conv_direct, "_lanes", lambda: lanes)
@@ -199,3 +204,101 @@ def test_planes_and_channel_chunks_match_dense(lanes, chunk_bytes, monkeypatch):
         torch.testing.assert_close(conv_direct.conv2d(S, x, b, stride, dil, [(p, p) for p in pad], groups),
                                    torch.nn.functional.conv2d(x, -2 * w, b, stride, pad, dil, groups), rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_row_blocks_on_2_4_weights_match_dense(rows, monkeypatch):
+    """Blocks of output rows sharing their input loads (``conv_direct.ROWS``): 2:4 weights (odd output counts,
+    a 2:4 layer with an all-zero weight, an all-zero row block), every subset list of a block filled, with bias,
+    strides, padding, dilation, groups, NCHW and channels_last, batch 1 to 5, against dense torch; small planes
+    at batch > 1 take tiles of several images (the last tile's partial: zero planes past the batch)."""
+    monkeypatch.setattr(conv_direct, "ROWS", rows)
+    for i, (out, cin, groups, stride, pad, dil, batch, cl, zero, size) in enumerate([
+            (7, 16, 1, (1, 1), (1, 1), (1, 1), 1, True, False, (11, 13)),
+            (10, 8, 2, (2, 2), (1, 0), (1, 2), 3, False, False, (11, 13)),
+            (5, 12, 1, (1, 2), (2, 2), (2, 1), 2, True, False, (11, 13)),
+            (6, 8, 1, (1, 1), (1, 1), (1, 1), 2, False, True, (11, 13)),
+            (7, 8, 1, (1, 1), (0, 0), (1, 1), 5, True, False, (5, 5))]):
+        conv = torch.nn.Conv2d(cin, out, 3, stride, pad, dil, groups, bias=True)
+        with torch.no_grad():
+            conv.weight[1:rows + 1] = 0.0  # (a block with no entries)
+            if zero:
+                conv.weight.zero_()
+        s = scorch.schedule(conv)
+        s["weight"].sparsify(scorch.nn.NM(2, 4))
+        s.apply()
+        S, w = conv.weight, conv.weight.detach().to_dense()
+        x = torch.randn(batch, cin, *size, generator=torch.Generator().manual_seed(i))
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        b = torch.randn(out)
+        got = conv_direct.conv2d(S, x, b, stride, dil, [(p, p) for p in pad], groups)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, b, stride, pad, dil, groups), rtol=1e-4,
+                                   atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last) == cl
+
+
+def test_small_planes_at_batch_share_a_tile():
+    """A plane of a few pixels at batch > 1 takes several images a tile where blocks of rows leave room (the
+    target's vectors), one image otherwise."""
+    from scorch.compiler import conv_direct as family
+    from scorch.compiler.target import CPU
+    p = family.plan(CPU, 9, "i32", False, 2, 5)
+    assert p.images == (1 if not CPU.vectors else min(5, family.MAX_VECTORS.get(CPU.vector_bytes, 8) // 2 // p.vectors))
+    assert p.images > 1 or not CPU.vectors or CPU.vector_bytes < 32
+    assert family.plan(CPU, 9, "i32", False, 2, 1).images == 1
+    assert family.plan(CPU, 9, "i32", False, 1, 5).images == 1
+
+
+def test_shared_inputs_stay_in_registers():
+    """A block's input vector that several rows read is stored into a pinned workspace (``LocalArray.pinned``):
+    the generated C++ keeps it in a register (an empty asm on it) instead of a memory operand per row."""
+    from scorch.compiler import conv_direct as family
+    from scorch.compiler.codegen import cpp
+    from scorch.compiler.target import CPU
+    if not CPU.vectors:
+        pytest.skip("no vector target: the workspace is not held as vectors")
+    source = cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 2)))
+    assert source.count('__asm__("" : "+v"(xs[') == 1  # (the list of both rows only: one row reads it once)
+    assert '__asm__' not in cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 1)))
+
+
+def test_workspaces_reused_across_modes_and_sizes():
+    """The buffer and grid kept per thread between calls: a call in inference mode, then a larger one outside
+    it, then a smaller one, each against dense torch; ``scorch.clear_caches`` empties them."""
+    w, S = _sparse_weight((6, 4, 3, 3), 0.5, "coo", 3)
+    for mode, size in ((torch.inference_mode, 6), (torch.no_grad, 12), (torch.no_grad, 5)):
+        x = torch.randn(2, 4, size, size + 1)
+        with mode():
+            got = conv_direct.conv2d(S, x, None, (1, 1), (1, 1), [(1, 1), (1, 1)], 1)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4, atol=1e-5)
+    assert conv_direct._workspace_size() > 0
+    scorch.clear_caches()
+    assert conv_direct._workspace_size() == 0
+
+
+@pytest.mark.parametrize("cl", [False, True])
+def test_images_side_by_side_match_dense(cl, monkeypatch):
+    """Small planes at batch > 1 whose rows alone are too short for aligned planes run joined side by side, the
+    row padding's zeros between them (ResNet-18's 7 x 7 layers; dilation, padding on one side, an odd batch: the
+    last joint image partial), against dense torch; one image and strided rows run alone."""
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: 16)
+    for i, (batch, size, pad, dil, stride, joined) in enumerate([
+            (8, (7, 7), ((1, 1), (1, 1)), (1, 1), (1, 1), True), (5, (6, 7), ((2, 2), (2, 2)), (2, 2), (1, 1), True),
+            (3, (7, 6), ((0, 1), (2, 0)), (1, 1), (2, 1), True), (1, (7, 7), ((1, 1), (1, 1)), (1, 1), (1, 1), False),
+            (4, (7, 9), ((1, 1), (1, 1)), (1, 1), (1, 2), False)]):
+        conv = torch.nn.Conv2d(8, 6, 3, bias=False)
+        s = scorch.schedule(conv)
+        s["weight"].sparsify(scorch.nn.NM(2, 4))
+        s.apply()
+        S, w = conv.weight, conv.weight.detach().to_dense()
+        x = torch.randn(batch, 8, *size, generator=torch.Generator().manual_seed(i))
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        b = torch.randn(6)
+        shapes = (tuple(S.shape), tuple(x.shape), stride, dil, pad)
+        assert (conv_direct._side_by_side_count(*shapes, 16, conv_direct.SHIFT_SLACK) > 1) == joined
+        got = conv_direct.conv2d(S, x, b, stride, dil, pad, 1)
+        ref = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (*pad[1], *pad[0])), w, b, stride, 0, dil)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last) == cl

@@ -133,6 +133,7 @@ class _Emitter:
         self.vec = None        # inside a ``vector`` loop: (loop variable name, lanes, element type)
         self.mask = None       # in a ``tail`` loop's last vector: the variable counting the lanes that are on
         self.vec_arrays = {}  # local arrays held as vectors: name -> lanes
+        self.pinned = set()  # vector local arrays whose stores stay in registers (``LocalArray.pinned``)
         self.sum_arrays = {}  # local arrays held as vector partial results: name -> ("add" or "max", type, lanes)
 
     def fresh(self, base):
@@ -199,7 +200,10 @@ class _Emitter:
                     f"&{ident(e.w)}[{self.expr(e.j)}]);"]
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
-            return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"]
+            # (a pinned workspace: an empty asm that takes the vector in a register and may change it, so that
+            #  its uses cannot go back to the load)
+            pin = [f'{pad}__asm__("" : "+v"({target}));'] if s.array in self.pinned else []
+            return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"] + pin
         if isinstance(s, L.Store):
             target = f"{ident(s.array)}[{self.expr(s.index)}]"
             if s.atomic and s.array in self.narrow:
@@ -245,6 +249,8 @@ class _Emitter:
             if s.size % lanes or s.type not in ("f32", "f64"):
                 raise ValueError(f"vector workspace {s.name}: {s.size} {s.type} entries in vectors of {lanes}")
             self.vec_arrays[s.name] = lanes
+            if s.pinned:
+                self.pinned.add(s.name)
             return self.vector_array(n, _vectors(s.type, lanes)[0], s.size // lanes, s.init, pad)
         if isinstance(s, L.LocalArray):
             n, t = ident(s.name), CTYPE[s.type]
