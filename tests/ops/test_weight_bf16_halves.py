@@ -119,3 +119,13 @@ def test_bfloat16_csr_linears_equal_dense(width):
         env.pop("SCORCH_VECTOR_BYTES", None)
     done = subprocess.run([sys.executable, "-c", _LINEARS], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_cuda_renders_the_halves_as_loads():
+    """CUDA has no helper: a ``PairHalf`` outside vector loops is the cast load of its element."""
+    from scorch.compiler.codegen import cuda
+    from scorch.compiler.mapping import map_to_gpu
+    plan = family.tiles(Target("cpu", vector_bytes=64), "csr", 100, "bf16", "bf16", "i32", "i32")
+    kernel = family.forward(plan)
+    src = cuda.generate(kernel, map_to_gpu(kernel), prelude=False, symbol="k")
+    assert "scorch_pair_half" not in src and "scorch_f32(panel[(INT64_C(2) * (" in src
