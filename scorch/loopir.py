@@ -139,6 +139,19 @@ class PairDot(Expr):
     lane: int = -1
 
 
+@dataclass(frozen=True)
+class PairHalf(Expr):
+    """``x[2 * i + half]`` (``half`` 0 or 1) as float32, ``x`` a bfloat16 array read as pairs. In a vector loop
+    where ``i`` is contiguous it compiles to one load of whole pairs (32-bit lanes) and a shift (``half`` 0) or a
+    mask (``half`` 1) of each lane, a bfloat16 being the high half of its float32: a panel of bfloat16 tokens read
+    a vector of pairs at a time, its even tokens in one float vector and its odd ones in the next (half the
+    bytes of a float32 panel for the same multiply-adds)."""
+    x: str
+    i: Expr
+    half: int
+    type: str = "f32"
+
+
 #: the columns one word of a bitmap covers (``Expand``, ``PopCount``): a word is 16 bits
 BITS = 16
 

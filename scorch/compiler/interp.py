@@ -165,6 +165,11 @@ class _Interp:
             if not (0 <= i and i + 1 < x.shape[0] and 0 <= j and j + 1 < w.shape[0]):
                 raise IndexError(f"pair {e.x}[{i}:{i + 2}] x {e.w}[{j}:{j + 2}] is out of bounds")
             return _cast(np.float32(x[i]) * np.float32(w[j]) + np.float32(x[i + 1]) * np.float32(w[j + 1]), e.type)
+        if isinstance(e, L.PairHalf):
+            x, i = self.arrays[e.x], 2 * int(self.expr(e.i, env)) + e.half
+            if not 0 <= i < x.shape[0]:
+                raise IndexError(f"{e.x}[{i}] is out of bounds (length {x.shape[0]})")
+            return _cast(np.float32(x[i]), e.type)
         if isinstance(e, L.Expand):
             vals, lane = self.arrays[e.vals], int(self.expr(e.lane, env))
             word = int(self.expr(e.bits, env)) & 0xFFFF

@@ -96,6 +96,7 @@ class Tiles:
     transposed: bool = False
     pairs: bool = False  # (BSR, bfloat16) the panel holds pairs of features, multiplied by ``PairDot``
     combos: bool = False  # (2:4, bfloat16) the panel holds every pair of a group's features (``COMBOS``)
+    halves: bool = False  # (CSR, bfloat16, 2 vectors) the panel holds bfloat16 tokens, read a pair at a time
     activation: str | None = None
 
     @property
@@ -134,8 +135,9 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
     unroll = max(1, min(4, ROW_ACCUMULATORS // vectors))
     # (rows a pass: a power of 2 dividing the store's rows, 8 x 1 vector, 4 x 2)
     row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if grouped else 1
+    halves = kind == "csr" and vtype == xtype == "bf16" and lanes > 1 and vectors == 2 and not transposed
     return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, unroll, (1, 1), tuple(group), STORE_ROWS,
-                 row_pass, bias, transposed, combos=combos, activation=activation)
+                 row_pass, bias, transposed, combos=combos, halves=halves, activation=activation)
 
 
 # -- the parts ------------------------------------------------------------------------------------------------
@@ -188,13 +190,14 @@ def pack(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
     else:
         def at(f_, t_):
             return _add(_mul(f_, _c(T)), t_)
-        zero, value = L.Const(0.0, F32), (lambda e: L.Cast(e, F32))
+        zero, value = L.Const(0.0, plan.xtype if plan.halves else F32), (lambda e: L.Cast(e, F32))
     fill = L.For(t, _c(0), _c(T), L.block(L.Store(panel, at(f, t), zero)))
     if plan.pairs:
         copy = L.For(t, _c(0), _nt, L.block(L.For(f, _c(0), width, L.block(
             L.Store(panel, at(f, t), value(L.Load(src, _add(_mul(_add(_t0, t), width), f), plan.xtype)))))))
     else:  # (tokens x features -> features x T: vector tiles, ``loopir.Transpose``)
-        copy = L.Transpose(panel, _c(0), _c(T), src, _mul(_t0, width), width, _nt, width, plan.xtype, F32)
+        copy = L.Transpose(panel, _c(0), _c(T), src, _mul(_t0, width), width, _nt, width, plan.xtype,
+                           plan.xtype if plan.halves else F32)
     out = [L.If(L.binary("lt", _nt, _c(T)), L.block(L.For(f, _c(0), width, L.block(fill)))), copy]
     if plan.pairs:  # (an odd width's last pair: its second feature zero, a stored zero's partner in ``PairDot``)
         out.append(L.If(L.binary("eq", L.binary("mod", width, _c(2)), _c(1)), L.block(
@@ -299,8 +302,14 @@ def prefetch(plan: Tiles, panel: str, coordinate: L.Expr) -> L.Stmt:
 
 
 def _entry(plan: Tiles, acc: str, u: int, w: L.Expr, col: L.Expr, panel: str) -> L.Stmt:
-    """One stored weight ``w`` at column ``col``: ``acc[u] += w * panel[col]`` over the tile's tokens."""
+    """One stored weight ``w`` at column ``col``: ``acc[u] += w * panel[col]`` over the tile's tokens. (``halves``:
+    the panel row's bfloat16 tokens as pairs, the even tokens into the set's first vector and the odd ones into
+    its second, ``store`` putting them back in order.)"""
     T = plan.T
+    if plan.halves:
+        return L.block(*(_vloop(plan.lanes, plan.lanes, L.Store(
+            acc, _add(_c(u * T + h * plan.lanes), _bv),
+            _mul(L.Cast(w, F32), L.PairHalf(panel, _add(_mul(col, _c(plan.lanes)), _bv), h)), "add")) for h in (0, 1)))
     return _vloop(T, plan.lanes, L.Store(acc, _add(_c(u * T), _bv),
                                          _mul(L.Cast(w, F32), L.Load(panel, _add(_mul(col, _c(T)), _bv), F32)),
                                          "add"))
@@ -369,7 +378,13 @@ def activate(plan: Tiles, count: L.Expr, buf: str = "tb") -> L.Stmt | None:
 
 def store(plan: Tiles, out: str, width: L.Expr, first: L.Expr, count: L.Expr, buf: str = "tb") -> L.Stmt:
     """``out[(t0 + t) * width + first + r] = buf[r * T + t]`` for the tile's tokens and ``count`` rows: the
-    buffer transposed into the result's rows (16-bit results rounded once, here)."""
+    buffer transposed into the result's rows (16-bit results rounded once, here). (``halves``: the buffer's rows
+    hold the even tokens, then the odd ones: two transposes into every other row of the result.)"""
+    if plan.halves:
+        lanes, step = plan.lanes, _mul(width, _c(2))
+        return L.block(*(L.Transpose(out, _add(_mul(_add(_t0, _c(h)), width), first), step, buf, _c(h * lanes),
+                                     _c(plan.T), count, L.binary("floordiv", _add(_nt, _c(1 - h)), _c(2)), F32,
+                                     plan.xtype) for h in (0, 1)))
     return L.Transpose(out, _add(_mul(_t0, width), first), width, buf, _c(0), _c(plan.T), count, _nt, F32, plan.xtype)
 
 
@@ -395,7 +410,7 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
     # (combos: 12 per group of 4; pairs: an odd width's last pair whole)
     size = _mul(width_in, _c(T * 3)) if plan.combos else _mul(_add(width_in, _c(1)) if plan.pairs else width_in,
                                                                 _c(T))
-    panel = L.Alloc("panel", plan.xtype if plan.paired else F32, size)
+    panel = L.Alloc("panel", plan.xtype if plan.paired or plan.halves else F32, size)
     setup = L.block(panel, L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
     packed = L.If(L.binary("ne", _tile, _cur), L.block(pack(plan, "panel", src, width_in), L.Assign(_cur, _tile)))
     return L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(
@@ -513,7 +528,7 @@ def weight_grad(plan: Tiles) -> L.Kernel:
     values: an SDDMM on the weight's pattern), ``x`` and ``dy`` read in their row-major layouts through panels.
     Work items are chunks of ``row_chunk`` output rows (a thread owns its rows' gradients), each running every
     token tile: a panel of ``x``'s tile and one of its rows of ``dy``'s, a dot product of ``T`` lanes per weight."""
-    plan = replace(plan, pairs=False, combos=False)  # (its panels hold float32: pairs serve the forward only)
+    plan = replace(plan, pairs=False, combos=False, halves=False)  # (float32 panels: pairs serve the forward only)
     T, n_in, n_out, n = plan.T, L.Var("n_in"), L.Var("n_out"), L.Var("n")
     vec = plan.lanes if plan.lanes > 1 else 0
     r_lo = _mul(_chunk, L.Var("row_chunk"))

@@ -56,7 +56,7 @@ def tile_pairs(T: int) -> int:
 
 def planned(plan: Tiles) -> Tiles:
     """``plan`` (CSR, bfloat16 values and tokens) as this kernel runs it: a panel of pairs, ``UNROLL`` sets."""
-    return replace(plan, pairs=True, combos=False, unroll=UNROLL)
+    return replace(plan, pairs=True, combos=False, halves=False, unroll=UNROLL)
 
 
 def forward(plan: Tiles) -> L.Kernel:

@@ -42,3 +42,15 @@ static inline scorch_vf32 scorch_splat_bf16(const scorch_bf16* p) {{
 #endif
 }}
 """
+
+
+#: ``scorch_pair_half<H>(x)``: ``loopir.PairHalf``, element ``H`` of each bfloat16 pair from ``x`` as a float vector:
+#: one load of whole 32-bit pairs, and the low element shifted into the high half (``H`` 0) or the low half masked
+#: off (``H`` 1). Vector extensions, so every target with vectors renders it (an integer shift and an and).
+PAIR_HALF = """typedef uint32_t scorch_phu __attribute__((vector_size(sizeof(scorch_vf32)), aligned(2), may_alias));
+template <int H>
+static inline scorch_vf32 scorch_pair_half(const scorch_bf16* x) {
+  const scorch_phu v = *(const scorch_phu*)x;
+  return (scorch_vf32)(H ? (v & 0xffff0000u) : (v << 16));
+}
+"""

@@ -477,6 +477,14 @@ class _Emitter:
             return f"scorch_splat_bf16(&{ident(e.a.array)}[{self.expr(e.a.index)}])"  # (a scalar, as a vector)
         if isinstance(e, L.Cast):
             return f"(({CTYPE[e.type]}){self.expr(e.a)})"
+        if isinstance(e, L.PairHalf):
+            x, i = ident(e.x), self.expr(e.i)
+            if not self.vec:  # (the element as a cast bfloat16 load, which each renderer spells its own way)
+                return self.expr(L.Cast(L.Load(e.x, L.binary("add", L.binary("mul", L.Const(2), e.i),
+                                                            L.Const(e.half)), "bf16"), "f32"))
+            if self.vec[2] != "f32" or L.coefficient(e.i, self.vec[0]) != 1 or self.mask:
+                raise ValueError("a half of bfloat16 pairs is read as float vectors, its pairs contiguous in the loop")
+            return f"scorch_pair_half<{e.half}>(&{x}[2 * ({i})])"
         if isinstance(e, L.PairDot):
             x, w, i, j = ident(e.x), ident(e.w), self.expr(e.i), self.expr(e.j)
             return (f"((float){x}[2 * ({i})] * (float){w}[{j}] + (float){x}[2 * ({i}) + 1] * "
