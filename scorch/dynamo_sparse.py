@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import deferred
 from .dynamo import PRODUCT_HOOKS, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble, traced
+from .compiler import scatter_grad
 from .formats import LevelStorage
 from .formats.format import from_text
 from .rules import RULES
@@ -209,12 +210,27 @@ def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alph
         if done is None:
             return eager_grad("attention", meta, arrays, sizes, [alpha], [n - 3, n - 2, n - 1], grad)
         ds, dq = done
-        dk = _sddmm_grad(2, mask, q, k, ds)
-        dv = _einsum_grad(1, *_PRODUCT, [mask.with_values(probs), v], grad)
+        kv = _kv_grad(mask, probs, ds, grad, q)
+        if kv is not None:
+            dv, dk = kv
+        else:
+            dk = _sddmm_grad(2, mask, q, k, ds)
+            dv = _einsum_grad(1, *_PRODUCT, [mask.with_values(probs), v], grad)
     out = []
     for target, g in zip(arrays[-3:], (dq, dk.t(), dv)):
         out.append(_like(target, g, [*arrays, probs, grad, *out]))
     return out
+
+
+def _kv_grad(mask, probs, ds, grad, q):
+    """``(dv, dk)`` by one pass over the pattern in its row order (``scatter_grad.kv_grad``: no values gathered
+    into the transposed pattern's order, which each product with ``P^T`` or ``dS^T`` needed), or None where that
+    kernel does not take the operands."""
+    st = mask._levels[-1]
+    if len(mask._levels) != 2 or mask._levels[0].pos is not None or st.pos is None or st.crd is None or \
+            not scatter_grad.applies(st.pos, st.crd, probs, grad, q):
+        return None
+    return scatter_grad.kv_grad(st.pos, st.crd, mask._shape[1], probs, ds, grad.contiguous(), q)
 
 
 @attention_grad.register_fake

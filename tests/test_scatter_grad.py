@@ -1,0 +1,75 @@
+"""The attention backward's ``dv = P^T g`` and ``dk = dS^T q`` in one pass over the pattern in row order
+(``scorch/compiler/scatter_grad.py``), against dense torch; and the compiled attention backward running it."""
+import pytest
+import torch
+
+from scorch import dynamo_sparse
+from scorch.compiler import scatter_grad
+
+import test_compile_sparse as cs
+from test_compile import fresh_dynamo  # noqa: F401  (every test compiles anew)
+
+
+def _pattern(rows, cols, density, index_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(rows, cols, generator=g) < density
+    keep[rows // 3] = False  # an empty row
+    keep[0] = True  # a full first row, most of the entries: split between threads (they split by entries)
+    csr = keep.float().to_sparse_csr()
+    return csr.crow_indices().to(index_dtype), csr.col_indices().to(index_dtype), keep
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64),
+                                               (torch.float32, torch.int64)])
+def test_kv_grad_is_the_transposed_products(threads, dtype, index_dtype):
+    rows, cols, wv, wk = 37, 29, 5, 7
+    pos, crd, keep = _pattern(rows, cols, 0.05, index_dtype)
+    g = torch.Generator().manual_seed(1)
+    p, ds = (torch.randn(int(keep.sum()), generator=g, dtype=dtype) for _ in range(2))
+    go, q = torch.randn(rows, wv, generator=g, dtype=dtype), torch.randn(rows, wk, generator=g, dtype=dtype)
+    dense_p, dense_ds = (torch.zeros(rows, cols, dtype=dtype).masked_scatter(keep, x) for x in (p, ds))
+    assert scatter_grad.applies(pos, crd, p, go, q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dv, dk = scatter_grad.kv_grad(pos, crd, cols, p, ds, go, q)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(dv, dense_p.T @ go)
+    torch.testing.assert_close(dk, dense_ds.T @ q)
+
+
+def test_kv_grad_declines():
+    pos, crd, keep = _pattern(6, 6, 0.5, torch.int32)
+    p = torch.randn(int(keep.sum()))
+    assert not scatter_grad.applies(pos, crd, p.half(), torch.randn(6, 2).half(), torch.randn(6, 2).half())
+    assert not scatter_grad.applies(pos, crd.long(), p, torch.randn(6, 2), torch.randn(6, 2))
+    assert not scatter_grad.applies(pos, crd, p, torch.randn(6, 2, dtype=torch.float64), torch.randn(6, 2))
+
+
+def test_kv_grad_over_its_buffer_budget_gives_none(monkeypatch):
+    pos, crd, keep = _pattern(8, 8, 0.5, torch.int32)
+    p = torch.randn(int(keep.sum()))
+    monkeypatch.setattr(scatter_grad, "BUFFER_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert scatter_grad.kv_grad(pos, crd, 8, p, p, torch.randn(8, 2), torch.randn(8, 2)) is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compiled_attention_backward_runs_it(monkeypatch):
+    """The compiled attention's backward takes ``dv`` and ``dk`` from ``kv_grad``: gradients equal to eager's."""
+    calls = []
+    real = scatter_grad.kv_grad
+    monkeypatch.setattr(scatter_grad, "kv_grad", lambda *a: calls.append(1) or real(*a))
+    cs._check_attention("aot_eager", n=30, d=6)
+    assert calls
+
+
+def test_compiled_attention_backward_where_it_declines(monkeypatch):
+    """Where ``kv_grad`` declines, the general products give the same gradients."""
+    monkeypatch.setattr(dynamo_sparse, "_kv_grad", lambda *a: None)
+    cs._check_attention("aot_eager", n=30, d=6)
