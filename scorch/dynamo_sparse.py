@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import deferred
 from .dynamo import PRODUCT_HOOKS, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble, traced
-from .compiler import scatter_grad
+from .compiler import kv_grad as _kv
 from .formats import LevelStorage
+from .formats.storage import PatternMemo
 from .formats.format import from_text
 from .rules import RULES
 from .sparse_tensor import IMPLEMENTATIONS, SparseTensor
@@ -222,15 +223,21 @@ def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alph
     return out
 
 
+#: per pattern, its transpose for ``_kv_grad`` (the same mask every step)
+_TRANSPOSED = PatternMemo(16)
+
+
 def _kv_grad(mask, probs, ds, grad, q):
-    """``(dv, dk)`` by one pass over the pattern in its row order (``scatter_grad.kv_grad``: no values gathered
-    into the transposed pattern's order, which each product with ``P^T`` or ``dS^T`` needed), or None where that
+    """``(dv, dk)`` by one pass over the kept transposed pattern (``kv_grad``: no values gathered into the
+    transposed order per call, which each general product with ``P^T`` or ``dS^T`` did), or None where that
     kernel does not take the operands."""
     st = mask._levels[-1]
     if len(mask._levels) != 2 or mask._levels[0].pos is not None or st.pos is None or st.crd is None or \
-            not scatter_grad.applies(st.pos, st.crd, probs, grad, q):
+            not _kv.applies(st.pos, st.crd, probs, grad, q):
         return None
-    return scatter_grad.kv_grad(st.pos, st.crd, mask._shape[1], probs, ds, grad.contiguous(), q)
+    cols = mask._shape[1]
+    transposed = _TRANSPOSED.lookup(("kv_grad", cols), mask._levels, lambda: _kv.transpose(st.pos, st.crd, cols))
+    return _kv.kv_grad(transposed, probs, ds, grad.contiguous(), q)
 
 
 @attention_grad.register_fake
