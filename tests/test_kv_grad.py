@@ -23,18 +23,21 @@ def _pattern(rows, cols, density, index_dtype, seed=0):
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64),
                                                (torch.float32, torch.int64)])
-def test_kv_grad_is_the_transposed_products(threads, dtype, index_dtype):
-    rows, cols, wv, wk = 37, 29, 5, 7
+@pytest.mark.parametrize("wv,wk", [(5, 7), (16, 16)])  # (runtime widths; widths the kernel is specialized to)
+def test_kv_grad_is_the_transposed_products(threads, dtype, index_dtype, wv, wk):
+    rows, cols = 37, 29
     pos, crd, keep = _pattern(rows, cols, 0.05, index_dtype)
     g = torch.Generator().manual_seed(1)
     p, ds = (torch.randn(int(keep.sum()), generator=g, dtype=dtype) for _ in range(2))
     go, q = torch.randn(rows, wv, generator=g, dtype=dtype), torch.randn(rows, wk, generator=g, dtype=dtype)
     dense_p, dense_ds = (torch.zeros(rows, cols, dtype=dtype).masked_scatter(keep, x) for x in (p, ds))
     assert kv_grad.applies(pos, crd, p, go, q)
+    # (int32 transposed arrays for every pattern that fits; int64 ones for a larger one, taken here too)
+    transposed = tuple(x.to(index_dtype) for x in kv_grad.transpose(pos, crd, cols))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        dv, dk = kv_grad.kv_grad(kv_grad.transpose(pos, crd, cols), p, ds, go, q)
+        dv, dk = kv_grad.kv_grad(transposed, p, ds, go, q)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(dv, dense_p.T @ go)

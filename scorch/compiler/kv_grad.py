@@ -97,13 +97,15 @@ def applies(pos, crd, p, g, q) -> bool:
 
 def transpose(pos, crd, cols: int):
     """``(cpos, erow, eperm)``: the row-compressed pattern ``(pos, crd)`` by columns (``cpos`` the columns' entry
-    pointers; per entry in column order its row ``erow`` and its position ``eperm`` in the row order), in the
-    index type of ``pos``. Rows in order within a column (a stable sort), so sums run in eager's order."""
+    pointers; per entry in column order its row ``erow`` and its position ``eperm`` in the row order), int32
+    where the entries and rows fit (half the bytes read per entry), else int64. Rows in order within a column (a
+    stable sort), so sums run in eager's order."""
     perm = torch.argsort(crd, stable=True)
     cpos = torch.zeros(cols + 1, dtype=torch.int64)
     cpos[1:] = torch.bincount(crd, minlength=cols).cumsum(0)
     rows = torch.repeat_interleave(torch.arange(pos.numel() - 1), pos.diff().long())
-    return tuple(x.to(pos.dtype).contiguous() for x in (cpos, rows[perm], perm))
+    small = crd.numel() < 2 ** 31 and pos.numel() < 2 ** 31
+    return tuple(x.to(torch.int32 if small else torch.int64).contiguous() for x in (cpos, rows[perm], perm))
 
 
 def kv_grad(transposed, p, ds, g, q):
