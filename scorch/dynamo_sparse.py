@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from . import deferred
 from .dynamo import PRODUCT_HOOKS, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble, traced
 from .compiler import kv_grad as _kv
+from .compiler.caches import register
 from .formats import LevelStorage
 from .formats.storage import PatternMemo
 from .formats.format import from_text
@@ -200,8 +201,9 @@ def _attention_fake(meta, arrays, sizes, alpha):
 def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alpha: float, probs: torch.Tensor,
                    grad: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of ``q``, ``kt`` and ``v`` (the last three arrays) of ``attention`` from its output's gradient
-    ``grad`` and its probabilities: ``dv = P^T grad``; the scores' gradient and ``dq`` by the fused backward kernel,
-    ``dk`` from the scores' gradient (eager ``_FusedAttention.backward``'s way). Where the fused backward does not
+    ``grad`` and its probabilities: the scores' gradient and ``dq`` by the fused backward kernel, then ``dv = P^T
+    grad`` and ``dk`` from the scores' gradient by one pass over the mask's kept transposed pattern (``_kv_grad``;
+    the general products, eager ``_FusedAttention.backward``'s way, where it declines). Where the fused backward does not
     serve the shapes, eager autograd through the op (``eager_grad``)."""
     from .fusion import _PRODUCT, _einsum_grad, _sddmm_grad, attention_backward
     mask, q, k, v = _attention_operands(meta, arrays, sizes)
@@ -225,6 +227,8 @@ def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alph
 
 #: per pattern, its transpose for ``_kv_grad`` (the same mask every step)
 _TRANSPOSED = PatternMemo(16)
+register("attention-transposed", "a mask's pattern by columns, for the compiled attention's dv and dk, by its index"
+         " arrays", _TRANSPOSED.__len__, _TRANSPOSED.clear)
 
 
 def _kv_grad(mask, probs, ds, grad, q):
