@@ -29,7 +29,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import deferred
 from .dynamo import PRODUCT_HOOKS, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble, traced
+from .compiler import kv_grad as _kv
+from .compiler.caches import register
 from .formats import LevelStorage
+from .formats.storage import PatternMemo
 from .formats.format import from_text
 from .rules import RULES
 from .sparse_tensor import IMPLEMENTATIONS, SparseTensor
@@ -198,8 +201,9 @@ def _attention_fake(meta, arrays, sizes, alpha):
 def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alpha: float, probs: torch.Tensor,
                    grad: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of ``q``, ``kt`` and ``v`` (the last three arrays) of ``attention`` from its output's gradient
-    ``grad`` and its probabilities: ``dv = P^T grad``; the scores' gradient and ``dq`` by the fused backward kernel,
-    ``dk`` from the scores' gradient (eager ``_FusedAttention.backward``'s way). Where the fused backward does not
+    ``grad`` and its probabilities: the scores' gradient and ``dq`` by the fused backward kernel, then ``dv = P^T
+    grad`` and ``dk`` from the scores' gradient by one pass over the mask's kept transposed pattern (``_kv_grad``;
+    the general products, eager ``_FusedAttention.backward``'s way, where it declines). Where the fused backward does not
     serve the shapes, eager autograd through the op (``eager_grad``)."""
     from .fusion import _PRODUCT, _einsum_grad, _sddmm_grad, attention_backward
     mask, q, k, v = _attention_operands(meta, arrays, sizes)
@@ -209,12 +213,35 @@ def attention_grad(meta: str, arrays: list[torch.Tensor], sizes: list[int], alph
         if done is None:
             return eager_grad("attention", meta, arrays, sizes, [alpha], [n - 3, n - 2, n - 1], grad)
         ds, dq = done
-        dk = _sddmm_grad(2, mask, q, k, ds)
-        dv = _einsum_grad(1, *_PRODUCT, [mask.with_values(probs), v], grad)
+        kv = _kv_grad(mask, probs, ds, grad, q)
+        if kv is not None:
+            dv, dk = kv
+        else:
+            dk = _sddmm_grad(2, mask, q, k, ds)
+            dv = _einsum_grad(1, *_PRODUCT, [mask.with_values(probs), v], grad)
     out = []
     for target, g in zip(arrays[-3:], (dq, dk.t(), dv)):
         out.append(_like(target, g, [*arrays, probs, grad, *out]))
     return out
+
+
+#: per pattern, its transpose for ``_kv_grad`` (the same mask every step)
+_TRANSPOSED = PatternMemo(16)
+register("attention-transposed", "a mask's pattern by columns, for the compiled attention's dv and dk, by its index"
+         " arrays", _TRANSPOSED.__len__, _TRANSPOSED.clear)
+
+
+def _kv_grad(mask, probs, ds, grad, q):
+    """``(dv, dk)`` by one pass over the kept transposed pattern (``kv_grad``: no values gathered into the
+    transposed order per call, which each general product with ``P^T`` or ``dS^T`` did), or None where that
+    kernel does not take the operands."""
+    st = mask._levels[-1]
+    if len(mask._levels) != 2 or mask._levels[0].pos is not None or st.pos is None or st.crd is None or \
+            not _kv.applies(st.pos, st.crd, probs, grad, q):
+        return None
+    cols = mask._shape[1]
+    transposed = _TRANSPOSED.lookup(("kv_grad", cols), mask._levels, lambda: _kv.transpose(st.pos, st.crd, cols))
+    return _kv.kv_grad(transposed, probs, ds, grad.contiguous(), q)
 
 
 @attention_grad.register_fake
