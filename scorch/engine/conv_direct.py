@@ -82,8 +82,17 @@ CHUNK_BYTES = 24 * 1024
 #: the shifted planes' grid (rows of ``Wo`` rounded up to whole vectors) at most this much larger than the
 #: unshifted one's (rows of ``Wo`` plus the taps' column shift) for the shifted planes to be taken: they cost
 #: ``kw`` planes per input plane (all but one copied from another, contiguous) and the rows' padding to whole
-#: vectors, and give aligned loads (ResNet-18: 56 -> 64 columns, 28 -> 32, 14 -> 16 taken; 7 -> 16 not)
+#: vectors, and give aligned loads (ResNet-18: 28 -> 32 columns, 14 -> 16 taken; 7 -> 16 not; 56 -> 56 and 7 -> 8
+#: half aligned, ``HALF_ALIGNED``)
 SHIFT_SLACK = 1.15
+#: rows of the shifted planes a multiple of half the vector's lanes where that pads them less than whole vectors
+#: (``_alignment``): ResNet-18's 56 x 56 planes take rows of 56 columns, not 64 (a tap row's shift of 56 floats
+#: splits its loads across cache lines, every other row; the grid, the buffer and the kernel's pixels 12.5% fewer),
+#: a 7 x 7 plane at batch 1 rows of 8 (unaligned rows of 9 without; at batch > 1 its images side by side are
+#: wholly aligned, ``_side_by_side``). ResNet-18 2:4, batch 8, 1 thread, interleaved medians (AMD Zen 4): 64 x 56
+#: x 56 1.02x -> 1.13x and 1.01x -> 1.20x dense channels_last, the model 1.082x -> 1.135x; batch 1, 512 x 7 x 7
+#: 1.51x -> 1.80x
+HALF_ALIGNED = True
 #: the shifted planes for weights of at least this density: they read and write ``kw`` planes per input plane, which
 #: a sparser weight's fewer multiply-adds do not repay. ResNet-18, 1 thread, batch 8, interleaved medians: 90% csr
 #: 2.26x dense channels_last unshifted, 2.06x shifted; 2:4 0.86x unshifted, 0.91x shifted (batch 1: csr 2.59x
@@ -148,14 +157,20 @@ def _lanes() -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float) -> int:
+def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float,
+               half: bool = False) -> int:
     """The lanes the planes' rows are aligned to, ``_geometry``'s ``lanes``: the target's ``lanes`` where the
     weight is ``dense`` enough (``SHIFT_DENSITY``) and the shifted grid wastes little more than the unshifted one
-    (``slack``: ``SHIFT_SLACK``), else 1 (unshifted)."""
+    (``slack``: ``SHIFT_SLACK``), else 1 (unshifted); where ``half`` (``HALF_ALIGNED``), half the lanes where
+    that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller)."""
     if lanes == 1 or not dense:
         return 1
-    _, _, wq, _, wo, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)
-    phases, _, aligned, _, _, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)
+    wq = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)[2]
+    aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[2]
+    if half and lanes > 2:
+        halved = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes // 2)[2]
+        if halved < aligned:
+            lanes, aligned = lanes // 2, halved
     return lanes if aligned <= slack * wq else 1
 
 
@@ -331,7 +346,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     k = _side_by_side_count(*shapes, _lanes(), SHIFT_SLACK) if dense and SIDE_BY_SIDE > 1 else 1
     if k > 1:
         return _side_by_side(weight, x, bias, stride, dilation, pads, groups, k)
-    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK))
+    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED))
     phases, hq, wq, ho, wo, _ = geometry
     out = weight._shape[0]
     rows = ROWS if dense else 1
