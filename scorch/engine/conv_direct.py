@@ -90,7 +90,7 @@ SHIFT_SLACK = 1.15
 #: splits its loads across cache lines, every other row; the grid, the buffer and the kernel's pixels 12.5% fewer),
 #: a 7 x 7 plane at batch 1 rows of 8 (unaligned rows of 9 without; at batch > 1 its images side by side are
 #: wholly aligned, ``_side_by_side``). ResNet-18 2:4, batch 8, 1 thread, interleaved medians (AMD Zen 4): 64 x 56
-#: x 56 1.02x -> 1.13x and 1.01x -> 1.20x dense channels_last, the model 1.082x -> 1.135x; batch 1, 512 x 7 x 7
+#: x 56 1.14x -> 1.29x dense channels_last, the model 1.142x -> 1.174x; batch 1, 512 x 7 x 7
 #: 1.51x -> 1.80x
 HALF_ALIGNED = True
 #: the shifted planes for weights of at least this density: they read and write ``kw`` planes per input plane, which
@@ -165,12 +165,15 @@ def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes
     that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller)."""
     if lanes == 1 or not dense:
         return 1
-    wq = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)[2]
+    phases, _, wq = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)[:3]
     aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[2]
     if half and lanes > 2:
-        halved = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes // 2)[2]
-        if halved < aligned:
-            lanes, aligned = lanes // 2, halved
+        # (taken where it pads the rows less than whole vectors and either shortens the unshifted rows or adds no
+        #  planes: a strided 3 x 3 conv to 7 x 7 has rows of 8 either way, 6 shifted planes against 4 phases, and
+        #  lost: ResNet-18's 256 x 14 x 14 stride 2, batch 8, 1.09x -> 1.01x dense)
+        more, halved = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes // 2)[:3:2]
+        if halved < aligned and halved <= slack * wq and (halved < wq or len(more) == len(phases)):
+            return lanes // 2
     return lanes if aligned <= slack * wq else 1
 
 
