@@ -330,3 +330,21 @@ def test_half_aligned_rows_match_dense(half, monkeypatch):
         got = conv_direct.conv2d(S, x, b, (stride, stride), (1, 1), pads, 1)
         torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, b, stride, 1), rtol=1e-4, atol=1e-5)
         assert got.is_contiguous(memory_format=torch.channels_last) == cl
+
+
+def test_1x1_convs_on_whole_vector_planes_stay_unshifted(monkeypatch):
+    """A 1 x 1 conv whose planes are whole vectors keeps them unshifted (its loads aligned already), one whose
+    planes are not takes aligned rows; both against dense torch (2:4, stride 2, channels_last)."""
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: 16)
+    conv = torch.nn.Conv2d(8, 6, 1, bias=False)
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(scorch.nn.NM(2, 4))
+    s.apply()
+    S, w = conv.weight, conv.weight.detach().to_dense()
+    for i, (size, lanes) in enumerate([((56, 56), 1), ((28, 28), 16)]):
+        x = torch.randn(2, 8, *size, generator=torch.Generator().manual_seed(i)).contiguous(
+            memory_format=torch.channels_last)
+        shapes = (tuple(S.shape), tuple(x.shape), (2, 2), (1, 1), ((0, 0), (0, 0)))
+        assert conv_direct._alignment(*shapes, True, 16, conv_direct.SHIFT_SLACK, True) == lanes
+        got = conv_direct.conv2d(S, x, None, (2, 2), (1, 1), [(0, 0), (0, 0)], 1)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 2), rtol=1e-4, atol=1e-5)
