@@ -101,11 +101,9 @@ SHIFT_DENSITY = 0.25
 #: bytes of input buffer at most that a call packs before the kernel reads it: a batch's images a few at a time,
 #: packed, convolved and unpacked while their buffer and grid are still in the cache (ResNet-18, 1 thread, batch 8,
 #: interleaved medians: 90% csr 1.78x dense channels_last with the whole batch packed at once, 2.06x with 4 MiB,
-#: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x). With
-#: the 2:4 kernel's blocks of rows and half-aligned rows, 2 MiB (a 256 x 14 x 14 layer's images two at a time, not
-#: five): 4 MiB / 2 MiB, interleaved in rotation, two runs each: 2:4 1.177x / 1.184x, 1.134x / 1.157x; csr 2.136x /
-#: 2.209x, 2.054x / 2.115x
-BUFFER_BYTES = 2 << 20
+#: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x). 2 MiB
+#: measured +1-2% (2:4) and -2..+3% (csr) at 1 thread, and fewer images per parallel region at 2: not taken
+BUFFER_BYTES = 4 << 20
 #: output rows a block of the kernel computes together where the weight is dense enough (``SHIFT_DENSITY``):
 #: each input vector loaded once for the block's rows that read it (``family.forward``; 2:4 weights: 3 loads for
 #: 4 multiply-adds against 4). ResNet-18 2:4, 1 thread, interleaved medians (AMD Zen 4, a shared machine): per
