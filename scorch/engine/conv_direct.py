@@ -82,8 +82,17 @@ CHUNK_BYTES = 24 * 1024
 #: the shifted planes' grid (rows of ``Wo`` rounded up to whole vectors) at most this much larger than the
 #: unshifted one's (rows of ``Wo`` plus the taps' column shift) for the shifted planes to be taken: they cost
 #: ``kw`` planes per input plane (all but one copied from another, contiguous) and the rows' padding to whole
-#: vectors, and give aligned loads (ResNet-18: 56 -> 64 columns, 28 -> 32, 14 -> 16 taken; 7 -> 16 not)
+#: vectors, and give aligned loads (ResNet-18: 28 -> 32 columns, 14 -> 16 taken; 7 -> 16 not; 56 -> 56 and 7 -> 8
+#: half aligned, ``HALF_ALIGNED``)
 SHIFT_SLACK = 1.15
+#: rows of the shifted planes a multiple of half the vector's lanes where that pads them less than whole vectors
+#: (``_alignment``): ResNet-18's 56 x 56 planes take rows of 56 columns, not 64 (a tap row's shift of 56 floats
+#: splits its loads across cache lines, every other row; the grid, the buffer and the kernel's pixels 12.5% fewer),
+#: a 7 x 7 plane at batch 1 rows of 8 (unaligned rows of 9 without; at batch > 1 its images side by side are
+#: wholly aligned, ``_side_by_side``). ResNet-18 2:4, batch 8, 1 thread, interleaved medians (AMD Zen 4): 64 x 56
+#: x 56 1.14x -> 1.29x dense channels_last, the model 1.142x -> 1.174x; batch 1, 512 x 7 x 7
+#: 1.51x -> 1.80x
+HALF_ALIGNED = True
 #: the shifted planes for weights of at least this density: they read and write ``kw`` planes per input plane, which
 #: a sparser weight's fewer multiply-adds do not repay. ResNet-18, 1 thread, batch 8, interleaved medians: 90% csr
 #: 2.26x dense channels_last unshifted, 2.06x shifted; 2:4 0.86x unshifted, 0.91x shifted (batch 1: csr 2.59x
@@ -92,7 +101,8 @@ SHIFT_DENSITY = 0.25
 #: bytes of input buffer at most that a call packs before the kernel reads it: a batch's images a few at a time,
 #: packed, convolved and unpacked while their buffer and grid are still in the cache (ResNet-18, 1 thread, batch 8,
 #: interleaved medians: 90% csr 1.78x dense channels_last with the whole batch packed at once, 2.06x with 4 MiB,
-#: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x)
+#: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x). 2 MiB
+#: measured +1-2% (2:4) and -2..+3% (csr) at 1 thread, and fewer images per parallel region at 2: not taken
 BUFFER_BYTES = 4 << 20
 #: output rows a block of the kernel computes together where the weight is dense enough (``SHIFT_DENSITY``):
 #: each input vector loaded once for the block's rows that read it (``family.forward``; 2:4 weights: 3 loads for
@@ -148,14 +158,27 @@ def _lanes() -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float) -> int:
+def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float,
+               half: bool = False) -> int:
     """The lanes the planes' rows are aligned to, ``_geometry``'s ``lanes``: the target's ``lanes`` where the
     weight is ``dense`` enough (``SHIFT_DENSITY``) and the shifted grid wastes little more than the unshifted one
-    (``slack``: ``SHIFT_SLACK``), else 1 (unshifted)."""
+    (``slack``: ``SHIFT_SLACK``), else 1 (unshifted); where ``half`` (``HALF_ALIGNED``), half the lanes where
+    that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller)."""
     if lanes == 1 or not dense:
         return 1
-    _, _, wq, _, wo, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)
-    phases, _, aligned, _, _, _ = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)
+    phases, hq, wq = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)[:3]
+    if tuple(weight_shape[2:]) == (1, 1) and hq * wq % lanes == 0:
+        # (a 1 x 1 conv's entries read whole planes: aligned already where a plane is whole vectors; ResNet-18's 64
+        #  x 56 x 56 stride 2 downsample, 28 x 28 planes, batch 8: 0.68x dense shifted to rows of 32, 0.87x not)
+        return 1
+    aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[2]
+    if half and lanes > 2:
+        # (taken where it pads the rows less than whole vectors and either shortens the unshifted rows or adds no
+        #  planes: a strided 3 x 3 conv to 7 x 7 has rows of 8 either way, 6 shifted planes against 4 phases, and
+        #  lost: ResNet-18's 256 x 14 x 14 stride 2, batch 8, 1.09x -> 1.01x dense)
+        more, halved = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes // 2)[:3:2]
+        if halved < aligned and halved <= slack * wq and (halved < wq or len(more) == len(phases)):
+            return lanes // 2
     return lanes if aligned <= slack * wq else 1
 
 
@@ -331,7 +354,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     k = _side_by_side_count(*shapes, _lanes(), SHIFT_SLACK) if dense and SIDE_BY_SIDE > 1 else 1
     if k > 1:
         return _side_by_side(weight, x, bias, stride, dilation, pads, groups, k)
-    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK))
+    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED))
     phases, hq, wq, ho, wo, _ = geometry
     out = weight._shape[0]
     rows = ROWS if dense else 1

@@ -302,3 +302,49 @@ def test_images_side_by_side_match_dense(cl, monkeypatch):
         ref = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (*pad[1], *pad[0])), w, b, stride, 0, dil)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
         assert got.is_contiguous(memory_format=torch.channels_last) == cl
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_half_aligned_rows_match_dense(half, monkeypatch):
+    """Rows of the shifted planes a multiple of half the lanes where that pads them less (``HALF_ALIGNED``):
+    56 columns of 16 lanes take rows of 56 (not 64), 28 columns rows of 32 either way; 2:4 weights, stride 1 and
+    2, channels_last and NCHW, batch 1 and 3, against dense torch."""
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: 16)
+    monkeypatch.setattr(conv_direct, "HALF_ALIGNED", half)
+    conv = torch.nn.Conv2d(8, 6, 3, bias=False)
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(scorch.nn.NM(2, 4))
+    s.apply()
+    S, w = conv.weight, conv.weight.detach().to_dense()
+    pads = ((1, 1), (1, 1))
+    for i, (batch, size, stride, cl) in enumerate([(1, (9, 56), 1, True), (3, (5, 56), 1, False),
+                                                   (3, (6, 28), 1, True), (1, (8, 112), 2, False)]):
+        x = torch.randn(batch, 8, *size, generator=torch.Generator().manual_seed(i))
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        shapes = (tuple(S.shape), tuple(x.shape), (stride, stride), (1, 1), pads)
+        a = conv_direct._alignment(*shapes, True, 16, conv_direct.SHIFT_SLACK, half)
+        assert conv_direct._geometry(*shapes, a)[2] == (56 if half and size[1] // stride == 56 else
+                                                        -(-size[1] // stride // 16) * 16)
+        b = torch.randn(6)
+        got = conv_direct.conv2d(S, x, b, (stride, stride), (1, 1), pads, 1)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, b, stride, 1), rtol=1e-4, atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last) == cl
+
+
+def test_1x1_convs_on_whole_vector_planes_stay_unshifted(monkeypatch):
+    """A 1 x 1 conv whose planes are whole vectors keeps them unshifted (its loads aligned already), one whose
+    planes are not takes aligned rows; both against dense torch (2:4, stride 2, channels_last)."""
+    monkeypatch.setattr(conv_direct, "_lanes", lambda: 16)
+    conv = torch.nn.Conv2d(8, 6, 1, bias=False)
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(scorch.nn.NM(2, 4))
+    s.apply()
+    S, w = conv.weight, conv.weight.detach().to_dense()
+    for i, (size, lanes) in enumerate([((56, 56), 1), ((28, 28), 16)]):
+        x = torch.randn(2, 8, *size, generator=torch.Generator().manual_seed(i)).contiguous(
+            memory_format=torch.channels_last)
+        shapes = (tuple(S.shape), tuple(x.shape), (2, 2), (1, 1), ((0, 0), (0, 0)))
+        assert conv_direct._alignment(*shapes, True, 16, conv_direct.SHIFT_SLACK, True) == lanes
+        got = conv_direct.conv2d(S, x, None, (2, 2), (1, 1), [(0, 0), (0, 0)], 1)
+        torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 2), rtol=1e-4, atol=1e-5)
