@@ -7,7 +7,6 @@ input stacked into one (``linear_stacked``)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import numpy as np
 import pytest
