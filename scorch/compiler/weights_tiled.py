@@ -13,17 +13,26 @@ that ran at ~4 cycles an entry, half the dense bfloat16 product's speed. Here:
 - the columns are cut into tiles of ``tile_pairs(T)`` pairs (a 16 KiB slice of the panel: in L1), and each
   block of ``rows`` output rows goes over the tiles in turn, every row of the block taking its operations in
   that tile before the next tile: the slice is read from L2 once per block, not once per entry;
-- the operations are packed once per pattern (``engine.weights``): each one's pair in its tile (16 bits, four
-  operations' to a 64-bit word of ``idx``) and its two values (``words``, bfloat16, the values' copy refreshed
-  when they change), in segments of one row and one tile padded to whole groups of ``UNROLL`` operations,
-  ``seg[((block * tiles) + tile) * rows + row]`` their first (empty rows past the weight's last pad its last
-  block); a group's pair numbers are one load and its values one 16-byte load, and both streams are prefetched.
+- the operations are packed once per pattern (``engine.weights``): each one's pair as its offset in the tile's
+  panel (pair number times ``T``, 16 bits, four operations' to a 64-bit word of ``idx``) and its two values
+  (``words``, bfloat16, the values' copy refreshed when they change), in segments of one row and one tile padded
+  to whole groups of ``UNROLL`` operations, ``seg[((block * tiles) + tile) * rows + row]`` their first (empty rows
+  past the weight's last pad its last block); a group's pair offsets are one load and its values one 16-byte
+  load, and both streams are prefetched, ``AHEAD`` operations on, the arrays running that far past the last
+  segment (no bound to compute an operation);
+- an operation's panel vector is one address, the tile's start (a pointer kept in a register,
+  ``codegen.bf16.PAIR_BASE``) plus its offset times 4 bytes: the loop is bound by the instructions it issues
+  (~1.7 cycles an operation on Zen 4, where ``vdpbf16ps`` takes 1), and the pair number's multiply and the
+  tile's add were 2 of ~9 an operation.
 
 Measured in place (4096 -> 11008, 16 tokens, 1 thread, interleaved medians, AMD Zen 4): against the float32
 panel's kernel 1.87x at 50%, 1.62x at 30% (64 tokens); tiles of 8, 16, 32 KiB and one tile of the whole panel
 13.4, 12.7, 15.4 and 19.7 ms at 50% (the dense bfloat16 Linear 12.6 ms). Combining a group of 4 features' entries
 two at a time (every pair of the group in the panel, as ``weights.COMBOS``: 17% fewer operations) measured
-slower (13.6 ms at 16 KiB): a tile then holds a third of the features.
+slower (13.6 ms at 16 KiB): a tile then holds a third of the features. Offsets for pair numbers, the tile's start
+in a register and prefetches without a bound: against the dense bfloat16 Linear 1.23 -> 1.34x at 50%, 1.68 ->
+1.92x at 30% (same shape and machine). Eight accumulator sets rather than four (two groups a step) gained 2-4%
+in a C++ model, and the values broadcast by ``vdpbf16ps``'s embedded broadcast rather than a shuffle lost 7%.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from .weights import F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vlo
 
 #: bytes of a panel's tile of columns: half of a 32 KiB L1 (the weight's operations stream through the rest)
 TILE_BYTES = 16384
-#: pairs of a tile at most: their numbers in 16 bits
+#: pairs of a tile at most (their offsets, pair number times ``T``, are below ``TILE_BYTES / 4``: 16 bits)
 MAX_PAIRS = 1 << 15
 #: operations a segment takes at a time, each into its own accumulator set (a ``vdpbf16ps``'s latency hidden);
 #: their 16-bit pair numbers are one 64-bit word (``idx``), read by one load and taken apart by shifts: the loop
@@ -45,7 +54,7 @@ UNROLL = 4
 #: operations ahead that a segment's loop prefetches the operations' values and pair numbers: the two streams
 #: (6 bytes an operation) come from memory, and the hardware prefetcher alone left the loop waiting on them
 #: (4096 -> 11008 at 16 tokens, 1 thread, AMD Zen 4: 70% 9.9 -> 8.6 ms; 128, 256, 512, 1024 ahead: 8.3, 8.0,
-#: 7.8, 8.2 ms in one series)
+#: 7.8, 8.2 ms in one series). ``engine.weights`` runs both arrays this many operations past the last segment
 AHEAD = 256
 
 
@@ -72,21 +81,20 @@ def forward(plan: Tiles) -> L.Kernel:
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
     ob, rb, re, c, r = L.Var("ob"), L.Var("rb"), L.Var("re"), L.Var("c"), L.Var("r")
     k, lo, hi, s = L.Var("k"), L.Var("lo"), L.Var("hi"), L.Var("s")
-    g, word = L.Var("g"), L.Var("word")
-    last = L.binary("sub", L.binary("floordiv", L.Var("ops"), _c(U)), _c(1))  # (the last group of operations)
+    g, word, tile = L.Var("g"), L.Var("word"), L.Var("tile")
 
-    def op(u):  # (operation ``u`` of group ``g`` into accumulator set ``u``: its pair number is field ``u``)
+    def op(u):  # (operation ``u`` of group ``g`` into accumulator set ``u``: its pair's offset is field ``u``)
         field = L.Cast(L.Cast(L.binary("shr", word, _c(16 * u)), "i16"), I64)
-        pair = _add(_mul(c, _c(TP)), field)
         return _vloop(T, plan.lanes, L.Store("acc", _add(_c(u * T), _bv), L.PairDot(
-            "panel", _add(_mul(pair, _c(T)), _bv), "words", _mul(_add(_mul(g, _c(U)), _c(u)), _c(2)),
+            "panel", _add(tile, _add(field, _bv)), "words", _mul(_add(_mul(g, _c(U)), _c(u)), _c(2)),
             lane=u), "add"))
-    ahead = L.binary("min", _add(g, _c(AHEAD // U)), last)  # (in bounds: the last group at most)
+    ahead = _add(g, _c(AHEAD // U))  # (in bounds: the arrays run ``AHEAD`` operations past the last segment)
     groups = L.For(k, _c(0), L.binary("floordiv", L.binary("sub", hi, lo), _c(U)), L.block(
         L.Let(g, _add(L.binary("floordiv", lo, _c(U)), k)), L.Let(word, L.Load("idx", g, I64)),
         L.Prefetch("words", _mul(ahead, _c(2 * U)), 3), L.Prefetch("idx", ahead, 3), *(op(u) for u in range(U))))
     segment = L.block(
         L.Let(s, _add(_mul(_add(_mul(L.binary("floordiv", rb, _c(R)), tiles), c), _c(R)), r)),
+        L.Let(tile, _mul(c, _c(TP * T))),
         L.Let(lo, L.Cast(L.Load("seg", s, plan.ptype), I64)),
         L.Let(hi, L.Cast(L.Load("seg", _add(s, _c(1)), plan.ptype), I64)),
         L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vec),
@@ -103,7 +111,7 @@ def forward(plan: Tiles) -> L.Kernel:
     rows = L.For(ob, _c(0), L.binary("max", blocks, _c(0)), block)
     params = (L.Param("seg", "array", plan.ptype), L.Param("idx", "array", I64),
               L.Param("words", "array", plan.vtype)) + _params(plan, "x", "y")[3:] + \
-        (L.Param("tiles", "scalar", I64), L.Param("ops", "scalar", I64))
+        (L.Param("tiles", "scalar", I64),)
     return L.Kernel("scorch_weights_pair_tiles", params,
                     L.block(_work(plan, L.Var("n_in"), "x", [rows], extra=L.Alloc("ta", F32, _c(R * T)))))
 

@@ -300,10 +300,13 @@ def pair_tiles_serve(kind: str, vtype: str, xtype: str, tokens: int, density: fl
 def _pair_tiles(weight: SparseTensor, T: int):
     """``(seg, idx, dest, operations, tiles)`` of ``weights_tiled``'s layout for tiles of ``T`` tokens, ``dest``
     taking each stored value to its place in the operations' values (``2 * operation + column % 2``), or None where
-    the values are not in row order with increasing columns (``_row_ordered``). Each segment is padded to whole
-    groups of ``UNROLL`` operations (values zero, the pair of the segment's last operation: no feature the row does
-    not read already), so that a group's 16-bit pair numbers are one 64-bit word of ``idx``, as the kernel reads
-    them. Made once per pattern."""
+    the values are not in row order with increasing columns (``_row_ordered``). Each operation's 16-bit field is its
+    pair's offset in the tile's panel (pair number times ``T``: the kernel adds it to the tile's start, no multiply
+    an operation). Each segment is padded to whole groups of ``UNROLL`` operations (values zero, the pair of the
+    segment's last operation: no feature the row does not read already), so that a group's fields are one 64-bit
+    word of ``idx``, as the kernel reads them; ``idx`` (and the values, ``_by_pair_tiles``) run ``AHEAD``
+    operations past the last segment, which the kernel's prefetches reach without a bound. Made once per
+    pattern."""
     def make():
         n_out, n_in = weight._shape
         found = _row_ordered(weight)
@@ -325,12 +328,13 @@ def _pair_tiles(weight: SparseTensor, T: int):
         at = torch.empty_like(order)  # (each operation's place, in the padded segments)
         at[order] = seg[ordered] + torch.arange(order.numel()) - first[ordered]
         total = int(seg[-1])
-        idx = torch.empty(total, dtype=torch.int16)
-        idx[at] = (k % TP).to(torch.int16)
-        pad = torch.ones(total, dtype=torch.bool)
+        idx = torch.zeros(total + tiled.AHEAD, dtype=torch.int16)
+        idx[at] = ((k % TP) * T).to(torch.int16)
+        pad = torch.zeros(total + tiled.AHEAD, dtype=torch.bool)
+        pad[:total] = True
         pad[at] = False
         owner = torch.repeat_interleave(torch.arange(counts.numel()), seg.diff())
-        idx[pad] = idx[(seg[:-1] + counts - 1)[owner[pad]]]
+        idx[pad] = idx[(seg[:-1] + counts - 1)[owner[pad[:total]]]]
         itype = torch.int32 if 2 * total < 2 ** 31 else torch.int64
         return seg.to(itype), idx.view(torch.int64), 2 * at[op] + cols % 2, total, tiles
     return _PAIR_TILES.lookup(("pair tiles", T, weight._format, tuple(weight._shape)), weight._levels, make)
@@ -348,7 +352,7 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     seg, idx, dest, count, tiles = found
 
     def words():
-        out = torch.zeros(2 * count, dtype=vals.dtype)
+        out = torch.zeros(2 * (count + tiled.AHEAD), dtype=vals.dtype)
         out[dest] = vals.detach()
         return out
     plan = replace(tiled.planned(plan), ptype=L.type_of(seg.dtype))
@@ -359,7 +363,7 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
                               "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
                               "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
-                              "tiles": tiles, "ops": count, **extra})
+                              "tiles": tiles, **extra})
     return y
 
 

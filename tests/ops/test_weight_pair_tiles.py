@@ -139,7 +139,7 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     target = Target("cpu", vector_bytes=4 * lanes)
     plan = tiled.planned(family.tiles(target, "csr", tokens, "bf16", "bf16", "i64", "i64", bias=True))
     seg, idx, dest, count, tiles = kernels._pair_tiles(s, plan.T)
-    words = torch.zeros(2 * count)
+    words = torch.zeros(2 * (count + tiled.AHEAD))  # (the prefetches reach ``AHEAD`` operations past the last)
     words[dest] = s._vals
     g = torch.Generator().manual_seed(tokens)
     x, b = torch.randint(-16, 17, (tokens, inp), generator=g) / 8, torch.randint(-16, 17, (out,), generator=g) / 8
@@ -149,9 +149,12 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     interp.run(tiled.forward(plan), {
         "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
         "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": inp, "n_out": out, "groups": inp, "chunks": 2,
-        "row_chunk": 16, "nthreads": 1, "tiles": tiles, "ops": count})
+        "row_chunk": 16, "nthreads": 1, "tiles": tiles})
     assert tiles == (seg.numel() - 1) // (blocks * family.STORE_ROWS) >= 2
     torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    # (four 16-bit pair numbers a 64-bit word: every segment whole groups of operations, each number in its tile)
-    assert L.type_of(idx.dtype) == "i64" and bool((seg % tiled.UNROLL == 0).all()) and count == 4 * idx.numel()
-    assert bool(((idx.view(torch.int16) >= 0) & (idx.view(torch.int16) < tiled.tile_pairs(plan.T))).all())
+    # (four 16-bit pair offsets a 64-bit word: every segment whole groups of operations, each offset a whole pair's
+    #  in its tile, the array running ``AHEAD`` operations on)
+    assert L.type_of(idx.dtype) == "i64" and bool((seg % tiled.UNROLL == 0).all())
+    assert count + tiled.AHEAD == 4 * idx.numel() and int(seg[-1]) == count
+    fields = idx.view(torch.int16).long()
+    assert bool(((fields >= 0) & (fields < tiled.tile_pairs(plan.T) * plan.T) & (fields % plan.T == 0)).all())

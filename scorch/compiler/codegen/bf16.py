@@ -23,6 +23,17 @@ static inline scorch_vf32 scorch_pair_dot4(scorch_vf32 acc, const scorch_bf16* x
 }}
 """
 
+#: ``scorch_pair_base(p)``: ``p``, which the compiler may no longer fold into the index of each access from it: a
+#: tile's start in a panel (``weights_tiled``), whose accesses ``&panel[2 * tile] + 2 * pair`` g++ otherwise
+#: rewrites as ``panel + 4 * (tile + pair)``, an add an access that the loop's dispatch width pays for. An empty
+#: asm has no side effects, so it is hoisted out of the loop and shared by the accesses, as the pointer itself.
+PAIR_BASE = """template <class T> static inline T* scorch_pair_base(T* p) {
+  __asm__("" : "+r"(p));
+  return p;
+}
+"""
+
+
 #: ``scorch_splat_bf16(p)``: the bfloat16 at ``p`` as a float vector. A ``(float)`` cast of a bfloat16 load times a
 #: vector compiles to a 16-bit load into a general register, a shift, a move into a vector register and a
 #: broadcast (four instructions, two of them crossing register files); here a 16-bit broadcast straight from

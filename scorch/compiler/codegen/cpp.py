@@ -194,7 +194,7 @@ class _Emitter:
                 raise ValueError("a pair dot is added into a vector, its pairs contiguous in the loop")
             target = self.vector_ref(s.array, s.index, const=False)
             if 0 <= e.lane < 4:  # (the pair from its group of four: ``codegen.bf16``)
-                return [f"{pad}{target} = scorch_pair_dot4<{e.lane}>({target}, &{ident(e.x)}[2 * ({self.expr(e.i)})], "
+                return [f"{pad}{target} = scorch_pair_dot4<{e.lane}>({target}, {self.pair_ref(e.x, e.i)}, "
                         f"&{ident(e.w)}[({self.expr(e.j)}) - {2 * e.lane}]);"]
             return [f"{pad}{target} = scorch_pair_dot({target}, &{ident(e.x)}[2 * ({self.expr(e.i)})], "
                     f"&{ident(e.w)}[{self.expr(e.j)}]);"]
@@ -385,6 +385,14 @@ class _Emitter:
         third = [f"{pad}  if ({n} >= 3) {{"] + vector(2) + [f"{pad}  }}"]
         return [f"{pad}const int64_t {n} = ({self.expr(s.lead)} + {s.vector - 1}) / {s.vector};"] + vector(0) + [
             f"{pad}if ({n} >= 2) {{"] + vector(1) + third + [f"{pad}}}"]
+
+    def pair_ref(self, array, index):
+        """A pointer to pair ``index`` of the bfloat16 pairs ``array``; an index ``a + b`` as ``&array[2 * a] + 2 * b``:
+        where ``a`` does not change in the loop (a tile's start, ``weights_tiled``), that pointer stays in a register
+        (``scorch_pair_base``) and each access is one address (base + scaled index), not an add and the address."""
+        if isinstance(index, L.Binary) and index.op == "add":
+            return f"(scorch_pair_base(&{ident(array)}[2 * ({self.expr(index.a)})]) + 2 * ({self.expr(index.b)}))"
+        return f"&{ident(array)}[2 * ({self.expr(index)})]"
 
     def vector_ref(self, array, index, const):
         """The vector at ``array[index]`` (lanes ``index .. index + lanes - 1``) inside a vector loop."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ... import loopir as L
 from ..target import CPU
 from .activations import ACTIVATIONS
-from .bf16 import PAIR_HALF, pair_dot4, splat
+from .bf16 import PAIR_BASE, PAIR_HALF, pair_dot4, splat
 from .transpose import TRANSPOSE
 
 
@@ -655,6 +655,7 @@ static inline scorch_vf32 scorch_pair_dot(scorch_vf32 acc, const scorch_bf16* x,
 """,
     "scorch_pair_dot4": pair_dot4(VECTOR_BYTES),
     "scorch_pair_half": BF16 + PAIR_HALF,
+    "scorch_pair_base": PAIR_BASE,
     # ``c ? a : b`` with both already evaluated, chosen by a bit mask (a compiler keeps a branch for a ternary
     # over floats, mispredicted where ``c`` is a coin toss, as in a merge)
     "scorch_pick": """#include <cstdint>
