@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import loopir as L
-from .weights import F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vloop, _work, activate, epilogue, \
+from .weights import COMBOS, F32, I64, Tiles, _add, _bv, _c, _chunk, _mul, _params, _vloop, _work, activate, epilogue, \
     sets_total, store
 
 #: bytes of a panel's tile of columns: half of a 32 KiB L1 (the weight's operations stream through the rest)
@@ -57,22 +57,41 @@ UNROLL = 4
 #: 7.8, 8.2 ms in one series). ``engine.weights`` runs both arrays this many operations past the last segment
 AHEAD = 256
 
+#: rows of a block of a 2:4 weight: a row reads one of each group's 6 panel vectors, so a block's rows read each
+#: vector of a tile they bring from L2 ``rows / 6`` times (a CSR row at 50% reads 0.75 of its pairs): 16 rows
+#: (``STORE_ROWS``) read 24 bytes of panel from L2 an operation, 64 rows 6 (4096 -> 11008, 16 tokens, 1 thread,
+#: AMD Zen 4, against the dense bfloat16 Linear: 16 rows 1.51x, 64 rows 1.56-1.71x, 128 rows 1.79x but 1.62x the
+#: other way; tiles of 8 and 32 KiB within the noise of 16)
+COMBO_ROWS = 64
+
 
 def tile_pairs(T: int) -> int:
     """Pairs of features in a tile for ``T`` tokens: a pair takes ``T`` lanes of two bfloat16."""
     return max(1, min(MAX_PAIRS, TILE_BYTES // (4 * T)))
 
 
+def tile_units(T: int, combos: bool = False) -> int:
+    """Panel vectors (``T`` pairs of tokens each) in a tile: ``tile_pairs``; a 2:4 weight's panel of
+    combinations (``combos``) whole groups of ``len(COMBOS)`` of them, a multiple of ``UNROLL`` groups (each
+    row keeps one of a group's pairs: its segments are then whole groups of operations, unpadded)."""
+    units = tile_pairs(T)
+    if not combos:
+        return units
+    return len(COMBOS) * max(1, units // len(COMBOS) // UNROLL * UNROLL)
+
+
 def planned(plan: Tiles) -> Tiles:
-    """``plan`` (CSR, bfloat16 values and tokens) as this kernel runs it: a panel of pairs, ``UNROLL`` sets."""
-    return replace(plan, pairs=True, combos=False, halves=False, unroll=UNROLL)
+    """``plan`` (CSR or 2:4, bfloat16 values and tokens) as this kernel runs it: a panel of pairs (2:4: of every
+    pair of a group's features, ``weights.COMBOS``, in blocks of ``COMBO_ROWS`` rows), ``UNROLL`` sets."""
+    return replace(plan, pairs=not plan.combos, halves=False, unroll=UNROLL,
+                   rows=COMBO_ROWS if plan.combos else plan.rows)
 
 
 def forward(plan: Tiles) -> L.Kernel:
     """``y = act(x @ W^T (+ bias))`` for a ``planned`` plan: work items of a token tile and a chunk of ``row_chunk``
     rows (whole blocks of ``rows``), each block's rows summed tile by tile into ``ta``, then the epilogue and the
     store."""
-    T, R, U, TP = plan.T, plan.rows, plan.unroll, tile_pairs(plan.T)
+    T, R, U, TP = plan.T, plan.rows, plan.unroll, tile_units(plan.T, plan.combos)
     if U != 4:  # (a group's pair numbers are the four 16-bit fields of one 64-bit word, its values 16 bytes)
         raise ValueError(f"scorch: the pair-tile kernel takes its operations 4 at a time, not {U}")
     n_out, tiles = L.Var("n_out"), L.Var("tiles")
@@ -110,7 +129,8 @@ def forward(plan: Tiles) -> L.Kernel:
     blocks = L.binary("floordiv", _add(L.binary("sub", r_hi, r_lo), _c(R - 1)), _c(R))
     rows = L.For(ob, _c(0), L.binary("max", blocks, _c(0)), block)
     params = (L.Param("seg", "array", plan.ptype), L.Param("idx", "array", I64),
-              L.Param("words", "array", plan.vtype)) + _params(plan, "x", "y")[3:] + \
+              L.Param("words", "array", plan.vtype)) + \
+        tuple(p for p in _params(plan, "x", "y") if p.name not in ("pos", "crd", "combo", "vals")) + \
         (L.Param("tiles", "scalar", I64),)
     return L.Kernel("scorch_weights_pair_tiles", params,
                     L.block(_work(plan, L.Var("n_in"), "x", [rows], extra=L.Alloc("ta", F32, _c(R * T)))))

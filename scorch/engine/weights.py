@@ -289,9 +289,10 @@ PAIR_TILES = None
 
 def pair_tiles_serve(kind: str, vtype: str, xtype: str, tokens: int, density: float) -> bool:
     """Whether a product runs as ``weights_tiled.forward``: a CSR weight of bfloat16 values at ``PAIR_TILES_DENSITY``
-    or more, a bfloat16 activation, at least two tokens, a CPU whose vectors hold 16 floats and that multiplies
-    bfloat16 pairs (AVX512-BF16: elsewhere a ``PairDot`` is lane by lane, slower than the float32 panel)."""
-    if not (kind == "csr" and vtype == xtype == "bf16" and tokens >= 2 and density >= PAIR_TILES_DENSITY):
+    or more or a 2:4 one, a bfloat16 activation, at least two tokens, a CPU whose vectors hold 16 floats and that
+    multiplies bfloat16 pairs (AVX512-BF16: elsewhere a ``PairDot`` is lane by lane, slower than the float32
+    panel)."""
+    if not (kind in ("csr", "nm") and vtype == xtype == "bf16" and tokens >= 2 and density >= PAIR_TILES_DENSITY):
         return False
     return PAIR_TILES if PAIR_TILES is not None else \
         CPU.lanes(family.F32) == 16 and "avx512_bf16" in (cpu_flags() or ())
@@ -300,53 +301,79 @@ def pair_tiles_serve(kind: str, vtype: str, xtype: str, tokens: int, density: fl
 def _pair_tiles(weight: SparseTensor, T: int):
     """``(seg, idx, dest, operations, tiles)`` of ``weights_tiled``'s layout for tiles of ``T`` tokens, ``dest``
     taking each stored value to its place in the operations' values (``2 * operation + column % 2``), or None where
-    the values are not in row order with increasing columns (``_row_ordered``). Each operation's 16-bit field is its
-    pair's offset in the tile's panel (pair number times ``T``: the kernel adds it to the tile's start, no multiply
-    an operation). Each segment is padded to whole groups of ``UNROLL`` operations (values zero, the pair of the
-    segment's last operation: no feature the row does not read already), so that a group's fields are one 64-bit
-    word of ``idx``, as the kernel reads them; ``idx`` (and the values, ``_by_pair_tiles``) run ``AHEAD``
-    operations past the last segment, which the kernel's prefetches reach without a bound. Made once per
-    pattern."""
+    the values are not in row order with increasing columns (``_row_ordered``); ``_tile_segments`` the rest. Made
+    once per pattern."""
     def make():
         n_out, n_in = weight._shape
         found = _row_ordered(weight)
         if found is None:
             return None
         rows, cols = found
-        R, TP, pairs = family.STORE_ROWS, tiled.tile_pairs(T), (n_in + 1) // 2
-        tiles, blocks = max(1, -(-pairs // TP)), -(-n_out // R)
+        pairs = (n_in + 1) // 2
         keys, op = torch.unique_consecutive(rows * pairs + cols // 2, return_inverse=True)
-        o, k = keys // pairs, keys % pairs
-        segment = ((o // R) * tiles + k // TP) * R + o % R
-        order = torch.argsort(segment, stable=True)
-        counts = torch.bincount(segment, minlength=blocks * tiles * R)
-        U = tiled.UNROLL
-        seg, first = (torch.zeros(blocks * tiles * R + 1, dtype=torch.int64) for _ in range(2))
-        seg[1:] = ((counts + U - 1) // U * U).cumsum(0)
-        first[1:] = counts.cumsum(0)
-        ordered = segment[order]
-        at = torch.empty_like(order)  # (each operation's place, in the padded segments)
-        at[order] = seg[ordered] + torch.arange(order.numel()) - first[ordered]
-        total = int(seg[-1])
-        idx = torch.zeros(total + tiled.AHEAD, dtype=torch.int16)
-        idx[at] = ((k % TP) * T).to(torch.int16)
-        pad = torch.zeros(total + tiled.AHEAD, dtype=torch.bool)
-        pad[:total] = True
-        pad[at] = False
-        owner = torch.repeat_interleave(torch.arange(counts.numel()), seg.diff())
-        idx[pad] = idx[(seg[:-1] + counts - 1)[owner[pad[:total]]]]
-        itype = torch.int32 if 2 * total < 2 ** 31 else torch.int64
-        return seg.to(itype), idx.view(torch.int64), 2 * at[op] + cols % 2, total, tiles
+        seg, idx, at, total, tiles = _tile_segments(keys // pairs, keys % pairs, n_out, pairs,
+                                                    tiled.tile_pairs(T), T, family.STORE_ROWS)
+        return seg, idx, 2 * at[op] + cols % 2, total, tiles
     return _PAIR_TILES.lookup(("pair tiles", T, weight._format, tuple(weight._shape)), weight._levels, make)
 
 
-def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, extra: dict):
-    """``linear`` through ``weights_tiled`` where it serves, else None."""
+def _combo_tiles(weight: SparseTensor, T: int, combo: torch.Tensor):
+    """``_pair_tiles`` of a 2:4 weight whose groups each keep two columns (``combo``: the pair's number in
+    ``COMBOS``, ``_combos``): an operation a row's group, against the panel vector of the group's pair (``6 * group
+    + combo``) with the group's two values as they are stored. Made once per pattern."""
+    def make():
+        n_out, n_in = weight._shape
+        groups = n_in // 4
+        o = torch.arange(n_out).repeat_interleave(groups)
+        g = torch.arange(groups).repeat(n_out)
+        seg, idx, at, total, tiles = _tile_segments(o, g * len(family.COMBOS) + combo.long(), n_out,
+                                                    len(family.COMBOS) * groups, tiled.tile_units(T, True), T,
+                                                    tiled.COMBO_ROWS)
+        return seg, idx, (2 * at).repeat_interleave(2) + torch.arange(2).repeat(at.numel()), total, tiles
+    return _PAIR_TILES.lookup(("combo tiles", T, tuple(weight._shape)), weight._levels, make)
+
+
+def _tile_segments(o: torch.Tensor, k: torch.Tensor, n_out: int, units: int, TP: int, T: int, R: int) -> tuple:
+    """``(seg, idx, at, operations, tiles)``: operations of rows ``o`` against panel vectors ``k`` (``units`` of
+    them, in tiles of ``TP``; the rows in blocks of ``R``), in row order and increasing ``k``, laid out as
+    ``weights_tiled`` reads them; ``at``
+    each operation's place. Each operation's 16-bit field is its vector's offset in the tile's panel (``k % TP``
+    times ``T``: the kernel adds it to the tile's start, no multiply an operation). Each segment is padded to whole
+    groups of ``UNROLL`` operations (values zero, the vector of the segment's last operation: no feature the row
+    does not read already), so that a group's fields are one 64-bit word of ``idx``, as the kernel reads them;
+    ``idx`` (and the values, ``_by_pair_tiles``) run ``AHEAD`` operations past the last segment, which the
+    kernel's prefetches reach without a bound."""
+    tiles, blocks = max(1, -(-units // TP)), -(-n_out // R)
+    segment = ((o // R) * tiles + k // TP) * R + o % R
+    order = torch.argsort(segment, stable=True)
+    counts = torch.bincount(segment, minlength=blocks * tiles * R)
+    U = tiled.UNROLL
+    seg, first = (torch.zeros(blocks * tiles * R + 1, dtype=torch.int64) for _ in range(2))
+    seg[1:] = ((counts + U - 1) // U * U).cumsum(0)
+    first[1:] = counts.cumsum(0)
+    ordered = segment[order]
+    at = torch.empty_like(order)  # (each operation's place, in the padded segments)
+    at[order] = seg[ordered] + torch.arange(order.numel()) - first[ordered]
+    total = int(seg[-1])
+    idx = torch.zeros(total + tiled.AHEAD, dtype=torch.int16)
+    idx[at] = ((k % TP) * T).to(torch.int16)
+    pad = torch.zeros(total + tiled.AHEAD, dtype=torch.bool)
+    pad[:total] = True
+    pad[at] = False
+    owner = torch.repeat_interleave(torch.arange(counts.numel()), seg.diff())
+    idx[pad] = idx[(seg[:-1] + counts - 1)[owner[pad[:total]]]]
+    itype = torch.int32 if 2 * total < 2 ** 31 else torch.int64
+    return seg.to(itype), idx.view(torch.int64), at, total, tiles
+
+
+def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, extra: dict, combo=None):
+    """``linear`` through ``weights_tiled`` where it serves, else None; ``combo``: a 2:4 weight's pair numbers
+    (``_combos``), its groups then the operations (``_combo_tiles``)."""
     n_out, n_in = weight._shape
     vals = weight._vals
     if not pair_tiles_serve(plan.kind, plan.vtype, plan.xtype, x.shape[0], vals.numel() / max(n_out * n_in, 1)):
         return None
-    found = _pair_tiles(weight, plan.T)
+    found = _pair_tiles(weight, plan.T) if combo is None else _combo_tiles(weight, plan.T, combo)
     if found is None:
         return None
     seg, idx, dest, count, tiles = found
@@ -411,6 +438,9 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
         if combo is None:
             plan = replace(plan, combos=False)
         else:
+            found = _by_pair_tiles(weight, x, plan, extra, combo)
+            if found is not None:
+                return found
             arrays = {"combo": combo, "vals": weight._vals}
     _forward(plan, weight, arrays, n, extra, x=x, y=y)
     return y

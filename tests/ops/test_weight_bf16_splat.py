@@ -132,6 +132,13 @@ for out, inp, tokens, density in ((37, 45, 16, 0.5), (20, 64, 5, 0.3), (33, 2 * 
     with torch.no_grad():
         y = F.linear(x, scorch.asformat(w, "csr"))
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
+for out, groups, tokens in ((70, 45, 16), (9, 3, 5)):  # (2:4: the panel of every pair of a group's features)
+    w = torch.randn(out, 4 * groups, generator=g)
+    w = (w * scorch.nn.NM(2, 4).mask(w)).bfloat16()
+    x = torch.randn(tokens, 4 * groups, generator=g).bfloat16()
+    with torch.no_grad():
+        y = F.linear(x, scorch.asformat(w, "nm(2, 4)"))
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
 print("ok")
 """
 

@@ -430,11 +430,13 @@ def _combo_calls(monkeypatch):
 
 @settings(max_examples=30, deadline=None)
 @given(out=st.integers(1, 40), groups=st.integers(1, 40), tokens=st.integers(2, 150), bias=st.booleans(),
-       seed=st.integers(0, 2 ** 16))
-def test_a_2_4_bfloat16_weight_through_its_pairs(out, groups, tokens, bias, seed):
+       seed=st.integers(0, 2 ** 16), tiles=st.booleans())
+def test_a_2_4_bfloat16_weight_through_its_pairs(out, groups, tokens, bias, seed, tiles):
     """A 2:4 bfloat16 weight at more than one token: each group's two values against the panel's pair of their
-    columns (``COMBOS``, one ``PairDot``), partial token tiles and row passes, with and without bias."""
+    columns (``COMBOS``, one ``PairDot``), partial token tiles and row passes, with and without bias; in row
+    passes over every group or in column tiles (``weights_tiled``), either forced (the CPU picks one)."""
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "PAIR_TILES", tiles)
         calls = _combo_calls(mp)
         w = _weight("nm(2, 4)", out, 4 * groups, 1.0, seed).bfloat16()
         g = torch.Generator().manual_seed(seed + 1)
@@ -501,10 +503,12 @@ def test_one_token_gradients_through_the_bitmap(index_dtype, dtype, monkeypatch)
     torch.testing.assert_close(s.grad.to_dense().float() * (w != 0), d.grad.float() * (w != 0), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("tiles", [False, True])
 @pytest.mark.parametrize("tokens", [2, 16, 33])
-def test_2_4_bfloat16_gradients_through_its_pairs(tokens, monkeypatch):
-    """Training a 2:4 bfloat16 weight: the forward runs the pair panel, the gradients equal the masked dense
-    layer's."""
+def test_2_4_bfloat16_gradients_through_its_pairs(tokens, tiles, monkeypatch):
+    """Training a 2:4 bfloat16 weight: the forward runs the pair panel (in row passes or column tiles, forced),
+    the gradients equal the masked dense layer's."""
+    monkeypatch.setattr(kernels, "PAIR_TILES", tiles)
     calls = _combo_calls(monkeypatch)
     w = _weight("nm(2, 4)", 20, 36, 1.0, 22).bfloat16()
     s = scorch.asformat(w, "nm(2, 4)").requires_grad_()

@@ -110,20 +110,25 @@ def test_values_changed_in_place_are_read_anew(monkeypatch):
     assert len(kernels._PAIR_WORDS) >= 1
 
 
-def test_gradients_equal_the_masked_dense_layer(monkeypatch):
-    calls = _calls(monkeypatch)
-    w = _masked(24, 50, 0.5, 6)
-    s = scorch.asformat(w, "csr").requires_grad_()
+def _gradients_match(w, fmt, calls, tokens=16):
+    """The input and weight gradients of ``F.linear`` with ``w`` stored as ``fmt`` equal the masked dense layer's
+    (the forward through the kernel ``calls`` records); the sparse weight and an input back."""
+    s = scorch.asformat(w, fmt).requires_grad_()
     d = w.clone().requires_grad_()
-    x1 = torch.randn(16, 50).bfloat16().requires_grad_()
+    x1 = torch.randn(tokens, w.shape[1]).bfloat16().requires_grad_()
     x2 = x1.detach().clone().requires_grad_()
-    g = torch.randn(16, 24).bfloat16()
+    g = torch.randn(tokens, w.shape[0]).bfloat16()
     for y in (F.linear(x1, s), F.linear(x2, d)):
         y.backward(g)
     assert calls and calls[-1] is not None
     on = w != 0
     for got, want in ((x1.grad, x2.grad), (s.grad.to_dense() * on, d.grad * on)):
         torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    return s, x1.detach()
+
+
+def test_gradients_equal_the_masked_dense_layer(monkeypatch):
+    _gradients_match(_masked(24, 50, 0.5, 6), "csr", _calls(monkeypatch))
 
 
 @pytest.mark.parametrize("lanes, tokens", [(4, 3), (16, 20)])
@@ -158,3 +163,101 @@ def test_the_loop_ir_in_the_interpreter(lanes, tokens):
     assert count + tiled.AHEAD == 4 * idx.numel() and int(seg[-1]) == count
     fields = idx.view(torch.int16).long()
     assert bool(((fields >= 0) & (fields < tiled.tile_pairs(plan.T) * plan.T) & (fields % plan.T == 0)).all())
+
+
+# --- 2:4 weights: an operation a row's group, against the panel of every pair of a group's features ---------------
+
+def _nm(out, groups, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, 4 * groups, generator=g)
+    return (w * scorch.nn.NM(2, 4).mask(w)).bfloat16()
+
+
+def _combo_calls(monkeypatch):
+    """A list recording each 2:4 product's tile layout."""
+    calls, real = [], kernels._combo_tiles
+    monkeypatch.setattr(kernels, "_combo_tiles", lambda w, T, combo: calls.append(real(w, T, combo)) or calls[-1])
+    return calls
+
+
+@settings(max_examples=30, deadline=None)
+@given(out=st.integers(1, 140), groups=st.integers(1, 100), tokens=st.integers(2, 70), bias=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_2_4_combo_tiles_equal_the_dense_linear(out, groups, tokens, bias, seed):
+    """Rows past a 64-row block and its last, groups over several tiles (40 groups a tile at 16 tokens), partial
+    token tiles, with and without bias."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "PAIR_TILES", True)
+        calls = _combo_calls(mp)
+        w = _nm(out, groups, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(tokens, 4 * groups, generator=g).bfloat16()
+        _check(w, x, torch.randn(out, generator=g).bfloat16() if bias else None, scorch.asformat(w, "nm(2, 4)"))
+        assert calls and calls[-1] is not None
+        seg = calls[-1][0]
+        assert int(seg[-1]) == calls[-1][3] and (seg.numel() - 1) % tiled.COMBO_ROWS == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out, groups, tokens", [(1, 1, 2), (70, 90, 16), (130, 41, 17), (9, 3, 40)])
+def test_2_4_combo_tiles_across_shapes_and_threads(out, groups, tokens, threads, monkeypatch):
+    """A row whose values are all zero (stored zeros: the pattern stays 2:4), one group, several tiles and
+    blocks, more threads than row chunks; against dense torch on the same weight."""
+    calls = _combo_calls(monkeypatch)
+    w = _nm(out, groups, out + groups)
+    s = scorch.asformat(w, "nm(2, 4)")
+    with torch.no_grad():
+        s._vals.view(out, -1)[out // 2] = 0
+    w = s.to_dense()
+    x, b = torch.randn(tokens, 4 * groups).bfloat16(), torch.randn(out).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = F.linear(x, s, b)
+    finally:
+        torch.set_num_threads(before)
+    assert calls and calls[-1] is not None and y.dtype == torch.bfloat16 and y.is_contiguous()
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=3e-2)
+    assert bool((y[:, out // 2].float() == b[out // 2].float()).all())
+
+
+def test_2_4_combo_tiles_gradients_and_values_changed_in_place(monkeypatch):
+    """Training: the forward through the combo tiles, the input and weight gradients equal the masked dense
+    layer's; after a step in place the forward reads the new values."""
+    w = _nm(24, 13, 8)
+    s, x = _gradients_match(w, "nm(2, 4)", _combo_calls(monkeypatch))
+    with torch.no_grad():
+        s._vals.mul_(-2)
+        y = F.linear(x, s)
+    torch.testing.assert_close(y.float(), F.linear(x.float(), -2 * w.float()), rtol=2e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("lanes, tokens", [(4, 3), (16, 20)])
+def test_combo_tiles_loop_ir_in_the_interpreter(lanes, tokens):
+    """The kernel's loop IR on a 2:4 weight (the combinations' panel, tiles of whole groups, 64-row blocks) in
+    the NumPy interpreter, every access checked; values exact in float32 (``test_the_loop_ir_in_the_interpreter``)."""
+    target = Target("cpu", vector_bytes=4 * lanes)
+    plan = tiled.planned(family.tiles(target, "nm", tokens, "bf16", "bf16", "i64", "i8", (1, 1), (2, 4), bias=True))
+    assert plan.combos and not plan.pairs and plan.rows == tiled.COMBO_ROWS
+    T = plan.T
+    groups = tiled.tile_units(T, True) // len(family.COMBOS) + 3  # (two tiles, the last partial)
+    out = tiled.COMBO_ROWS + 5
+    w = _nm(out, groups, 9).float()
+    w = torch.where(w == 0, 0.0, w.sign() * (1 + (w.abs() * 8).round()) / 8)  # (no kept value rounds to 0)
+    s = scorch.asformat(w.bfloat16(), "nm(2, 4)")
+    crd = [lv for lv in s._levels if lv.arrays()][-1].arrays()["crd"]
+    combo = kernels._combos(s, crd)
+    seg, idx, dest, count, tiles = kernels._combo_tiles(s, T, combo)
+    words = torch.zeros(2 * (count + tiled.AHEAD))
+    words[dest] = s._vals.float()
+    g = torch.Generator().manual_seed(tokens)
+    x, b = torch.randint(-16, 17, (tokens, 4 * groups), generator=g) / 8, torch.randint(-16, 17, (out,), generator=g) / 8
+    y = np.zeros(tokens * out, dtype=np.float32)
+    interp.run(tiled.forward(plan), {
+        "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
+        "x": x.reshape(-1).numpy(), "y": y, "n": tokens, "n_in": 4 * groups, "n_out": out, "groups": groups,
+        "chunks": 2, "row_chunk": tiled.COMBO_ROWS, "nthreads": 1, "tiles": tiles})
+    # (each row an operation a group: the first tile's whole groups of 4, the last's 3 padded to 4)
+    assert tiles == 2 and count == out * (groups - 3 + 4)
+    torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, s.to_dense().float(), b),
+                               rtol=1e-5, atol=1e-5)
