@@ -23,7 +23,10 @@ that ran at ~4 cycles an entry, half the dense bfloat16 product's speed. Here:
 - an operation's panel vector is one address, the tile's start (a pointer kept in a register,
   ``codegen.bf16.PAIR_BASE``) plus its offset times 4 bytes: the loop is bound by the instructions it issues
   (~1.7 cycles an operation on Zen 4, where ``vdpbf16ps`` takes 1), and the pair number's multiply and the
-  tile's add were 2 of ~9 an operation.
+  tile's add were 2 of ~9 an operation;
+- a 2:4 weight (``plan.combos``) runs the same loop over the panel of every pair of a group's features
+  (``weights.COMBOS``): an operation a row's group with its two stored values, tiles of whole groups
+  (``tile_units``), blocks of ``COMBO_ROWS`` rows.
 
 Measured in place (4096 -> 11008, 16 tokens, 1 thread, interleaved medians, AMD Zen 4): against the float32
 panel's kernel 1.87x at 50%, 1.62x at 30% (64 tokens); tiles of 8, 16, 32 KiB and one tile of the whole panel
