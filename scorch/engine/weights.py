@@ -336,13 +336,12 @@ def _combo_tiles(weight: SparseTensor, T: int, combo: torch.Tensor):
 def _tile_segments(o: torch.Tensor, k: torch.Tensor, n_out: int, units: int, TP: int, T: int, R: int) -> tuple:
     """``(seg, idx, at, operations, tiles)``: operations of rows ``o`` against panel vectors ``k`` (``units`` of
     them, in tiles of ``TP``; the rows in blocks of ``R``), in row order and increasing ``k``, laid out as
-    ``weights_tiled`` reads them; ``at``
-    each operation's place. Each operation's 16-bit field is its vector's offset in the tile's panel (``k % TP``
-    times ``T``: the kernel adds it to the tile's start, no multiply an operation). Each segment is padded to whole
-    groups of ``UNROLL`` operations (values zero, the vector of the segment's last operation: no feature the row
-    does not read already), so that a group's fields are one 64-bit word of ``idx``, as the kernel reads them;
-    ``idx`` (and the values, ``_by_pair_tiles``) run ``AHEAD`` operations past the last segment, which the
-    kernel's prefetches reach without a bound."""
+    ``weights_tiled`` reads them; ``at`` each operation's place. Each operation's 16-bit field is its vector's
+    offset in the tile's panel (``k % TP`` times ``T``: the kernel adds it to the tile's start, no multiply an
+    operation). Each segment is padded to whole groups of ``UNROLL`` operations (values zero, the vector of the
+    segment's last operation: no feature the row does not read already), so that a group's fields are one 64-bit
+    word of ``idx``, as the kernel reads them; ``idx`` (and the values, ``_by_pair_tiles``) run ``AHEAD``
+    operations past the last segment, which the kernel's prefetches reach without a bound."""
     tiles, blocks = max(1, -(-units // TP)), -(-n_out // R)
     segment = ((o // R) * tiles + k // TP) * R + o % R
     order = torch.argsort(segment, stable=True)

@@ -251,7 +251,8 @@ def test_combo_tiles_loop_ir_in_the_interpreter(lanes, tokens):
     words = torch.zeros(2 * (count + tiled.AHEAD))
     words[dest] = s._vals.float()
     g = torch.Generator().manual_seed(tokens)
-    x, b = torch.randint(-16, 17, (tokens, 4 * groups), generator=g) / 8, torch.randint(-16, 17, (out,), generator=g) / 8
+    x = torch.randint(-16, 17, (tokens, 4 * groups), generator=g) / 8
+    b = torch.randint(-16, 17, (out,), generator=g) / 8
     y = np.zeros(tokens * out, dtype=np.float32)
     interp.run(tiled.forward(plan), {
         "seg": seg.numpy(), "idx": idx.numpy(), "words": words.numpy(), "bias": b.numpy(),
