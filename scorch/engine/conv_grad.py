@@ -28,10 +28,14 @@ from ..sparse_tensor import SparseTensor, padding_of
 from . import conv_direct
 from .convert import coo_from_entries
 
-#: per weight pattern and geometry: each input phase's weight (format, shape, levels, value positions) and slices
+#: per weight pattern and geometry: each input phase's weight (values unread), its value positions and slices
 _PHASES = storage.PatternMemo(128)
 register("conv-grad phases", "the transposed, flipped phase weights of sparse conv weights' input gradients, per"
          " pattern and geometry", _PHASES.__len__, _PHASES.clear)
+#: per phase weight and direct-kernel entry order: the entries' positions in the weight's own values
+_COMPOSED = storage.ValuesMemo(256)
+register("conv-grad orders", "the direct kernel's entry order of input-gradient phase weights in the weight's"
+         " values", _COMPOSED.__len__, _COMPOSED.clear)
 
 
 def _entries(weight: SparseTensor):
@@ -92,8 +96,11 @@ def _build_phases(weight: SparseTensor, out_hw, in_hw, stride, dilation, pads, g
             shape = (groups * cg, og, sh, sw)
             coo = coo_from_entries([c + (o // og) * cg, o % og, t_h[keep], t_w[keep]], leaf[keep].to(torch.float64),
                                    shape, False)
-            phases.append(((a, b), coo._format, shape, coo._levels, coo.values().round().long(), rows, cols,
-                           ((rows[2], rows[3]), (cols[2], cols[3])), (dh, dw)))
+            # (the phase weight's values are never read: ``conv_direct.conv2d`` takes them by ``gather``)
+            w = SparseTensor(coo._format, shape, coo._levels, torch.zeros(coo.nnz, dtype=weight._vals.dtype),
+                             check=False)
+            index = torch.cat([coo.values().round().long(), torch.tensor([weight._vals.shape[0]])])
+            phases.append(((a, b), w, index, rows, cols, ((rows[2], rows[3]), (cols[2], cols[3])), (dh, dw)))
     return phases
 
 
@@ -108,12 +115,14 @@ def input_grad(weight: SparseTensor, vals: torch.Tensor, dy: torch.Tensor, x_sha
         with torch.no_grad():
             return _build_phases(weight, tuple(dy.shape[2:]), tuple(x_shape[2:]), stride, dilation, pads, groups)
     phases = _PHASES.lookup(key, weight._levels, build)
-    vals = vals.detach()
+    vals = torch.cat([vals.detach(), vals.new_zeros(1)])
     whole = len(phases) == 1 and phases[0][0] == (0, 0) and tuple(stride) == (1, 1)
     dx = None if whole else torch.empty(x_shape, dtype=dy.dtype, memory_format=memory_format).zero_()
-    for (a, b), fmt, shape, levels, index, rows, cols, ppads, dil in phases:
-        w = SparseTensor(fmt, shape, levels, vals[index], check=False)
-        part = conv_direct.conv2d(w, dy[:, :, rows[0]:rows[1], cols[0]:cols[1]], None, (1, 1), dil, ppads, groups)
+    for (a, b), w, index, rows, cols, ppads, dil in phases:
+        def gather(order, index=index):  # (the kernel's entry order composed with the phase's value positions)
+            return vals.index_select(0, _COMPOSED.lookup(id(index), order, lambda: index[order], (index,)))
+        part = conv_direct.conv2d(w, dy[:, :, rows[0]:rows[1], cols[0]:cols[1]], None, (1, 1), dil, ppads, groups,
+                                  gather)
         if part is None:
             return None
         if whole:
@@ -170,5 +179,5 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor, stride,
     args = {"pos": pos, "off": off, "dy": dyg, "x": buf, "dw": dw, "n": n, "x_image": image, "grid": grid,
                    "n_out": out, "chunks": -(-out // row_chunk), "row_chunk": row_chunk, "nthreads": threads}
     cpp.call(kernel, loaded, args)
-    dvals[order] = dw
+    dvals.index_copy_(0, order, dw)
     return dvals
