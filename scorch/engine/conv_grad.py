@@ -153,11 +153,17 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor, stride,
     phases, hq, wq, ho, wo, _ = geometry
     n, c = x.shape[:2]
     out = weight._shape[0]
-    key = ("dw", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation))
+    lanes = conv_direct._lanes()
+    tp, tiles = family.tile(ho * wq, lanes)
+    grid = tp * tiles
+    # (channels whose inputs around a tile, in every phase plane, fill ``CHUNK_BYTES``: the forward's L1 budget)
+    span = tp + (hq - ho) * wq + wq
+    chunk = max(1, conv_direct.CHUNK_BYTES // (4 * len(phases) * span))
+    key = ("dw", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk)
 
     def build():
         with torch.no_grad():
-            return conv_direct._entries(weight, c, groups, geometry, stride, dilation, c)
+            return conv_direct._entries(weight, c, groups, geometry, stride, dilation, chunk)
     found = conv_direct._ENTRIES.lookup(key, weight._levels, build)
     if found is None:
         return None
@@ -165,9 +171,6 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor, stride,
     dvals = torch.zeros(weight._vals.shape[0], dtype=torch.float32)
     if off.numel() == 0 or n == 0:
         return dvals
-    lanes = conv_direct._lanes()
-    W = family.step(lanes)
-    grid = -(-ho * wq // W) * W
     image = len(phases) * c * hq * wq
     dyg = _dy_grid(dy, wq, grid)
     buf = conv_direct._buffer(x, geometry, stride, pads, grid - ho * wq + wq)
@@ -176,8 +179,9 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor, stride,
     row_chunk = -(-out // chunks)
     kernel, loaded = conv_direct._loaded(("dw", lanes), lambda: family.weight_grad(lanes, "i32"))
     dw = torch.zeros(off.numel(), dtype=torch.float32)
-    args = {"pos": pos, "off": off, "dy": dyg, "x": buf, "dw": dw, "n": n, "x_image": image, "grid": grid,
-                   "n_out": out, "chunks": -(-out // row_chunk), "row_chunk": row_chunk, "nthreads": threads}
+    args = {"pos": pos, "off": off, "dy": dyg, "x": buf, "dw": dw, "n": n, "x_image": image, "grid": grid, "tp": tp,
+            "tiles": tiles, "n_out": out, "kchunks": -(-c // chunk), "chunks": -(-out // row_chunk),
+            "row_chunk": row_chunk, "nthreads": threads}
     cpp.call(kernel, loaded, args)
     dvals.index_copy_(0, order, dw)
     return dvals

@@ -123,3 +123,19 @@ def test_phase_weights_made_once_per_pattern_and_see_new_values():
             vals.mul_(-1.5)  # (an optimizer's step: the same tensor, new values)
     assert len(conv_grad._PHASES) == 1
 
+
+
+@pytest.mark.parametrize("density", [0.1, 0.5])
+def test_weight_gradient_over_several_tiles_and_channel_chunks(density):
+    from scorch.compiler import conv_grad as family
+    from scorch.engine import conv_direct
+    w = _weight((20, 40, 3, 3), density, 5)
+    x = torch.randn(2, 40, 37, 35)
+    tp, tiles = family.tile(37 * 37, conv_direct._lanes())
+    assert tiles > 1 and conv_direct.CHUNK_BYTES // (4 * (tp + 3 * 37)) < 40  # (several tiles and chunks)
+    dy = torch.randn(2, 20, 37, 35)
+    got = conv_grad.weight_grad(scorch.asformat(w, "coo"), x, dy, (1, 1), (1, 1), ((1, 1), (1, 1)), 1)
+    wd = w.clone().requires_grad_()
+    torch.nn.functional.conv2d(x, wd, None, 1, 1).backward(dy)
+    torch.testing.assert_close(scorch.asformat(w, "coo").with_values(got).to_dense(), wd.grad * (w != 0),
+                               rtol=1e-4, atol=1e-3)
