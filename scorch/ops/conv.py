@@ -239,12 +239,12 @@ class _DirectConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, vals, bias, spec):
         ctx.spec = spec[:5]
-        ctx.save_for_backward(x, vals, bias)
+        ctx.save_for_backward(x, vals)
         return spec[5]
 
     @staticmethod
     def backward(ctx, dy):
-        x, vals, bias = ctx.saved_tensors
+        x, vals = ctx.saved_tensors
         weight, stride, dilation, pads, groups = ctx.spec
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = None
