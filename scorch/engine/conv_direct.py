@@ -12,7 +12,7 @@ subset of them (``_blocked``) so that the rows that read an input share its load
 
 ``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
-Inference only: it has no backward, so the caller uses it where no gradient is wanted.
+Its backward (input and weight gradients) is ``engine.conv_grad``'s.
 """
 from __future__ import annotations
 

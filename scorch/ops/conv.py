@@ -1,10 +1,11 @@
 """Convolutions with a sparse weight: ``F.conv1d`` / ``conv2d`` / ``conv3d`` (``torch.conv*`` are the same functions)
 on a dense input and a SparseTensor weight of shape ``(out, in / groups, *kernel)``.
 
-A 2-d float32 convolution that no gradient flows from (inference: ``no_grad``, ``inference_mode``, or nothing
-requiring grad) runs the direct kernel (``engine.conv_direct``: each stored weight an offset into the padded input
-planes, no unfolded copy), its result in the input's memory format. Every other call takes the path below, which
-has a backward.
+A 2-d float32 convolution runs the direct kernel (``engine.conv_direct``: each stored weight an offset into the
+padded input planes, no unfolded copy), its result in the input's memory format; where a gradient is wanted, as
+one graph node (``_DirectConv``) whose backward runs direct kernels too (``engine.conv_grad``: the input gradient a
+direct convolution with the transposed, flipped weight per stride phase, the weight gradient on the pattern over
+the packed input). Every other call (conv1d / conv3d, other dtypes, a double backward) takes the path below.
 
 A convolution is a product of the weight's matrix view ``(out, prod(kernel) * in / groups)``, its columns in the
 order ``(*kernel, channel)`` (torch's channels_last weight order), with the unfolded input (im2col: one row per
