@@ -1,10 +1,11 @@
 """Convolutions with a sparse weight: ``F.conv1d`` / ``conv2d`` / ``conv3d`` (``torch.conv*`` are the same functions)
 on a dense input and a SparseTensor weight of shape ``(out, in / groups, *kernel)``.
 
-A 2-d float32 convolution that no gradient flows from (inference: ``no_grad``, ``inference_mode``, or nothing
-requiring grad) runs the direct kernel (``engine.conv_direct``: each stored weight an offset into the padded input
-planes, no unfolded copy), its result in the input's memory format. Every other call takes the path below, which
-has a backward.
+A 2-d float32 convolution runs the direct kernel (``engine.conv_direct``: each stored weight an offset into the
+padded input planes, no unfolded copy), its result in the input's memory format; where a gradient is wanted, as
+one graph node (``_DirectConv``) whose backward runs direct kernels too (``engine.conv_grad``: the input gradient a
+direct convolution with the transposed, flipped weight per stride phase, the weight gradient on the pattern over
+the packed input). Every other call (conv1d / conv3d, other dtypes, a double backward) takes the path below.
 
 A convolution is a product of the weight's matrix view ``(out, prod(kernel) * in / groups)``, its columns in the
 order ``(*kernel, channel)`` (torch's channels_last weight order), with the unfolded input (im2col: one row per
@@ -36,7 +37,7 @@ import torch
 
 from ..compiler.caches import register
 from ..engine import asformat
-from ..engine import conv_direct
+from ..engine import conv_direct, conv_grad
 from ..engine.convert import coo_from_entries
 from ..formats import named, storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
@@ -185,12 +186,22 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     if any(n < dl * (k - 1) + 1 for n, k, dl in zip(padded, kernel, dilation)):
         raise ValueError(f"{op}: the (padded) input of spatial size {padded} is smaller than the dilated kernel"
                          f" {tuple(dl * (k - 1) + 1 for k, dl in zip(kernel, dilation))}")
-    # (the direct kernel has no backward: it serves the calls no gradient flows from)
-    if d == 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight._vals.requires_grad or
-                                                   weight.requires_grad or (bias is not None and bias.requires_grad))):
-        out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
+    if d == 2:
+        grads = torch.is_grad_enabled() and (x.requires_grad or weight._vals.requires_grad or weight.requires_grad or
+                                             (bias is not None and bias.requires_grad))
+        with torch.no_grad():
+            out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
         if out is not None:
+            if grads:  # (the result made above, handed to the graph's node: its backward runs direct kernels too)
+                out = _DirectConv.apply(x, weight.values(), bias, (weight, stride, dilation, pads, groups, out))
             return out if batched else out.squeeze(0)
+    return _general(x, weight, bias, stride, dilation, pads, groups, batched)
+
+
+def _general(x, weight, bias, stride, dilation, pads, groups, batched=True):
+    """The convolution as the unfolded input times the weight's matrix view (``linear``), differentiable in every
+    operand (the module docstring)."""
+    kernel, out_ch = tuple(weight._shape[2:]), weight._shape[0]
     rows, sizes = _unfold(x, kernel, stride, dilation, pads)
     out = linear(rows, matrix_view(weight, groups), bias)
     out = out.reshape(x.shape[0], *sizes, out_ch).movedim(-1, 1)
@@ -216,3 +227,46 @@ def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """A sparse weight on a dense input: the unfolded input times the weight's matrix view by the sparse-weight
     ``linear`` kernels (CSR, BSR, n:m), forward and backward; a sparse input or bias runs on the dense form."""
     return conv(3, input, weight, bias, stride, padding, dilation, groups)
+
+
+class _DirectConv(torch.autograd.Function):
+    """A 2-d convolution by the direct kernel with a backward by direct kernels too (``engine.conv_grad``): the
+    input gradient a direct convolution of the output gradient with the transposed, flipped weight (per stride
+    phase), the weight gradient a dot product per stored weight over the packed input. The forward's result is
+    made by the caller (``spec``'s last item), which takes ``_general`` where the direct kernel does not serve the
+    call. A double backward (a graph through the gradients) and any gradient the kernels do not serve take
+    ``_general``'s, differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, vals, bias, spec):
+        ctx.spec = spec[:5]
+        ctx.save_for_backward(x, vals)
+        return spec[5]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, vals = ctx.saved_tensors
+        weight, stride, dilation, pads, groups = ctx.spec
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = None
+        if not torch.is_grad_enabled():
+            w = weight.with_values(vals.detach())
+            if need_w:
+                dw = conv_grad.weight_grad(w, x.detach(), dy, stride, dilation, pads, groups)
+                dw = None if dw is None else dw.to(vals.dtype)
+            if need_x:
+                fmt = torch.channels_last if conv_direct._channels_last(x) else torch.contiguous_format
+                dx = conv_grad.input_grad(w, vals, dy, tuple(x.shape), fmt, stride, dilation, pads, groups)
+        if (need_x and dx is None) or (need_w and dw is None):
+            with torch.enable_grad():
+                w = weight.with_values(vals)
+                out = _general(x, w, None, stride, dilation, pads, groups)
+                wanted = [t for t, need in ((x, need_x and dx is None), (vals, need_w and dw is None)) if need]
+                got = list(torch.autograd.grad(out, wanted, dy, create_graph=torch.is_grad_enabled(),
+                                               allow_unused=True))
+            if need_x and dx is None:
+                dx = got.pop(0)
+            if need_w and dw is None:
+                dw = got.pop(0)
+        db = dy.sum((0, 2, 3)) if need_b else None
+        return dx, dw, db, None

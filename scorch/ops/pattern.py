@@ -39,6 +39,7 @@ import threading
 import torch
 
 from ..rules import RULES
+from ..compiler.caches import register
 from ..formats import storage
 from ..formats.named import short_name
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, needs_grad, padding_of
@@ -55,11 +56,24 @@ def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
         return True
     if a._vals.shape != b._vals.shape:
         return False
-    for x, y in zip(a._levels, b._levels):  # (as held: a packed level's narrow coordinates, not its wide view)
+    # (an optimizer's state made by ``clone`` holds copies of its parameter's arrays, compared with the gradient's
+    #  on every step: the answer kept while both sets of arrays are alive and unmodified. ResNet-18 2:4 training,
+    #  batch 1, 1 thread: 170 ms of a step's index comparisons)
+    return _EQUAL.lookup(("same pattern",), a._levels + b._levels, lambda: _equal_levels(a._levels, b._levels))
+
+
+def _equal_levels(la, lb) -> bool:
+    for x, y in zip(la, lb):  # (as held: a packed level's narrow coordinates, not its wide view)
         for p, q in ((x.pos, y.pos), (x.stored_crd, y.stored_crd)):
             if p is not q and (p is None or q is None or not torch.equal(p, q.to(p.dtype))):
                 return False
     return True
+
+
+#: whether two patterns' index arrays are equal, per pair of array sets (``same_pattern``)
+_EQUAL = storage.PatternMemo(256)
+register("equal patterns", "whether two sparse tensors' index arrays are equal, per pair of array sets",
+         _EQUAL.__len__, _EQUAL.clear)
 
 
 def _values(x, like: SparseTensor, name: str, sampled: bool = False):

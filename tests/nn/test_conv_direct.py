@@ -1,5 +1,5 @@
 """The direct sparse convolution (``scorch.engine.conv_direct``, the kernel of ``scorch.compiler.conv_direct``), which
-serves ``F.conv2d`` with a sparse float32 weight where no gradient is wanted: values against dense torch on the
+serves ``F.conv2d`` with a sparse float32 weight (its backward: ``scorch.engine.conv_grad``): values against dense torch on the
 masked weight over odd sizes, strides, padding, dilation, groups, one-pixel outputs, all-zero weight rows, bias,
 every format; that it is the path taken; values changed in place; the general path kept where gradients flow."""
 import pytest
@@ -68,10 +68,14 @@ def test_scheduled_formats_run_direct_in_inference(fmt, monkeypatch):
         with torch.inference_mode():
             torch.testing.assert_close(conv(x), ref, rtol=1e-4, atol=1e-5)
     assert len(calls) == 8
-    # with gradients wanted, the general path (im2col and the linear family, which has a backward)
+    # with gradients wanted, the direct kernels too: the forward, and the input gradient's 4 stride phases
     x = torch.randn(1, 8, 7, 7, requires_grad=True)
     conv(x).sum().backward()
-    assert len(calls) == 8 and x.grad is not None and conv.weight.grad is not None
+    assert len(calls) == 13
+    xd, wd = x.detach().clone().requires_grad_(), dense_w.clone().requires_grad_()
+    torch.nn.functional.conv2d(xd, wd, conv.bias, 2, 1).sum().backward()
+    torch.testing.assert_close(x.grad, xd.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(conv.weight.grad.to_dense(), wd.grad * (dense_w != 0), rtol=1e-4, atol=1e-4)
 
 
 def test_direct_sees_values_changed_in_place_and_new_patterns():
