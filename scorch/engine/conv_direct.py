@@ -110,7 +110,23 @@ BUFFER_BYTES = 4 << 20
 #: layer, batch 1, one row / blocks of 2 / of 3: 128 x 28 x 28 1.00x / 1.16x / - dense channels_last, 512 x 7 x
 #: 7 1.42x / 1.52x / 1.51x, 256 x 14 x 14 1.12x / 1.14x / 1.05x, 64 x 56 x 56 0.90x / 0.92x / 0.94x; the model,
 #: batch 1, 1.149x / 1.164x (the 90% csr weights keep one row: their rows share few inputs)
-ROWS = 2
+#: (ResNet-18 2:4, batch 8, 1 thread, a busy shared machine, interleaved medians of 9, against dense channels_last,
+#: blocks of 2 / of 4 rows: 64 x 56 x 56 1.14-1.28x / 1.41-1.42x, 128 x 28 x 28 1.17-1.19x / 1.29-1.47x, 256 x 14 x
+#: 14 1.11-1.13x / 1.14-1.21x, the stride-2 3 x 3 layers 1.02-1.16x / 1.09-1.20x, 512 x 7 x 7 (images side by side,
+#: a one-vector tile at 4 rows) 1.29-1.42x / 0.98-1.02x: ``NARROW_ROWS`` there)
+ROWS = 4
+#: the kernel's work items (image, pixel tile, row chunk) handed to the threads one at a time as they come free
+#: (``family.Plan.dynamic``: a shared atomic counter), not in equal contiguous shares: this machine's 2 cores are
+#: shared with other processes, and a static share waits at the region's end for a thread that was descheduled
+#: (2 threads under load, the model's 2:4 layers ran 0.16-0.7x dense where 1 thread ran 1.1-1.3x). At 1 thread
+#: even (ResNet-18 2:4 layers, batch 8, interleaved medians of 7 by thread CPU time: 0.94-1.35x static, 0.94-1.26x
+#: dynamic, no layer apart beyond the noise); at 2 threads not measurable on a machine this loaded
+DYNAMIC = True
+#: the rows of a block where ``ROWS`` rows would leave a tile of fewer than ``BLOCK_VECTORS`` vectors (``_rows``):
+#: a block holds every row's accumulators, so more rows narrow the tile (``family.plan``), and each entry's fixed
+#: cost (its offset, the loop) is then spread over fewer multiply-adds
+NARROW_ROWS = 2
+BLOCK_VECTORS = 2
 
 
 def _loaded(key, make):
@@ -123,8 +139,17 @@ def _loaded(key, make):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int, batch: int) -> family.Plan:
-    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows, batch)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int, batch: int, dynamic: bool = False) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows, batch, dynamic)
+
+
+def _rows(pixels: int, batch: int) -> int:
+    """The output rows a block of the kernel computes together on a grid of ``pixels`` pixels (a weight dense
+    enough for blocks, ``SHIFT_DENSITY``): ``ROWS``, or ``NARROW_ROWS`` where ``ROWS`` rows' tile would have
+    fewer than ``BLOCK_VECTORS`` vectors."""
+    if ROWS > NARROW_ROWS and _plan(pixels, torch.int32, False, ROWS, batch).vectors < BLOCK_VECTORS:
+        return NARROW_ROWS
+    return ROWS
 
 
 def _taps(k: int, s: int, dl: int):
@@ -357,9 +382,9 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED))
     phases, hq, wq, ho, wo, _ = geometry
     out = weight._shape[0]
-    rows = ROWS if dense else 1
     n, c = x.shape[:2]
-    p = _plan(ho * wq, torch.int32, bias is not None, rows, n)
+    rows = _rows(ho * wq, n) if dense else 1
+    p = _plan(ho * wq, torch.int32, bias is not None, rows, n, DYNAMIC)
     span = p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo)  # (a tile's inputs in each plane)
     chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span * p.images))
     key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
