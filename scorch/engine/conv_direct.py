@@ -93,6 +93,13 @@ SHIFT_SLACK = 1.15
 #: x 56 1.14x -> 1.29x dense channels_last, the model 1.142x -> 1.174x; batch 1, 512 x 7 x 7
 #: 1.51x -> 1.80x
 HALF_ALIGNED = True
+#: the shifted planes for a conv strided along the rows where they outnumber its stride phases (a 3 x 3 stride 2:
+#: 6 planes, a row phase per tap column, against 4 phases): the pack writes half as many planes again, and the
+#: kernel measured no faster on the aligned rows. ResNet-18 2:4, batch 8, 1 thread, thread CPU time, medians of 7,
+#: pack / kernel ms, shifted then unshifted: 128 x 28 x 28 stride 2 1.2-1.46 / 6.0-6.2 against 0.65-0.71 / 6.0-6.1
+#: (the layer 1.05x -> 1.12x dense channels_last), 64 x 56 x 56 stride 2 1.9-2.0 / 5.6-5.9 against 1.6-1.7 /
+#: 6.0-6.1 (even: 1.02x / 1.08x); 256 x 14 x 14 stride 2 was unshifted already (rows of 8 either way)
+STRIDED_SHIFT = False
 #: the shifted planes for weights of at least this density: they read and write ``kw`` planes per input plane, which
 #: a sparser weight's fewer multiply-adds do not repay. ResNet-18, 1 thread, batch 8, interleaved medians: 90% csr
 #: 2.26x dense channels_last unshifted, 2.06x shifted; 2:4 0.86x unshifted, 0.91x shifted (batch 1: csr 2.59x
@@ -184,11 +191,13 @@ def _lanes() -> int:
 
 @functools.lru_cache(maxsize=256)
 def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float,
-               half: bool = False) -> int:
+               half: bool = False, strided: bool = False) -> int:
     """The lanes the planes' rows are aligned to, ``_geometry``'s ``lanes``: the target's ``lanes`` where the
     weight is ``dense`` enough (``SHIFT_DENSITY``) and the shifted grid wastes little more than the unshifted one
     (``slack``: ``SHIFT_SLACK``), else 1 (unshifted); where ``half`` (``HALF_ALIGNED``), half the lanes where
-    that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller)."""
+    that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller); a conv
+    strided along the rows unshifted where its shifted planes outnumber its phases, unless ``strided``
+    (``STRIDED_SHIFT``)."""
     if lanes == 1 or not dense:
         return 1
     phases, hq, wq = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)[:3]
@@ -196,7 +205,9 @@ def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes
         # (a 1 x 1 conv's entries read whole planes: aligned already where a plane is whole vectors; ResNet-18's 64
         #  x 56 x 56 stride 2 downsample, 28 x 28 planes, batch 8: 0.68x dense shifted to rows of 32, 0.87x not)
         return 1
-    aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[2]
+    shifted, _, aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[:3]
+    if stride[1] > 1 and not strided and len(shifted) > len(phases):
+        return 1
     if half and lanes > 2:
         # (taken where it pads the rows less than whole vectors and either shortens the unshifted rows or adds no
         #  planes: a strided 3 x 3 conv to 7 x 7 has rows of 8 either way, 6 shifted planes against 4 phases, and
@@ -379,7 +390,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     k = _side_by_side_count(*shapes, _lanes(), SHIFT_SLACK) if dense and SIDE_BY_SIDE > 1 else 1
     if k > 1:
         return _side_by_side(weight, x, bias, stride, dilation, pads, groups, k)
-    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED))
+    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED, STRIDED_SHIFT))
     phases, hq, wq, ho, wo, _ = geometry
     out = weight._shape[0]
     n, c = x.shape[:2]
