@@ -111,6 +111,13 @@ SHIFT_DENSITY = 0.25
 #: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x). 2 MiB
 #: measured +1-2% (2:4) and -2..+3% (csr) at 1 thread, and fewer images per parallel region at 2: not taken
 BUFFER_BYTES = 4 << 20
+#: ``BUFFER_BYTES`` where the call runs on more than one thread: each group of images is three parallel regions
+#: (pack, kernel, unpack), and each region's end waits for its slowest thread, which on a machine shared with other
+#: processes is one descheduled for a time slice. ResNet-18 2:4 layers, batch 8, 2 threads at a load average of
+#: 8.5 on 2 cores, interleaved medians of 25 against dense channels_last, 4 MiB / 64 MiB: 64 x 56 x 56 (24 regions
+#: / 3) 0.17x / 1.00x, 128 x 28 x 28 0.29x / 0.90x, 256 x 14 x 14 0.47x / 0.79x. (One thread keeps 4 MiB: no
+#: region, and the cache wins there; a quiet 2-thread machine could not be had to measure the cache's side)
+PARALLEL_BUFFER_BYTES = 64 << 20
 #: output rows a block of the kernel computes together where the weight is dense enough (``SHIFT_DENSITY``):
 #: each input vector loaded once for the block's rows that read it (``family.forward``; 2:4 weights: 3 loads for
 #: 4 multiply-adds against 4). ResNet-18 2:4, 1 thread, interleaved medians (AMD Zen 4, a shared machine): per
@@ -412,11 +419,12 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     ordered = _VALUES.lookup(key, vals, lambda: torch.cat([vals.detach(), vals.new_zeros(1)])[order], (order,))
     kernel, loaded = _loaded(p, lambda: family.forward(p))
     image = len(phases) * c * hq * wq
-    # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
-    group = max(1, min(n, BUFFER_BYTES // (4 * image)))
+    threads = torch.get_num_threads()
+    # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache; with
+    #  threads, fewer groups: each is three parallel regions)
+    group = max(1, min(n, (BUFFER_BYTES if threads == 1 else PARALLEL_BUFFER_BYTES) // (4 * image)))
     m = p.images  # (a kernel item's images: a group's last item reads zero planes past its images)
     group = -(-group // m) * m
-    threads = torch.get_num_threads()
     cl = _channels_last(x)
     res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
                       torch.contiguous_format)

@@ -40,8 +40,9 @@ _CASES = [(7, 16, 1, 3, 1, 1, 1, 1, (11, 13), True),  # (7 rows: a partial last 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_blocks_of_four_rows_match_dense(threads, monkeypatch):
-    """Blocks of 4 rows (wherever the tile is, ``BLOCK_VECTORS`` 1), statically or dynamically split, against
-    dense torch on 2:4 weights, bias and none, a block of rows with no entries, in-place value changes seen."""
+    """Blocks of 4 rows (wherever the tile is, ``BLOCK_VECTORS`` 1), statically or dynamically split, the batch
+    packed at once or image by image (``PARALLEL_BUFFER_BYTES`` at 2 threads), against dense torch on 2:4 weights,
+    bias and none, a block of rows with no entries, in-place value changes seen."""
     monkeypatch.setattr(conv_direct, "ROWS", 4)
     monkeypatch.setattr(conv_direct, "BLOCK_VECTORS", 1)
     names = []
@@ -53,6 +54,8 @@ def test_blocks_of_four_rows_match_dense(threads, monkeypatch):
     try:
         for dynamic in (True, False):
             monkeypatch.setattr(conv_direct, "DYNAMIC", dynamic)
+            # (at 2 threads the whole batch packed at once, or image by image)
+            monkeypatch.setattr(conv_direct, "PARALLEL_BUFFER_BYTES", 64 << 20 if dynamic else 1)
             for i, (out, cin, groups, k, stride, pad, dil, batch, size, cl) in enumerate(_CASES):
                 conv = _nm_conv(cin, out, k, stride, pad, dil, groups, bias=i % 2 == 0, empty=4)
                 w = conv.weight.detach().to_dense()
