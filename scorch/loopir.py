@@ -399,11 +399,14 @@ class BitCount(Stmt):
 class Parallel:
     """How a loop runs in parallel. ``kind="static"``: equal iteration counts per thread. ``kind="nnz"``:
     iterations balanced by the work under them, read from the non-decreasing ``pos`` array (positions
-    ``pos[lo]..pos[hi]``), so that a few long rows do not serialize a thread."""
+    ``pos[lo]..pos[hi]``), so that a few long rows do not serialize a thread. ``kind="dynamic"``: ``chunk``
+    iterations at a time to whichever thread comes free (a shared counter), for iterations of even work on
+    threads that other processes may slow unevenly."""
     kind: str = "static"
     pos: Optional[str] = None
     setup: "Block" = None  # statements each thread runs once before its iterations (private workspaces)
-    chunk: int = 16  # (``static`` with a ``setup``) iterations handed to a thread at a time, as threads come free
+    #: (``dynamic``, ``static`` with a ``setup``) iterations handed to a thread at a time, as threads come free
+    chunk: int = 16
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ LINE, PREFETCH_LOCALITY = 16, 2
 class Plan:
     """``lanes`` per vector, ``vectors`` per tile (``T = lanes * vectors`` output pixels), ``unroll`` accumulator
     sets; ``ptype`` the row positions' type; ``bias``: added in the epilogue; ``rows`` output rows a block
-    computes together (``forward``); ``images`` a tile's images (blocks of rows only: the tile's pixels in each).
-    """
+    computes together (``forward``); ``images`` a tile's images (blocks of rows only: the tile's pixels in each);
+    ``dynamic``: the work items handed to the threads one at a time as they come free, else split in equal
+    contiguous shares."""
     lanes: int
     vectors: int
     unroll: int
@@ -53,6 +54,7 @@ class Plan:
     bias: bool
     rows: int = 1
     images: int = 1
+    dynamic: bool = False
 
     @property
     def T(self) -> int:
@@ -61,7 +63,7 @@ class Plan:
     @property
     def name(self) -> str:
         return "scorch_conv_direct" + (f"_r{self.rows}" if self.rows > 1 else "") + \
-            (f"_i{self.images}" if self.images > 1 else "")
+            (f"_i{self.images}" if self.images > 1 else "") + ("_dyn" if self.dynamic else "")
 
 
 def subsets(rows: int) -> list:
@@ -70,7 +72,8 @@ def subsets(rows: int) -> list:
     return sorted(range(1, 1 << rows), key=lambda m: (-bin(m).count("1"), m))
 
 
-def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1, batch: int = 1) -> Plan:
+def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1, batch: int = 1,
+         dynamic: bool = False) -> Plan:
     """The tile for an output plane of ``pixels`` (grid) pixels: the widest of 16, 12, 8 vectors (at most the
     target's ``MAX_VECTORS`` over ``rows``: a block holds every row's accumulators) that pads the grid little more
     than 4 do, else as many as it fills up to 4; ``unroll`` sets so that ``ACCUMULATORS`` vectors are in flight.
@@ -86,7 +89,7 @@ def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1, bat
     vectors = wide[0] if wide else max(1, min(4, -(-pixels // lanes)))
     unroll = max(1, ACCUMULATORS // vectors) if rows == 1 else 1
     if rows == 1 or not target.vectors:
-        return Plan(lanes, vectors, unroll, ptype, bias, rows)
+        return Plan(lanes, vectors, unroll, ptype, bias, rows, 1, dynamic)
 
     def images(v):
         return max(1, min(batch, widest // v))
@@ -95,7 +98,7 @@ def plan(target: Target, pixels: int, ptype: str, bias: bool, rows: int = 1, bat
     #  13.9 ms -> 12.0, batch 1 1.69 -> 1.50. Narrower tiles over more images lose: 2 vectors x 4 images 15.3)
     least = min(padded(v) for v in range(1, widest + 1))
     vectors = max(v for v in range(1, widest + 1) if padded(v) <= GRID_SLACK * least)
-    return Plan(lanes, vectors, unroll, ptype, bias, rows, images(vectors))
+    return Plan(lanes, vectors, unroll, ptype, bias, rows, images(vectors), dynamic)
 
 
 def _div(a, b):
@@ -182,7 +185,7 @@ def _items(p: Plan, body: L.Stmt) -> L.For:
         L.Let(chunk, L.binary("mod", rest, L.Var("chunks"))),
         L.Let(xb, _add(_mul(_mul(img, _c(p.images)), L.Var("x_image")), _mul(tile, _c(p.T)))),
         L.Let(yb, _add(_mul(_mul(_mul(img, _c(p.images)), L.Var("n_out")), L.Var("grid")), _mul(tile, _c(p.T)))),
-        body), parallel=L.Parallel("static", None, L.block(), chunk=1))
+        body), parallel=L.Parallel("dynamic" if p.dynamic else "static", None, L.block(), chunk=1))
 
 
 def _blocks(p: Plan, first: L.Expr) -> L.Kernel:

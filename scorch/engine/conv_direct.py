@@ -93,6 +93,13 @@ SHIFT_SLACK = 1.15
 #: x 56 1.14x -> 1.29x dense channels_last, the model 1.142x -> 1.174x; batch 1, 512 x 7 x 7
 #: 1.51x -> 1.80x
 HALF_ALIGNED = True
+#: the shifted planes for a conv strided along the rows where they outnumber its stride phases (a 3 x 3 stride 2:
+#: 6 planes, a row phase per tap column, against 4 phases): the pack writes half as many planes again, and the
+#: kernel measured no faster on the aligned rows. ResNet-18 2:4, batch 8, 1 thread, thread CPU time, medians of 7,
+#: pack / kernel ms, shifted then unshifted: 128 x 28 x 28 stride 2 1.2-1.46 / 6.0-6.2 against 0.65-0.71 / 6.0-6.1
+#: (the layer 1.05x -> 1.12x dense channels_last), 64 x 56 x 56 stride 2 1.9-2.0 / 5.6-5.9 against 1.6-1.7 /
+#: 6.0-6.1 (even: 1.02x / 1.08x); 256 x 14 x 14 stride 2 was unshifted already (rows of 8 either way)
+STRIDED_SHIFT = False
 #: the shifted planes for weights of at least this density: they read and write ``kw`` planes per input plane, which
 #: a sparser weight's fewer multiply-adds do not repay. ResNet-18, 1 thread, batch 8, interleaved medians: 90% csr
 #: 2.26x dense channels_last unshifted, 2.06x shifted; 2:4 0.86x unshifted, 0.91x shifted (batch 1: csr 2.59x
@@ -104,13 +111,36 @@ SHIFT_DENSITY = 0.25
 #: 2.03x image by image; 2:4 0.90x, 0.91x, 0.89x; each group also unpacked at once: csr 2.21x, 2:4 0.88x). 2 MiB
 #: measured +1-2% (2:4) and -2..+3% (csr) at 1 thread, and fewer images per parallel region at 2: not taken
 BUFFER_BYTES = 4 << 20
+#: ``BUFFER_BYTES`` where the call runs on more than one thread: each group of images is three parallel regions
+#: (pack, kernel, unpack), and each region's end waits for its slowest thread, which on a machine shared with other
+#: processes is one descheduled for a time slice. ResNet-18 2:4 layers, batch 8, 2 threads at a load average of
+#: 8.5 on 2 cores, interleaved medians of 25 against dense channels_last, 4 MiB / 64 MiB: 64 x 56 x 56 (24 regions
+#: / 3) 0.17x / 1.00x, 128 x 28 x 28 0.29x / 0.90x, 256 x 14 x 14 0.47x / 0.79x. (One thread keeps 4 MiB: no
+#: region, and the cache wins there; a quiet 2-thread machine could not be had to measure the cache's side)
+PARALLEL_BUFFER_BYTES = 64 << 20
 #: output rows a block of the kernel computes together where the weight is dense enough (``SHIFT_DENSITY``):
 #: each input vector loaded once for the block's rows that read it (``family.forward``; 2:4 weights: 3 loads for
 #: 4 multiply-adds against 4). ResNet-18 2:4, 1 thread, interleaved medians (AMD Zen 4, a shared machine): per
 #: layer, batch 1, one row / blocks of 2 / of 3: 128 x 28 x 28 1.00x / 1.16x / - dense channels_last, 512 x 7 x
 #: 7 1.42x / 1.52x / 1.51x, 256 x 14 x 14 1.12x / 1.14x / 1.05x, 64 x 56 x 56 0.90x / 0.92x / 0.94x; the model,
 #: batch 1, 1.149x / 1.164x (the 90% csr weights keep one row: their rows share few inputs)
-ROWS = 2
+#: (ResNet-18 2:4, batch 8, 1 thread, a busy shared machine, interleaved medians of 9, against dense channels_last,
+#: blocks of 2 / of 4 rows: 64 x 56 x 56 1.14-1.28x / 1.41-1.42x, 128 x 28 x 28 1.17-1.19x / 1.29-1.47x, 256 x 14 x
+#: 14 1.11-1.13x / 1.14-1.21x, the stride-2 3 x 3 layers 1.02-1.16x / 1.09-1.20x, 512 x 7 x 7 (images side by side,
+#: a one-vector tile at 4 rows) 1.29-1.42x / 0.98-1.02x: ``NARROW_ROWS`` there)
+ROWS = 4
+#: the kernel's work items (image, pixel tile, row chunk) handed to the threads one at a time as they come free
+#: (``family.Plan.dynamic``: a shared atomic counter), not in equal contiguous shares: this machine's 2 cores are
+#: shared with other processes, and a static share waits at the region's end for a thread that was descheduled
+#: (2 threads under load, the model's 2:4 layers ran 0.16-0.7x dense where 1 thread ran 1.1-1.3x). At 1 thread
+#: even (ResNet-18 2:4 layers, batch 8, interleaved medians of 7 by thread CPU time: 0.94-1.35x static, 0.94-1.26x
+#: dynamic, no layer apart beyond the noise); at 2 threads not measurable on a machine this loaded
+DYNAMIC = True
+#: the rows of a block where ``ROWS`` rows would leave a tile of fewer than ``BLOCK_VECTORS`` vectors (``_rows``):
+#: a block holds every row's accumulators, so more rows narrow the tile (``family.plan``), and each entry's fixed
+#: cost (its offset, the loop) is then spread over fewer multiply-adds
+NARROW_ROWS = 2
+BLOCK_VECTORS = 2
 
 
 def _loaded(key, make):
@@ -123,8 +153,17 @@ def _loaded(key, make):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int, batch: int) -> family.Plan:
-    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows, batch)
+def _plan(pixels: int, ptype: torch.dtype, bias: bool, rows: int, batch: int, dynamic: bool = False) -> family.Plan:
+    return family.plan(CPU, pixels, L.type_of(ptype), bias, rows, batch, dynamic)
+
+
+def _rows(pixels: int, batch: int) -> int:
+    """The output rows a block of the kernel computes together on a grid of ``pixels`` pixels (a weight dense
+    enough for blocks, ``SHIFT_DENSITY``): ``ROWS``, or ``NARROW_ROWS`` where ``ROWS`` rows' tile would have
+    fewer than ``BLOCK_VECTORS`` vectors."""
+    if ROWS > NARROW_ROWS and _plan(pixels, torch.int32, False, ROWS, batch).vectors < BLOCK_VECTORS:
+        return NARROW_ROWS
+    return ROWS
 
 
 def _taps(k: int, s: int, dl: int):
@@ -159,11 +198,13 @@ def _lanes() -> int:
 
 @functools.lru_cache(maxsize=256)
 def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes: int, slack: float,
-               half: bool = False) -> int:
+               half: bool = False, strided: bool = False) -> int:
     """The lanes the planes' rows are aligned to, ``_geometry``'s ``lanes``: the target's ``lanes`` where the
     weight is ``dense`` enough (``SHIFT_DENSITY``) and the shifted grid wastes little more than the unshifted one
     (``slack``: ``SHIFT_SLACK``), else 1 (unshifted); where ``half`` (``HALF_ALIGNED``), half the lanes where
-    that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller)."""
+    that pads the rows less (every other tap row's loads split cache lines, the grid and buffer smaller); a conv
+    strided along the rows unshifted where its shifted planes outnumber its phases, unless ``strided``
+    (``STRIDED_SHIFT``)."""
     if lanes == 1 or not dense:
         return 1
     phases, hq, wq = _geometry(weight_shape, x_shape, stride, dilation, pads, 1)[:3]
@@ -171,7 +212,9 @@ def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes
         # (a 1 x 1 conv's entries read whole planes: aligned already where a plane is whole vectors; ResNet-18's 64
         #  x 56 x 56 stride 2 downsample, 28 x 28 planes, batch 8: 0.68x dense shifted to rows of 32, 0.87x not)
         return 1
-    aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[2]
+    shifted, _, aligned = _geometry(weight_shape, x_shape, stride, dilation, pads, lanes)[:3]
+    if stride[1] > 1 and not strided and len(shifted) > len(phases):
+        return 1
     if half and lanes > 2:
         # (taken where it pads the rows less than whole vectors and either shortens the unshifted rows or adds no
         #  planes: a strided 3 x 3 conv to 7 x 7 has rows of 8 either way, 6 shifted planes against 4 phases, and
@@ -357,12 +400,12 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     k = _side_by_side_count(*shapes, _lanes(), SHIFT_SLACK) if dense and SIDE_BY_SIDE > 1 else 1
     if k > 1:
         return _side_by_side(weight, x, bias, stride, dilation, pads, groups, k, gather)
-    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED))
+    geometry = _geometry(*shapes, _alignment(*shapes, dense, _lanes(), SHIFT_SLACK, HALF_ALIGNED, STRIDED_SHIFT))
     phases, hq, wq, ho, wo, _ = geometry
     out = weight._shape[0]
-    rows = ROWS if dense else 1
     n, c = x.shape[:2]
-    p = _plan(ho * wq, torch.int32, bias is not None, rows, n)
+    rows = _rows(ho * wq, n) if dense else 1
+    p = _plan(ho * wq, torch.int32, bias is not None, rows, n, DYNAMIC)
     span = p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo)  # (a tile's inputs in each plane)
     chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span * p.images))
     key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
@@ -381,11 +424,12 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
         key, vals, lambda: torch.cat([vals.detach(), vals.new_zeros(1)]).index_select(0, order), (order,))
     kernel, loaded = _loaded(p, lambda: family.forward(p))
     image = len(phases) * c * hq * wq
-    # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache)
-    group = max(1, min(n, BUFFER_BYTES // (4 * image)))
+    threads = torch.get_num_threads()
+    # (a few images at a time, packed, convolved and unpacked while their buffer and grid are in the cache; with
+    #  threads, fewer groups: each is three parallel regions)
+    group = max(1, min(n, (BUFFER_BYTES if threads == 1 else PARALLEL_BUFFER_BYTES) // (4 * image)))
     m = p.images  # (a kernel item's images: a group's last item reads zero planes past its images)
     group = -(-group // m) * m
-    threads = torch.get_num_threads()
     cl = _channels_last(x)
     res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
                       torch.contiguous_format)

@@ -335,6 +335,8 @@ class _Emitter:
                 f"{pad}  #pragma omp for schedule(dynamic, {int(s.parallel.chunk)})",
                 f"{pad}  for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{"] + self.block(s.body, d + 2) + \
                 [f"{pad}  }}", f"{pad}}}"]
+        if s.parallel.kind == "dynamic":
+            return self.dynamic(s, v, lo, hi, setup, d)
         if s.parallel.kind != "nnz":
             raise ValueError(f"unknown parallel kind {s.parallel.kind!r}")
         # Balance rows by rows + positions under them: f(r) = (pos[r] - pos[lo]) + (r - lo) is increasing, so
@@ -366,6 +368,26 @@ class _Emitter:
             f"{p3}  const int64_t r0 = scorch_first_row({pos}, {a}, {b}, {tot}, {part}, {parts}),"
             f" r1 = scorch_first_row({pos}, {a}, {b}, {tot}, {part} + 1, {parts});",
             f"{p3}  for (int64_t {v} = r0; {v} < r1; ++{v}) {{",
+        ] + self.block(s.body, d + 4) + [f"{p3}  }}", f"{p3}}}", f"{p2}}}", f"{pad}}}"]
+
+    def dynamic(self, s, v, lo, hi, setup, d):
+        """``Parallel("dynamic")``: the iterations handed out ``chunk`` at a time through a shared counter (an
+        atomic increment, cheaper than ``omp for schedule(dynamic)``, see the ``nnz`` kind), so that a thread
+        slowed by another process takes fewer of them instead of holding up the others at the end."""
+        pad = "  " * d
+        a, b, part, nxt, end = (self.fresh(x) for x in ("lo", "hi", "part", "next", "end"))
+        chunk = int(s.parallel.chunk)
+        p2, p3 = pad + "  ", pad + "    "
+        return [f"{pad}{{", f"{p2}int64_t {nxt} = 0;", f"{p2}#pragma omp parallel{self.threads}", f"{p2}{{"] + \
+            ["  " + line for line in setup] + [
+            f"{p3}const int64_t {a} = {lo}, {b} = {hi};",
+            f"{p3}for (;;) {{",
+            f"{p3}  int64_t {part};",
+            f"{p3}  #pragma omp atomic capture",
+            f"{p3}  {part} = {nxt}++;",
+            f"{p3}  if ({a} + {part} * {chunk} >= {b}) break;",
+            f"{p3}  const int64_t {end} = {a} + ({part} + 1) * {chunk} < {b} ? {a} + ({part} + 1) * {chunk} : {b};",
+            f"{p3}  for (int64_t {v} = {a} + {part} * {chunk}; {v} < {end}; ++{v}) {{",
         ] + self.block(s.body, d + 4) + [f"{p3}  }}", f"{p3}}}", f"{p2}}}", f"{pad}}}"]
 
     def lead(self, s, v, end, left, d):
