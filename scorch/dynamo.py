@@ -23,6 +23,7 @@ one entry of ``TRACED`` (torch function -> ``rule(*args, **kwargs)``), registere
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -72,16 +73,29 @@ def _flatten(operands):
     return ";".join(metas), arrays, sizes
 
 
-def _items(meta: str, sizes=None):
-    """Per operand: None (dense) or ``(format text, shape, arrays letters)`` (the shape from ``sizes``: the format's
-    number of dimensions of them)."""
-    out, at = [], 0
+@functools.lru_cache(maxsize=1024)
+def _parsed(meta: str) -> tuple:
+    """Per operand of ``meta``: None (dense) or ``(format text, number of dimensions, arrays letters)`` (a graph's
+    constant: parsed once, not on each call of its op)."""
+    out = []
     for item in meta.split(";"):
         if item == "D":
             out.append(None)
         else:
             _, fmt, have = item.split("|")
-            n = from_text(fmt).ndim
+            out.append((fmt, from_text(fmt).ndim, have))
+    return tuple(out)
+
+
+def _items(meta: str, sizes=None):
+    """Per operand: None (dense) or ``(format text, shape, arrays letters)`` (the shape from ``sizes``: the format's
+    number of dimensions of them)."""
+    out, at = [], 0
+    for item in _parsed(meta):
+        if item is None:
+            out.append(None)
+        else:
+            fmt, n, have = item
             out.append((fmt, None if sizes is None else tuple(sizes[at:at + n]), have))
             at += n
     return out
