@@ -304,7 +304,7 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], si
 def _gradient_key(equation, k, ops, grad):
     """``(memo, key)``: where the kept gradient call of dense operand ``k`` is, or None where none applies (two
     operands, one sparse, a plain contiguous output gradient, no graph to record)."""
-    if len(ops) != 2 or k not in (0, 1) or type(ops[k]) is not torch.Tensor or type(ops[1 - k]) is not SparseTensor \
+    if len(ops) != 2 or k not in (0, 1) or isinstance(ops[k], SparseTensor) or type(ops[1 - k]) is not SparseTensor \
             or type(grad) is not torch.Tensor or not grad.is_contiguous() or grad.is_neg() or \
             (torch.is_grad_enabled() and (grad.requires_grad or ops[1 - k]._vals.requires_grad)):
         return None

@@ -260,7 +260,7 @@ def test_compiled_backward_keeps_the_dense_operands_gradient_call(monkeypatch):
     A, X, W, _ = _graph(n=90)
     S = scorch.asformat(torch.randn(90, 40) * (torch.rand(90, 40) < 0.1), "csr")
     X.requires_grad_()
-    V = torch.randn(16, 40, requires_grad=True)
+    V = torch.nn.Parameter(torch.randn(16, 40))  # (a parameter: the graph hands the op the Parameter itself)
 
     def f(A, X, S, V):
         return (A @ X).square().sum() + F.linear(S, V).sin().sum()
