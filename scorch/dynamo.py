@@ -172,9 +172,9 @@ def _canonical(a: torch.Tensor) -> torch.Tensor:
     key = (a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride())
     ref = _CANONICAL.get(key)
     c = None if ref is None else ref()
-    if c is not None and c._version == a._version and \
-            c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
-        return c
+    if c is a or (c is not None and c._version == a._version and
+                  c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()):
+        return c  # (``a`` itself: a graph input, the same object every call)
 
     def drop(r, key=key):
         if _CANONICAL.get(key) is r:
