@@ -36,8 +36,9 @@ def _direct_cpu_kernels(*modules):
     """Each scorch custom op's function registered as its CPU kernel itself. ``torch.library.custom_op`` registers a
     wrapper for every device (a dynamo-disabling frame, an output aliasing check, a kernel-enabled test) that cost
     about 17 us a call, as much as the call of a small product itself (a Cora GCN's compiled training step calls 8
-    scorch ops); its autograd and fake kernels stay as registered. scorch's ops return fresh tensors
-    (``dynamo._fresh``), which that aliasing check verified; the tests' ``opcheck`` of them still does."""
+    scorch ops); its fake kernel stays as registered. scorch's ops return fresh tensors (``dynamo._fresh``), which
+    that aliasing check verified; the tests' ``opcheck`` of them still does. The autograd kernel is ``_autograd_cpu``'s
+    (custom_op's own where a graph is to be recorded)."""
     global _library
     import torch
     from torch._library.custom_ops import CustomOpDef
@@ -47,6 +48,27 @@ def _direct_cpu_kernels(*modules):
             fn = getattr(op, "_init_fn", None)
             if isinstance(op, CustomOpDef) and callable(fn):
                 _library.impl(op._name, fn, "CPU")
+                _library.impl(op._name, _autograd_cpu(op, fn), "AutogradCPU", with_keyset=True)
+
+
+def _autograd_cpu(op, fn):
+    """The CPU autograd kernel of the custom op ``op`` whose function is ``fn``: ``fn`` called at once where no
+    graph is recorded (grad mode off or no input requiring a gradient, as inside a compiled graph, whose autograd is
+    AOTAutograd's) and the call reaches the CPU kernel next (no fake tensor, mode or functionalization between);
+    custom_op's own autograd kernel otherwise. Custom_op's checks its schema, builds a record and redispatches below
+    autograd through Python on every call: about 10 us of each of the 8 scorch ops of a Cora GCN's compiled
+    training step."""
+    import torch
+    from torch._library.autograd import make_autograd_impl
+    general = make_autograd_impl(op._opoverload, op)
+    below, cpu = torch._C._after_autograd_keyset, torch._C.DispatchKey.CPU
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+
+    def kernel(keyset, *args, **kwargs):
+        if (keyset & below).highestPriorityTypeId() == cpu and not (grad_enabled() and any_requires_grad(*args)):
+            return fn(*args, **kwargs)
+        return general(keyset, *args, **kwargs)
+    return kernel
 
 
 class _ThenLoad(importlib.abc.Loader):

@@ -48,17 +48,26 @@ class Traceable:
         """The inner tensors' attribute names (the values, then each level's ``pos``/``crd`` present, as
         ``_pos<k>``/``_crd<k>``) and the static metadata: the format text and the number of levels."""
         _refuse_export()
-        if _sparse_base(self._vals) or any(_sparse_base(a) for st in self._levels for a in (st.pos, st.crd)):
-            self._vals, self._levels = _unviewed(self._vals), tuple(st.map(_unviewed) for st in self._levels)
-        names = ["_vals"]
-        for k, st in enumerate(self._levels):
-            if st.pos is not None:
-                names.append(f"_pos{k}")
-            if st.crd is not None:
-                names.append(f"_crd{k}")
-        if self._vals.requires_grad and not torch_requires_grad(self) and attachable(self._vals, True):
+        d = self.__dict__
+        vals, levels = d["_vals"], d["_levels"]
+        kept = d.get("_flattened")
+        # a compiled call flattens each SparseTensor input several times (Dynamo's guards on its metadata and
+        # inner names, AOTAutograd's unwrapping): the names and metadata are kept for the arrays they were made
+        # of (by identity: the arrays a view was replaced by are the ones kept)
+        if kept is None or kept[0] is not vals or kept[1] is not levels or kept[2] is not d["_format"]:
+            if _sparse_base(vals) or any(_sparse_base(a) for st in levels for a in (st.pos, st.crd)):
+                self._vals, self._levels = vals, levels = _unviewed(vals), tuple(st.map(_unviewed) for st in levels)
+            names = ["_vals"]
+            _level_properties(len(levels))
+            for k, st in enumerate(levels):
+                if st.pos is not None:
+                    names.append(f"_pos{k}")
+                if st.crd is not None:
+                    names.append(f"_crd{k}")
+            kept = d["_flattened"] = (vals, levels, d["_format"], names, (str(d["_format"]), len(levels)))
+        if vals.requires_grad and not torch_requires_grad(self) and attachable(vals, True):
             attach(self)  # (made while grad mode was off: in the graph from here)
-        return names, (str(self._format), len(self._levels))
+        return list(kept[3]), kept[4]
 
     @classmethod
     def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
@@ -136,12 +145,28 @@ class Traceable:
         refuses (it has no dense storage). A new sparse shape compiles a new graph."""
         return set(range(len(self._shape)))
 
-    def __getattr__(self, name):
-        # (only names not found otherwise: a level's arrays by the names __tensor_flatten__ gives them)
-        if name[:4] in ("_pos", "_crd") and name[4:].isdigit():
-            st = self._levels[int(name[4:])]
-            return st.pos if name[1:4] == "pos" else st.crd
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
+
+def _level_array(k: int, which: str) -> property:
+    """The property ``_pos<k>`` or ``_crd<k>``: level ``k``'s array, as ``__tensor_flatten__`` names it. Dynamo's
+    guards and AOTAutograd read the inner arrays by these names on every compiled call. (A ``__getattr__`` answered
+    them before: each read first failed torch's attribute lookup, and every other failed lookup, such as Dynamo's
+    ``hasattr`` guards on each input, ran it in Python.)"""
+    return property(lambda self: getattr(self._levels[k], which))
+
+
+_LEVEL_PROPERTIES = [0]
+
+
+def _level_properties(n: int) -> None:
+    """The properties of levels up to ``n`` on the class (made once; formats have a few levels)."""
+    for k in range(_LEVEL_PROPERTIES[0], n):
+        setattr(Traceable, f"_pos{k}", _level_array(k, "pos"))
+        setattr(Traceable, f"_crd{k}", _level_array(k, "crd"))
+    _LEVEL_PROPERTIES[0] = max(_LEVEL_PROPERTIES[0], n)
+
+
+_level_properties(8)
 
 
 def _sparse_base(a) -> bool:

@@ -23,6 +23,7 @@ one entry of ``TRACED`` (torch function -> ``rule(*args, **kwargs)``), registere
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -34,6 +35,10 @@ from .compiler.einsum import parse
 from .formats.format import from_text
 from .formats import LevelStorage
 from .engine import weights as weight_kernels
+from .engine import prepared
+from .engine.bind import STRUCTURAL, cpu_backend_name
+from .engine.convert import asformat
+from .compiler.einsum import equation as einsum_string
 from .ops.linalg import _linear_gradient, matmul_equation
 from .rules import RULES
 from .sparse_tensor import SparseTensor
@@ -72,16 +77,29 @@ def _flatten(operands):
     return ";".join(metas), arrays, sizes
 
 
-def _items(meta: str, sizes=None):
-    """Per operand: None (dense) or ``(format text, shape, arrays letters)`` (the shape from ``sizes``: the format's
-    number of dimensions of them)."""
-    out, at = [], 0
+@functools.lru_cache(maxsize=1024)
+def _parsed(meta: str) -> tuple:
+    """Per operand of ``meta``: None (dense) or ``(format text, number of dimensions, arrays letters)`` (a graph's
+    constant: parsed once, not on each call of its op)."""
+    out = []
     for item in meta.split(";"):
         if item == "D":
             out.append(None)
         else:
             _, fmt, have = item.split("|")
-            n = from_text(fmt).ndim
+            out.append((fmt, from_text(fmt).ndim, have))
+    return tuple(out)
+
+
+def _items(meta: str, sizes=None):
+    """Per operand: None (dense) or ``(format text, shape, arrays letters)`` (the shape from ``sizes``: the format's
+    number of dimensions of them)."""
+    out, at = [], 0
+    for item in _parsed(meta):
+        if item is None:
+            out.append(None)
+        else:
+            fmt, n, have = item
             out.append((fmt, None if sizes is None else tuple(sizes[at:at + n]), have))
             at += n
     return out
@@ -154,9 +172,9 @@ def _canonical(a: torch.Tensor) -> torch.Tensor:
     key = (a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride())
     ref = _CANONICAL.get(key)
     c = None if ref is None else ref()
-    if c is not None and c._version == a._version and \
-            c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
-        return c
+    if c is a or (c is not None and c._version == a._version and
+                  c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()):
+        return c  # (``a`` itself: a graph input, the same object every call)
 
     def drop(r, key=key):
         if _CANONICAL.get(key) is r:
@@ -264,11 +282,88 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], si
     wx = _weight_product(equation, ops)
     g = _linear_gradient(1 - k, wx, grad.t()) if wx else None  # (its operands: the weight first)
     if g is None:
+        g = _kept_gradient(equation, k, ops, grad)
+    if g is None:
         inputs, out = parse(equation, [len(x._shape) if isinstance(x, SparseTensor) else x.dim() for x in ops])
         g = _einsum_grad(k, inputs, out, ops, grad)
+        _keep_gradient(equation, k, inputs, out, ops, grad)
     if isinstance(g, SparseTensor):
         g = g.to_dense()
     return _like(arrays[_value_arrays(meta, arrays)[k]], g, [*arrays, grad])
+
+
+# --- a dense operand's gradient by its product's kept call ----------------------------------------------------
+# The gradient of the dense operand of a product with one sparse operand is one product of the output's gradient
+# and the sparse operand (``_einsum_grad``), which eager einsum plans through every time: its preamble (operand
+# checks, signatures, lookups), then the replay of the steps kept for the call (``run.STEPS``: a transposition of
+# the sparse operand for a parallel loop, the kernel's output order). A compiled backward calls it with the same
+# operands every step, so the replay is kept where the sparse operand's conversions are (``_CONVERSIONS``: by its
+# arrays, gone with them): the conversion (``asformat``, which still checks the kept transposition against the
+# arrays' versions and the values' fingerprints), the kernel's operand signatures checked, the kernel.
+
+def _gradient_key(equation, k, ops, grad):
+    """``(memo, key)``: where the kept gradient call of dense operand ``k`` is, or None where none applies (two
+    operands, one sparse, a plain contiguous output gradient, no graph to record)."""
+    if len(ops) != 2 or k not in (0, 1) or isinstance(ops[k], SparseTensor) or type(ops[1 - k]) is not SparseTensor \
+            or type(grad) is not torch.Tensor or not grad.is_contiguous() or grad.is_neg() or \
+            (torch.is_grad_enabled() and (grad.requires_grad or ops[1 - k]._vals.requires_grad)):
+        return None
+    memo = ops[1 - k].__dict__.get("_conversions")
+    if memo is None:
+        return None
+    return memo, ("gradient", equation, k, grad.shape, grad.dtype, grad.device)
+
+
+def _generations():
+    return (prepared.BY_CALL.generation, prepared.STEPS.generation, prepared.BY_EQUATION.generation,
+            STRUCTURAL.on, cpu_backend_name())
+
+
+def _kept_gradient(equation, k, ops, grad):
+    """Dense operand ``k``'s gradient by the kept call (``_keep_gradient``), or None."""
+    at = _gradient_key(equation, k, ops, grad)
+    entry = None if at is None else at[0].get(at[1])
+    if entry is None or entry[0] != _generations():
+        return None
+    _, transpose, found, want, result = entry
+    s = ops[1 - k]
+    if transpose is not None:
+        s = asformat(s, transpose)
+        if prepared.signature(s) != want:  # (another index width: the general way)
+            return None
+    return result(found.run([grad, s], None))
+
+
+def _keep_gradient(equation, k, inputs, out, ops, grad) -> None:
+    """Keep the call ``_einsum_grad`` just ran for dense operand ``k`` (the product ``grad`` times the sparse
+    operand, found as eager einsum finds it: by its equation, else by its assignment's signature, taking a
+    transposition and an output order first), where it was one kernel on the operands as given, or those steps."""
+    at = _gradient_key(equation, k, ops, grad)
+    if at is None:
+        return
+    g_inputs, target = [tuple(out), inputs[1 - k]], inputs[k]
+    if {v for idx in g_inputs for v in idx} < set(target):  # (an index only operand k has: the gradient expands)
+        return
+    s = ops[1 - k]
+    found, transpose, want, result = None, None, None, (lambda r: r)
+    eq = einsum_string(g_inputs, target)
+    sig = prepared.equation_key(eq, "dense", None, (grad, s))
+    if sig is not None:
+        found = prepared.BY_EQUATION.get(sig)
+    if found is None:
+        g_in, g_out = parse(eq, [grad.dim(), len(s._shape)])
+        call = prepared.call_signature(g_in, g_out, [grad, s], "dense", None, "sum", None)
+        found = prepared.BY_CALL.get(call)
+        replay = prepared.STEPS.get(call) if found is None else None
+        if replay is not None:
+            steps, kernel_sig, found = replay
+            if steps.relayout or (steps.transpose is not None and steps.transpose[0] != 1):
+                return
+            if steps.transpose is not None:
+                transpose, want = steps.transpose[1], kernel_sig[-1]
+            result = functools.partial(steps.result, out=g_out)
+    if found is not None:
+        at[0][at[1]] = (_generations(), transpose, found, want, result)
 
 
 @einsum_grad.register_fake

@@ -246,3 +246,54 @@ def test_compiled_backward_keeps_a_constant_operands_transposition(monkeypatch):
     with torch.no_grad():
         A.values().mul_(2)  # new values, same pattern: the kept transposition is checked, not reused as it was
     torch.testing.assert_close(torch.autograd.grad(compiled(A, X), X)[0], torch.autograd.grad(f(A, X), X)[0])
+
+
+def test_compiled_backward_keeps_the_dense_operands_gradient_call(monkeypatch):
+    """The gradient of a dense operand of a product with a sparse one runs the product's kept call from the second
+    step on (``dynamo._kept_gradient``: no ``_einsum_grad`` planning again), for ``A @ X`` (a transposed sparse
+    operand) and ``F.linear`` of a sparse input (``X`` sparse times a weight); its gradients stay eager's, also after
+    the sparse values change in place, through ``.data`` (no version bump: the fingerprints tell) or not."""
+    from scorch import dynamo
+    planned = []
+    real = dynamo._einsum_grad
+    monkeypatch.setattr(dynamo, "_einsum_grad", lambda *a: planned.append(1) or real(*a))
+    A, X, W, _ = _graph(n=90)
+    S = scorch.asformat(torch.randn(90, 40) * (torch.rand(90, 40) < 0.1), "csr")
+    X.requires_grad_()
+    V = torch.nn.Parameter(torch.randn(16, 40))  # (a parameter: the graph hands the op the Parameter itself)
+
+    def f(A, X, S, V):
+        return (A @ X).square().sum() + F.linear(S, V).sin().sum()
+
+    def eager(A, X, S, V):
+        return torch.autograd.grad(f(A.to_dense(), X, S.to_dense(), V), (X, V))
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        planned.clear()
+        got = torch.autograd.grad(compiled(A, X, S, V), (X, V))
+        for g, w in zip(got, eager(A, X, S, V)):
+            torch.testing.assert_close(g, w)
+    assert planned == [], "the dense operands' gradients were planned again"
+    A.values().data.mul_(-2)  # (no version bump)
+    with torch.no_grad():
+        S.values().add_(1)
+    for g, w in zip(torch.autograd.grad(compiled(A, X, S, V), (X, V)), eager(A, X, S, V)):
+        torch.testing.assert_close(g, w)
+
+
+def test_ops_record_a_graph_only_where_asked():
+    """Outside a compiled graph a scorch op's autograd is custom_op's (``_compile_hook._autograd_cpu``): with an input
+    requiring a gradient under grad mode it records its node and differentiates; otherwise it runs its function
+    and records none."""
+    from scorch import dynamo
+    A, X, W, _ = _graph(n=30)
+    meta, arrays, sizes = dynamo._flatten([A, X.requires_grad_()])
+    out = torch.ops.scorch.einsum_dense("ij,jk->ik", meta, arrays, sizes)
+    assert out.grad_fn is not None
+    (g,) = torch.autograd.grad(out.sum(), X)
+    torch.testing.assert_close(g, A.to_dense().t() @ torch.ones(30, 12))
+    with torch.no_grad():
+        plain = torch.ops.scorch.einsum_dense("ij,jk->ik", meta, arrays, sizes)
+    assert plain.grad_fn is None and not plain.requires_grad
+    torch.testing.assert_close(plain, A.to_dense() @ X.detach())
