@@ -42,6 +42,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from . import engine
 from .dynamo import LINEAR, _flatten, _fresh, _rebuild, _value_arrays
 from .engine import weights as weight_kernels
+from .engine import weights_kept
 from .sparse_tensor import SparseTensor
 
 F = torch.nn.functional
@@ -56,8 +57,10 @@ def linear_epilogue(meta: str, arrays: list[torch.Tensor], sizes: list[int], bia
                     activation: str) -> torch.Tensor:
     """``activation(x @ W.T + bias)`` of ``x`` (2-d, dense) and the sparse ``W`` that ``meta``, ``arrays`` and
     ``sizes`` describe (``dynamo._flatten([x, W])``); ``activation`` a key of ``ACTIVATIONS``."""
-    x, w = _rebuild(meta, arrays, sizes)
-    return _fresh(_eager(x, w, bias, activation), [*arrays, bias])
+    def compute(x):
+        x, w = _rebuild(meta, [x, *arrays[1:]], sizes)
+        return _fresh(_eager(x, w, bias, activation), [*arrays, bias])
+    return weights_kept.kept(("epilogue", meta, tuple(sizes), activation), [*arrays[1:], bias], arrays[0], compute)
 
 
 def _served(x, weights, biases, activations) -> bool:
@@ -90,12 +93,15 @@ def linear_chain(x: torch.Tensor, meta1: str, arrays1: list[torch.Tensor], sizes
                  sizes2: list[int], bias2: Optional[torch.Tensor], activation2: str) -> torch.Tensor:
     """``linear_epilogue`` of ``linear_epilogue``: ``act2(act1(x @ W1.T + b1) @ W2.T + b2)``, each weight described
     by ``dynamo._flatten([W])``; the intermediate in the kernels' panel layout (``engine.weights.linear_chain``)."""
-    (w1,), (w2,) = _rebuild(meta1, arrays1, sizes1), _rebuild(meta2, arrays2, sizes2)
-    if _served(x, [w1, w2], [bias1, bias2], [activation1, activation2]):
-        r = weight_kernels.linear_chain(w1, x, bias1, activation1 or None, w2, bias2, activation2 or None)
-    else:
-        r = _eager(_eager(x, w1, bias1, activation1), w2, bias2, activation2)
-    return _fresh(r, [x, *arrays1, *arrays2, bias1, bias2])
+    def compute(x):
+        (w1,), (w2,) = _rebuild(meta1, arrays1, sizes1), _rebuild(meta2, arrays2, sizes2)
+        if _served(x, [w1, w2], [bias1, bias2], [activation1, activation2]):
+            r = weight_kernels.linear_chain(w1, x, bias1, activation1 or None, w2, bias2, activation2 or None)
+        else:
+            r = _eager(_eager(x, w1, bias1, activation1), w2, bias2, activation2)
+        return _fresh(r, [x, *arrays1, *arrays2, bias1, bias2])
+    tag = ("chain", meta1, tuple(sizes1), activation1, meta2, tuple(sizes2), activation2, bias1 is None)
+    return weights_kept.kept(tag, [*arrays1, bias1, *arrays2, bias2], x, compute)
 
 
 @linear_chain.register_fake
@@ -141,12 +147,15 @@ def linear_shared(x: torch.Tensor, meta: str, arrays: list[torch.Tensor], sizes:
     """``linear_epilogue`` of one input ``x`` with each weight ``dynamo._flatten(weights)`` describes, its bias and
     the one ``activation``, side by side in one result (``x``'s rows by all the weights' rows): one product of the
     weights' rows stacked, which packs ``x`` into panels once (``engine.weights.linear_stacked``)."""
-    weights = _rebuild(meta, arrays, sizes)
-    if _served(x, weights, biases, [activation]):
-        out = weight_kernels.linear_stacked(weights, x, biases, activation or None)
-    else:
-        out = torch.cat([_eager(x, w, b, activation) for w, b in zip(weights, biases)], 1)
-    return _fresh(out, [x, *arrays, *biases])
+    def compute(x):
+        weights = _rebuild(meta, arrays, sizes)
+        if _served(x, weights, biases, [activation]):
+            out = weight_kernels.linear_stacked(weights, x, biases, activation or None)
+        else:
+            out = torch.cat([_eager(x, w, b, activation) for w, b in zip(weights, biases)], 1)
+        return _fresh(out, [x, *arrays, *biases])
+    tag = ("shared", meta, tuple(sizes), activation, tuple(b is None for b in biases))
+    return weights_kept.kept(tag, [*arrays, *biases], x, compute)
 
 
 @linear_shared.register_fake

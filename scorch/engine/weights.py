@@ -24,6 +24,7 @@ from ..formats import named
 from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, ValuesMemo, coordinates, padding
 from ..sparse_tensor import SparseTensor
+from .weights_kept import call as _call
 
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
 #: the float types the family computes in (16-bit values widened in the panel and at each weight)
@@ -127,8 +128,8 @@ def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int
     """Run ``part`` of ``plan`` on a weight of ``shape`` held in ``arrays`` (``pos``, ``crd``, ``vals``)."""
     kernel, loaded = _kernel(plan, part)
     n_out, n_in = shape
-    cpp.call(kernel, loaded, {**arrays, "n": n, "n_in": n_in, "n_out": n_out, "groups": n_in // plan.group[1],
-                              "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(), **args})
+    _call(kernel, loaded, {**arrays, "n": n, "n_in": n_in, "n_out": n_out, "groups": n_in // plan.group[1],
+                           "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(), **args})
 
 
 def _bias(bias, dtype) -> dict:
@@ -262,8 +263,8 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str, activation=
     kernel, loaded = _kernel(plan, "bits")
     y = torch.empty(1, n_out)
     extra = _bias(bias, weight._vals.dtype)
-    cpp.call(kernel, loaded, {"pos": pos, "bits": words, "vals": weight._vals, "x": xp, "y": y, "n_out": n_out,
-                              "words": count, **extra})
+    _call(kernel, loaded, {"pos": pos, "bits": words, "vals": weight._vals, "x": xp, "y": y, "n_out": n_out,
+                           "words": count, **extra})
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -356,10 +357,10 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     chunks, row_chunk = _split(plan, x.shape[0], n_out, torch.get_num_threads())
     kernel, loaded = _kernel(plan, "pair_tiles")
     packed = _PAIR_WORDS.lookup(("pairs", plan.T), vals, words, (dest,))
-    cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
-                              "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
-                              "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
-                              "tiles": tiles, "ops": count, **extra})
+    _call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
+                           "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
+                           "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
+                           "tiles": tiles, "ops": count, **extra})
     return y
 
 
@@ -436,9 +437,9 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
         entry = _KERNELS[((p1, p2), "chain")] = (kernel, cpp.load(kernel))
     second = {"pos2": a2.get("pos"), "crd2": a2["crd"], "vals2": w2._vals, "bias2": _bias(b2, x.dtype).get("bias")}
     second = {k: v for k, v in second.items() if v is not None}
-    cpp.call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **second, "x": x, "y": y, "n": n, "n_in": n_in,
-                      "n_mid": n_mid, "n_out": n_out, "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1],
-                      "chunks": 1, "row_chunk": n_mid, "nthreads": threads})
+    _call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **second, "x": x, "y": y, "n": n, "n_in": n_in,
+                   "n_mid": n_mid, "n_out": n_out, "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1],
+                   "chunks": 1, "row_chunk": n_mid, "nthreads": threads})
     return y
 
 
