@@ -136,3 +136,19 @@ def test_an_entry_goes_with_its_arrays():
     del w
     gc.collect()
     assert len(weights_kept._KEPT) == 0
+
+
+def test_a_kept_call_inside_another_counts_toward_the_outer():
+    """An outer compute that runs an inner ``kept`` (replayed from the second call on) and one call of its own made
+    two calls, whatever the inner did: not kept."""
+    w, w2 = _csr(24, 16), _csr(20, 16, seed=1)
+
+    def outer(x):
+        weights_kept.kept(("inner",), _guards(w), x, lambda x: weights.linear(w, x))
+        return weights.linear(w2, x)
+    weights_kept._KEPT.clear()
+    for seed in range(3):
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(seed))
+        out = weights_kept.kept(("outer",), [*_guards(w), *_guards(w2)], x, outer)
+        torch.testing.assert_close(out, F.linear(x, w2.to_dense()), rtol=1e-5, atol=1e-5)
+    assert [k[0] for k in weights_kept._KEPT] == [("inner",)]

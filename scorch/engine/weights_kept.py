@@ -57,13 +57,18 @@ def kept(tag: tuple, guards, x: torch.Tensor, compute) -> torch.Tensor:
             args = list(args)
             args[x_at], args[y_at] = x.data_ptr(), y.data_ptr()
             fn(*args)
+            if getattr(_RECORDING, "calls", None) is not None:  # (an outer recorder: a call it cannot repeat)
+                _RECORDING.calls.append(None)
             return y
+    outer = getattr(_RECORDING, "calls", None)  # (a kept call inside another's compute: the outer sees its calls)
     _RECORDING.calls = calls = []
     try:
         y = compute(x)
     finally:
-        _RECORDING.calls = None
-    if len(calls) == 1 and not any(g.is_inference() for g in guards):
+        _RECORDING.calls = outer
+        if outer is not None:
+            outer.extend(calls)
+    if len(calls) == 1 and calls[0] is not None and not any(g.is_inference() for g in guards):
         _keep(key, guards, x, y, *calls[0])
     return y
 
