@@ -16,8 +16,10 @@ slice of its columns.
 already set there when scorch's compile support loads): on the graph Dynamo traced, where ``F.linear`` with a
 SparseTensor weight is still one node, it replaces each ``act(F.linear(x, W, b))`` (the linear read by nothing
 else; ``act`` optional) by ``fused_linear(x, W, b, act)``, then each ``fused_linear`` whose input is another read by
-nothing else by one ``chained_linear``, then ``fused_linear`` calls of one input and activation by one
-``shared_linear``. A graph with no sparse weight is left as it is. The pass runs before
+nothing else by one ``chained_linear``, a ``chained_linear`` whose output plus its own input is layer-normed over the
+last dimension (a feed-forward block's residual and norm) by one with the norm (``_norm_chain``), then
+``fused_linear`` calls of one input and activation by one ``shared_linear``. A graph with no sparse weight is left as
+it is. Each op's kernel call is kept from its first call and made again on later inputs (``engine.weights_kept``). The pass runs before
 AOTAutograd, so ``fused_linear`` and ``chained_linear`` decide while they are traced:
 
 - no gradient needed (grad mode off, or no operand requiring one): one ``scorch::linear_epilogue`` (or
