@@ -16,8 +16,10 @@ slice of its columns.
 already set there when scorch's compile support loads): on the graph Dynamo traced, where ``F.linear`` with a
 SparseTensor weight is still one node, it replaces each ``act(F.linear(x, W, b))`` (the linear read by nothing
 else; ``act`` optional) by ``fused_linear(x, W, b, act)``, then each ``fused_linear`` whose input is another read by
-nothing else by one ``chained_linear``, then ``fused_linear`` calls of one input and activation by one
-``shared_linear``. A graph with no sparse weight is left as it is. The pass runs before
+nothing else by one ``chained_linear``, a ``chained_linear`` whose output plus its own input is layer-normed over the
+last dimension (a feed-forward block's residual and norm) by one with the norm (``_norm_chain``), then
+``fused_linear`` calls of one input and activation by one ``shared_linear``. A graph with no sparse weight is left as
+it is. Each op's kernel call is kept from its first call and made again on later inputs (``engine.weights_kept``). The pass runs before
 AOTAutograd, so ``fused_linear`` and ``chained_linear`` decide while they are traced:
 
 - no gradient needed (grad mode off, or no operand requiring one): one ``scorch::linear_epilogue`` (or
@@ -42,6 +44,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from . import engine
 from .dynamo import LINEAR, _flatten, _fresh, _rebuild, _value_arrays
 from .engine import weights as weight_kernels
+from .engine import weights_kept
 from .sparse_tensor import SparseTensor
 
 F = torch.nn.functional
@@ -56,8 +59,10 @@ def linear_epilogue(meta: str, arrays: list[torch.Tensor], sizes: list[int], bia
                     activation: str) -> torch.Tensor:
     """``activation(x @ W.T + bias)`` of ``x`` (2-d, dense) and the sparse ``W`` that ``meta``, ``arrays`` and
     ``sizes`` describe (``dynamo._flatten([x, W])``); ``activation`` a key of ``ACTIVATIONS``."""
-    x, w = _rebuild(meta, arrays, sizes)
-    return _fresh(_eager(x, w, bias, activation), [*arrays, bias])
+    def compute(x):
+        x, w = _rebuild(meta, [x, *arrays[1:]], sizes)
+        return _fresh(_eager(x, w, bias, activation), [*arrays, bias])
+    return weights_kept.kept(("epilogue", meta, tuple(sizes), activation), [*arrays[1:], bias], arrays[0], compute)
 
 
 def _served(x, weights, biases, activations) -> bool:
@@ -87,19 +92,30 @@ def _linear_epilogue_fake(meta, arrays, sizes, bias, activation):
 @torch.library.custom_op("scorch::linear_chain", mutates_args=())
 def linear_chain(x: torch.Tensor, meta1: str, arrays1: list[torch.Tensor], sizes1: list[int],
                  bias1: Optional[torch.Tensor], activation1: str, meta2: str, arrays2: list[torch.Tensor],
-                 sizes2: list[int], bias2: Optional[torch.Tensor], activation2: str) -> torch.Tensor:
+                 sizes2: list[int], bias2: Optional[torch.Tensor], activation2: str,
+                 norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+                 eps: Optional[float]) -> torch.Tensor:
     """``linear_epilogue`` of ``linear_epilogue``: ``act2(act1(x @ W1.T + b1) @ W2.T + b2)``, each weight described
-    by ``dynamo._flatten([W])``; the intermediate in the kernels' panel layout (``engine.weights.linear_chain``)."""
-    (w1,), (w2,) = _rebuild(meta1, arrays1, sizes1), _rebuild(meta2, arrays2, sizes2)
-    if _served(x, [w1, w2], [bias1, bias2], [activation1, activation2]):
-        r = weight_kernels.linear_chain(w1, x, bias1, activation1 or None, w2, bias2, activation2 or None)
-    else:
-        r = _eager(_eager(x, w1, bias1, activation1), w2, bias2, activation2)
-    return _fresh(r, [x, *arrays1, *arrays2, bias1, bias2])
+    by ``dynamo._flatten([W])``; the intermediate in the kernels' panel layout (``engine.weights.linear_chain``).
+    ``eps`` given: ``F.layer_norm(that + x, (out,), norm_weight, norm_bias, eps)``, the residual and norm in the
+    kernel's tile."""
+    def compute(x):
+        (w1,), (w2,) = _rebuild(meta1, arrays1, sizes1), _rebuild(meta2, arrays2, sizes2)
+        norm = None if eps is None else (norm_weight, norm_bias, eps)
+        if _served(x, [w1, w2], [bias1, bias2], [activation1, activation2]):
+            r = weight_kernels.linear_chain(w1, x, bias1, activation1 or None, w2, bias2, activation2 or None, norm)
+        else:
+            r = _eager(_eager(x, w1, bias1, activation1), w2, bias2, activation2)
+            r = r if norm is None else F.layer_norm(r + x, (r.shape[-1],), *norm)
+        return _fresh(r, [x, *arrays1, *arrays2, bias1, bias2, norm_weight, norm_bias])
+    tag = ("chain", meta1, tuple(sizes1), activation1, meta2, tuple(sizes2), activation2, bias1 is None, eps,
+           norm_weight is None)
+    return weights_kept.kept(tag, [*arrays1, bias1, *arrays2, bias2, norm_weight, norm_bias], x, compute)
 
 
 @linear_chain.register_fake
-def _linear_chain_fake(x, meta1, arrays1, sizes1, bias1, activation1, meta2, arrays2, sizes2, bias2, activation2):
+def _linear_chain_fake(x, meta1, arrays1, sizes1, bias1, activation1, meta2, arrays2, sizes2, bias2, activation2,
+                       norm_weight, norm_bias, eps):
     dtype = torch.promote_types(torch.promote_types(x.dtype, arrays1[0].dtype), arrays2[0].dtype)
     return x.new_empty((x.shape[0], sizes2[0]), dtype=dtype)
 
@@ -123,15 +139,21 @@ def fused_linear(x, weight, bias, activation: str):
     return out.reshape(*lead, out.shape[-1])
 
 
-def chained_linear(x, weight1, bias1, activation1: str, weight2, bias2, activation2: str):
-    """``fused_linear(fused_linear(x, weight1, bias1, activation1), weight2, bias2, activation2)``: one
-    ``scorch::linear_chain`` where both may be fused."""
-    if not (_fusable(x, weight1, bias1) and _fusable(x, weight2, bias2)):
-        return fused_linear(fused_linear(x, weight1, bias1, activation1), weight2, bias2, activation2)
+def chained_linear(x, weight1, bias1, activation1: str, weight2, bias2, activation2: str, norm_weight=None,
+                   norm_bias=None, eps=None):
+    """``fused_linear(fused_linear(x, weight1, bias1, activation1), weight2, bias2, activation2)``, with ``eps``
+    given the ``F.layer_norm`` of that plus ``x`` over its last dimension: one ``scorch::linear_chain`` where both
+    may be fused (and the norm's weight and bias need no gradient)."""
+    norm = () if eps is None else (norm_weight, norm_bias, eps)
+    if not (_fusable(x, weight1, bias1) and _fusable(x, weight2, bias2) and _fusable(x, weight1, norm_weight) and
+            _fusable(x, weight1, norm_bias)):
+        y = fused_linear(fused_linear(x, weight1, bias1, activation1), weight2, bias2, activation2)
+        return y if eps is None else F.layer_norm(y + x, (y.shape[-1],), *norm)
     lead = x.shape[:-1]
     (meta1, arrays1, sizes1), (meta2, arrays2, sizes2) = _flatten([weight1]), _flatten([weight2])
     out = torch.ops.scorch.linear_chain(x.reshape(-1, x.shape[-1]).contiguous(), meta1, arrays1, sizes1, bias1,
-                                        activation1, meta2, arrays2, sizes2, bias2, activation2)
+                                        activation1, meta2, arrays2, sizes2, bias2, activation2, norm_weight,
+                                        norm_bias, eps)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -141,12 +163,15 @@ def linear_shared(x: torch.Tensor, meta: str, arrays: list[torch.Tensor], sizes:
     """``linear_epilogue`` of one input ``x`` with each weight ``dynamo._flatten(weights)`` describes, its bias and
     the one ``activation``, side by side in one result (``x``'s rows by all the weights' rows): one product of the
     weights' rows stacked, which packs ``x`` into panels once (``engine.weights.linear_stacked``)."""
-    weights = _rebuild(meta, arrays, sizes)
-    if _served(x, weights, biases, [activation]):
-        out = weight_kernels.linear_stacked(weights, x, biases, activation or None)
-    else:
-        out = torch.cat([_eager(x, w, b, activation) for w, b in zip(weights, biases)], 1)
-    return _fresh(out, [x, *arrays, *biases])
+    def compute(x):
+        weights = _rebuild(meta, arrays, sizes)
+        if _served(x, weights, biases, [activation]):
+            out = weight_kernels.linear_stacked(weights, x, biases, activation or None)
+        else:
+            out = torch.cat([_eager(x, w, b, activation) for w, b in zip(weights, biases)], 1)
+        return _fresh(out, [x, *arrays, *biases])
+    tag = ("shared", meta, tuple(sizes), activation, tuple(b is None for b in biases))
+    return weights_kept.kept(tag, [*arrays, *biases], x, compute)
 
 
 @linear_shared.register_fake
@@ -240,8 +265,49 @@ def fuse(graph: torch.fx.Graph) -> int:
             node.replace_all_uses_with(chain)
             graph.erase_node(node)
             graph.erase_node(first)
+    for node in list(graph.nodes):
+        if node.target is chained_linear:
+            _norm_chain(graph, node)
     _share(graph)
     return count
+
+
+def _norm_chain(graph: torch.fx.Graph, chain) -> None:
+    """``F.layer_norm(chain + x, (out,), w, b, eps)`` (``x`` the chain's input, a dropout outside training between
+    allowed, each step read only by the next) as one ``chained_linear`` with the norm: a feed-forward block's
+    residual and norm in its kernel's tile."""
+    x, node = chain.args[0], chain
+    if len(chain.args) != 7:
+        return
+    step = _only_user(node)
+    if step is not None and step.target is F.dropout and _arg(step, 2, "training", True) is False and \
+            not _arg(step, 3, "inplace", False) and _arg(step, 0, "input") is node:
+        node, step = step, _only_user(step)
+    if step is None or step.target not in (operator.add, torch.add) or step.kwargs or len(step.args) != 2 or \
+            set(step.args) != {node, x} or node is x:
+        return
+    norm = _only_user(step)
+    if norm is None or norm.target is not F.layer_norm or _arg(norm, 0, "input") is not step:
+        return
+    shape, out, res = _arg(norm, 1, "normalized_shape"), _value(chain), _value(x)
+    weight, bias, eps = _arg(norm, 2, "weight"), _arg(norm, 3, "bias"), _arg(norm, 4, "eps", 1e-5)
+    if out is None or res is None or out.dim() < 1 or tuple(res.shape) != tuple(out.shape) or \
+            not isinstance(shape, (tuple, list)) or list(shape) != [out.shape[-1]] or \
+            not isinstance(eps, (int, float)) or isinstance(eps, bool) or \
+            any(a is not None and not isinstance(a, torch.fx.Node) for a in (weight, bias)):
+        return
+    with graph.inserting_before(norm):
+        fused = graph.call_function(chained_linear, (*chain.args, weight, bias, float(eps)))
+    fused.meta.update(norm.meta)
+    norm.replace_all_uses_with(fused)
+    for n in dict.fromkeys((norm, step, node, chain)):  # (the dropout, where there is one, is ``node``)
+        graph.erase_node(n)
+
+
+def _only_user(node):
+    """The one node reading ``node``, else None."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
 
 
 def _share(graph: torch.fx.Graph) -> None:

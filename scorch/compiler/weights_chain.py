@@ -37,20 +37,63 @@ def serves(p1: Tiles, p2: Tiles) -> bool:
         p1.xtype == p2.xtype == F32
 
 
-def forward_chain(p1: Tiles, p2: Tiles) -> L.Kernel:
+def forward_chain(p1: Tiles, p2: Tiles, norm: bool = False) -> L.Kernel:
     """The chained kernel of ``p1`` (``x`` -> ``n_mid`` features) and ``p2`` (-> ``n_out``): work items of one token
-    tile each (``chunks`` is 1: a tile's second product needs all of its intermediate)."""
+    tile each (``chunks`` is 1: a tile's second product needs all of its intermediate). ``norm``: the result is
+    ``layer_norm(y + x)`` over its ``n_out`` features (``n_out`` = ``n_in``; ``norm_weight``, ``norm_bias``,
+    ``eps``), a feed-forward block's residual and norm (``_norm``)."""
     if not serves(p1, p2):
         raise ValueError(f"scorch: products chain through float32 panels of one tile size; got {p1} and {p2}")
     T, k, n_mid, n_out = p1.T, L.Var("mk"), L.Var("n_mid"), L.Var("n_out")
 
-    def keep(rb, count):  # (a finished block of rows into the thread's panel of the intermediate, as it is)
-        return L.For(k, _c(0), _mul(count, _c(T)), L.block(
-            L.Store("mid", _add(_mul(rb, _c(T)), k), L.Load("tb", k, F32))), simd=True)
-    first = block_rows(p1, _c(0), n_mid, keep)
-    second = rename(block_rows(p2, _c(0), n_out, lambda rb, count: store(p2, "y", n_out, rb, count)), SECOND)
+    def keep(into):  # (a finished block of rows into a panel of the thread's, as it is)
+        return lambda rb, count: L.For(k, _c(0), _mul(count, _c(T)), L.block(
+            L.Store(into, _add(_mul(rb, _c(T)), k), L.Load("tb", k, F32))), simd=True)
+    first = block_rows(p1, _c(0), n_mid, keep("mid"))
+    if norm:
+        second = L.block(rename(block_rows(p2, _c(0), n_out, keep("out")), SECOND), _norm(T, n_out),
+                         store(p2, "y", n_out, _c(0), n_out, buf="out"))
+    else:
+        second = rename(block_rows(p2, _c(0), n_out, lambda rb, count: store(p2, "y", n_out, rb, count)), SECOND)
     arrays2 = tuple(replace(p, name=SECOND[p.name]) for p in _params(p2, "x", "y")
                     if p.name in SECOND and p.kind == "array")
     scalars = (L.Param("n_mid", "scalar", I64), L.Param("groups2", "scalar", I64))
-    work = _work(p1, L.Var("n_in"), "x", [first, second], L.Alloc("mid", F32, _mul(n_mid, _c(T))))
-    return L.Kernel(p1.name + "_chain_" + p2.kind, (*_params(p1, "x", "y"), *arrays2, *scalars), L.block(work))
+    if norm:
+        scalars += (L.Param("norm_weight", "array", F32), L.Param("norm_bias", "array", F32),
+                    L.Param("eps", "scalar", F32))
+    extra = L.block(L.Alloc("mid", F32, _mul(n_mid, _c(T))), *((L.Alloc("out", F32, _mul(n_out, _c(T))),
+                                                                 L.Alloc("mu", F32, _c(T)),
+                                                                 L.Alloc("rs", F32, _c(T))) if norm else ()))
+    work = _work(p1, L.Var("n_in"), "x", [first, second], extra)
+    return L.Kernel(p1.name + "_chain_" + p2.kind + ("_norm" if norm else ""),
+                    (*_params(p1, "x", "y"), *arrays2, *scalars), L.block(work))
+
+
+def _norm(T: int, n: L.Expr) -> L.Block:
+    """``out = layer_norm(out + panel)`` over the ``n`` features of each of the tile's ``T`` tokens: both panels
+    feature-major (``out``: the second product's rows, ``panel``: the tile's input, the residual), so each step is a
+    loop over the tokens' lanes with no sum across lanes; the mean, then the variance of the deviations (two
+    passes, as torch's), over the panels while they are in the thread's cache."""
+    t, f = L.Var("nt_"), L.Var("nf")
+
+    def at(a):
+        return L.Load(a, _add(_mul(f, _c(T)), t), F32)
+
+    def lanes(*body):
+        return L.For(t, _c(0), _c(T), L.block(*body), simd=True)
+
+    def features(*body):
+        return L.For(f, _c(0), n, L.block(lanes(*body)))
+    inv = L.binary("div", L.Const(1.0, F32), L.Cast(n, F32))
+    here = _add(_mul(f, _c(T)), t)
+    dev = L.binary("sub", at("out"), L.Load("mu", t, F32))
+    scale = L.binary("div", L.Const(1.0, F32), L.Unary("sqrt", _add(_mul(L.Load("rs", t, F32), inv),
+                                                                     L.Var("eps", F32)), F32))
+    return L.block(
+        lanes(L.Store("mu", t, L.Const(0.0, F32)), L.Store("rs", t, L.Const(0.0, F32))),
+        features(L.Store("out", here, _add(at("out"), at("panel"))), L.Store("mu", t, at("out"), "add")),
+        lanes(L.Store("mu", t, _mul(L.Load("mu", t, F32), inv))),
+        features(L.Store("rs", t, _mul(dev, dev), "add")),
+        lanes(L.Store("rs", t, scale)),
+        features(L.Store("out", here, _add(_mul(_mul(dev, L.Load("rs", t, F32)), L.Load("norm_weight", f, F32)),
+                                             L.Load("norm_bias", f, F32)))))

@@ -24,6 +24,7 @@ from ..formats import named
 from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, ValuesMemo, coordinates, padding
 from ..sparse_tensor import SparseTensor
+from .weights_kept import call as _call
 
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
 #: the float types the family computes in (16-bit values widened in the panel and at each weight)
@@ -127,8 +128,8 @@ def _run(part: str, plan: family.Tiles, shape, arrays: dict, n: int, chunks: int
     """Run ``part`` of ``plan`` on a weight of ``shape`` held in ``arrays`` (``pos``, ``crd``, ``vals``)."""
     kernel, loaded = _kernel(plan, part)
     n_out, n_in = shape
-    cpp.call(kernel, loaded, {**arrays, "n": n, "n_in": n_in, "n_out": n_out, "groups": n_in // plan.group[1],
-                              "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(), **args})
+    _call(kernel, loaded, {**arrays, "n": n, "n_in": n_in, "n_out": n_out, "groups": n_in // plan.group[1],
+                           "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(), **args})
 
 
 def _bias(bias, dtype) -> dict:
@@ -262,8 +263,8 @@ def _by_bits(weight: SparseTensor, x: torch.Tensor, bias, kind: str, activation=
     kernel, loaded = _kernel(plan, "bits")
     y = torch.empty(1, n_out)
     extra = _bias(bias, weight._vals.dtype)
-    cpp.call(kernel, loaded, {"pos": pos, "bits": words, "vals": weight._vals, "x": xp, "y": y, "n_out": n_out,
-                              "words": count, **extra})
+    _call(kernel, loaded, {"pos": pos, "bits": words, "vals": weight._vals, "x": xp, "y": y, "n_out": n_out,
+                           "words": count, **extra})
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -386,10 +387,10 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     chunks, row_chunk = _split(plan, x.shape[0], n_out, torch.get_num_threads())
     kernel, loaded = _kernel(plan, "pair_tiles")
     packed = _PAIR_WORDS.lookup(("pairs", plan.T), vals, words, (dest,))
-    cpp.call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
-                              "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
-                              "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
-                              "tiles": tiles, **extra})
+    _call(kernel, loaded, {"seg": seg, "idx": idx, "words": packed,
+                           "x": x, "y": y, "n": x.shape[0], "n_in": n_in, "n_out": n_out, "groups": n_in,
+                           "chunks": chunks, "row_chunk": row_chunk, "nthreads": torch.get_num_threads(),
+                           "tiles": tiles, **extra})
     return y
 
 
@@ -445,34 +446,53 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
     return y
 
 
-def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, b2=None, act2=None) -> torch.Tensor:
+def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, b2=None, act2=None,
+                 norm=None) -> torch.Tensor:
     """``linear(w2, linear(w1, x, b1, act1), b2, act2)`` (a feed-forward block) in one kernel, a tile of tokens at a
     time (``compiler.weights_chain``): the intermediate stays in the thread's cache as the panel the second product
     reads, never laid out in rows (at 1024 tokens and 3072 features, 12 MB written and read back each way). Both
     products in float32 on the same tile of tokens, neither through pairs or one token's kernels, and tiles enough
-    for the threads; else the two calls."""
+    for the threads; else the two calls. ``norm``: ``(weight, bias, eps)``, the result is ``F.layer_norm(y + x,
+    (out,), weight, bias, eps)`` (the block's residual and norm; in the kernel's tile where it runs)."""
     x = x.contiguous()
     n, (n_mid, n_in), n_out = x.shape[0], w1._shape, w2._shape[0]
-    if w2._shape[1] != n_mid or x.shape[1] != n_in:
-        raise ValueError(f"scorch: linear_chain of shapes {tuple(x.shape)}, {tuple(w1._shape)}, {tuple(w2._shape)}")
+    if w2._shape[1] != n_mid or x.shape[1] != n_in or (norm is not None and n_out != n_in):
+        raise ValueError(f"scorch: linear_chain of shapes {tuple(x.shape)}, {tuple(w1._shape)}, {tuple(w2._shape)}"
+                         f"{' with the residual and norm' if norm is not None else ''}")
     a1, a2 = _arrays(w1), _arrays(w2)
     p1 = plan_for(w1, n, b1 is not None, arrays=a1, activation=act1)
     p2 = plan_for(w2, n, b2 is not None, arrays=a2, activation=act2)
     threads = torch.get_num_threads()
+    norm_arrays = _norm_arrays(norm, n_out)
     if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or \
-            (threads > 1 and -(-n // p1.T) < CHAIN_TILES_PER_THREAD * threads):
-        return linear(w2, linear(w1, x, b1, act1), b2, act2)
+            (threads > 1 and -(-n // p1.T) < CHAIN_TILES_PER_THREAD * threads) or \
+            (norm is not None and norm_arrays is None):
+        y = linear(w2, linear(w1, x, b1, act1), b2, act2)
+        return y if norm is None else torch.nn.functional.layer_norm(y + x, (n_out,), *norm)
     y = torch.empty(n, n_out)
-    entry = _KERNELS.get(((p1, p2), "chain"))
+    key = ((p1, p2), "chain" if norm is None else "chain_norm")
+    entry = _KERNELS.get(key)
     if entry is None:
-        kernel = chain.forward_chain(p1, p2)
-        entry = _KERNELS[((p1, p2), "chain")] = (kernel, cpp.load(kernel))
+        kernel = chain.forward_chain(p1, p2, norm is not None)
+        entry = _KERNELS[key] = (kernel, cpp.load(kernel))
     second = {"pos2": a2.get("pos"), "crd2": a2["crd"], "vals2": w2._vals, "bias2": _bias(b2, x.dtype).get("bias")}
     second = {k: v for k, v in second.items() if v is not None}
-    cpp.call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **second, "x": x, "y": y, "n": n, "n_in": n_in,
-                      "n_mid": n_mid, "n_out": n_out, "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1],
-                      "chunks": 1, "row_chunk": n_mid, "nthreads": threads})
+    _call(*entry, {**a1, "vals": w1._vals, **_bias(b1, x.dtype), **second, "x": x, "y": y, "n": n, "n_in": n_in,
+                   "n_mid": n_mid, "n_out": n_out, "groups": n_in // p1.group[1], "groups2": n_mid // p2.group[1],
+                   "chunks": 1, "row_chunk": n_mid, "nthreads": threads, **(norm_arrays or {})})
     return y
+
+
+def _norm_arrays(norm, n: int):
+    """``linear_chain``'s norm arguments: float32 weight and bias of ``n`` each (None: ones, zeros) and ``eps``, or
+    None where the kernel does not take them (another dtype, shape or device: torch's norm then)."""
+    if norm is None:
+        return None
+    weight, bias, eps = norm
+    parts = [torch.ones(n) if weight is None else weight, torch.zeros(n) if bias is None else bias]
+    if any(p.dtype != torch.float32 or p.shape != (n,) or p.device.type != "cpu" for p in parts):
+        return None
+    return {"norm_weight": parts[0].contiguous(), "norm_bias": parts[1].contiguous(), "eps": float(eps)}
 
 
 #: token tiles per thread at least for ``linear_chain``'s one kernel: its work items are whole tiles (the second

@@ -382,6 +382,16 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             got = family_engine.linear_chain(s1, x, torch.ones(37), "gelu", s2, None, None)
             if not torch.allclose(got.double(), mid @ w2.double().T, rtol=1e-4, atol=1e-4):
                 bad.append(f"weight family chained tokens={tokens}")
+            # (with the residual and LayerNorm in the tile, in float32, the kernel's type: one width both ways)
+            n += 1
+            w4, g4 = values((19, 37), gen, 0.4), values((19,), gen)
+            got = family_engine.linear_chain(scorch.asformat(w1.float(), "csr"), x.float(), None, "relu",
+                                             scorch.asformat(w4.float(), "csr"), None, None,
+                                             norm=(g4.float(), None, 1e-5))
+            want = torch.nn.functional.layer_norm(
+                torch.relu(x.double() @ w1.double().T) @ w4.double().T + x.double(), (19,), g4, None, 1e-5)
+            if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4):
+                bad.append(f"weight family chained with norm tokens={tokens}")
             got = family_engine.linear_stacked([s1, s3], x, [None, torch.ones(5)], "relu")
             want = torch.relu(torch.cat([x.double() @ w1.double().T, x.double() @ w3.double().T + 1], 1))
             if not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5):

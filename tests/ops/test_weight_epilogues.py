@@ -138,7 +138,7 @@ def test_the_loop_ir_in_the_interpreter(fmt, act, tokens):
 def _chains(monkeypatch) -> list:
     """The plan pairs ``linear_chain`` runs as one kernel, recorded."""
     seen, real = [], chain.forward_chain
-    monkeypatch.setattr(chain, "forward_chain", lambda p1, p2: seen.append((p1, p2)) or real(p1, p2))
+    monkeypatch.setattr(chain, "forward_chain", lambda p1, p2, *norm: seen.append((p1, p2)) or real(p1, p2, *norm))
     monkeypatch.setattr(kernels, "_KERNELS", {})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # (a tile a thread is enough: any CPU chains)
     return seen
