@@ -129,13 +129,13 @@ PARALLEL_BUFFER_BYTES = 64 << 20
 #: 14 1.11-1.13x / 1.14-1.21x, the stride-2 3 x 3 layers 1.02-1.16x / 1.09-1.20x, 512 x 7 x 7 (images side by side,
 #: a one-vector tile at 4 rows) 1.29-1.42x / 0.98-1.02x: ``NARROW_ROWS`` there)
 ROWS = 4
-#: the kernel's work items (image, pixel tile, row chunk) handed to the threads one at a time as they come free
-#: (``family.Plan.dynamic``: a shared atomic counter), not in equal contiguous shares: this machine's 2 cores are
-#: shared with other processes, and a static share waits at the region's end for a thread that was descheduled
-#: (2 threads under load, the model's 2:4 layers ran 0.16-0.7x dense where 1 thread ran 1.1-1.3x). At 1 thread
-#: even (ResNet-18 2:4 layers, batch 8, interleaved medians of 7 by thread CPU time: 0.94-1.35x static, 0.94-1.26x
-#: dynamic, no layer apart beyond the noise); at 2 threads not measurable on a machine this loaded
-DYNAMIC = True
+#: whether the kernel's work items (image, pixel tile, row chunk) go to the threads one at a time as they come
+#: free (``family.Plan.dynamic``: a shared atomic counter) rather than in equal contiguous shares. Off: on a quiet
+#: 2-core AMD EPYC (Zen 4), 2 threads, the whole ResNet-18 ran slower with it (interleaved medians of 9: csr 90%
+#: batch 1 / 8 1.87x / 1.71x dense channels_last with it, 2.24x / 2.13x without; 2:4 0.97x / 0.91x against
+#: 1.14x / 1.19x): the contiguous share keeps each thread's weights and input in its own cache. It only helped
+#: where the cores were shared with other processes (a static share waits for a descheduled thread)
+DYNAMIC = False
 #: the rows of a block where ``ROWS`` rows would leave a tile of fewer than ``BLOCK_VECTORS`` vectors (``_rows``):
 #: a block holds every row's accumulators, so more rows narrow the tile (``family.plan``), and each entry's fixed
 #: cost (its offset, the loop) is then spread over fewer multiply-adds
