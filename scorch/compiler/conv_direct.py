@@ -289,7 +289,9 @@ def pack(channels_inner: bool) -> L.Kernel:
     def zero_columns(j_lo, j_hi):
         return L.For(j, j_lo, j_hi, L.block(L.For(c, _c(0), C, L.block(L.Store("buf", _add(plane, j), zero)))))
     zeros = L.block(zero_columns(_c(0), lo), zero_columns(hi, Wq))
-    kept = L.binary("sub", Wq, sh)
+    # (at least 0: a shift wider than the row (a dilated tap on a narrow grid: 3 taps 6 apart onto rows of 4) copies
+    #  nothing, every column gathered; a negative start wrote the row before this one)
+    kept = L.binary("max", L.binary("sub", Wq, sh), _c(0))
     # (the last ``sh`` columns, past the source row's end, gathered: inputs where the row's input reaches them,
     #  images side by side (``engine.conv_direct._side_by_side``); read at clamped positions, then selected)
     W = L.Var("W")

@@ -22,7 +22,7 @@ def _sparse_weight(shape, density, kind, seed):
 @settings(max_examples=60, deadline=None)
 @given(og=st.integers(1, 5), cg=st.integers(1, 5), groups=st.sampled_from([1, 2, 3]), kh=st.integers(1, 4),
        kw=st.integers(1, 4), stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-       dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+       dilation=st.tuples(st.integers(1, 2), st.integers(1, 6)),
        padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
        batch=st.integers(1, 3), extra=st.tuples(st.integers(0, 9), st.integers(0, 9)), bias=st.booleans(),
        density=st.sampled_from([0.0, 0.1, 0.5, 1.0]), kind=st.sampled_from(["coo", "csf"]), seed=st.integers(0, 999))
@@ -42,6 +42,23 @@ def test_direct_conv_matches_dense(og, cg, groups, kh, kw, stride, dilation, pad
     with torch.no_grad(), scorch.strict():
         y = torch.nn.functional.conv2d(x, S, b, stride, padding, dilation, groups)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, dw", [(3, 2), (3, 5), (4, 3), (5, 6), (2, 17), (3, 9)])
+@pytest.mark.parametrize("width", [1, 4, 9, 23])
+def test_dilated_taps_farther_apart_than_the_grid_is_wide(kw, dw, width):
+    """A dense weight's taps along a row, each a plane shifted by its column (``_geometry``'s shifted planes), read
+    from the first plane's row moved left: where the taps lie farther apart than the grid's aligned row is wide (a
+    shift past the row's end: 3 taps 6 apart onto rows of 4 or 8), every column of the plane is gathered from the
+    input. (Rows of 4 or 8 with AVX2, of 8 or 16 with AVX-512: widths and dilations on either side of both.)"""
+    g = torch.Generator().manual_seed(kw * 100 + dw)
+    w = torch.randn(3, 2, 3, kw, generator=g)
+    x = torch.randn(2, 2, 5, dw * (kw - 1) + width, generator=g)
+    for padding in (0, 1):
+        ref = torch.nn.functional.conv2d(x, w, None, 1, padding, (1, dw))
+        got = conv_direct.conv2d(scorch.asformat(w, "coo"), x, None, (1, 1), (1, dw),
+                                 [(padding, padding)] * 2, 1)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["csr", "bsr", "nm"])
@@ -147,11 +164,13 @@ def test_the_kernels_interpreted_give_the_compiled_result(chunk_bytes, lanes, ro
 
 
 def test_large_planes_take_the_wide_tile():
-    """A plane of thousands of grid pixels takes the widest tile (small ones 4 vectors at most)."""
+    """A plane of thousands of grid pixels takes the widest tile (a small one pads its grid by less than a vector:
+    63 pixels take 4 vectors of 16 lanes with AVX-512, 8 of 8 with AVX2, 4 of 4 (the widest) with SSE)."""
     from scorch.compiler import conv_direct as family
     from scorch.compiler.target import CPU
-    assert family.plan(CPU, 50 * 53, "i32", False).vectors >= 8 or not CPU.vectors
-    assert family.plan(CPU, 63, "i32", False).vectors <= 4
+    assert family.plan(CPU, 50 * 53, "i32", False).vectors >= min(8, family.MAX_VECTORS.get(CPU.vector_bytes, 4))
+    small = family.plan(CPU, 63, "i32", False)
+    assert small.vectors * small.lanes < 63 + small.lanes
     w, S = _sparse_weight((7, 5, 3, 3), 0.2, "coo", 9)
     for x in (torch.randn(2, 5, 50, 51), torch.randn(1, 5, 101, 99).to(memory_format=torch.channels_last)):
         b = torch.randn(7)
@@ -263,7 +282,7 @@ def test_shared_inputs_stay_in_registers():
     if not CPU.vectors:
         pytest.skip("no vector target: the workspace is not held as vectors")
     source = cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 2)))
-    assert source.count('__asm__("" : "+v"(xs[') == 1  # (the list of both rows only: one row reads it once)
+    assert source.count('scorch_pin(xs[') == 1  # (the list of both rows only: one row reads it once)
     assert '__asm__' not in cpp.generate(family.forward(family.plan(CPU, 1000, "i32", True, 1)))
 
 

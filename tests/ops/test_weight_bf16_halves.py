@@ -19,11 +19,13 @@ from scorch.compiler import interp
 from scorch.compiler import weights as family
 from scorch.compiler.codegen import cpp
 from scorch.compiler.codegen.bf16 import PAIR_HALF
+from scorch.compiler.codegen.prelude import VECTOR_BYTES
 from scorch.compiler.target import Target
 
 
 @pytest.mark.parametrize("width", [64, 32])
-def test_the_plan_takes_halves_for_bfloat16_csr_at_two_vectors(width):
+def test_the_plan_takes_halves_for_bfloat16_csr_at_two_vectors(width, monkeypatch):
+    monkeypatch.setattr(cpp, "VECTOR_BYTES", width)  # (the text of either width's kernel, on any machine: not compiled)
     target = Target("cpu", vector_bytes=width)
     lanes = width // 4
     plan = family.tiles(target, "csr", 4 * lanes, "bf16", "bf16", "i32", "i16")
@@ -43,14 +45,18 @@ def test_the_helper_is_a_shift_and_a_mask():
     assert "(H ? (v & 0xffff0000u) : (v << 16))" in PAIR_HALF and "vector_size(sizeof(scorch_vf32))" in PAIR_HALF
 
 
+#: float32 lanes of this machine's vectors (16 with AVX-512, 8 with AVX2): the compiled kernels' vector loops
+LANES = VECTOR_BYTES // 4
+
+
 def _halves_kernel(vector: bool):
-    """``y[32 i + 16 h + v] = x[2 (16 i + v) + h]`` for ``h`` 0 and 1: the even elements of 16 pairs, then the
-    odd ones; ``vector``: the ``v`` loop in 16 lanes (else plain)."""
+    """``y[2 LANES i + LANES h + v] = x[2 (LANES i + v) + h]`` for ``h`` 0 and 1: the even elements of ``LANES``
+    pairs, then the odd ones; ``vector``: the ``v`` loop in ``LANES`` lanes (else plain)."""
     i, v = L.Var("i"), L.Var("v")
-    pair = L.binary("add", L.binary("mul", i, L.Const(16)), v)
-    loops = [L.For(v, L.Const(0), L.Const(16), L.block(L.Store(
-        "y", L.binary("add", L.binary("mul", i, L.Const(32)), L.binary("add", L.Const(16 * h), v)),
-        L.PairHalf("x", pair, h))), vector=16 if vector else 0) for h in (0, 1)]
+    pair = L.binary("add", L.binary("mul", i, L.Const(LANES)), v)
+    loops = [L.For(v, L.Const(0), L.Const(LANES), L.block(L.Store(
+        "y", L.binary("add", L.binary("mul", i, L.Const(2 * LANES)), L.binary("add", L.Const(LANES * h), v)),
+        L.PairHalf("x", pair, h))), vector=LANES if vector else 0) for h in (0, 1)]
     return L.Kernel(f"scorch_test_pair_half_{int(vector)}", (
         L.Param("x", "array", "bf16"), L.Param("y", "array", "f32", output=True), L.Param("n", "scalar", "i64")),
         L.block(L.For(i, L.Const(0), L.Var("n"), L.block(*loops))))
@@ -61,12 +67,12 @@ def test_pair_half_equals_numpy(vector):
     kernel = _halves_kernel(vector)
     assert ("scorch_pair_half<1>" in cpp.generate(kernel)) == vector
     special = [1.5, -2.0, 0.0, -0.0, 1e-40, -1e-40, float("inf"), float("-inf"), 3.0e38, -7.25]
-    x = torch.cat([torch.tensor(special), torch.randn(64 - len(special))]).bfloat16()
-    want = x.float().reshape(-1, 16, 2).transpose(1, 2).reshape(-1).numpy()
-    y = torch.full((64,), -1.0)
+    x = torch.cat([torch.tensor(special), torch.randn(4 * LANES - len(special))]).bfloat16()
+    want = x.float().reshape(-1, LANES, 2).transpose(1, 2).reshape(-1).numpy()
+    y = torch.full((4 * LANES,), -1.0)
     cpp.call(kernel, cpp.load(kernel), {"x": x, "y": y, "n": 2})
     np.testing.assert_array_equal(y.numpy(), want)
-    got = np.full(64, -1.0, dtype=np.float32)
+    got = np.full(4 * LANES, -1.0, dtype=np.float32)
     interp.run(kernel, {"x": x.float().numpy(), "y": got, "n": 2})
     np.testing.assert_array_equal(got, want)
 

@@ -16,6 +16,7 @@ from scorch import loopir as L
 from scorch.compiler import weights as family
 from scorch.compiler.codegen import cpp
 from scorch.compiler.codegen.bf16 import splat
+from scorch.compiler.codegen.prelude import VECTOR_BYTES
 from scorch.compiler.target import Target
 from scorch.engine import weights as kernels
 
@@ -32,13 +33,17 @@ def test_the_helper_for_each_width():
         assert "return scorch_vf32{} + (float)*p;" in text
 
 
+#: float32 lanes of this machine's vectors (16 with AVX-512, 8 with AVX2): the compiled kernels' vector loops
+LANES = VECTOR_BYTES // 4
+
+
 def _scale_kernel():
-    """``y[i * 16 + v] = (float)w[i] * x[i * 16 + v]`` over a vector loop of ``v``: ``w`` bfloat16."""
+    """``y[i * LANES + v] = (float)w[i] * x[i * LANES + v]`` over a vector loop of ``v``: ``w`` bfloat16."""
     i, v = L.Var("i"), L.Var("v")
-    body = L.For(v, L.Const(0), L.Const(16), L.block(L.Store(
-        "y", L.binary("add", L.binary("mul", i, L.Const(16)), v),
+    body = L.For(v, L.Const(0), L.Const(LANES), L.block(L.Store(
+        "y", L.binary("add", L.binary("mul", i, L.Const(LANES)), v),
         L.binary("mul", L.Cast(L.Load("w", i, "bf16"), "f32"),
-                 L.Load("x", L.binary("add", L.binary("mul", i, L.Const(16)), v), "f32")))), vector=16)
+                 L.Load("x", L.binary("add", L.binary("mul", i, L.Const(LANES)), v), "f32")))), vector=LANES)
     return L.Kernel("scorch_test_splat_bf16", (
         L.Param("w", "array", "bf16"), L.Param("x", "array", "f32"), L.Param("y", "array", "f32", output=True),
         L.Param("n", "scalar", "i64")), L.block(L.For(i, L.Const(0), L.Var("n"), L.block(body))))
@@ -48,15 +53,16 @@ def test_compiled_scalar_times_vector_equals_numpy():
     kernel = _scale_kernel()
     assert "scorch_splat_bf16(&w[i])" in cpp.generate(kernel)
     w = torch.tensor([1.5, -2.0, 0.0, -0.0, 1e-40, float("inf"), 3.0e38, -7.25]).bfloat16()
-    x = torch.linspace(-3, 3, w.numel() * 16)
+    x = torch.linspace(-3, 3, w.numel() * LANES)
     y = torch.empty_like(x)
     cpp.call(kernel, cpp.load(kernel), {"w": w, "x": x, "y": y, "n": w.numel()})
-    want = (w.float().repeat_interleave(16) * x).numpy()
+    want = (w.float().repeat_interleave(LANES) * x).numpy()
     np.testing.assert_array_equal(y.numpy(), want)
 
 
 @pytest.mark.parametrize("width", [64, 32])
-def test_the_csr_kernel_reads_bfloat16_values_through_it(width):
+def test_the_csr_kernel_reads_bfloat16_values_through_it(width, monkeypatch):
+    monkeypatch.setattr(cpp, "VECTOR_BYTES", width)  # (the text of either width's kernel, on any machine: not compiled)
     plan = family.tiles(Target("cpu", vector_bytes=width), "csr", 40, "bf16", "bf16", "i32", "i16")
     source = cpp.generate(family.forward(plan))
     assert "scorch_splat_bf16(&vals[" in source and "((float)vals[" not in source

@@ -201,8 +201,8 @@ class _Emitter:
         if isinstance(s, L.Store) and self.vec and L.depends(s.index, self.vec[0]):
             target = self.vector_ref(s.array, s.index, const=False)
             # (a pinned workspace: an empty asm that takes the vector in a register and may change it, so that
-            #  its uses cannot go back to the load)
-            pin = [f'{pad}__asm__("" : "+v"({target}));'] if s.array in self.pinned else []
+            #  its uses cannot go back to the load: ``prelude.PIN``)
+            pin = [f'{pad}scorch_pin({target});'] if s.array in self.pinned else []
             return [f"{pad}{self.update(target, s.op, self.expr(s.value))};"] + pin
         if isinstance(s, L.Store):
             target = f"{ident(s.array)}[{self.expr(s.index)}]"

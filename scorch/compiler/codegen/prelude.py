@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ... import loopir as L
 from ..target import CPU
-from .activations import ACTIVATIONS
+from .activations import ACTIVATIONS, EXPF
 from .bf16 import PAIR_BASE, PAIR_HALF, pair_dot4, splat
 from .transpose import TRANSPOSE
 
@@ -242,30 +242,6 @@ static inline scorch_hvf64 scorch_hvkeep(scorch_hvf64 v, int64_t n) {
 """)
     return "".join(out)
 
-
-#: ``exp`` of a float, branch-free (range reduction to [-ln 2 / 2, ln 2 / 2], Cephes' degree-6 polynomial, within
-#: 2 ulp of ``std::exp``), so that a loop over it vectorizes: ``std::exp`` is a scalar libm call unless the whole
-#: unit is built with -ffast-math. -inf gives 0, NaN stays NaN, overflow gives inf.
-EXPF = """#include <cstdint>
-#include <cmath>
-static inline float scorch_expf(float x) {
-  const float hi = 88.3762626647949f, lo = -87.3365478515625f;
-  const float c = x < lo ? lo : (x > hi ? hi : x);
-  const float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
-  const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float scale = __builtin_bit_cast(float, (int32_t)((int32_t)n + 127) << 23);
-  float y = (p * r * r + r + 1.0f) * scale;
-  y = x < lo ? 0.0f : y;
-  y = x > hi ? INFINITY : y;
-  return x != x ? x : y;
-}
-"""
 
 #: the 16-bit floats (storage types: loaded into float, rounded to nearest even when stored). bfloat16 is the top
 #: half of a float32 (a NaN stays a quiet NaN); float16 is the compiler's ``_Float16``. ``scorch_atomic_add``:
@@ -590,6 +566,21 @@ template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32
 
 
 #: helpers that call another: a source naming the first gets the second too (before it, in ``HELPERS``' order)
+#: ``scorch_pin(v)``: an empty asm that takes a vector in a register and may change it, so that the compiler cannot
+#: take its uses back to the load (a pinned workspace, ``codegen.cpp``); nothing where the machine's registers do
+#: not hold a vector of this width (64-byte vectors on an AVX2 CPU, a forced ``SCORCH_VECTOR_BYTES``: the asm's
+#: constraint would be impossible) or the CPU is not x86
+PIN = f"""#ifndef SCORCH_PIN
+#define SCORCH_PIN
+#if (defined(__AVX512F__) && {VECTOR_BYTES} == 64) || (defined(__AVX__) && {VECTOR_BYTES} == 32) || \\
+    (defined(__SSE2__) && {VECTOR_BYTES} == 16)
+#define scorch_pin(v) __asm__("" : "+v"(v))
+#else
+#define scorch_pin(v) ((void)0)
+#endif
+#endif
+"""
+
 DEPENDS = {"scorch_gelu": "scorch_expf", "scorch_silu": "scorch_expf"}
 
 HELPERS = {
@@ -607,6 +598,7 @@ HELPERS = {
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))) + "".join(
         _hsum(n, t, VECTOR_BYTES // b) + _hsum(n, t, VECTOR_BYTES // b, "max") + _tsum(n, t, VECTOR_BYTES // b)
         for n, t, b in (("f32", "float", 4), ("f64", "double", 8))),
+    "scorch_pin": PIN,
     # loads at computed positions and of a partial last vector (after ``scorch_vf``, whose types they use)
     "scorch_hv": _half(),
     "scorch_gather": _gather(), "scorch_loadn": _gather(), "scorch_keep": _gather(),
