@@ -163,12 +163,15 @@ class Expand(Expr):
     PopCount(bits & ((1 << lane) - 1))]`` in float32 where bit ``lane`` is set, else 0. In a vector loop over
     ``lane`` (from 0 in whole vectors) it compiles to a masked load of the group's values and an expand into
     the lanes (AVX-512's ``vexpandps``; a table permute on AVX2): a weight row read through a bitmap, one bit per
-    column, instead of a coordinate per value."""
+    column, instead of a coordinate per value. ``end``, where given: ``vals`` may be read up to there, so that a
+    group a vector's values or more before it loads them whole, its lanes past the group's count dropped by the
+    expand (AVX2 has no masked 16-bit load, and its masked float load costs more than the rest of the expand)."""
     vals: str
     start: Expr
     bits: Expr
     lane: Expr
     type: str = "f32"
+    end: Expr | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ def row_bits(plan: Tiles) -> L.Kernel:
     width = 2 * L.BITS if plan.pairs else L.BITS
     per_row = L.binary("floordiv", words, _c(2)) if plan.pairs else words
     body = []
+    nnz = L.Cast(L.Load("pos", L.Var("n_out"), plan.ptype), I64)  # (the values' end: every slot is an entry)
     for u in range(BIT_WORDS):
         b, word = L.Var(f"b{u}", "i32"), _add(_mul(g, _c(BIT_WORDS)), _c(u))
         at = _add(_mul(o, per_row), word)
@@ -46,7 +47,8 @@ def row_bits(plan: Tiles) -> L.Kernel:
             term = L.ExpandPairDot("vals", ps[u], b, c, "x", _add(_mul(word, _c(width)), _mul(c, _c(2))))
             load = L.Load("bits", at, "i32")
         else:
-            term = _mul(L.Expand("vals", ps[u], b, c, F32), L.Load("x", _add(_mul(word, _c(width)), c), F32))
+            term = _mul(L.Expand("vals", ps[u], b, c, F32, end=nnz),
+                        L.Load("x", _add(_mul(word, _c(width)), c), F32))
             load = L.Cast(L.Load("bits", at, "i16"), "i32")
         body += [L.Let(b, load), L.For(c, _c(0), _c(L.BITS), L.block(L.Store("vsum", _c(u), term, "add")),
                                        vector=plan.lanes),

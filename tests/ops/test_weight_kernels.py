@@ -373,6 +373,24 @@ def test_one_token_through_the_bitmap(fmt, out, inp, density, dtype, bias, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_bitmap_word_expands_to_its_columns(dtype, monkeypatch):
+    """Every pattern of 8 columns (both halves of a 16-column word, each lane's value its own integer, exact in
+    bfloat16) read through the bitmap: the AVX2 table permute and byte shuffle (and their value-by-value ends: the
+    last rows' groups lie less than a vector's values before the values' end), AVX-512's expand, lane by lane
+    elsewhere, exactly equal to the dense product."""
+    calls = _bitmap_calls(monkeypatch)
+    masks = torch.arange(256)
+    on = (masks[:, None] >> torch.arange(8)) & 1
+    pattern = torch.cat([on, on.flip(0), on.roll(37, 0), on.roll(101, 0)], 1).bool()  # (256 rows x 32 columns)
+    w = torch.where(pattern, torch.arange(1, 33).float().repeat(256, 1), torch.zeros(()))
+    w = (w * torch.where(torch.arange(256)[:, None] % 2 == 0, 1.0, -1.0)).to(dtype)
+    x = (2.0 ** -torch.arange(32).float().remainder(6)).to(dtype)[None]  # (powers of two: every sum exact)
+    y = F.linear(x, scorch.asformat(w, "csr"))
+    assert calls and calls[-1] is not None
+    assert torch.equal(y, F.linear(x.float(), w.float()).to(dtype))  # (the float sums exact, then rounded once)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bitmap_of_an_n_m_weight_with_padding_keeps_its_kernel(dtype, monkeypatch):
     """A group of an n:m weight holding fewer than n entries is padded by repeating a column: its values are not
     one per set bit, so that weight keeps the n:m kernel (and the right answer)."""

@@ -530,7 +530,8 @@ class _Emitter:
             if e.lane != L.Var(var) or L.BITS % lanes or self.mask or L.depends(e.start, var) or \
                     L.depends(e.bits, var):
                 raise ValueError("an expand's lanes are a vector loop's own, in whole vectors of a group")
-            return f"scorch_expand(&{ident(e.vals)}[{start}], (uint32_t)({bits}), {ident(var)})"
+            end = "" if e.end is None else f", &{ident(e.vals)}[{self.expr(e.end)}]"
+            return f"scorch_expand(&{ident(e.vals)}[{start}], (uint32_t)({bits}), {ident(var)}{end})"
         if isinstance(e, L.Common):
             a, b = ident(e.a_array), ident(e.b_array)
             alo, blo = self.expr(e.a_lo), self.expr(e.b_lo)

@@ -8,6 +8,7 @@ from ... import loopir as L
 from ..target import CPU
 from .activations import ACTIVATIONS, EXPF
 from .bf16 import PAIR_BASE, PAIR_HALF, pair_dot4, splat
+from .expand import expand
 from .transpose import TRANSPOSE
 
 
@@ -504,68 +505,6 @@ template <class P> static inline int64_t scorch_first_row(const P* pos, int64_t 
 #endif
 """
 
-def _expand() -> str:
-    """A group of 16 columns read through its bitmap word (``loopir.Expand``): ``scorch_expand(v, bits, lane0)``,
-    the vector of lanes ``lane0 ..`` of the group, ``v`` its first stored value (float or bfloat16), each set bit
-    taking the next value and the others 0; ``scorch_expand1`` one lane. A masked load of the group's values (it
-    reads no memory past them) and AVX-512's ``vexpandps``; on AVX2 an 8-lane permute from a table (the lane
-    each value goes to, by the mask); else lane by lane."""
-    lanes = VECTOR_BYTES // 4  # (at most 16: a word's bits)
-    table = ", ".join(hex(sum((bin(m & ((1 << u) - 1)).count("1") if m >> u & 1 else 0) << (8 * u)
-                              for u in range(8))) + "ull" for m in range(256))
-    return BF16 + f"""#ifndef SCORCH_EXPAND
-#define SCORCH_EXPAND
-#include <cstdint>
-#include <immintrin.h>
-template <typename T> static inline float scorch_expand1(const T* v, uint32_t bits, int64_t lane) {{
-  const uint32_t b = bits & 0xFFFFu;
-  return (b >> lane & 1u) ? (float)v[__builtin_popcount(b & ((1u << lane) - 1u))] : 0.0f;
-}}
-template <typename T> static inline scorch_vf32 scorch_expand_at(const T* v, uint32_t m) {{
-  scorch_vf32 out = {{}};
-  for (int u = 0; u < {lanes}; ++u) if (m >> u & 1u) out[u] = (float)*v++;
-  return out;
-}}
-#if defined(__AVX512F__) && {VECTOR_BYTES} == 64
-static inline scorch_vf32 scorch_expand_at(const float* v, uint32_t m) {{
-  const __mmask16 k = (__mmask16)((1u << __builtin_popcount(m)) - 1u);
-  return (scorch_vf32)_mm512_maskz_expand_ps((__mmask16)m, _mm512_maskz_loadu_ps(k, v));
-}}
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m) {{
-  const __mmask16 k = (__mmask16)((1u << __builtin_popcount(m)) - 1u);
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, v)), 16);
-  return (scorch_vf32)_mm512_maskz_expand_ps((__mmask16)m, _mm512_castsi512_ps(w));
-}}
-#endif
-#elif defined(__AVX2__) && {VECTOR_BYTES} == 32
-static const uint64_t scorch_expand_lanes[256] = {{{table}}};
-static inline __m256 scorch_expand_place(__m256 w, uint32_t m) {{
-  const __m256i to = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scorch_expand_lanes[m]));
-  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)m), bit), bit);
-  return _mm256_and_ps(_mm256_permutevar8x32_ps(w, to), _mm256_castsi256_ps(on));
-}}
-static inline scorch_vf32 scorch_expand_at(const float* v, uint32_t m) {{
-  const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(__builtin_popcount(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return (scorch_vf32)scorch_expand_place(_mm256_maskload_ps(v, k), m);
-}}
-static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m) {{
-  uint16_t h[8] = {{0, 0, 0, 0, 0, 0, 0, 0}};
-  for (int u = 0, n = __builtin_popcount(m); u < n; ++u) h[u] = v[u].bits;
-  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)h)), 16);
-  return (scorch_vf32)scorch_expand_place(_mm256_castsi256_ps(w), m);
-}}
-#endif
-template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0) {{
-  const uint32_t b = bits & 0xFFFFu;
-  return scorch_expand_at(v + __builtin_popcount(b & ((1u << lane0) - 1u)), (b >> lane0) & {hex((1 << lanes) - 1)}u);
-}}
-#endif
-"""
-
-
-#: helpers that call another: a source naming the first gets the second too (before it, in ``HELPERS``' order)
 #: ``scorch_pin(v)``: an empty asm that takes a vector in a register and may change it, so that the compiler cannot
 #: take its uses back to the load (a pinned workspace, ``codegen.cpp``); nothing where the machine's registers do
 #: not hold a vector of this width (64-byte vectors on an AVX2 CPU, a forced ``SCORCH_VECTOR_BYTES``: the asm's
@@ -581,6 +520,7 @@ PIN = f"""#ifndef SCORCH_PIN
 #endif
 """
 
+#: helpers that call another: a source naming the first gets the second too (before it, in ``HELPERS``' order)
 DEPENDS = {"scorch_gelu": "scorch_expf", "scorch_silu": "scorch_expf"}
 
 HELPERS = {
@@ -605,7 +545,7 @@ HELPERS = {
     # 16-bit floats in explicit vectors (after ``scorch_vf``, whose types they use)
     "scorch_widen": BF16 + WIDE16,
     # a group of columns read through its bitmap word (after ``scorch_vf``)
-    "scorch_expand": _expand(),
+    "scorch_expand": expand(VECTOR_BYTES, BF16),
     # a 32-column group of bfloat16 values read through its bitmap word, dotted in pairs with bfloat16 x
     # (``loopir.ExpandPairDot``): a masked load, vpexpandw and vdpbf16ps where the CPU has AVX512-VBMI2 and
     # AVX512-BF16, else lane by lane (the same products, summed in float32)
