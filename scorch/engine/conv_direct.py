@@ -225,6 +225,15 @@ def _alignment(weight_shape, x_shape, stride, dilation, pads, dense: bool, lanes
     return lanes if aligned <= slack * wq else 1
 
 
+def stored(weight: SparseTensor):
+    """``(leaf, dims)``: each stored weight's value position and its (out, in / groups, kh, kw) coordinates, a
+    padded format's padding left out."""
+    leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
+    if weight._format.padded:
+        inside &= ~padding_of(weight)[leaf]
+    return leaf[inside], dims[:, inside]
+
+
 def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride, dilation, chunk: int):
     """``(pos, off, order)``: the entries of row ``o`` on the input channels ``kc * chunk .. (kc + 1) * chunk``
     at ``pos[kc * out + o] .. pos[kc * out + o + 1]`` (int32), each entry's offset into an image's buffer (int32),
@@ -233,10 +242,7 @@ def _entries(weight: SparseTensor, channels: int, groups: int, geometry, stride,
     out, cg = weight._shape[0], weight._shape[1]
     if len(phases) * channels * hq * wq + wq >= 2 ** 31:
         return None
-    leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
-    if weight._format.padded:
-        inside &= ~padding_of(weight)[leaf]
-    leaf, dims = leaf[inside], dims[:, inside]
+    leaf, dims = stored(weight)
     o, c = dims[0], dims[1] + (dims[0] // (out // groups)) * cg  # (the group's channels)
     r, s = dims[2] * dilation[0], dims[3] * dilation[1]
     phase_of = torch.full((stride[0], 1 + max(b for _, b in phases)), -1, dtype=torch.int64)

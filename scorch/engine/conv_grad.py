@@ -24,7 +24,7 @@ from ..compiler import conv_grad as family
 from ..compiler.caches import register
 from ..compiler.codegen import cpp
 from ..formats import named, storage
-from ..sparse_tensor import SparseTensor, padding_of
+from ..sparse_tensor import SparseTensor
 from . import conv_direct
 from .convert import coo_from_entries
 
@@ -36,15 +36,6 @@ register("conv-grad phases", "the transposed, flipped phase weights of sparse co
 _COMPOSED = storage.ValuesMemo(256)
 register("conv-grad orders", "the direct kernel's entry order of input-gradient phase weights in the weight's"
          " values", _COMPOSED.__len__, _COMPOSED.clear)
-
-
-def _entries(weight: SparseTensor):
-    """``(leaf, dims)``: each stored weight's value position and its (out, in / groups, kh, kw) coordinates, a
-    padded format's padding left out."""
-    leaf, dims, inside = storage.coordinates(weight._format, weight._shape, weight._levels)
-    if weight._format.padded:
-        inside &= ~padding_of(weight)[leaf]
-    return leaf[inside], dims[:, inside]
 
 
 def _taps(k: int, s: int, dl: int, p: int, a: int):
@@ -74,7 +65,7 @@ def _build_phases(weight: SparseTensor, out_hw, in_hw, stride, dilation, pads, g
     holds the weight's values at ``index``; it reads the output gradient's ``rows`` and ``cols`` slices."""
     out, cg, kh, kw = weight._shape
     og = out // groups
-    leaf, dims = _entries(weight)
+    leaf, dims = conv_direct.stored(weight)
     phases = []
     for a in range(stride[0]):
         for b in range(stride[1]):

@@ -14,17 +14,20 @@ def expand(vector_bytes: int, bf16: str) -> str:
     through a small array, which stalls the load on its stores: the bfloat16 decode on an AMD Zen 3 7x slower than
     whole loads); else lane by lane."""
     lanes = vector_bytes // 4  # (at most 16: a word's bits)
-    # (AVX2: per mask, each lane's byte: the rank of its value among the set lanes, or 0x80 where the lane is off,
-    #  so that the sign-extended byte both picks the value (``vpermps`` reads the low 3 bits) and zeroes the lane
-    #  (``vblendvps`` reads the sign))
-    table = ", ".join(hex(sum((bin(m & ((1 << u) - 1)).count("1") if m >> u & 1 else 0x80) << (8 * u)
-                              for u in range(8))) + "ull" for m in range(256))
+
+    def rank(m, u):
+        """Lane ``u``'s value's rank among the lanes set in the 8-bit mask ``m``, or None where ``u`` is off."""
+        return bin(m & ((1 << u) - 1)).count("1") if m >> u & 1 else None
+    # (AVX2: per mask, each lane's byte: its rank, or 0x80 where the lane is off, so that the sign-extended byte
+    #  both picks the value (``vpermps`` reads the low 3 bits) and zeroes the lane (``vblendvps`` reads the sign))
+    table = ", ".join(hex(sum((0x80 if rank(m, u) is None else rank(m, u)) << (8 * u) for u in range(8))) + "ull"
+                      for m in range(256))
     # (bfloat16 on AVX2: per mask, a byte shuffle of the group's 8 values (16 bytes, in both halves of a 32-byte
     #  vector) into float32 lanes: lane u's bytes 0x80 0x80 2k 2k+1 (its value, the k-th, as a float's top half)
     #  or all 0x80 (zero): expand, zero and widen in one ``vpshufb``)
     def ctl(m, u):
-        k = bin(m & ((1 << u) - 1)).count("1")
-        return [0x80, 0x80, 2 * k, 2 * k + 1] if m >> u & 1 else [0x80] * 4
+        k = rank(m, u)
+        return [0x80] * 4 if k is None else [0x80, 0x80, 2 * k, 2 * k + 1]
     shuffles = ",\n".join("{" + ", ".join(str(b) for u in range(8) for b in ctl(m, u)) + "}" for m in range(256))
     return bf16 + f"""#ifndef SCORCH_EXPAND
 #define SCORCH_EXPAND
@@ -86,14 +89,12 @@ template <typename T> static inline scorch_vf32 scorch_expand_at(const T* v, uin
   return scorch_expand_at(v, m);
 }}
 #endif
-template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0) {{
+template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0,
+                                                    const T* end = nullptr) {{
   const uint32_t b = bits & 0xFFFFu;
-  return scorch_expand_at(v + __builtin_popcount(b & ((1u << lane0) - 1u)), (b >> lane0) & {hex((1 << lanes) - 1)}u);
-}}
-template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0, const T* end) {{
-  const uint32_t b = bits & 0xFFFFu;
-  return scorch_expand_at(v + __builtin_popcount(b & ((1u << lane0) - 1u)), (b >> lane0) & {hex((1 << lanes) - 1)}u,
-                          end);
+  const T* at = v + __builtin_popcount(b & ((1u << lane0) - 1u));
+  const uint32_t m = (b >> lane0) & {hex((1 << lanes) - 1)}u;
+  return end ? scorch_expand_at(at, m, end) : scorch_expand_at(at, m);
 }}
 #endif
 """
