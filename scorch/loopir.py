@@ -152,6 +152,27 @@ class PairHalf(Expr):
     type: str = "f32"
 
 
+@dataclass(frozen=True)
+class LanePick(Expr):
+    """``x[at + ((sel[si] >> shift) & 3)]`` in float32: one of 4 contiguous values ``x[at .. at + 3]``, chosen by a
+    2-bit field of the byte ``sel[si]`` (``sel`` int8, its values below 128). In a vector loop where ``si`` is
+    contiguous (a byte a lane) and ``at`` the same for every lane it compiles to one broadcast of the 4 values and
+    an in-lane permute by the lanes' fields (AVX's ``vpermilps``): an n:4 weight's rows in a vector's lanes, each
+    lane taking its own row's column of a token's group of 4 features (``compiler.weights_picks``)."""
+    x: str
+    at: Expr
+    sel: str
+    si: Expr
+    shift: int
+    type: str = "f32"
+
+    def scalar(self) -> Expr:
+        """The same value as plain loads (for renderers and lanes without the permute)."""
+        field = Binary("mod", binary("shr", Cast(Load(self.sel, self.si, "i8"), "i64"), Const(self.shift)), Const(4),
+                       "i64")
+        return Load(self.x, binary("add", self.at, field), "f32")
+
+
 #: the columns one word of a bitmap covers (``Expand``, ``PopCount``): a word is 16 bits
 BITS = 16
 

@@ -33,20 +33,26 @@ SCORCH_DEFER=all python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
 # row sums, register tiles, half precision, the weight family's tiles, the direct convolution's planes (their rows
 # are aligned to the vectors' lanes: a tap's shift past a row's end was wrong with 16- and 32-byte vectors) (about
 # 60 s a variant from an empty kernel cache on 2 cores). (The golden sources pin their own variant, whatever the
-# host's; the C operators' test is the same under every variant.)
-read -r NATIVE_V NATIVE_G < <(python -c "from scorch.compiler.target import CPU; print(CPU.vector_bytes, int(CPU.lead_gathers))")
+# host's; the C operators' test is the same under every variant.) The variants also flip whether n:4 weights run
+# with their rows in a vector's lanes (SCORCH_LANE_PICKS: on by default on AMD CPUs with AVX2), so that the weight
+# family's tests run both n:4 kernels on any CPU.
+read -r NATIVE_V NATIVE_G NATIVE_P < <(python -c "from scorch.compiler.target import CPU
+print(CPU.vector_bytes, int(CPU.lead_gathers), int(CPU.lane_picks))")
 for V in 16 32 64; do
     for G in 0 1; do
         [ "$V $G" = "$NATIVE_V $NATIVE_G" ] && continue
-        echo "scorch: the kernel variants' tests with SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G" >&2
-        SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
+        echo "scorch: the kernel variants' tests with SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G" \
+            "SCORCH_LANE_PICKS=$((1 - NATIVE_P))" >&2
+        SCORCH_VECTOR_BYTES=$V SCORCH_LEAD_GATHERS=$G SCORCH_LANE_PICKS=$((1 - NATIVE_P)) \
+            python -m pytest -q -n "$WORKERS" -p no:cacheprovider \
             tests/test_direct_call.py tests/compiler/test_vector_sum.py tests/compiler/test_vectorize.py \
             tests/ops/test_half.py tests/ops/test_weight_kernels.py::test_the_family_serves_linear_and_writes_row_major \
             tests/ops/test_weight_kernels.py::test_gradients_equal_the_masked_dense_layer \
             tests/ops/test_weight_kernels.py::test_one_token_runs_row_dots tests/ops/test_weight_kernels.py::test_16_bit_values \
             tests/ops/test_weight_kernels.py::test_one_token_through_the_bitmap \
             tests/ops/test_weight_kernels.py::test_a_2_4_bfloat16_weight_through_its_pairs \
-            tests/ops/test_weight_pair_tiles.py::test_pair_tiles_equal_the_dense_linear \
+            tests/ops/test_weight_pair_tiles.py::test_pair_tiles_equal_the_dense_linear tests/ops/test_weight_picks.py \
+            tests/ops/test_weight_kernels.py::test_linear_equals_dense_linear \
             tests/nn/test_conv_direct.py::test_direct_conv_matches_dense \
             tests/nn/test_conv_direct.py::test_dilated_taps_farther_apart_than_the_grid_is_wide
     done

@@ -21,11 +21,13 @@ class Target:
     #: whether a row sum's lead vectors (``For.lead``) may gather (``vectors.vector_sum``): see
     #: ``native_lead_gathers``
     lead_gathers: bool = True
+    #: whether an n:4 weight's rows go in a vector's lanes (``compiler.weights_picks``): see ``native_lane_picks``
+    lane_picks: bool = False
 
     @property
     def key(self) -> str:
         """What of the machine the generated code depends on, for the keys of plans kept on disk."""
-        return f"v{self.vector_bytes}g{int(self.lead_gathers)}"
+        return f"v{self.vector_bytes}g{int(self.lead_gathers)}p{int(self.lane_picks)}"
 
     @property
     def vectors(self) -> bool:
@@ -81,6 +83,20 @@ def native_lead_gathers() -> bool:
     return _cpuinfo().get("vendor_id") != "AuthenticAMD"
 
 
+def native_lane_picks(vector_bytes: int) -> bool:
+    """Whether this machine runs n:4 float32 weights with their rows in a vector's lanes, a token's group of 4
+    features permuted into them (``compiler.weights_picks``): on AMD CPUs with 8-lane vectors (AVX2), where the
+    permutes run beside the multiply-adds; ``$SCORCH_LANE_PICKS`` (0 or 1) overrides it. The other n:4 kernel
+    (tokens in the lanes, a broadcast per stored value and a panel load per vector of tokens) is bound by its
+    loads with 8 lanes: on an AMD EPYC Zen 3, 2:4 at BERT-base shapes ran level with dense. Off elsewhere: Intel
+    cores run every permute on one port that a multiply-add also takes, and on AVX-512 the other kernel meets its
+    goals (AMD Zen 4: 2:4 1.36-1.49x dense); neither measured with this kernel."""
+    forced = _forced("SCORCH_LANE_PICKS", ("0", "1"))
+    if forced:
+        return forced == "1"
+    return vector_bytes == 32 and _cpuinfo().get("vendor_id") == "AuthenticAMD"
+
+
 def _forced(variable: str, allowed: tuple) -> str:
     """``$variable`` (stripped; "" where unset), refused by name unless one of ``allowed``."""
     forced = os.environ.get(variable, "").strip()
@@ -110,6 +126,7 @@ def _cpuinfo() -> dict:
 
 
 #: the CPU: one machine vector register per explicit vector
-CPU = Target("cpu", vector_bytes=native_vector_bytes(), lead_gathers=native_lead_gathers())
+CPU = Target("cpu", vector_bytes=native_vector_bytes(), lead_gathers=native_lead_gathers(),
+             lane_picks=native_lane_picks(native_vector_bytes()))
 #: a CUDA GPU (or its CPU emulation): no explicit vectors
 CUDA = Target("cuda")

@@ -98,10 +98,13 @@ class Tiles:
     combos: bool = False  # (2:4, bfloat16) the panel holds every pair of a group's features (``COMBOS``)
     halves: bool = False  # (CSR, bfloat16, 2 vectors) the panel holds bfloat16 tokens, read a pair at a time
     activation: str | None = None
+    picks: int = 0  # (n:4, float32) rows in a vector's lanes: micro-kernels of ``unroll`` tokens a tile
+    #                 (``weights_picks``)
 
     @property
     def T(self) -> int:
-        return self.lanes * self.vectors
+        """Tokens a tile."""
+        return self.unroll * self.picks if self.picks else self.lanes * self.vectors
 
     @property
     def paired(self) -> bool:

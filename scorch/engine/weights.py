@@ -16,6 +16,7 @@ from .. import loopir as L
 from ..compiler import weights as family
 from ..compiler import weights_bits as bitmap
 from ..compiler import weights_chain as chain
+from ..compiler import weights_picks as picks
 from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp
@@ -86,8 +87,8 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
     entry = _KERNELS.get((plan, part))
     if entry is None:
-        build = {"forward": family.forward, "dots": family.row_dots, "bits": bitmap.row_bits,
-                 "pair_tiles": tiled.forward,
+        build = {"forward": picks.forward if plan.picks else family.forward, "dots": family.row_dots,
+                 "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
                  "input_grad": family.backward_input,
                  "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
         kernel = build[part](plan)
@@ -397,6 +398,58 @@ def _by_pair_tiles(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, ex
     return y
 
 
+#: n:4 weights' in-group columns as ``weights_picks`` reads them, by the weight's index arrays
+_PICK_FIELDS = PatternMemo(1024)
+register("weight lane fields", "the in-group columns of n:4 weights, 2 bits a stored value, a byte a row and group,"
+         " in row blocks of a vector's lanes (``compiler.weights_picks``), by the weight's index arrays",
+         _PICK_FIELDS.__len__, _PICK_FIELDS.clear)
+#: their values in the same layout, by the values tensor
+_PICK_VALUES = ValuesMemo(1024)
+register("weight lane values", "the values of n:4 weights in row blocks of a vector's lanes"
+         " (``compiler.weights_picks``), by the values tensor (remade when the values change)",
+         _PICK_VALUES.__len__, _PICK_VALUES.clear)
+
+
+def _lane_blocks(t: torch.Tensor, rows: int, lanes: int) -> torch.Tensor:
+    """``t`` (``rows`` x groups x k, row-major) with its rows padded with zeros to whole blocks of ``lanes`` and
+    each block laid out lane by lane: ``out[block, group, k, lane]``."""
+    blocks = -(-rows // lanes)
+    padded = torch.zeros((blocks * lanes,) + tuple(t.shape[1:]), dtype=t.dtype)
+    padded[:rows] = t
+    return padded.view(blocks, lanes, *t.shape[1:]).movedim(1, -1).contiguous().view(-1)
+
+
+def _picks(plan: family.Tiles, n: int) -> bool:
+    """Whether ``plan``'s product of ``n`` tokens runs with the weight's rows in a vector's lanes (``_by_picks``):
+    then also outside a chain or a stack of products, whose kernels hold tokens in the lanes."""
+    return picks.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n)
+
+
+def _by_picks(weight: SparseTensor, x: torch.Tensor, y: torch.Tensor, plan: family.Tiles, crd: torch.Tensor,
+              bias) -> None:
+    """``y = x @ weight.T (+ bias)`` (activation as planned) through ``weights_picks``: the weight's fields and
+    values laid out in row blocks of the plan's lanes (made once per pattern and per version of the values; the
+    values' copy is kept beside the weight's own), the bias padded to whole blocks."""
+    plan = picks.planned(plan)
+    (n_out, n_in), (n, _), lanes = weight._shape, plan.group, plan.lanes
+    groups = n_in // 4
+
+    def fields():
+        k = crd.reshape(n_out, groups, n).to(torch.int8)
+        shifted = k << (2 * torch.arange(n, dtype=torch.int8))
+        return _lane_blocks(shifted.sum(-1, dtype=torch.int8).unsqueeze(-1), n_out, lanes)
+    sel = _PICK_FIELDS.lookup(("lanes", lanes, tuple(weight._shape)), weight._levels, fields)
+    vals = weight._vals
+    laid = _PICK_VALUES.lookup(("lanes", lanes, n_out), vals,
+                               lambda: _lane_blocks(vals.detach().reshape(n_out, groups, n), n_out, lanes))
+    extra = {}
+    if bias is not None:
+        extra["bias"] = torch.zeros(-(-n_out // lanes) * lanes, dtype=torch.float32)
+        extra["bias"][:n_out] = bias
+    _run("forward", plan, weight._shape, {"sel": sel, "vals": laid}, x.shape[0],
+         *_split(plan, x.shape[0], n_out, torch.get_num_threads()), x=x, y=y, **extra)
+
+
 def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     """``(chunks, row_chunk)``: the output rows in chunks of whole store blocks, enough of them that the work items
     (token tiles x chunks) keep every thread busy."""
@@ -436,6 +489,9 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
         found = _by_pair_tiles(weight, x, plan, extra)
         if found is not None:
             return found
+    if _picks(plan, n):
+        _by_picks(weight, x, y, plan, arrays["crd"], bias)
+        return y
     if plan.combos:
         combo = _combos(weight, arrays["crd"])
         if combo is None:
@@ -467,7 +523,8 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
     p2 = plan_for(w2, n, b2 is not None, arrays=a2, activation=act2)
     threads = torch.get_num_threads()
     norm_arrays = _norm_arrays(norm, n_out)
-    if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or \
+    if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or _picks(p1, n) or \
+            _picks(p2, n) or \
             (threads > 1 and -(-n // p1.T) < CHAIN_TILES_PER_THREAD * threads) or \
             (norm is not None and norm_arrays is None):
         y = linear(w2, linear(w1, x, b1, act1), b2, act2)
@@ -515,7 +572,7 @@ def linear_stacked(weights, x: torch.Tensor, biases, activation=None) -> torch.T
     bias, parts = any(b is not None for b in biases), [_arrays(w) for w in weights]
     plans = {plan_for(w, n, bias, arrays=a, activation=activation) for w, a in zip(weights, parts)}
     if n < 2 or x.dtype != torch.float32 or len(plans) != 1 or next(iter(plans)).paired or \
-            sum(w._vals.numel() for w in weights) >= 2 ** 31:
+            _picks(next(iter(plans)), n) or sum(w._vals.numel() for w in weights) >= 2 ** 31:
         return torch.cat([linear(w, x, b, activation) for w, b in zip(weights, biases)], 1)
     plan, (arrays, shape) = plans.pop(), stacked(weights, parts)
     extra = {} if not bias else {"bias": torch.cat([torch.zeros(w._shape[0], dtype=x.dtype) if b is None else

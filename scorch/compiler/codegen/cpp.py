@@ -522,6 +522,13 @@ class _Emitter:
         if isinstance(e, L.PopCount):
             mask = "" if e.width == 32 else f" & {hex((1 << e.width) - 1)}u"
             return f"((int64_t)__builtin_popcount((uint32_t)({self.expr(e.a)}){mask}))"
+        if isinstance(e, L.LanePick):
+            if not self.vec:
+                return self.expr(e.scalar())
+            var = self.vec[0]
+            if self.vec[2] != "f32" or L.depends(e.at, var) or L.coefficient(e.si, var) != 1 or self.mask:
+                raise ValueError("a lane pick reads one group of 4 floats for every lane and a byte a lane")
+            return f"scorch_lane_pick<{e.shift}>(&{ident(e.x)}[{self.expr(e.at)}], &{ident(e.sel)}[{self.expr(e.si)}])"
         if isinstance(e, L.Expand):
             start, bits = self.expr(e.start), self.expr(e.bits)
             if not self.vec:

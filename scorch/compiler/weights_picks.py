@@ -1,0 +1,128 @@
+"""n:4 weights with their rows in a vector's lanes: ``Y[t, o] = sum_i X[t, i] * W[o, i] (+ bias[o])`` for an n:m
+weight of groups of 4 columns (1 to 3 kept a group), ``X`` and ``Y`` float32 and row-major, as built by ``plan``.
+
+The family's n:m kernel (``weights._group_rows``) holds tokens in a vector's lanes: each stored value is
+broadcast and multiplied by a panel vector of its column, a load per multiply-add. With 8-lane vectors (AVX2) that
+kernel is bound by its loads (2:4 ran level with the dense product on an AMD EPYC Zen 3). Here a vector holds
+``lanes`` output rows of one token instead, and a row block's stored values are laid out lane by lane
+(``vals[((b * groups + g) * n + k) * lanes + r]``: the ``k``-th value of group ``g`` of row ``b * lanes + r``),
+their in-group columns as 2-bit fields of a byte a row (``sel[(b * groups + g) * lanes + r]``, field ``k`` at bit
+``2k``). For each group and token the token's 4 features are broadcast once and permuted into the rows' lanes,
+each lane taking its own row's column (``loopir.LanePick``: ``vpermilps``): per stored value one permute and one
+multiply-add, no load; the row block's values are loaded once for ``tokens`` tokens (``PICK_TOKENS``, whose
+accumulators fill the registers). ``X`` is read in place and ``Y`` written a vector of rows at a time: no panel,
+no transpose.
+
+Passes over one plan (``weights.Tiles`` with ``picks`` set):
+
+- ``planned``: the plan of a product (``PICK_TOKENS`` tokens a micro-kernel, ``picks`` micro-kernels a tile);
+- ``accumulate``: the micro-kernel, a row block against ``PICK_TOKENS`` tokens over every group;
+- ``finish``: the bias, the activation and the store of the block's rows for the tokens there are.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import loopir as L
+from .target import Target
+from .weights import F32, I64, Tiles, _add, _c, _mul, _params, _vloop, activated
+
+#: tokens of one micro-kernel: their accumulators (a vector of rows each) take 8 of AVX2's 16 registers, the
+#: values of a group's ``n`` entries, their fields and the permuted features the rest. Measured by hand (AMD EPYC
+#: Zen 3, 1 thread, 2:4, 768 <-> 3072, 128 and 1024 tokens): 8 tokens 1.15-1.48x the dense product, 6 1.18-1.35x,
+#: 10 1.02-1.24x, 12 (spilling) 0.75-1.23x
+PICK_TOKENS = 8
+#: micro-kernels (of ``PICK_TOKENS`` tokens) a tile: a row block's values are read once for the tile's tokens
+PICK_SUBTILES = 1
+#: the fewest tokens the kernel serves: fewer are bound by the weight's bytes, which the panel kernel reads once for
+#: 16 tokens (this one once for 8)
+PICK_MIN_TOKENS = 24
+
+
+def serves(target: Target, kind: str, group: tuple, vtype: str, xtype: str, tokens: int) -> bool:
+    """Whether ``planned`` serves a forward product: an n:4 weight of float32 values and activation, ``tokens``
+    tokens or more (``PICK_MIN_TOKENS``), on a target whose vectors take the permute (``Target.lane_picks``)."""
+    return target.lane_picks and target.vectors and kind == "nm" and group[1] == 4 and 1 <= group[0] < 4 and \
+        vtype == xtype == F32 and tokens >= PICK_MIN_TOKENS
+
+
+def planned(plan: Tiles) -> Tiles:
+    """``plan`` (an n:4 forward product's) as this kernel's: a row block of ``lanes`` rows a store, ``PICK_TOKENS``
+    tokens a micro-kernel (``unroll``), ``PICK_SUBTILES`` of them a tile (``picks``)."""
+    if plan.kind != "nm" or plan.group[1] != 4 or plan.transposed or plan.lanes < 2:
+        raise ValueError(f"scorch: rows in lanes serve an n:4 forward product with vectors; got {plan}")
+    return replace(plan, vectors=1, unroll=PICK_TOKENS, rows=plan.lanes, row_pass=1, combos=False, pairs=False,
+                   halves=False, picks=PICK_SUBTILES)
+
+
+def accumulate(plan: Tiles, b: L.Expr, ts: L.Expr, nt: L.Expr) -> list:
+    """The micro-kernel: ``acc[u * lanes + r] = sum over the row's stored values of value * x[token, column]`` for
+    the row block ``b`` (rows ``b * lanes + r``) and the tokens ``ts + u`` (``u`` past ``nt`` repeat the last
+    token, their sums dropped by ``finish``)."""
+    lanes, U, (n, _) = plan.lanes, plan.unroll, plan.group
+    g, groups, n_in = L.Var("g"), L.Var("groups"), L.Var("n_in")
+    rows = [L.Var(f"xr{u}") for u in range(U)]
+    lets = [L.Let(r, _mul(_add(ts, L.binary("min", _c(u), L.binary("sub", nt, _c(1)))), n_in))
+            for u, r in enumerate(rows)]
+    bv = L.Var("bv")
+    wb = L.Var("wb")
+    body = [L.Let(wb, _add(_mul(b, groups), g))]
+    for u, row in enumerate(rows):
+        for k in range(n):
+            term = _mul(L.Load("vals", _add(_mul(_add(_mul(wb, _c(n)), _c(k)), _c(lanes)), bv), F32),
+                        L.LanePick("x", _add(row, _mul(g, _c(4))), "sel", _add(_mul(wb, _c(lanes)), bv), 2 * k))
+            body.append(_vloop(lanes, lanes, L.Store("acc", _add(_c(u * lanes), bv), term, "add")))
+    return lets + [L.LocalArray("acc", F32, U * lanes, L.Const(0.0, F32), vector=lanes),
+                   L.For(g, _c(0), groups, L.block(*body))]
+
+
+def finish(plan: Tiles, b: L.Expr, ts: L.Expr, nt: L.Expr) -> list:
+    """The sums of ``accumulate`` (and the bias, ``bias[b * lanes + r]``: padded to whole blocks) through the
+    activation into ``tb``, then into ``y``'s rows ``ts .. ts + nt``: a vector a token where the block is whole,
+    row by row in the last, partial block."""
+    lanes, U = plan.lanes, plan.unroll
+    bv, u, r, k = L.Var("bv"), L.Var("su"), L.Var("sr"), L.Var("ak")
+    n_out = L.Var("n_out")
+    value = L.Load("acc", _add(_mul(u, _c(lanes)), bv), F32)
+    if plan.bias:
+        value = _add(value, L.Load("bias", _add(_mul(b, _c(lanes)), bv), F32))
+    out = [L.For(u, _c(0), _c(U), L.block(_vloop(lanes, lanes, L.Store("tb", _add(_mul(u, _c(lanes)), bv), value))),
+                 unroll=True)]
+    if plan.activation is not None:
+        out.append(L.For(k, _c(0), _c(U * lanes), L.block(L.Store("tb", k, activated(plan, L.Load("tb", k, F32)))),
+                         simd=True))
+    first = _mul(b, _c(lanes))
+    whole = L.For(u, _c(0), nt, L.block(_vloop(lanes, lanes, L.Store(
+        "y", _add(_mul(_add(ts, u), n_out), first, bv), L.Load("tb", _add(_mul(u, _c(lanes)), bv), F32)))))
+    count = L.binary("sub", n_out, first)
+    part = L.For(u, _c(0), nt, L.block(L.For(r, _c(0), count, L.block(L.Store(
+        "y", _add(_mul(_add(ts, u), n_out), first, r), L.Load("tb", _add(_mul(u, _c(lanes)), r), F32))))))
+    return out + [L.If(L.binary("ge", count, _c(lanes)), L.block(whole), L.block(part))]
+
+
+def forward(plan: Tiles) -> L.Kernel:
+    """``y = x @ W^T (+ bias)``: work items of a token tile (``picks`` micro-kernels of ``unroll`` tokens) and a
+    chunk of ``row_chunk`` rows (a multiple of ``lanes``), each row block of the chunk against the tile's
+    micro-kernels in turn (its values read from L1 after the first)."""
+    if not plan.picks:
+        raise ValueError(f"scorch: weights_picks.forward takes a plan of ``planned``; got {plan}")
+    lanes, U, T = plan.lanes, plan.unroll, plan.T
+    n, n_out = L.Var("n"), L.Var("n_out")
+    item, tile, chunk, b, s = L.Var("item"), L.Var("tile"), L.Var("chunk"), L.Var("b"), L.Var("s")
+    ts, nt = L.Var("ts"), L.Var("nt")
+    tiles_n = L.binary("floordiv", _add(n, _c(T - 1)), _c(T))
+    r_lo = _mul(chunk, L.Var("row_chunk"))
+    r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
+    micro = L.block(L.Let(nt, L.binary("min", _c(U), L.binary("sub", n, ts))),
+                    *accumulate(plan, b, ts, nt), *finish(plan, b, ts, nt))
+    blocks = L.For(b, L.binary("floordiv", r_lo, _c(lanes)), L.binary("floordiv", _add(r_hi, _c(lanes - 1)), _c(lanes)),
+                   L.block(L.For(s, _c(0), _c(plan.picks), L.block(
+                       L.Let(ts, _add(_mul(tile, _c(T)), _mul(s, _c(U)))),
+                       L.If(L.binary("lt", ts, n), micro)))))
+    work = L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(
+        L.Let(tile, L.binary("floordiv", item, L.Var("chunks"))),
+        L.Let(chunk, L.binary("mod", item, L.Var("chunks"))), blocks),
+        parallel=L.Parallel("static", None, L.block(L.Alloc("tb", F32, _c(U * lanes))), chunk=1))
+    params = tuple(p for p in _params(plan, "x", "y") if p.name != "crd")
+    sel = L.Param("sel", "array", "i8")
+    return L.Kernel(plan.name + "_picks", (sel,) + params, L.block(work))
