@@ -84,6 +84,18 @@ def quarters(shape, seed, density=1.0, dtype=torch.float32):
 
 # --- spying on scorch ------------------------------------------------------------------------------------------
 
+def lane_picks_on(monkeypatch, module, name: str) -> list:
+    """The weight family's target with n:4 rows in lanes on (``Target.lane_picks``, whatever the CPU), and a list
+    recording the plan (the 4th argument) of each call of ``module.name``."""
+    import dataclasses
+
+    from scorch.engine import weights
+    monkeypatch.setattr(weights, "CPU", dataclasses.replace(weights.CPU, lane_picks=True))
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(a[3]) or real(*a))
+    return calls
+
+
 @contextlib.contextmanager
 def record_sparse_ops():
     """Counts, per torch function, the calls that reached ``SparseTensor.__torch_function__``."""

@@ -55,25 +55,30 @@ def planned(plan: Tiles) -> Tiles:
                    halves=False, picks=PICK_SUBTILES)
 
 
-def accumulate(plan: Tiles, b: L.Expr, ts: L.Expr, nt: L.Expr) -> list:
+def accumulate(plan: Tiles, b: L.Expr, ts: L.Expr, nt: L.Expr, token_at=None, group_loop=None) -> list:
     """The micro-kernel: ``acc[u * lanes + r] = sum over the row's stored values of value * x[token, column]`` for
     the row block ``b`` (rows ``b * lanes + r``) and the tokens ``ts + u`` (``u`` past ``nt`` repeat the last
-    token, their sums dropped by ``finish``)."""
+    token, their sums dropped by ``finish``). ``token_at(t)``: where token ``t``'s features start in ``x`` (a
+    product: ``t * n_in``); ``group_loop(visit)``: the loop over the groups, ``visit(g, at)`` the body of group
+    ``g`` whose 4 features are at ``at`` from a token's start (a product: ``g`` over ``groups``, at ``4 g``)."""
     lanes, U, (n, _) = plan.lanes, plan.unroll, plan.group
-    g, groups, n_in = L.Var("g"), L.Var("groups"), L.Var("n_in")
+    g, groups = L.Var("g"), L.Var("groups")
+    token_at = token_at or (lambda t: _mul(t, L.Var("n_in")))
+    group_loop = group_loop or (lambda visit: L.For(g, _c(0), groups, L.block(*visit(g, _mul(g, _c(4))))))
     rows = [L.Var(f"xr{u}") for u in range(U)]
-    lets = [L.Let(r, _mul(_add(ts, L.binary("min", _c(u), L.binary("sub", nt, _c(1)))), n_in))
-            for u, r in enumerate(rows)]
-    bv = L.Var("bv")
-    wb = L.Var("wb")
-    body = [L.Let(wb, _add(_mul(b, groups), g))]
-    for u, row in enumerate(rows):
-        for k in range(n):
-            term = _mul(L.Load("vals", _add(_mul(_add(_mul(wb, _c(n)), _c(k)), _c(lanes)), bv), F32),
-                        L.LanePick("x", _add(row, _mul(g, _c(4))), "sel", _add(_mul(wb, _c(lanes)), bv), 2 * k))
-            body.append(_vloop(lanes, lanes, L.Store("acc", _add(_c(u * lanes), bv), term, "add")))
-    return lets + [L.LocalArray("acc", F32, U * lanes, L.Const(0.0, F32), vector=lanes),
-                   L.For(g, _c(0), groups, L.block(*body))]
+    last = L.binary("sub", nt, _c(1))
+    lets = [L.Let(r, token_at(_add(ts, L.binary("min", _c(u), last)))) for u, r in enumerate(rows)]
+    bv, wb = L.Var("bv"), L.Var("wb")
+
+    def visit(gv, at):
+        body = [L.Let(wb, _add(_mul(b, groups), gv))]
+        for u, row in enumerate(rows):
+            for k in range(n):
+                term = _mul(L.Load("vals", _add(_mul(_add(_mul(wb, _c(n)), _c(k)), _c(lanes)), bv), F32),
+                            L.LanePick("x", _add(row, at), "sel", _add(_mul(wb, _c(lanes)), bv), 2 * k))
+                body.append(_vloop(lanes, lanes, L.Store("acc", _add(_c(u * lanes), bv), term, "add")))
+        return body
+    return lets + [L.LocalArray("acc", F32, U * lanes, L.Const(0.0, F32), vector=lanes), group_loop(visit)]
 
 
 def finish(plan: Tiles, b: L.Expr, ts: L.Expr, nt: L.Expr) -> list:
@@ -100,10 +105,11 @@ def finish(plan: Tiles, b: L.Expr, ts: L.Expr, nt: L.Expr) -> list:
     return out + [L.If(L.binary("ge", count, _c(lanes)), L.block(whole), L.block(part))]
 
 
-def forward(plan: Tiles) -> L.Kernel:
+def forward(plan: Tiles, conv: bool = False) -> L.Kernel:
     """``y = x @ W^T (+ bias)``: work items of a token tile (``picks`` micro-kernels of ``unroll`` tokens) and a
     chunk of ``row_chunk`` rows (a multiple of ``lanes``), each row block of the chunk against the tile's
-    micro-kernels in turn (its values read from L1 after the first)."""
+    micro-kernels in turn (its values read from L1 after the first). ``conv``: the implicit product of a 2-d
+    convolution (``conv_parts``)."""
     if not plan.picks:
         raise ValueError(f"scorch: weights_picks.forward takes a plan of ``planned``; got {plan}")
     lanes, U, T = plan.lanes, plan.unroll, plan.T
@@ -114,7 +120,7 @@ def forward(plan: Tiles) -> L.Kernel:
     r_lo = _mul(chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
     micro = L.block(L.Let(nt, L.binary("min", _c(U), L.binary("sub", n, ts))),
-                    *accumulate(plan, b, ts, nt), *finish(plan, b, ts, nt))
+                    *accumulate(plan, b, ts, nt, *(conv_parts() if conv else ())), *finish(plan, b, ts, nt))
     blocks = L.For(b, L.binary("floordiv", r_lo, _c(lanes)), L.binary("floordiv", _add(r_hi, _c(lanes - 1)), _c(lanes)),
                    L.block(L.For(s, _c(0), _c(plan.picks), L.block(
                        L.Let(ts, _add(_mul(tile, _c(T)), _mul(s, _c(U)))),
@@ -124,5 +130,34 @@ def forward(plan: Tiles) -> L.Kernel:
         L.Let(chunk, L.binary("mod", item, L.Var("chunks"))), blocks),
         parallel=L.Parallel("static", None, L.block(L.Alloc("tb", F32, _c(U * lanes))), chunk=1))
     params = tuple(p for p in _params(plan, "x", "y") if p.name != "crd")
-    sel = L.Param("sel", "array", "i8")
-    return L.Kernel(plan.name + "_picks", (sel,) + params, L.block(work))
+    extra = tuple(L.Param(name, "scalar", I64) for name in CONV_SCALARS) + (L.Param("taps", "array", I64),) \
+        if conv else ()
+    name = plan.name + ("_picks_conv" if conv else "_picks")
+    return L.Kernel(name, (L.Param("sel", "array", "i8"),) + params + extra, L.block(work))
+
+
+#: the scalars of the convolution's kernel (``conv_parts``)
+CONV_SCALARS = ("cpg", "pixels", "wo", "img_stride", "row_stride", "col_stride")
+
+
+def conv_parts() -> tuple:
+    """``(token_at, group_loop)`` of a 2-d convolution as the implicit product of its weight's matrix view (columns
+    in the order (kh, kw, in): a group is 4 input channels of one tap) and the unfolded input, read in place from a
+    padded channels-last buffer ``x`` (images x padded rows x padded columns x channels): token ``t`` is the
+    output pixel ``(t / pixels, t % pixels / wo, t % wo)``, its features start at its image's, row's and
+    column's strides; the groups run over the taps (``taps[k]``: the tap's offset in the buffer) and, in each, the
+    ``cpg`` groups of 4 channels. (No unfolded copy: a 3 x 3 convolution's would be 9 times the input.)"""
+    pixels, wo, tap, cb = L.Var("pixels"), L.Var("wo"), L.Var("tap"), L.Var("cb")
+    cpg, at = L.Var("cpg"), L.Var("tap_at")
+
+    def token_at(t):
+        p = L.binary("mod", t, pixels)
+        return _add(_mul(L.binary("floordiv", t, pixels), L.Var("img_stride")),
+                    _mul(L.binary("floordiv", p, wo), L.Var("row_stride")),
+                    _mul(L.binary("mod", p, wo), L.Var("col_stride")))
+
+    def group_loop(visit):
+        return L.For(tap, _c(0), L.binary("floordiv", L.Var("groups"), cpg), L.block(
+            L.Let(at, L.Load("taps", tap, I64)),
+            L.For(cb, _c(0), cpg, L.block(*visit(_add(_mul(tap, cpg), cb), _add(at, _mul(cb, _c(4))))))))
+    return token_at, group_loop

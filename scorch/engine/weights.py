@@ -89,6 +89,7 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     if entry is None:
         build = {"forward": picks.forward if plan.picks else family.forward, "dots": family.row_dots,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
+                 "conv": functools.partial(picks.forward, conv=True),
                  "input_grad": family.backward_input,
                  "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
         kernel = build[part](plan)
@@ -425,13 +426,11 @@ def _picks(plan: family.Tiles, n: int) -> bool:
     return picks.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n)
 
 
-def _by_picks(weight: SparseTensor, x: torch.Tensor, y: torch.Tensor, plan: family.Tiles, crd: torch.Tensor,
-              bias) -> None:
-    """``y = x @ weight.T (+ bias)`` (activation as planned) through ``weights_picks``: the weight's fields and
-    values laid out in row blocks of the plan's lanes (made once per pattern and per version of the values; the
-    values' copy is kept beside the weight's own), the bias padded to whole blocks."""
-    plan = picks.planned(plan)
-    (n_out, n_in), (n, _), lanes = weight._shape, plan.group, plan.lanes
+def lane_layout(weight: SparseTensor, crd: torch.Tensor, lanes: int) -> tuple:
+    """``(sel, vals)``: an n:4 weight's in-group columns (2 bits a stored value, a byte a row and group) and values
+    in row blocks of ``lanes`` rows, as ``weights_picks`` reads them; made once per pattern and per version of the
+    values (the values' copy is kept beside the weight's own)."""
+    (n_out, n_in), n = weight._shape, kind_of(weight)[2][0]
     groups = n_in // 4
 
     def fields():
@@ -442,12 +441,26 @@ def _by_picks(weight: SparseTensor, x: torch.Tensor, y: torch.Tensor, plan: fami
     vals = weight._vals
     laid = _PICK_VALUES.lookup(("lanes", lanes, n_out), vals,
                                lambda: _lane_blocks(vals.detach().reshape(n_out, groups, n), n_out, lanes))
-    extra = {}
-    if bias is not None:
-        extra["bias"] = torch.zeros(-(-n_out // lanes) * lanes, dtype=torch.float32)
-        extra["bias"][:n_out] = bias
+    return sel, laid
+
+
+def lane_bias(bias, rows: int, lanes: int) -> dict:
+    """The kernels' bias argument for ``weights_picks``: float32, padded with zeros to whole blocks of ``lanes``."""
+    if bias is None:
+        return {}
+    padded = torch.zeros(-(-rows // lanes) * lanes, dtype=torch.float32)
+    padded[:rows] = bias
+    return {"bias": padded}
+
+
+def _by_picks(weight: SparseTensor, x: torch.Tensor, y: torch.Tensor, plan: family.Tiles, crd: torch.Tensor,
+              bias) -> None:
+    """``y = x @ weight.T (+ bias)`` (activation as planned) through ``weights_picks`` (``lane_layout``)."""
+    plan = picks.planned(plan)
+    sel, laid = lane_layout(weight, crd, plan.lanes)
+    n_out = weight._shape[0]
     _run("forward", plan, weight._shape, {"sel": sel, "vals": laid}, x.shape[0],
-         *_split(plan, x.shape[0], n_out, torch.get_num_threads()), x=x, y=y, **extra)
+         *_split(plan, x.shape[0], n_out, torch.get_num_threads()), x=x, y=y, **lane_bias(bias, n_out, plan.lanes))
 
 
 def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:

@@ -37,7 +37,7 @@ import torch
 
 from ..compiler.caches import register
 from ..engine import asformat
-from ..engine import conv_direct, conv_grad
+from ..engine import conv_direct, conv_grad, conv_picks
 from ..engine.convert import coo_from_entries
 from ..formats import named, storage
 from ..sparse_tensor import NoSparseRule, SparseTensor, implements, padding_of
@@ -190,12 +190,26 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
         grads = torch.is_grad_enabled() and (x.requires_grad or weight._vals.requires_grad or weight.requires_grad or
                                              (bias is not None and bias.requires_grad))
         with torch.no_grad():
-            out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
+            out = _picks(x, weight, bias, stride, dilation, pads, groups)
+            if out is None:
+                out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups)
         if out is not None:
             if grads:  # (the result made above, handed to the graph's node: its backward runs direct kernels too)
                 out = _DirectConv.apply(x, weight.values(), bias, (weight, stride, dilation, pads, groups, out))
             return out if batched else out.squeeze(0)
     return _general(x, weight, bias, stride, dilation, pads, groups, batched)
+
+
+def _picks(x, weight, bias, stride, dilation, pads, groups):
+    """The 2-d convolution through ``engine.conv_picks`` where it serves (an n:4 matrix view on a CPU that takes
+    the rows-in-lanes kernel), else None."""
+    kernel = tuple(weight._shape[2:])
+    pixels = x.shape[0] * math.prod((n + sum(p) - dl * (k - 1) - 1) // s + 1
+                                    for n, p, k, s, dl in zip(x.shape[2:], pads, kernel, stride, dilation))
+    if not conv_picks.serves(view_format_of(weight), x, groups, pixels) or weight._vals.dtype != torch.float32 or \
+            (bias is not None and bias.dtype != torch.float32):
+        return None
+    return conv_picks.conv2d(matrix_view(weight, groups), x, bias, kernel, stride, dilation, pads)
 
 
 def _general(x, weight, bias, stride, dilation, pads, groups, batched=True):

@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import scorch
+from conftest import lane_picks_on
 from scorch import loopir as L
 from scorch.compiler import interp, weights as family, weights_picks as picks
 from scorch.compiler.codegen import cpp
@@ -24,11 +25,7 @@ F = torch.nn.functional
 @pytest.fixture
 def lane_picks(monkeypatch):
     """The engine's target with the kernel on, and a list recording the plans it runs."""
-    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=True))
-    calls = []
-    real = kernels._by_picks
-    monkeypatch.setattr(kernels, "_by_picks", lambda *a: calls.append(a[3]) or real(*a))
-    return calls
+    return lane_picks_on(monkeypatch, kernels, "_by_picks")
 
 
 def _weight(n: int, out: int, inp: int, seed: int, density: float = 1.0) -> torch.Tensor:

@@ -89,12 +89,16 @@ template <typename T> static inline scorch_vf32 scorch_expand_at(const T* v, uin
   return scorch_expand_at(v, m);
 }}
 #endif
-template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0,
-                                                    const T* end = nullptr) {{
-  const uint32_t b = bits & 0xFFFFu;
-  const T* at = v + __builtin_popcount(b & ((1u << lane0) - 1u));
-  const uint32_t m = (b >> lane0) & {hex((1 << lanes) - 1)}u;
-  return end ? scorch_expand_at(at, m, end) : scorch_expand_at(at, m);
+template <typename T> static inline const T* scorch_expand_from(const T* v, uint32_t bits, int64_t lane0) {{
+  return v + __builtin_popcount(bits & 0xFFFFu & ((1u << lane0) - 1u));
+}}
+// (two overloads, not a defaulted end: a test of end in the group's loop cost ~8% at one bfloat16 token)
+template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0) {{
+  return scorch_expand_at(scorch_expand_from(v, bits, lane0), ((bits & 0xFFFFu) >> lane0) & {hex((1 << lanes) - 1)}u);
+}}
+template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0, const T* end) {{
+  return scorch_expand_at(scorch_expand_from(v, bits, lane0), ((bits & 0xFFFFu) >> lane0) & {hex((1 << lanes) - 1)}u,
+                          end);
 }}
 #endif
 """

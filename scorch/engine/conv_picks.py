@@ -1,0 +1,55 @@
+"""2-d convolutions of an n:4 weight through ``compiler.weights_picks``: the implicit product of the weight's matrix
+view (``out x kh * kw * in``, columns in the order (kh, kw, in): a group is 4 input channels of one tap) and the
+unfolded input, read in place from the input padded once into a channels-last buffer. The output pixels are the
+product's tokens and the result is written channels-last, a vector of output channels at a time.
+
+Where the CPU takes the rows-in-lanes kernel (``Target.lane_picks``: AMD with AVX2), this replaces the direct
+convolution (``engine.conv_direct``) for these weights: there the output pixels fill the lanes and each stored
+value is a broadcast and a load a vector of pixels, load-bound with 8 lanes (ResNet-18 2:4 at 0.8x dense on an
+AMD EPYC Zen 3).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..compiler import weights as family
+from ..compiler import weights_picks as picks
+from ..formats.format import nm_size
+from ..sparse_tensor import SparseTensor
+from . import weights as kernels
+
+
+def serves(view_format, x: torch.Tensor, groups: int, out_pixels: int) -> bool:
+    """Whether ``conv2d`` runs a convolution whose weight's matrix view has ``view_format``: n:4 float32 on the
+    channels (a multiple of 4 of them), one group, ``out_pixels`` tokens at least ``PICK_MIN_TOKENS``, the CPU's
+    choice (``Target.lane_picks``)."""
+    nm = nm_size(view_format)
+    return nm is not None and groups == 1 and x.dim() == 4 and x.shape[1] % 4 == 0 and \
+        x.dtype == torch.float32 and x.device.type == "cpu" and \
+        picks.serves(kernels.CPU, "nm", nm, "f32", "f32", out_pixels)
+
+
+def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride, padding, dilation)`` given the weight's matrix view ``view`` (n:4,
+    ``serves``) and its ``kernel`` (kh, kw); ``pads`` ((top, bottom), (left, right)). The result is channels-last
+    where ``x`` is, else contiguous (as torch's convolutions return)."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    (pt, pb), (pl, pr) = pads
+    hp, wp = h + pt + pb, w + pl + pr
+    ho, wo = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+    buf = torch.nn.functional.pad(x.permute(0, 2, 3, 1), (0, 0, pl, pr, pt, pb)).contiguous()
+    taps = torch.tensor([(i * dh * wp + j * dw) * c for i in range(kh) for j in range(kw)], dtype=torch.int64)
+    crd = kernels._arrays(view)["crd"]
+    out = view._shape[0]
+    tokens = n * ho * wo
+    plan = picks.planned(family.tiles(kernels.CPU, "nm", tokens, "f32", "f32", "i64", family.L.type_of(crd.dtype),
+                                      (1, 1), nm_size(view._format), bias is not None))
+    sel, vals = kernels.lane_layout(view, crd, plan.lanes)
+    y = torch.empty(tokens, out)
+    chunks, row_chunk = kernels._split(plan, tokens, out, torch.get_num_threads())
+    kernels._run("conv", plan, view._shape, {"sel": sel, "vals": vals, "taps": taps}, tokens, chunks, row_chunk,
+                 x=buf, y=y, cpg=c // 4, pixels=ho * wo, wo=wo, img_stride=hp * wp * c, row_stride=sh * wp * c,
+                 col_stride=sw * c, **kernels.lane_bias(bias, out, plan.lanes))
+    res = y.view(n, ho, wo, out).permute(0, 3, 1, 2)
+    return res if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else res.contiguous()

@@ -1,0 +1,128 @@
+"""2-d convolutions of an n:4 weight through the rows-in-lanes kernel (``scorch.engine.conv_picks``, the implicit
+product of ``scorch.compiler.weights_picks``): ``F.conv2d`` with a weight ``scorch.schedule`` pruned 2:4 (its
+matrix view's groups along the input channels) against dense torch on the masked weight, whatever CPU runs the
+tests (the kernel is switched on for them); strides, padding, dilation, rectangular kernels, batches, NCHW and
+channels_last, bias; the path taken and where it is not; gradients; the loop IR in the NumPy interpreter."""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import scorch
+from conftest import lane_picks_on
+from scorch.compiler import interp, weights as family, weights_picks as picks
+from scorch.compiler.target import Target
+from scorch.engine import conv_picks, weights as kernels
+from scorch.ops.conv import matrix_view
+
+F = torch.nn.functional
+nn = torch.nn
+
+
+@pytest.fixture
+def lane_picks(monkeypatch):
+    """The engine's target with the kernel on, and a list recording each convolution it runs."""
+    return lane_picks_on(monkeypatch, conv_picks, "conv2d")
+
+
+def _pruned(conv: nn.Conv2d, n: int = 2) -> nn.Conv2d:
+    """A copy of ``conv`` whose weight ``scorch.schedule`` prunes n:4 (groups along the input channels)."""
+    sparse = copy.deepcopy(conv)
+    s = scorch.schedule(sparse)
+    s.regex("weight").sparsify(scorch.nn.NM(n, 4))
+    s.apply()
+    return sparse
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c4=st.integers(1, 4), out=st.integers(1, 19), kh=st.integers(1, 3), kw=st.integers(1, 3),
+       stride=st.tuples(st.integers(1, 2), st.integers(1, 2)), padding=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+       dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)), batch=st.integers(1, 3),
+       extra=st.tuples(st.integers(3, 9), st.integers(3, 9)), n=st.integers(1, 3), bias=st.booleans(),
+       channels_last=st.booleans(), seed=st.integers(0, 999))
+def test_conv_equals_the_dense_conv(c4, out, kh, kw, stride, padding, dilation, batch, extra, n, bias,
+                                    channels_last, seed, monkeypatch):
+    """(The patched target is the same for every example.) Any n:4, channels a multiple of 4, output channels not a
+    whole number of vectors, outputs whose pixels are not a whole number of micro-kernels."""
+    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=True))
+    torch.manual_seed(seed)
+    conv = nn.Conv2d(4 * c4, out, (kh, kw), stride, padding, dilation, bias=bias)
+    sparse = _pruned(conv, n)
+    w = sparse.weight.to_dense()
+    x = torch.randn(batch, 4 * c4, dilation[0] * (kh - 1) + extra[0], dilation[1] * (kw - 1) + extra[1])
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        y = sparse(x)
+        ref = F.conv2d(x, w, conv.bias, stride, padding, dilation)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def test_the_path_taken_and_where_it_is_not(lane_picks):
+    """A 2:4 convolution with enough output pixels runs the kernel; groups, channels not a multiple of 4, too few
+    output pixels and CSR weights do not (and give the same values)."""
+    cases = [(nn.Conv2d(8, 16, 3, padding=1), (2, 8, 8, 8), True),
+             (nn.Conv2d(8, 16, 3, padding=1, groups=2), (2, 8, 8, 8), False),
+             (nn.Conv2d(8, 16, 3), (1, 8, 5, 5), False)]  # (9 output pixels)
+    for conv, shape, taken in cases:
+        lane_picks.clear()
+        sparse = _pruned(conv)
+        x = torch.randn(shape)
+        with torch.no_grad():
+            y = sparse(x)
+        torch.testing.assert_close(y, F.conv2d(x, sparse.weight.to_dense(), conv.bias, conv.stride, conv.padding,
+                                               conv.dilation, conv.groups), rtol=1e-4, atol=1e-4)
+        assert bool(lane_picks) == taken, conv
+    conv = nn.Conv2d(6, 8, 3, padding=1)  # (a 2:4 view on 6 channels groups across taps: refused)
+    assert not conv_picks.serves(scorch.formats.named.resolve("nm(2, 4)", 2), torch.randn(1, 6, 8, 8), 1, 64)
+
+
+def test_gradients_and_a_training_step(lane_picks):
+    """The forward through the kernel, the backward through the direct gradients: the input's, the bias's and the
+    stored weights' gradients equal the masked dense convolution's."""
+    torch.manual_seed(3)
+    conv = nn.Conv2d(8, 12, 3, stride=(1, 2), padding=1)
+    sparse = _pruned(conv)
+    w = sparse.weight.to_dense().detach().requires_grad_()
+    b = conv.bias.detach().clone().requires_grad_()
+    x1 = torch.randn(2, 8, 9, 10, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    sparse(x1).square().sum().backward()
+    F.conv2d(x2, w, b, (1, 2), 1).square().sum().backward()
+    assert lane_picks
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sparse.bias.grad, b.grad, rtol=1e-4, atol=1e-4)
+    mask = w.detach() != 0
+    torch.testing.assert_close(sparse.weight.grad.to_dense() * mask, w.grad * mask, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lanes", [2, 8])
+def test_the_loop_ir_in_the_interpreter(lanes):
+    """The convolution's kernel (``forward(conv=True)``) in the NumPy interpreter, every access checked."""
+    torch.manual_seed(4)
+    conv = nn.Conv2d(8, 5, 3, stride=2, padding=1, bias=True)
+    sparse = _pruned(conv)
+    view = matrix_view(sparse.weight)
+    crd = kernels._arrays(view)["crd"]
+    plan = picks.planned(family.tiles(Target("cpu", vector_bytes=4 * lanes, lane_picks=True), "nm", 30, "f32",
+                                      "f32", "i64", family.L.type_of(crd.dtype), (1, 1), (2, 4), True))
+    x = torch.randn(2, 8, 7, 6)
+    buf = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1)).contiguous()
+    hp, wp, ho, wo = 9, 8, 4, 3
+    taps = np.array([(i * wp + j) * 8 for i in range(3) for j in range(3)], dtype=np.int64)
+    sel, vals = kernels.lane_layout(view, crd, plan.lanes)
+    y = np.zeros(2 * ho * wo * 5, dtype=np.float32)
+    interp.run(picks.forward(plan, conv=True), {
+        "sel": sel.numpy(), "vals": vals.numpy(), "taps": taps, "bias": kernels.lane_bias(conv.bias, 5, lanes)[
+            "bias"].detach().numpy(), "x": buf.reshape(-1).numpy(), "y": y, "n": 2 * ho * wo, "n_in": 72, "n_out": 5,
+        "groups": 18, "chunks": 1, "row_chunk": math.ceil(5 / lanes) * lanes, "nthreads": 1, "cpg": 2,
+        "pixels": ho * wo, "wo": wo, "img_stride": hp * wp * 8, "row_stride": 2 * wp * 8, "col_stride": 2 * 8})
+    want = F.conv2d(x, sparse.weight.to_dense(), conv.bias, 2, 1).permute(0, 2, 3, 1).reshape(-1)
+    torch.testing.assert_close(torch.from_numpy(y), want.detach(), rtol=1e-5, atol=1e-5)
