@@ -172,6 +172,13 @@ def _taps(k: int, s: int, dl: int):
     return [((i * dl) % s, (i * dl) // s) for i in range(k)]
 
 
+def output_size(sizes, kernel, stride, dilation, pads) -> tuple:
+    """The output's spatial size: per dimension, the padded input's positions the dilated kernel fits at, ``stride``
+    apart (``pads``: (before, after) per dimension)."""
+    return tuple((n + sum(p) - dl * (k - 1) - 1) // s + 1 for n, k, s, dl, p in zip(sizes, kernel, stride, dilation,
+                                                                                    pads))
+
+
 @functools.lru_cache(maxsize=256)
 def _geometry(weight_shape, x_shape, stride, dilation, pads, lanes: int):
     """The flat buffer's layout: ``(phases, Hq, Wq, Ho, Wo, shifted)``, ``phases`` the planes, in order, each
@@ -181,8 +188,7 @@ def _geometry(weight_shape, x_shape, stride, dilation, pads, lanes: int):
     every entry's vectors of pixels are then aligned (loads that split no cache line)."""
     (kh, kw), (h, w) = weight_shape[2:], x_shape[2:]
     rows, cols = _taps(kh, stride[0], dilation[0]), _taps(kw, stride[1], dilation[1])
-    ho = (h + sum(pads[0]) - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    wo = (w + sum(pads[1]) - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    ho, wo = output_size((h, w), (kh, kw), stride, dilation, pads)
     hq = ho + max(s for _, s in rows)
     if lanes > 1:
         phases = tuple(sorted({(a, j * dilation[1]) for a, _ in rows for j in range(kw)}))

@@ -17,6 +17,7 @@ from ..compiler import weights_picks as picks
 from ..formats.format import nm_size
 from ..sparse_tensor import SparseTensor
 from . import weights as kernels
+from .conv_direct import output_size
 
 
 def serves(view_format, x: torch.Tensor, groups: int, out_pixels: int) -> bool:
@@ -37,7 +38,7 @@ def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dil
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     (pt, pb), (pl, pr) = pads
     hp, wp = h + pt + pb, w + pl + pr
-    ho, wo = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+    ho, wo = output_size((h, w), kernel, stride, dilation, pads)
     buf = torch.nn.functional.pad(x.permute(0, 2, 3, 1), (0, 0, pl, pr, pt, pb)).contiguous()
     taps = torch.tensor([(i * dh * wp + j * dw) * c for i in range(kh) for j in range(kw)], dtype=torch.int64)
     crd = kernels._arrays(view)["crd"]

@@ -204,8 +204,7 @@ def _picks(x, weight, bias, stride, dilation, pads, groups):
     """The 2-d convolution through ``engine.conv_picks`` where it serves (an n:4 matrix view on a CPU that takes
     the rows-in-lanes kernel), else None."""
     kernel = tuple(weight._shape[2:])
-    pixels = x.shape[0] * math.prod((n + sum(p) - dl * (k - 1) - 1) // s + 1
-                                    for n, p, k, s, dl in zip(x.shape[2:], pads, kernel, stride, dilation))
+    pixels = x.shape[0] * math.prod(conv_direct.output_size(x.shape[2:], kernel, stride, dilation, pads))
     if not conv_picks.serves(view_format_of(weight), x, groups, pixels) or weight._vals.dtype != torch.float32 or \
             (bias is not None and bias.dtype != torch.float32):
         return None
