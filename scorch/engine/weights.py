@@ -16,6 +16,7 @@ from .. import loopir as L
 from ..compiler import weights as family
 from ..compiler import weights_bits as bitmap
 from ..compiler import weights_chain as chain
+from ..compiler import weights_grad as grads
 from ..compiler import weights_picks as picks
 from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
@@ -23,7 +24,7 @@ from ..compiler.codegen import cpp
 from ..compiler.target import CPU, cpu_flags
 from ..formats import named
 from ..formats.format import nm_size
-from ..formats.storage import PatternMemo, ValuesMemo, coordinates, padding
+from ..formats.storage import PatternMemo, ValuesMemo, coordinates
 from ..sparse_tensor import SparseTensor
 from .weights_kept import call as _call
 
@@ -90,8 +91,8 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
         build = {"forward": picks.forward if plan.picks else family.forward, "dots": family.row_dots,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
                  "conv": functools.partial(picks.forward, conv=True),
-                 "input_grad": family.backward_input,
-                 "weight_grad": family.block_weight_grad if family.blocks_by_columns(plan) else family.weight_grad}
+                 "input_grad": grads.backward_input,
+                 "weight_grad": grads.block_weight_grad if grads.blocks_by_columns(plan) else grads.weight_grad}
         kernel = build[part](plan)
         entry = _KERNELS[(plan, part)] = (kernel, cpp.load(kernel))
     return entry
@@ -144,32 +145,6 @@ def _forward(plan: family.Tiles, weight: SparseTensor, arrays: dict, n: int, ext
     values as the plan reads them; ``extra``: ``_bias``), the rows split among the threads (``_split``)."""
     _run("forward", plan, weight._shape, arrays, n, *_split(plan, n, weight._shape[0], torch.get_num_threads()),
          **args, **extra)
-
-
-#: the transposed patterns of CSR and n:m weights (``_transposed``), by the weight's index arrays
-_TRANSPOSED = PatternMemo(1024)
-register("weight transposes", "CSR patterns of weights' transposes, with their values' permutation, by the"
-         " weight's index arrays (the input gradient of a sparse-weight linear)", _TRANSPOSED.__len__,
-         _TRANSPOSED.clear)
-
-
-def _transposed(weight: SparseTensor) -> tuple:
-    """``(pos, crd, perm)``: the CSR pattern of ``weight``'s transpose (in x out) and the permutation taking the
-    weight's values to its order (without an n:m format's padding). Made once per pattern: a weight trained in
-    place keeps its index arrays, so each backward pays one gather of the values."""
-    def make():
-        leaf, dims, inside = coordinates(weight._format, weight._shape, weight._levels)
-        if weight._format.padded:
-            inside &= ~padding(weight._format, weight._shape, weight._levels, weight._vals)
-        leaf, rows, cols = leaf[inside], dims[0][inside], dims[1][inside]
-        n_out, n_in = weight._shape
-        order = torch.argsort(cols * max(n_out, 1) + rows, stable=True)
-        itype = torch.int32 if max(leaf.numel(), n_out) < 2 ** 31 else torch.int64
-        pos = torch.zeros(n_in + 1, dtype=torch.int64)
-        pos[1:] = torch.bincount(cols, minlength=n_in).cumsum(0)
-        crd = rows[order].to(torch.int16 if n_out <= NARROW_EXTENT else itype)
-        return pos.to(itype), crd, leaf[order].to(itype)
-    return _TRANSPOSED.lookup((weight._format, tuple(weight._shape)), weight._levels, make)
 
 
 #: bitmaps of weights' patterns (``_bitmap``), by the weight's index arrays
@@ -629,41 +604,3 @@ register("stacked weights", "the index arrays of sparse weights' rows stacked (t
 _STACKED_VALUES = ValuesMemo(256)
 register("stacked weight values", "the values of sparse weights' rows stacked, by the first weight's values tensor"
          " (remade when any of them changes)", _STACKED_VALUES.__len__, _STACKED_VALUES.clear)
-
-
-def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:
-    """``dy @ weight`` (tokens x out -> tokens x in), row-major: the input gradient of ``linear``. A CSR or n:m
-    weight runs the forward kernel on its transpose (``_transposed``: each input feature's entries gathered, no
-    read-modify-write of a panel per entry); a BSR weight scatters whole blocks (``backward_input``)."""
-    dy = dy.contiguous()
-    n, (n_out, n_in) = dy.shape[0], weight._shape
-    dx = torch.empty(n, n_in, dtype=dy.dtype)
-    if n == 0 or n_in == 0:
-        return dx
-    if kind_of(weight)[0] == "bsr":
-        arrays = _arrays(weight)
-        _run("input_grad", plan_for(weight, n, False, transposed=True, arrays=arrays), weight._shape,
-             {**arrays, "vals": weight._vals}, n, 1, n_out, dy=dy, dx=dx)
-        return dx
-    pos, crd, perm = _transposed(weight)
-    plan = family.tiles(CPU, "csr", n, L.type_of(weight._vals.dtype), L.type_of(dy.dtype), L.type_of(pos.dtype),
-                        L.type_of(crd.dtype))
-    _run("forward", plan, (n_in, n_out), {"pos": pos, "crd": crd, "vals": weight._vals.index_select(0, perm)}, n,
-         *_split(plan, n, n_in, torch.get_num_threads()), x=dy, y=dx)
-    return dx
-
-
-def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``linear``'s weight values: ``(dy^T @ x)`` at the stored positions (``weight``'s values'
-    layout and dtype), summed in float32."""
-    x, dy = x.contiguous(), dy.contiguous()
-    n, n_out = x.shape[0], weight._shape[0]
-    arrays = _arrays(weight)
-    plan = plan_for(weight, n, False, arrays=arrays)
-    dw = torch.zeros(weight._vals.shape[0], dtype=torch.float32)
-    if n and n_out:
-        threads = torch.get_num_threads()
-        rows = -(-n_out // threads) if threads > 1 else n_out
-        rows = -(-rows // plan.rows) * plan.rows
-        _run("weight_grad", plan, weight._shape, arrays, n, -(-n_out // rows), rows, x=x, dy=dy, dw=dw)
-    return dw.to(weight._vals.dtype)

@@ -12,6 +12,7 @@ from .._traceable import adopt
 from ..deferred import Deferred
 from .. import engine
 from ..engine import weights as weight_kernels
+from ..engine import weights_grad as weight_grads
 from ..rules import RULES
 from ..formats import Mod, named, storage
 from ..sparse_tensor import (NoSparseRule, ShapeError, SparseTensor, dense_fallback, device_of, dtype_of, implements,
@@ -252,8 +253,8 @@ def _linear_gradient(k, ops, gout):
     if type(dy) is not torch.Tensor or dy.dtype != x.dtype:
         return None
     if k == 1:
-        return weight_kernels.input_grad(w, dy)
-    g = weight_kernels.weight_grad(w, x, dy)
+        return weight_grads.input_grad(w, dy)
+    g = weight_grads.weight_grad(w, x, dy)
     return torch.where(padding_of(w), 0, g) if w._format.padded else g
 
 

@@ -339,7 +339,8 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
     def weight_checks():
         """The dense-activation x sparse-weight family (``compiler.weights``): F.linear with CSR, BSR and n:m
         float32 and bfloat16 weights, one token (row dots), partial and several token tiles, row chunks (fewer
-        tiles than threads), all-zero rows; forward, input and weight gradients."""
+        tiles than threads), all-zero rows; forward, input and weight gradients (BSR's in slices of a block, over
+        strips of tokens, and through the transposed blocks)."""
         gen = torch.Generator().manual_seed(11)
         bad, n = [], 0
         from scorch.engine import weights as family_engine
@@ -351,7 +352,8 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         for fmt, (o, i), density in (("csr", (37, 19), 0.4), ("csr", (9, 70), 0.1), ("bsr(16, 16)", (48, 32), 0.4),
                                      ("bsr(2, 8)", (6, 24), 0.4), ("nm(2, 4)", (21, 12), 0.4),
                                      ("nm(2, 4)", (5, 68), 1.0), ("nm(3, 4)", (19, 20), 0.8),
-                                     ("csr", (1, 1), 0.4)):
+                                     ("csr", (1, 1), 0.4), ("bsr(32, 32)", (64, 96), 0.5),
+                                     ("bsr(8, 16)", (24, 48), 0.5)):
             a = values((o, i), gen, density)
             a[o // 2] = 0
             if fmt.startswith("nm"):

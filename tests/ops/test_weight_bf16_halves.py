@@ -16,7 +16,7 @@ import torch
 
 from scorch import loopir as L
 from scorch.compiler import interp
-from scorch.compiler import weights as family
+from scorch.compiler import weights as family, weights_grad as grads
 from scorch.compiler.codegen import cpp
 from scorch.compiler.codegen.bf16 import PAIR_HALF
 from scorch.compiler.codegen.prelude import VECTOR_BYTES
@@ -37,7 +37,7 @@ def test_the_plan_takes_halves_for_bfloat16_csr_at_two_vectors(width, monkeypatc
     assert not family.tiles(target, "csr", 4 * lanes, "f32", "f32", "i32", "i16").halves
     assert not family.tiles(target, "csr", lanes, "bf16", "bf16", "i32", "i16").halves
     assert not family.tiles(target, "csr", 4 * lanes, "bf16", "bf16", "i32", "i16", transposed=True).halves
-    assert "PairHalf" not in repr(family.weight_grad(plan)) and "PairHalf" in repr(family.forward(plan))
+    assert "PairHalf" not in repr(grads.weight_grad(plan)) and "PairHalf" in repr(family.forward(plan))
     assert not family.tiles(Target("cpu", vector_bytes=0), "csr", 64, "bf16", "bf16", "i32", "i16").halves
 
 

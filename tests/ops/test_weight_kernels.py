@@ -13,9 +13,9 @@ from hypothesis import given, settings, strategies as st
 
 import scorch
 from scorch import loopir as L
-from scorch.compiler import interp, weights as family, weights_bits
+from scorch.compiler import interp, weights as family, weights_bits, weights_grad as grads
 from scorch.compiler.target import CPU, Target
-from scorch.engine import weights as kernels
+from scorch.engine import weights as kernels, weights_grad
 
 F = torch.nn.functional
 FORMATS = ("csr", "bsr(2, 2)", "bsr(4, 8)", "bsr(16, 16)", "nm(2, 4)", "nm(1, 2)")
@@ -139,8 +139,8 @@ def test_gradients_equal_the_masked_dense_layer(fmt, monkeypatch):
     """Values and gradients, by the family's kernels (forward, input gradient, weight gradient)."""
     used = []
     for part in ("input_grad", "weight_grad"):
-        real = getattr(kernels, part)
-        monkeypatch.setattr(kernels, part, lambda *a, _real=real, _part=part: used.append(_part) or _real(*a))
+        real = getattr(weights_grad, part)
+        monkeypatch.setattr(weights_grad, part, lambda *a, _real=real, _part=part: used.append(_part) or _real(*a))
     out, inp = _shape(fmt, 40, 36)
     w = _weight(fmt, out, inp, 0.4, 7)
     x = torch.randn(2, 19, inp, requires_grad=True)
@@ -192,7 +192,7 @@ def test_the_loop_ir_runs_in_the_interpreter(fmt, lanes):
         plan = family.tiles(target, kind, tokens, "f32", "f32", L.type_of(arrays.get("pos", arrays["crd"]).dtype)
                             if "pos" in arrays else "i64", L.type_of(arrays["crd"].dtype), block, group,
                             bias=not transposed, transposed=transposed)
-        kernel = family.backward_input(plan) if transposed else family.forward(plan)
+        kernel = grads.backward_input(plan) if transposed else family.forward(plan)
         src = torch.randn(tokens, out) if transposed else x
         res = np.zeros((tokens, inp if transposed else out), dtype=np.float32)
         args = {"crd": arrays["crd"].numpy(), "vals": s._vals.numpy(), "n": tokens, "n_in": inp, "n_out": out,
@@ -305,7 +305,7 @@ def test_weight_gradient_loop_ir_in_the_interpreter(fmt, lanes):
             "row_chunk": -(-out // 2 // plan.rows) * plan.rows, "nthreads": 1}
     if "pos" in arrays:
         args["pos"] = arrays["pos"].numpy()
-    interp.run(family.weight_grad(plan), args)
+    interp.run(grads.weight_grad(plan), args)
     got = s.with_values(torch.from_numpy(dw)).to_dense()
     torch.testing.assert_close(got, (dy.T @ x) * (s.to_dense() != 0), rtol=1e-4, atol=1e-4)
 
