@@ -229,7 +229,7 @@ def test_sparse_weight_linear_runs_the_weight_kernels(fmt, monkeypatch):
     (``engine.weights``: forward, input gradient, weight gradient), not the general lowering's; values and
     gradients equal to eager; a second backward accumulates as eager's does, and reads the gradient off the
     parameter's own index arrays (no pattern lookup per step)."""
-    from scorch.engine import weights
+    from scorch.engine import weights, weights_grad
     from scorch.formats import storage
     torch.manual_seed(0)
     layer = torch.nn.Linear(32, 16)
@@ -250,9 +250,9 @@ def test_sparse_weight_linear_runs_the_weight_kernels(fmt, monkeypatch):
     gw, gb = layer.weight.grad.values().clone(), layer.bias.grad.clone()
     layer.zero_grad()
     calls = {}
-    for name in ("linear", "input_grad", "weight_grad"):
-        real = getattr(weights, name)
-        monkeypatch.setattr(weights, name, lambda *a, _real=real, _name=name, **k: (
+    for module, name in ((weights, "linear"), (weights_grad, "input_grad"), (weights_grad, "weight_grad")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
     compiled = torch.compile(lambda X: layer(X).relu().sum(), fullgraph=True)
     out = compiled(X)

@@ -90,7 +90,7 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     if entry is None:
         build = {"forward": picks.forward if plan.picks else family.forward, "dots": family.row_dots,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
-                 "conv": functools.partial(picks.forward, conv=True),
+                 "conv": functools.partial(picks.forward, conv=True), "picks_dw": picks.weight_grad,
                  "input_grad": grads.backward_input,
                  "weight_grad": grads.block_weight_grad if grads.blocks_by_columns(plan) else grads.weight_grad}
         kernel = build[part](plan)
@@ -401,18 +401,25 @@ def _picks(plan: family.Tiles, n: int) -> bool:
     return picks.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n)
 
 
+def lane_fields(weight: SparseTensor, crd: torch.Tensor, lanes: int) -> torch.Tensor:
+    """An n:4 weight's in-group columns, 2 bits a stored value and a byte a row and group, in row blocks of
+    ``lanes`` rows (``lane_layout``), made once per pattern."""
+    (n_out, n_in), n = weight._shape, kind_of(weight)[2][0]
+
+    def fields():
+        k = crd.reshape(n_out, n_in // 4, n).to(torch.int8)
+        shifted = k << (2 * torch.arange(n, dtype=torch.int8))
+        return _lane_blocks(shifted.sum(-1, dtype=torch.int8).unsqueeze(-1), n_out, lanes)
+    return _PICK_FIELDS.lookup(("lanes", lanes, tuple(weight._shape)), weight._levels, fields)
+
+
 def lane_layout(weight: SparseTensor, crd: torch.Tensor, lanes: int) -> tuple:
     """``(sel, vals)``: an n:4 weight's in-group columns (2 bits a stored value, a byte a row and group) and values
     in row blocks of ``lanes`` rows, as ``weights_picks`` reads them; made once per pattern and per version of the
     values (the values' copy is kept beside the weight's own)."""
     (n_out, n_in), n = weight._shape, kind_of(weight)[2][0]
     groups = n_in // 4
-
-    def fields():
-        k = crd.reshape(n_out, groups, n).to(torch.int8)
-        shifted = k << (2 * torch.arange(n, dtype=torch.int8))
-        return _lane_blocks(shifted.sum(-1, dtype=torch.int8).unsqueeze(-1), n_out, lanes)
-    sel = _PICK_FIELDS.lookup(("lanes", lanes, tuple(weight._shape)), weight._levels, fields)
+    sel = lane_fields(weight, crd, lanes)
     vals = weight._vals
     laid = _PICK_VALUES.lookup(("lanes", lanes, n_out), vals,
                                lambda: _lane_blocks(vals.detach().reshape(n_out, groups, n), n_out, lanes))

@@ -9,6 +9,7 @@ import torch
 from .. import loopir as L
 from ..compiler import weights as family
 from ..compiler import weights_grad as grads
+from ..compiler import weights_picks as picks
 from ..compiler.caches import register
 from ..compiler.target import CPU
 from ..formats.storage import PatternMemo, coordinates, padding
@@ -107,7 +108,10 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor) -> torc
     x, dy = x.contiguous(), dy.contiguous()
     n, n_out = x.shape[0], weight._shape[0]
     arrays = _arrays(weight)
-    plan = grads.grad_tiles(plan_for(weight, n, False, arrays=arrays), n)
+    plan = plan_for(weight, n, False, arrays=arrays)
+    if picks.grad_serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype) and n and n_out:
+        return _picks_grad(weight, picks.planned(plan), arrays["crd"], x, dy)
+    plan = grads.grad_tiles(plan, n)
     dw = torch.zeros(weight._vals.shape[0], dtype=torch.float32)
     if n and n_out:
         threads = torch.get_num_threads()
@@ -117,3 +121,20 @@ def weight_grad(weight: SparseTensor, x: torch.Tensor, dy: torch.Tensor) -> torc
             x, dy = block_columns(x, plan.block[1]), block_columns(dy, plan.block[0])
         kernels._run("weight_grad", plan, weight._shape, arrays, n, -(-n_out // rows), rows, x=x, dy=dy, dw=dw)
     return dw.to(weight._vals.dtype)
+
+
+def _picks_grad(weight: SparseTensor, plan, crd: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """An n:4 weight's value gradient with its rows in a vector's lanes (``compiler.weights_picks.weight_grad``):
+    ``dy``'s rows padded to whole blocks where they are not, the sums made in the blocks' layout (``lane_fields``)
+    and put back in the values' order."""
+    (n_out, n_in), lanes, k = weight._shape, plan.lanes, plan.group[0]
+    groups, blocks = n_in // 4, -(-n_out // lanes)
+    if blocks * lanes != n_out:
+        dy = torch.nn.functional.pad(dy, (0, blocks * lanes - n_out))
+    dw = torch.zeros(blocks * groups * k * lanes, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    row_chunk = -(-blocks // threads) * lanes
+    kernels._run("picks_dw", plan, (blocks * lanes, n_in), {"sel": kernels.lane_fields(weight, crd, lanes)}, x.shape[0],
+                 -(-blocks * lanes // row_chunk), row_chunk, x=x, dy=dy, dw=dw)
+    dw = dw.view(blocks, groups, k, lanes).permute(0, 3, 1, 2).reshape(blocks * lanes, groups * k)[:n_out]
+    return dw.reshape(-1).to(weight._vals.dtype)
