@@ -43,6 +43,11 @@ ROW_ACCUMULATORS = 8
 #: stays in L2 while the weight streams past it. CSR at 90%, interleaved medians (AMD Zen 4, 2 threads): 2
 #: vectors x 4 sets 1.00-1.20x faster than 4 x 2 at BERT shapes (768 <-> 3072, 128 and 1024 tokens)
 MAX_VECTORS = 2
+#: tokens per tile of a float32 CSR weight at most, where vectors are narrower than AVX-512's: ``MAX_VECTORS`` 16-lane
+#: vectors hold 32 tokens, and so do 4 of AVX2's 8 (2 accumulator sets a row, not 4). Interleaved medians, 90%, 2
+#: threads, AMD EPYC Zen 3: 2 x 8 tokens / 4 x 8, one Linear at 1024 tokens 3072 x 768 8.69 / 7.24 ms, 768 x 3072
+#: 7.95 / 8.03; at 128 tokens 1.20 / 1.13, 1.31 / 1.38; BERT-base 90% csr batch 1 84.6 / 79.8 ms, batch 8 552 / 507
+CSR_TOKENS = 32
 #: tokens per tile of an n:m weight, in vectors, whose rows go over the groups ``row_pass`` at a time
 #: (``_group_rows``). Measured at BERT shapes (768 <-> 3072, 128 and 1024 tokens, 2 threads, AMD Zen 4), 2:4
 #: float32, vectors x rows a pass: 2 x 4 1.36-1.49x the dense Linear, 4 x 3 1.24-1.47x, 4 x 2 1.09-1.31x,
@@ -134,7 +139,9 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
                      transposed, pairs, activation=activation)
     grouped = kind == "nm" and lanes > 1 and not transposed  # (rows in passes over the groups: ``_group_rows``)
     combos = grouped and tuple(group) == (2, 4) and vtype == xtype == "bf16"
-    vectors = max(1, min(GROUP_VECTORS if grouped else MAX_VECTORS, -(-tokens // lanes)))
+    most = GROUP_VECTORS if grouped else \
+        max(MAX_VECTORS, min(4, CSR_TOKENS // lanes)) if kind == "csr" and vtype == "f32" else MAX_VECTORS
+    vectors = max(1, min(most, -(-tokens // lanes)))
     unroll = max(1, min(4, ROW_ACCUMULATORS // vectors))
     # (rows a pass: a power of 2 dividing the store's rows, 8 x 1 vector, 4 x 2)
     row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if grouped else 1

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from .. import loopir as L
 from .fuse import rename
-from .weights import F32, I64, Tiles, _add, _c, _mul, _params, _work, block_rows, store
+from .weights import F32, I64, ROW_ACCUMULATORS, Tiles, _add, _c, _mul, _params, _work, block_rows, store
 
 #: the second product's names for the arrays and sizes a single product reads
 SECOND = {"pos": "pos2", "crd": "crd2", "vals": "vals2", "bias": "bias2", "panel": "mid", "groups": "groups2"}
@@ -35,6 +35,18 @@ def serves(p1: Tiles, p2: Tiles) -> bool:
     products."""
     return p1.T == p2.T and not (p1.paired or p2.paired or p1.transposed or p2.transposed) and \
         p1.xtype == p2.xtype == F32
+
+
+def matched(p1: Tiles, p2: Tiles) -> tuple:
+    """The two plans on one tile of tokens where a CSR one and an n:m one differ by it: the CSR plan (whose float32
+    tiles are longer, ``weights.CSR_TOKENS``) takes the n:m one's, its accumulator sets as ``weights.tiles`` gives
+    them. (Other tiles of different sizes do not chain: ``serves``.)"""
+    def to(p: Tiles, other: Tiles) -> Tiles:
+        if p.kind != "csr" or other.kind != "nm" or p.lanes != other.lanes or other.T % p.lanes or p.T < other.T:
+            return p
+        v = other.T // p.lanes
+        return replace(p, vectors=v, unroll=max(1, min(4, ROW_ACCUMULATORS // v)))
+    return to(p1, p2), to(p2, p1)
 
 
 def forward_chain(p1: Tiles, p2: Tiles, norm: bool = False) -> L.Kernel:

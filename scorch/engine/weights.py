@@ -516,6 +516,7 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
     a1, a2 = _arrays(w1), _arrays(w2)
     p1 = plan_for(w1, n, b1 is not None, arrays=a1, activation=act1)
     p2 = plan_for(w2, n, b2 is not None, arrays=a2, activation=act2)
+    p1, p2 = chain.matched(p1, p2)
     threads = torch.get_num_threads()
     norm_arrays = _norm_arrays(norm, n_out)
     if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or _picks(p1, n) or \

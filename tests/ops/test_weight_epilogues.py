@@ -152,7 +152,8 @@ def _chains(monkeypatch) -> list:
 def test_two_products_chained_a_tile_at_a_time(fmt1, fmt2, tokens, monkeypatch):
     """``linear_chain``: one kernel, each token tile's intermediate kept as the second product's panel (partial last
     tile, n:m and BSR on either side); one token, where the tiles do not serve, the two calls. The values are the
-    two calls' to the bit: each output summed in the same order."""
+    two calls' to the bit where both weights are of one kind (each output summed in the same order; a CSR weight
+    chained with an n:m one takes the n:m tile, shorter than its own alone: ``chain.matched``)."""
     seen = _chains(monkeypatch)
     w1, w2 = _masked(fmt1, 64, 48, 5), _masked(fmt2, 40, 64, 6)
     x, b1, b2 = 2 * torch.randn(tokens, 48), torch.randn(64), torch.randn(40)
@@ -160,7 +161,10 @@ def test_two_products_chained_a_tile_at_a_time(fmt1, fmt2, tokens, monkeypatch):
     y = kernels.linear_chain(s1, x, b1, "gelu", s2, b2, "silu")
     # (two float32 products, each summed in its own order)
     torch.testing.assert_close(y, F.silu(F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)), rtol=1e-4, atol=1e-4)
-    assert torch.equal(y, kernels.linear(s2, kernels.linear(s1, x, b1, "gelu"), b2, "silu"))
+    two = kernels.linear(s2, kernels.linear(s1, x, b1, "gelu"), b2, "silu")
+    if fmt1.split("(")[0] == fmt2.split("(")[0]:
+        assert torch.equal(y, two)
+    torch.testing.assert_close(y, two, rtol=1e-5, atol=1e-5)
     assert len(seen) == (tokens > 1)
 
 

@@ -213,7 +213,9 @@ def test_the_tile_shape_follows_the_target():
     block's rows."""
     wide, narrow = Target("cpu", vector_bytes=64), Target("cpu", vector_bytes=32)
     assert family.tiles(wide, "csr", 1024, "f32", "f32", "i32", "i32").T == 16 * family.MAX_VECTORS
-    assert family.tiles(narrow, "csr", 1024, "f32", "f32", "i32", "i32").T == 8 * family.MAX_VECTORS
+    assert family.tiles(narrow, "csr", 1024, "f32", "f32", "i32", "i32").T == family.CSR_TOKENS  # (4 of 8)
+    assert family.tiles(narrow, "csr", 1024, "bf16", "bf16", "i32", "i32").T == 8 * family.MAX_VECTORS
+    assert family.tiles(narrow, "nm", 1024, "f32", "f32", "i32", "i32", group=(2, 4)).T == 8 * family.GROUP_VECTORS
     assert family.tiles(wide, "csr", 8, "f32", "f32", "i32", "i32").T == 16
     assert family.tiles(wide, "bsr", 1024, "f32", "f32", "i32", "i32", block=(16, 16)).row_pass == 16
     assert not family.serves(wide, "bsr", 1) and family.serves(wide, "csr", 1)
