@@ -121,6 +121,12 @@ class Tiles:
         return "scorch_weights_" + ("dx_" if self.transposed else "") + self.kind
 
 
+def row_sets(vectors: int) -> int:
+    """Accumulator sets of a CSR or n:m row with tiles of ``vectors`` vectors: ``ROW_ACCUMULATORS`` vectors in
+    flight, at most 4 sets."""
+    return max(1, min(4, ROW_ACCUMULATORS // vectors))
+
+
 def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype: str, ctype: str,
           block=(1, 1), group=(1, 1), bias=False, transposed=False, activation=None) -> Tiles:
     """The tile shape for ``tokens`` tokens on ``target``: as many vectors of tokens as the tokens fill (at most
@@ -142,7 +148,7 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
     most = GROUP_VECTORS if grouped else \
         max(MAX_VECTORS, min(4, CSR_TOKENS // lanes)) if kind == "csr" and vtype == "f32" else MAX_VECTORS
     vectors = max(1, min(most, -(-tokens // lanes)))
-    unroll = max(1, min(4, ROW_ACCUMULATORS // vectors))
+    unroll = row_sets(vectors)
     # (rows a pass: a power of 2 dividing the store's rows, 8 x 1 vector, 4 x 2)
     row_pass = max(r for r in (1, 2, 4, 8) if r * vectors <= ROW_ACCUMULATORS) if grouped else 1
     halves = kind == "csr" and vtype == xtype == "bf16" and lanes > 1 and vectors == 2 and not transposed

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from .. import loopir as L
 from .fuse import rename
-from .weights import F32, I64, ROW_ACCUMULATORS, Tiles, _add, _c, _mul, _params, _work, block_rows, store
+from .weights import F32, I64, Tiles, _add, _c, _mul, _params, _work, block_rows, row_sets, store
 
 #: the second product's names for the arrays and sizes a single product reads
 SECOND = {"pos": "pos2", "crd": "crd2", "vals": "vals2", "bias": "bias2", "panel": "mid", "groups": "groups2"}
@@ -44,8 +44,7 @@ def matched(p1: Tiles, p2: Tiles) -> tuple:
     def to(p: Tiles, other: Tiles) -> Tiles:
         if p.kind != "csr" or other.kind != "nm" or p.lanes != other.lanes or other.T % p.lanes or p.T < other.T:
             return p
-        v = other.T // p.lanes
-        return replace(p, vectors=v, unroll=max(1, min(4, ROW_ACCUMULATORS // v)))
+        return replace(p, vectors=other.T // p.lanes, unroll=row_sets(other.T // p.lanes))
     return to(p1, p2), to(p2, p1)
 
 

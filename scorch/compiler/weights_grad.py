@@ -140,8 +140,7 @@ def _csr_dots(plan: Tiles, o: L.Expr, r_lo: L.Expr, dot) -> L.Block:
 
 def blocks_by_columns(plan: Tiles) -> bool:
     """Whether a BSR weight's gradient runs ``block_weight_grad``: a block's row is whole vectors."""
-    bh, bw = plan.block
-    return plan.kind == "bsr" and plan.lanes > 1 and bw % plan.lanes == 0
+    return plan.kind == "bsr" and plan.lanes > 1 and plan.block[1] % plan.lanes == 0
 
 
 def block_slices(plan: Tiles) -> tuple:
@@ -160,12 +159,13 @@ def block_slices(plan: Tiles) -> tuple:
 def block_weight_grad(plan: Tiles) -> L.Kernel:
     """A BSR weight's values' gradient, block by block: ``dw[block] = dy[:, rows]^T @ x[:, cols]`` over every token,
     a slice of the block at a time (``block_slices``: ``rs`` rows x ``cv`` vectors of columns) held in registers,
-    each token adding one row-slice of ``x`` (contiguous loads in ``x``'s own layout) times ``rs`` broadcasts of
-    ``dy``: no panels, no dot products to sum across lanes. Work items: chunks of ``row_chunk`` output rows (whole
-    block rows). (A slice re-reads its block's columns of ``x`` over the tokens, from cache: a 16 x 16 block on
-    AVX2 in 4 slices, 1024 tokens, 90%: 3072 x 768 21.4 -> 5.3 ms, where each value's dot product over the tokens,
-    summed across lanes, took 21.4.)"""
-    (bh, bw), n_in, n_out, n = plan.block, L.Var("n_in"), L.Var("n_out"), L.Var("n")
+    each token adding one row-slice of ``x`` (contiguous loads) times ``rs`` broadcasts of ``dy``: no panels, no dot
+    products to sum across lanes. ``x`` and ``dy`` are read as strips of the block's columns and rows, each strip's
+    tokens contiguous (``engine.weights_grad.block_columns``: ``x[(strip * n + t) * bw + c]``). Work items: chunks
+    of ``row_chunk`` output rows (whole block rows). (A slice re-reads its block's strip of ``x`` over the tokens,
+    from cache: a 16 x 16 block on AVX2 in 4 slices, 1024 tokens, 90%, 2 threads: 3072 x 768 21.4 -> 10.9 ms,
+    where each value's dot product over the tokens, summed across lanes, took 21.4.)"""
+    (bh, bw), n_out, n = plan.block, L.Var("n_out"), L.Var("n")
     br, p, r, t, c0, item = L.Var("br"), L.Var("p"), L.Var("r"), L.Var("t"), L.Var("c0"), L.Var("item")
     rsl, csl = L.Var("rs"), L.Var("cs")
     r_lo = _mul(item, L.Var("row_chunk"))

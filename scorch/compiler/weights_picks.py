@@ -174,7 +174,6 @@ def conv_parts() -> tuple:
     return token_at, group_loop
 
 
-
 #: tokens a tile of the value gradient (``weight_grad``): the tile's rows of ``x`` are read once per row block
 GRAD_TILE = 32
 #: groups of a tile's features that every row block goes over before the next: 256 features x 32 tokens, 32 KiB,

@@ -395,6 +395,13 @@ def _lane_blocks(t: torch.Tensor, rows: int, lanes: int) -> torch.Tensor:
     return padded.view(blocks, lanes, *t.shape[1:]).movedim(1, -1).contiguous().view(-1)
 
 
+def lane_values(t: torch.Tensor, rows: int, lanes: int, per_row: int) -> torch.Tensor:
+    """The inverse of ``_lane_blocks``: ``t`` (row blocks of ``lanes`` rows laid out lane by lane, ``per_row``
+    values a row) back in row order, the padding rows dropped: ``rows * per_row`` values."""
+    blocks = -(-rows // lanes)
+    return t.view(blocks, per_row, lanes).transpose(1, 2).reshape(blocks * lanes, per_row)[:rows].reshape(-1)
+
+
 def _picks(plan: family.Tiles, n: int) -> bool:
     """Whether ``plan``'s product of ``n`` tokens runs with the weight's rows in a vector's lanes (``_by_picks``):
     then also outside a chain or a stack of products, whose kernels hold tokens in the lanes."""

@@ -62,9 +62,11 @@ def _block_transposed(weight: SparseTensor) -> tuple:
 
 
 def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:
-    """``dy @ weight`` (tokens x out -> tokens x in), row-major: the input gradient of ``linear``. A CSR or n:m
-    weight runs the forward kernel on its transpose (``_transposed``: each input feature's entries gathered, no
-    read-modify-write of a panel per entry); a BSR weight scatters whole blocks (``backward_input``)."""
+    """``dy @ weight`` (tokens x out -> tokens x in), row-major: the input gradient of ``linear``, as the forward
+    kernel on the weight's transpose: a CSR or n:m weight's transposed pattern (``_transposed``: each input feature's
+    entries gathered, no read-modify-write of a panel per entry), a BSR weight's transposed blocks
+    (``_block_transposed``); the values gathered into its order per call. A BSR weight below half a vector of tokens
+    (where the forward kernel does not serve it) scatters whole blocks instead (``backward_input``)."""
     dy = dy.contiguous()
     n, (n_out, n_in) = dy.shape[0], weight._shape
     dx = torch.empty(n, n_in, dtype=dy.dtype)
@@ -79,15 +81,12 @@ def input_grad(weight: SparseTensor, dy: torch.Tensor) -> torch.Tensor:
     if kind == "bsr":
         (bh, bw), (pos, crd, perm) = block, _block_transposed(weight)
         vals = weight._vals.view(-1, bh, bw).index_select(0, perm).transpose(1, 2).reshape(-1)
-        vtype = L.type_of(weight._vals.dtype)
-        plan = family.tiles(CPU, kind, n, vtype, vtype, L.type_of(pos.dtype), L.type_of(crd.dtype), (bw, bh))
-        kernels._run("forward", plan, (n_in, n_out), {"pos": pos, "crd": crd, "vals": vals}, n,
-                     *_split(plan, n, n_in, torch.get_num_threads()), x=dy, y=dx)
-        return dx
-    pos, crd, perm = _transposed(weight)
-    plan = family.tiles(CPU, "csr", n, L.type_of(weight._vals.dtype), L.type_of(dy.dtype), L.type_of(pos.dtype),
-                        L.type_of(crd.dtype))
-    vals = weight._vals.index_select(0, perm)
+        block = (bw, bh)
+    else:
+        (pos, crd, perm), kind, block = _transposed(weight), "csr", (1, 1)
+        vals = weight._vals.index_select(0, perm)
+    plan = family.tiles(CPU, kind, n, L.type_of(weight._vals.dtype), L.type_of(dy.dtype), L.type_of(pos.dtype),
+                        L.type_of(crd.dtype), block)
     kernels._run("forward", plan, (n_in, n_out), {"pos": pos, "crd": crd, "vals": vals}, n,
                  *_split(plan, n, n_in, torch.get_num_threads()), x=dy, y=dx)
     return dx
@@ -97,7 +96,7 @@ def block_columns(a: torch.Tensor, width: int) -> torch.Tensor:
     """``a`` (tokens x features, row-major) as strips of ``width`` features, each strip's tokens contiguous
     (strips x tokens x width): the layout ``block_weight_grad`` reads a block's columns of ``x`` and rows of ``dy``
     in, a token's slice after the last one's, where reading them in place strides a row's length from token to token
-    (a page a token: 3072 x 768 BSR 16 x 16 at 90%, 1024 tokens, AVX2: 25 -> 5 ms)."""
+    (a page a token: 3072 x 768 BSR 16 x 16 at 90%, 1024 tokens, AVX2, 2 threads: 25 -> 10.9 ms)."""
     n, f = a.shape
     return a.view(n, f // width, width).transpose(0, 1).contiguous()
 
@@ -136,5 +135,4 @@ def _picks_grad(weight: SparseTensor, plan, crd: torch.Tensor, x: torch.Tensor, 
     row_chunk = -(-blocks // threads) * lanes
     kernels._run("picks_dw", plan, (blocks * lanes, n_in), {"sel": kernels.lane_fields(weight, crd, lanes)}, x.shape[0],
                  -(-blocks * lanes // row_chunk), row_chunk, x=x, dy=dy, dw=dw)
-    dw = dw.view(blocks, groups, k, lanes).permute(0, 3, 1, 2).reshape(blocks * lanes, groups * k)[:n_out]
-    return dw.reshape(-1).to(weight._vals.dtype)
+    return kernels.lane_values(dw, n_out, lanes, groups * k).to(weight._vals.dtype)
