@@ -91,6 +91,7 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
         build = {"forward": picks.forward if plan.picks else family.forward, "dots": family.row_dots,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
                  "conv": functools.partial(picks.forward, conv=True), "picks_dw": picks.weight_grad,
+                 "decode": picks.decode,
                  "input_grad": grads.backward_input,
                  "weight_grad": grads.block_weight_grad if grads.blocks_by_columns(plan) else grads.weight_grad}
         kernel = build[part](plan)
@@ -452,6 +453,20 @@ def _by_picks(weight: SparseTensor, x: torch.Tensor, y: torch.Tensor, plan: fami
          *_split(plan, x.shape[0], n_out, torch.get_num_threads()), x=x, y=y, **lane_bias(bias, n_out, plan.lanes))
 
 
+def _decode_picks(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, crd: torch.Tensor, bias) -> torch.Tensor:
+    """One token's product with an n:4 weight through ``weights_picks.decode`` (``lane_layout``), in float32 (a
+    16-bit token widened, the result rounded once)."""
+    plan = replace(picks.planned(plan), xtype=family.F32, unroll=1)
+    sel, laid = lane_layout(weight, crd, plan.lanes)
+    n_out, n_in = weight._shape
+    y = torch.empty(1, n_out)
+    kernel, loaded = _kernel(plan, "decode")
+    _call(kernel, loaded, {"sel": sel, "vals": laid, "x": x.float().contiguous(), "y": y, "n_out": n_out,
+                           "groups": n_in // 4, "nthreads": torch.get_num_threads(),
+                           **lane_bias(bias, n_out, plan.lanes)})
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _split(plan: family.Tiles, n: int, rows: int, threads: int) -> tuple:
     """``(chunks, row_chunk)``: the output rows in chunks of whole store blocks, enough of them that the work items
     (token tiles x chunks) keep every thread busy."""
@@ -475,6 +490,8 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
+    if n == 1 and picks.decode_serves(CPU, plan.kind, plan.group, plan.vtype, n):
+        return _decode_picks(weight, x, plan, arrays["crd"], bias)
     if n == 1:
         y1 = _by_bits(weight, x, bias, plan.kind, activation)
         if y1 is not None:

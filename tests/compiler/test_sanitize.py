@@ -348,7 +348,8 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         # (float32 n:4 at 70 tokens: the rows in a vector's lanes, ``compiler.weights_picks``, on any CPU)
         import dataclasses
         family_engine.CPU = dataclasses.replace(family_engine.CPU, lane_picks=True)
-        # (one token of a CSR at 40% and of an n:m weight without padding (every group full) reads the bitmap)
+        # (one token of a CSR at 40% reads the bitmap; of an n:4 weight, the rows in a vector's lanes with 8 or 16
+        #  float lanes (``weights_picks.decode``), padded groups (density 0.4) and full ones)
         for fmt, (o, i), density in (("csr", (37, 19), 0.4), ("csr", (9, 70), 0.1), ("bsr(16, 16)", (48, 32), 0.4),
                                      ("bsr(2, 8)", (6, 24), 0.4), ("nm(2, 4)", (21, 12), 0.4),
                                      ("nm(2, 4)", (5, 68), 1.0), ("nm(3, 4)", (19, 20), 0.8),

@@ -344,9 +344,11 @@ def test_wide_weights_keep_32_bit_coordinates():
 
 
 def _bitmap_calls(monkeypatch):
-    """Every density reads the bitmap; returns a list recording each product that did."""
+    """Every density reads the bitmap (n:4 weights too, which take ``weights_picks.decode`` where it serves);
+    returns a list recording each product that did."""
     for t in ("f32", "bf16"):
         monkeypatch.setitem(kernels.BITS_DENSITY, t, 0.0)
+    monkeypatch.setattr(kernels.picks, "decode_serves", lambda *args: False)
     calls, real = [], kernels._bitmap
     monkeypatch.setattr(kernels, "_bitmap", lambda w: calls.append(real(w)) or calls[-1])
     return calls

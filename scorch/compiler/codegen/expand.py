@@ -65,9 +65,10 @@ static inline scorch_vf32 scorch_expand_at(const float* v, uint32_t m) {{
   return (scorch_vf32)scorch_expand_place(_mm256_maskload_ps(v, k), m);
 }}
 static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m) {{
-  uint16_t h[8] = {{0, 0, 0, 0, 0, 0, 0, 0}};
-  for (int u = 0, n = __builtin_popcount(m); u < n; ++u) h[u] = v[u].bits;
-  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)h)), 16);
+  uint64_t h[2] = {{0, 0}};  // (in two registers: an array filled in a loop became a call to memcpy, and the
+  for (int u = 0, n = __builtin_popcount(m); u < n; ++u)  // call kept the row's accumulators on the stack)
+    h[u >> 2] |= (uint64_t)v[u].bits << (16 * (u & 3));
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_set_epi64x((long long)h[1], (long long)h[0])), 16);
   return (scorch_vf32)scorch_expand_place(_mm256_castsi256_ps(w), m);
 }}
 static inline scorch_vf32 scorch_expand_at(const float* v, uint32_t m, const float* end) {{
