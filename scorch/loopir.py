@@ -186,13 +186,16 @@ class Expand(Expr):
     the lanes (AVX-512's ``vexpandps``; a table permute on AVX2): a weight row read through a bitmap, one bit per
     column, instead of a coordinate per value. ``end``, where given: ``vals`` may be read up to there, so that a
     group a vector's values or more before it loads them whole, its lanes past the group's count dropped by the
-    expand (AVX2 has no masked 16-bit load, and its masked float load costs more than the rest of the expand)."""
+    expand (AVX2 has no masked 16-bit load, and its masked float load costs more than the rest of the expand).
+    ``whole`` (a vector's lanes, where nonzero): the caller has made sure that ``whole`` values from each vector's
+    first value are there to read, so every vector's values are loaded whole, with no test of ``end``."""
     vals: str
     start: Expr
     bits: Expr
     lane: Expr
     type: str = "f32"
     end: Expr | None = None
+    whole: int = 0
 
 
 @dataclass(frozen=True)

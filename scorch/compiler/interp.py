@@ -177,6 +177,11 @@ class _Interp:
             word = int(self.expr(e.bits, env)) & 0xFFFF
             if not 0 <= lane < L.BITS:
                 raise IndexError(f"lane {lane} of a {L.BITS}-column group")
+            if e.whole:  # (each vector's values read whole: ``whole`` from the vector's first)
+                first = int(self.expr(e.start, env)) + bin(word & ((1 << (lane - lane % e.whole)) - 1)).count("1")
+                if first + e.whole > vals.shape[0]:
+                    raise IndexError(f"{e.vals}[{first}:{first + e.whole}] read whole is out of bounds (length "
+                                     f"{vals.shape[0]})")
             if not word >> lane & 1:
                 return _cast(0.0, e.type)
             i = int(self.expr(e.start, env)) + bin(word & ((1 << lane) - 1)).count("1")

@@ -422,11 +422,13 @@ def test_the_bitmap_follows_the_values_once_per_pattern(monkeypatch):
     assert kernels._BITMAPS.get(("bits", s._format, (20, 50)), s._levels) is not None
 
 
-@pytest.mark.parametrize("lanes, vtype, pairs", [(4, "f32", False), (16, "f32", False), (16, "bf16", False),
-                                                  (16, "bf16", True)])
+@pytest.mark.parametrize("lanes, vtype, pairs", [(4, "f32", False), (8, "f32", False), (8, "bf16", False),
+                                                  (16, "f32", False), (16, "bf16", False), (16, "bf16", True)])
 def test_row_bits_in_the_interpreter(lanes, vtype, pairs):
     """The bitmap kernel's loop IR (``Expand``, ``PopCount``; bfloat16 pairs: ``ExpandPairDot`` on 32-bit words)
-    in the NumPy interpreter, every access checked (bfloat16 held as float32: values it holds exactly)."""
+    in the NumPy interpreter, every access checked (bfloat16 held as float32: values it holds exactly): the rows
+    that read their groups' values whole (``Expand.whole``) read no value past the values' end, the last rows
+    test it."""
     w = _weight("csr", 7, 45, 0.5, 12).bfloat16().float()
     w[4] = 0
     s = scorch.asformat(w, "csr")

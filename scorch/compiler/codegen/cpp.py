@@ -537,6 +537,10 @@ class _Emitter:
             if e.lane != L.Var(var) or L.BITS % lanes or self.mask or L.depends(e.start, var) or \
                     L.depends(e.bits, var):
                 raise ValueError("an expand's lanes are a vector loop's own, in whole vectors of a group")
+            if e.whole:
+                if e.whole != lanes:
+                    raise ValueError(f"an expand read whole in vectors of {e.whole} values, in a loop of {lanes}")
+                return f"scorch_expand_whole(&{ident(e.vals)}[{start}], (uint32_t)({bits}), {ident(var)})"
             end = "" if e.end is None else f", &{ident(e.vals)}[{self.expr(e.end)}]"
             return f"scorch_expand(&{ident(e.vals)}[{start}], (uint32_t)({bits}), {ident(var)}{end})"
         if isinstance(e, L.Common):

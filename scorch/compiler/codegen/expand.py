@@ -11,8 +11,9 @@ def expand(vector_bytes: int, bf16: str) -> str:
     reads no memory past them) and AVX-512's ``vexpandps``; on AVX2 an 8-lane permute from a table (the lane
     each value goes to, by the mask), its load whole where ``scorch_expand``'s ``end`` (the values' end) is a
     vector's values or more away (``loopir.Expand.end``), else masked (floats) or value by value (bfloat16:
-    through a small array, which stalls the load on its stores: the bfloat16 decode on an AMD Zen 3 7x slower than
-    whole loads); else lane by lane."""
+    through two registers: an array filled in a loop became a call to ``memcpy``, which kept the row's
+    accumulators on the stack); ``scorch_expand_whole`` always whole (``loopir.Expand.whole``: the caller has made
+    sure the values are there, so no test of the end a group); else lane by lane."""
     lanes = vector_bytes // 4  # (at most 16: a word's bits)
 
     def rank(m, u):
@@ -71,17 +72,23 @@ static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m) {{
   const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_set_epi64x((long long)h[1], (long long)h[0])), 16);
   return (scorch_vf32)scorch_expand_place(_mm256_castsi256_ps(w), m);
 }}
+static inline scorch_vf32 scorch_expand_whole_at(const float* v, uint32_t m) {{
+  return (scorch_vf32)scorch_expand_place(_mm256_loadu_ps(v), m);
+}}
 static inline scorch_vf32 scorch_expand_at(const float* v, uint32_t m, const float* end) {{
   if (end - v < 8) return scorch_expand_at(v, m);
-  return (scorch_vf32)scorch_expand_place(_mm256_loadu_ps(v), m);
+  return scorch_expand_whole_at(v, m);
 }}
 alignas(32) static const uint8_t scorch_expand_bf16_bytes[256][32] = {{
 {shuffles}}};
-static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m, const scorch_bf16* end) {{
-  if (end - v < 8) return scorch_expand_at(v, m);
+static inline scorch_vf32 scorch_expand_whole_at(const scorch_bf16* v, uint32_t m) {{
   const __m256i w = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)v));
   const __m256i to = _mm256_load_si256((const __m256i*)scorch_expand_bf16_bytes[m]);
   return (scorch_vf32)_mm256_castsi256_ps(_mm256_shuffle_epi8(w, to));
+}}
+static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m, const scorch_bf16* end) {{
+  if (end - v < 8) return scorch_expand_at(v, m);
+  return scorch_expand_whole_at(v, m);
 }}
 #define SCORCH_EXPAND_WHOLE
 #endif
@@ -90,12 +97,19 @@ template <typename T> static inline scorch_vf32 scorch_expand_at(const T* v, uin
   return scorch_expand_at(v, m);
 }}
 #endif
+template <typename T> static inline scorch_vf32 scorch_expand_whole_at(const T* v, uint32_t m) {{
+  return scorch_expand_at(v, m);
+}}
 template <typename T> static inline const T* scorch_expand_from(const T* v, uint32_t bits, int64_t lane0) {{
   return v + __builtin_popcount(bits & 0xFFFFu & ((1u << lane0) - 1u));
 }}
 // (two overloads, not a defaulted end: a test of end in the group's loop cost ~8% at one bfloat16 token)
 template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0) {{
   return scorch_expand_at(scorch_expand_from(v, bits, lane0), ((bits & 0xFFFFu) >> lane0) & {hex((1 << lanes) - 1)}u);
+}}
+// (a vector's values there to read whole, the caller has made sure: ``loopir.Expand.whole``)
+template <typename T> static inline scorch_vf32 scorch_expand_whole(const T* v, uint32_t bits, int64_t lane0) {{
+  return scorch_expand_whole_at(scorch_expand_from(v, bits, lane0), ((bits & 0xFFFFu) >> lane0) & {hex((1 << lanes) - 1)}u);
 }}
 template <typename T> static inline scorch_vf32 scorch_expand(const T* v, uint32_t bits, int64_t lane0, const T* end) {{
   return scorch_expand_at(scorch_expand_from(v, bits, lane0), ((bits & 0xFFFFu) >> lane0) & {hex((1 << lanes) - 1)}u,
