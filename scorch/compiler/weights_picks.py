@@ -47,14 +47,24 @@ def serves(target: Target, kind: str, group: tuple, vtype: str, xtype: str, toke
 
 def n4(kind: str, group: tuple, vtype: str, xtype: str) -> bool:
     """Whether a weight is an n:4 one of float32 values against a float32 activation (what the kernels here take)."""
-    return kind == "nm" and group[1] == 4 and 1 <= group[0] < 4 and vtype == xtype == F32
+    return n4_groups(kind, group) and vtype == xtype == F32
+
+
+def n4_groups(kind: str, group: tuple) -> bool:
+    """Whether a format is n:4 with 1 to 3 kept a group: its in-group columns fit a byte's 2-bit fields."""
+    return kind == "nm" and group[1] == 4 and 1 <= group[0] < 4
+
+
+def lane_permutes(target: Target) -> bool:
+    """Whether ``target``'s float vectors take ``LanePick``'s in-lane permute: 8 or 16 lanes (AVX2, AVX-512)."""
+    return target.lanes(F32) in (8, 16)
 
 
 def grad_serves(target: Target, kind: str, group: tuple, vtype: str, xtype: str) -> bool:
     """Whether ``weight_grad`` serves an n:4 weight's value gradient: on any target with 8 or 16 float lanes
     (AVX2's or AVX-512's permute), whichever kernel its forward takes: the other, a dot per stored value summed
     across lanes, ran 2-3x slower than the dense ``dy^T @ x`` (2:4, 3072 x 768, 1024 tokens, AVX2)."""
-    return target.lanes(F32) in (8, 16) and n4(kind, group, vtype, xtype)
+    return lane_permutes(target) and n4(kind, group, vtype, xtype)
 
 
 def planned(plan: Tiles) -> Tiles:
@@ -157,8 +167,7 @@ def decode_serves(target: Target, kind: str, group: tuple, vtype: str, tokens: i
     layout keeps at the values and a byte a row and group (2:4 bfloat16: 1.25 bytes a column, dense 2), and it
     reads them with a permute and a multiply-add per stored value: on an AMD EPYC Zen 3 (2 threads, 2:4 bfloat16,
     11008 x 4096) the bitmap kernel (an expand per 8 columns) took 4.8 ms, this layout in hand-written C++ 2.1."""
-    return tokens == 1 and target.lanes(F32) in (8, 16) and kind == "nm" and group[1] == 4 and \
-        1 <= group[0] < 4 and vtype in (F32, "bf16")
+    return tokens == 1 and lane_permutes(target) and n4_groups(kind, group) and vtype in (F32, "bf16")
 
 
 def decode_chains(n: int) -> int:

@@ -464,7 +464,7 @@ def _decode_picks(weight: SparseTensor, x: torch.Tensor, plan: family.Tiles, crd
     n_out, n_in = weight._shape
     y = torch.empty(1, n_out)
     kernel, loaded = _kernel(plan, "decode")
-    _call(kernel, loaded, {"sel": sel, "vals": laid, "x": x.float().contiguous(), "y": y, "n_out": n_out,
+    _call(kernel, loaded, {"sel": sel, "vals": laid, "x": x.float(), "y": y, "n_out": n_out,
                            "groups": n_in // 4, "nthreads": torch.get_num_threads(),
                            **lane_bias(bias, n_out, plan.lanes)})
     return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -493,9 +493,9 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
     y = torch.empty(n, n_out, dtype=x.dtype)
     if n == 0 or n_out == 0:
         return y
-    if n == 1 and picks.decode_serves(CPU, plan.kind, plan.group, plan.vtype, n):
-        return _decode_picks(weight, x, plan, arrays["crd"], bias)
     if n == 1:
+        if picks.decode_serves(CPU, plan.kind, plan.group, plan.vtype, n):
+            return _decode_picks(weight, x, plan, arrays["crd"], bias)
         y1 = _by_bits(weight, x, bias, plan.kind, activation)
         if y1 is not None:
             return y1

@@ -75,10 +75,6 @@ static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m) {{
 static inline scorch_vf32 scorch_expand_whole_at(const float* v, uint32_t m) {{
   return (scorch_vf32)scorch_expand_place(_mm256_loadu_ps(v), m);
 }}
-static inline scorch_vf32 scorch_expand_at(const float* v, uint32_t m, const float* end) {{
-  if (end - v < 8) return scorch_expand_at(v, m);
-  return scorch_expand_whole_at(v, m);
-}}
 alignas(32) static const uint8_t scorch_expand_bf16_bytes[256][32] = {{
 {shuffles}}};
 static inline scorch_vf32 scorch_expand_whole_at(const scorch_bf16* v, uint32_t m) {{
@@ -86,7 +82,8 @@ static inline scorch_vf32 scorch_expand_whole_at(const scorch_bf16* v, uint32_t 
   const __m256i to = _mm256_load_si256((const __m256i*)scorch_expand_bf16_bytes[m]);
   return (scorch_vf32)_mm256_castsi256_ps(_mm256_shuffle_epi8(w, to));
 }}
-static inline scorch_vf32 scorch_expand_at(const scorch_bf16* v, uint32_t m, const scorch_bf16* end) {{
+// (float and bfloat16: whole where 8 values or more are left before ``end``)
+template <typename T> static inline scorch_vf32 scorch_expand_at(const T* v, uint32_t m, const T* end) {{
   if (end - v < 8) return scorch_expand_at(v, m);
   return scorch_expand_whole_at(v, m);
 }}
