@@ -85,15 +85,92 @@ def quarters(shape, seed, density=1.0, dtype=torch.float32):
 # --- spying on scorch ------------------------------------------------------------------------------------------
 
 def lane_picks_on(monkeypatch, module, name: str) -> list:
-    """The weight family's target with n:4 rows in lanes on (``Target.lane_picks``, whatever the CPU), and a list
-    recording the plan (the 4th argument) of each call of ``module.name``."""
+    """The weight family's target with n:4 rows in lanes on (``Target.lane_picks``, whatever the CPU) and depth
+    blocks off (``compiler.weights_depth``, which 8-lane CPUs take first from 40 tokens), and a list recording the
+    plan (the 4th argument) of each call of ``module.name``."""
     import dataclasses
 
     from scorch.engine import weights
     monkeypatch.setattr(weights, "CPU", dataclasses.replace(weights.CPU, lane_picks=True))
+    monkeypatch.setattr(weights, "_depth", lambda plan, n: False)
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a: calls.append(a[3]) or real(*a))
     return calls
+
+
+def takes_from(calls: list, w: torch.Tensor, fmt: str, minimum: int, tokens: tuple, threads: int) -> None:
+    """``F.linear`` on ``w`` held as ``fmt`` with a bias, at ``tokens`` tokens and ``threads`` threads, equals the
+    dense layer's, and runs the kernel ``calls`` records from ``minimum`` tokens on."""
+    import scorch
+    s, bias = scorch.asformat(w, fmt), torch.ones(w.shape[0])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in tokens:
+            calls.clear()
+            x = torch.randn(n, w.shape[1])
+            y = torch.nn.functional.linear(x, s, bias)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+            assert len(calls) == (n >= minimum)
+    finally:
+        torch.set_num_threads(old)
+
+
+def values_laid_out_again(w: torch.Tensor, tokens: int, pattern_copy) -> None:
+    """A 2:4 weight's values changed in place (an optimizer step) reach the next product (a kernel's copy of them
+    remade), while ``pattern_copy(s)``, the kernel's copy of what depends on the pattern alone, is kept."""
+    import scorch
+    F = torch.nn.functional
+    s = scorch.asformat(w, "nm(2, 4)")
+    x = torch.randn(tokens, w.shape[1])
+    results = []
+    for scale in (1, -2):
+        with torch.no_grad():
+            s._vals.copy_(scale * s._vals.abs() * torch.sign(s._vals))
+            y = F.linear(x, s)
+        results.append((pattern_copy(s), y))
+    assert results[0][0] is not None and results[0][0] is results[1][0]
+    torch.testing.assert_close(results[0][1], F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results[1][1], F.linear(x, -2 * w), rtol=1e-4, atol=1e-4)
+
+
+def trains_like_dense(calls: list, w: torch.Tensor, tokens: int) -> None:
+    """A 2:4 weight's forward (through the kernel ``calls`` records) and gradients equal the masked dense layer's,
+    and an SGD step's values reach the next forward."""
+    import scorch
+    F = torch.nn.functional
+    s = scorch.asformat(w, "nm(2, 4)").requires_grad_()
+    d = w.clone().requires_grad_()
+    x1 = torch.randn(tokens, w.shape[1], requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    F.linear(x1, s).square().sum().backward()
+    F.linear(x2, d).square().sum().backward()
+    assert calls
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-4)
+    mask = w != 0
+    torch.testing.assert_close(s.grad.to_dense() * mask, d.grad * mask, rtol=1e-4, atol=1e-4)
+    scorch.optim.SGD([s], lr=0.1).step()
+    with torch.no_grad():
+        stepped = (d - 0.1 * d.grad) * mask
+    torch.testing.assert_close(F.linear(x1.detach(), s), F.linear(x1.detach(), stepped), rtol=1e-4, atol=1e-4)
+
+
+def chains_take_two_calls(calls: list, w1: torch.Tensor, w2: torch.Tensor, tokens: int) -> None:
+    """A chain (``w1`` then ``w2``) and a stack (``w1`` twice) of 2:4 products whose kernel ``calls`` records run
+    as separate calls of it: two each, the same values as dense."""
+    import scorch
+    from scorch.engine import weights as kernels
+    F = torch.nn.functional
+    s1, s2 = scorch.asformat(w1, "nm(2, 4)"), scorch.asformat(w2, "nm(2, 4)")
+    x = torch.randn(tokens, w1.shape[1])
+    y = kernels.linear_chain(s1, x, None, "relu", s2, None, None)
+    torch.testing.assert_close(y, F.linear(F.relu(F.linear(x, w1)), w2), rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2
+    calls.clear()
+    bias = torch.ones(w1.shape[0])
+    y = kernels.linear_stacked([s1, s1], x, [None, bias])
+    torch.testing.assert_close(y, torch.cat([F.linear(x, w1), F.linear(x, w1, bias)], 1), rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2
 
 
 @contextlib.contextmanager

@@ -105,6 +105,8 @@ class Tiles:
     activation: str | None = None
     picks: int = 0  # (n:4, float32) rows in a vector's lanes: micro-kernels of ``unroll`` tokens a tile
     #                 (``weights_picks``)
+    depth: int = 0  # (n:m, float32) groups a depth block: the rows' passes over the panel a block of groups at a
+    #                 time, the weight laid out in that order (``weights_depth``)
 
     @property
     def T(self) -> int:
@@ -118,7 +120,7 @@ class Tiles:
 
     @property
     def name(self) -> str:
-        return "scorch_weights_" + ("dx_" if self.transposed else "") + self.kind
+        return "scorch_weights_" + ("dx_" if self.transposed else "") + self.kind + ("_depth" if self.depth else "")
 
 
 def row_sets(vectors: int) -> int:
@@ -437,22 +439,26 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
         packed, *body), parallel=L.Parallel("static", None, setup, chunk=1))
 
 
-def forward(plan: Tiles) -> L.Kernel:
-    """``y = x @ W^T (+ bias)``, ``W`` out x in: work items of a token tile and a chunk of ``row_chunk`` rows."""
+def forward(plan: Tiles, rows_body=None) -> L.Kernel:
+    """``y = x @ W^T (+ bias)``, ``W`` out x in: work items of a token tile and a chunk of ``row_chunk`` rows
+    (``rows_body``: as ``block_rows``'s)."""
     n_out = L.Var("n_out")
     r_lo = _mul(_chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
-    rows = block_rows(plan, r_lo, r_hi, lambda rb, count: store(plan, "y", n_out, rb, count))
+    rows = block_rows(plan, r_lo, r_hi, lambda rb, count: store(plan, "y", n_out, rb, count), rows_body)
     return L.Kernel(plan.name, _params(plan, "x", "y"), L.block(_work(plan, L.Var("n_in"), "x", [rows])))
 
 
-def block_rows(plan: Tiles, r_lo: L.Expr, r_hi: L.Expr, finish) -> L.For:
+def block_rows(plan: Tiles, r_lo: L.Expr, r_hi: L.Expr, finish, rows_body=None) -> L.For:
     """The output rows ``r_lo .. r_hi`` of the tile, a store block (``rows``) at a time: each row's stored weights
     against ``panel`` summed into ``tb`` with the bias, the activation, then ``finish(rb, count)`` (the store of
-    the block's ``count`` rows from ``rb``)."""
+    the block's ``count`` rows from ``rb``). ``rows_body(rb, re)``: the sums of the block's rows into ``tb``, where
+    another module's kernel makes them (``weights_depth``)."""
     T, R = plan.T, plan.rows
     ob, o, rb, re = L.Var("ob"), L.Var("o"), L.Var("rb"), L.Var("re")
-    if plan.kind == "bsr":
+    if rows_body is not None:
+        body = rows_body(rb, re)
+    elif plan.kind == "bsr":
         body = _bsr_rows(plan, rb)
     elif plan.row_pass > 1:
         body = _group_rows(plan, rb, re)

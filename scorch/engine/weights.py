@@ -16,6 +16,7 @@ from .. import loopir as L
 from ..compiler import weights as family
 from ..compiler import weights_bits as bitmap
 from ..compiler import weights_chain as chain
+from ..compiler import weights_depth as depth
 from ..compiler import weights_grad as grads
 from ..compiler import weights_picks as picks
 from ..compiler import weights_tiled as tiled
@@ -26,6 +27,7 @@ from ..formats import named
 from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, ValuesMemo, coordinates
 from ..sparse_tensor import SparseTensor
+from .weights_depth import laid as _depth_laid
 from .weights_kept import call as _call
 
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
@@ -88,7 +90,8 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
     entry = _KERNELS.get((plan, part))
     if entry is None:
-        build = {"forward": picks.forward if plan.picks else family.forward, "dots": family.row_dots,
+        build = {"forward": picks.forward if plan.picks else depth.forward if plan.depth else family.forward,
+                 "dots": family.row_dots,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
                  "conv": functools.partial(picks.forward, conv=True), "picks_dw": picks.weight_grad,
                  "decode": picks.decode,
@@ -407,9 +410,15 @@ def lane_values(t: torch.Tensor, rows: int, lanes: int, per_row: int) -> torch.T
 
 
 def _picks(plan: family.Tiles, n: int) -> bool:
-    """Whether ``plan``'s product of ``n`` tokens runs with the weight's rows in a vector's lanes (``_by_picks``):
-    then also outside a chain or a stack of products, whose kernels hold tokens in the lanes."""
-    return picks.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n)
+    """Whether ``plan``'s product of ``n`` tokens runs with the weight's rows in a vector's lanes (``_by_picks``)
+    or in depth blocks (``_depth``): then also outside a chain or a stack of products, whose kernels hold the
+    weight in its own layout."""
+    return _depth(plan, n) or picks.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n)
+
+
+def _depth(plan: family.Tiles, n: int) -> bool:
+    """Whether ``plan``'s product of ``n`` tokens runs in depth blocks (``compiler.weights_depth``)."""
+    return depth.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n, plan.transposed)
 
 
 def lane_fields(weight: SparseTensor, crd: torch.Tensor, lanes: int) -> torch.Tensor:
@@ -511,6 +520,11 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
         found = _by_pair_tiles(weight, x, plan, extra)
         if found is not None:
             return found
+    if _depth(plan, n):
+        plan = depth.planned(plan, n)
+        _forward(plan, weight, dict(zip(("crd", "vals"), _depth_laid(weight, arrays["crd"], plan))), n, extra, x=x,
+                 y=y)
+        return y
     if _picks(plan, n):
         _by_picks(weight, x, y, plan, arrays["crd"], bias)
         return y

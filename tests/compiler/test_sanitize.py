@@ -345,11 +345,30 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         bad, n = [], 0
         from scorch.engine import weights as family_engine
         family_engine.PAIR_TILES = True  # (bfloat16 CSR at 40% and 7 or 70 tokens: pair tiles, on any CPU)
-        # (float32 n:4 at 70 tokens: the rows in a vector's lanes, ``compiler.weights_picks``, on any CPU)
+        # (float32 n:4 at 70 tokens: the rows in a vector's lanes, ``compiler.weights_picks``, on any CPU; depth
+        #  blocks, which 8-lane CPUs take first, are checked below)
         import dataclasses
         family_engine.CPU = dataclasses.replace(family_engine.CPU, lane_picks=True)
+        depth_on, family_engine._depth = family_engine._depth, lambda plan, tokens: False
         # (one token of a CSR at 40% reads the bitmap; of an n:4 weight, the rows in a vector's lanes with 8 or 16
         #  float lanes (``weights_picks.decode``), padded groups (density 0.4) and full ones)
+        def check(fmt, a, dtype, tol, tokens, tag=""):
+            nonlocal n
+            w = a.to(dtype)
+            p = scorch.asformat(w, fmt).requires_grad_()
+            x = values((tokens, a.shape[1]), gen).to(dtype).requires_grad_()
+            y = torch.nn.functional.linear(x, p, torch.ones(a.shape[0], dtype=dtype))
+            y.backward(torch.ones_like(y))
+            n += 1
+            ref = x.detach().double() @ w.double().T + 1
+            gx = torch.ones(tokens, a.shape[0], dtype=torch.float64) @ w.double()
+            gw = (torch.ones(a.shape[0], tokens, dtype=torch.float64) @ x.detach().double()) * (a != 0)
+            got_w = p.grad.to_dense().double() * (a != 0)
+            if not (torch.allclose(y.double(), ref, rtol=tol, atol=tol) and
+                    torch.allclose(x.grad.double(), gx, rtol=tol, atol=tol) and
+                    torch.allclose(got_w, gw, rtol=tol, atol=tol)):
+                bad.append(f"weight family {fmt} {dtype} tokens={tokens}{tag}")
+
         for fmt, (o, i), density in (("csr", (37, 19), 0.4), ("csr", (9, 70), 0.1), ("bsr(16, 16)", (48, 32), 0.4),
                                      ("bsr(2, 8)", (6, 24), 0.4), ("nm(2, 4)", (21, 12), 0.4),
                                      ("nm(2, 4)", (5, 68), 1.0), ("nm(3, 4)", (19, 20), 0.8),
@@ -363,20 +382,19 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             half = fmt in ("bsr(16, 16)", "nm(2, 4)") or (o, i) in ((37, 19), (9, 70))
             for dtype, tol in ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if half else ()):
                 for tokens in (1, 7, 70):
-                    w = a.to(dtype)
-                    p = scorch.asformat(w, fmt).requires_grad_()
-                    x = values((tokens, i), gen).to(dtype).requires_grad_()
-                    y = torch.nn.functional.linear(x, p, torch.ones(o, dtype=dtype))
-                    y.backward(torch.ones_like(y))
-                    n += 1
-                    ref = x.detach().double() @ w.double().T + 1
-                    gx = torch.ones(tokens, o, dtype=torch.float64) @ w.double()
-                    gw = (torch.ones(o, tokens, dtype=torch.float64) @ x.detach().double()) * (a != 0)
-                    got_w = p.grad.to_dense().double() * (a != 0)
-                    if not (torch.allclose(y.double(), ref, rtol=tol, atol=tol) and
-                            torch.allclose(x.grad.double(), gx, rtol=tol, atol=tol) and
-                            torch.allclose(got_w, gw, rtol=tol, atol=tol)):
-                        bad.append(f"weight family {fmt} {dtype} tokens={tokens}")
+                    check(fmt, a, dtype, tol, tokens)
+        # (float32 n:m in depth blocks, ``compiler.weights_depth``, with 8-lane vectors on any CPU: store blocks of 6
+        #  rows and depth blocks of 2 groups, both ragged; 48 and 32 tokens a tile, partial ones)
+        from scorch.compiler import weights_depth
+        family_engine._depth, native = depth_on, family_engine.CPU
+        family_engine.CPU = dataclasses.replace(native, vector_bytes=32)
+        weights_depth.DEPTH_ROWS, weights_depth.DEPTH_PANEL_BYTES = 6, 2 * 4 * 48 * 4
+        for fmt, (o, i) in (("nm(2, 4)", (21, 20)), ("nm(3, 4)", (19, 12)), ("nm(2, 8)", (13, 24))):
+            a = values((o, i), gen, 0.8)
+            a = a * (torch.arange(i) % int(fmt[-2]) < int(fmt[3]))
+            for tokens in (41, 70):
+                check(fmt, a, torch.float32, 1e-5, tokens, " in depth blocks")
+        family_engine.CPU = native
         # (two products in one kernel, the intermediate in a per-thread panel; the rows of two weights stacked)
         family_engine.CHAIN_TILES_PER_THREAD = 0
         w1, w2, w3 = values((37, 19), gen, 0.4), values((21, 37), gen, 0.4), values((5, 19), gen, 0.4)

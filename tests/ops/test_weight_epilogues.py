@@ -142,8 +142,10 @@ def _chains(monkeypatch) -> list:
     monkeypatch.setattr(chain, "forward_chain", lambda p1, p2, *norm: seen.append((p1, p2)) or real(p1, p2, *norm))
     monkeypatch.setattr(kernels, "_KERNELS", {})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # (a tile a thread is enough: any CPU chains)
-    # (n:4 float32 weights run with their rows in lanes where the CPU takes it, outside chains: not here)
+    # (n:4 float32 weights run with their rows in lanes or in depth blocks where the CPU takes it, outside chains:
+    # not here)
     monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=False))
+    monkeypatch.setattr(kernels, "_depth", lambda plan, n: False)
     return seen
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import scorch
-from conftest import lane_picks_on
+from conftest import chains_take_two_calls, lane_picks_on, takes_from, trains_like_dense, values_laid_out_again
 from scorch import loopir as L
 from scorch.compiler import interp, weights as family, weights_picks as picks
 from scorch.compiler.codegen import cpp
@@ -60,53 +60,21 @@ def test_rows_in_lanes_equal_the_dense_linear(n, out, groups, tokens, bias, acti
 def test_the_engine_takes_the_kernel_and_splits_rows(lane_picks, threads):
     """F.linear on a 2:4 weight runs the kernel from ``PICK_MIN_TOKENS`` tokens (fewer: the panel kernel), at
     BERT-like widths, with fewer token tiles than threads (the rows in chunks) and more."""
-    w = _weight(2, 200, 96, 3)
-    s = scorch.asformat(w, "nm(2, 4)")
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for tokens in (picks.PICK_MIN_TOKENS - 1, picks.PICK_MIN_TOKENS, 33, 130):
-            lane_picks.clear()
-            x = torch.randn(tokens, 96)
-            y = F.linear(x, s, torch.ones(200))
-            torch.testing.assert_close(y, F.linear(x, w, torch.ones(200)), rtol=1e-4, atol=1e-4)
-            assert len(lane_picks) == (tokens >= picks.PICK_MIN_TOKENS)
-    finally:
-        torch.set_num_threads(old)
+    least = picks.PICK_MIN_TOKENS
+    takes_from(lane_picks, _weight(2, 200, 96, 3), "nm(2, 4)", least, (least - 1, least, 33, 130), threads)
 
 
 def test_values_changed_in_place_are_laid_out_again(lane_picks):
     """The values' lane layout is remade when the weight's values change (an optimizer step); the fields, made once
     per pattern, are kept."""
-    w = _weight(2, 16, 32, 4)
-    s = scorch.asformat(w, "nm(2, 4)")
-    x = torch.randn(40, 32)
-    results = []
-    for scale in (1, -2):
-        with torch.no_grad():
-            s._vals.copy_(scale * s._vals.abs() * torch.sign(s._vals))
-            y = F.linear(x, s)
-        fields = kernels._PICK_FIELDS.get(("lanes", lane_picks[-1].lanes, (16, 32)), s._levels)
-        results.append((fields, y))
-    assert results[0][0] is not None and results[0][0] is results[1][0]
-    torch.testing.assert_close(results[0][1], F.linear(x, w), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(results[1][1], F.linear(x, -2 * w), rtol=1e-4, atol=1e-4)
+    values_laid_out_again(_weight(2, 16, 32, 4), 40, lambda s: kernels._PICK_FIELDS.get(
+        ("lanes", lane_picks[-1].lanes, (16, 32)), s._levels))
 
 
 def test_gradients_and_a_training_step(lane_picks):
     """The forward through the kernel, the gradients through the family's transposed product: equal to the masked
-    dense layer's."""
-    w = _weight(2, 24, 40, 5)
-    s = scorch.asformat(w, "nm(2, 4)").requires_grad_()
-    d = w.clone().requires_grad_()
-    x1, x2 = torch.randn(50, 40, requires_grad=True), None
-    x2 = x1.detach().clone().requires_grad_()
-    F.linear(x1, s).square().sum().backward()
-    F.linear(x2, d).square().sum().backward()
-    assert lane_picks
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-4)
-    mask = w != 0
-    torch.testing.assert_close(s.grad.to_dense() * mask, d.grad * mask, rtol=1e-4, atol=1e-4)
+    dense layer's; an SGD step's values reach the next forward."""
+    trains_like_dense(lane_picks, _weight(2, 24, 40, 5), 50)
 
 
 def test_other_weights_keep_their_kernels(lane_picks):
@@ -171,14 +139,4 @@ def test_the_planner_refuses_what_the_kernel_does_not_serve():
 def test_chains_and_stacks_take_two_calls(lane_picks):
     """A chain or a stack of products with an n:4 weight the kernel serves runs as separate calls (their one kernel
     holds tokens in the lanes): the same values."""
-    w1, w2 = _weight(2, 32, 16, 8), _weight(2, 16, 32, 9)
-    s1, s2 = scorch.asformat(w1, "nm(2, 4)"), scorch.asformat(w2, "nm(2, 4)")
-    x = torch.randn(48, 16)
-    y = kernels.linear_chain(s1, x, None, "relu", s2, None, None)
-    torch.testing.assert_close(y, F.linear(F.relu(F.linear(x, w1)), w2), rtol=1e-4, atol=1e-4)
-    assert len(lane_picks) == 2
-    lane_picks.clear()
-    y = kernels.linear_stacked([s1, s1], x, [None, torch.ones(32)])
-    torch.testing.assert_close(y, torch.cat([F.linear(x, w1), F.linear(x, w1, torch.ones(32))], 1), rtol=1e-4,
-                               atol=1e-4)
-    assert len(lane_picks) == 2
+    chains_take_two_calls(lane_picks, _weight(2, 32, 16, 8), _weight(2, 16, 32, 9), 48)
