@@ -54,6 +54,14 @@ CSR_TOKENS = 32
 #: 1 x 8 1.16-1.17x, 4 x 1 (one row at a time) 0.91-1.07x; 2:4 bfloat16 (``combos``, whose panel holds 6 pairs
 #: a group: 6 * in * T bytes, 1.2 MiB at 3072 features and 64 tokens) 2 x 4 1.63-1.82 ms, 4 x 2 1.75-2.68
 GROUP_VECTORS = 2
+#: a BSR tile's rows a pass and vectors of tokens where the vectors are 16 registers (AVX2 and narrower): a block
+#: row of 16 one vector of tokens each, as on AVX-512, kept 16 accumulators there and GCC spilled three of them
+#: (a load and a store a block column). Interleaved medians, 90% bsr(16, 16), 2 threads, AMD EPYC Zen 3, rows x
+#: vectors against dense, 3072 x 768 / 768 x 3072 at 128 and 1024 tokens: 16 x 1 6.1x 6.3x 3.6x 4.9x (another run
+#: 4.5x 5.5x 4.6x 4.9x), 8 x 1 7.0x 6.5x 4.7x 5.7x, 4 x 2 7.1x 6.2x 5.0x 5.7x, 4 x 3 8.5x 8.2x 5.2x 7.0x (6.6x 8.1x
+#: 6.0x 6.9x), 2 x 4 7.4x 7.9x 6.0x 6.1x, 2 x 6 4.9x 4.6x 4.1x 4.1x
+BSR_NARROW_ROWS = 4
+BSR_NARROW_VECTORS = 3
 #: rows of the output gathered in the buffer before they are stored into ``Y``: 16 floats of a token, one line
 STORE_ROWS = 16
 
@@ -141,9 +149,13 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
     lanes = target.lanes("f32") if target.vectors else 1
     if kind == "bsr":
         bh = block[0]
-        row_pass = max(r for r in range(1, bh + 1) if bh % r == 0 and r <= ACCUMULATORS + 4)
         pairs = vtype == xtype == "bf16" and block[1] % 2 == 0 and lanes > 1 and not transposed
-        return Tiles(kind, vtype, xtype, ptype, ctype, lanes, 1, 1, tuple(block), (1, 1), bh, row_pass, bias,
+        if target.vectors and target.vector_bytes <= 32 and not pairs and not transposed:  # (16 registers)
+            row_pass = max(r for r in range(1, min(bh, BSR_NARROW_ROWS) + 1) if bh % r == 0)
+            vectors = max(1, min(ACCUMULATORS // row_pass, BSR_NARROW_VECTORS, -(-tokens // lanes)))
+        else:
+            row_pass, vectors = max(r for r in range(1, bh + 1) if bh % r == 0 and r <= ACCUMULATORS + 4), 1
+        return Tiles(kind, vtype, xtype, ptype, ctype, lanes, vectors, 1, tuple(block), (1, 1), bh, row_pass, bias,
                      transposed, pairs, activation=activation)
     grouped = kind == "nm" and lanes > 1 and not transposed  # (rows in passes over the groups: ``_group_rows``)
     combos = grouped and tuple(group) == (2, 4) and vtype == xtype == "bf16"
