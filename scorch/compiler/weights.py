@@ -431,9 +431,10 @@ def _params(plan: Tiles, x: str, y: str) -> tuple:
          L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64))
 
 
-def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
+def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None, packer=None) -> L.For:
     """The parallel loop over work items (token tile x row chunk), tile-major: each thread packs a tile's
-    panel when its item's tile is not the one its panel holds."""
+    panel when its item's tile is not the one its panel holds (``packer``: the pack's statement, where it is not
+    ``pack``'s: a convolution's, ``weights_depth.conv_pack``)."""
     T = plan.T
     tiles_n = L.binary("floordiv", _add(L.Var("n"), _c(T - 1)), _c(T))
     item = L.Var("item")
@@ -442,7 +443,8 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
                                                                 _c(T))
     panel = L.Alloc("panel", plan.xtype if plan.paired or plan.halves else F32, size)
     setup = L.block(panel, L.Alloc("tb", F32, _c(plan.rows * T)), extra, L.Decl(_cur, _c(-1)))
-    packed = L.If(L.binary("ne", _tile, _cur), L.block(pack(plan, "panel", src, width_in), L.Assign(_cur, _tile)))
+    packed = L.If(L.binary("ne", _tile, _cur), L.block(packer if packer is not None else
+                                                        pack(plan, "panel", src, width_in), L.Assign(_cur, _tile)))
     return L.For(item, _c(0), _mul(tiles_n, L.Var("chunks")), L.block(
         L.Let(_tile, L.binary("floordiv", item, L.Var("chunks"))),
         L.Let(_chunk, L.binary("mod", item, L.Var("chunks"))),
@@ -451,14 +453,16 @@ def _work(plan: Tiles, width_in: L.Expr, src: str, body, extra=None) -> L.For:
         packed, *body), parallel=L.Parallel("static", None, setup, chunk=1))
 
 
-def forward(plan: Tiles, rows_body=None) -> L.Kernel:
+def forward(plan: Tiles, rows_body=None, packer=None, params=(), name=None) -> L.Kernel:
     """``y = x @ W^T (+ bias)``, ``W`` out x in: work items of a token tile and a chunk of ``row_chunk`` rows
-    (``rows_body``: as ``block_rows``'s)."""
+    (``rows_body``: as ``block_rows``'s; ``packer``: as ``_work``'s, ``params`` the parameters it reads besides a
+    product's, ``name`` the kernel's where it is not the plan's)."""
     n_out = L.Var("n_out")
     r_lo = _mul(_chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", n_out, _add(r_lo, L.Var("row_chunk")))
     rows = block_rows(plan, r_lo, r_hi, lambda rb, count: store(plan, "y", n_out, rb, count), rows_body)
-    return L.Kernel(plan.name, _params(plan, "x", "y"), L.block(_work(plan, L.Var("n_in"), "x", [rows])))
+    return L.Kernel(name or plan.name, _params(plan, "x", "y") + tuple(params),
+                    L.block(_work(plan, L.Var("n_in"), "x", [rows], packer=packer)))
 
 
 def block_rows(plan: Tiles, r_lo: L.Expr, r_hi: L.Expr, finish, rows_body=None) -> L.For:

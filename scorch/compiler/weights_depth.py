@@ -33,7 +33,8 @@ from dataclasses import replace
 
 from .. import loopir as L
 from .target import Target
-from .weights import F32, Tiles, _add, _c, _mul, _vloop
+from .weights import F32, I64, Tiles, _add, _c, _mul, _nt, _t0, _vloop
+from .weights_picks import CONV_SCALARS, conv_parts
 from . import weights as family
 
 #: accumulator vectors of the micro-kernel: 12 of AVX2's 16 registers, the others for the broadcast value
@@ -142,3 +143,37 @@ def forward(plan: Tiles) -> L.Kernel:
     if not plan.depth:
         raise ValueError(f"scorch: weights_depth.forward takes a plan of ``planned``; got {plan}")
     return family.forward(plan, lambda rb, re: rows(plan, rb, re))
+
+
+def conv_pack(plan: Tiles) -> L.Block:
+    """The panel of a tile of a 2-d convolution's output pixels (its tokens): ``panel[(tap * C + c) * T + t] =
+    x[at(t0 + t) + taps[tap] + c]``, the input read in place from its padded channels-last buffer
+    (``weights_picks.conv_parts``: ``at`` a pixel's start, ``C = 4 * cpg`` channels). The tile's pixels go in runs
+    along an output row (consecutive pixels: ``col_stride`` apart in the buffer), each run and tap one transposed
+    copy (``loopir.Transpose``: vector tiles); the lanes past ``nt`` zero."""
+    T = plan.T
+    token_at, _ = conv_parts()
+    t, f, tap, ox, run, at = (L.Var(v) for v in ("pt", "pf", "ptap", "pox", "prun", "pat"))
+    wo, channels = L.Var("wo"), _mul(L.Var("cpg"), _c(4))
+    taps_n = L.binary("floordiv", L.Var("n_in"), channels)
+    zero = L.If(L.binary("lt", _nt, _c(T)), L.block(L.For(f, _c(0), L.Var("n_in"), L.block(
+        L.For(t, _c(0), _c(T), L.block(L.Store("panel", _add(_mul(f, _c(T)), t), L.Const(0.0, F32))))))))
+    copies = L.For(tap, _c(0), taps_n, L.block(L.Transpose(
+        "panel", _add(_mul(_mul(tap, channels), _c(T)), t), _c(T), "x", _add(at, L.Load("taps", tap, I64)),
+        L.Var("col_stride"), run, channels, F32, F32)))
+    runs = L.For(t, _c(0), _nt, L.block(
+        L.Let(ox, L.binary("mod", L.binary("mod", _add(_t0, t), L.Var("pixels")), wo)),
+        L.If(L.binary("eq", L.binary("min", t, ox), _c(0)), L.block(  # (a run starts: the tile's or a row's first)
+            L.Let(run, L.binary("min", L.binary("sub", _nt, t), L.binary("sub", wo, ox))),
+            L.Let(at, token_at(_add(_t0, t))), copies))))
+    return L.block(zero, runs)
+
+
+def conv_forward(plan: Tiles) -> L.Kernel:
+    """A 2-d convolution of an n:4 weight (its matrix view's columns in the order (kh, kw, in)) as the implicit
+    product through depth blocks: ``forward``'s kernel with ``conv_pack``'s panel (the output pixels its tokens),
+    the result channels-last (``y``: pixels x out)."""
+    if not plan.depth:
+        raise ValueError(f"scorch: weights_depth.conv_forward takes a plan of ``planned``; got {plan}")
+    params = tuple(L.Param(name, "scalar", I64) for name in CONV_SCALARS) + (L.Param("taps", "array", I64),)
+    return family.forward(plan, lambda rb, re: rows(plan, rb, re), conv_pack(plan), params, plan.name + "_conv")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..compiler import weights as family
+from ..compiler import weights_depth as depth
 from ..compiler import weights_picks as picks
 from ..formats.format import nm_size
 from ..sparse_tensor import SparseTensor
@@ -26,8 +27,15 @@ def serves(view_format, x: torch.Tensor, groups: int, out_pixels: int) -> bool:
     choice (``Target.lane_picks``)."""
     nm = nm_size(view_format)
     return nm is not None and groups == 1 and x.dim() == 4 and x.shape[1] % 4 == 0 and \
-        x.dtype == torch.float32 and x.device.type == "cpu" and \
-        picks.serves(kernels.CPU, "nm", nm, "f32", "f32", out_pixels)
+        x.dtype == torch.float32 and x.device.type == "cpu" and nm[1] == 4 and \
+        (picks.serves(kernels.CPU, "nm", nm, "f32", "f32", out_pixels) or
+         kernels._depth(_plan(nm, out_pixels, False), out_pixels))
+
+
+def _plan(nm: tuple, tokens: int, bias: bool, ctype: str = "i8") -> family.Tiles:
+    """The family's plan of an n:4 product of ``tokens`` tokens (before a kernel's own: ``picks.planned``,
+    ``depth.planned``)."""
+    return family.tiles(kernels.CPU, "nm", tokens, "f32", "f32", "i64", ctype, (1, 1), nm, bias)
 
 
 def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads) -> torch.Tensor:
@@ -44,13 +52,21 @@ def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dil
     crd = kernels._arrays(view)["crd"]
     out = view._shape[0]
     tokens = n * ho * wo
-    plan = picks.planned(family.tiles(kernels.CPU, "nm", tokens, "f32", "f32", "i64", family.L.type_of(crd.dtype),
-                                      (1, 1), nm_size(view._format), bias is not None))
-    sel, vals = kernels.lane_layout(view, crd, plan.lanes)
+    plan = _plan(nm_size(view._format), tokens, bias is not None, family.L.type_of(crd.dtype))
     y = torch.empty(tokens, out)
-    chunks, row_chunk = kernels._split(plan, tokens, out, torch.get_num_threads())
-    kernels._run("conv", plan, view._shape, {"sel": sel, "vals": vals, "taps": taps}, tokens, chunks, row_chunk,
-                 x=buf, y=y, cpg=c // 4, pixels=ho * wo, wo=wo, img_stride=hp * wp * c, row_stride=sh * wp * c,
-                 col_stride=sw * c, **kernels.lane_bias(bias, out, plan.lanes))
+    geometry = {"x": buf, "y": y, "cpg": c // 4, "pixels": ho * wo, "wo": wo, "img_stride": hp * wp * c,
+                "row_stride": sh * wp * c, "col_stride": sw * c}
+    if kernels._depth(plan, tokens):  # (depth blocks: the panel packed from the buffer, ``weights_depth``)
+        plan = depth.planned(plan, tokens)
+        offsets, vals = kernels._depth_laid(view, crd, plan)
+        arrays, extra = {"crd": offsets, "vals": vals, "taps": taps}, kernels._bias(bias, torch.float32)
+        part = "depth_conv"
+    else:
+        plan = picks.planned(plan)
+        sel, vals = kernels.lane_layout(view, crd, plan.lanes)
+        arrays, extra = {"sel": sel, "vals": vals, "taps": taps}, kernels.lane_bias(bias, out, plan.lanes)
+        part = "conv"
+    kernels._run(part, plan, view._shape, arrays, tokens, *kernels._split(plan, tokens, out, torch.get_num_threads()),
+                 **geometry, **extra)
     res = y.view(n, ho, wo, out).permute(0, 3, 1, 2)
     return res if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else res.contiguous()

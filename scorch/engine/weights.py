@@ -91,7 +91,7 @@ def _kernel(plan: family.Tiles, part: str = "forward"):
     entry = _KERNELS.get((plan, part))
     if entry is None:
         build = {"forward": picks.forward if plan.picks else depth.forward if plan.depth else family.forward,
-                 "dots": family.row_dots,
+                 "dots": family.row_dots, "depth_conv": depth.conv_forward,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
                  "conv": functools.partial(picks.forward, conv=True), "picks_dw": picks.weight_grad,
                  "decode": picks.decode,

@@ -394,6 +394,21 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             a = a * (torch.arange(i) % int(fmt[-2]) < int(fmt[3]))
             for tokens in (41, 70):
                 check(fmt, a, torch.float32, 1e-5, tokens, " in depth blocks")
+        # (2:4 convolutions: 72 output pixels through depth blocks, the panel packed from the padded buffer in runs
+        #  along output rows; 35 with the rows in lanes)
+        conv = torch.nn.Conv2d(8, 6, 3, stride=(1, 2), padding=1)
+        schedule = scorch.schedule(conv)
+        schedule["weight"].sparsify(scorch.nn.NM(2, 4))
+        schedule.apply()
+        for shape in ((2, 8, 9, 7), (1, 8, 5, 13)):
+            x = values(shape, gen).float()
+            n += 1
+            with torch.no_grad():
+                got = conv(x).double()
+                want = torch.nn.functional.conv2d(x.double(), conv.weight.to_dense().double(), conv.bias.double(),
+                                                  (1, 2), 1)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                bad.append(f"2:4 convolution {shape}")
         family_engine.CPU = native
         # (two products in one kernel, the intermediate in a per-thread panel; the rows of two weights stacked)
         family_engine.CHAIN_TILES_PER_THREAD = 0

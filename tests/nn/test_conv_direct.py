@@ -65,8 +65,10 @@ def test_dilated_taps_farther_apart_than_the_grid_is_wide(kw, dw, width):
 
 @pytest.mark.parametrize("fmt", ["csr", "bsr", "nm"])
 def test_scheduled_formats_run_direct_in_inference(fmt, monkeypatch):
-    # (2:4 runs with its rows in lanes where the CPU takes it: ``engine.conv_picks``, tested on its own)
+    # (2:4 runs with its rows in lanes or in depth blocks where the CPU takes them: ``engine.conv_picks``, tested
+    # on its own)
     monkeypatch.setattr(kernels, "CPU", dataclasses.replace(kernels.CPU, lane_picks=False))
+    monkeypatch.setattr(kernels, "_depth", lambda plan, tokens: False)
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=True)
     s = scorch.schedule(conv)

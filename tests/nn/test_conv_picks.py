@@ -1,8 +1,10 @@
 """2-d convolutions of an n:4 weight through the rows-in-lanes kernel (``scorch.engine.conv_picks``, the implicit
-product of ``scorch.compiler.weights_picks``): ``F.conv2d`` with a weight ``scorch.schedule`` pruned 2:4 (its
-matrix view's groups along the input channels) against dense torch on the masked weight, whatever CPU runs the
-tests (the kernel is switched on for them); strides, padding, dilation, rectangular kernels, batches, NCHW and
-channels_last, bias; the path taken and where it is not; gradients; the loop IR in the NumPy interpreter."""
+product of ``scorch.compiler.weights_picks``) and through depth blocks (``compiler.weights_depth.conv_forward``,
+which CPUs with 8-lane vectors take first from 40 output pixels): ``F.conv2d`` with a weight ``scorch.schedule``
+pruned 2:4 (its matrix view's groups along the input channels) against dense torch on the masked weight, whatever
+CPU runs the tests (each kernel is switched on for them); strides, padding, dilation, rectangular kernels,
+batches, NCHW and channels_last, bias; the path taken and where it is not; gradients; the loop IR in the NumPy
+interpreter."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import scorch
 from conftest import lane_picks_on
-from scorch.compiler import interp, weights as family, weights_picks as picks
+from scorch.compiler import interp, weights as family, weights_depth as depth, weights_picks as picks
 from scorch.compiler.target import Target
 from scorch.engine import conv_picks, weights as kernels
 from scorch.ops.conv import matrix_view
@@ -45,12 +47,20 @@ def _pruned(conv: nn.Conv2d, n: int = 2) -> nn.Conv2d:
        stride=st.tuples(st.integers(1, 2), st.integers(1, 2)), padding=st.tuples(st.integers(0, 2), st.integers(0, 2)),
        dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)), batch=st.integers(1, 3),
        extra=st.tuples(st.integers(3, 9), st.integers(3, 9)), n=st.integers(1, 3), bias=st.booleans(),
-       channels_last=st.booleans(), seed=st.integers(0, 999))
+       channels_last=st.booleans(), blocks=st.booleans(), seed=st.integers(0, 999))
 def test_conv_equals_the_dense_conv(c4, out, kh, kw, stride, padding, dilation, batch, extra, n, bias,
-                                    channels_last, seed, monkeypatch):
+                                    channels_last, blocks, seed, monkeypatch):
     """(The patched target is the same for every example.) Any n:4, channels a multiple of 4, output channels not a
-    whole number of vectors, outputs whose pixels are not a whole number of micro-kernels."""
-    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=True))
+    whole number of vectors, outputs whose pixels are not a whole number of micro-kernels. ``blocks``: through depth
+    blocks (8-lane vectors, store blocks of 6 rows and depth blocks of 2 groups: both ragged; tiles whose pixels
+    span output rows and images), else the rows in lanes."""
+    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=True, vector_bytes=32 if blocks else
+                                                kernels.CPU.vector_bytes))
+    if blocks:
+        monkeypatch.setattr(depth, "DEPTH_ROWS", 6)
+        monkeypatch.setattr(depth, "DEPTH_PANEL_BYTES", 2 * 4 * 48 * 4)
+    else:
+        monkeypatch.setattr(kernels, "_depth", lambda plan, tokens: False)
     torch.manual_seed(seed)
     conv = nn.Conv2d(4 * c4, out, (kh, kw), stride, padding, dilation, bias=bias)
     sparse = _pruned(conv, n)
@@ -124,5 +134,35 @@ def test_the_loop_ir_in_the_interpreter(lanes):
             "bias"].detach().numpy(), "x": buf.reshape(-1).numpy(), "y": y, "n": 2 * ho * wo, "n_in": 72, "n_out": 5,
         "groups": 18, "chunks": 1, "row_chunk": math.ceil(5 / lanes) * lanes, "nthreads": 1, "cpg": 2,
         "pixels": ho * wo, "wo": wo, "img_stride": hp * wp * 8, "row_stride": 2 * wp * 8, "col_stride": 2 * 8})
+    want = F.conv2d(x, sparse.weight.to_dense(), conv.bias, 2, 1).permute(0, 2, 3, 1).reshape(-1)
+    torch.testing.assert_close(torch.from_numpy(y), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_depth_blocks_conv_in_the_interpreter(lanes):
+    """The depth blocks' convolution (``weights_depth.conv_forward``: the panel packed from the padded buffer in runs
+    along output rows) in the NumPy interpreter, every access checked: a stride-2 conv whose 3-pixel rows split
+    each tile into runs, two images in a tile, store and depth blocks ragged."""
+    torch.manual_seed(5)
+    conv = nn.Conv2d(8, 5, 3, stride=2, padding=1, bias=True)
+    sparse = _pruned(conv)
+    view = matrix_view(sparse.weight)
+    crd = kernels._arrays(view)["crd"]
+    plan = family.tiles(Target("cpu", vector_bytes=4 * lanes), "nm", 24, "f32", "f32", "i64",
+                        family.L.type_of(crd.dtype), (1, 1), (2, 4), True)
+    plan = depth.planned(plan, 24)
+    plan = replace(plan, rows=plan.row_pass, depth=5)  # (row chunks: whole store blocks, as ``_split`` makes)
+    x = torch.randn(2, 8, 7, 6)
+    buf = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1)).contiguous()
+    hp, wp, ho, wo = 9, 8, 4, 3
+    taps = np.array([(i * wp + j) * 8 for i in range(3) for j in range(3)], dtype=np.int64)
+    offsets, vals = kernels._depth_laid(view, crd, plan)
+    y = np.zeros(2 * ho * wo * 5, dtype=np.float32)
+    interp.run(depth.conv_forward(plan), {
+        "crd": offsets.numpy(), "vals": vals.numpy(), "taps": taps, "bias": conv.bias.detach().numpy(),
+        "x": buf.reshape(-1).numpy(), "y": y, "n": 2 * ho * wo, "n_in": 72, "n_out": 5, "groups": 18,
+        "chunks": -(-5 // plan.rows), "row_chunk": plan.rows, "nthreads": 1, "cpg": 2, "pixels": ho * wo, "wo": wo,
+        "img_stride": hp * wp * 8,
+        "row_stride": 2 * wp * 8, "col_stride": 2 * 8})
     want = F.conv2d(x, sparse.weight.to_dense(), conv.bias, 2, 1).permute(0, 2, 3, 1).reshape(-1)
     torch.testing.assert_close(torch.from_numpy(y), want.detach(), rtol=1e-5, atol=1e-5)
