@@ -55,7 +55,7 @@ for V in 16 32 64; do
             tests/ops/test_weight_kernels.py::test_linear_equals_dense_linear \
             tests/ops/test_weight_backward.py::test_gradients_equal_the_masked_dense_layer \
             tests/ops/test_weight_backward.py::test_16_bit_block_gradients \
-            tests/ops/test_weight_picks_grad.py tests/ops/test_weight_picks_decode.py \
+            tests/ops/test_weight_picks_grad.py tests/ops/test_weight_picks_decode.py tests/ops/test_weight_depth.py \
             tests/nn/test_conv_direct.py::test_direct_conv_matches_dense tests/nn/test_conv_picks.py \
             tests/nn/test_conv_direct.py::test_dilated_taps_farther_apart_than_the_grid_is_wide
     done

@@ -386,8 +386,10 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
         # (float32 n:m in depth blocks, ``compiler.weights_depth``, with 8-lane vectors on any CPU: store blocks of 6
         #  rows and depth blocks of 2 groups, both ragged; 48 and 32 tokens a tile, partial ones)
         from scorch.compiler import weights_depth
+        from scorch.compiler.codegen import cpp
         family_engine._depth, native = depth_on, family_engine.CPU
-        family_engine.CPU = dataclasses.replace(native, vector_bytes=32)
+        if cpp.VECTOR_BYTES == 32:  # (8 float lanes: where the renderer's vectors are 8 floats)
+            family_engine.CPU = dataclasses.replace(native, vector_bytes=32)
         weights_depth.DEPTH_ROWS, weights_depth.DEPTH_PANEL_BYTES = 6, 2 * 4 * 48 * 4
         for fmt, (o, i) in (("nm(2, 4)", (21, 20)), ("nm(3, 4)", (19, 12)), ("nm(2, 8)", (13, 24))):
             a = values((o, i), gen, 0.8)

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import scorch
 from conftest import lane_picks_on
 from scorch.compiler import interp, weights as family, weights_depth as depth, weights_picks as picks
+from scorch.compiler.codegen import cpp
 from scorch.compiler.target import Target
 from scorch.engine import conv_picks, weights as kernels
 from scorch.ops.conv import matrix_view
@@ -54,8 +55,10 @@ def test_conv_equals_the_dense_conv(c4, out, kh, kw, stride, padding, dilation, 
     whole number of vectors, outputs whose pixels are not a whole number of micro-kernels. ``blocks``: through depth
     blocks (8-lane vectors, store blocks of 6 rows and depth blocks of 2 groups: both ragged; tiles whose pixels
     span output rows and images), else the rows in lanes."""
-    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=True, vector_bytes=32 if blocks else
-                                                kernels.CPU.vector_bytes))
+    blocks = blocks and cpp.VECTOR_BYTES == 32  # (8 float lanes, where the renderer's vectors hold them; fewer
+    # pixels then take the rows in lanes at 8 lanes only where the renderer's vectors are 8 floats)
+    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, lane_picks=not blocks or cpp.VECTOR_BYTES == 32,
+                                                vector_bytes=32 if blocks else kernels.CPU.vector_bytes))
     if blocks:
         monkeypatch.setattr(depth, "DEPTH_ROWS", 6)
         monkeypatch.setattr(depth, "DEPTH_PANEL_BYTES", 2 * 4 * 48 * 4)

@@ -20,13 +20,19 @@ from scorch.compiler.target import Target
 from scorch.engine import weights as kernels, weights_depth as laid_out
 
 F = torch.nn.functional
+#: the tests that compile the kernel at 8 float lanes: only where the renderer's vectors are 8 floats (other
+#: kernels a product takes, the n:4 gradient's, render at the engine's lanes); the interpreter's and the layout's
+#: run everywhere
+renders_8_lanes = pytest.mark.skipif(cpp.VECTOR_BYTES != 32, reason="the renderer's vectors are not 8 floats")
 
 
 @pytest.fixture
 def depth_on(monkeypatch):
     """The engine's target with 8-lane vectors (the kernel on, whatever the CPU), small store blocks (12 rows)
     and depth blocks (3 groups of 4 at 48 tokens), and a list recording the plans of the depth kernel's calls."""
-    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, vector_bytes=32))
+    # (rows in lanes, which fewer tokens take, render at 8 lanes only where the renderer's vectors are 8 floats)
+    monkeypatch.setattr(kernels, "CPU", replace(kernels.CPU, vector_bytes=32,
+                                                lane_picks=kernels.CPU.lane_picks and cpp.VECTOR_BYTES == 32))
     monkeypatch.setattr(depth, "DEPTH_ROWS", 12)
     monkeypatch.setattr(depth, "DEPTH_PANEL_BYTES", 3 * 4 * 48 * 4)
     calls, real = [], kernels._forward
@@ -45,6 +51,7 @@ def _activated(y, activation):
     return {None: y, "relu": F.relu(y), "gelu": F.gelu(y), "silu": F.silu(y)}[activation]
 
 
+@renders_8_lanes
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(nm=st.sampled_from([(1, 4), (2, 4), (3, 4), (2, 8), (4, 8)]), out=st.integers(1, 40),
        groups=st.integers(1, 14), tokens=st.integers(depth.DEPTH_MIN_TOKENS, 110), bias=st.booleans(),
@@ -64,6 +71,7 @@ def test_depth_blocks_equal_the_dense_linear(depth_on, nm, out, groups, tokens, 
     torch.testing.assert_close(y, _activated(F.linear(x, w, b), activation), rtol=1e-4, atol=1e-4)
 
 
+@renders_8_lanes
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_engine_takes_the_kernel_and_splits_rows(depth_on, threads):
     """F.linear on a 2:4 weight runs the kernel from ``DEPTH_MIN_TOKENS`` tokens (fewer: another kernel), with
@@ -72,6 +80,7 @@ def test_the_engine_takes_the_kernel_and_splits_rows(depth_on, threads):
     takes_from(depth_on, _weight(2, 4, 200, 96, 3), "nm(2, 4)", least, (least - 1, least, 97, 400), threads)
 
 
+@renders_8_lanes
 def test_values_changed_in_place_are_laid_out_again(depth_on):
     """The values' copy in the kernel's order is remade when the weight's values change (an optimizer step); the
     offsets, made once per pattern, are kept."""
@@ -81,12 +90,14 @@ def test_values_changed_in_place_are_laid_out_again(depth_on):
     values_laid_out_again(_weight(2, 4, 16, 32, 4), 50, offsets)
 
 
+@renders_8_lanes
 def test_gradients_and_a_training_step(depth_on):
     """The forward through the kernel, the gradients through the family's: equal to the masked dense layer's, and
     an SGD step's values reach the next forward."""
     trains_like_dense(depth_on, _weight(2, 4, 24, 40, 5), 50)
 
 
+@renders_8_lanes
 def test_other_weights_and_products_keep_their_kernels(depth_on):
     """bfloat16 values, CSR, n:16 (offsets past a byte) and one token do not take the kernel."""
     x = torch.randn(48, 32)
@@ -156,6 +167,7 @@ def test_the_loop_ir_in_the_interpreter(lanes, nm):
     torch.testing.assert_close(torch.from_numpy(y).reshape(tokens, out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@renders_8_lanes
 def test_the_generated_kernel_adds_a_stored_offset():
     """The C++ of the micro-kernel: per stored value one broadcast weight and the panel's row at its stored offset
     (a load and an add: no multiplication of the in-group column by the tile's tokens)."""
@@ -186,6 +198,7 @@ def test_the_planner_refuses_what_the_kernel_does_not_serve():
         depth.forward(family.tiles(t, "nm", 64, "f32", "f32", "i64", "i8", group=(2, 4)))
 
 
+@renders_8_lanes
 def test_chains_and_stacks_take_two_calls(depth_on):
     """A chain or a stack of products with an n:m weight the kernel serves runs as separate calls (their one kernel
     holds the weight in its own layout): the same values."""
