@@ -80,6 +80,30 @@ def test_run_peers_takes_a_looser_bound_for_the_named_peers():
     assert "close: 5.0e-03 (tolerance 0.01)" in t.notes[0]
 
 
+def test_a_compiled_peer_is_judged_slow_by_its_second_call():
+    """A ``torch.compile``d peer's first call is its compilation: named in ``compiles``, it is timed in the rounds
+    when its later calls are fast; a peer not named, slow on its first call, is timed on one call only."""
+    import dataclasses
+    import time
+    cfg = dataclasses.replace(QUICK, slow_s=0.05, repeat=3)
+
+    def compiling():
+        calls = []
+
+        def call():
+            if not calls:
+                time.sleep(0.1)
+            calls.append(1)
+            return torch.ones(4)
+        return call
+    t = Table("compile", "test", "setup")
+    run_peers(t, {"ref": lambda: torch.ones(4), "compiled": compiling(), "not named": compiling()}, "ref", cfg,
+              compiles=frozenset({"compiled"}))
+    assert t.row("compiled").timing.runs >= 3
+    assert t.row("not named").timing.runs == 1
+    assert "Slow peers" in t.notes[-1] and "not named" in t.notes[-1] and "compiled," not in t.notes[-1]
+
+
 def test_without_transformers_the_bert_rows_say_so(monkeypatch):
     monkeypatch.setattr(models, "transformers_or_none", lambda: "transformers: ModuleNotFoundError; pip install")
     bert = models.Bert(1)
