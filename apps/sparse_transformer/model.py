@@ -2,8 +2,9 @@
 ``scorch``: ``import scorch as torch``). Every backend runs this same code; only the mask differs:
 
 - a sparse mask (a CSR tensor: ``scorch.SparseTensor`` under scorch, ``torch.sparse_csr`` under torch) runs
-  attention as SDDMM -> sparse softmax -> SpMM, all heads of the batch in one call: their ``(n, dh)`` slices
-  stacked, the pattern repeated along the diagonal of a ``(B H n)^2`` mask (``block_diagonal``, made once):
+  attention as SDDMM -> sparse softmax -> SpMM, the heads of the batch in one call: their ``(n, dh)`` slices
+  stacked, the pattern repeated along the diagonal of a ``(B H n)^2`` mask (``block_diagonal``, made once; where
+  that would hold over ``GROUP_ENTRIES`` entries, a group of heads a call, as few as keep within it):
       scores = torch.sparse.sampled_addmm(mask, q, k.T, beta=0, alpha=1/sqrt(d))   # only the pattern's entries
       attn   = torch.sparse.softmax(scores, dim=1)                                  # implicit entries are -inf
       out    = torch.sparse.mm(attn, v)
@@ -49,6 +50,18 @@ def sparse_attention(torch, q, k, v, mask, state=None):
     if state.get("coo_softmax"):
         attn = torch.sparse.softmax(scores.to_sparse_coo(), dim=1)
     return torch.sparse.mm(attn, v)
+
+
+#: stored entries of a group's block-diagonal mask at most (``group_size``): its scores and probabilities, 8 MiB in
+#: float32. One head of a 4096-token BigBird pattern (window 64) has 543K entries: each head is its own group there,
+#: while the app's training batches (512 tokens, 8 heads of a batch) stay one call
+GROUP_ENTRIES = 1 << 20
+
+
+def group_size(problems: int, nnz: int) -> int:
+    """The problems (a sequence's head each, ``nnz`` entries each) attended in one call: the largest divisor of
+    ``problems`` whose entries stay within ``GROUP_ENTRIES`` (1 where one problem alone exceeds it)."""
+    return max(g for g in range(1, problems + 1) if problems % g == 0 and (g == 1 or g * nnz <= GROUP_ENTRIES))
 
 
 def block_diagonal(torch, mask, copies: int, state: dict):
@@ -128,20 +141,25 @@ def make_modules(torch):
                          for b in range(B)]
                 o = torch.stack(heads)                                     # (B, H, n, dh)
             elif is_sparse_mask(torch, mask):
-                # every (batch, head) at once: their (n, dh) slices stacked into one (B H n, dh) operand and the
-                # pattern repeated along the diagonal of a (B H n)^2 mask (rows never mix heads: the softmax is
-                # per row), so that each op is one call over all heads instead of B * H calls
-                o = self._stacked(q, k, v, block_diagonal(torch, mask, B * H, self._state))
+                # the (batch, head) problems a group at a time: their (n, dh) slices stacked into one (g n, dh)
+                # operand and the pattern repeated along the diagonal of a (g n)^2 mask (rows never mix heads: the
+                # softmax is per row), so that each op is one call over g heads instead of g calls; g as large as
+                # keeps the group's scores within GROUP_ENTRIES (all of them where the pattern is small)
+                g = group_size(B * H, mask._nnz())
+                big = block_diagonal(torch, mask, g, self._state)
+                parts = [self._stacked(*group, big) for group in zip(*(t.reshape(B * H, n, -1).split(g)
+                                                                      for t in (q, k, v)))]
+                o = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(B, H, n, d // H)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(o.transpose(1, 2).reshape(B, n, d))
 
         def _stacked(self, q, k, v, big):
-            """Every (batch, head) problem of ``q, k, v`` (``(B, H, n, dh)``) in one call on ``big``, the ``(B H n)^2``
-            block-diagonal mask."""
-            B, H, n, dh = q.shape
-            o = self._attend(q.reshape(B * H * n, dh), k.reshape(B * H * n, dh), v.reshape(B * H * n, dh), big)
-            return o.reshape(B, H, n, dh)
+            """Every problem of ``q, k, v`` (``(..., n, dh)``: batch and head, or a group of them) in one call on
+            ``big``, their block-diagonal mask."""
+            shape = q.shape
+            o = self._attend(*(t.reshape(-1, shape[-1]) for t in (q, k, v)), big)
+            return o.reshape(shape)
 
         def _routed(self, q, k, v):
             """Attention on the pattern the clusters of ``q`` and ``k`` give (``routing.py``), built now; in training

@@ -131,6 +131,25 @@ def test_attention_layer_backends_agree_and_scorch_runs_the_sparse_ops():
             torch.testing.assert_close(result[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.parametrize("heads_a_call", [1, 2])
+def test_heads_in_groups_agree_with_dense(monkeypatch, heads_a_call):
+    """Where all the heads' scores would hold over ``GROUP_ENTRIES`` entries, the heads attend a group a call (the
+    largest divisor of batch x heads that keeps within it): the same values and gradients as dense attention, one
+    call per group."""
+    M = import_app("sparse_transformer.model")
+    _, want = _layer_result("dense")
+    nnz = st.attention_setup("scorch", d_model=32, heads=2, batch=2, seed=0, **TINY)[-1]._nnz()
+    assert [M.group_size(8, e) for e in (100_000, 200_000, 543_194, 2 << 20)] == [8, 4, 1, 1]
+    monkeypatch.setattr(M, "GROUP_ENTRIES", nnz * heads_a_call + 1)
+    assert M.group_size(4, nnz) == heads_a_call and M.group_size(3, nnz) == 1
+    with record_sparse_ops() as seen:
+        _, got = _layer_result("scorch")
+    for fn in (torch.sparse.sampled_addmm, torch.sparse.softmax, torch.sparse.mm):
+        assert seen[fn] == 4 // heads_a_call, (fn, seen)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
 def test_training_steps_agree_across_backends():
     """The same model code under each backend: equal losses step by step, and a second backend in the same
     process after scorch (no global state left behind)."""
