@@ -173,6 +173,23 @@ class LanePick(Expr):
         return Load(self.x, binary("add", self.at, field), "f32")
 
 
+@dataclass(frozen=True)
+class Splat(Expr):
+    """``array[at + lane]`` (float32, ``lane`` 0 to 3), the same in every lane of a vector loop: one value of the
+    group of 4 at ``array[at .. at + 3]``, which the caller reads whole (all 4 in bounds). A hint that does not
+    change the meaning: the C++ renderer loads the group once (four such values of one group, rendered together,
+    share the load) and takes the value to every lane by shuffles, not a broadcast load each: a CSR row's stored
+    weights, whose broadcast loads took a vector load port beside the panel's loads (``compiler.weights``)."""
+    array: str
+    at: Expr
+    lane: int
+    type: str = "f32"
+
+    def scalar(self) -> Expr:
+        """The same value as a plain load."""
+        return Load(self.array, binary("add", self.at, Const(self.lane)), self.type)
+
+
 #: the columns one word of a bitmap covers (``Expand``, ``PopCount``): a word is 16 bits
 BITS = 16
 

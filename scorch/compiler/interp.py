@@ -170,7 +170,7 @@ class _Interp:
             if not 0 <= i < x.shape[0]:
                 raise IndexError(f"{e.x}[{i}] is out of bounds (length {x.shape[0]})")
             return _cast(np.float32(x[i]), e.type)
-        if isinstance(e, L.LanePick):
+        if isinstance(e, (L.LanePick, L.Splat)):
             return self.expr(e.scalar(), env)
         if isinstance(e, L.Expand):
             vals, lane = self.arrays[e.vals], int(self.expr(e.lane, env))

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 import scorch
 from scorch import loopir as L
 from scorch.compiler import interp, weights as family, weights_bits, weights_grad as grads
+from scorch.compiler.codegen import cpp
 from scorch.compiler.target import CPU, Target
 from scorch.engine import weights as kernels, weights_grad
 
@@ -206,6 +207,45 @@ def test_the_loop_ir_runs_in_the_interpreter(fmt, lanes):
         interp.run(kernel, args)
         want = src @ w if transposed else F.linear(x, w, b)
         torch.testing.assert_close(torch.from_numpy(res), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(0, 13), min_size=1, max_size=20), tokens=st.integers(1, 40),
+       seed=st.integers(0, 2 ** 16))
+def test_csr_rows_read_their_weights_four_at_a_time(lengths, tokens, seed):
+    """Where vectors are 8 floats, a CSR row's float32 weights are read a group of 4 at a time (``Tiles.splat``,
+    ``loopir.Splat``: one load, each weight to the lanes by shuffles) and the rest one by one: rows of every length
+    mod 4 give the dense product in the interpreter, and the C++ reads the groups through ``scorch_splat4``."""
+    g = torch.Generator().manual_seed(seed)
+    inp, out = 16, len(lengths)
+    w = torch.zeros(out, inp)
+    for r, k in enumerate(lengths):
+        w[r, torch.randperm(inp, generator=g)[:k]] = torch.randn(k, generator=g)
+    s = scorch.asformat(w, "csr")
+    arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
+    plan = family.tiles(Target("cpu", vector_bytes=32), "csr", tokens, "f32", "f32",
+                        L.type_of(arrays["pos"].dtype), L.type_of(arrays["crd"].dtype), bias=True)
+    assert plan.splat and plan.lanes == 8
+    assert not any(family.tiles(Target("cpu", vector_bytes=b), "csr", tokens, "f32", "f32", "i64", "i32").splat
+                   for b in (16, 64))
+    assert not family.tiles(Target("cpu", vector_bytes=32), "csr", tokens, "bf16", "f32", "i64", "i32").splat
+    x, b = torch.randn(tokens, inp, generator=g), torch.randn(out, generator=g)
+    res = np.zeros((tokens, out), dtype=np.float32)
+    interp.run(family.forward(plan), {
+        "pos": arrays["pos"].numpy(), "crd": arrays["crd"].numpy(), "vals": s._vals.numpy(), "x": x.reshape(-1).numpy(),
+        "y": res.reshape(-1), "bias": b.numpy(), "n": tokens, "n_in": inp, "n_out": out, "groups": inp, "chunks": 1,
+        "row_chunk": out, "nthreads": 1})
+    torch.testing.assert_close(torch.from_numpy(res), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpp.VECTOR_BYTES != 32, reason="the renderer's vectors are not 8 floats")
+def test_csr_weight_groups_render_as_shuffles():
+    """The C++ of an 8-lane CSR plan reads each group of 4 weights through ``scorch_splat4`` (its helper included);
+    one weight at a time after the last whole group."""
+    plan = family.tiles(CPU, "csr", 64, "f32", "f32", "i64", "i16")
+    src = cpp.generate(family.forward(plan))
+    assert plan.splat and "#define SCORCH_SPLAT4" in src
+    assert all(f"scorch_splat4<{u}>(&vals[" in src for u in range(4)) and "vals[p]" in src
 
 
 def test_the_tile_shape_follows_the_target():

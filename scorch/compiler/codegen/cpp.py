@@ -529,6 +529,11 @@ class _Emitter:
             if self.vec[2] != "f32" or L.depends(e.at, var) or L.coefficient(e.si, var) != 1 or self.mask:
                 raise ValueError("a lane pick reads one group of 4 floats for every lane and a byte a lane")
             return f"scorch_lane_pick<{e.shift}>(&{ident(e.x)}[{self.expr(e.at)}], &{ident(e.sel)}[{self.expr(e.si)}])"
+        if isinstance(e, L.Splat):
+            if not self.vec or e.type != "f32" or self.vec[2] != "f32" or L.depends(e.at, self.vec[0]) or \
+                    not 0 <= e.lane < 4:
+                return self.expr(e.scalar())
+            return f"scorch_splat4<{e.lane}>(&{ident(e.array)}[{self.expr(e.at)}])"
         if isinstance(e, L.Expand):
             start, bits = self.expr(e.start), self.expr(e.bits)
             if not self.vec:

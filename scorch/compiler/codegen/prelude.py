@@ -9,7 +9,7 @@ from ..target import CPU
 from .activations import ACTIVATIONS, EXPF
 from .bf16 import PAIR_BASE, PAIR_HALF, pair_dot4, splat
 from .expand import expand
-from .lane_pick import lane_pick
+from .lane_pick import lane_pick, splat4
 from .transpose import TRANSPOSE
 
 
@@ -549,6 +549,8 @@ HELPERS = {
     "scorch_expand": expand(VECTOR_BYTES, BF16),
     # one of 4 floats a lane, chosen by a byte a lane (``loopir.LanePick``; after ``scorch_vf``)
     "scorch_lane_pick": lane_pick(VECTOR_BYTES),
+    # one of a group of 4 floats in every lane (``loopir.Splat``; after ``scorch_vf``)
+    "scorch_splat4": splat4(VECTOR_BYTES),
     # a 32-column group of bfloat16 values read through its bitmap word, dotted in pairs with bfloat16 x
     # (``loopir.ExpandPairDot``): a masked load, vpexpandw and vdpbf16ps where the CPU has AVX512-VBMI2 and
     # AVX512-BF16, else lane by lane (the same products, summed in float32)
