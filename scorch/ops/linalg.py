@@ -301,7 +301,7 @@ def linear(input, weight, bias=None):
                                             compute=lambda w_, x_: weight_kernels.linear(w_, x_).t(),
                                             gradient=_linear_gradient).t()
             else:
-                out, bias = weight_kernels.linear(w, x, bias), None
+                out, bias = weight_kernels.kept_linear(w, x, bias), None
             return out.reshape(*lead, shape_of(weight)[0]) if bias is None else \
                 out.reshape(*lead, shape_of(weight)[0]) + bias
         rows = BATCH_TILE if any(isinstance(e, Mod) for e in w.format.exprs) else BATCH_TILE // 2
