@@ -409,10 +409,10 @@ def lane_values(t: torch.Tensor, rows: int, lanes: int, per_row: int) -> torch.T
     return t.view(blocks, per_row, lanes).transpose(1, 2).reshape(blocks * lanes, per_row)[:rows].reshape(-1)
 
 
-def _picks(plan: family.Tiles, n: int) -> bool:
-    """Whether ``plan``'s product of ``n`` tokens runs with the weight's rows in a vector's lanes (``_by_picks``)
-    or in depth blocks (``_depth``): then also outside a chain or a stack of products, whose kernels hold the
-    weight in its own layout."""
+def _own_layout(plan: family.Tiles, n: int) -> bool:
+    """Whether ``plan``'s product of ``n`` tokens reads the weight in a layout of its kernel's own: its rows in a
+    vector's lanes (``_by_picks``) or in depth blocks (``_depth``); then also outside a chain or a stack of
+    products, whose kernels read the weight's own arrays."""
     return _depth(plan, n) or picks.serves(CPU, plan.kind, plan.group, plan.vtype, plan.xtype, n)
 
 
@@ -536,7 +536,7 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
         _forward(plan, weight, dict(zip(("crd", "vals"), _depth_laid(weight, arrays["crd"], plan))), n, extra, x=x,
                  y=y)
         return y
-    if _picks(plan, n):
+    if _own_layout(plan, n):  # (depth blocks went above: the rows in lanes)
         _by_picks(weight, x, y, plan, arrays["crd"], bias)
         return y
     if plan.combos:
@@ -571,8 +571,8 @@ def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, 
     p1, p2 = chain.matched(p1, p2)
     threads = torch.get_num_threads()
     norm_arrays = _norm_arrays(norm, n_out)
-    if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or _picks(p1, n) or \
-            _picks(p2, n) or \
+    if n < 2 or x.dtype != torch.float32 or not chain.serves(p1, p2) or not n_mid or not n_out or \
+            _own_layout(p1, n) or _own_layout(p2, n) or \
             (threads > 1 and -(-n // p1.T) < CHAIN_TILES_PER_THREAD * threads) or \
             (norm is not None and norm_arrays is None):
         y = linear(w2, linear(w1, x, b1, act1), b2, act2)
@@ -620,7 +620,7 @@ def linear_stacked(weights, x: torch.Tensor, biases, activation=None) -> torch.T
     bias, parts = any(b is not None for b in biases), [_arrays(w) for w in weights]
     plans = {plan_for(w, n, bias, arrays=a, activation=activation) for w, a in zip(weights, parts)}
     if n < 2 or x.dtype != torch.float32 or len(plans) != 1 or next(iter(plans)).paired or \
-            _picks(next(iter(plans)), n) or sum(w._vals.numel() for w in weights) >= 2 ** 31:
+            _own_layout(next(iter(plans)), n) or sum(w._vals.numel() for w in weights) >= 2 ** 31:
         return torch.cat([linear(w, x, b, activation) for w, b in zip(weights, biases)], 1)
     plan, (arrays, shape) = plans.pop(), stacked(weights, parts)
     extra = {} if not bias else {"bias": torch.cat([torch.zeros(w._shape[0], dtype=x.dtype) if b is None else
