@@ -238,6 +238,29 @@ def test_csr_rows_read_their_weights_four_at_a_time(lengths, tokens, seed):
     torch.testing.assert_close(torch.from_numpy(res), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tail", [0, 5, 8, 13, 20])
+def test_a_partial_bsr_tile_multiplies_the_vectors_its_tokens_fill(tail):
+    """A BSR tile of 3 vectors of 8 tokens whose last tile holds 1, 2 or 3 vectors' tokens runs that many vectors
+    (``NARROW_TAILS``): the dense product in the interpreter, and the C++ branches on the tile's tokens."""
+    w = _weight("bsr(16, 16)", 32, 48, 0.5, 3)
+    s = scorch.asformat(w, "bsr(16, 16)")
+    arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
+    tokens = 24 + tail
+    plan = family.tiles(Target("cpu", vector_bytes=32), "bsr", tokens, "f32", "f32", L.type_of(arrays["pos"].dtype),
+                        L.type_of(arrays["crd"].dtype), (16, 16), bias=True)
+    assert plan.vectors == 3 and plan.lanes == 8
+    x, b = torch.randn(tokens, 48), torch.randn(32)
+    res = np.zeros((tokens, 32), dtype=np.float32)
+    interp.run(family.forward(plan), {
+        "pos": arrays["pos"].numpy(), "crd": arrays["crd"].numpy(), "vals": s._vals.numpy(), "x": x.reshape(-1).numpy(),
+        "y": res.reshape(-1), "bias": b.numpy(), "n": tokens, "n_in": 48, "n_out": 32, "groups": 48, "chunks": 1,
+        "row_chunk": 32, "nthreads": 1})
+    torch.testing.assert_close(torch.from_numpy(res), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    narrow = [st_.cond.b for st_ in L.walk(family.forward(plan).body) if isinstance(st_, L.If) and
+              st_.cond == L.binary("le", L.Var("nt"), st_.cond.b)]
+    assert narrow == [L.Const(8), L.Const(16)]
+
+
 @pytest.mark.skipif(cpp.VECTOR_BYTES != 32, reason="the renderer's vectors are not 8 floats")
 def test_csr_weight_groups_render_as_shuffles():
     """The C++ of an 8-lane CSR plan reads each group of 4 weights through ``scorch_splat4`` (its helper included);
