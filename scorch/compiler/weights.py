@@ -68,10 +68,6 @@ BSR_NARROW_VECTORS = 3
 #: AMD EPYC Zen 3, 90%, 1024 tokens, 2 threads, broadcast loads / groups of 4: 3072 x 768 6.44 / 5.20 ms, 768 x
 #: 3072 7.68 / 6.90, 768 x 768 1.62 / 1.31; at 128 tokens 3072 x 768 0.91 / 0.78
 SPLAT = 4
-#: a BSR tile's partial last tile multiplies only the vectors its tokens fill (``_bsr_rows``): 128 tokens in tiles of
-#: 24 made a sixth tile of 8 tokens cost a whole one. AMD EPYC Zen 3, 2 threads, 90% bsr(16, 16), interleaved, on /
-#: off: 768 x 768, 3072 x 768, 768 x 3072 at 128 tokens 1.04x, 1.07x, 1.10x faster; at 1024 1.06x each
-NARROW_TAILS = True
 #: rows of the output gathered in the buffer before they are stored into ``Y``: 16 floats of a token, one line
 STORE_ROWS = 16
 
@@ -527,9 +523,11 @@ def _bsr_rows(plan: Tiles, rb: L.Expr) -> L.Stmt:
                      L.block(L.Let(c0, _mul(L.Cast(L.Load("crd", p, plan.ctype), I64), _c(bw))),
                              L.For(c, _c(0), _c(steps), L.block(entry), unroll=steps <= 16)))
     # a partial last tile multiplies only the vectors its tokens fill (the others' lanes stay 0): 128 tokens in
-    # tiles of 24 made a sixth tile of 8 tokens cost a whole one
+    # tiles of 24 made a sixth tile of 8 tokens cost a whole one. AMD EPYC Zen 3, 2 threads, 90% bsr(16, 16),
+    # interleaved against the whole tile: 768 x 768, 3072 x 768, 768 x 3072 at 128 tokens 1.04x, 1.07x, 1.10x
+    # faster; at 1024 1.06x each
     sums = blocks(T)
-    if plan.lanes > 1 and not plan.pairs and NARROW_TAILS:
+    if plan.lanes > 1 and not plan.pairs:
         for v in range(plan.vectors - 1, 0, -1):
             sums = L.If(L.binary("le", _nt, _c(v * plan.lanes)), L.block(blocks(v * plan.lanes)), L.block(sums))
     out_rows = L.For(r, _c(0), _c(Rt), L.block(epilogue(plan, "acc", 1, _add(rb, _mul(rp, _c(Rt)), r),

@@ -241,7 +241,7 @@ def test_csr_rows_read_their_weights_four_at_a_time(lengths, tokens, seed):
 @pytest.mark.parametrize("tail", [0, 5, 8, 13, 20])
 def test_a_partial_bsr_tile_multiplies_the_vectors_its_tokens_fill(tail):
     """A BSR tile of 3 vectors of 8 tokens whose last tile holds 1, 2 or 3 vectors' tokens runs that many vectors
-    (``NARROW_TAILS``): the dense product in the interpreter, and the C++ branches on the tile's tokens."""
+    (``_bsr_rows``): the dense product in the interpreter, and the loop IR branches on the tile's tokens."""
     w = _weight("bsr(16, 16)", 32, 48, 0.5, 3)
     s = scorch.asformat(w, "bsr(16, 16)")
     arrays = [lv for lv in s._levels if lv.arrays()][-1].arrays()
