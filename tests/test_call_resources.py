@@ -51,25 +51,37 @@ def test_large_outputs_get_huge_pages(monkeypatch):
     monkeypatch.setattr(memory, "_madvise", lambda p, n, a: advised.append((p, n, a)) or real(p, n, a))
     s = scorch.asformat(torch.eye(4096)[:, :2048].contiguous(), "csr")
     x = torch.randn(2048, 2048)
-    for attempt in range(3):
+
+    def product_is_huge():
         advised.clear()
-        y = s @ x                            # 32 MiB of float32
+        y = s @ x                                # 32 MiB of float32
         assert torch.equal(y[:2048], x) and not y[2048:].any()
         lo, hi = y.data_ptr(), y.data_ptr() + y.numel() * 4
         assert any(a == memory.MADV_HUGEPAGE and lo <= p and p + n <= hi and n >= 14 * memory.HUGE_PAGE
                    for p, n, a in advised), advised
-        if _huge_kib(y) >= 2048:
+        return _huge_kib(y) >= 2048
+
+    def control_is_huge():
+        control = torch.empty(8 << 20)           # the same 32 MiB, advised by hand
+        memory.advise_huge(control)
+        control.fill_(1.0)
+        return _huge_kib(control) >= 2048
+
+    # Whether the kernel has a free 2 MiB page at a given moment is the machine's state (memory fragmented by a long
+    # run or by the other test processes: CI's runs met it twice), and a failed fault starts its compaction. So a
+    # product that got none is judged against a buffer advised by hand just after it, and then tried again: it fails
+    # only where it got none twice right after the hand-advised buffer got them (its pages freed again).
+    misses = 0
+    for attempt in range(4):
+        if product_is_huge():
             return
-        # the kernel may have had no free 2 MiB page at that moment (memory fragmented by a long run, or by the
-        # other test processes: it happened in CI's second pass), and a failed fault starts its compaction: a
-        # fresh product tries again
-        del y
-    control = torch.empty(8 << 20)
-    memory.advise_huge(control)
-    control.fill_(1.0)
-    if _huge_kib(control) < 2048:
-        pytest.skip("the kernel gives no huge pages now, even to a buffer advised by hand")
-    pytest.fail("three SpMM outputs got no huge pages where a buffer advised by hand did")
+        if control_is_huge():
+            if product_is_huge():
+                return
+            misses += 1
+            if misses == 2:
+                pytest.fail("SpMM outputs got no huge pages right after a buffer advised by hand did, twice")
+    pytest.skip("the kernel gives no huge pages now, even to a buffer advised by hand")
 
 
 def test_small_calls_run_on_one_thread(monkeypatch):
