@@ -152,3 +152,18 @@ def test_block_gradients_over_thread_counts(threads):
         torch.set_num_threads(old)
     torch.testing.assert_close(gx, rx, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "nm(2, 4)"])
+def test_large_weights_input_gradient_through_the_parallel_gather(monkeypatch, fmt):
+    """A weight of at least 2**14 stored values gathers them into its transpose's order by the parallel loop
+    (``compiler.relayout.gather``), not ``index_select``: the input gradient equals the dense layer's."""
+    from scorch.compiler import relayout
+    gathered = []
+    monkeypatch.setattr(weights_grad, "gather", lambda v, p: gathered.append(p.numel()) or relayout.gather(v, p))
+    w = _weight(fmt, 256, 192, 0.6, 11)
+    x, dy = torch.randn(37, 192), torch.randn(37, 256)
+    (gx, gw), (rx, rw) = _masked_grads(fmt, w, x, dy)
+    assert gathered and gathered[-1] >= 2 ** 14
+    torch.testing.assert_close(gx, rx, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-4)
