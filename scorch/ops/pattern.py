@@ -56,8 +56,11 @@ def same_pattern(a: SparseTensor, b: SparseTensor) -> bool:
         return True
     if a._vals.shape != b._vals.shape:
         return False
-    if all(p is q for p, q in _index_pairs(a._levels, b._levels)):
-        return True  # (the same arrays: a parameter, its gradient and its optimizer state, ~30 us a memo lookup)
+    for x, y in zip(a._levels, b._levels):  # (the same arrays: a parameter, its gradient and its optimizer state)
+        if x is not y and (x.pos is not y.pos or x.stored_crd is not y.stored_crd):
+            break
+    else:
+        return True
     # (an optimizer's state made by ``clone`` holds copies of its parameter's arrays, compared with the gradient's
     #  on every step: the answer kept while both sets of arrays are alive and unmodified. ResNet-18 2:4 training,
     #  batch 1, 1 thread: 170 ms of a step's index comparisons)

@@ -191,3 +191,21 @@ def test_level_bounds():
     assert Format(REQUIRED[3]).level_bounds((4, 6)) == ((0, 9), (0, 4))
     with pytest.raises(ValueError, match="for 2-d tensors"):
         f.level_bounds((3,))
+
+
+@pytest.mark.parametrize("name", ["csr", "csc", "coo", "dcsr", "ell", "dia", "bsr(2, 3)", "nm(2, 4)", "dense",
+                                  "(i, j) -> (i : compressed(nonunique), j : singleton(nonunique))",
+                                  "(i, j, k) -> (k : dense, i : compressed, j : compressed)"])
+def test_a_formats_flags_are_its_levels(name):
+    """What ops ask of a format (its level types, expressions, padding, kept duplicates, density), made once with
+    it, equals what its levels say."""
+    fmt = Format(name)
+    types = [lvl for _, lvl in fmt.levels]
+    sparse = [lvl for lvl in types if not isinstance(lvl, Dense)]
+    assert list(fmt.level_types) == types and list(fmt.exprs) == [e for e, _ in fmt.levels]
+    assert fmt.padded == any(lvl.padded for lvl in types)
+    assert fmt.keeps_duplicates == (bool(sparse) and sparse[-1].keeps_duplicates)
+    assert fmt.keeps_duplicates == name.endswith("singleton(nonunique))")  # (the one format here that keeps them)
+    assert fmt.is_dense == all(isinstance(lvl, Dense) for lvl in types)
+    again = pickle.loads(pickle.dumps(fmt))
+    assert again == fmt and (again.padded, again.keeps_duplicates) == (fmt.padded, fmt.keeps_duplicates)
