@@ -72,7 +72,7 @@ def test_large_outputs_get_huge_pages(monkeypatch):
     # product that got none is judged against a buffer advised by hand just after it, and then tried again: it fails
     # only where it got none twice right after the hand-advised buffer got them (its pages freed again).
     misses = 0
-    for attempt in range(4):
+    for _ in range(4):
         if product_is_huge():
             return
         if control_is_huge():

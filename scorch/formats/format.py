@@ -64,7 +64,8 @@ class Format:
     """An immutable storage format. Build it from text, ``Format("(i, j) -> (i : dense, j : compressed)")``,
     a name (``Format("bsr(2, 2)")``, 2-d for the n-d names), or from parts, ``Format.from_levels(ndim, [(Var(0), Dense()), (Var(1), Compressed())])``."""
 
-    __slots__ = ("ndim", "levels", "_inverse", "_hash", "_text", "_types", "_exprs", "_padded", "_duplicates")
+    __slots__ = ("ndim", "levels", "_inverse", "_hash", "_text", "_types", "_exprs", "_padded", "_duplicates",
+                 "_dense")
 
     def __init__(self, text: str | "Format"):
         if isinstance(text, Format):
@@ -106,6 +107,7 @@ class Format:
         object.__setattr__(self, "_exprs", tuple(e for e, _ in self.levels))
         object.__setattr__(self, "_padded", any(lvl.padded for lvl in types))
         object.__setattr__(self, "_duplicates", bool(sparse) and sparse[-1].keeps_duplicates)
+        object.__setattr__(self, "_dense", not sparse)
 
     def __setattr__(self, name, value):
         raise AttributeError("Format is immutable")
@@ -156,7 +158,7 @@ class Format:
 
     @property
     def is_dense(self) -> bool:
-        return all(isinstance(lvl, Dense) for lvl in self.level_types)
+        return self._dense
 
     @property
     def keeps_duplicates(self) -> bool:
