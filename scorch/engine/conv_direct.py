@@ -13,12 +13,19 @@ subset of them (``_blocked``) so that the rows that read an input share its load
 ``conv2d(weight, x, bias, stride, dilation, pads)`` returns None where the kernel does not serve the call (not
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
 Its backward (input and weight gradients) is ``engine.conv_grad``'s.
+
+An eager call without gradients whose batch is one group (three kernel calls) is kept (``kept_key``, ``run_kept``):
+the next call with the same weight and bias arrays (the same objects, unmodified: ``_version``), input shape,
+strides, dtype, arguments, thread count and module settings makes the three calls again with the new input's,
+the workspaces' and a new result's pointers, skipping the Python between them.
 """
 from __future__ import annotations
 
 import functools
 import math
+import struct
 import threading
+import weakref
 
 import torch
 
@@ -322,7 +329,7 @@ def _phase_arrays(phases: tuple, sc: int, pl: int, w: int, wq: int) -> tuple:
                                                                 *_sources(phases, sc)))
 
 
-def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor:
+def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int, calls=None) -> torch.Tensor:
     """The flat input buffer: per image, per phase, per channel, the padded plane's rows ``a + s * i`` and columns
     ``b + s * j`` (``Hq x Wq``, zeros outside the input), and ``slack`` zeros at the end (``family.pack``: one
     pass, reading ``x`` through its strides)."""
@@ -337,7 +344,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     kernel, loaded = _loaded(("pack", cl), lambda: family.pack(cl))
     pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     strides = x.stride()
-    cpp.call(kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
+    _call(calls, kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
                               "P": len(phases), "C": c, "H": h, "W": w, "Hq": hq, "Wq": wq, "sr": stride[0],
                               "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0],
                               "xs_c": strides[1], "xs_h": strides[2], "xs_w": strides[3],
@@ -345,7 +352,7 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int) -> torch.Tensor
     return buf
 
 
-def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool) -> None:
+def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool, calls=None) -> None:
     """The ``Wo`` valid columns of the grid ``y`` (images x channels x grid) into ``res`` (the result's images
     ``y`` holds), compact (``family.unpack``), channels_last where ``cl`` (the input's memory format, as torch's
     convolutions do: torch runs BatchNorm on a strided view of the grid 4x slower than on a contiguous tensor, and
@@ -354,7 +361,7 @@ def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool) -> None:
     n, out, grid = y.shape
     kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
     strides = res.stride()
-    cpp.call(kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
+    _call(calls, kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
                               "ys_n": strides[0], "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3],
                               "nthreads": torch.get_num_threads()})
 
@@ -396,11 +403,13 @@ def _side_by_side(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation,
     return res
 
 
-def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int, gather=None):
+def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int, gather=None,
+           keep=None):
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` for a 4-d ``x`` (``pads``: ((top, bottom),
     (left, right))), or None where the kernel does not serve it. ``gather(order)``: the entries' values from their
     positions in ``weight``'s values (``order``, ``nnz`` where an entry has none: 0), where the caller holds them
-    elsewhere (``engine.conv_grad``'s phase weights: one gather from the weight's own values, not two)."""
+    elsewhere (``engine.conv_grad``'s phase weights: one gather from the weight's own values, not two). ``keep``:
+    ``kept_key``'s key, under which the call's kernel calls are kept for ``run_kept`` where they can be."""
     vals = weight.__dict__.get("_vals")
     if type(vals) is not torch.Tensor or vals.dtype != torch.float32 or x.dtype != torch.float32 or \
             x.device.type != "cpu" or vals.device.type != "cpu" or x.dim() != 4 or len(weight._shape) != 4 or \
@@ -447,10 +456,11 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
                       torch.contiguous_format)
     y = _workspace("grid", group * out * grid).view(group, out, grid)
     blocks = -(-out // rows)
+    calls = [] if keep is not None and gather is None and n <= group else None  # (one group: three calls)
     for g0 in range(0, n, group):
         g = min(group, n - g0)
         items = -(-g // m)
-        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, (items * m - g) * image + grid - ho * wq + wq)
+        buf = _buffer(x[g0:g0 + g], geometry, stride, pads, (items * m - g) * image + grid - ho * wq + wq, calls)
         tiles = grid // p.T
         chunks = 1 if items * tiles >= ITEMS_PER_THREAD * threads or threads == 1 else \
             min(blocks, -(-ITEMS_PER_THREAD * threads // (items * tiles)))
@@ -461,6 +471,142 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
                 "cc": chunk, "span": span}
         if bias is not None:
             args["bias"] = bias.detach().contiguous()
-        cpp.call(kernel, loaded, args)
-        _unpack(y[:g], geometry, res[g0:g0 + g], cl)
+        _call(calls, kernel, loaded, args)
+        _unpack(y[:g], geometry, res[g0:g0 + g], cl, calls)
+    if calls is not None:
+        _keep(keep, _guards(weight, bias), x, res, calls, y.numel())
     return res
+
+
+def _call(calls, kernel, loaded, values: dict) -> None:
+    """``cpp.call``, appended to ``calls`` where it is a list (a call ``_keep`` may keep)."""
+    if calls is not None:
+        calls.append((kernel, loaded, values))
+    cpp.call(kernel, loaded, values)
+
+
+#: eager convolutions' kernel calls kept (``_keep``), by ``kept_key``: an eval model's conv call was about 0.09 ms
+#: of Python over its three kernel calls (the plan, geometry and memo lookups, the arguments' binding)
+_KEPT: dict = {}
+#: entries at most (the oldest dropped first): a model's convolutions, one entry each per input shape
+KEPT_LIMIT = 512
+#: keys whose kept calls went stale (the weight or bias changed in place since, as in a compiled training step, whose
+#: forward runs without gradients): ``(times, the guards' versions at the last call not kept)``. After
+#: ``CHANGES`` times a key is kept again only once two calls in a row see the same versions (keeping costs about a
+#: plain call's Python again)
+_CHANGED: dict = {}
+CHANGES = 2
+
+
+def _clear_kept() -> None:
+    _KEPT.clear()
+    _CHANGED.clear()
+
+
+register("conv-direct kept calls", "eager sparse convolutions' pack, kernel and unpack calls with their arguments "
+         "bound, by the weight's arrays, the bias, the input's shape and strides and the thread count",
+         _KEPT.__len__, _clear_kept)
+
+
+def _guards(weight: SparseTensor, bias) -> list:
+    """The tensors a kept call's result depends on besides the input: the weight's arrays and values, the bias."""
+    guards = [a for level in weight._levels for a in level.arrays().values()]
+    guards.append(weight._vals)
+    if bias is not None:
+        guards.append(bias)
+    return guards
+
+
+def _settings() -> tuple:
+    """The module's choices a call's kernels follow (a kept call is made again only under the same ones)."""
+    return (SIDE_BY_SIDE, ITEMS_PER_THREAD, CHUNK_BYTES, SHIFT_SLACK, HALF_ALIGNED, STRIDED_SHIFT, SHIFT_DENSITY,
+            BUFFER_BYTES, PARALLEL_BUFFER_BYTES, ROWS, DYNAMIC, NARROW_ROWS, BLOCK_VECTORS, _lanes, id(CPU))
+
+
+def kept_key(d: int, x, weight, bias, stride, padding, dilation, groups):
+    """The key of ``F.conv<d>d(x, weight, bias, ...)``'s kept call, as the caller gave its arguments, or None where
+    no call is kept for it: not a 2-d float convolution of a plain batched input without gradients, or arguments that
+    are not hashable. The guards (``_guards``) are in the key by identity and checked by version at each call."""
+    if d != 2 or type(x) is not torch.Tensor or x.layout != torch.strided or x.dim() != 4 or \
+            type(weight) is not SparseTensor or \
+            (bias is not None and type(bias) not in (torch.Tensor, torch.nn.Parameter)):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or weight._vals.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
+        return None
+    try:
+        key = (tuple(map(id, _guards(weight, bias))), weight._format, tuple(weight._shape), x.shape, x.stride(),
+               x.dtype, x.device, stride, padding, dilation, groups, torch.get_num_threads(), _settings())
+        hash(key)
+    except TypeError:  # (a list among the arguments)
+        return None
+    return key
+
+
+def run_kept(key, weight: SparseTensor, bias, x: torch.Tensor):
+    """The convolution through the calls kept under ``key`` (``_keep``), or None where there are none or a guard
+    is no longer the same object, unmodified."""
+    entry = _KEPT.get(key)
+    if entry is None:
+        return None
+    refs, versions, steps, size, slack, grid, shape, strides, _ = entry
+    guards = _guards(weight, bias)
+    if any(r() is not g for r, g in zip(refs, guards)):
+        return None
+    if any(g._version != v for g, v in zip(guards, versions)):
+        del _KEPT[key]
+        while len(_CHANGED) >= KEPT_LIMIT:
+            del _CHANGED[next(iter(_CHANGED))]
+        _CHANGED[key] = (_CHANGED.pop(key, (0,))[0] + 1, None)
+        return None
+    buf = _workspace("buffer", size + slack)
+    buf[size:] = 0
+    res = torch.empty_strided(shape, strides, dtype=x.dtype)
+    pointers = (x.data_ptr(), buf.data_ptr(), _workspace("grid", grid).data_ptr(), res.data_ptr())
+    for fn, pack, args, places in steps:
+        args = list(args)
+        for at, slot in places:
+            args[at] = pointers[slot]
+        if pack is not None:
+            fn(pack(*args))
+        else:
+            fn(*args)
+    return res
+
+
+def _keep(key, guards, x, res, calls, grid: int) -> None:
+    """Keep the pack, kernel and unpack calls that made ``res`` from ``x``, where they are certainly that: the pack
+    read ``x`` itself (not a copy) into the buffer workspace, the kernel read the buffer into the grid workspace, the
+    unpack wrote ``res``. The workspaces are looked up again at each call (per thread, grown by other calls)."""
+    if len(calls) != 3 or any(g.is_inference() for g in guards):
+        return
+    changed = _CHANGED.get(key)
+    if changed is not None and changed[0] >= CHANGES:
+        versions = [g._version for g in guards]
+        if changed[1] != versions:  # (still changing from call to call: not kept this time)
+            _CHANGED[key] = (changed[0], versions)
+            return
+        del _CHANGED[key]
+    (pk, pl, pv), (kk, kl, kv), (uk, ul, uv) = calls
+    buf, y = pv["buf"], kv["y"]
+    if pv["x"].data_ptr() != x.data_ptr() or pv["x"].stride() != x.stride() or kv["x"] is not buf or \
+            uv["grid"].data_ptr() != y.data_ptr() or uv["y"].data_ptr() != res.data_ptr():
+        return
+    size = pv["n"] * pv["P"] * pv["C"] * pv["Hq"] * pv["Wq"]
+    slots = {id(pv["x"]): 0, id(buf): 1, id(y): 2, id(uv["grid"]): 2, id(uv["y"]): 3}
+    steps, held = [], []
+    for kernel, loaded, values in calls:
+        names = [p.name for p in kernel.params]
+        args = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in (values[n] for n in names)]
+        places = tuple((i, slots[id(values[n])]) for i, n in enumerate(names) if id(values[n]) in slots)
+        held += [v for v in values.values() if isinstance(v, torch.Tensor) and id(v) not in slots]
+        packed = getattr(loaded, "packed", None)
+        steps.append((loaded.fn, None, tuple(args), places) if packed is None else
+                     (packed, struct.Struct(cpp.pack_format(kernel)).pack, tuple(args), places))
+    while len(_KEPT) >= KEPT_LIMIT:
+        del _KEPT[next(iter(_KEPT))]
+
+    def drop(_ref, key=key, entries=_KEPT):  # (a guard died: its id may be reused)
+        entries.pop(key, None)
+    _KEPT[key] = ([weakref.ref(g, drop) for g in guards], [g._version for g in guards], steps, size,
+                  buf.numel() - size, grid, tuple(res.shape), res.stride(), held)
