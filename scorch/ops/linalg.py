@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from .. import deferred, fusion
-from .._autograd import differentiable_einsum, pattern_ones
+from .._autograd import _einsum_grad, differentiable_einsum, pattern_ones
 from .._traceable import adopt
 from ..deferred import Deferred
 from .. import engine
@@ -258,6 +258,51 @@ def _linear_gradient(k, ops, gout):
     return torch.where(padding_of(w), 0, g) if w._format.padded else g
 
 
+class _WeightLinear(torch.autograd.Function):
+    """``linear(x, W, bias)`` with a sparse weight the family's kernels read (``engine.weights``), as one node of
+    the graph: the forward kernel with the bias in its store, ``dX = dY @ W`` and ``dW`` on the pattern by the
+    family's backward kernels (``_linear_gradient``'s), the bias's gradient the sum of ``dY``. The weight is held
+    by its structure and the saved values (the einsum node's checks: an in-place change of the values between the
+    forward and the backward is torch's error). Inputs: ``(holder, x, values, bias)``, ``holder`` a one-element
+    list of the weight (a SparseTensor is not an input of the node: its values are). A double backward (the
+    backward itself recording a graph) takes the einsum's differentiable gradients."""
+
+    @staticmethod
+    def forward(ctx, holder, x, vals, bias):
+        w = holder[0]
+        ctx.weight, ctx.structure = w, (w._format, w._shape, w.__dict__["_levels"])
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(x, vals)
+        return weight_kernels.linear(w, x, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, vals = ctx.saved_tensors
+        fmt, shape, levels = ctx.structure
+        w = ctx.weight
+        if w.__dict__.get("_vals") is not vals or w.__dict__.get("_levels") is not levels:
+            w = SparseTensor(fmt, shape, levels, vals, check=False)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if torch.is_grad_enabled() or type(dy) is not torch.Tensor or dy.dtype != x.dtype:
+                ops = [SparseTensor(fmt, shape, levels, vals, check=False), x]  # (the einsum's, differentiable)
+                gw, gx = (_einsum_grad(k, [("o", "i"), ("b", "i")], ("o", "b"), ops, dy.t())
+                          if ctx.needs_input_grad[2 - k] else None for k in (0, 1))
+            else:
+                gx = _linear_gradient(1, (w, x), dy.t()) if ctx.needs_input_grad[1] else None
+                gw = _linear_gradient(0, (w, x), dy.t()) if ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[3]:
+            gb = dy.sum(0).to(ctx.bias_dtype)
+        return None, gx, gw, gb
+
+
+def _fused_bias(bias, n_out: int) -> bool:
+    """Whether ``linear``'s bias goes into the weight kernel's store: a plain float tensor of the output's width on
+    the CPU (a scalar or broadcast bias, a SparseTensor, is added after)."""
+    return type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.layout == torch.strided and \
+        bias.dim() == 1 and bias.shape[0] == n_out and bias.device.type == "cpu" and bias.is_floating_point()
+
+
 def _pack_parameter(w: SparseTensor) -> None:
     """A sparse ``nn.Parameter`` the weight kernels read is packed on its first use, in place: its columns held in 16
     bits where they fit (``storage.packed_coordinates``), which the kernels read natively, its wide ones freed where
@@ -296,14 +341,18 @@ def linear(input, weight, bias=None):
         if weight_kernels.applies(w, x):
             _pack_parameter(w)
             # the activation read in its own layout, the result written row-major (``engine.weights``)
-            if needs_grad((weight, x)):
+            if needs_grad((weight, x, bias)) and (bias is None or _fused_bias(bias, shape_of(weight)[0])):
+                out, bias = _WeightLinear.apply([w], x, w._vals, bias), None  # (one node, the bias in the store)
+            elif needs_grad((weight, x)):
                 out = differentiable_einsum("oi,bi->ob", (weight, x), "dense",
                                             compute=lambda w_, x_: weight_kernels.linear(w_, x_).t(),
                                             gradient=_linear_gradient).t()
+            elif needs_grad((bias,)):  # (only a bias the store does not take records: added after, by torch)
+                out = weight_kernels.kept_linear(w, x)
             else:
                 out, bias = weight_kernels.kept_linear(w, x, bias), None
-            return out.reshape(*lead, shape_of(weight)[0]) if bias is None else \
-                out.reshape(*lead, shape_of(weight)[0]) + bias
+            out = out if len(lead) == 1 else out.reshape(*lead, shape_of(weight)[0])  # (a 2-d input: no view node)
+            return out if bias is None else out + bias
         rows = BATCH_TILE if any(isinstance(e, Mod) for e in w.format.exprs) else BATCH_TILE // 2
         if not _batch_tiles(weight, x, rows):
             out = engine.einsum("oi,bi->ob", weight, x, format="dense")
