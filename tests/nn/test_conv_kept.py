@@ -14,6 +14,14 @@ from scorch.engine import conv_direct
 F = torch.nn.functional
 
 
+@pytest.fixture(autouse=True)
+def _direct(monkeypatch):
+    """Every convolution here on the direct kernel, whatever the CPU (n:4 weights take ``engine.conv_picks`` where
+    the CPU takes its rows-in-lanes kernel: AMD with AVX2), whose calls are the ones kept."""
+    from scorch.ops import conv
+    monkeypatch.setattr(conv, "_picks", lambda *a: None)
+
+
 def _conv(sparsifier, cin=8, out=12, k=3, stride=1, padding=1, bias=True, seed=0):
     torch.manual_seed(seed)
     conv = torch.nn.Conv2d(cin, out, k, stride=stride, padding=padding, bias=bias).eval()
@@ -71,8 +79,8 @@ def test_a_new_shape_layout_thread_count_or_setting_is_its_own_entry(monkeypatch
     conv = _conv(scorch.nn.NM(2, 4))
     conv_direct._KEPT.clear()
     threads = torch.get_num_threads()
-    x = torch.randn(2, 8, 10, 10)
-    inputs = [x, torch.randn(2, 8, 7, 10), x.contiguous(memory_format=torch.channels_last), x[:, :, :, 1:]]
+    x = torch.randn(1, 8, 10, 10)  # (one image: several may be joined side by side, which is not kept)
+    inputs = [x, torch.randn(1, 8, 7, 10), x.contiguous(memory_format=torch.channels_last), x[:, :, :, 1:]]
     try:
         with torch.no_grad():
             for t in (1, 2):
@@ -134,7 +142,8 @@ def test_arrays_made_in_inference_mode_are_not_kept():
 def test_threads_share_a_kept_call_with_their_own_workspaces():
     """Two Python threads running the same layer at once: each call packs into its own thread's buffer."""
     conv = _conv(scorch.nn.NM(2, 4), cin=16, out=16)
-    inputs = [torch.randn(2, 16, 20, 20) for _ in range(4)]
+    conv_direct._KEPT.clear()
+    inputs = [torch.randn(1, 16, 20, 20) for _ in range(4)]
     want = [_dense(conv, x) for x in inputs]
     errors = []
 
@@ -147,6 +156,7 @@ def test_threads_share_a_kept_call_with_their_own_workspaces():
             errors.append(e)
     with torch.no_grad():
         conv(inputs[0])
+    assert len(conv_direct._KEPT) == 1
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
