@@ -38,6 +38,20 @@ def _plan(nm: tuple, tokens: int, bias: bool, ctype: str = "i8") -> family.Tiles
     return family.tiles(kernels.CPU, "nm", tokens, "f32", "f32", "i64", ctype, (1, 1), nm, bias)
 
 
+def padded_channels_last(x: torch.Tensor, pads) -> torch.Tensor:
+    """``x`` (N, C, H, W) as a new contiguous (N, H + top + bottom, W + left + right, C) buffer, zeros around it
+    (``pads``: ((top, bottom), (left, right))): the four borders zeroed, the inside one copy. (``F.pad`` of the
+    channels-last view and ``.contiguous()`` took 3.9 ms for ResNet-18's 8 x 64 x 56 x 56 input against 0.44.)"""
+    n, c, h, w = x.shape
+    (pt, pb), (pl, pr) = pads
+    buf = torch.empty(n, h + pt + pb, w + pl + pr, c, dtype=x.dtype, device=x.device)
+    for border in (buf[:, :pt], buf[:, pt + h:], buf[:, pt:pt + h, :pl], buf[:, pt:pt + h, pl + w:]):
+        if border.numel():
+            border.zero_()
+    buf[:, pt:pt + h, pl:pl + w].copy_(x.permute(0, 2, 3, 1))
+    return buf
+
+
 def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, stride, padding, dilation)`` given the weight's matrix view ``view`` (n:4,
     ``serves``) and its ``kernel`` (kh, kw); ``pads`` ((top, bottom), (left, right)). The result is channels-last
@@ -47,7 +61,7 @@ def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dil
     (pt, pb), (pl, pr) = pads
     hp, wp = h + pt + pb, w + pl + pr
     ho, wo = output_size((h, w), kernel, stride, dilation, pads)
-    buf = torch.nn.functional.pad(x.permute(0, 2, 3, 1), (0, 0, pl, pr, pt, pb)).contiguous()
+    buf = padded_channels_last(x, pads)
     taps = torch.tensor([(i * dh * wp + j * dw) * c for i in range(kh) for j in range(kw)], dtype=torch.int64)
     crd = kernels._arrays(view)["crd"]
     out = view._shape[0]

@@ -169,3 +169,15 @@ def test_depth_blocks_conv_in_the_interpreter(lanes):
         "row_stride": 2 * wp * 8, "col_stride": 2 * 8})
     want = F.conv2d(x, sparse.weight.to_dense(), conv.bias, 2, 1).permute(0, 2, 3, 1).reshape(-1)
     torch.testing.assert_close(torch.from_numpy(y), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pads", [((0, 0), (0, 0)), ((1, 1), (1, 1)), ((2, 0), (0, 3)), ((0, 1), (3, 0))])
+@pytest.mark.parametrize("cl", [True, False])
+def test_the_padded_buffer_is_torchs_pad_of_the_channels_last_view(pads, cl):
+    from scorch.engine.conv_picks import padded_channels_last
+    x = torch.randn(2, 5, 4, 6)
+    x = x.contiguous(memory_format=torch.channels_last) if cl else x
+    (pt, pb), (pl, pr) = pads
+    want = torch.nn.functional.pad(x.permute(0, 2, 3, 1), (0, 0, pl, pr, pt, pb))
+    got = padded_channels_last(x, pads)
+    assert got.is_contiguous() and torch.equal(got, want)
