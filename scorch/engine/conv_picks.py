@@ -18,6 +18,7 @@ from ..compiler import weights_picks as picks
 from ..formats.format import nm_size
 from ..sparse_tensor import SparseTensor
 from . import weights as kernels
+from . import weights_kept
 from .conv_direct import output_size
 
 
@@ -52,35 +53,48 @@ def padded_channels_last(x: torch.Tensor, pads) -> torch.Tensor:
     return buf
 
 
-def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads) -> torch.Tensor:
+def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads, keep=False) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, stride, padding, dilation)`` given the weight's matrix view ``view`` (n:4,
     ``serves``) and its ``kernel`` (kh, kw); ``pads`` ((top, bottom), (left, right)). The result is channels-last
-    where ``x`` is, else contiguous (as torch's convolutions return)."""
+    where ``x`` is, else contiguous (as torch's convolutions return). ``keep``: the product's kernel call kept
+    (``weights_kept``: a later call with the same view arrays and values, bias, buffer shape and threads binds only
+    the new buffer and result; an eval model's layers, whose view values are the same tensor from call to call)."""
     n, c, h, w = x.shape
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     (pt, pb), (pl, pr) = pads
     hp, wp = h + pt + pb, w + pl + pr
     ho, wo = output_size((h, w), kernel, stride, dilation, pads)
-    buf = padded_channels_last(x, pads)
-    taps = torch.tensor([(i * dh * wp + j * dw) * c for i in range(kh) for j in range(kw)], dtype=torch.int64)
-    crd = kernels._arrays(view)["crd"]
     out = view._shape[0]
     tokens = n * ho * wo
-    plan = _plan(nm_size(view._format), tokens, bias is not None, family.L.type_of(crd.dtype))
-    y = torch.empty(tokens, out)
-    geometry = {"x": buf, "y": y, "cpg": c // 4, "pixels": ho * wo, "wo": wo, "img_stride": hp * wp * c,
-                "row_stride": sh * wp * c, "col_stride": sw * c}
-    if kernels._depth(plan, tokens):  # (depth blocks: the panel packed from the buffer, ``weights_depth``)
-        plan = depth.planned(plan, tokens)
-        offsets, vals = kernels._depth_laid(view, crd, plan)
-        arrays, extra = {"crd": offsets, "vals": vals, "taps": taps}, kernels._bias(bias, torch.float32)
-        part = "depth_conv"
+
+    def product(buf):
+        taps = torch.tensor([(i * dh * wp + j * dw) * c for i in range(kh) for j in range(kw)], dtype=torch.int64)
+        crd = kernels._arrays(view)["crd"]
+        plan = _plan(nm_size(view._format), tokens, bias is not None, family.L.type_of(crd.dtype))
+        y = torch.empty(tokens, out)
+        geometry = {"x": buf, "y": y, "cpg": c // 4, "pixels": ho * wo, "wo": wo, "img_stride": hp * wp * c,
+                    "row_stride": sh * wp * c, "col_stride": sw * c}
+        if kernels._depth(plan, tokens):  # (depth blocks: the panel packed from the buffer, ``weights_depth``)
+            plan = depth.planned(plan, tokens)
+            offsets, vals = kernels._depth_laid(view, crd, plan)
+            arrays, extra = {"crd": offsets, "vals": vals, "taps": taps}, kernels._bias(bias, torch.float32)
+            part = "depth_conv"
+        else:
+            plan = picks.planned(plan)
+            sel, vals = kernels.lane_layout(view, crd, plan.lanes)
+            arrays, extra = {"sel": sel, "vals": vals, "taps": taps}, kernels.lane_bias(bias, out, plan.lanes)
+            part = "conv"
+        kernels._run(part, plan, view._shape, arrays, tokens,
+                     *kernels._split(plan, tokens, out, torch.get_num_threads()), **geometry, **extra)
+        return y
+
+    buf = padded_channels_last(x, pads)
+    if keep:
+        tag = ("conv_picks", view._format, tuple(view._shape), tuple(kernel), tuple(stride), tuple(dilation),
+               tuple(map(tuple, pads)), kernels.CPU, kernels._depth)  # (the target and depth rule tests change)
+        guards = [a for level in view._levels for a in level.arrays().values()] + [view._vals, bias]
+        y = weights_kept.kept(tag, guards, buf, product)
     else:
-        plan = picks.planned(plan)
-        sel, vals = kernels.lane_layout(view, crd, plan.lanes)
-        arrays, extra = {"sel": sel, "vals": vals, "taps": taps}, kernels.lane_bias(bias, out, plan.lanes)
-        part = "conv"
-    kernels._run(part, plan, view._shape, arrays, tokens, *kernels._split(plan, tokens, out, torch.get_num_threads()),
-                 **geometry, **extra)
+        y = product(buf)
     res = y.view(n, ho, wo, out).permute(0, 3, 1, 2)
     return res if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else res.contiguous()

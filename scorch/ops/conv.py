@@ -195,7 +195,7 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
         grads = torch.is_grad_enabled() and (x.requires_grad or weight._vals.requires_grad or weight.requires_grad or
                                              (bias is not None and bias.requires_grad))
         with torch.no_grad():
-            out = _picks(x, weight, bias, stride, dilation, pads, groups)
+            out = _picks(x, weight, bias, stride, dilation, pads, groups, keep=not grads)
             if out is None:
                 out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups, keep=key)
         if out is not None:
@@ -205,7 +205,7 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     return _general(x, weight, bias, stride, dilation, pads, groups, batched)
 
 
-def _picks(x, weight, bias, stride, dilation, pads, groups):
+def _picks(x, weight, bias, stride, dilation, pads, groups, keep=False):
     """The 2-d convolution through ``engine.conv_picks`` where it serves (an n:4 matrix view on a CPU that takes
     the rows-in-lanes kernel), else None."""
     kernel = tuple(weight._shape[2:])
@@ -213,7 +213,7 @@ def _picks(x, weight, bias, stride, dilation, pads, groups):
     if not conv_picks.serves(view_format_of(weight), x, groups, pixels) or weight._vals.dtype != torch.float32 or \
             (bias is not None and bias.dtype != torch.float32):
         return None
-    return conv_picks.conv2d(matrix_view(weight, groups), x, bias, kernel, stride, dilation, pads)
+    return conv_picks.conv2d(matrix_view(weight, groups), x, bias, kernel, stride, dilation, pads, keep)
 
 
 def _general(x, weight, bias, stride, dilation, pads, groups, batched=True):

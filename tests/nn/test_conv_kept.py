@@ -19,7 +19,7 @@ def _direct(monkeypatch):
     """Every convolution here on the direct kernel, whatever the CPU (n:4 weights take ``engine.conv_picks`` where
     the CPU takes its rows-in-lanes kernel: AMD with AVX2), whose calls are the ones kept."""
     from scorch.ops import conv
-    monkeypatch.setattr(conv, "_picks", lambda *a: None)
+    monkeypatch.setattr(conv, "_picks", lambda *a, **k: None)
 
 
 def _conv(sparsifier, cin=8, out=12, k=3, stride=1, padding=1, bias=True, seed=0):

@@ -181,3 +181,33 @@ def test_the_padded_buffer_is_torchs_pad_of_the_channels_last_view(pads, cl):
     want = torch.nn.functional.pad(x.permute(0, 2, 3, 1), (0, 0, pl, pr, pt, pb))
     got = padded_channels_last(x, pads)
     assert got.is_contiguous() and torch.equal(got, want)
+
+
+def test_an_eval_layer_keeps_its_kernel_call(monkeypatch):
+    """Without gradients the rows-in-lanes convolution's one kernel call is kept (``weights_kept``): later calls
+    with the same weight bind only the new buffer and result, see the weight changed in place, and a call that
+    needs gradients keeps nothing."""
+    from scorch.engine import weights_kept
+    lane_picks_on(monkeypatch, conv_picks, "conv2d")
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1).eval()
+    s = scorch.schedule(conv)
+    s["weight"].sparsify(scorch.nn.NM(2, 4))
+    s.apply()
+    weights_kept._KEPT.clear()
+    planned, real = [], conv_picks._plan
+    monkeypatch.setattr(conv_picks, "_plan", lambda *a: planned.append(1) or real(*a))
+
+    def dense(x):
+        return torch.nn.functional.conv2d(x, conv.weight.to_dense(), conv.bias, 1, 1)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 8, 9, 9).contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(conv(x), dense(x), rtol=1e-4, atol=1e-5)
+        assert [k[0][0] for k in weights_kept._KEPT] == ["conv_picks"] and len(planned) == 1
+        conv.weight._vals.mul_(-1.5)
+        torch.testing.assert_close(conv(x), dense(x), rtol=1e-4, atol=1e-5)
+    weights_kept._KEPT.clear()
+    x.requires_grad_()
+    conv(x).sum().backward()
+    assert not weights_kept._KEPT
