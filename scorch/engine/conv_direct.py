@@ -344,11 +344,11 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int, calls=None) -> 
     kernel, loaded = _loaded(("pack", cl), lambda: family.pack(cl))
     pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     strides = x.stride()
-    _call(calls, kernel, loaded, {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
-                              "P": len(phases), "C": c, "H": h, "W": w, "Hq": hq, "Wq": wq, "sr": stride[0],
-                              "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0],
-                              "xs_c": strides[1], "xs_h": strides[2], "xs_w": strides[3],
-                              "nthreads": torch.get_num_threads()})
+    _call(calls, kernel, loaded, {
+        "pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
+        "P": len(phases), "C": c, "H": h, "W": w, "Hq": hq, "Wq": wq, "sr": stride[0], "sc": stride[1],
+        "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0], "xs_c": strides[1], "xs_h": strides[2],
+        "xs_w": strides[3], "nthreads": torch.get_num_threads()})
     return buf
 
 
@@ -361,9 +361,9 @@ def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool, calls=None) 
     n, out, grid = y.shape
     kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
     strides = res.stride()
-    _call(calls, kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
-                              "ys_n": strides[0], "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3],
-                              "nthreads": torch.get_num_threads()})
+    _call(calls, kernel, loaded, {
+        "grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid, "ys_n": strides[0],
+        "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3], "nthreads": torch.get_num_threads()})
 
 
 @functools.lru_cache(maxsize=256)

@@ -53,7 +53,8 @@ def padded_channels_last(x: torch.Tensor, pads) -> torch.Tensor:
     return buf
 
 
-def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads, keep=False) -> torch.Tensor:
+def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dilation, pads,
+           keep=False) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, stride, padding, dilation)`` given the weight's matrix view ``view`` (n:4,
     ``serves``) and its ``kernel`` (kh, kw); ``pads`` ((top, bottom), (left, right)). The result is channels-last
     where ``x`` is, else contiguous (as torch's convolutions return). ``keep``: the product's kernel call kept
