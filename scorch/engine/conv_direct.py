@@ -36,6 +36,7 @@ from ..compiler.codegen import cpp
 from ..compiler.target import CPU
 from ..formats import storage
 from ..sparse_tensor import SparseTensor, padding_of
+from . import weights_kept
 
 _KERNELS = cache("conv-direct", "kernels of the direct sparse convolution per plan")
 #: per weight pattern and geometry: the rows' positions, the entries' offsets and their values' order
@@ -409,7 +410,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     (left, right))), or None where the kernel does not serve it. ``gather(order)``: the entries' values from their
     positions in ``weight``'s values (``order``, ``nnz`` where an entry has none: 0), where the caller holds them
     elsewhere (``engine.conv_grad``'s phase weights: one gather from the weight's own values, not two). ``keep``:
-    ``kept_key``'s key, under which the call's kernel calls are kept for ``run_kept`` where they can be."""
+    ``kept_key``'s key and guards, under which the call's kernel calls are kept for ``run_kept`` where they can be."""
     vals = weight.__dict__.get("_vals")
     if type(vals) is not torch.Tensor or vals.dtype != torch.float32 or x.dtype != torch.float32 or \
             x.device.type != "cpu" or vals.device.type != "cpu" or x.dim() != 4 or len(weight._shape) != 4 or \
@@ -474,7 +475,7 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
         _call(calls, kernel, loaded, args)
         _unpack(y[:g], geometry, res[g0:g0 + g], cl, calls)
     if calls is not None:
-        _keep(keep, _guards(weight, bias), x, res, calls, y.numel())
+        _keep(keep, x, res, calls, y.numel())
     return res
 
 
@@ -508,15 +509,6 @@ register("conv-direct kept calls", "eager sparse convolutions' pack, kernel and 
          _KEPT.__len__, _clear_kept)
 
 
-def _guards(weight: SparseTensor, bias) -> list:
-    """The tensors a kept call's result depends on besides the input: the weight's arrays and values, the bias."""
-    guards = [a for level in weight._levels for a in level.arrays().values()]
-    guards.append(weight._vals)
-    if bias is not None:
-        guards.append(bias)
-    return guards
-
-
 def _settings() -> tuple:
     """The module's choices a call's kernels follow (a kept call is made again only under the same ones)."""
     return (SIDE_BY_SIDE, ITEMS_PER_THREAD, CHUNK_BYTES, SHIFT_SLACK, HALF_ALIGNED, STRIDED_SHIFT, SHIFT_DENSITY,
@@ -524,9 +516,10 @@ def _settings() -> tuple:
 
 
 def kept_key(d: int, x, weight, bias, stride, padding, dilation, groups):
-    """The key of ``F.conv<d>d(x, weight, bias, ...)``'s kept call, as the caller gave its arguments, or None where
-    no call is kept for it: not a 2-d float convolution of a plain batched input without gradients, or arguments that
-    are not hashable. The guards (``_guards``) are in the key by identity and checked by version at each call."""
+    """``(key, guards)`` of ``F.conv<d>d(x, weight, bias, ...)``'s kept call, the key made from the arguments as the
+    caller gave them, or None where no call is kept for it: not a 2-d float convolution of a plain batched input
+    without gradients, or arguments that are not hashable. The guards (``weights_kept.guards``: the weight's arrays
+    and values, the bias) are in the key by identity and checked by version at each call."""
     if d != 2 or type(x) is not torch.Tensor or x.layout != torch.strided or x.dim() != 4 or \
             type(weight) is not SparseTensor or \
             (bias is not None and type(bias) not in (torch.Tensor, torch.nn.Parameter)):
@@ -534,23 +527,24 @@ def kept_key(d: int, x, weight, bias, stride, padding, dilation, groups):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or weight._vals.requires_grad or
                                     (bias is not None and bias.requires_grad)):
         return None
+    guards = weights_kept.guards(weight, bias)
     try:
-        key = (tuple(map(id, _guards(weight, bias))), weight._format, tuple(weight._shape), x.shape, x.stride(),
-               x.dtype, x.device, stride, padding, dilation, groups, torch.get_num_threads(), _settings())
+        key = (tuple(map(id, guards)), weight._format, tuple(weight._shape), x.shape, x.stride(), x.dtype, x.device,
+               stride, padding, dilation, groups, torch.get_num_threads(), _settings())
         hash(key)
     except TypeError:  # (a list among the arguments)
         return None
-    return key
+    return key, guards
 
 
-def run_kept(key, weight: SparseTensor, bias, x: torch.Tensor):
-    """The convolution through the calls kept under ``key`` (``_keep``), or None where there are none or a guard
-    is no longer the same object, unmodified."""
+def run_kept(kept, x: torch.Tensor):
+    """The convolution of ``x`` through the calls kept under ``kept`` (``kept_key``'s, by ``_keep``), or None where
+    there are none or a guard is no longer the same object, unmodified."""
+    key, guards = kept
     entry = _KEPT.get(key)
     if entry is None:
         return None
     refs, versions, steps, size, slack, grid, shape, strides, _ = entry
-    guards = _guards(weight, bias)
     if any(r() is not g for r, g in zip(refs, guards)):
         return None
     if any(g._version != v for g, v in zip(guards, versions)):
@@ -574,10 +568,12 @@ def run_kept(key, weight: SparseTensor, bias, x: torch.Tensor):
     return res
 
 
-def _keep(key, guards, x, res, calls, grid: int) -> None:
-    """Keep the pack, kernel and unpack calls that made ``res`` from ``x``, where they are certainly that: the pack
-    read ``x`` itself (not a copy) into the buffer workspace, the kernel read the buffer into the grid workspace, the
-    unpack wrote ``res``. The workspaces are looked up again at each call (per thread, grown by other calls)."""
+def _keep(kept, x, res, calls, grid: int) -> None:
+    """Keep, under ``kept`` (``kept_key``'s), the pack, kernel and unpack calls that made ``res`` from ``x``, where
+    they are certainly that: the pack read ``x`` itself (not a copy) into the buffer workspace, the kernel read the
+    buffer into the grid workspace, the unpack wrote ``res``. The workspaces are looked up again at each call (per
+    thread, grown by other calls)."""
+    key, guards = kept
     if len(calls) != 3 or any(g.is_inference() for g in guards):
         return
     changed = _CHANGED.get(key)

@@ -93,8 +93,7 @@ def conv2d(view: SparseTensor, x: torch.Tensor, bias, kernel: tuple, stride, dil
     if keep:
         tag = ("conv_picks", view._format, tuple(view._shape), tuple(kernel), tuple(stride), tuple(dilation),
                tuple(map(tuple, pads)), kernels.CPU, kernels._depth)  # (the target and depth rule tests change)
-        guards = [a for level in view._levels for a in level.arrays().values()] + [view._vals, bias]
-        y = weights_kept.kept(tag, guards, buf, product)
+        y = weights_kept.kept(tag, weights_kept.guards(view, bias), buf, product)
     else:
         y = product(buf)
     res = y.view(n, ho, wo, out).permute(0, 3, 1, 2)

@@ -28,7 +28,7 @@ from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, ValuesMemo, coordinates
 from ..sparse_tensor import SparseTensor
 from .weights_depth import laid as _depth_laid
-from .weights_kept import call as _call, kept as _kept
+from .weights_kept import call as _call, guards as _guards, kept as _kept
 
 _KERNELS = cache("weights", "kernels of the dense-activation x sparse-weight family per plan")
 #: the float types the family computes in (16-bit values widened in the panel and at each weight)
@@ -497,8 +497,7 @@ def kept_linear(weight: SparseTensor, x: torch.Tensor, bias=None) -> torch.Tenso
     each layer's product again and again, and the plan, the kernel's lookup and the arguments' binding took about
     0.1 ms of Python a call (AMD EPYC Zen 3: a 768 x 768 bsr(16, 16) layer at 128 tokens 0.33 ms a call, its
     kernel 0.22)."""
-    arrays = [a for level in weight._levels for a in level.arrays().values()]
-    return _kept(("linear", weight._format, tuple(weight._shape)), [*arrays, weight._vals, bias], x,
+    return _kept(("linear", weight._format, tuple(weight._shape)), _guards(weight, bias), x,
                  lambda x_: linear(weight, x_, bias))
 
 

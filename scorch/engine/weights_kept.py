@@ -44,6 +44,15 @@ def call(kernel, loaded, values: dict) -> None:
     cpp.call(kernel, loaded, values)
 
 
+def guards(weight, *others) -> list:
+    """The tensors a kept call on the sparse ``weight`` depends on besides its input: the weight's index arrays, its
+    values, then ``others`` that are not None (a bias)."""
+    out = [a for level in weight._levels for a in level.arrays().values()]
+    out.append(weight._vals)
+    out.extend(t for t in others if t is not None)
+    return out
+
+
 def kept(tag: tuple, guards, x: torch.Tensor, compute) -> torch.Tensor:
     """``compute(x)``, whose result depends only on ``x`` and the tensors ``guards`` (and ``tag``, constants), made
     through its kernel call kept from an earlier call where there is one (see the module's text)."""

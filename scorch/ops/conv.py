@@ -152,9 +152,9 @@ def _unfold(x, kernel, stride, dilation, pads):
 
 def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """The ``d``-dimensional convolution of a dense ``input`` with a sparse ``weight`` (see the module docstring)."""
-    key = conv_direct.kept_key(d, input, weight, bias, stride, padding, dilation, groups)
-    if key is not None:  # (a repeated call of an eval model's layer: its kernel calls as the first made them)
-        out = conv_direct.run_kept(key, weight, bias, input)
+    kept = conv_direct.kept_key(d, input, weight, bias, stride, padding, dilation, groups)
+    if kept is not None:  # (a repeated call of an eval model's layer: its kernel calls as the first made them)
+        out = conv_direct.run_kept(kept, input)
         if out is not None:
             return out
     op = f"conv{d}d"
@@ -197,7 +197,7 @@ def conv(d: int, input, weight, bias=None, stride=1, padding=0, dilation=1, grou
         with torch.no_grad():
             out = _picks(x, weight, bias, stride, dilation, pads, groups, keep=not grads)
             if out is None:
-                out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups, keep=key)
+                out = conv_direct.conv2d(weight, x, bias, stride, dilation, pads, groups, keep=kept)
         if out is not None:
             if grads:  # (the result made above, handed to the graph's node: its backward runs direct kernels too)
                 out = _DirectConv.apply(x, weight.values(), bias, (weight, stride, dilation, pads, groups, out))

@@ -285,8 +285,7 @@ class _WeightLinear(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             if torch.is_grad_enabled() or type(dy) is not torch.Tensor or dy.dtype != x.dtype:
-                ops = [SparseTensor(fmt, shape, levels, vals, check=False), x]  # (the einsum's, differentiable)
-                gw, gx = (_einsum_grad(k, [("o", "i"), ("b", "i")], ("o", "b"), ops, dy.t())
+                gw, gx = (_einsum_grad(k, [("o", "i"), ("b", "i")], ("o", "b"), [w, x], dy.t())  # (differentiable)
                           if ctx.needs_input_grad[2 - k] else None for k in (0, 1))
             else:
                 gx = _linear_gradient(1, (w, x), dy.t()) if ctx.needs_input_grad[1] else None
