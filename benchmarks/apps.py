@@ -143,7 +143,9 @@ def moe(threads: int, quick: bool) -> list:
                    "`loop`). The app runs one backend after another: the interleaved tables below compare step by "
                    "step.")
     sizes = [dict(tokens=512, dim=64)] if quick else [dict(tokens=2048, dim=128), dict(tokens=4096, dim=512)]
-    return [t] + [table for s in sizes for table in moe_steps(threads, repeats=5 if quick else 15, **s)]
+    # (one call a sample: the 2 ms calls at D=128 take more samples for a steady median, at little cost)
+    return [t] + [table for s in sizes for table in
+                  moe_steps(threads, repeats=5 if quick else 41 if s["dim"] <= 128 else 21, **s)]
 
 
 def moe_steps(threads: int, tokens: int, dim: int, experts: int = 16, top_k: int = 1, repeats: int = 15) -> list:
