@@ -229,3 +229,11 @@ def run_torchrun(*args, nproc=2, timeout=120):
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def conv_input(batch, cin, kernel, dilation, padding, extra, cl, seed):
+    """A random (batch, cin, h, w) input for a 2-d convolution: the least plane the dilated ``kernel`` fits on
+    with ``padding`` (at least 1), plus ``extra`` rows and columns; channels_last where ``cl``."""
+    h, w = (max(1, dl * (k - 1) + 1 - 2 * p) + e for k, dl, p, e in zip(kernel, dilation, padding, extra))
+    x = torch.randn(batch, cin, h, w, generator=torch.Generator().manual_seed(seed))
+    return x.contiguous(memory_format=torch.channels_last) if cl else x

@@ -14,6 +14,9 @@ multiply-add into accumulators that stay in registers for the whole row, ``unrol
 multiply-adds' latency hides behind each other. The work items are (image, pixel tile, row chunk), tile-major:
 a tile's inputs (every channel's plane around the tile) stay in the cache while the rows pass.
 
+``banded``: the input buffer's pack (``pack``), the tiles and the result's unpack (``unpack``) of a band of output
+rows of one image in one work item, the band's buffer and grid each thread's own.
+
 Against im2col and the sparse-weight ``linear`` family (``compiler.weights``), this reads each input once per
 stored weight from the cache instead of copying ``prod(kernel)`` shifted copies of the input into rows and then
 transposing them into a panel: those copies cost as much as the sparse product itself at 90% sparsity.
@@ -113,6 +116,12 @@ def forward(p: Plan) -> L.Kernel:
     1]``: a tile goes over the chunks, every row of the item per chunk, so that the chunk's inputs around the tile
     stay in L1 while the rows pass (the rows' sums so far read back from ``y``, which the chunks after the first
     add to). ``x`` must be readable up to ``grid + max(off)`` past each image's start (the caller pads its end)."""
+    return L.Kernel(p.name + ("_bias" if p.bias else ""), _params(p), L.block(_items(p, _tile(p, "x", "y"))))
+
+
+def _tile(p: Plan, xa: str, ya: str) -> L.Stmt:
+    """``forward``'s work on one tile (``xb``, ``yb``: its starts in the input buffer ``xa`` and the grid ``ya``)
+    for the rows ``chunk * row_chunk ..`` (blocks of rows where ``p.rows`` > 1), over every channel chunk."""
     T, U = p.T, p.unroll
     xb, yb, o, lo, hi, q, k, e, kc, at = (L.Var(v) for v in ("xb", "yb", "o", "lo", "hi", "q", "k", "e", "kc", "at"))
     chunk, n_out, grid = L.Var("chunk"), L.Var("n_out"), L.Var("grid")
@@ -123,11 +132,11 @@ def forward(p: Plan) -> L.Kernel:
     def entry(at_, u):
         w = L.Load("vals", at_, F32)
         src = _add(xb, L.Cast(L.Load("off", at_, "i32"), I64), _bv)
-        return _vloop(T, p.lanes, L.Store("acc", _add(_c(u * T), _bv), _mul(w, L.Load("x", src, F32)), "add"))
+        return _vloop(T, p.lanes, L.Store("acc", _add(_c(u * T), _bv), _mul(w, L.Load(xa, src, F32)), "add"))
 
     first = L.binary("eq", kc, _c(0))
     if p.rows > 1:
-        return _blocks(p, first)
+        return _blocks(p, first, xa, ya)
     y_at = _add(yb, _mul(o, grid), _bv)
     start = _vloop(T, p.lanes, L.Store("acc", _bv, L.Load("bias", o, F32), "add")) if p.bias else None
     row = L.block(
@@ -139,14 +148,13 @@ def forward(p: Plan) -> L.Kernel:
         L.If(L.binary("or", first, L.binary("lt", lo, hi)), L.block(
             L.LocalArray("acc", F32, U * T, L.Const(0.0, F32), vector=vector),
             # (the sums so far, or the bias where the row starts)
-            L.If(first, L.block(start), L.block(_vloop(T, p.lanes, L.Store("acc", _bv, L.Load("y", y_at, F32))))),
+            L.If(first, L.block(start), L.block(_vloop(T, p.lanes, L.Store("acc", _bv, L.Load(ya, y_at, F32))))),
             *unrolled(lo, hi, U, entry, k, q, e),
-            _vloop(T, p.lanes, L.Store("y", y_at, sets_total("acc", U, T))))))
-    loop = _items(p, L.For(kc, _c(0), L.Var("kchunks"), L.block(_prefetch(p), L.For(o, r_lo, r_hi, row))))
-    return L.Kernel(p.name + ("_bias" if p.bias else ""), _params(p), L.block(loop))
+            _vloop(T, p.lanes, L.Store(ya, y_at, sets_total("acc", U, T))))))
+    return L.For(kc, _c(0), L.Var("kchunks"), L.block(_prefetch(p, xa), L.For(o, r_lo, r_hi, row)))
 
 
-def _prefetch(p: Plan) -> L.Stmt:
+def _prefetch(p: Plan, xa: str) -> L.Stmt:
     """Hints for the next channel chunk's inputs around the tile, into L2 (``PREFETCH_LOCALITY``), issued before
     the chunk's rows pass: the first row of a chunk otherwise waits on each line from L3 (a layer's buffer is
     larger than L2: ResNet-18's 64 x 56 x 56 shifted planes, 2.9 MB). The chunk's channels ``(kc + 1) * cc ..``
@@ -157,7 +165,7 @@ def _prefetch(p: Plan) -> L.Stmt:
     cc, C = L.Var("cc"), L.Var("C")
     c_lo = _mul(_add(kc, _c(1)), cc)
     return L.block(*(L.For(c, c_lo, L.binary("min", C, _add(c_lo, cc)), L.block(L.For(ph, _c(0), L.Var("P"), L.block(
-        L.For(j, _c(0), _div(L.Var("span"), _c(LINE)), L.block(L.Prefetch("x", _add(
+        L.For(j, _c(0), _div(L.Var("span"), _c(LINE)), L.block(L.Prefetch(xa, _add(
             L.Var("xb"), _mul(_c(i), L.Var("x_image")), _mul(_add(_mul(ph, C), c), L.Var("plane")),
             _mul(j, _c(LINE))), PREFETCH_LOCALITY))))))) for i in range(p.images)))
 
@@ -188,7 +196,7 @@ def _items(p: Plan, body: L.Stmt) -> L.For:
         body), parallel=L.Parallel("dynamic" if p.dynamic else "static", None, L.block(), chunk=1))
 
 
-def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
+def _blocks(p: Plan, first: L.Expr, xa: str, ya: str) -> L.Stmt:
     """The kernel where a block of ``p.rows`` output rows shares its loads: its entries of a channel chunk come in
     one list per subset of its rows (``subsets``: an entry of a list holds the value of each row, 0 where the
     row has none, and one offset), so that an input vector is loaded once for every row of the block that reads
@@ -212,12 +220,13 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
         return _add(_c((r * M + i) * T), _bv)
     start = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load("bias", kept[r], F32), "add")
                                   for r in range(R))) for i in range(M)] if p.bias else []
-    resume = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load("y", y_at(r, i), F32)) for r in range(R)))
+    resume = [_vloop(T, p.lanes, *(L.Store("acc", acc(r, i), L.Load(ya, y_at(r, i), F32)) for r in range(R)))
               for i in range(M)]
     lists = []
     for s, mask in enumerate(subsets(R)):
         def fmas(i):
-            x_v = L.Load("x", _add(xb, _mul(_c(i), L.Var("x_image")), L.Cast(L.Load("off", e, "i32"), I64), _bv), F32)
+            x_v = L.Load(xa, _add(xb, _mul(_c(i), L.Var("x_image")), L.Cast(L.Load("off", e, "i32"), I64), _bv),
+                         F32)
             # (an input that several rows read goes through a register of its own: left as one expression per
             #  row, GCC folds it into each multiply-add as a memory operand, a load per multiply-add again)
             shared = bin(mask).count("1") > 1
@@ -230,7 +239,7 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
                            L.block(*(_vloop(T, p.lanes, *fmas(i)) for i in range(M)))))
 
     def store(r):
-        return [_vloop(T, p.lanes, L.Store("y", y_at(r, i), L.Load("acc", acc(r, i), F32))) for i in range(M)]
+        return [_vloop(T, p.lanes, L.Store(ya, y_at(r, i), L.Load("acc", acc(r, i), F32))) for i in range(M)]
     stores = [L.If(L.binary("lt", rows[r], n_out), L.block(*store(r))) if r else L.block(*store(r))
               for r in range(R)]
     block = L.block(
@@ -245,8 +254,7 @@ def _blocks(p: Plan, first: L.Expr) -> L.Kernel:
     chunk = L.Var("chunk")
     r_lo = _mul(chunk, L.Var("row_chunk"))
     r_hi = L.binary("min", blocks, _add(r_lo, L.Var("row_chunk")))
-    loop = _items(p, L.For(kc, _c(0), L.Var("kchunks"), L.block(_prefetch(p), L.For(b, r_lo, r_hi, block))))
-    return L.Kernel(p.name + ("_bias" if p.bias else ""), _params(p), L.block(loop))
+    return L.For(kc, _c(0), L.Var("kchunks"), L.block(_prefetch(p, xa), L.For(b, r_lo, r_hi, block)))
 
 
 #: (channels_last packs and unpacks: a row of every channel transposed by ``loopir.Transpose``'s vector tiles.
@@ -267,8 +275,27 @@ def pack(channels_inner: bool) -> L.Kernel:
     (the shifted planes of ``engine.conv_direct._geometry``: ``pb = pb[src] + sc * shift``): its rows are copied from that
     phase's rows just written, contiguous, instead of gathered from ``x`` again; its last ``sh`` columns gathered
     (zeros past the input)."""
-    item, img, ph, i, c, j, r, col, base, lo, hi, src, sh, sbase = (L.Var(v) for v in (
-        "item", "img", "ph", "i", "c", "j", "r", "col", "base", "lo", "hi", "src", "sh", "sbase"))
+    item, img, i = L.Var("item"), L.Var("img"), L.Var("i")
+    loop = L.For(item, _c(0), _mul(L.Var("n"), L.Var("Hq")), L.block(
+        L.Let(img, _div(item, L.Var("Hq"))), L.Let(i, L.binary("mod", item, L.Var("Hq"))),
+        _pack_row(channels_inner, img, img, i, i)), parallel=L.Parallel("static", None, L.block(), chunk=1))
+    scalars = ("n", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w",
+               "nthreads")
+    return L.Kernel("scorch_conv_pack" + ("_cl" if channels_inner else ""), _pack_params() + (
+        L.Param("x", "array", F32), L.Param("buf", "array", F32, output=True)) +
+        tuple(L.Param(s, "scalar", I64) for s in scalars), L.block(loop))
+
+
+def _pack_params() -> tuple:
+    return tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi", "src_phase", "src_shift"))
+
+
+def _pack_row(channels_inner: bool, img: L.Expr, b_img: L.Expr, i: L.Expr, i_in: L.Expr) -> L.Stmt:
+    """``pack``'s work item: row ``i`` of every phase's planes of image ``b_img`` in ``buf`` (planes ``Hq x Wq``),
+    from the input rows of phase row ``i_in`` of ``x``'s image ``img`` (``banded``: a band's own buffer, image 0,
+    its rows ``i`` those of the image's phase rows ``i_in``)."""
+    ph, c, j, r, col, base, lo, hi, src, sh, sbase = (L.Var(v) for v in (
+        "ph", "c", "j", "r", "col", "base", "lo", "hi", "src", "sh", "sbase"))
     P, C, H, Hq, Wq = (L.Var(v) for v in ("P", "C", "H", "Hq", "Wq"))
     inside = L.binary("and", L.binary("ge", r, _c(0)), L.binary("lt", r, H))
     # (NCHW: the columns' stride 1, known here)
@@ -308,11 +335,11 @@ def pack(channels_inner: bool) -> L.Kernel:
             "buf", _add(sbase, _mul(c, _mul(Hq, Wq)), j, sh), F32)))))), tail)
 
     def row_start(phase):
-        return _add(_mul(_mul(_add(_mul(img, P), phase), C), _mul(Hq, Wq)), _mul(i, Wq))
+        return _add(_mul(_mul(_add(_mul(b_img, P), phase), C), _mul(Hq, Wq)), _mul(i, Wq))
     phase = L.block(
         L.Let(src, L.Load("src_phase", ph, I64)),
         L.Let(base, row_start(ph)),
-        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i)), L.Var("pt"))),
+        L.Let(r, L.binary("sub", _add(L.Cast(L.Load("pa", ph, I64), I64), _mul(L.Var("sr"), i_in)), L.Var("pt"))),
         L.If(L.binary("lt", src, _c(0)), L.block(
             # (a row outside the input: every column zero)
             L.Let(lo, L.Select(inside, L.Load("jlo", ph, I64), Wq, I64)),
@@ -321,15 +348,7 @@ def pack(channels_inner: bool) -> L.Kernel:
             L.Let(sh, L.Load("src_shift", ph, I64)),
             L.Let(sbase, row_start(src)),
             shifted)))
-    loop = L.For(item, _c(0), _mul(L.Var("n"), Hq), L.block(
-        L.Let(img, _div(item, Hq)), L.Let(i, L.binary("mod", item, Hq)),
-        L.For(ph, _c(0), P, phase)), parallel=L.Parallel("static", None, L.block(), chunk=1))
-    scalars = ("n", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n", "xs_c", "xs_h", "xs_w",
-               "nthreads")
-    params = tuple(L.Param(a, "array", I64) for a in ("pa", "pb", "jlo", "jhi", "src_phase", "src_shift")) + \
-        (L.Param("x", "array", F32), L.Param("buf", "array", F32, output=True)) + \
-        tuple(L.Param(s, "scalar", I64) for s in scalars)
-    return L.Kernel("scorch_conv_pack" + ("_cl" if channels_inner else ""), params, L.block(loop))
+    return L.For(ph, _c(0), P, phase)
 
 
 def unpack(channels_inner: bool) -> L.Kernel:
@@ -337,19 +356,68 @@ def unpack(channels_inner: bool) -> L.Kernel:
     columns, ``y`` written through its strides (``ys_*``: NCHW or channels_last), one output row ``h`` of every
     channel a work item. ``channels_inner``: channels_last (``ys_c`` 1), the channels' rows transposed by vector
     tiles; else NCHW (``ys_w`` 1), the columns inner."""
-    item, img, h, o, w = (L.Var(v) for v in ("item", "img", "h", "o", "w"))
-    O, Ho, Wo, G = (L.Var(v) for v in ("O", "Ho", "Wo", "G"))
-    value = L.Load("grid", _add(_mul(_add(_mul(img, O), o), G), _mul(h, L.Var("Wq")), w), F32)
-    # (the inner loop's stride 1, known here: the writes are contiguous, a plain vectorized copy)
-    store = L.Store("y", _add(_mul(img, L.Var("ys_n")), _mul(o, L.Var("ys_c")), _mul(h, L.Var("ys_h")), w), value)
-    # (channels_last: every channel's row transposed by vector tiles)
-    inner = L.Transpose("y", _add(_mul(img, L.Var("ys_n")), _mul(h, L.Var("ys_h"))), L.Var("ys_w"), "grid",
-                        _add(_mul(_mul(img, O), G), _mul(h, L.Var("Wq"))), G, O, Wo, F32, F32) \
-        if channels_inner else L.For(o, _c(0), O, L.block(L.For(w, _c(0), Wo, L.block(store))))
+    item, img, h, Ho = L.Var("item"), L.Var("img"), L.Var("h"), L.Var("Ho")
     loop = L.For(item, _c(0), _mul(L.Var("n"), Ho), L.block(
-        L.Let(img, _div(item, Ho)), L.Let(h, L.binary("mod", item, Ho)), inner),
+        L.Let(img, _div(item, Ho)), L.Let(h, L.binary("mod", item, Ho)), _unpack_row(channels_inner, img, img, h, h)),
         parallel=L.Parallel("static", None, L.block(), chunk=1))
     scalars = ("n", "O", "Ho", "Wo", "Wq", "G", "ys_n", "ys_c", "ys_h", "ys_w", "nthreads")
     params = (L.Param("grid", "array", F32), L.Param("y", "array", F32, output=True)) + \
         tuple(L.Param(s, "scalar", I64) for s in scalars)
     return L.Kernel("scorch_conv_unpack" + ("_cl" if channels_inner else ""), params, L.block(loop))
+
+
+def _unpack_row(channels_inner: bool, img: L.Expr, g_img: L.Expr, h: L.Expr, h_out: L.Expr, ga="grid") -> L.Stmt:
+    """``unpack``'s work item: output row ``h_out`` of image ``img`` of ``y``, every channel, from row ``h`` of the
+    grid ``ga``'s image ``g_img`` (``banded``: a band's own grid, image 0, its row ``h`` the image's ``h_out``)."""
+    o, w = L.Var("o"), L.Var("w")
+    O, Wo, G = L.Var("O"), L.Var("Wo"), L.Var("G")
+    value = L.Load(ga, _add(_mul(_add(_mul(g_img, O), o), G), _mul(h, L.Var("Wq")), w), F32)
+    # (the inner loop's stride 1, known here: the writes are contiguous, a plain vectorized copy)
+    store = L.Store("y", _add(_mul(img, L.Var("ys_n")), _mul(o, L.Var("ys_c")), _mul(h_out, L.Var("ys_h")), w),
+                    value)
+    if not channels_inner:
+        return L.For(o, _c(0), O, L.block(L.For(w, _c(0), Wo, L.block(store))))
+    # (channels_last: every channel's row transposed by vector tiles)
+    return L.Transpose("y", _add(_mul(img, L.Var("ys_n")), _mul(h_out, L.Var("ys_h"))), L.Var("ys_w"), ga,
+                       _add(_mul(_mul(g_img, O), G), _mul(h, L.Var("Wq"))), G, O, Wo, F32, F32)
+
+
+def banded(p: Plan, channels_inner: bool) -> L.Kernel:
+    """``pack``, ``forward`` and ``unpack`` in one kernel, a band of ``Rb`` output rows of one image a work item:
+    the band's input buffer (its phase rows ``band * Rb ..``, ``Hq`` of them: the band's rows and the taps' extra
+    ones) and its grid (``n_out`` planes of ``grid`` pixels) are each thread's own, sized to stay in L2, so that
+    the buffer is written, read by every tile and the grid unpacked while they are in the cache: the whole layer's
+    buffer written and read back through memory cost ResNet-18's 64 x 56 x 56 2:4 layer at batch 8 about a third
+    of its kernel time. ``p`` is the band's plan (``p.images`` 1); the entries' offsets are into the band's buffer
+    (its planes ``Hq x Wq``); ``Ho`` is the image's output rows (the last band's rows past it are computed on zero
+    inputs and not stored). ``buf_size``: the band buffer's elements, the tiles' reads past its planes included
+    (zeros)."""
+    assert p.images == 1
+    item, img, band, i, h, tile, r0 = (L.Var(v) for v in ("item", "img", "band", "i", "h", "tile", "r0"))
+    Rb, grid = L.Var("Rb"), L.Var("grid")
+    body = L.block(
+        L.Let(img, _div(item, L.Var("bands"))),
+        L.Let(band, L.binary("mod", item, L.Var("bands"))),
+        L.Let(r0, _mul(band, Rb)),
+        L.Let(L.Var("chunk"), _c(0)),
+        L.Let(L.Var("O"), L.Var("n_out")),
+        L.Let(L.Var("G"), grid),
+        L.For(i, _c(0), L.Var("Hq"), L.block(_pack_row(channels_inner, img, _c(0), i, _add(r0, i)))),
+        L.For(tile, _c(0), _div(grid, _c(p.T)), L.block(
+            L.Let(L.Var("xb"), _mul(tile, _c(p.T))), L.Let(L.Var("yb"), _mul(tile, _c(p.T))),
+            _tile(p, "buf", "bgrid"))),
+        L.For(h, _c(0), L.binary("min", Rb, L.binary("sub", L.Var("Ho"), r0)), L.block(
+            _unpack_row(channels_inner, img, _c(0), h, _add(r0, h), "bgrid"))))
+    setup = L.block(L.Alloc("buf", F32, L.Var("buf_size")), L.Alloc("bgrid", F32, _mul(L.Var("n_out"), grid)))
+    loop = L.For(item, _c(0), _mul(L.Var("n"), L.Var("bands")), body,
+                 parallel=L.Parallel("dynamic", None, setup, chunk=1))
+    scalars = ("n", "bands", "Rb", "buf_size", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n",
+               "xs_c", "xs_h", "xs_w", "x_image", "grid", "n_out", "kchunks", "row_chunk", "plane", "cc", "span",
+               "Ho", "Wo", "ys_n", "ys_c", "ys_h", "ys_w", "nthreads")
+    params = _pack_params() + (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"),
+                               L.Param("vals", "array", F32)) + \
+        ((L.Param("bias", "array", F32),) if p.bias else ()) + \
+        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True)) + \
+        tuple(L.Param(s, "scalar", I64) for s in scalars)
+    return L.Kernel(p.name + "_banded" + ("_cl" if channels_inner else "") + ("_bias" if p.bias else ""), params,
+                    L.block(loop))

@@ -14,7 +14,11 @@ subset of them (``_blocked``) so that the rows that read an input share its load
 float32, not on the CPU, offsets past 32 bits), and the caller takes the general path (im2col and ``linear``).
 Its backward (input and weight gradients) is ``engine.conv_grad``'s.
 
-An eager call without gradients whose batch is one group (three kernel calls) is kept (``kept_key``, ``run_kept``):
+Where an image's buffer and grid fit ``BAND_BYTES`` and the batch has a few images a thread, one kernel does all
+three, an image a work item (``_banded``, ``family.banded``): the image's buffer and grid stay the thread's own,
+one parallel region a call.
+
+An eager call without gradients whose batch is one group (three kernel calls, or the one banded call) is kept (``kept_key``, ``run_kept``):
 the next call with the same weight and bias arrays (the same objects, unmodified: ``_version``), input shape,
 strides, dtype, arguments, thread count and module settings makes the three calls again with the new input's,
 the workspaces' and a new result's pointers, skipping the Python between them.
@@ -144,6 +148,15 @@ ROWS = 4
 #: 1.14x / 1.19x): the contiguous share keeps each thread's weights and input in its own cache. It only helped
 #: where the cores were shared with other processes (a static share waits for a descheduled thread)
 DYNAMIC = False
+#: an image's input buffer and grid at most, in bytes, for ``family.banded`` to run the call: the pack, kernel and
+#: unpack of one image in one work item, its buffer and grid the thread's own, one parallel region a call, where the
+#: batch has ``ITEMS_PER_THREAD`` images a thread (ResNet-18 2:4, batch 8, 2 threads, AMD Zen 4, each layer on the
+#: model's own input, rotated medians: 64 x 56 x 56 1.19x -> 1.40x dense channels_last, 128 x 28 x 28 1.21x ->
+#: 1.33x, 256 x 14 x 14 1.18x -> 1.25x; the model 124.7 -> 120.7 ms). Bands of fewer rows than the image's, each
+#: band's buffer in L2, lost: narrower tiles, the taps' rows packed again per band (64 x 56 x 56 bands of 6 rows
+#: 1.13x, the 56 -> 28 stride-2 layer 0.68x; batch 1, the model in bands of 7 rows 0.90x the three kernels). 0: the
+#: three kernels always
+BAND_BYTES = 8 << 20
 #: the rows of a block where ``ROWS`` rows would leave a tile of fewer than ``BLOCK_VECTORS`` vectors (``_rows``):
 #: a block holds every row's accumulators, so more rows narrow the tile (``family.plan``), and each entry's fixed
 #: cost (its offset, the loop) is then spread over fewer multiply-adds
@@ -428,22 +441,14 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     n, c = x.shape[:2]
     rows = _rows(ho * wq, n) if dense else 1
     p = _plan(ho * wq, torch.int32, bias is not None, rows, n, DYNAMIC)
-    span = p.T + (hq - ho) * wq + (0 if geometry[5] else wq - wo)  # (a tile's inputs in each plane)
-    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span * p.images))
-    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
-
-    def build():
-        with torch.no_grad():
-            found = _entries(weight, c, groups, geometry, stride, dilation, chunk)
-            return found if found is None or rows == 1 else _blocked(*found, out, rows, vals.numel())
-    found = _ENTRIES.lookup(key, weight._levels, build)
+    band = _band_rows(geometry, c, out, n, torch.get_num_threads(), p.T) if dense and BAND_BYTES else 0
+    if band:
+        return _banded(weight, x, bias, stride, dilation, pads, groups, geometry, band, gather, keep)
+    span, chunk, found = _lists(weight, c, groups, geometry, stride, dilation, rows, p, gather)
     if found is None:
         return None
-    pos, off, order = found
+    pos, off, ordered = found
     grid = -(-ho * wq // p.T) * p.T
-    # (``index_select``: half the time of indexing, ResNet-18 2:4's 1.2 M values a layer, 1 thread)
-    ordered = gather(order) if gather is not None else _VALUES.lookup(
-        key, vals, lambda: torch.cat([vals.detach(), vals.new_zeros(1)]).index_select(0, order), (order,))
     kernel, loaded = _loaded(p, lambda: family.forward(p))
     image = len(phases) * c * hq * wq
     threads = torch.get_num_threads()
@@ -476,6 +481,81 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
         _unpack(y[:g], geometry, res[g0:g0 + g], cl, calls)
     if calls is not None:
         _keep(keep, x, res, calls, y.numel())
+    return res
+
+
+def _lists(weight: SparseTensor, c: int, groups: int, geometry, stride, dilation, rows: int, p: family.Plan, gather):
+    """``(span, chunk, found)``: a tile's inputs in each plane, the entries' channel chunk, and ``(pos, off, values)``
+    of the entries on ``geometry``'s buffer, the values in the entries' order (``gather(order)`` where given, see
+    ``conv2d``), or None where an offset needs 64 bits."""
+    phases, hq, wq, ho, wo, shifted = geometry
+    vals = weight._vals
+    span = p.T + (hq - ho) * wq + (0 if shifted else wq - wo)  # (a tile's inputs in each plane)
+    chunk = max(1, CHUNK_BYTES // (4 * len(phases) * span * p.images))
+    key = ("direct", tuple(weight._shape), c, groups, phases, hq, wq, tuple(stride), tuple(dilation), chunk, rows)
+
+    def build():
+        with torch.no_grad():
+            found = _entries(weight, c, groups, geometry, stride, dilation, chunk)
+            return found if found is None or rows == 1 else _blocked(*found, weight._shape[0], rows, vals.numel())
+    found = _ENTRIES.lookup(key, weight._levels, build)
+    if found is None:
+        return span, chunk, None
+    pos, off, order = found
+    # (``index_select``: half the time of indexing, ResNet-18 2:4's 1.2 M values a layer, 1 thread)
+    return span, chunk, (pos, off, gather(order) if gather is not None else _VALUES.lookup(
+        key, vals, lambda: torch.cat([vals.detach(), vals.new_zeros(1)]).index_select(0, order), (order,)))
+
+
+def _band_rows(geometry, c: int, out: int, n: int, threads: int, tile: int) -> int:
+    """The output rows of ``family.banded``'s bands: the image's (``ho``) where its buffer and grid (``tile``
+    pixels a tile) fit ``BAND_BYTES`` and the batch has ``ITEMS_PER_THREAD`` images a thread, else 0 (the three
+    kernels)."""
+    phases, hq, wq, ho = geometry[:4]
+    grid = -(-ho * wq // tile) * tile
+    if n < ITEMS_PER_THREAD * threads or 4 * (len(phases) * c * hq * wq + out * grid) > BAND_BYTES:
+        return 0
+    return ho
+
+
+def _banded(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int, geometry, rb: int,
+            gather, keep):
+    """``conv2d`` by ``family.banded`` (one call): bands of ``rb`` output rows, a band's buffer laid out as an image
+    of ``rb`` output rows (its entries' offsets made for it)."""
+    phases, hq, wq, ho, wo, shifted = geometry
+    band = (phases, hq - ho + rb, wq, rb, wo, shifted)
+    n, c, h, w = x.shape
+    out = weight._shape[0]
+    rows = _rows(rb * wq, 1)
+    p = _plan(rb * wq, torch.int32, bias is not None, rows, 1, True)
+    span, chunk, found = _lists(weight, c, groups, band, stride, dilation, rows, p, gather)
+    if found is None:
+        return None
+    pos, off, ordered = found
+    grid = -(-rb * wq // p.T) * p.T
+    cl, given = _channels_last(x), x
+    if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1; a copy: the call is not kept)
+        x = x.contiguous()
+    res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
+                      torch.contiguous_format)
+    kernel, loaded = _loaded(("banded", p, cl), lambda: family.banded(p, cl))
+    pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
+    image = len(phases) * c * band[1] * wq
+    xs, ys = x.stride(), res.stride()
+    args = {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "pos": pos, "off": off,
+            "vals": ordered, "x": x, "y": res, "n": n, "bands": -(-ho // rb), "Rb": rb,
+            "buf_size": image + grid - rb * wq + wq, "P": len(phases), "C": c, "H": h, "W": w, "Hq": band[1],
+            "Wq": wq, "sr": stride[0], "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": xs[0],
+            "xs_c": xs[1], "xs_h": xs[2], "xs_w": xs[3], "x_image": image, "grid": grid, "n_out": out,
+            "kchunks": -(-c // chunk), "row_chunk": -(-out // rows), "plane": band[1] * wq, "cc": chunk,
+            "span": span, "Ho": ho, "Wo": wo, "ys_n": ys[0], "ys_c": ys[1], "ys_h": ys[2], "ys_w": ys[3],
+            "nthreads": torch.get_num_threads()}
+    if bias is not None:
+        args["bias"] = bias.detach().contiguous()
+    calls = [] if keep is not None and gather is None else None
+    _call(calls, kernel, loaded, args)
+    if calls is not None:
+        _keep(keep, given, res, calls, 0)
     return res
 
 
@@ -512,7 +592,8 @@ register("conv-direct kept calls", "eager sparse convolutions' pack, kernel and 
 def _settings() -> tuple:
     """The module's choices a call's kernels follow (a kept call is made again only under the same ones)."""
     return (SIDE_BY_SIDE, ITEMS_PER_THREAD, CHUNK_BYTES, SHIFT_SLACK, HALF_ALIGNED, STRIDED_SHIFT, SHIFT_DENSITY,
-            BUFFER_BYTES, PARALLEL_BUFFER_BYTES, ROWS, DYNAMIC, NARROW_ROWS, BLOCK_VECTORS, _lanes, id(CPU))
+            BUFFER_BYTES, PARALLEL_BUFFER_BYTES, ROWS, DYNAMIC, NARROW_ROWS, BLOCK_VECTORS, BAND_BYTES, _lanes,
+            id(CPU))
 
 
 def kept_key(d: int, x, weight, bias, stride, padding, dilation, groups):
@@ -553,10 +634,14 @@ def run_kept(kept, x: torch.Tensor):
             del _CHANGED[next(iter(_CHANGED))]
         _CHANGED[key] = (_CHANGED.pop(key, (0,))[0] + 1, None)
         return None
-    buf = _workspace("buffer", size + slack)
-    buf[size:] = 0
+    if size:  # (the three calls' buffer and grid; a banded call has its own)
+        buf = _workspace("buffer", size + slack)
+        buf[size:] = 0
+        pointers = (x.data_ptr(), buf.data_ptr(), _workspace("grid", grid).data_ptr())
+    else:
+        pointers = (x.data_ptr(), 0, 0)
     res = torch.empty_strided(shape, strides, dtype=x.dtype)
-    pointers = (x.data_ptr(), buf.data_ptr(), _workspace("grid", grid).data_ptr(), res.data_ptr())
+    pointers += (res.data_ptr(),)
     for fn, pack, args, places in steps:
         args = list(args)
         for at, slot in places:
@@ -572,9 +657,9 @@ def _keep(kept, x, res, calls, grid: int) -> None:
     """Keep, under ``kept`` (``kept_key``'s), the pack, kernel and unpack calls that made ``res`` from ``x``, where
     they are certainly that: the pack read ``x`` itself (not a copy) into the buffer workspace, the kernel read the
     buffer into the grid workspace, the unpack wrote ``res``. The workspaces are looked up again at each call (per
-    thread, grown by other calls)."""
+    thread, grown by other calls). Or the one banded call (``_banded``) that read ``x`` itself and wrote ``res``."""
     key, guards = kept
-    if len(calls) != 3 or any(g.is_inference() for g in guards):
+    if len(calls) not in (1, 3) or any(g.is_inference() for g in guards):
         return
     changed = _CHANGED.get(key)
     if changed is not None and changed[0] >= CHANGES:
@@ -583,13 +668,18 @@ def _keep(kept, x, res, calls, grid: int) -> None:
             _CHANGED[key] = (changed[0], versions)
             return
         del _CHANGED[key]
-    (pk, pl, pv), (kk, kl, kv), (uk, ul, uv) = calls
-    buf, y = pv["buf"], kv["y"]
-    if pv["x"].data_ptr() != x.data_ptr() or pv["x"].stride() != x.stride() or kv["x"] is not buf or \
-            uv["grid"].data_ptr() != y.data_ptr() or uv["y"].data_ptr() != res.data_ptr():
+    pv, uv = calls[0][2], calls[-1][2]
+    if pv["x"].data_ptr() != x.data_ptr() or pv["x"].stride() != x.stride() or uv["y"].data_ptr() != res.data_ptr():
         return
-    size = pv["n"] * pv["P"] * pv["C"] * pv["Hq"] * pv["Wq"]
-    slots = {id(pv["x"]): 0, id(buf): 1, id(y): 2, id(uv["grid"]): 2, id(uv["y"]): 3}
+    slots = {id(pv["x"]): 0, id(uv["y"]): 3}
+    size = slack = 0
+    if len(calls) == 3:
+        buf, y = pv["buf"], calls[1][2]["y"]
+        if calls[1][2]["x"] is not buf or uv["grid"].data_ptr() != y.data_ptr():
+            return
+        size = pv["n"] * pv["P"] * pv["C"] * pv["Hq"] * pv["Wq"]
+        slack = buf.numel() - size
+        slots.update({id(buf): 1, id(y): 2, id(uv["grid"]): 2})
     steps, held = [], []
     for kernel, loaded, values in calls:
         names = [p.name for p in kernel.params]
@@ -604,5 +694,5 @@ def _keep(kept, x, res, calls, grid: int) -> None:
 
     def drop(_ref, key=key, entries=_KEPT):  # (a guard died: its id may be reused)
         entries.pop(key, None)
-    _KEPT[key] = ([weakref.ref(g, drop) for g in guards], [g._version for g in guards], steps, size,
-                  buf.numel() - size, grid, tuple(res.shape), res.stride(), held)
+    _KEPT[key] = ([weakref.ref(g, drop) for g in guards], [g._version for g in guards], steps, size, slack, grid,
+                  tuple(res.shape), res.stride(), held)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import scorch
+from conftest import conv_input
 from scorch.engine import conv_grad
 from scorch.ops import conv as conv_ops
 
@@ -59,11 +60,7 @@ def test_gradients_match_dense(og, cg, groups, kh, kw, stride, dilation, padding
                                seed):
     out, cin = og * groups, cg * groups
     w = _weight((out, cg, kh, kw), density, seed)
-    h = max(1, dilation[0] * (kh - 1) + 1 - 2 * padding[0]) + extra[0]
-    wd = max(1, dilation[1] * (kw - 1) + 1 - 2 * padding[1]) + extra[1]
-    x = torch.randn(batch, cin, h, wd, generator=torch.Generator().manual_seed(seed + 1))
-    if cl:
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = conv_input(batch, cin, (kh, kw), dilation, padding, extra, cl, seed + 1)
     with pytest.MonkeyPatch.context() as mp:
         _no_im2col(mp)
         _check(w, scorch.asformat(w, "coo"), x, torch.randn(out) if bias else None, stride, padding, dilation, groups)

@@ -14,12 +14,17 @@ from scorch.engine import conv_direct
 F = torch.nn.functional
 
 
-@pytest.fixture(autouse=True)
-def _direct(monkeypatch):
+@pytest.fixture(autouse=True, params=["banded", "three calls"])
+def _direct(monkeypatch, request):
     """Every convolution here on the direct kernel, whatever the CPU (n:4 weights take ``engine.conv_picks`` where
-    the CPU takes its rows-in-lanes kernel: AMD with AVX2), whose calls are the ones kept."""
+    the CPU takes its rows-in-lanes kernel: AMD with AVX2), whose calls are the ones kept: a dense enough weight's
+    one banded call (every batch in bands here) or its pack, kernel and unpack."""
     from scorch.ops import conv
     monkeypatch.setattr(conv, "_picks", lambda *a, **k: None)
+    if request.param == "banded":  # (any batch: its images a thread at least 0)
+        monkeypatch.setattr(conv_direct, "ITEMS_PER_THREAD", 0)
+    else:
+        monkeypatch.setattr(conv_direct, "BAND_BYTES", 0)
 
 
 def _conv(sparsifier, cin=8, out=12, k=3, stride=1, padding=1, bias=True, seed=0):
@@ -36,9 +41,12 @@ def _dense(conv, x):
 
 
 def _packs(monkeypatch):
-    """A list that records each input buffer packed the long way (``_buffer``: a call not made from a kept one)."""
-    packs, real = [], conv_direct._buffer
-    monkeypatch.setattr(conv_direct, "_buffer", lambda *a, **k: packs.append(1) or real(*a, **k))
+    """A list that records each input buffer packed the long way (``_buffer``, ``_banded``: a call not made from a
+    kept one)."""
+    packs = []
+    for name in ("_buffer", "_banded"):
+        real = getattr(conv_direct, name)
+        monkeypatch.setattr(conv_direct, name, lambda *a, real=real, **k: packs.append(1) or real(*a, **k))
     return packs
 
 
@@ -108,6 +116,7 @@ def test_calls_that_need_gradients_or_are_several_are_not_kept(monkeypatch):
     torch.testing.assert_close(x.grad, 2 * xd.grad, rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(conv_direct, "BUFFER_BYTES", 1)  # (one image a group: a call per image)
     monkeypatch.setattr(conv_direct, "PARALLEL_BUFFER_BYTES", 1)
+    monkeypatch.setattr(conv_direct, "BAND_BYTES", 0)  # (the three kernels' groups: one banded call is kept)
     x = torch.randn(3, 8, 9, 9)
     with torch.no_grad():
         for _ in range(2):
