@@ -152,10 +152,10 @@ DYNAMIC = False
 #: unpack of one image in one work item, its buffer and grid the thread's own, one parallel region a call, where the
 #: batch has ``ITEMS_PER_THREAD`` images a thread (ResNet-18 2:4, batch 8, 2 threads, AMD Zen 4, each layer on the
 #: model's own input, rotated medians: 64 x 56 x 56 1.19x -> 1.40x dense channels_last, 128 x 28 x 28 1.21x ->
-#: 1.33x, 256 x 14 x 14 1.18x -> 1.25x; the model 124.7 -> 120.7 ms). Bands of fewer rows than the image's, each
-#: band's buffer in L2, lost: narrower tiles, the taps' rows packed again per band (64 x 56 x 56 bands of 6 rows
-#: 1.13x, the 56 -> 28 stride-2 layer 0.68x; batch 1, the model in bands of 7 rows 0.90x the three kernels). 0: the
-#: three kernels always
+#: 1.33x, 256 x 14 x 14 1.18x -> 1.25x; the model 1.189x -> 1.249x, at 90% csr 2.29x -> 2.44x). Bands of fewer
+#: rows than the image's, each band's buffer in L2, lost: narrower tiles, the taps' rows packed again per band (64
+#: x 56 x 56 bands of 6 rows 1.13x, the 56 -> 28 stride-2 layer 0.68x; batch 1, the model in bands of 7 rows 0.90x
+#: the three kernels). 0: the three kernels always
 BAND_BYTES = 8 << 20
 #: the rows of a block where ``ROWS`` rows would leave a tile of fewer than ``BLOCK_VECTORS`` vectors (``_rows``):
 #: a block holds every row's accumulators, so more rows narrow the tile (``family.plan``), and each entry's fixed
@@ -441,9 +441,9 @@ def conv2d(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, 
     n, c = x.shape[:2]
     rows = _rows(ho * wq, n) if dense else 1
     p = _plan(ho * wq, torch.int32, bias is not None, rows, n, DYNAMIC)
-    band = _band_rows(geometry, c, out, n, torch.get_num_threads(), p.T) if dense and BAND_BYTES else 0
+    band = _band_rows(geometry, c, out, n, torch.get_num_threads(), p.T) if BAND_BYTES else 0
     if band:
-        return _banded(weight, x, bias, stride, dilation, pads, groups, geometry, band, gather, keep)
+        return _banded(weight, x, bias, stride, dilation, pads, groups, geometry, band, gather, keep, dense)
     span, chunk, found = _lists(weight, c, groups, geometry, stride, dilation, rows, p, gather)
     if found is None:
         return None
@@ -519,14 +519,14 @@ def _band_rows(geometry, c: int, out: int, n: int, threads: int, tile: int) -> i
 
 
 def _banded(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads, groups: int, geometry, rb: int,
-            gather, keep):
+            gather, keep, dense: bool):
     """``conv2d`` by ``family.banded`` (one call): bands of ``rb`` output rows, a band's buffer laid out as an image
-    of ``rb`` output rows (its entries' offsets made for it)."""
+    of ``rb`` output rows (its entries' offsets made for it); ``dense``: the weight takes blocks of rows."""
     phases, hq, wq, ho, wo, shifted = geometry
     band = (phases, hq - ho + rb, wq, rb, wo, shifted)
     n, c, h, w = x.shape
     out = weight._shape[0]
-    rows = _rows(rb * wq, 1)
+    rows = _rows(rb * wq, 1) if dense else 1
     p = _plan(rb * wq, torch.int32, bias is not None, rows, 1, True)
     span, chunk, found = _lists(weight, c, groups, band, stride, dilation, rows, p, gather)
     if found is None:

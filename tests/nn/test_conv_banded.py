@@ -42,7 +42,7 @@ def _weight(shape, density, seed):
        stride=st.tuples(st.integers(1, 3), st.integers(1, 3)), dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
        padding=st.tuples(st.integers(0, 2), st.integers(0, 2)), batch=st.integers(1, 4),
        extra=st.tuples(st.integers(0, 20), st.integers(0, 20)), bias=st.booleans(), cl=st.booleans(),
-       density=st.sampled_from([0.3, 0.6, 1.0]), band=st.integers(1, 30), seed=st.integers(0, 999))
+       density=st.sampled_from([0.0, 0.1, 0.3, 0.6, 1.0]), band=st.integers(1, 30), seed=st.integers(0, 999))
 def test_bands_of_any_rows_equal_dense(out, cin, kh, kw, stride, dilation, padding, batch, extra, bias, cl, density,
                                        band, seed):
     w = _weight((out, cin, kh, kw), density, seed)
@@ -60,8 +60,9 @@ def test_bands_of_any_rows_equal_dense(out, cin, kh, kw, stride, dilation, paddi
     ref = F.conv2d(x, w, b, stride, padding, dilation)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
     assert y.is_contiguous(memory_format=torch.channels_last) == ref.is_contiguous(memory_format=torch.channels_last)
-    # (weights dense enough for the shifted planes take the banded form, unless the planes are joined side by side)
-    assert ran or int((w != 0).sum()) < conv_direct.SHIFT_DENSITY * w.numel() or conv_direct._side_by_side_count(
+    # (every weight takes the banded form here, unless the planes are joined side by side: weights dense enough
+    #  for the shifted planes, on rows too short for them)
+    assert ran or int((w != 0).sum()) >= conv_direct.SHIFT_DENSITY * w.numel() and conv_direct._side_by_side_count(
         (out, cin, kh, kw), tuple(x.shape), stride, dilation, ((padding[0],) * 2, (padding[1],) * 2),
         conv_direct._lanes(), conv_direct.SHIFT_SLACK) > 1
 
