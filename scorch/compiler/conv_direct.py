@@ -170,10 +170,15 @@ def _prefetch(p: Plan, xa: str) -> L.Stmt:
             _mul(j, _c(LINE))), PREFETCH_LOCALITY))))))) for i in range(p.images)))
 
 
-def _params(p: Plan) -> tuple:
+def _entry_params(p: Plan) -> tuple:
+    """The entries' arrays (``pos``, ``off``, ``vals``, the bias where ``p.bias``), then the input and the output."""
     return (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"), L.Param("vals", "array", F32)) + \
         ((L.Param("bias", "array", F32),) if p.bias else ()) + \
-        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True),
+        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True))
+
+
+def _params(p: Plan) -> tuple:
+    return _entry_params(p) + (
          L.Param("n", "scalar", I64), L.Param("x_image", "scalar", I64), L.Param("grid", "scalar", I64),
          L.Param("n_out", "scalar", I64), L.Param("kchunks", "scalar", I64), L.Param("chunks", "scalar", I64),
          L.Param("row_chunk", "scalar", I64), L.Param("nthreads", "scalar", I64), L.Param("C", "scalar", I64),
@@ -385,10 +390,10 @@ def _unpack_row(channels_inner: bool, img: L.Expr, g_img: L.Expr, h: L.Expr, h_o
 def banded(p: Plan, channels_inner: bool) -> L.Kernel:
     """``pack``, ``forward`` and ``unpack`` in one kernel, a band of ``Rb`` output rows of one image a work item:
     the band's input buffer (its phase rows ``band * Rb ..``, ``Hq`` of them: the band's rows and the taps' extra
-    ones) and its grid (``n_out`` planes of ``grid`` pixels) are each thread's own, sized to stay in L2, so that
-    the buffer is written, read by every tile and the grid unpacked while they are in the cache: the whole layer's
-    buffer written and read back through memory cost ResNet-18's 64 x 56 x 56 2:4 layer at batch 8 about a third
-    of its kernel time. ``p`` is the band's plan (``p.images`` 1); the entries' offsets are into the band's buffer
+    ones) and its grid (``n_out`` planes of ``grid`` pixels) are each thread's own, so that the buffer is written,
+    read by every tile and the grid unpacked by one thread in one parallel region, not the whole batch's buffer
+    written by one region and read back through L3 by the next (``engine.conv_direct.BAND_BYTES``: the engine
+    takes bands of whole images). ``p`` is the band's plan (``p.images`` 1); the entries' offsets are into the band's buffer
     (its planes ``Hq x Wq``); ``Ho`` is the image's output rows (the last band's rows past it are computed on zero
     inputs and not stored). ``buf_size``: the band buffer's elements, the tiles' reads past its planes included
     (zeros)."""
@@ -414,10 +419,6 @@ def banded(p: Plan, channels_inner: bool) -> L.Kernel:
     scalars = ("n", "bands", "Rb", "buf_size", "P", "C", "H", "W", "Hq", "Wq", "sr", "sc", "pt", "pl", "xs_n",
                "xs_c", "xs_h", "xs_w", "x_image", "grid", "n_out", "kchunks", "row_chunk", "plane", "cc", "span",
                "Ho", "Wo", "ys_n", "ys_c", "ys_h", "ys_w", "nthreads")
-    params = _pack_params() + (L.Param("pos", "array", p.ptype), L.Param("off", "array", "i32"),
-                               L.Param("vals", "array", F32)) + \
-        ((L.Param("bias", "array", F32),) if p.bias else ()) + \
-        (L.Param("x", "array", F32), L.Param("y", "array", F32, output=True)) + \
-        tuple(L.Param(s, "scalar", I64) for s in scalars)
+    params = _pack_params() + _entry_params(p) + tuple(L.Param(s, "scalar", I64) for s in scalars)
     return L.Kernel(p.name + "_banded" + ("_cl" if channels_inner else "") + ("_bias" if p.bias else ""), params,
                     L.block(loop))

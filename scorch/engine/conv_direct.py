@@ -348,22 +348,32 @@ def _buffer(x: torch.Tensor, geometry, stride, pads, slack: int, calls=None) -> 
     ``b + s * j`` (``Hq x Wq``, zeros outside the input), and ``slack`` zeros at the end (``family.pack``: one
     pass, reading ``x`` through its strides)."""
     phases, hq, wq = geometry[:3]
-    n, c, h, w = x.shape
+    n, c = x.shape[:2]
     size = n * len(phases) * c * hq * wq
     buf = _workspace("buffer", size + slack)
     buf[size:] = 0
     cl = _channels_last(x)
-    if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1)
-        x = x.contiguous()
     kernel, loaded = _loaded(("pack", cl), lambda: family.pack(cl))
-    pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
-    strides = x.stride()
-    _call(calls, kernel, loaded, {
-        "pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "x": x, "buf": buf, "n": n,
-        "P": len(phases), "C": c, "H": h, "W": w, "Hq": hq, "Wq": wq, "sr": stride[0], "sc": stride[1],
-        "pt": pads[0][0], "pl": pads[1][0], "xs_n": strides[0], "xs_c": strides[1], "xs_h": strides[2],
-        "xs_w": strides[3], "nthreads": torch.get_num_threads()})
+    _call(calls, kernel, loaded, {**_pack_args(x, cl, phases, hq, wq, stride, pads), "buf": buf, "n": n,
+                                  "nthreads": torch.get_num_threads()})
     return buf
+
+
+def _pack_args(x: torch.Tensor, cl: bool, phases, hq: int, wq: int, stride, pads) -> dict:
+    """``family.pack``'s arguments that describe ``x`` and the planes (``_pack_row``'s, in ``family.banded`` too):
+    the phase arrays, ``x`` (a contiguous copy where NCHW rows are not contiguous: ``pack`` reads them with stride
+    1), its sizes and strides, the planes' ``Hq x Wq``, the stride and the top and left padding."""
+    x = x.contiguous() if not cl and x.stride(3) != 1 else x
+    n, c, h, w = x.shape
+    arrays = dict(zip(("pa", "pb", "jlo", "jhi", "src_phase", "src_shift"),
+                      _phase_arrays(phases, stride[1], pads[1][0], w, wq)))
+    return {**arrays, "x": x, "P": len(phases), "C": c, "H": h, "W": w, "Hq": hq, "Wq": wq, "sr": stride[0],
+            "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], **_strides("xs", x)}
+
+
+def _strides(prefix: str, t: torch.Tensor) -> dict:
+    """``t``'s strides as the kernels' ``<prefix>_n``, ``_c``, ``_h``, ``_w`` arguments."""
+    return dict(zip((f"{prefix}_{d}" for d in "nchw"), t.stride()))
 
 
 def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool, calls=None) -> None:
@@ -374,10 +384,8 @@ def _unpack(y: torch.Tensor, geometry, res: torch.Tensor, cl: bool, calls=None) 
     _, _, wq, ho, wo, _ = geometry
     n, out, grid = y.shape
     kernel, loaded = _loaded(("unpack", cl), lambda: family.unpack(cl))
-    strides = res.stride()
-    _call(calls, kernel, loaded, {
-        "grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid, "ys_n": strides[0],
-        "ys_c": strides[1], "ys_h": strides[2], "ys_w": strides[3], "nthreads": torch.get_num_threads()})
+    _call(calls, kernel, loaded, {"grid": y, "y": res, "n": n, "O": out, "Ho": ho, "Wo": wo, "Wq": wq, "G": grid,
+                                  **_strides("ys", res), "nthreads": torch.get_num_threads()})
 
 
 @functools.lru_cache(maxsize=256)
@@ -524,7 +532,7 @@ def _banded(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads,
     of ``rb`` output rows (its entries' offsets made for it); ``dense``: the weight takes blocks of rows."""
     phases, hq, wq, ho, wo, shifted = geometry
     band = (phases, hq - ho + rb, wq, rb, wo, shifted)
-    n, c, h, w = x.shape
+    n, c = x.shape[:2]
     out = weight._shape[0]
     rows = _rows(rb * wq, 1) if dense else 1
     p = _plan(rb * wq, torch.int32, bias is not None, rows, 1, True)
@@ -533,29 +541,23 @@ def _banded(weight: SparseTensor, x: torch.Tensor, bias, stride, dilation, pads,
         return None
     pos, off, ordered = found
     grid = -(-rb * wq // p.T) * p.T
-    cl, given = _channels_last(x), x
-    if not cl and x.stride(3) != 1:  # (``pack`` reads NCHW rows with stride 1; a copy: the call is not kept)
-        x = x.contiguous()
+    cl = _channels_last(x)
     res = torch.empty(n, out, ho, wo, dtype=x.dtype, memory_format=torch.channels_last if cl else
                       torch.contiguous_format)
     kernel, loaded = _loaded(("banded", p, cl), lambda: family.banded(p, cl))
-    pa, pb, jlo, jhi, src, sh = _phase_arrays(phases, stride[1], pads[1][0], w, wq)
     image = len(phases) * c * band[1] * wq
-    xs, ys = x.stride(), res.stride()
-    args = {"pa": pa, "pb": pb, "jlo": jlo, "jhi": jhi, "src_phase": src, "src_shift": sh, "pos": pos, "off": off,
-            "vals": ordered, "x": x, "y": res, "n": n, "bands": -(-ho // rb), "Rb": rb,
-            "buf_size": image + grid - rb * wq + wq, "P": len(phases), "C": c, "H": h, "W": w, "Hq": band[1],
-            "Wq": wq, "sr": stride[0], "sc": stride[1], "pt": pads[0][0], "pl": pads[1][0], "xs_n": xs[0],
-            "xs_c": xs[1], "xs_h": xs[2], "xs_w": xs[3], "x_image": image, "grid": grid, "n_out": out,
-            "kchunks": -(-c // chunk), "row_chunk": -(-out // rows), "plane": band[1] * wq, "cc": chunk,
-            "span": span, "Ho": ho, "Wo": wo, "ys_n": ys[0], "ys_c": ys[1], "ys_h": ys[2], "ys_w": ys[3],
+    # (an input ``_pack_args`` copies first is not the caller's tensor: ``_keep`` then keeps nothing)
+    args = {**_pack_args(x, cl, phases, band[1], wq, stride, pads), "pos": pos, "off": off, "vals": ordered,
+            "y": res, "n": n, "bands": -(-ho // rb), "Rb": rb, "buf_size": image + grid - rb * wq + wq,
+            "x_image": image, "grid": grid, "n_out": out, "kchunks": -(-c // chunk), "row_chunk": -(-out // rows),
+            "plane": band[1] * wq, "cc": chunk, "span": span, "Ho": ho, "Wo": wo, **_strides("ys", res),
             "nthreads": torch.get_num_threads()}
     if bias is not None:
         args["bias"] = bias.detach().contiguous()
     calls = [] if keep is not None and gather is None else None
     _call(calls, kernel, loaded, args)
     if calls is not None:
-        _keep(keep, given, res, calls, 0)
+        _keep(keep, x, res, calls, 0)
     return res
 
 
