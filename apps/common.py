@@ -127,6 +127,43 @@ class Stopwatch:
         return statistics.median(kept) if kept else float("nan")
 
 
+def finish(steps):
+    """Run a generator of steps (an app's ``training``) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def interleave(trainings: dict, block: int = 1) -> dict:
+    """Step several generators of steps (name -> an app's ``training``, or a thunk making one) in turn, ``block``
+    steps each a round, the order rotated every round, so that a drifting machine (another process, the clock)
+    weighs on each the same; name -> the generator's return value, or the exception that stopped it. (A block of a
+    few steps: a training loop's later steps find its data in the caches, as they do when it runs alone.)"""
+    live, results = {}, {}
+    for name, make in trainings.items():
+        try:
+            live[name] = make() if callable(make) else make
+        except Exception as e:  # noqa: BLE001  (a backend that cannot start is a result saying so)
+            results[name] = e
+    turn = 0
+    while live:
+        names = list(live)
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            try:
+                for _ in range(block):
+                    next(live[name])
+            except StopIteration as done:
+                results[name] = done.value
+                del live[name]
+            except Exception as e:  # noqa: BLE001
+                results[name] = e
+                del live[name]
+        turn += 1
+    return {name: results[name] for name in trainings}
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far: ``VmHWM`` of /proc/self/status on Linux (the mark that
     /proc/self/clear_refs resets). Not ``getrusage``'s ``ru_maxrss``: that one is inherited from the parent

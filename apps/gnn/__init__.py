@@ -6,6 +6,7 @@ Full-batch training with Adam; the reported test accuracy is at the epoch of bes
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from .. import common
@@ -46,6 +47,15 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
     epoch (forward, backward, optimizer step) and of an inference forward. ``graph`` (an ``apps.gnn.data.Graph``)
     skips loading. ``device``: where the model and the graph's tensors live ("cuda": sparse ops on the GPU).
     ``compile``: the model under ``torch.compile``."""
+    return common.finish(training(**locals()))
+
+
+def training(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epochs: int = 200, threads: int = 2,
+             seed: int = 0, quiet: bool = True, data=None, hidden=None, heads=None, lr=None, weight_decay=None,
+             dropout=None, graph=None, device="cpu", compile=False):
+    """``run`` an epoch at a time: a generator that yields after each epoch (training step and inference) and
+    returns ``run``'s dict, so that a benchmark can interleave the epochs of several backends (``common.finish``
+    runs one to its end)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose {', '.join(BACKENDS)}")
     import torch
@@ -55,20 +65,22 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
     g = graph if graph is not None else load(dataset, common.data_root(data), seed=seed)
     d = DEFAULTS[model]
     torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Ss]parse.*(beta|invariant)")
+    with _quiet_sparse():
         net, inputs, gt = prepare(backend, model, g, hidden, heads, dropout)
-        if device != "cpu":
-            net, gt = net.to(device), common.to_device(gt, device)
-            inputs = (gt.x, gt) if backend != "pyg" else (gt.x, inputs[1].to(device))
-        opt = torch.optim.Adam(net.parameters(), lr=lr or d["lr"],
-                               weight_decay=d["weight_decay"] if weight_decay is None else weight_decay)
-        labels, train_idx = gt.labels, gt.train_idx
-        forward = common.compiled(net, compile)
-        train_watch, infer_watch = common.Stopwatch(), common.Stopwatch()
-        best_val, test_at_best, losses = -1.0, 0.0, []
-        bar = common.progress(range(epochs), f"{model} {backend} {g.name}", quiet)
-        for _ in bar:
+    if device != "cpu":
+        net, gt = net.to(device), common.to_device(gt, device)
+        inputs = (gt.x, gt) if backend != "pyg" else (gt.x, inputs[1].to(device))
+    opt = torch.optim.Adam(net.parameters(), lr=lr or d["lr"],
+                           weight_decay=d["weight_decay"] if weight_decay is None else weight_decay)
+    labels, train_idx = gt.labels, gt.train_idx
+    forward = common.compiled(net, compile)
+    train_watch, infer_watch = common.Stopwatch(), common.Stopwatch()
+    best_val, test_at_best, losses = -1.0, 0.0, []
+    bar = common.progress(range(epochs), f"{model} {backend} {g.name}", quiet)
+    rng = torch.random.get_rng_state()  # interleaved backends draw from one generator: each keeps its own
+    for _ in bar:
+        with _quiet_sparse():  # (entered and left within an epoch: interleaved generators nest no state)
+            torch.random.set_rng_state(rng)
             with train_watch:
                 net.train()
                 opt.zero_grad()
@@ -79,13 +91,15 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
             with infer_watch, torch.no_grad():
                 net.eval()
                 pred = forward(*inputs).argmax(1)
-            val = (pred[gt.val_idx] == labels[gt.val_idx]).float().mean().item()
-            if val > best_val:
-                best_val = val
-                test_at_best = (pred[gt.test_idx] == labels[gt.test_idx]).float().mean().item()
-            losses.append(loss_t.item())
-            if not quiet:
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{val:.3f}")
+            rng = torch.random.get_rng_state()
+        val = (pred[gt.val_idx] == labels[gt.val_idx]).float().mean().item()
+        if val > best_val:
+            best_val = val
+            test_at_best = (pred[gt.test_idx] == labels[gt.test_idx]).float().mean().item()
+        losses.append(loss_t.item())
+        if not quiet:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{val:.3f}")
+        yield
     warm = min(3, max(epochs - 1, 0))  # the first epochs compile kernels and warm caches: not timed
     return {"backend": backend, "model": model, "data": g.name, "nodes": g.num_nodes, "edges": g.num_edges,
             "epochs": epochs, "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
@@ -93,6 +107,14 @@ def run(backend: str = "scorch", model: str = "gcn", dataset: str = "cora", epoc
             "epoch_s": train_watch.median(skip=warm), "infer_s": infer_watch.median(skip=warm),
             "epoch_times": train_watch.times[warm:], "infer_times": infer_watch.times[warm:], "threads": threads,
             "device": str(device), "compiled": bool(compile)}
+
+
+@contextlib.contextmanager
+def _quiet_sparse():
+    """torch.sparse's beta / invariant-check warnings left out of the app's output."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse.*(beta|invariant)")
+        yield
 
 
 def main(argv=None) -> dict:

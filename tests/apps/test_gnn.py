@@ -128,6 +128,39 @@ def test_pyg_backend_trains(small, arch):
     assert r["losses"][-1] < 0.6 * r["losses"][0] and r["test_acc"] > 0.6, r
 
 
+def test_interleaved_trainings_train_as_they_do_alone(small):
+    """``apps.common.interleave`` steps each backend's ``training`` in turn (the benchmarks' interleaved tables):
+    each keeps its own random stream (dropout), so its losses are those of a run alone."""
+    options = dict(epochs=12, graph=small, hidden=8, lr=0.05, seed=3)
+    alone = {b: gnn.run(b, "gcn", **options)["losses"] for b in ("scorch", "torch")}
+    together = common.interleave({b: gnn.training(b, "gcn", **options) for b in ("scorch", "torch")}, block=5)
+    for b in alone:
+        assert len(together[b]["losses"]) == 12
+        # (the same dropout masks; the last bits of a sum may differ: a kernel's first call and its kept one)
+        np.testing.assert_allclose(together[b]["losses"], alone[b], rtol=1e-6)
+
+
+def test_interleave_rotates_blocks_and_reports_failures():
+    order = []
+
+    def steps(name, n, fail=False):
+        for k in range(n):
+            order.append((name, k))
+            yield
+        if fail:
+            raise RuntimeError(f"{name} broke")
+        return name
+
+    def cannot_start():
+        raise ValueError("no backend")
+
+    got = common.interleave({"a": steps("a", 4), "b": steps("b", 3, fail=True), "c": cannot_start}, block=2)
+    assert got["a"] == "a" and isinstance(got["b"], RuntimeError) and isinstance(got["c"], ValueError)
+    assert list(got) == ["a", "b", "c"]
+    # a's and b's first blocks, then b's first (the order rotated), a's second
+    assert order == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("b", 2), ("a", 2), ("a", 3)]
+
+
 def test_command_line():
     help_run = run_app("gnn", "--help")
     assert help_run.returncode == 0, help_run.stderr
