@@ -1,9 +1,9 @@
 """The app suite: each app of ``apps/`` trained with each of its backends in this process, one after another
 (same seed, same data), giving the median time of a training epoch and of an inference batch, and the quality
 each reached. Epochs are timed by the app itself (``apps.common.Stopwatch``); the first epochs, which compile
-kernels, are left out. The GNN app's backends train side by side, an epoch of each in turn (``interleaved``: its
-``training`` generator); the other apps run one backend after another, so a burst of load from another process
-lands on one backend only, which the min column and the load average show.
+kernels, are left out. The GNN and sparse transformer apps' backends train side by side, a few epochs (steps) of each
+in turn (``interleaved``: the app's ``training`` generator); the other apps run one backend after another, so a
+burst of load from another process lands on one backend only, which the min column and the load average show.
 """
 from __future__ import annotations
 
@@ -65,9 +65,10 @@ BLOCK = 5
 
 def interleaved(trainings: dict) -> dict:
     """``app_table``'s runs from training generators (label -> thunk making an app's ``training``) stepped in turn
-    by ``apps.common.interleave``: ``BLOCK`` epochs of each backend a round, so that their medians come from the
-    same minutes, and most of a backend's epochs follow one of its own (its data in the caches, as in a training
-    loop run alone: one epoch a turn measured the compiled Cora GCN 25% slower, eager 14%)."""
+    by ``apps.common.interleave``: ``BLOCK`` epochs (the GNN app) or training steps (the sparse transformer's) of
+    each backend a round, so that their medians come from the same minutes, and most of a backend's epochs follow
+    one of its own (its data in the caches, as in a training loop run alone: one epoch a turn measured the compiled
+    Cora GCN 25% slower, eager 14%)."""
     from apps import common
     results = common.interleave(trainings, BLOCK)
     return {label: (lambda r=r: _result(r)) for label, r in results.items()}
@@ -119,7 +120,11 @@ def generic(group: str, module: str, title: str, backends: dict, scorch_name: st
     """An app whose ``run(backend, threads=..., **options)`` returns ``epoch_s``/``infer_s`` (or their
     ``_times``) and a quality figure."""
     app = importlib.import_module(module)
-    runs = {label: (lambda b=b: app.run(backend=b, threads=threads, **options)) for label, b in backends.items()}
+    if hasattr(app, "training"):  # (its steps interleaved across the backends)
+        runs = interleaved({label: (lambda b=b: app.training(backend=b, threads=threads, **options))
+                            for label, b in backends.items()})
+    else:
+        runs = {label: (lambda b=b: app.run(backend=b, threads=threads, **options)) for label, b in backends.items()}
     t = app_table(group, title, f"`{module}` with {', '.join(f'{k}={v}' for k, v in options.items()) or 'defaults'}",
                   runs, scorch_name, torch_name, metric)
     for text, goal, peer in targets:

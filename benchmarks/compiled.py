@@ -3,10 +3,9 @@ compiled where torch.compile takes it, per training epoch (issue 20); and a prun
 ``torch.compile`` against its eager run and the dense model compiled (issue 46).
 
 Two apps, each backend trained in this process with the same seed and data (as ``apps.py``'s tables): the GNN app
-(``python -m apps.gnn --compile``), its backends an epoch each in turn (``apps.interleaved``: the compiled and eager
-steps' medians from the same minutes; one after another, a run of the suite measured Cora's ratio 1.11x and one an
-hour before 1.40x), and the sparse transformer app (``python -m apps.sparse_transformer --compile``), one backend
-after another. A compiled run's first epochs compile the graph (and recompile once for
+(``python -m apps.gnn --compile``) and the sparse transformer app (``python -m apps.sparse_transformer --compile``),
+their backends a few epochs (steps) each in turn (``apps.interleaved``: the compiled and eager medians from the same
+minutes; one after another, a run of the suite measured Cora's ratio at 1.11x and one an hour before at 1.40x). A compiled run's first epochs compile the graph (and recompile once for
 inference under ``no_grad``); the apps leave them out of the medians, as they leave out eager's kernel compiles.
 A backend that torch.compile cannot take is a row saying why, not a failure of the suite.
 """
@@ -77,8 +76,8 @@ def transformer(threads: int, quick: bool):
     from apps import sparse_transformer as app
 
     options = dict(epochs=2, seq_len=256, train_size=16) if quick else dict(epochs=4)
-    runs = {label: (lambda b=b, extra=extra: app.run(b, threads=threads, **options, **extra))
-            for label, (b, extra) in TRANSFORMER.items()}
+    runs = interleaved({label: (lambda b=b, extra=extra: app.training(b, threads=threads, **options, **extra))
+                        for label, (b, extra) in TRANSFORMER.items()})
     t = app_table("compile", f"Sparse transformer training under torch.compile (sequence {options.get('seq_len', 512)})",
                   f"`apps.sparse_transformer` with {', '.join(f'{k}={v}' for k, v in options.items())} "
                   "[--compile | --fuse]", runs, "scorch, torch.compile", "torch dense (SDPA, mask), eager",

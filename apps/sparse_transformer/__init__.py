@@ -88,6 +88,14 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     ``device``: where the model, mask and batches live ("cuda": the attention's sparse ops on the GPU).
     ``compile``: the encoder under ``torch.compile``.
     """
+    return common.finish(training(backend, epochs, threads, seed, quiet, data, device, **options))
+
+
+def training(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, device="cpu", **options):
+    """``run`` a step at a time: a generator that yields after each training step and each inference batch and
+    returns ``run``'s dict, so that a benchmark can interleave the steps of several backends
+    (``apps.common.interleave``). An epoch's time is the sum of its steps' (what a run alone measures, less the
+    loop's few microseconds between steps)."""
     from .pattern import density
     from .task import CLASSES, IGNORE, make_task
     cfg = _config(options)
@@ -128,30 +136,35 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
     bs = cfg["batch"]
     order_gen = real_torch.Generator().manual_seed(seed + 3)
 
-    epoch_watch, step_watch = common.Stopwatch(), common.Stopwatch()
+    step_watch, epoch_times = common.Stopwatch(), []
     losses = []
     steps_per_epoch = (cfg["train_size"] + bs - 1) // bs
+    rng = real_torch.random.get_rng_state()  # (interleaved backends draw from one generator: each keeps its own)
     for epoch in range(epochs):
         net.train()
         perm = real_torch.randperm(cfg["train_size"], generator=order_gen).to(x_train.device)
         batches = [perm[i:i + bs] for i in range(0, cfg["train_size"], bs)]
-        with epoch_watch:
-            for idx in common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
-                with step_watch:
-                    logits = forward(x_train[idx], mask_for(len(idx)))
-                    loss = F.cross_entropy(logits.reshape(-1, CLASSES), y_train[idx].reshape(-1),
-                                           ignore_index=IGNORE)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                losses.append(float(loss.detach()))
+        first = len(step_watch.times)
+        for idx in common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
+            real_torch.random.set_rng_state(rng)
+            with step_watch:
+                logits = forward(x_train[idx], mask_for(len(idx)))
+                loss = F.cross_entropy(logits.reshape(-1, CLASSES), y_train[idx].reshape(-1),
+                                       ignore_index=IGNORE)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            rng = real_torch.random.get_rng_state()
+            losses.append(float(loss.detach()))
+            yield
+        epoch_times.append(sum(step_watch.times[first:]))
 
     net.eval()
     infer_watch = common.Stopwatch()
     correct = total = 0
     test_loss = 0.0
-    with torch.no_grad():
-        for i in range(0, cfg["test_size"], bs):
+    for i in range(0, cfg["test_size"], bs):
+        with torch.no_grad():  # (left before the yield: grad mode is the thread's, not this generator's)
             with infer_watch:
                 logits = forward(x_test[i:i + bs], mask_for(min(bs, cfg["test_size"] - i)))
             y = y_test[i:i + bs]
@@ -159,6 +172,7 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
             test_loss += float(F.cross_entropy(logits[keep], y[keep], reduction="sum"))
             correct += int((logits.argmax(-1)[keep] == y[keep]).sum())
             total += int(keep.sum())
+        yield
     nnz, dens = (int(crow[-1]), density(crow)) if routing is None else routed_size(net, n)
     return {
         "backend": backend, "seq_len": n, "window": cfg["window"], "globals": cfg["n_globals"],
@@ -167,7 +181,8 @@ def run(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=None, de
         "layers": cfg["layers"], "batch": bs, "params": sum(p.numel() for p in net.parameters()), "epochs": epochs,
         "threads": threads, "accuracy": correct / max(total, 1), "loss": test_loss / max(total, 1),
         "train_loss": losses[-1] if losses else float("nan"), "losses": losses,
-        "epoch_s": epoch_watch.median(skip=1), "step_s": step_watch.median(skip=steps_per_epoch),
+        "epoch_s": statistics.median(epoch_times[1:] or epoch_times) if epoch_times else float("nan"),
+        "epoch_times": epoch_times[1:] or epoch_times, "step_s": step_watch.median(skip=steps_per_epoch),
         "infer_s": infer_watch.median(skip=1), "device": str(device), "fuse": cfg["fuse"],
         "compiled": cfg["compile"],
     }

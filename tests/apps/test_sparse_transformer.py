@@ -166,6 +166,21 @@ def test_training_steps_agree_across_backends():
             assert r[key] > 0 and math.isfinite(r[key]), (b, key)
 
 
+def test_interleaved_trainings_train_as_they_do_alone():
+    """``training`` steps interleaved across backends (the benchmarks' tables) give each the losses of its run alone,
+    with one backend's inference batches between another's training steps (no grad mode left behind)."""
+    from apps import common
+    opts = dict(threads=1, seed=1, train_size=12, test_size=8, batch=4, d_model=32, heads=2, layers=1, **TINY)
+    alone = {b: st.run(b, epochs=e, **opts) for b, e in (("scorch", 1), ("dense", 2))}
+    together = common.interleave({b: st.training(b, epochs=e, **opts) for b, e in (("scorch", 1), ("dense", 2))},
+                                 block=1)
+    for b, r in together.items():
+        assert not isinstance(r, BaseException), r
+        assert r["losses"] == pytest.approx(alone[b]["losses"], rel=1e-5), b
+        assert r["accuracy"] == alone[b]["accuracy"]
+        assert len(r["epoch_times"]) == 1 and r["epoch_s"] == r["epoch_times"][0] > 0
+
+
 def test_fused_attention_trains_as_the_unfused(monkeypatch):
     """``fuse=True`` (scorch.compile around the attention of all heads): the fused kernel runs, and training gives the unfused
     losses step by step; other backends refuse it."""
