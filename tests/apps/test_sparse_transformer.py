@@ -176,8 +176,8 @@ def test_interleaved_trainings_train_as_they_do_alone():
                                  block=1)
     for b, r in together.items():
         assert not isinstance(r, BaseException), r
-        assert r["losses"] == pytest.approx(alone[b]["losses"], rel=1e-5), b
-        assert r["accuracy"] == alone[b]["accuracy"]
+        assert r["losses"] == pytest.approx(alone[b]["losses"], rel=1e-4), b
+        assert r["accuracy"] == pytest.approx(alone[b]["accuracy"], abs=1e-6), b
         assert len(r["epoch_times"]) == 1 and r["epoch_s"] == r["epoch_times"][0] > 0
 
 
