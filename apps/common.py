@@ -140,17 +140,22 @@ def interleave(trainings: dict, block: int = 1) -> dict:
     """Step several generators of steps (name -> an app's ``training``, or a thunk making one) in turn, ``block``
     steps each a round, the order rotated every round, so that a drifting machine (another process, the clock)
     weighs on each the same; name -> the generator's return value, or the exception that stopped it. (A block of a
-    few steps: a training loop's later steps find its data in the caches, as they do when it runs alone.)"""
+    few steps: a training loop's later steps find its data in the caches, as they do when it runs alone.) Each
+    generator keeps its own state of torch's random generator, set before its steps and taken after them, so that
+    its draws (dropout masks) are those of a run alone."""
+    import torch
     live, results = {}, {}
     for name, make in trainings.items():
         try:
             live[name] = make() if callable(make) else make
         except Exception as e:  # noqa: BLE001  (a backend that cannot start is a result saying so)
             results[name] = e
+    rng = {name: torch.random.get_rng_state() for name in live}
     turn = 0
     while live:
         names = list(live)
         for name in names[turn % len(names):] + names[:turn % len(names)]:
+            torch.random.set_rng_state(rng[name])
             try:
                 for _ in range(block):
                     next(live[name])
@@ -160,6 +165,7 @@ def interleave(trainings: dict, block: int = 1) -> dict:
             except Exception as e:  # noqa: BLE001
                 results[name] = e
                 del live[name]
+            rng[name] = torch.random.get_rng_state()
         turn += 1
     return {name: results[name] for name in trainings}
 

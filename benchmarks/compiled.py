@@ -5,8 +5,9 @@ compiled where torch.compile takes it, per training epoch (issue 20); and a prun
 Two apps, each backend trained in this process with the same seed and data (as ``apps.py``'s tables): the GNN app
 (``python -m apps.gnn --compile``) and the sparse transformer app (``python -m apps.sparse_transformer --compile``),
 their backends a few epochs (steps) each in turn (``apps.interleaved``: the compiled and eager medians from the same
-minutes; one after another, a run of the suite measured Cora's ratio at 1.11x and one an hour before at 1.40x). A compiled run's first epochs compile the graph (and recompile once for
-inference under ``no_grad``); the apps leave them out of the medians, as they leave out eager's kernel compiles.
+minutes; one after another, a run of the suite measured Cora's ratio at 1.11x and one an hour before at 1.40x). A
+compiled run's first epochs compile the graph (and recompile once for inference under ``no_grad``); the apps leave
+them out of the medians, as they leave out eager's kernel compiles.
 A backend that torch.compile cannot take is a row saying why, not a failure of the suite.
 """
 from __future__ import annotations

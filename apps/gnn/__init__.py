@@ -77,10 +77,8 @@ def training(backend: str = "scorch", model: str = "gcn", dataset: str = "cora",
     train_watch, infer_watch = common.Stopwatch(), common.Stopwatch()
     best_val, test_at_best, losses = -1.0, 0.0, []
     bar = common.progress(range(epochs), f"{model} {backend} {g.name}", quiet)
-    rng = torch.random.get_rng_state()  # interleaved backends draw from one generator: each keeps its own
     for _ in bar:
         with _quiet_sparse():  # (entered and left within an epoch: interleaved generators nest no state)
-            torch.random.set_rng_state(rng)
             with train_watch:
                 net.train()
                 opt.zero_grad()
@@ -91,7 +89,6 @@ def training(backend: str = "scorch", model: str = "gcn", dataset: str = "cora",
             with infer_watch, torch.no_grad():
                 net.eval()
                 pred = forward(*inputs).argmax(1)
-            rng = torch.random.get_rng_state()
         val = (pred[gt.val_idx] == labels[gt.val_idx]).float().mean().item()
         if val > best_val:
             best_val = val

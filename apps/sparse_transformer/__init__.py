@@ -139,14 +139,12 @@ def training(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=Non
     step_watch, epoch_times = common.Stopwatch(), []
     losses = []
     steps_per_epoch = (cfg["train_size"] + bs - 1) // bs
-    rng = real_torch.random.get_rng_state()  # (interleaved backends draw from one generator: each keeps its own)
     for epoch in range(epochs):
         net.train()
         perm = real_torch.randperm(cfg["train_size"], generator=order_gen).to(x_train.device)
         batches = [perm[i:i + bs] for i in range(0, cfg["train_size"], bs)]
         first = len(step_watch.times)
         for idx in common.progress(batches, f"{backend} epoch {epoch + 1}/{epochs}", quiet):
-            real_torch.random.set_rng_state(rng)
             with step_watch:
                 logits = forward(x_train[idx], mask_for(len(idx)))
                 loss = F.cross_entropy(logits.reshape(-1, CLASSES), y_train[idx].reshape(-1),
@@ -154,7 +152,6 @@ def training(backend="scorch", epochs=4, threads=2, seed=0, quiet=True, data=Non
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            rng = real_torch.random.get_rng_state()
             losses.append(float(loss.detach()))
             yield
         epoch_times.append(sum(step_watch.times[first:]))
