@@ -333,10 +333,19 @@ class Transpose(Stmt):
     cols: Expr
     stype: str
     dtype: str
+    pairs: bool = False  # (16-bit ``stype`` == ``dtype``) positions, strides and counts are of pairs of values,
+    #                      each pair copied whole (its 32 bits unchanged): a bfloat16 pairs panel (``PairDot``)
 
     def loops(self) -> "For":
         """The copy as plain loops (the scalar rendering, and the interpreter's)."""
         i, j = Var("tr_i"), Var("tr_j")
+        if self.pairs:
+            def at(a, k, stride, q, h):
+                return binary("add", binary("mul", binary("add", a, binary("add", binary("mul", k, stride), q)),
+                                            Const(2)), Const(h))
+            return For(i, Const(0), self.rows, block(For(j, Const(0), self.cols, block(*(Store(
+                self.dst, at(self.dst_at, j, self.dst_stride, i, h),
+                Load(self.src, at(self.src_at, i, self.src_stride, j, h), self.stype)) for h in (0, 1))))))
         value = Load(self.src, binary("add", self.src_at, binary("add", binary("mul", i, self.src_stride), j)),
                      self.stype)
         if self.stype != "f32" and self.dtype != "f32":
@@ -344,6 +353,54 @@ class Transpose(Stmt):
         return For(i, Const(0), self.rows, block(For(j, Const(0), self.cols, block(Store(
             self.dst, binary("add", self.dst_at, binary("add", binary("mul", j, self.dst_stride), i)),
             value if self.stype == self.dtype else Cast(value, self.dtype))))))
+
+
+@dataclass(frozen=True)
+class TileConfig(Stmt):
+    """Sets up this thread's matrix tiles for the ``TileRow`` statements of its shape that follow in its block
+    (``tiles`` result tiles of 16 rows x ``cols`` float32, ``depth`` pairs deep): no effect on values. ``mode``:
+    "tiles", the CPU's (AMX: configured here, released at the block's end), or "model", a scalar model of the same
+    instructions that checks every tile's shape as the CPU would (tests, on any CPU)."""
+    cols: int
+    depth: int
+    tiles: int
+    mode: str = "tiles"
+
+
+@dataclass(frozen=True)
+class TileRow(Stmt):
+    """Products of blocks on matrix tiles, in bfloat16 pairs summed in float32: for ``m < 16 * tiles`` and ``n <
+    cols``, ``c[c_at + m * c_stride + n] = sum over var in [lo, hi), k < depth, j < 2 of a[a_at + m * a_stride + 2 k
+    + j] * b[2 (b_at + k * cols + n) + j]`` (``c`` overwritten). ``a_at`` (an element of ``a``, whose rows are
+    ``a_stride`` apart) and ``b_at`` (a pair of ``b``: a block's values as ``depth`` rows of ``cols`` pairs) are
+    expressions of ``var``. Its meaning is ``loops()`` (the interpreter's); the C++ renderer keeps the sums in
+    tiles (``TileConfig``, which must come before it in the thread)."""
+    var: Var
+    lo: Expr
+    hi: Expr
+    a: str
+    a_at: Expr
+    a_stride: Expr
+    b: str
+    b_at: Expr
+    c: str
+    c_at: Expr
+    c_stride: int
+    cols: int
+    depth: int
+    tiles: int
+
+    def loops(self) -> Block:
+        """The products as plain loops: the sums zeroed, then a ``PairDot`` per block, row, pair and column."""
+        m, n, k, rows = Var("tl_m"), Var("tl_n"), Var("tl_k"), Const(16 * self.tiles)
+        at = binary("add", self.c_at, binary("add", binary("mul", m, Const(self.c_stride)), n))
+        zero = For(m, Const(0), rows, block(For(n, Const(0), Const(self.cols), block(Store(self.c, at, Const(0.0))))))
+        pair = binary("add", self.b_at, binary("add", binary("mul", k, Const(self.cols)), n))
+        value = binary("add", self.a_at, binary("add", binary("mul", m, self.a_stride), binary("mul", k, Const(2))))
+        products = For(self.var, self.lo, self.hi, block(For(m, Const(0), rows, block(
+            For(k, Const(0), Const(self.depth), block(For(n, Const(0), Const(self.cols), block(
+                Store(self.c, at, PairDot(self.b, pair, self.a, value), "add")))))))))
+        return block(zero, products)
 
 
 @dataclass(frozen=True)
@@ -582,7 +639,8 @@ def loads(e):
 def accesses(s):
     """``(array, index)`` of every store and load in the statement ``s`` itself (not in nested statements)."""
     out = [(s.array, s.index)] if isinstance(s, Store) else \
-        [(s.dst, s.dst_at), (s.src, s.src_at)] if isinstance(s, Transpose) else []
+        [(s.dst, s.dst_at), (s.src, s.src_at)] if isinstance(s, Transpose) else \
+        [(s.a, s.a_at), (s.c, s.c_at)] if isinstance(s, TileRow) else []
     for e in expressions(s):
         out += [(ld.array, ld.index) for ld in loads(e)]
     return out

@@ -122,8 +122,10 @@ class _Interp:
             self._index(s.array, s.index, env)  # (a hint: only the bounds of its address are checked)
         elif isinstance(s, L.LocalArray):
             self.arrays[s.name] = np.full(s.size, self.expr(s.init, env), dtype=NP[s.type])
-        elif isinstance(s, L.Transpose):
+        elif isinstance(s, (L.Transpose, L.TileRow)):
             self.stmt(s.loops(), env)
+        elif isinstance(s, L.TileConfig):
+            pass  # (the tiles' setup: no effect on values)
         elif isinstance(s, L.SumLanes):
             self.arrays[s.name] = self.arrays[s.array][:s.size].astype(NP[s.type])
         elif isinstance(s, L.Block):

@@ -23,11 +23,15 @@ class Target:
     lead_gathers: bool = True
     #: whether an n:4 weight's rows go in a vector's lanes (``compiler.weights_picks``): see ``native_lane_picks``
     lane_picks: bool = False
+    #: matrix tiles for bfloat16 block products (``loopir.TileConfig``'s mode): "" none, "tiles" the CPU's (AMX,
+    #: allowed and checked: ``engine.amx``), "model" the scalar model of them (tests)
+    amx: str = ""
 
     @property
     def key(self) -> str:
         """What of the machine the generated code depends on, for the keys of plans kept on disk."""
-        return f"v{self.vector_bytes}g{int(self.lead_gathers)}p{int(self.lane_picks)}"
+        return f"v{self.vector_bytes}g{int(self.lead_gathers)}p{int(self.lane_picks)}" + \
+            (f"x{self.amx}" if self.amx else "")
 
     @property
     def vectors(self) -> bool:

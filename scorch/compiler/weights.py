@@ -70,6 +70,9 @@ BSR_NARROW_VECTORS = 3
 SPLAT = 4
 #: rows of the output gathered in the buffer before they are stored into ``Y``: 16 floats of a token, one line
 STORE_ROWS = 16
+#: tokens per tile of a bfloat16 BSR weight on matrix tiles (``weights_amx``): two result tiles of 16 tokens, so
+#: that a block's values are loaded once for both (not measured: no CPU here has AMX)
+AMX_TOKENS = 32
 
 
 def serves(target: Target, kind: str, tokens: int) -> bool:
@@ -123,6 +126,8 @@ class Tiles:
     #                 time, the weight laid out in that order (``weights_depth``)
     splat: bool = False  # (CSR, float32 values, 8-lane vectors) a row's weights read 4 at a time, each taken to
     #                      the lanes by shuffles (``loopir.Splat``), not a broadcast load each
+    amx: str = ""  # (BSR, ``pairs``) the products on matrix tiles (``weights_amx``, ``loopir.TileRow``): the
+    #                Target's ``amx``, "tiles" or "model"
 
     @property
     def T(self) -> int:
@@ -158,6 +163,9 @@ def tiles(target: Target, kind: str, tokens: int, vtype: str, xtype: str, ptype:
     if kind == "bsr":
         bh = block[0]
         pairs = vtype == xtype == "bf16" and block[1] % 2 == 0 and lanes > 1 and not transposed
+        if pairs and target.amx and bh <= 16 and block[1] <= 32:  # (a block is a tile: ``weights_amx``)
+            return Tiles(kind, vtype, xtype, ptype, ctype, lanes, AMX_TOKENS // lanes, 1, tuple(block), (1, 1), bh,
+                         bh, bias, transposed, pairs, activation=activation, amx=target.amx)
         if target.vectors and target.vector_bytes <= 32 and not pairs and not transposed:  # (16 registers)
             row_pass = max(r for r in range(1, min(bh, BSR_NARROW_ROWS) + 1) if bh % r == 0)
             vectors = max(1, min(ACCUMULATORS // row_pass, BSR_NARROW_VECTORS, -(-tokens // lanes)))
@@ -231,9 +239,12 @@ def pack(plan: Tiles, panel: str, src: str, width: L.Expr) -> L.Block:
             return _add(_mul(f_, _c(T)), t_)
         zero, value = L.Const(0.0, plan.xtype if plan.halves else F32), (lambda e: L.Cast(e, F32))
     fill = L.For(t, _c(0), _c(T), L.block(L.Store(panel, at(f, t), zero)))
-    if plan.pairs:
-        copy = L.For(t, _c(0), _nt, L.block(L.For(f, _c(0), width, L.block(
-            L.Store(panel, at(f, t), value(L.Load(src, _add(_mul(_add(_t0, t), width), f), plan.xtype)))))))
+    if plan.pairs:  # (an even width: the tokens' pairs as 32-bit words, transposed in vector tiles)
+        half = L.binary("floordiv", width, _c(2))
+        copy = L.If(L.binary("eq", L.binary("mod", width, _c(2)), _c(0)), L.block(
+            L.Transpose(panel, _c(0), _c(T), src, _mul(_t0, half), half, _nt, half, plan.xtype, plan.xtype, True)),
+            L.block(L.For(t, _c(0), _nt, L.block(L.For(f, _c(0), width, L.block(
+                L.Store(panel, at(f, t), value(L.Load(src, _add(_mul(_add(_t0, t), width), f), plan.xtype)))))))))
     else:  # (tokens x features -> features x T: vector tiles, ``loopir.Transpose``)
         copy = L.Transpose(panel, _c(0), _c(T), src, _mul(_t0, width), width, _nt, width, plan.xtype,
                            plan.xtype if plan.halves else F32)

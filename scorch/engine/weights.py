@@ -19,6 +19,7 @@ from ..compiler import weights_chain as chain
 from ..compiler import weights_depth as depth
 from ..compiler import weights_grad as grads
 from ..compiler import weights_picks as picks
+from ..compiler import weights_amx as tile_kernels
 from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp
@@ -27,6 +28,7 @@ from ..formats import named
 from ..formats.format import nm_size
 from ..formats.storage import PatternMemo, ValuesMemo, coordinates
 from ..sparse_tensor import SparseTensor
+from . import amx
 from .weights_depth import laid as _depth_laid
 from .weights_kept import call as _call, guards as _guards, kept as _kept
 
@@ -82,15 +84,17 @@ def plan_for(weight: SparseTensor, tokens: int, bias: bool, transposed=False, ar
     arrays = _arrays(weight) if arrays is None else arrays
     ptype = L.type_of(arrays["pos"].dtype) if "pos" in arrays else "i64"
     vtype = L.type_of(weight._vals.dtype)
-    return family.tiles(CPU, kind, tokens, vtype, vtype, ptype, L.type_of(arrays["crd"].dtype), block, group,
-                        bias, transposed, activation)
+    tiles = amx.mode() if kind == "bsr" and vtype == "bf16" and not transposed else ""
+    return family.tiles(replace(CPU, amx=tiles) if tiles else CPU, kind, tokens, vtype, vtype, ptype,
+                        L.type_of(arrays["crd"].dtype), block, group, bias, transposed, activation)
 
 
 def _kernel(plan: family.Tiles, part: str = "forward"):
     """``(loop IR, loaded kernel)`` of ``part`` ("forward", "input_grad", "weight_grad") for ``plan``, kept."""
     entry = _KERNELS.get((plan, part))
     if entry is None:
-        build = {"forward": picks.forward if plan.picks else depth.forward if plan.depth else family.forward,
+        build = {"forward": picks.forward if plan.picks else depth.forward if plan.depth else
+                 tile_kernels.forward if plan.amx else family.forward,
                  "dots": family.row_dots, "depth_conv": depth.conv_forward,
                  "bits": bitmap.row_bits, "pair_tiles": tiled.forward,
                  "conv": functools.partial(picks.forward, conv=True), "picks_dw": picks.weight_grad,
@@ -547,8 +551,18 @@ def linear(weight: SparseTensor, x: torch.Tensor, bias=None, activation=None) ->
             if found is not None:
                 return found
             arrays = {"combo": combo, "vals": weight._vals}
+    if plan.amx:  # (the blocks as matrix tiles: ``compiler.weights_amx``)
+        bh, bw = plan.block
+        arrays["vals"] = _TILE_VALUES.lookup(("tiles", bh, bw), weight._vals, lambda: weight._vals.detach().reshape(
+            -1, bh, bw // 2, 2).permute(0, 2, 1, 3).contiguous().reshape(-1))
     _forward(plan, weight, arrays, n, extra, x=x, y=y)
     return y
+
+
+#: bfloat16 BSR weights' values as matrix tiles' B operands (``compiler.weights_amx``)
+_TILE_VALUES = ValuesMemo(1024)
+register("weight tile values", "the bfloat16 values of BSR weights as AMX tiles (each block's pairs of columns as"
+         " rows), by the values tensor (remade when the values change)", _TILE_VALUES.__len__, _TILE_VALUES.clear)
 
 
 def linear_chain(w1: SparseTensor, x: torch.Tensor, b1, act1, w2: SparseTensor, b2=None, act2=None,

@@ -383,6 +383,16 @@ SCRIPT = MIXED_WIDTH + textwrap.dedent(r'''
             for dtype, tol in ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if half else ()):
                 for tokens in (1, 7, 70):
                     check(fmt, a, dtype, tol, tokens)
+        # (bfloat16 BSR on matrix tiles, ``compiler.weights_amx``, through the scalar model of AMX's instructions on
+        #  any CPU: a partial tile's padded copy of the tokens, whole tiles, blocks of 16 x 16, 16 x 32 and 2 x 8)
+        from scorch.engine import amx
+        amx.FORCE = "model"
+        for fmt, (o, i) in (("bsr(16, 16)", (48, 32)), ("bsr(16, 32)", (32, 64)), ("bsr(2, 8)", (6, 24))):
+            a = values((o, i), gen, 0.4)
+            a[o // 2] = 0
+            for tokens in (7, 70):
+                check(fmt, a, torch.bfloat16, 3e-2, tokens, " on matrix tiles")
+        amx.FORCE = None
         # (float32 n:m in depth blocks, ``compiler.weights_depth``, with 8-lane vectors on any CPU: store blocks of 6
         #  rows and depth blocks of 2 groups, both ragged; 48 and 32 tokens a tile, partial ones)
         from scorch.compiler import weights_depth

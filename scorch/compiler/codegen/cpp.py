@@ -12,6 +12,7 @@ import re
 from ... import loopir as L
 from .. import runtime
 from ..target import CPU
+from . import amx
 from .prelude import DEPENDS, HELPERS, VECTOR_BYTES
 
 CTYPE = {"bool": "bool", "i8": "int8_t", "i16": "int16_t", "i32": "int32_t", "i64": "int64_t", "f32": "float", "f64": "double", "bf16": "scorch_bf16",
@@ -229,9 +230,28 @@ class _Emitter:
         if isinstance(s, L.Transpose):  # (``codegen.transpose``: square tiles by vector shuffles)
             if self.vec:
                 raise ValueError(f"a transpose into {s.dst} inside a vector loop")
-            args = [f"&{ident(s.dst)}[{self.expr(s.dst_at)}]", f"&{ident(s.src)}[{self.expr(s.src_at)}]"] + \
-                [f"(int64_t)({self.expr(e)})" for e in (s.rows, s.cols, s.dst_stride, s.src_stride)]
+            sizes = [f"(int64_t)({self.expr(e)})" for e in (s.rows, s.cols, s.dst_stride, s.src_stride)]
+            if s.pairs:  # (pairs as 32-bit words: the float tiles move bits; the barriers keep the 16-bit
+                #           accesses before and after in their order, which type-based aliasing would not)
+                if s.stype != s.dtype or s.stype not in L.NARROW:
+                    raise ValueError(f"a transpose of pairs into {s.dst} copies 16-bit values as they are")
+                args = [f"(float*)&{ident(s.dst)}[2 * ({self.expr(s.dst_at)})]",
+                        f"(const float*)&{ident(s.src)}[2 * ({self.expr(s.src_at)})]"] + sizes
+                barrier = f'{pad}__asm__ volatile("" ::: "memory");'
+                return [barrier, f"{pad}scorch_transpose({', '.join(args)});", barrier]
+            args = [f"&{ident(s.dst)}[{self.expr(s.dst_at)}]", f"&{ident(s.src)}[{self.expr(s.src_at)}]"] + sizes
             return [f"{pad}scorch_transpose({', '.join(args)});"]
+        if isinstance(s, L.TileConfig):
+            return [pad + amx.config(s.cols, s.depth, s.tiles, s.mode, self.fresh("tiles"))]
+        if isinstance(s, L.TileRow):
+            if self.vec:
+                raise ValueError(f"a tile row into {s.c} inside a vector loop")
+            c = f"reinterpret_cast<float*>(&{ident(s.c)}[0])" if s.c in self.vec_arrays else f"&{ident(s.c)}[0]"
+            return [f"{pad}{{"] + amx.row(self.expr(s.lo), self.expr(s.hi), ident(s.var.name),
+                                          f"&{ident(s.a)}[{self.expr(s.a_at)}]", self.expr(s.a_stride),
+                                          f"&{ident(s.b)}[2 * ({self.expr(s.b_at)})]", s.cols,
+                                          f"({c} + ({self.expr(s.c_at)}))", s.c_stride, s.tiles, pad + "  ") + \
+                [f"{pad}}}"]
         if isinstance(s, L.SumLanes):
             n, src = ident(s.name), ident(s.array)
             if self.sum_arrays.get(s.array, ("",))[0] != "add" or s.type not in ("f32", "f64") or \

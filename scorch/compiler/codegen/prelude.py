@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ... import loopir as L
 from ..target import CPU
+from . import amx
 from .activations import ACTIVATIONS, EXPF
 from .bf16 import PAIR_BASE, PAIR_HALF, pair_dot4, splat
 from .expand import expand
@@ -628,4 +629,7 @@ struct scorch_buf {
     "scorch_set_bit": _BITMAP,
     # a block copied transposed (``loopir.Transpose``: ``codegen.transpose``)
     "scorch_transpose": TRANSPOSE,
+    # matrix tiles (``loopir.TileConfig``): the CPU's, or the model of them (``codegen.amx``)
+    "scorch_amx_tiles": amx.TILES,
+    "scorch_amx_model_tiles": amx.MODEL,
 }
