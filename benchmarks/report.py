@@ -57,12 +57,15 @@ def cpu_details() -> dict:
             continue
         if kind != "Instruction":
             caches.append(f"L{level}{'d' if kind == 'Data' else ''} {size.replace('K', ' KiB')}")
-    cpu = target.CPU
+    from scorch.engine import amx
+    cpu, tiles = target.CPU, amx.mode()
     return {"CPU vendor / family / model": " / ".join(info.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
             "CPU ISA": ", ".join(isa) or "none of " + ", ".join(ISA_FLAGS),
             "CPU caches (per core, L3 shared)": ", ".join(caches) or "unknown",
             "scorch kernel variant": f"{cpu.vector_bytes}-byte vectors, lead gathers {'on' if cpu.lead_gathers else 'off'}"
-                                     " (SCORCH_VECTOR_BYTES, SCORCH_LEAD_GATHERS)"}
+                                     " (SCORCH_VECTOR_BYTES, SCORCH_LEAD_GATHERS)",
+            "bfloat16 BSR on AMX tiles": "yes" if tiles == "tiles" else "the model of them (SCORCH_AMX=model)"
+                                         if tiles else f"no: {amx._missing() or 'off, or failed its first-use check'}"}
 
 
 def load_average() -> str:

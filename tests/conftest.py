@@ -6,6 +6,11 @@ import warnings
 import torch
 from hypothesis import HealthCheck, settings
 
+# bfloat16 BSR products on the vector kernels whatever the CPU, so that no test's path depends on whether it has AMX
+# tiles: tests/ops/test_weight_amx.py runs the tile kernels through their model on any CPU, and on the CPU's own
+# tiles where it has them
+os.environ.setdefault("SCORCH_AMX", "0")
+
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

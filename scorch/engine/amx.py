@@ -67,7 +67,8 @@ def _missing() -> str:
     if not sys.platform.startswith("linux"):
         return "AMX tiles are used on Linux only"
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+    if libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                    ctypes.c_long(_XFEATURE_XTILEDATA)) != 0:
         return f"Linux refused this process the AMX tile state (arch_prctl: {os.strerror(ctypes.get_errno())})"
     return ""
 

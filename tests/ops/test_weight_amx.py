@@ -220,3 +220,35 @@ def test_the_first_use_check_runs_products_in_a_child():
     assert amx.check("model") == (True, "")
     passed, why = amx.check("0")
     assert not passed and "exit status 1" in why and "SCORCH_AMX=1 or model" in why
+
+
+HARDWARE = """
+import torch, scorch
+from scorch.engine import amx, weights as kernels
+assert amx.mode() == "tiles"
+F = torch.nn.functional
+g = torch.Generator().manual_seed(5)
+for block in ((16, 16), (16, 32), (8, 2), (4, 4), (1, 2)):
+    for out_blocks, in_blocks, tokens in ((3, 4, 8), (2, 5, 33), (5, 3, 100), (1, 1, 32)):
+        bh, bw = block
+        keep = torch.rand(out_blocks, in_blocks, generator=g) < 0.5
+        w = (torch.randn(out_blocks * bh, in_blocks * bw, generator=g)
+             * keep.repeat_interleave(bh, 0).repeat_interleave(bw, 1)).bfloat16()
+        s = scorch.asformat(w, f"bsr{block}")
+        x = torch.randn(tokens, w.shape[1], generator=g).bfloat16()
+        b = torch.randn(w.shape[0], generator=g).bfloat16()
+        assert kernels.plan_for(s, tokens, True).amx == "tiles"
+        got = kernels.linear(s, x, b, "gelu").float()
+        want = F.gelu(x.float() @ w.float().T + b.float())
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (block, out_blocks, in_blocks, tokens)
+print("tiles ok")
+"""
+
+
+@pytest.mark.skipif(amx._missing() != "", reason="needs a CPU with AMX tiles that Linux lets this process use")
+def test_the_cpus_tiles_equal_the_dense_linear():
+    """On a CPU with AMX (Intel Xeon from Sapphire Rapids on), the tile kernels themselves, with no first-use check,
+    against the dense product, in a child process (a fault ends only it)."""
+    done = subprocess.run([sys.executable, "-c", HARDWARE], env=dict(os.environ, SCORCH_AMX="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "tiles ok" in done.stdout, done.stderr[-3000:]
