@@ -53,11 +53,13 @@ def test_report_keeps_the_gpu_sections_of_the_file_it_replaces(tmp_path):
 
 
 def test_report_names_the_cpu(tmp_path):
-    """Every run's RESULTS.md names the CPU: vendor and family, the ISA extensions kernels are chosen by, the caches
-    and the kernel variant scorch's code takes (a speedup counts only against a peer on the same CPU)."""
+    """Every run's RESULTS.md names the CPU: vendor and family, the ISA extensions kernels are chosen by, the caches,
+    the kernel variant scorch's code takes and whether bfloat16 BSR ran on AMX tiles (a speedup counts only against
+    a peer on the same CPU)."""
     details = report.cpu_details()
     assert set(details) == {"CPU vendor / family / model", "CPU ISA", "CPU caches (per core, L3 shared)",
-                            "scorch kernel variant"}
+                            "scorch kernel variant", "bfloat16 BSR on AMX tiles"}
+    assert details["bfloat16 BSR on AMX tiles"].startswith("no: ")  # (the suite pins SCORCH_AMX=0: conftest)
     from scorch.compiler.target import CPU
     assert f"{CPU.vector_bytes}-byte vectors" in details["scorch kernel variant"]
     machine = {"cpu": "test", "cores": 2, "threads": 2, "load_before": "0", **details, "load_after": "0"}
