@@ -252,3 +252,15 @@ def test_the_cpus_tiles_equal_the_dense_linear():
     done = subprocess.run([sys.executable, "-c", HARDWARE], env=dict(os.environ, SCORCH_AMX="1"),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "tiles ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_an_eager_layer_replays_its_tile_call(model):
+    """An eager ``F.linear`` keeps its one kernel call (``weights_kept``) and makes it again on the next input: the
+    tile kernel's too (its input read in place, a partial tile through the padded buffer)."""
+    w = _weight((16, 16), 3, 4, 0.5, 11)
+    s = scorch.asformat(w, "bsr(16, 16)")
+    b = torch.randn(48).bfloat16()
+    for seed in (1, 2, 3):
+        x = torch.randn(40, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        torch.testing.assert_close(F.linear(x, s, b).float(), x.float() @ w.float().T + b.float(), rtol=2e-2,
+                                   atol=2e-2)
