@@ -14,12 +14,12 @@ import torch
 
 from .. import loopir as L
 from ..compiler import weights as family
+from ..compiler import weights_amx as tile_kernels
 from ..compiler import weights_bits as bitmap
 from ..compiler import weights_chain as chain
 from ..compiler import weights_depth as depth
 from ..compiler import weights_grad as grads
 from ..compiler import weights_picks as picks
-from ..compiler import weights_amx as tile_kernels
 from ..compiler import weights_tiled as tiled
 from ..compiler.caches import cache, register
 from ..compiler.codegen import cpp

@@ -4,7 +4,7 @@ with the same names.
 ``TILES`` runs the CPU's instructions, written as inline assembly (``ldtilecfg``, ``tileloadd``, ``tdpbf16ps``,
 ``tilestored``, ``tilerelease``) rather than through the compiler's intrinsics: those need the function compiled
 for the AMX target (``-march=native`` gives it only on a CPU that has AMX, and a kernel must compile anywhere), and
-GCC 12's ``tileloadd`` and ``ldtilecfg`` do not tell the compiler that they read memory (a store into the panel or
+GCC 12's ``tileloadd`` and ``ldtilecfg`` do not tell the compiler that they read memory (a store into the buffer or
 the configuration before them could be moved after them or dropped); every statement here has a memory clobber.
 
 ``MODEL`` is a scalar model of the same instructions for tests on any CPU (``TileConfig.mode == "model"``): eight
@@ -20,7 +20,7 @@ before it): at most 4 result tiles.
 """
 from __future__ import annotations
 
-#: result tiles of a ``TileRow`` at most (of the CPU's 8: one holds the block's values, two the panel's rows)
+#: result tiles of a ``TileRow`` at most (of the CPU's 8: one holds the block's values, two the rows of ``a``)
 MAX_TILES = 4
 
 _CONFIG = """struct scorch_amx_tiles {
@@ -28,7 +28,7 @@ _CONFIG = """struct scorch_amx_tiles {
     alignas(64) unsigned char cfg[64] = {};
     cfg[0] = 1;  // palette 1
     for (int t = 0; t < tiles + 3; ++t) {
-      const int colsb = t == tiles ? 4 * cols : t < tiles ? 4 * cols : 4 * depth;
+      const int colsb = t <= tiles ? 4 * cols : 4 * depth;  // (sums and values: cols pairs; rows of a: depth)
       cfg[16 + 2 * t] = (unsigned char)colsb;
       cfg[16 + 2 * t + 1] = (unsigned char)(colsb >> 8);
       cfg[48 + t] = (unsigned char)(t == tiles ? depth : 16);

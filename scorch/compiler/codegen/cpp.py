@@ -244,13 +244,12 @@ class _Emitter:
         if isinstance(s, L.TileConfig):
             return [pad + amx.config(s.cols, s.depth, s.tiles, s.mode, self.fresh("tiles"))]
         if isinstance(s, L.TileRow):
-            if self.vec:
-                raise ValueError(f"a tile row into {s.c} inside a vector loop")
-            c = f"reinterpret_cast<float*>(&{ident(s.c)}[0])" if s.c in self.vec_arrays else f"&{ident(s.c)}[0]"
+            if self.vec or s.c in self.vec_arrays or s.c in self.sum_arrays:
+                raise ValueError(f"a tile row stores into the plain array {s.c}, outside vector loops")
             return [f"{pad}{{"] + amx.row(self.expr(s.lo), self.expr(s.hi), ident(s.var.name),
                                           f"&{ident(s.a)}[{self.expr(s.a_at)}]", self.expr(s.a_stride),
                                           f"&{ident(s.b)}[2 * ({self.expr(s.b_at)})]", s.cols,
-                                          f"({c} + ({self.expr(s.c_at)}))", s.c_stride, s.tiles, pad + "  ") + \
+                                          f"&{ident(s.c)}[{self.expr(s.c_at)}]", s.c_stride, s.tiles, pad + "  ") + \
                 [f"{pad}}}"]
         if isinstance(s, L.SumLanes):
             n, src = ident(s.name), ident(s.array)
