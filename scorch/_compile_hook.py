@@ -15,24 +15,33 @@ import importlib.abc
 import importlib.machinery
 import sys
 
+from . import _compile_ready
+
 _TARGET = "torch._dynamo"
 _loaded = False
 
 
 def load():
-    """Import scorch's ``torch.compile`` modules (once; the registrations are theirs)."""
+    """Import scorch's ``torch.compile`` modules (once; the registrations are theirs). One of them may be the
+    module whose import brought ``torch._dynamo`` in (``import scorch.dynamo_fuse`` first): it is then still running
+    its body, its ops not defined yet, so its kernels are registered as it ends (``_compile_ready``)."""
     global _loaded
     if not _loaded:
         _loaded = True
         from . import _forward, dynamo, dynamo_fuse, dynamo_sparse, dynamo_train  # noqa: F401
         _forward.refresh()
-        _direct_cpu_kernels(dynamo, dynamo_fuse, dynamo_sparse, dynamo_train)
+        _compile_ready.listener = lambda name: _direct_cpu_kernels(sys.modules[name])
+        for module in (dynamo, dynamo_fuse, dynamo_sparse, dynamo_train):
+            if module.__name__ in _compile_ready.done:
+                _direct_cpu_kernels(module)
 
 
+#: the modules whose ops have their direct CPU kernels
+_registered: set = set()
 _library = None
 
 
-def _direct_cpu_kernels(*modules):
+def _direct_cpu_kernels(module):
     """Each scorch custom op's function registered as its CPU kernel itself. ``torch.library.custom_op`` registers a
     wrapper for every device (a dynamo-disabling frame, an output aliasing check, a kernel-enabled test) that cost
     about 17 us a call, as much as the call of a small product itself (a Cora GCN's compiled training step calls 8
@@ -42,13 +51,16 @@ def _direct_cpu_kernels(*modules):
     global _library
     import torch
     from torch._library.custom_ops import CustomOpDef
-    _library = torch.library.Library("scorch", "IMPL")
-    for module in modules:
-        for op in vars(module).values():
-            fn = getattr(op, "_init_fn", None)
-            if isinstance(op, CustomOpDef) and callable(fn):
-                _library.impl(op._name, fn, "CPU")
-                _library.impl(op._name, _autograd_cpu(op, fn), "AutogradCPU", with_keyset=True)
+    if module.__name__ in _registered:
+        return
+    _registered.add(module.__name__)
+    if _library is None:
+        _library = torch.library.Library("scorch", "IMPL")
+    for op in vars(module).values():
+        fn = getattr(op, "_init_fn", None)
+        if isinstance(op, CustomOpDef) and callable(fn):
+            _library.impl(op._name, fn, "CPU")
+            _library.impl(op._name, _autograd_cpu(op, fn), "AutogradCPU", with_keyset=True)
 
 
 def _autograd_cpu(op, fn):

@@ -30,6 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ._autograd import _einsum_grad
+from . import _compile_ready
 from . import engine
 from .compiler.einsum import parse
 from .formats.format import from_text
@@ -547,3 +548,5 @@ def _ndim(x) -> int:
 
 
 RULES.register(traced_op=traced_op)
+
+_compile_ready.ready(__name__)  # (last: the ops above exist now)

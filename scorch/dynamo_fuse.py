@@ -41,6 +41,7 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 
+from . import _compile_ready
 from . import engine
 from .dynamo import LINEAR, _flatten, _fresh, _rebuild, _value_arrays
 from .engine import weights as weight_kernels
@@ -356,3 +357,5 @@ def install() -> None:
 
 
 install()
+
+_compile_ready.ready(__name__)  # (last: the ops above exist now)

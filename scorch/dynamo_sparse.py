@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import _compile_ready
 from . import deferred
 from .dynamo import PRODUCT_HOOKS, NotCompilable, _flatten, _fresh, _like, _rebuild, assemble, traced
 from .compiler import kv_grad as _kv
@@ -408,3 +409,5 @@ def traced_compressed(layout, compressed, plain, values, size, dtype=None, requi
 
 
 RULES.register(traced_tensor=traced_compressed)
+
+_compile_ready.ready(__name__)  # (last: the ops above exist now)

@@ -29,13 +29,14 @@ values kept, the scale and the gradients are eager's. An ``h`` with a NaN gives 
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 
+from . import _compile_ready
 from .compiler import runtime
-from .dynamo_fuse import EpiloguePass
 from .sparse_tensor import SparseTensor
 
 F = torch.nn.functional
@@ -232,9 +233,13 @@ def install() -> None:
     after a sparse-weight linear into its ``fused_linear`` call, which with a gradient is the unfused graph again."""
     passes = list(get_custom_graph_passes(inductor_config.pre_grad_custom_pass))
     if not any(isinstance(p, TrainingPass) for p in passes):
-        at = next((k for k, p in enumerate(passes) if isinstance(p, EpiloguePass)), len(passes))
+        fuse = sys.modules.get("scorch.dynamo_fuse")  # (mid-import where it brought torch._dynamo in: its pass
+        epilogue = getattr(fuse, "EpiloguePass", ())  # is not set yet, and its install() appends it after this)
+        at = next((k for k, p in enumerate(passes) if isinstance(p, epilogue)), len(passes))
         passes.insert(at, PASS)
         inductor_config.pre_grad_custom_pass = passes if len(passes) > 1 else PASS
 
 
 install()
+
+_compile_ready.ready(__name__)  # (last: the ops above exist now)

@@ -122,6 +122,36 @@ def test_dynamo_module_is_torchs_own():
     assert out.strip() == "ok"
 
 
+@pytest.mark.parametrize("first", ["scorch.dynamo_fuse", "scorch.dynamo_sparse", "scorch.dynamo_train",
+                                   "scorch.dynamo"])
+def test_a_compile_module_imported_first(first):
+    """Any of scorch's compile modules imported before ``torch._dynamo`` (the one whose import brings Dynamo in is
+    still mid-body when the hook loads the others): no circular import, every module's ops get their direct CPU
+    kernels once it has run to its end, the pre-grad passes in their order, and a compiled sparse Linear runs."""
+    out = _run(f"""
+        import importlib
+        importlib.import_module("{first}")
+        import torch, torch._dynamo
+        import scorch
+        from scorch import _compile_hook
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+        names = ["scorch.dynamo", "scorch.dynamo_fuse", "scorch.dynamo_sparse", "scorch.dynamo_train"]
+        assert sorted(_compile_hook._registered) == names, _compile_hook._registered
+        passes = [type(p).__name__ for p in get_custom_graph_passes(config.pre_grad_custom_pass)]
+        assert passes.index("TrainingPass") < passes.index("EpiloguePass"), passes
+        lin = torch.nn.Linear(16, 8)
+        lin.weight = torch.nn.Parameter(scorch.asformat(lin.weight.detach() * (torch.rand(8, 16) < 0.3), "csr"))
+        x = torch.randn(5, 16)
+        with torch.no_grad():
+            want = torch.nn.functional.linear(x, lin.weight.to_dense(), lin.bias)
+            got = torch.compile(lin, fullgraph=True)(x)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 # --- scorch.explain: one report, returned, printed only where asked --------------------------------------------
 
 def _spmm():
