@@ -105,12 +105,8 @@ def _trusted() -> bool:
                       "BSR products run on vector kernels. SCORCH_AMX=0 skips the check.", RuntimeWarning,
                       stacklevel=3)
     verdict = b"1" if passed else b"0"
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:  # (this user's alone, as the cache reads its files; a cache that cannot be written: checked again later)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(verdict + runtime.trust.mac(secret, key, verdict))
-        os.replace(tmp, path)
+    try:  # (a cache that cannot be written: checked again by a later process)
+        runtime.write_atomic(path, verdict + runtime.trust.mac(secret, key, verdict))
     except OSError:
         pass
     return passed
