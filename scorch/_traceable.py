@@ -13,6 +13,7 @@ parameter and for a SparseTensor computed before the compiled function (across a
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -41,6 +42,23 @@ def _refuse_export() -> None:
         f = f.f_back
 
 
+#: the SparseTensors a compiled call has flattened (its inputs: parameters, an adjacency), by weak reference, under
+#: their arrays' identities (``flat_key``): the graph's ops get those arrays back and find the tensor they came from
+#: (``dynamo._rebuild``) instead of wrapping them again on every call, with the tensor's own memos (its kept
+#: conversions and products, as in eager calls)
+FLATTENED = weakref.WeakValueDictionary()
+
+
+def flat_key(vals, levels) -> tuple:
+    """``FLATTENED``'s key: the ids of the values and of each level's arrays (0 for an absent one)."""
+    return (id(vals),) + tuple(id(a) if a is not None else 0 for st in levels for a in (st.pos, st.crd))
+
+
+def _is_fake(t) -> bool:
+    """Whether ``t`` is a tracer's tensor (fake or functional: no memory of its own to run on)."""
+    return not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
 class Traceable:
     """The mixin of ``SparseTensor`` (``_format``, ``_levels``, ``_vals``, ``_shape``) for torch's subclass tracing."""
 
@@ -65,6 +83,8 @@ class Traceable:
                 if st.crd is not None:
                     names.append(f"_crd{k}")
             kept = d["_flattened"] = (vals, levels, d["_format"], names, (str(d["_format"]), len(levels)))
+            if not _is_fake(vals):
+                FLATTENED[flat_key(vals, levels)] = self
         if vals.requires_grad and not torch_requires_grad(self) and attachable(vals, True):
             attach(self)  # (made while grad mode was off: in the graph from here)
         return list(kept[3]), kept[4]

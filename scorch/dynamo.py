@@ -30,15 +30,17 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ._autograd import _einsum_grad
+from ._traceable import FLATTENED, flat_key
 from . import _compile_ready
 from . import engine
+from .compiler import relayout
 from .compiler.einsum import parse
 from .formats.format import from_text
 from .formats import LevelStorage
 from .engine import weights as weight_kernels
 from .engine import prepared
 from .engine.bind import STRUCTURAL, cpu_backend_name
-from .engine.convert import asformat
+from .engine.convert import kept_conversion
 from .compiler.einsum import equation as einsum_string
 from .ops.linalg import _linear_gradient, matmul_equation
 from .rules import RULES
@@ -112,7 +114,8 @@ def _arity(item) -> int:
 
 
 def _rebuild(meta: str, arrays, sizes):
-    """The operands ``_flatten`` flattened (SparseTensors wrapped again, not validated: they were valid)."""
+    """The operands ``_flatten`` flattened: a SparseTensor input of the compiled call itself where the arrays are
+    its own (``_traceable.FLATTENED``), else the arrays wrapped again (not validated: they were valid)."""
     ops, k = [], 0
     for item in _items(meta, sizes):
         if item is None:
@@ -129,8 +132,20 @@ def _rebuild(meta: str, arrays, sizes):
             if c != "-":
                 crd, k = _canonical(arrays[k]), k + 1
             levels.append(LevelStorage(pos=pos, crd=crd))
-        ops.append(_share_conversions(assemble(fmt, shape, levels, vals)))
+        t = _flattened(fmt, shape, levels, vals)
+        ops.append(_share_conversions(assemble(fmt, shape, levels, vals)) if t is None else t)
     return ops
+
+
+def _flattened(fmt: str, shape, levels, vals):
+    """The SparseTensor a compiled call flattened into exactly these arrays (the same objects), of this format and
+    shape, or None."""
+    t = FLATTENED.get(flat_key(vals, levels))
+    if t is None or t._vals is not vals or tuple(t._shape) != tuple(shape) or len(t._levels) != len(levels) or \
+            any(a.pos is not b.pos or a.crd is not b.crd for a, b in zip(t._levels, levels)) or \
+            str(t._format) != fmt:
+        return None
+    return t
 
 
 #: the conversions kept for a SparseTensor (``engine.convert``'s ``_conversions``), shared by every SparseTensor
@@ -233,6 +248,9 @@ def _like(target: torch.Tensor, g: torch.Tensor, inputs=()) -> torch.Tensor:
     if g.dtype == target.dtype and g.shape == target.shape and g.device == target.device and \
             target.is_contiguous() and g.is_contiguous():
         return _fresh(g, inputs)
+    if g.dim() == 2 and g.dtype == target.dtype and g.shape == target.shape and g.device.type == "cpu" and \
+            target.is_contiguous() and g.t().is_contiguous():  # (a transposed result: scorch's transposing copy)
+        return _fresh(relayout.dim_last(g.t(), 0), inputs)
     return torch.empty_like(target).copy_(g)
 
 
@@ -299,7 +317,7 @@ def einsum_grad(equation: str, meta: str, k: int, arrays: list[torch.Tensor], si
 # checks, signatures, lookups), then the replay of the steps kept for the call (``run.STEPS``: a transposition of
 # the sparse operand for a parallel loop, the kernel's output order). A compiled backward calls it with the same
 # operands every step, so the replay is kept where the sparse operand's conversions are (``_CONVERSIONS``: by its
-# arrays, gone with them): the conversion (``asformat``, which still checks the kept transposition against the
+# arrays, gone with them): the conversion (``kept_conversion``, which still checks the kept transposition against the
 # arrays' versions and the values' fingerprints), the kernel's operand signatures checked, the kernel.
 
 def _gradient_key(equation, k, ops, grad):
@@ -329,7 +347,7 @@ def _kept_gradient(equation, k, ops, grad):
     _, transpose, found, want, result = entry
     s = ops[1 - k]
     if transpose is not None:
-        s = asformat(s, transpose)
+        s = kept_conversion(s, transpose)
         if prepared.signature(s) != want:  # (another index width: the general way)
             return None
     return result(found.run([grad, s], None))

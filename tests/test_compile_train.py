@@ -248,38 +248,64 @@ def test_compiled_backward_keeps_a_constant_operands_transposition(monkeypatch):
     torch.testing.assert_close(torch.autograd.grad(compiled(A, X), X)[0], torch.autograd.grad(f(A, X), X)[0])
 
 
+def _products(A, X, S, V):
+    """A product with a transposed sparse operand in its backward (``A @ X``) and ``F.linear`` of a sparse input."""
+    return (A @ X).square().sum() + F.linear(S, V).sin().sum()
+
+
+def _products_inputs(n, k):
+    """``(A, X, S, V)``: ``_graph``'s adjacency and features (requiring a gradient), a sparse ``n x k`` input and a
+    parameter (the graph hands the op the Parameter itself)."""
+    A, X, _, _ = _graph(n=n)
+    S = scorch.asformat(torch.randn(n, k) * (torch.rand(n, k) < 0.1), "csr")
+    return A, X.requires_grad_(), S, torch.nn.Parameter(torch.randn(16, k))
+
+
+def _check_products(compiled, A, X, S, V):
+    """The compiled ``_products``' gradients of ``X`` and ``V`` against eager's on dense copies."""
+    want = torch.autograd.grad(_products(A.to_dense(), X, S.to_dense(), V), (X, V))
+    for g, w in zip(torch.autograd.grad(compiled(A, X, S, V), (X, V)), want):
+        torch.testing.assert_close(g, w)
+
+
+def _counted_steps(monkeypatch, name, n, k):
+    """``(calls, compiled, inputs)``: three steps of the compiled ``_products`` checked against eager, counting the
+    calls of ``dynamo.<name>`` in the last one."""
+    from scorch import dynamo
+    calls = []
+    real = getattr(dynamo, name)
+    monkeypatch.setattr(dynamo, name, lambda *a: calls.append(1) or real(*a))
+    inputs = _products_inputs(n, k)
+    compiled = torch.compile(_products, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        calls.clear()
+        _check_products(compiled, *inputs)
+    return calls, compiled, inputs
+
+
 def test_compiled_backward_keeps_the_dense_operands_gradient_call(monkeypatch):
     """The gradient of a dense operand of a product with a sparse one runs the product's kept call from the second
     step on (``dynamo._kept_gradient``: no ``_einsum_grad`` planning again), for ``A @ X`` (a transposed sparse
     operand) and ``F.linear`` of a sparse input (``X`` sparse times a weight); its gradients stay eager's, also after
     the sparse values change in place, through ``.data`` (no version bump: the fingerprints tell) or not."""
-    from scorch import dynamo
-    planned = []
-    real = dynamo._einsum_grad
-    monkeypatch.setattr(dynamo, "_einsum_grad", lambda *a: planned.append(1) or real(*a))
-    A, X, W, _ = _graph(n=90)
-    S = scorch.asformat(torch.randn(90, 40) * (torch.rand(90, 40) < 0.1), "csr")
-    X.requires_grad_()
-    V = torch.nn.Parameter(torch.randn(16, 40))  # (a parameter: the graph hands the op the Parameter itself)
-
-    def f(A, X, S, V):
-        return (A @ X).square().sum() + F.linear(S, V).sin().sum()
-
-    def eager(A, X, S, V):
-        return torch.autograd.grad(f(A.to_dense(), X, S.to_dense(), V), (X, V))
-
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    for step in range(3):
-        planned.clear()
-        got = torch.autograd.grad(compiled(A, X, S, V), (X, V))
-        for g, w in zip(got, eager(A, X, S, V)):
-            torch.testing.assert_close(g, w)
+    planned, compiled, (A, X, S, V) = _counted_steps(monkeypatch, "_einsum_grad", 90, 40)
     assert planned == [], "the dense operands' gradients were planned again"
     A.values().data.mul_(-2)  # (no version bump)
     with torch.no_grad():
         S.values().add_(1)
-    for g, w in zip(torch.autograd.grad(compiled(A, X, S, V), (X, V)), eager(A, X, S, V)):
-        torch.testing.assert_close(g, w)
+    _check_products(compiled, A, X, S, V)
+
+
+def test_graph_ops_run_on_the_sparse_inputs_themselves(monkeypatch):
+    """A compiled call's ops get its SparseTensor inputs' arrays and run on those tensors themselves (found by the
+    arrays' identity: ``_traceable.FLATTENED``), not on new wrappers made every call; values and gradients stay
+    eager's, also after an input's arrays are replaced (another pattern) or its values change in place."""
+    made, compiled, (A, X, S, V) = _counted_steps(monkeypatch, "assemble", 80, 30)
+    assert made == [], "the graph's ops wrapped its sparse inputs' arrays again"
+    with torch.no_grad():
+        S.values().mul_(-3)
+    A2 = scorch.asformat(A.to_dense() * (torch.rand(80, 80) < 0.5), "csr")  # (new arrays, fewer entries)
+    _check_products(compiled, A2, X, S, V)
 
 
 def test_ops_record_a_graph_only_where_asked():

@@ -190,6 +190,18 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
     return result
 
 
+def kept_conversion(x: SparseTensor, fmt) -> SparseTensor:
+    """``asformat(x, fmt)`` for a SparseTensor ``x`` and a ``Format``: the conversion ``x`` keeps, checked as
+    ``asformat`` checks it (``_stamp``), without ``asformat``'s checks of its arguments first (a compiled
+    backward's kept gradient call asks for the same transposition of the same operand every step)."""
+    memo = x.__dict__.get("_conversions")
+    entry = None if memo is None else memo.get((fmt, None, False))
+    if entry is not None and not checking_invariants() and not needs_grad([x]) and \
+            entry[0] == _stamp(x, entry[1]):
+        return entry[1]
+    return asformat(x, fmt)
+
+
 def _stamp(x: SparseTensor, result: SparseTensor, prints=None) -> tuple:
     """What a kept conversion of ``x`` to ``result`` is checked against: the versions of both tensors' arrays and
     values, and the fingerprints of both tensors' values (``relayout.fingerprint``: writes through ``.data`` or a
