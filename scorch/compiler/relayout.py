@@ -163,8 +163,8 @@ def _empty(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-#: the copies kept (``kept``): ``id(source) -> (weak reference, key, copy)``, oldest first; at most
-#: ``KEEP_BYTES`` of copies in all
+#: the copies kept (``kept``): ``id(source) -> (weak reference, key, copy, fingerprint)``, oldest first; at most
+#: ``KEEP_BYTES`` of copies in all (copy and fingerprint None: a source written in place between calls)
 _KEPT: dict = {}
 KEEP_BYTES = 1 << 30
 
@@ -180,28 +180,38 @@ def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
     columns, and on 4 KiB pages nearly every row read missed the TLB.)"""
     entry = _KEPT.get(id(x))
     print_ = None  # (x's fingerprint, taken once)
-    if entry is not None and entry[0]() is x and entry[1] == _key(x, d):
+    key = _key(x, d)
+    if entry is not None and entry[0]() is x and entry[1] == key:
         print_ = fingerprint(x)
         if entry[3] == print_:
             _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
             _KEPT[id(x)] = entry
             return entry[2]
+    elif entry is not None and entry[0]() is x and entry[1][0] == d and entry[1][2:] == key[2:]:
+        # written in place since the last call (a parameter an optimizer steps): its copy is made again each call
+        # and not kept, so no fingerprint is taken for it; the entry only marks it, until a call finds it unchanged
+        _KEPT[id(x)] = (entry[0], key, None, None)
+        return dim_last(x, d, alloc)
     out = dim_last(x, d, alloc)
     if out.data_ptr() == x.data_ptr() or out.numel() * out.element_size() > KEEP_BYTES // 2 or \
             x.device.type != "cpu" or not x.is_contiguous():
         return out  # a view (nothing to keep), a copy to keep out of the cache, or one whose source is not
                     # fingerprinted
     _KEPT.pop(id(x), None)
-    used = sum(e[2].numel() * e[2].element_size() for e in list(_KEPT.values()))
+    used = sum(_nbytes(e[2]) for e in list(_KEPT.values()))
     for k in list(_KEPT):
         if used + out.numel() * out.element_size() <= KEEP_BYTES:
             break
         e = _KEPT.pop(k, None)
-        used -= e[2].numel() * e[2].element_size() if e is not None else 0
-    key = id(x)
-    ref = weakref.ref(x, lambda r, key=key: _KEPT.pop(key, None) if _KEPT.get(key, (None,))[0] is r else None)
-    _KEPT[key] = (ref, _key(x, d), out, fingerprint(x) if print_ is None else print_)
+        used -= _nbytes(e[2]) if e is not None else 0
+    at = id(x)
+    ref = weakref.ref(x, lambda r, at=at: _KEPT.pop(at, None) if _KEPT.get(at, (None,))[0] is r else None)
+    _KEPT[at] = (ref, key, out, fingerprint(x) if print_ is None else print_)
     return out
+
+
+def _nbytes(copy) -> int:
+    return 0 if copy is None else copy.numel() * copy.element_size()
 
 
 register("relaid", "dense operands' copies with a dimension moved last, per source tensor (relayout.kept)",

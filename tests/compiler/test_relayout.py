@@ -193,6 +193,33 @@ def test_a_kept_copy_of_a_parameter_follows_its_updates():
         opt.step()
 
 
+def test_a_source_written_between_calls_is_copied_without_fingerprints(monkeypatch):
+    """A dense operand changed in place (its version bumped) before every call, as a parameter an optimizer steps,
+    is relaid each call without a fingerprint and without a kept copy; once it stops changing, its copy is kept and
+    reused again. Values stay the dense product's throughout."""
+    prints, copies = [], []
+    real_print, real_copy = relayout.fingerprint, relayout.dim_last
+    monkeypatch.setattr(relayout, "fingerprint", lambda x: prints.append(1) or real_print(x))
+    monkeypatch.setattr(relayout, "dim_last", lambda x, d, *alloc: copies.append(d) or real_copy(x, d, *alloc))
+    dense, s, a, b = _sddmm_operands()
+
+    def check():
+        torch.testing.assert_close(scorch.einsum("ij,ik,kj->ij", s, a, b).to_dense(), dense * (a @ b))
+
+    check()
+    for step in range(4):
+        with torch.no_grad():
+            b.mul_(0.9).add_(0.01)
+        prints.clear()
+        check()
+        if step:
+            assert prints == [] and relayout._KEPT[id(b)][2] is None
+    check()                                     # unchanged since: kept again
+    copies.clear()
+    check()
+    assert copies == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_explicit_product_is_relaid_too(dtype):
     """``sampled_addmm(alpha=...)`` runs a kernel with an explicit product (alpha inside it): its k-major mat2 is
