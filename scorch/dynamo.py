@@ -30,7 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ._autograd import _einsum_grad
-from ._traceable import FLATTENED
+from ._traceable import FLATTENED, flat_key
 from . import _compile_ready
 from . import engine
 from .compiler import relayout
@@ -118,51 +118,34 @@ def _rebuild(meta: str, arrays, sizes):
     its own (``_traceable.FLATTENED``), else the arrays wrapped again (not validated: they were valid)."""
     ops, k = [], 0
     for item in _items(meta, sizes):
-        n = _arity(item)
         if item is None:
             ops.append(arrays[k])
-        else:  # (a backward gets aliases of the index arrays its forward saved: mapped back by ``_canonical``)
-            t = _flattened(*item, arrays[k:k + n])
-            if t is None:
-                mine = [arrays[k]] + [_canonical(a) for a in arrays[k + 1:k + n]]
-                t = _flattened(*item, mine)
-                t = _wrapped(*item, mine) if t is None else t
-            ops.append(t)
-        k += n
+            k += 1
+            continue
+        fmt, shape, have = item
+        vals, k = arrays[k], k + 1
+        levels = []
+        for p, c in zip(have[0::2], have[1::2]):
+            pos = crd = None
+            if p != "-":
+                pos, k = _canonical(arrays[k]), k + 1
+            if c != "-":
+                crd, k = _canonical(arrays[k]), k + 1
+            levels.append(LevelStorage(pos=pos, crd=crd))
+        t = _flattened(fmt, shape, levels, vals)
+        ops.append(_share_conversions(assemble(fmt, shape, levels, vals)) if t is None else t)
     return ops
 
 
-def _flattened(fmt: str, shape, have: str, arrays):
-    """The SparseTensor a compiled call flattened into exactly these arrays (the same objects: values, then the
-    levels' arrays ``have`` marks), of this format and shape, or None."""
-    key, at = [id(arrays[0])], 1
-    for c in have:
-        key.append(0 if c == "-" else id(arrays[at]))
-        at += c != "-"
-    t = FLATTENED.get(tuple(key))
-    if t is None or t._vals is not arrays[0] or tuple(t._shape) != tuple(shape) or str(t._format) != fmt:
+def _flattened(fmt: str, shape, levels, vals):
+    """The SparseTensor a compiled call flattened into exactly these arrays (the same objects), of this format and
+    shape, or None."""
+    t = FLATTENED.get(flat_key(vals, levels))
+    if t is None or t._vals is not vals or tuple(t._shape) != tuple(shape) or len(t._levels) != len(levels) or \
+            any(a.pos is not b.pos or a.crd is not b.crd for a, b in zip(t._levels, levels)) or \
+            str(t._format) != fmt:
         return None
-    at = 1
-    for st, p, c in zip(t._levels, have[0::2], have[1::2]):
-        for a, h in ((st.pos, p), (st.crd, c)):
-            if (a is not None) != (h != "-") or (a is not None and a is not arrays[at]):
-                return None
-            at += a is not None
-    return t if at == len(arrays) and 2 * len(t._levels) == len(have) else None
-
-
-def _wrapped(fmt: str, shape, have: str, arrays) -> SparseTensor:
-    """A new SparseTensor over ``arrays`` (values, then the levels' arrays ``have`` marks), sharing its conversions
-    with the other wrappers of the same arrays."""
-    vals, k, levels = arrays[0], 1, []
-    for p, c in zip(have[0::2], have[1::2]):
-        pos = crd = None
-        if p != "-":
-            pos, k = arrays[k], k + 1
-        if c != "-":
-            crd, k = arrays[k], k + 1
-        levels.append(LevelStorage(pos=pos, crd=crd))
-    return _share_conversions(assemble(fmt, shape, levels, vals))
+    return t
 
 
 #: the conversions kept for a SparseTensor (``engine.convert``'s ``_conversions``), shared by every SparseTensor

@@ -62,6 +62,24 @@ def test_attention_backward_where_the_fused_one_declines(monkeypatch):
     _check_attention("aot_eager", n=20, d=6)
 
 
+def test_attention_backward_keeps_the_transposed_pattern(monkeypatch):
+    """The compiled attention's backward transposes the mask's pattern once, on its first step (``_kv_grad``'s memo,
+    by the index arrays: the backward gets aliases of the arrays its forward saved, which ``dynamo._canonical`` maps
+    back), not on every step; its gradients stay eager's."""
+    from scorch import dynamo_sparse
+    made = []
+    real = dynamo_sparse._kv.transpose
+    monkeypatch.setattr(dynamo_sparse._kv, "transpose", lambda *a: made.append(1) or real(*a))
+    mask, _ = _mask(64, 0.2)
+    q, k, v = _qkv(64, 16)
+    want = torch.autograd.grad(attention_loss(mask, q, k, v), (q, k, v))
+    compiled = torch.compile(attention_loss, fullgraph=True)  # (Inductor: its backward gets aliases)
+    for step in range(4):
+        for a, b in zip(torch.autograd.grad(compiled(mask, q, k, v), (q, k, v)), want):
+            torch.testing.assert_close(a, b)
+    assert len(made) == 1, made
+
+
 def test_sparse_attention_one_graph():
     mask, _ = _mask(16, 0.3)
     explained = torch._dynamo.explain(attention_loss)(mask, *_qkv(16, 4))
