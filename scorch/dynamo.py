@@ -246,11 +246,11 @@ def _like(target: torch.Tensor, g: torch.Tensor, inputs=()) -> torch.Tensor:
     gradient per product was most of the compiled GCN's extra time over eager), unless it shares storage with one
     of the op's ``inputs`` (a custom op's output may not alias them)."""
     if g.dtype == target.dtype and g.shape == target.shape and g.device == target.device and \
-            target.is_contiguous() and g.is_contiguous():
-        return _fresh(g, inputs)
-    if g.dim() == 2 and g.dtype == target.dtype and g.shape == target.shape and g.device.type == "cpu" and \
-            target.is_contiguous() and g.t().is_contiguous():  # (a transposed result: scorch's transposing copy)
-        return _fresh(relayout.dim_last(g.t(), 0), inputs)
+            target.is_contiguous():
+        if g.is_contiguous():
+            return _fresh(g, inputs)
+        if g.dim() == 2 and g.device.type == "cpu" and g.t().is_contiguous():  # (transposed: scorch's copy)
+            return _fresh(relayout.dim_last(g.t(), 0), inputs)
     return torch.empty_like(target).copy_(g)
 
 

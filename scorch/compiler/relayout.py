@@ -181,13 +181,14 @@ def kept(x: torch.Tensor, d: int, alloc=_empty) -> torch.Tensor:
     entry = _KEPT.get(id(x))
     print_ = None  # (x's fingerprint, taken once)
     key = _key(x, d)
-    if entry is not None and entry[0]() is x and entry[1] == key:
+    mine = entry is not None and entry[0]() is x
+    if mine and entry[1] == key:
         print_ = fingerprint(x)
         if entry[3] == print_:
             _KEPT.pop(id(x), None)  # the most recently used last (another thread may have moved it already)
             _KEPT[id(x)] = entry
             return entry[2]
-    elif entry is not None and entry[0]() is x and entry[1][0] == d and entry[1][2:] == key[2:]:
+    elif mine and entry[1][0] == d and entry[1][2:] == key[2:]:
         # written in place since the last call (a parameter an optimizer steps): its copy is made again each call
         # and not kept, so no fingerprint is taken for it; the entry only marks it, until a call finds it unchanged
         _KEPT[id(x)] = (entry[0], key, None, None)

@@ -179,10 +179,9 @@ def _compiled_conversion(x, fmt, index_dtype, drop_zeros):
     # the converted tensor has been modified in place since (``_stamp``).
     memo = x.__dict__.setdefault("_conversions", {}) if type(x) is SparseTensor and not x.format.is_dense else None
     key = (fmt, index_dtype, drop_zeros)
-    if memo is not None and key in memo:
-        stamp, result = memo[key]
-        if stamp == _stamp(x, result):
-            return result
+    result = _kept(x, memo, key)
+    if result is not None:
+        return result
     moved = _by_known_permutation(x, fmt, index_dtype) if memo is not None and not drop_zeros else None
     result, prints = moved if moved is not None else (convert(x, fmt, index_dtype, drop_zeros), None)
     if memo is not None and result is not None:
@@ -194,12 +193,16 @@ def kept_conversion(x: SparseTensor, fmt) -> SparseTensor:
     """``asformat(x, fmt)`` for a SparseTensor ``x`` and a ``Format``: the conversion ``x`` keeps, checked as
     ``asformat`` checks it (``_stamp``), without ``asformat``'s checks of its arguments first (a compiled
     backward's kept gradient call asks for the same transposition of the same operand every step)."""
-    memo = x.__dict__.get("_conversions")
-    entry = None if memo is None else memo.get((fmt, None, False))
-    if entry is not None and not checking_invariants() and not needs_grad([x]) and \
-            entry[0] == _stamp(x, entry[1]):
-        return entry[1]
-    return asformat(x, fmt)
+    kept = None if checking_invariants() or needs_grad([x]) else \
+        _kept(x, x.__dict__.get("_conversions"), (fmt, None, False))
+    return asformat(x, fmt) if kept is None else kept
+
+
+def _kept(x: SparseTensor, memo, key):
+    """The conversion of ``x`` that ``memo`` (its ``_conversions``, or None) keeps under ``key``, where neither
+    tensor changed since (``_stamp``), else None."""
+    entry = None if memo is None else memo.get(key)
+    return entry[1] if entry is not None and entry[0] == _stamp(x, entry[1]) else None
 
 
 def _stamp(x: SparseTensor, result: SparseTensor, prints=None) -> tuple:
