@@ -3,6 +3,7 @@ import concurrent.futures
 import os
 import warnings
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -14,6 +15,17 @@ os.environ.setdefault("SCORCH_AMX", "0")
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _direct_helper():
+    """The C helper of kept products (``scorch.engine.direct``) had before the first test: with an empty cache it
+    builds in the background, and the C operators would take over in the middle of whichever test ran then (a
+    compiled test could count the swap as a recompile). ``tests/test_direct_call.py`` tests the background build
+    in processes of their own."""
+    from scorch.engine import direct
+    direct.wait()
+    yield
 
 
 def is_dense_result(r) -> bool:

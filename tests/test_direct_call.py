@@ -11,7 +11,8 @@ import torch
 import scorch
 from scorch.engine import direct, evaluate
 
-needs_direct = pytest.mark.skipif(direct.function() is None, reason="no direct call here (Python.h missing?)")
+needs_direct = pytest.mark.skipif(direct.function(wait=True) is None,
+                                  reason="no direct call here (Python.h missing?)")
 
 
 @pytest.fixture(autouse=True)
@@ -135,6 +136,35 @@ def test_direct_call_can_be_refused():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "function function"  # (the C form is an ``instancemethod``)
+
+
+@needs_direct
+def test_the_helper_builds_in_the_background(tmp_path):
+    """With an empty kernel cache the helper (~0.4 s of g++) builds on a thread of its own: the first products
+    take the Python path and are right (checked with ``allclose``: ``torch.testing`` imports sympy, ~0.6 s); once
+    the build ends, a prepared call made during it runs its C form and the C operators are in place; a later
+    process loads the helper from disk at its first use, without a thread."""
+    code = ("import functools, sys, time, torch, scorch\nfrom scorch.engine import direct, evaluate\n"
+            "from scorch.sparse_tensor import SparseTensor\n"
+            "d = torch.randn(9, 7) * (torch.rand(9, 7) < 0.4)\ns = scorch.asformat(d, 'csr')\nx = torch.randn(7, 3)\n"
+            "for _ in range(3): assert torch.allclose(s @ x, d @ x, atol=1e-6)\n"
+            "building = bool(direct._building) and not direct._loaded\n"
+            "before = type(evaluate.kept_product(s, x, True)).__name__\n"
+            "declared = type(SparseTensor.__dict__['__matmul__']).__name__\n"
+            "module = direct.wait()\n"
+            "f = evaluate.kept_product(s, x, True)\n"
+            "assert torch.allclose(s @ x, d @ x, atol=1e-6) and torch.allclose(x.T @ s.T, (d @ x).T, atol=1e-6)\n"
+            "print(building, before, declared, module is not None, isinstance(f, functools.partial) and "
+            "f.func is direct.function(), type(SparseTensor.__dict__['__matmul__']).__name__)\n")
+    env = dict(os.environ, SCORCH_CACHE_DIR=str(tmp_path), SCORCH_DEFER="auto")
+    env.pop("SCORCH_DIRECT", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == ["True", "function", "function", "True", "True", "instancemethod"], first.stdout
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split() == ["False", "partial", "instancemethod", "True", "True", "instancemethod"], \
+        again.stdout
 
 
 @needs_direct

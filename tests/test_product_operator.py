@@ -15,7 +15,7 @@ from scorch.engine import direct, evaluate
 from scorch.ops import linalg
 from scorch.sparse_tensor import SparseTensor
 
-needs_direct = pytest.mark.skipif(direct.function() is None, reason="no direct call here (Python.h missing?)")
+needs_direct = pytest.mark.skipif(direct.function(wait=True) is None, reason="no direct call here (Python.h missing?)")
 
 
 @pytest.fixture(autouse=True)

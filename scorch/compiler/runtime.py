@@ -198,10 +198,12 @@ class Kernel:
         return f"Kernel({self.name!r}, origin={self.origin!r}, path='{self.path}')"
 
 
-def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str = "cxx", arch: str = "") -> Kernel:
+def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str = "cxx", arch: str = "",
+         build: bool = True) -> Kernel | None:
     """Compile ``source`` (or reuse a cached build) and return its ``extern "C"`` function ``symbol`` with the
     given ctypes ``argtypes``/``restype``. Raises ``CompileError`` if the source does not compile or does not
-    export ``symbol``. ``toolchain`` and ``arch``: see the module's docstring."""
+    export ``symbol``. ``toolchain`` and ``arch``: see the module's docstring. ``build=False``: None where the
+    library is neither loaded nor on disk (verified), instead of compiling it."""
     # Everything the target depends on, as raw strings: a memory hit then costs a few dict lookups, not a
     # sha256, a PATH search and pathlib parsing (the variables are still read on every call).
     env = os.environ
@@ -232,6 +234,8 @@ def load(source: str, symbol: str, argtypes: list, restype=None, toolchain: str 
         key = path.stem
         stamped = source + stamp_source(key)
         lib = _load_cached(so_path, key)
+        if lib is None and not build:
+            return None
         if lib is None:
             if not cpp_path.exists() or cpp_path.read_text(encoding="utf-8") != stamped:
                 write_atomic(cpp_path, stamped)

@@ -17,6 +17,7 @@ from .bind import backend_for, cpu_backend, index_sizes, structural_results  # n
 from .convert import asformat, convert, from_torch, to_torch  # noqa: F401
 from .evaluate import dense_result, einsum, explain, prepare, scaled  # noqa: F401
 from .prepared import SDDMM, keep_product, keep_sddmm, kept_product, kept_sddmm, product_operators  # noqa: F401
+from .direct import when_ready as when_direct  # noqa: F401
 from .run import explaining, row_plan, run  # noqa: F401
 
 from ..rules import RULES  # noqa: E402

@@ -466,6 +466,8 @@ def _declarations() -> str:
 
 _lock = threading.Lock()
 _loaded: list = []  # [the extension module, or None where it cannot be had]: decided once a process
+_building: list = []  # [the thread that builds the helper] while it does
+_on_ready: list = []  # what to run once the helper is decided (``when_ready``)
 
 
 def _python_h() -> str | None:
@@ -474,34 +476,109 @@ def _python_h() -> str | None:
     return path if path and os.path.isfile(path) and '"' not in path and "\n" not in path else None
 
 
-def _module():
+def _source() -> str | None:
+    """The helper's C++ source, or None where this interpreter's ``Python.h`` is missing or ``SCORCH_DIRECT=0``."""
+    header = _python_h()
+    if header is None or os.environ.get("SCORCH_DIRECT", "1") == "0":
+        return None
+    return _SOURCE.replace("@PYTHON_H@", header).replace("@MAX_ARGS@", str(MAX_ARGS)) \
+        .replace("@DECLARATIONS@", _declarations())
+
+
+def _imported(source: str, build: bool):
+    """The helper imported from its library (built where ``build``), None where it is not on disk and not to be
+    built, False where it does not build or import."""
+    try:
+        kernel = runtime.load(source, "PyInit_scorch_direct", [], ctypes.c_void_p, build=build)
+        if kernel is None:
+            return None
+        loader = importlib.machinery.ExtensionFileLoader("scorch_direct", str(kernel.path))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("scorch_direct", loader))
+        loader.exec_module(module)
+        return module
+    except (runtime.CompileError, OSError, ImportError):
+        return False
+
+
+def _decided(module) -> None:
+    """Record the helper (or None), then run what waited for it (``when_ready``); one that fails leaves its
+    Python path in place."""
+    with _lock:
+        _loaded.append(module or None)
+        _building.clear()
+        waiting = list(_on_ready)
+        _on_ready.clear()
+    for fn in waiting:
+        try:
+            fn()
+        except Exception:  # (the Python path it would have replaced serves)
+            pass
+
+
+def _build(source: str) -> None:
+    module = False
+    try:
+        module = _imported(source, True)
+    except Exception:  # (no compiler, say: a kernel's own build reports it; the Python path serves)
+        pass
+    finally:
+        _decided(module)
+
+
+def _module(wait: bool = False):
     """The extension module ``scorch_direct``, or None where this interpreter's headers are missing, the helper
     does not build or import, or ``SCORCH_DIRECT=0`` (read once, at the first use): none of these is an error,
-    the Python path serves."""
+    the Python path serves. A helper on disk is loaded at once; one to compile (~0.4 s of g++, once a cache) is
+    built by a thread in the background and None returned until it is there, so that a process's first product
+    does not wait for it (``wait``: wait for it)."""
     if _loaded:
         return _loaded[0]
+    start = None
+    with _lock:
+        if not _loaded and not _building:
+            source = _source()
+            module = _imported(source, False) if source is not None else False
+            if module is not None:
+                _loaded.append(module or None)
+            else:
+                start = threading.Thread(target=_build, args=(source,), name="scorch-direct-build")
+                _building.append(start)
+        building = _building[0] if _building else None
+    if start is not None:
+        start.start()
+    if wait and building is not None:
+        building.join()
+    return _loaded[0] if _loaded else None
+
+
+def when_ready(fn) -> None:
+    """Run ``fn()`` once the helper is decided (``_module``): now where it is, else from the thread that builds
+    it, when that ends (so a prepared call made while it builds gets its C form then)."""
+    _module()
     with _lock:
         if not _loaded:
-            module = None
-            header = _python_h()
-            if header is not None and os.environ.get("SCORCH_DIRECT", "1") != "0":
-                source = _SOURCE.replace("@PYTHON_H@", header).replace("@MAX_ARGS@", str(MAX_ARGS)) \
-                    .replace("@DECLARATIONS@", _declarations())
-                try:
-                    kernel = runtime.load(source, "PyInit_scorch_direct", [], ctypes.c_void_p)
-                    loader = importlib.machinery.ExtensionFileLoader("scorch_direct", str(kernel.path))
-                    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("scorch_direct", loader))
-                    loader.exec_module(module)
-                except (runtime.CompileError, OSError, ImportError):
-                    module = None
-            _loaded.append(module)
-    return _loaded[0]
+            _on_ready.append(fn)
+            return
+    fn()
 
 
-def function():
+def wait():
+    """The helper, waiting for its build where one runs (tests, benchmarks that measure the C path)."""
+    return _module(wait=True)
+
+
+def _forked() -> None:  # (a fork's child has no build thread: its next use starts its own)
+    if _building and not _loaded:
+        _building.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def function(wait: bool = False):
     """``scorch_direct_call`` as a callable ``(prog, ops, scalars) -> tensor``, or None where there is no helper
-    (``_module``)."""
-    module = _module()
+    (``_module``; ``wait``: for its build)."""
+    module = _module(wait)
     return None if module is None else module.call
 
 

@@ -317,10 +317,12 @@ def prepared_call(plan: Plan, sizes, dtype, made_of=None) -> Prepared:
                     template[n] = shape_of(ops[a.operand])[a.level]
             statics["done"] = True
             if not scal and not m and dtype == wanted:
-                fast = direct.program(plan, template, dynamic, out_pos, thr_pos, per_entry, k_drv, alloc, alloc_args,
-                                      dtype, bind)
-                if fast is not None:  # (what the record runs from the next call on)
-                    record.run = fast
+                def direct_form():  # (what the record runs from the next call on; once the helper is there)
+                    fast = direct.program(plan, template, dynamic, out_pos, thr_pos, per_entry, k_drv, alloc,
+                                          alloc_args, dtype, bind)
+                    if fast is not None:
+                        record.run = fast
+                direct.when_ready(direct_form)
         args = list(template)
         for n, op, lvl, what in dynamic:  # (a SparseTensor's arrays from its __dict__: see ``stands``)
             x = ops[op]

@@ -497,6 +497,12 @@ def _install():
     product to ``_operator``. Where there is no C helper, or the operators were replaced since import (a user's
     or a tool's wrapper), the operators stay as they are."""
     _installed.append(True)
+    engine.when_direct(_put_operators)
+
+
+def _put_operators():
+    """``_install``'s work, once the C helper is there (``engine.when_direct``: at once, or when its build in the
+    background ends)."""
     if (SparseTensor.__dict__.get("__matmul__"), SparseTensor.__dict__.get("__rmatmul__")) != _DECLARED:
         return  # (replaced by someone else since import: theirs stays)
     methods = engine.product_operators(_operator, deferred.current)

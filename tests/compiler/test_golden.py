@@ -83,7 +83,7 @@ def _sources(case: Case, target: str) -> list[tuple[str, str]]:
     torch.set_num_threads(THREADS)
     relayout.fingerprint(torch.zeros(1))
     from scorch.engine import direct
-    direct.function()
+    direct.function(wait=True)
     seen: list[tuple[str, str, str]] = []  # (toolchain, symbol, source) as loaded
 
     def record(source, symbol, argtypes, restype=None, toolchain="cxx", arch=""):
