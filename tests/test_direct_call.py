@@ -143,7 +143,8 @@ def test_the_helper_builds_in_the_background(tmp_path):
     """With an empty kernel cache the helper (~0.4 s of g++) builds on a thread of its own: the first products
     take the Python path and are right (checked with ``allclose``: ``torch.testing`` imports sympy, ~0.6 s); once
     the build ends, a prepared call made during it runs its C form and the C operators are in place; a later
-    process loads the helper from disk at its first use, without a thread."""
+    process loads the helper from disk at its first use, without a thread. A child forked while the helper builds
+    takes the Python path (the parent's thread is not in it), right and without waiting."""
     code = ("import functools, sys, time, torch, scorch\nfrom scorch.engine import direct, evaluate\n"
             "from scorch.sparse_tensor import SparseTensor\n"
             "d = torch.randn(9, 7) * (torch.rand(9, 7) < 0.4)\ns = scorch.asformat(d, 'csr')\nx = torch.randn(7, 3)\n"
@@ -161,6 +162,18 @@ def test_the_helper_builds_in_the_background(tmp_path):
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     assert first.stdout.split() == ["True", "function", "function", "True", "True", "instancemethod"], first.stdout
+    fork = ("import os, torch, scorch\nfrom scorch.engine import direct\n"
+            "d = torch.randn(9, 7) * (torch.rand(9, 7) < 0.4)\ns = scorch.asformat(d, 'csr')\nx = torch.randn(7, 3)\n"
+            "for _ in range(3): assert torch.allclose(s @ x, d @ x, atol=1e-6)\n"
+            "assert direct._building and not direct._loaded\npid = os.fork()\n"
+            "if pid == 0:\n"
+            "    s2 = scorch.asformat(d.T.contiguous(), 'csr')\n"
+            "    ok = all(torch.allclose(s2 @ d, d.T @ d, atol=1e-5) for _ in range(3)) and direct.wait() is None\n"
+            "    os._exit(0 if ok else 3)\n"
+            "_, status = os.waitpid(pid, 0)\nprint(os.waitstatus_to_exitcode(status), direct.wait() is not None)\n")
+    forked = subprocess.run([sys.executable, "-c", fork], env=dict(env, SCORCH_CACHE_DIR=str(tmp_path / "fork")),
+                            capture_output=True, text=True, timeout=120)  # (a lock the child waits on: a hang)
+    assert forked.returncode == 0 and forked.stdout.split() == ["0", "True"], (forked.stdout, forked.stderr)
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split() == ["False", "partial", "instancemethod", "True", "True", "instancemethod"], \

@@ -567,9 +567,15 @@ def wait():
     return _module(wait=True)
 
 
-def _forked() -> None:  # (a fork's child has no build thread: its next use starts its own)
+def _forked() -> None:
+    """In a fork's child: the parent's build thread is not there, and a lock it held stays held (the runtime's
+    for the helper's library too), so a child forked while the helper built takes the Python path."""
+    global _lock
+    _lock = threading.Lock()
     if _building and not _loaded:
         _building.clear()
+        _on_ready.clear()
+        _loaded.append(None)
 
 
 os.register_at_fork(after_in_child=_forked)
