@@ -92,6 +92,18 @@ _which: dict[tuple[str, str], str] = {}     # ($CXX, $PATH) -> resolved compiler
 _versions: dict[str, str] = {}               # compiler path -> `--version` output
 _cpu: str | None = None
 
+
+def _forked() -> None:
+    """In a fork's child the locks other threads held at the fork stay held, with no thread to release them (a
+    kernel compiling on another thread then: a child wanting that library would wait forever). The child starts
+    with fresh ones; a build the parent had under way is the child's to make again (both write atomically)."""
+    global _lock
+    _lock = threading.Lock()
+    _key_locks.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 #: the function every library exports, returning the key it was built for
 STAMP_SYMBOL = "scorch_kernel_stamp"
 #: the trailer appended to every cached library: this marker, then ``digest(key, body, secret)`` (32 bytes). Public,

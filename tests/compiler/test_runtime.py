@@ -155,6 +155,30 @@ def test_threads_compile_once(cache):
     assert origins == ["compiled", "memory", "memory", "memory"]
 
 
+def test_a_fork_during_a_build_compiles_in_the_child(cache):
+    """A library being built on another thread at a fork: the child's load of it does not wait on the lock that
+    thread held (it has no such thread to release it), it builds the library itself, and the parent's build ends
+    as before."""
+    proc = run_python("""
+        import threading
+        t = rt._target(ADD, "cxx", "")
+        with rt._lock:
+            held = rt._key_locks.setdefault(t[0], threading.Lock())
+        held.acquire()  # (as a thread compiling the library holds it)
+        pid = os.fork()
+        if pid == 0:
+            k = rt.load(ADD, "add", ADD_ARGS)
+            check_add(k)
+            os._exit(0 if k.origin in ("compiled", "disk") else 3)
+        held.release()
+        _, status = os.waitpid(pid, 0)
+        k = rt.load(ADD, "add", ADD_ARGS)
+        check_add(k)
+        print((os.waitstatus_to_exitcode(status), k.origin in ("compiled", "disk")))
+    """, timeout=60)
+    assert parse_last_line(proc) == (0, True)
+
+
 def test_disk_cache_in_new_process(cache):
     compiled = runtime.load(ADD, "add", ADD_ARGS)
     before = os.stat(compiled.path)
