@@ -568,8 +568,9 @@ def wait():
 
 
 def _forked() -> None:
-    """In a fork's child: the parent's build thread is not there, and a lock it held stays held (the runtime's
-    for the helper's library too), so a child forked while the helper built takes the Python path."""
+    """In a fork's child: the parent's build thread is not there (nor its release of ``_lock``; the runtime gives
+    the child fresh locks of its own, ``runtime._forked``). A child forked while the helper built takes the Python
+    path rather than build the helper again (a DataLoader's workers would each run g++)."""
     global _lock
     _lock = threading.Lock()
     if _building and not _loaded:
